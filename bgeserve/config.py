@@ -1,0 +1,221 @@
+"""Settings: every ``BGE_M3_*`` variable, read once, cast and range-checked.
+
+``Settings.from_env(environ)`` takes any mapping, so tests pass a dict. Nothing else in the
+package reads ``os.environ``. Invalid values fail fast with a ``ConfigError`` that names the
+variable and the allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .errors import ConfigError
+
+T = TypeVar("T")
+
+VARIANTS = ("fp32", "fp16", "int8")
+EXECUTION_PROVIDERS = ("cpu", "cuda", "tensorrt", "coreml", "openvino")
+LOG_FORMATS = ("auto", "json", "text", "pretty")
+MAX_POSITIONS = 8192  # bge-m3: 8194 position embeddings minus the padding offset of 2
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean; use 1/true/yes or 0/false/no", param=name)
+
+
+def _number(cast: Callable[[str], T], lo: float | None = None, hi: float | None = None):
+    def parse(name: str, raw: str) -> T:
+        try:
+            value = cast(raw.strip())
+        except ValueError:
+            raise ConfigError(
+                f"{name}={raw!r} is not a valid {cast.__name__}", param=name
+            ) from None
+        if (lo is not None and value < lo) or (hi is not None and value > hi):  # type: ignore[operator]
+            bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+            raise ConfigError(f"{name}={raw!r} is out of range {bounds}", param=name)
+        return value
+
+    return parse
+
+
+def _choice(*allowed: str):
+    def parse(name: str, raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in allowed:
+            raise ConfigError(f"{name}={raw!r} must be one of {', '.join(allowed)}", param=name)
+        return value
+
+    return parse
+
+
+def _text(name: str, raw: str) -> str:
+    return raw.strip()
+
+
+def _path(name: str, raw: str) -> Path:
+    return Path(raw.strip()).expanduser()
+
+
+def _keys(name: str, raw: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in raw.split(",") if k.strip())
+
+
+def _bind(name: str, raw: str) -> str:
+    host, sep, port = raw.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{name}={raw!r} must be HOST:PORT, e.g. 0.0.0.0:8081", param=name)
+    return raw.strip()
+
+
+def _var(env: str, parse: Callable[[str, str], Any], default: Any, doc: str) -> Any:
+    """A settings field bound to one environment variable (kept in the field metadata)."""
+    return field(default=default, metadata={"env": env, "parse": parse, "doc": doc})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every tunable of bgeserve. Build with ``Settings.from_env(os.environ)``."""
+
+    # model
+    model_path: Path | None = _var(
+        "BGE_M3_MODEL_PATH", _path, None,
+        "local model directory: a `bgeserve export` or a Hugging Face snapshot")
+    variant: str = _var("BGE_M3_MODEL", _choice(*VARIANTS), "fp32", "model variant: fp32|fp16|int8")
+    cache_dir: Path = _var("BGE_M3_CACHE_DIR", _path, Path("/cache"),
+                           "downloads, probe coefficients and TensorRT engines")
+    offline: bool = _var("HF_HUB_OFFLINE", _bool, False, "never contact the Hugging Face hub")
+    max_seq_length: int = _var("BGE_M3_MAX_SEQ_LENGTH", _number(int, 1, MAX_POSITIONS),
+                               MAX_POSITIONS, "tokens per text, special tokens included")
+    truncate: bool = _var("BGE_M3_TRUNCATE", _bool, True,
+                          "default for requests: truncate over-long texts (else 413)")
+    model_aliases: tuple[str, ...] = _var("BGE_M3_MODEL_ALIASES", _keys, (),
+                                          "extra model names accepted besides bge-m3")
+    # execution
+    execution_provider: str = _var("BGE_M3_EP", _choice(*EXECUTION_PROVIDERS), "cpu",
+                                   "execution provider")
+    workers: int = _var("BGE_M3_WORKERS", _number(int, 1, 256), 1,
+                        "inference sessions, one thread each")
+    intra_threads: int = _var("BGE_M3_INTRA_THREADS", _number(int, 0, 1024), 0,
+                              "threads per session; 0 = CPU cores / workers")
+    max_chunk: int = _var("BGE_M3_MAX_CHUNK", _number(int, 1, 4096), 64,
+                          "texts per session.run() at most (a latency cap)")
+    # memory
+    available_memory_bytes: int | None = _var(
+        "BGE_M3_AVAILABLE_MEMORY_BYTES", _number(int, 1), None,
+        "override detected memory (cgroup v2 -> v1 -> /proc/meminfo)")
+    memory_safety_factor: float = _var("BGE_M3_MEMORY_SAFETY_FACTOR", _number(float, 0.1, 1.0),
+                                       0.7, "fraction of the free memory given to workspace")
+    token_budget: int | None = _var("BGE_M3_TOKEN_BUDGET", _number(int, 1), None,
+                                    "pin max workspace bytes per worker (disables the probe)")
+    cost_model_a: float | None = _var("BGE_M3_COST_MODEL_A", _number(float, 0.0), None,
+                                      "bytes per token position (with _B; disables the probe)")
+    cost_model_b: float | None = _var("BGE_M3_COST_MODEL_B", _number(float, 0.0), None,
+                                      "bytes per token position squared")
+    disable_auto_budget: bool = _var("BGE_M3_DISABLE_AUTO_BUDGET", _bool, False,
+                                     "conservative cost model, no probe")
+    disable_probe_cache: bool = _var("BGE_M3_DISABLE_PROBE_CACHE", _bool, False,
+                                     "always probe; never read or write the cache")
+    onnx_batch_size: int | None = _var("BGE_M3_ONNX_BATCH_SIZE", _number(int, 1), None,
+                                       "deprecated: translated to BGE_M3_TOKEN_BUDGET")
+    # http
+    bind: str = _var("BGE_M3_BIND", _bind, "0.0.0.0:8081", "HOST:PORT to listen on")
+    max_batch: int = _var("BGE_M3_MAX_BATCH", _number(int, 1, 100_000), 256, "texts per request")
+    max_body_bytes: int = _var("BGE_M3_MAX_BODY_BYTES", _number(int, 1024), 32 * 1024 * 1024,
+                               "request body limit")
+    max_text_chars: int = _var("BGE_M3_MAX_TEXT_CHARS", _number(int, 1), 131_072,
+                               "characters per text")
+    api_keys: tuple[str, ...] = _var("BGE_M3_API_KEY", _keys, (),
+                                     "comma-separated bearer keys; empty = no auth")
+    metrics_auth: bool = _var("BGE_M3_METRICS_AUTH", _bool, False,
+                              "require the API key on /metrics too")
+    # serving
+    batch_delay_ms: float = _var("BGE_M3_BATCH_DELAY_MS", _number(float, 0.0, 10_000.0), 2.0,
+                                 "coalescing window after the first arrival")
+    max_queue_tokens: int = _var("BGE_M3_MAX_QUEUE_TOKENS", _number(int, 1), 1_000_000,
+                                 "tokens waiting before 429")
+    request_timeout_secs: float = _var("BGE_M3_REQUEST_TIMEOUT_SECS",
+                                       _number(float, 0.0), 300.0, "per-request deadline; 0 = none")
+    idle_timeout_secs: float = _var("BGE_M3_IDLE_TIMEOUT_SECS", _number(float, 0.0), 300.0,
+                                    "unload sessions after this idle time; 0 = never")
+    shutdown_timeout_secs: float = _var("BGE_M3_SHUTDOWN_TIMEOUT_SECS", _number(float, 0.0),
+                                        30.0, "bound on draining in-flight work at SIGTERM")
+    # operations
+    log_format: str = _var("BGE_M3_LOG_FORMAT", _choice(*LOG_FORMATS), "auto", "json|text|auto")
+    log_level: str = _var("BGE_M3_LOG_LEVEL", _choice("debug", "info", "warning", "error"),
+                          "info", "log level")
+    heartbeat_secs: float = _var("BGE_M3_HEARTBEAT_SECS", _number(float, 0.0), 60.0,
+                                 "heartbeat log period; 0 = off")
+    # gpu
+    gpu_count: int | None = _var("BGE_M3_GPU_COUNT", _number(int, 1, 1024), None,
+                                 "GPUs (default: /proc/driver/nvidia/gpus)")
+    gpu_vram_budget_bytes: int | None = _var("BGE_M3_GPU_VRAM_BUDGET_BYTES", _number(int, 1),
+                                             None, "workspace ceiling on GPU EPs")
+    trt_warmup_shapes: str = _var("BGE_M3_TRT_WARMUP_SHAPES", _text, "",
+                                  "BxL,BxL shapes to pre-build (tensorrt)")
+    warmup_only: bool = _var("BGE_M3_WARMUP_ONLY", _bool, False,
+                             "build TensorRT engines, then exit")
+    allow_cpu_fallback: bool = _var("BGE_M3_ALLOW_CPU_FALLBACK", _bool, False,
+                                    "use the CPU when the requested GPU EP is unavailable")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Parse every known variable from ``environ`` (default ``os.environ``)."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = environ.get(f.metadata["env"])
+            if raw is not None and (raw.strip() or f.type in ("str", "tuple[str, ...]")):
+                values[f.name] = f.metadata["parse"](f.metadata["env"], raw)
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        """Check rules that involve more than one field."""
+        if (self.cost_model_a is None) != (self.cost_model_b is None):
+            raise ConfigError(
+                "BGE_M3_COST_MODEL_A and BGE_M3_COST_MODEL_B must be set together",
+                param="BGE_M3_COST_MODEL_A" if self.cost_model_a is None else "BGE_M3_COST_MODEL_B",
+            )
+        if self.onnx_batch_size is not None:
+            warnings.warn(
+                "BGE_M3_ONNX_BATCH_SIZE is deprecated; it is translated to BGE_M3_TOKEN_BUDGET "
+                "(that many texts of BGE_M3_MAX_SEQ_LENGTH tokens)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+
+    @property
+    def threads_per_worker(self) -> int:
+        """Intra-op threads per session: explicit, or the CPU cores shared among workers."""
+        if self.intra_threads:
+            return self.intra_threads
+        return max(1, (os.cpu_count() or 1) // self.workers)
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings as a dict for logging, API keys replaced by their count."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["api_keys"] = f"<{len(self.api_keys)} key(s)>"
+        return {k: str(v) if isinstance(v, Path) else v for k, v in out.items()}
+
+    @classmethod
+    def help_text(cls) -> str:
+        """One line per variable, for ``bgeserve serve --help``."""
+        lines = []
+        for f in dataclasses.fields(cls):
+            lines.append(f"  {f.metadata['env']:<34} {f.metadata['doc']} (default: {f.default})")
+        return "\n".join(lines)

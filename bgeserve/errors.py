@@ -1,0 +1,83 @@
+"""bgeserve's exception hierarchy.
+
+Foreign exceptions (ONNX Runtime, tokenizers, huggingface_hub) are translated into these where
+they enter the code base; the HTTP layer maps each class to a status in exactly one table.
+No HTTP codes live here.
+"""
+
+from __future__ import annotations
+
+
+class BgeServeError(Exception):
+    """Base class: every error bgeserve raises on purpose.
+
+    ``code`` is a stable machine-readable identifier (used in the JSON error envelope);
+    ``param`` names the request field or setting at fault, when there is one.
+    """
+
+    code = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class ConfigError(BgeServeError):
+    """A setting is missing, malformed or out of range (raised at start-up)."""
+
+    code = "invalid_config"
+
+
+class InvalidInput(BgeServeError):
+    """The caller's input cannot be embedded as given."""
+
+    code = "invalid_input"
+
+
+class TooLarge(BgeServeError):
+    """The input is valid but exceeds a size or memory limit."""
+
+    code = "too_large"
+
+
+class Overloaded(BgeServeError):
+    """The queue is full; the caller should retry after ``retry_after`` seconds."""
+
+    code = "overloaded"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, **kwargs: str | None):
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.retry_after = retry_after
+
+
+class DeadlineExceeded(BgeServeError):
+    """The request did not finish before its deadline."""
+
+    code = "timeout"
+
+
+class NotReady(BgeServeError):
+    """The engine is loading, shutting down, or has no live worker."""
+
+    code = "not_ready"
+
+
+class ModelUnavailable(BgeServeError):
+    """The model files cannot be found, downloaded or opened."""
+
+    code = "model_unavailable"
+
+
+class EngineFailed(BgeServeError):
+    """Inference failed for a reason that is not the caller's fault."""
+
+    code = "engine_failed"
+
+
+class OutOfMemory(EngineFailed):
+    """The runtime failed to allocate memory for a chunk (the engine splits and retries)."""
+
+    code = "out_of_memory"
