@@ -1,0 +1,30 @@
+"""bgeserve: BAAI/bge-m3 dense, sparse and ColBERT embeddings from ONNX Runtime."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["Engine", "Settings", "create_app", "__version__"]
+
+if TYPE_CHECKING:
+    from .config import Settings
+    from .engine import Engine
+    from .http.app import create_app
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `import bgeserve` must stay cheap (the CLI's export path never loads the server stack).
+    if name == "Engine":
+        from .engine import Engine
+
+        return Engine
+    if name == "Settings":
+        from .config import Settings
+
+        return Settings
+    if name == "create_app":
+        from .http.app import create_app
+
+        return create_app
+    raise AttributeError(name)

@@ -1,0 +1,400 @@
+"""Which model files to open, in which graph layout: local directories and pinned hub downloads.
+
+Three layouts reach the engine (see docs/architecture.md): a ``bgeserve export`` (heads inside
+the graph), BAAI/bge-m3's own ONNX graph, and Xenova/bge-m3's fp16/int8 graphs (both of the
+latter with the heads read from ``sparse_linear.pt`` / ``colbert_linear.pt`` by ``ptload``).
+``resolve()`` finds the files, downloading from the hub at pinned commits when no local
+directory is given, and translates every failure into ``ModelUnavailable`` saying what to do.
+``huggingface_hub`` is imported only when a download is needed.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+
+from bgeserve.errors import ConfigError, ModelUnavailable
+from bgeserve.ptload import HeadWeights, load_heads
+
+__all__ = [
+    "HUB_SOURCES",
+    "HeadWeights",
+    "Layout",
+    "ModelArtifacts",
+    "resolve",
+    "validate_cache_dir",
+]
+
+
+class Layout(str, enum.Enum):
+    """The outputs a graph has, which decides where the heads are computed."""
+
+    BGESERVE = (
+        "bgeserve"  # dense [B,H], sparse_weights [B,L], colbert [B,L-1,H]: heads in the graph
+    )
+    BAAI = "baai"  # sentence_embedding [B,H], token_embeddings [B,L,H]; heads from .pt
+    HIDDEN = "hidden"  # last_hidden_state [B,L,H]; heads from .pt
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """The graph output names this layout promises (for the runtime to check)."""
+        return _OUTPUTS[self]
+
+
+_OUTPUTS = {
+    Layout.BGESERVE: ("dense", "sparse_weights", "colbert"),
+    Layout.BAAI: ("sentence_embedding", "token_embeddings"),
+    Layout.HIDDEN: ("last_hidden_state",),
+}
+
+
+@dataclass(frozen=True)
+class HubSource:
+    """One variant's graph on the hub: repo pinned at a commit, and the files taken from it."""
+
+    layout: Layout
+    repo_id: str
+    revision: str
+    onnx: str
+    external_data: tuple[str, ...] = ()  # downloaded beside the graph, where ONNX Runtime looks
+    tokenizer: str = "tokenizer.json"
+
+
+BAAI_REPO, BAAI_REVISION = "BAAI/bge-m3", "5617a9f61b028005a4858fdac845db406aefb181"
+XENOVA_REPO, XENOVA_REVISION = "Xenova/bge-m3", "4de13258303883538bd53b696b452bf8099f0858"
+HEAD_FILES = ("sparse_linear.pt", "colbert_linear.pt")  # from BAAI_REPO @ BAAI_REVISION
+HUB_SOURCES: dict[str, HubSource] = {
+    "fp32": HubSource(
+        Layout.BAAI,
+        BAAI_REPO,
+        BAAI_REVISION,
+        "onnx/model.onnx",
+        ("onnx/model.onnx_data", "onnx/Constant_7_attr__value"),
+    ),
+    "fp16": HubSource(Layout.HIDDEN, XENOVA_REPO, XENOVA_REVISION, "onnx/model_fp16.onnx"),
+    "int8": HubSource(Layout.HIDDEN, XENOVA_REPO, XENOVA_REVISION, "onnx/model_quantized.onnx"),
+}
+_MANIFEST_FORMAT = "bgeserve-export"
+# Sibling files that are never a graph's external data (tokenizer files, configs, weights).
+_NOT_DATA_SUFFIXES = {
+    ".json",
+    ".txt",
+    ".md",
+    ".model",
+    ".py",
+    ".pt",
+    ".bin",
+    ".safetensors",
+    ".onnx",
+}
+
+
+@dataclass(frozen=True)
+class ModelArtifacts:
+    """Everything the engine opens: graph, tokenizer, layout and (unless in-graph) head weights."""
+
+    onnx_path: Path  # not symlink-resolved: external data is looked up beside this path
+    tokenizer_path: Path
+    layout: Layout
+    variant: str
+    heads: HeadWeights | None  # None for Layout.BGESERVE (heads are in the graph)
+    source: str  # human-readable, for logs and /health
+    external_data: tuple[Path, ...] = ()
+
+    def identity(self) -> str:
+        """Cheap identity of the graph files (name, size, mtime_ns) for the probe fingerprint."""
+        parts = []
+        for path in (self.onnx_path, *self.external_data):
+            try:
+                stat = path.stat()
+            except OSError as exc:
+                raise ModelUnavailable(f"model file {path} is gone: {exc.strerror}") from exc
+            parts.append(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}")
+        return ";".join(parts)
+
+
+def validate_cache_dir(path: Path) -> Path:
+    """Create ``path`` if needed and prove it writable with a real write; else ModelUnavailable."""
+    path = Path(path).expanduser()
+
+    def refuse(cause: str) -> ModelUnavailable:
+        return ModelUnavailable(
+            f"cache directory {path} cannot be used: {cause}; set BGE_M3_CACHE_DIR to a writable "
+            "directory",
+            param="BGE_M3_CACHE_DIR",
+        )
+
+    blocker = next(
+        (p for p in (*reversed(path.parents), path) if p.exists() and not p.is_dir()), None
+    )
+    if blocker is not None:
+        raise refuse(f"{blocker} is a regular file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise refuse(f"cannot create it: {exc.strerror or exc} (is a parent read-only?)") from exc
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".bgeserve-write-test-", dir=path)
+        try:
+            os.write(fd, b"ok")
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise refuse(f"not writable ({exc.strerror or exc})") from exc
+    return path
+
+
+def resolve(
+    *,
+    model_path: Path | None,
+    variant: str,
+    cache_dir: Path,
+    offline: bool = False,
+    endpoint: str | None = None,
+    progress: bool = True,
+) -> ModelArtifacts:
+    """Find (downloading if needed) the files for ``variant``: from ``model_path`` or the hub.
+
+    The cache directory is validated first, before any network call. ``offline`` uses only what
+    is already cached; ``endpoint`` overrides the hub URL (None: huggingface_hub's default).
+    """
+    if variant not in HUB_SOURCES:
+        raise ConfigError(
+            f"unknown model variant {variant!r}: choose one of {', '.join(HUB_SOURCES)}",
+            param="BGE_M3_MODEL",
+        )
+    fetch = _Fetcher(validate_cache_dir(cache_dir), offline, endpoint, progress)
+    if model_path is not None:
+        return _resolve_local(Path(model_path).expanduser(), variant, fetch)
+    source = HUB_SOURCES[variant]
+    onnx = fetch(source.repo_id, source.revision, source.onnx)
+    data = tuple(fetch(source.repo_id, source.revision, name) for name in source.external_data)
+    tokenizer = fetch(source.repo_id, source.revision, source.tokenizer)
+    heads = load_heads(*(fetch(BAAI_REPO, BAAI_REVISION, name) for name in HEAD_FILES))
+    description = f"hub {source.repo_id}@{source.revision} ({variant})"
+    if source.repo_id != BAAI_REPO:
+        description += f", heads from {BAAI_REPO}@{BAAI_REVISION}"
+    return ModelArtifacts(onnx, tokenizer, source.layout, variant, heads, description, data)
+
+
+class _NoProgress:
+    """A do-nothing progress bar for huggingface_hub's ``tqdm_class`` hook."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def update(self, n: float | None = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _Fetcher:
+    """Downloads one pinned file into the cache through huggingface_hub, errors translated."""
+
+    cache_dir: Path
+    offline: bool
+    endpoint: str | None
+    progress: bool
+
+    def __call__(self, repo_id: str, revision: str, filename: str) -> Path:
+        from huggingface_hub import errors as hub_errors
+        from huggingface_hub import hf_hub_download
+
+        try:
+            return Path(
+                hf_hub_download(
+                    repo_id,
+                    filename,
+                    revision=revision,
+                    cache_dir=self.cache_dir,
+                    endpoint=self.endpoint,
+                    local_files_only=self.offline,
+                    tqdm_class=None if self.progress else _NoProgress,  # type: ignore[arg-type,unused-ignore]
+                )
+            )
+        except hub_errors.LocalEntryNotFoundError as exc:
+            error: Exception = exc
+            why = (
+                "it is not in the cache and hub access is off (offline / HF_HUB_OFFLINE=1)"
+                if self.offline
+                else "the hub could not be reached (or HF_HUB_OFFLINE is set) and it is not cached"
+            )
+        except hub_errors.EntryNotFoundError as exc:
+            error, why = exc, "the hub has no such file at that revision"
+        except hub_errors.RevisionNotFoundError as exc:
+            error, why = exc, "the hub has no such revision"
+        except hub_errors.RepositoryNotFoundError as exc:
+            error, why = exc, "repository not found, private or gated (check HF_TOKEN)"
+        except hub_errors.HfHubHTTPError as exc:
+            status = getattr(getattr(exc, "response", None), "status_code", "?")
+            error, why = exc, f"the hub answered HTTP {status}"
+        # Transport errors escape hf_hub_download from requests, httpx or httpx2 depending on
+        # the huggingface_hub version, and disk errors as OSError: all mean "not downloaded".
+        except Exception as exc:  # noqa: BLE001 -- translated below, with the cause chained
+            error, why = exc, f"download failed: {type(exc).__name__}: {exc}"
+        raise ModelUnavailable(
+            f"cannot get {filename} from {repo_id}@{revision} into cache {self.cache_dir}: {why}. "
+            "Set BGE_M3_MODEL_PATH to a local copy of the model, pre-fill BGE_M3_CACHE_DIR, or "
+            "allow downloads (HF_HUB_OFFLINE=0)"
+        ) from error
+
+
+def _resolve_local(root: Path, variant: str, fetch: _Fetcher) -> ModelArtifacts:
+    if not root.is_dir():
+        raise ModelUnavailable(
+            f"model directory {root} does not exist or is not a directory",
+            param="BGE_M3_MODEL_PATH",
+        )
+    manifest = _read_manifest(root / "manifest.json")
+    if manifest is not None and manifest.get("format") == _MANIFEST_FORMAT:
+        return _resolve_export(root, manifest, variant)
+
+    graphs = {v: root / s.onnx for v, s in HUB_SOURCES.items() if (root / s.onnx).is_file()}
+    if variant in graphs:
+        onnx = graphs[variant]
+        layout = HUB_SOURCES[variant].layout
+        has_heads = any((root / name).is_file() for name in HEAD_FILES)
+        if layout is Layout.BAAI and len(graphs) > 1 and not has_heads:
+            layout = Layout.HIDDEN  # Xenova's snapshot also has onnx/model.onnx (last_hidden_state)
+        kind = "BAAI/bge-m3" if layout is Layout.BAAI else "Xenova/bge-m3"
+        tokenizer = next(
+            (p for p in (root / "tokenizer.json", onnx.parent / "tokenizer.json") if p.is_file()),
+            None,
+        )
+        if tokenizer is None:
+            raise ModelUnavailable(
+                f"{root} has {onnx.name} but no tokenizer.json", param="BGE_M3_MODEL_PATH"
+            )
+        heads, heads_note = _local_heads(root, fetch)
+        description = f"local {kind} snapshot {root} ({variant}){heads_note}"
+        return ModelArtifacts(
+            onnx, tokenizer, layout, variant, heads, description, _external_data(onnx)
+        )
+
+    pytorch = (root / "config.json").is_file() and any(
+        (root / name).is_file() for name in ("model.safetensors", "pytorch_model.bin")
+    )
+    export = f"run `bgeserve export --model {root} --out OUT` and point BGE_M3_MODEL_PATH at OUT"
+    if graphs:
+        have = ", ".join(f"{v} ({HUB_SOURCES[v].onnx})" for v in graphs)
+        raise ModelUnavailable(
+            f"{root} has no {variant} graph ({HUB_SOURCES[variant].onnx}); it has {have}: set "
+            f"BGE_M3_MODEL to one of those" + (f", or {export}" if pytorch else ""),
+            param="BGE_M3_MODEL",
+        )
+    if pytorch:
+        raise ModelUnavailable(
+            f"{root} holds PyTorch weights but no ONNX graph: {export}", param="BGE_M3_MODEL_PATH"
+        )
+    raise ModelUnavailable(
+        f"{root} is not a model directory bgeserve can use: looked for manifest.json (a "
+        "`bgeserve export` output), onnx/model.onnx (BAAI/bge-m3, fp32), onnx/model_fp16.onnx "
+        "or onnx/model_quantized.onnx (Xenova/bge-m3, fp16/int8)",
+        param="BGE_M3_MODEL_PATH",
+    )
+
+
+def _read_manifest(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelUnavailable(f"cannot read {path}: {exc}", param="BGE_M3_MODEL_PATH") from exc
+    return data if isinstance(data, dict) else None
+
+
+def _resolve_export(root: Path, manifest: dict[str, Any], variant: str) -> ModelArtifacts:
+    variants = manifest.get("variants")
+    if manifest.get("schema") != 1 or not isinstance(variants, dict):
+        raise ModelUnavailable(
+            f"{root}/manifest.json has schema {manifest.get('schema')!r}, this bgeserve reads "
+            "schema 1: re-export the model with this version of `bgeserve export`",
+            param="BGE_M3_MODEL_PATH",
+        )
+    entry = variants.get(variant)
+    if not isinstance(entry, dict):
+        source = manifest.get("source")
+        model = source.get("model") if isinstance(source, dict) else None
+        raise ModelUnavailable(
+            f"export {root} has variants {', '.join(sorted(variants)) or 'none'} but not {variant}: "
+            f"set BGE_M3_MODEL to one of those, or add it with `bgeserve export --model "
+            f"{model if isinstance(model, str) else 'MODEL'} --out {root} --variant {variant}`",
+            param="BGE_M3_MODEL",
+        )
+    onnx = _inside(root, entry.get("path"), f"variants.{variant}.path")
+    size = onnx.stat().st_size
+    if isinstance(entry.get("bytes"), int) and entry["bytes"] != size:
+        raise ModelUnavailable(
+            f"{onnx} is {size} bytes but manifest.json says {entry['bytes']}: the export is "
+            "incomplete or was modified; re-export it",
+            param="BGE_M3_MODEL_PATH",
+        )
+    tokenizer = _inside(root, manifest.get("tokenizer", "tokenizer.json"), "tokenizer")
+    return ModelArtifacts(
+        onnx,
+        tokenizer,
+        Layout.BGESERVE,
+        variant,
+        None,
+        f"local export {root} ({variant})",
+        _external_data(onnx),
+    )
+
+
+def _inside(root: Path, relative: object, field: str) -> Path:
+    """``root / relative`` for a manifest path that must name an existing file inside ``root``."""
+    path = root / relative if isinstance(relative, str) and relative else None
+    if path is None or not path.resolve().is_relative_to(root.resolve()):
+        raise ModelUnavailable(
+            f"{root}/manifest.json: {field} = {relative!r} is not a path inside the export",
+            param="BGE_M3_MODEL_PATH",
+        )
+    if not path.is_file():
+        raise ModelUnavailable(f"{path} (manifest {field}) is missing", param="BGE_M3_MODEL_PATH")
+    return path
+
+
+def _local_heads(root: Path, fetch: _Fetcher) -> tuple[HeadWeights, str]:
+    """Heads from ``root`` when both files are there, else from BAAI/bge-m3 via the cache."""
+    local = [root / name for name in HEAD_FILES]
+    if all(path.is_file() for path in local):
+        return load_heads(*local), ""
+    try:
+        paths = [fetch(BAAI_REPO, BAAI_REVISION, name) for name in HEAD_FILES]
+    except ModelUnavailable as exc:
+        raise ModelUnavailable(
+            f"{root} has no {' / '.join(HEAD_FILES)} (copy them from {BAAI_REPO} into it), and "
+            + exc.message,
+            param="BGE_M3_MODEL_PATH",
+        ) from exc
+    return load_heads(*paths), f", heads from {BAAI_REPO}@{BAAI_REVISION}"
+
+
+def _external_data(onnx: Path) -> tuple[Path, ...]:
+    """Files beside ``onnx`` that may hold its external tensors (not other graphs' data)."""
+    siblings = [p for p in onnx.parent.iterdir() if p.is_file() and not p.name.startswith(".")]
+    others = {p.name[: -len(".onnx")] for p in siblings if p.suffix == ".onnx" and p != onnx}
+    return tuple(
+        sorted(
+            p
+            for p in siblings
+            if p.suffix not in _NOT_DATA_SUFFIXES
+            and not any(p.name.startswith((f"{o}.", f"{o}_data")) for o in others)
+        )
+    )

@@ -1,0 +1,249 @@
+"""The workspace cost model: ``bytes(batch, seq) = a·batch·seq + b·batch·seq²``.
+
+A leaf: pure arithmetic, no runtime, no numpy. ``CostModel`` answers "does this chunk fit the
+per-worker budget?"; ``conservative_coefficients`` gives an upward-biased (a, b) from the model's
+dimensions; ``fit`` turns probe measurements into (a, b) or says why it cannot. The theory and the
+numbers behind the defaults are in ``docs/startup-probe.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+MiB = 1 << 20
+
+# Tensors of width `hidden` alive at the peak of one encoder layer, per token, counted generously:
+# residual stream in+out (2), Q/K/V (3) and their per-head transposes (3), context and its
+# transpose back (2), attention output projection + LayerNorm temporaries (2), the embedding sum
+# (word + position + type, 3), and the graph outputs: `colbert` plus up to two
+# `last_hidden_state` copies (3). ONNX Runtime frees most of these as it goes; we assume it doesn't.
+_HIDDEN_COPIES = 18
+# FFN intermediate (B·S·intermediate) plus the erf-GELU temporaries (x/√2, erf, 1+erf, x·(…)),
+# of which at most ~3 are alive at once.
+_FFN_COPIES = 3
+# Unfused attention materialises the raw scores, the masked/scaled scores and the softmax output
+# (B·heads·S·S each); in-place reuse usually keeps it to two (measured b ≈ 130 = 2·16·4), but
+# nothing guarantees it.
+_SCORE_COPIES = 3
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicts a chunk's workspace in bytes and whether it fits ``max_workspace_bytes``.
+
+    ``a`` is bytes per token position (projections, FFN, hidden buffers), ``b`` bytes per token
+    position squared (attention scores). Only one layer is alive at a time, so depth does not
+    appear.
+    """
+
+    a: float
+    b: float
+    max_workspace_bytes: int
+
+    def __post_init__(self) -> None:
+        for name, value in (("a", self.a), ("b", self.b)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(
+                    f"cost model coefficient {name}={value!r} must be a finite number >= 0; "
+                    "check BGE_M3_COST_MODEL_A / BGE_M3_COST_MODEL_B",
+                    param=f"BGE_M3_COST_MODEL_{name.upper()}",
+                )
+        if self.a == 0 and self.b == 0:
+            raise ConfigError(
+                "cost model a = b = 0 would let any chunk fit; set BGE_M3_COST_MODEL_A or _B > 0",
+                param="BGE_M3_COST_MODEL_A",
+            )
+        if self.max_workspace_bytes < 0:
+            raise ConfigError(
+                f"max_workspace_bytes={self.max_workspace_bytes} is negative; "
+                "check BGE_M3_TOKEN_BUDGET / BGE_M3_AVAILABLE_MEMORY_BYTES",
+                param="BGE_M3_TOKEN_BUDGET",
+            )
+
+    def cost(self, batch: int, seq: int) -> float:
+        """Predicted workspace bytes of ``batch`` texts padded to ``seq`` tokens."""
+        return self.a * batch * seq + self.b * batch * seq * seq
+
+    def fits(self, batch: int, seq: int) -> bool:
+        """True when ``cost(batch, seq)`` is within the budget."""
+        return self.cost(batch, seq) <= self.max_workspace_bytes
+
+    def max_batch(self, seq: int) -> int:
+        """The largest count of texts padded to ``seq`` that fits; 0 if one text does not."""
+        if seq < 1:
+            raise ValueError(f"seq={seq} must be >= 1 (this is a bug in the caller)")
+        estimate = int(self.max_workspace_bytes // self.cost(1, seq))
+        return _settle(estimate, lambda n: self.fits(n, seq))
+
+    def max_seq(self) -> int:
+        """The longest single text (in tokens) that fits; 0 if not even one token does."""
+        budget = float(self.max_workspace_bytes)
+        if budget == 0:
+            s = 0.0
+        elif self.b == 0:
+            s = budget / self.a
+        else:
+            # Positive root of b·s² + a·s − budget = 0, written to avoid cancellation.
+            s = 2 * budget / (self.a + math.sqrt(self.a * self.a + 4 * self.b * budget))
+        return _settle(int(s), lambda n: self.fits(1, n))
+
+    def with_budget(self, max_workspace_bytes: int) -> CostModel:
+        """The same coefficients under another per-worker budget."""
+        return CostModel(self.a, self.b, max_workspace_bytes)
+
+
+def _settle(estimate: int, fits: Callable[[int], bool]) -> int:
+    """The largest n >= 0 with ``fits(n)``, from an estimate float rounding may have put off."""
+    n = estimate
+    while fits(n + 1):
+        n += 1
+    while n > 0 and not fits(n):
+        n -= 1
+    return n
+
+
+def conservative_coefficients(
+    *, hidden: int = 1024, heads: int = 16, intermediate: int = 4096, dtype_bytes: int = 4
+) -> tuple[float, float]:
+    """Upward-biased ``(a, b)`` for a BERT-style encoder run unfused on ONNX Runtime.
+
+    ``a = dtype·(18·hidden + 3·intermediate)``: eighteen hidden-width buffers per token (residual
+    in/out, Q/K/V and their per-head transposes, context ×2, projection/LayerNorm temporaries ×2,
+    the embedding sum ×3, the ``colbert`` output and two ``last_hidden_state`` copies) plus three
+    FFN-width ones (the intermediate and erf-GELU temporaries).
+    ``b = dtype·heads·3``: the score tensor, its masked copy and the softmax output, all
+    ``heads × seq²`` and alive together in the worst case.
+
+    For bge-m3 fp32 that is ``a = 122,880`` B/token and ``b = 192`` B/token², predicting
+    108 MiB at (1,512), 1,008 MiB at (1,2048), 12.9 GiB at (1,8192) and 864 MiB at (8,512),
+    against measured 80 MiB, 587 MiB, 8.4 GiB and 351 MiB. Depth does not enter: layers run
+    one after another and each frees its intermediates before the next peaks.
+    """
+    a = float(dtype_bytes * (_HIDDEN_COPIES * hidden + _FFN_COPIES * intermediate))
+    b = float(dtype_bytes * heads * _SCORE_COPIES)
+    return a, b
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One probe measurement: ``workspace_bytes`` above baseline for one run of that shape."""
+
+    batch: int
+    seq: int
+    workspace_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Fitted coefficients and how well they describe the data they came from.
+
+    ``max_rel_residual`` is the worst fitting-sample error relative to
+    ``max(measured, noise floor)``; ``held_out_rel_error`` the same for the held-out shape
+    (None when none was given).
+    """
+
+    a: float
+    b: float
+    max_rel_residual: float
+    held_out_rel_error: float | None
+
+
+class FitError(Exception):
+    """The samples do not support a trustworthy fit; the message says why."""
+
+
+def rel_error(a: float, b: float, sample: Sample, floor: float) -> float:
+    """``|predicted − measured| / max(measured, floor)`` for one sample."""
+    predicted = a * sample.batch * sample.seq + b * sample.batch * sample.seq**2
+    return abs(predicted - sample.workspace_bytes) / max(sample.workspace_bytes, floor)
+
+
+def fit(
+    samples: Sequence[Sample],
+    held_out: Sample | None = None,
+    *,
+    max_rel_residual: float = 0.5,
+    max_held_out_error: float = 0.25,
+    noise_floor_bytes: float = 16 * MiB,
+) -> Fit:
+    """Least-squares ``(a, b) >= 0`` through the samples, validated, or ``FitError``.
+
+    Weighted least squares without intercept: each row is divided by ``max(measured,
+    noise_floor_bytes)`` so the objective is relative error, and tiny shapes whose workspace is
+    within measurement noise neither dominate nor get ignored. Columns ``batch·seq`` and
+    ``batch·seq²`` are scaled to max 1 before solving the 2×2 normal equations. If the
+    unconstrained solution has a negative coefficient, the best one-parameter fit (a only or
+    b only) is taken instead, which is the exact non-negative least-squares optimum for two
+    unknowns; the residual check then decides whether it is good enough.
+
+    Raises:
+        FitError: fewer than two samples, collinear shapes, no growth with size, a worst
+            relative residual above ``max_rel_residual``, or a held-out error above
+            ``max_held_out_error``.
+    """
+    if len(samples) < 2:
+        raise FitError(f"need at least 2 measured shapes to fit a and b, got {len(samples)}")
+    rows = []
+    for s in samples:
+        w = 1.0 / max(s.workspace_bytes, noise_floor_bytes)
+        rows.append((w * s.batch * s.seq, w * s.batch * s.seq**2, w * s.workspace_bytes))
+    s1 = max(abs(r[0]) for r in rows)
+    s2 = max(abs(r[1]) for r in rows)
+    if s1 == 0 or s2 == 0:
+        raise FitError("every sample has batch·seq = 0; probe shapes need batch >= 1, seq >= 1")
+    n = [(u1 / s1, u2 / s2, t) for u1, u2, t in rows]
+    g11 = sum(r[0] * r[0] for r in n)
+    g12 = sum(r[0] * r[1] for r in n)
+    g22 = sum(r[1] * r[1] for r in n)
+    r1 = sum(r[0] * r[2] for r in n)
+    r2 = sum(r[1] * r[2] for r in n)
+    det = g11 * g22 - g12 * g12
+    # det / (g11·g22) = sin² of the angle between the columns: near 0, noise is amplified ~1/sin.
+    if det <= 1e-4 * g11 * g22:
+        shapes = sorted({(s.batch, s.seq) for s in samples})
+        raise FitError(
+            f"shapes {shapes} are (nearly) collinear in batch·seq vs batch·seq², so a and b "
+            "cannot be separated; probe several sequence lengths"
+        )
+    alpha = (r1 * g22 - r2 * g12) / det
+    beta = (g11 * r2 - g12 * r1) / det
+    note = ""
+    if alpha < 0 or beta < 0:
+        negative = "a" if alpha < 0 else "b"
+        only_a = (max(r1 / g11, 0.0), 0.0)
+        only_b = (0.0, max(r2 / g22, 0.0))
+
+        def sse(ab: tuple[float, float]) -> float:
+            return sum((ab[0] * x1 + ab[1] * x2 - t) ** 2 for x1, x2, t in n)
+
+        alpha, beta = min(only_a, only_b, key=sse)
+        note = f" (the unconstrained fit had {negative} < 0; kept the best fit with it at 0)"
+    a, b = alpha / s1, beta / s2
+    if a == 0 and b == 0:
+        raise FitError(
+            "measured workspace does not grow with batch·seq (negative coefficients); "
+            "is peak-RSS measurement working (arena disabled, clear_refs permitted)?"
+        )
+    errors = [rel_error(a, b, s, noise_floor_bytes) for s in samples]
+    worst = max(errors)
+    if worst > max_rel_residual:
+        s = samples[errors.index(worst)]
+        raise FitError(
+            f"fit a={a:.4g} b={b:.4g} misses shape ({s.batch}, {s.seq}) by {worst:.0%} "
+            f"(limit {max_rel_residual:.0%}){note}; the data is not a·B·S + b·B·S²"
+        )
+    held_err = None
+    if held_out is not None:
+        held_err = rel_error(a, b, held_out, noise_floor_bytes)
+        if held_err > max_held_out_error:
+            raise FitError(
+                f"fit a={a:.4g} b={b:.4g} predicts held-out shape "
+                f"({held_out.batch}, {held_out.seq}) {held_err:.0%} off its measured "
+                f"{held_out.workspace_bytes / MiB:.1f} MiB (limit {max_held_out_error:.0%}){note}"
+            )
+    return Fit(a=a, b=b, max_rel_residual=worst, held_out_rel_error=held_err)

@@ -1,0 +1,200 @@
+"""``Engine``: bge-m3 embeddings in-process — the Python API and the server's core.
+
+tokenize once (no padding) → admission against the memory budget → the scheduler packs texts
+from every caller into length-sorted chunks under the cost model → ``session.run`` on a worker
+thread → heads → results in input order. The sync ``embed`` and async ``aembed`` share one
+queue, so concurrent callers are batched together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .artifacts import ModelArtifacts, resolve
+from .costmodel import CostModel
+from .errors import BgeServeError, InvalidInput, NotReady, TooLarge
+from .forward import forward_factory
+from .results import EmbedOptions, Embeddings
+from .runtime.onnx import SessionConfig
+from .scheduler import ChunkStats, Job, Scheduler, SchedulerConfig
+from .tokenizer import Encoded, Tokenizer
+
+log = logging.getLogger("bgeserve.engine")
+Inputs = str | Sequence[str] | Sequence[Sequence[int]]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs besides the model files (plain values, no env reads)."""
+
+    max_seq: int = 8192
+    session: SessionConfig = field(default_factory=SessionConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    request_timeout_s: float | None = None
+
+
+def normalize_inputs(inputs: Inputs) -> tuple[list[str] | None, list[list[int]] | None]:
+    """Split the accepted input shapes into (texts, None) or (None, token id lists)."""
+    if isinstance(inputs, str):
+        return [inputs], None
+    items = list(inputs)
+    if items and all(isinstance(x, str) for x in items):
+        return items, None  # type: ignore[return-value]
+    if items and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in items):
+        return None, [list(items)]  # type: ignore[arg-type]
+    if items and all(not isinstance(x, (str, bytes)) and isinstance(x, Sequence | np.ndarray)
+                     for x in items):
+        return None, [list(x) for x in items]  # type: ignore[arg-type]
+    if not items:
+        return [], None
+    raise InvalidInput("input must be a string, a list of strings, a list of token ids or a "
+                       "list of lists of token ids", param="input")
+
+
+class Engine:
+    """bge-m3 dense / sparse / ColBERT embeddings from an ONNX model.
+
+    ``Engine(model_path=..., variant=...)`` opens a local export or hub snapshot (or downloads
+    the hub files into ``cache_dir``). Use it as a context manager, or call ``close()``.
+    """
+
+    def __init__(self, model_path: str | Path | None = None, variant: str = "fp32", *,
+                 config: EngineConfig | None = None, artifacts: ModelArtifacts | None = None,
+                 cache_dir: str | Path | None = None, offline: bool = False,
+                 cost_model: CostModel | None = None, start: bool = True,
+                 on_chunk: Callable[[ChunkStats], None] | None = None):
+        self.config = config or EngineConfig()
+        if artifacts is None:
+            cache = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "bgeserve"
+            artifacts = resolve(model_path=Path(model_path) if model_path else None,
+                                variant=variant, cache_dir=cache, offline=offline)
+        self.artifacts = artifacts
+        self.tokenizer = Tokenizer.load(artifacts.tokenizer_path, self.config.max_seq)
+        self.open_forward = forward_factory(artifacts, self.config.session)
+        self._cost = cost_model
+        self._scheduler = Scheduler(self.open_forward, self._fits, self.config.scheduler,
+                                    on_chunk=on_chunk)
+        self._started = False
+        if start:
+            self.start()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Load every worker's session and start the workers."""
+        if not self._started:
+            self._scheduler.start(preload=True)
+            self._started = True
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish queued work (bounded by ``timeout``) and release the sessions."""
+        if self._started:
+            self._scheduler.stop(timeout)
+            self._started = False
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- memory ----------------------------------------------------------------------------
+    @property
+    def cost_model(self) -> CostModel | None:
+        """The cost model chunks are packed under (None: no memory limit is applied)."""
+        return self._cost
+
+    def set_cost_model(self, cost: CostModel | None) -> None:
+        """Swap the cost model (atomic: the next chunk uses it)."""
+        self._cost = cost
+
+    def _fits(self, batch: int, seq: int) -> bool:
+        cost = self._cost
+        return True if cost is None else cost.fits(batch, seq)
+
+    # -- embedding -------------------------------------------------------------------------
+    def encode_inputs(self, inputs: Inputs) -> Encoded:
+        """Tokenize strings, or validate and wrap token-id lists."""
+        texts, ids = normalize_inputs(inputs)
+        return self.tokenizer.encode(texts) if texts is not None else self.tokenizer.from_ids(
+            ids or [])
+
+    def admit(self, encoded: Encoded, truncate: bool) -> None:
+        """Refuse texts over ``max_seq`` (when not truncating) or over the memory budget."""
+        if not truncate and encoded.truncated.any():
+            i = int(np.argmax(encoded.truncated))
+            raise TooLarge(
+                f"input[{i}] has {int(encoded.full_lengths[i])} tokens, more than the "
+                f"{self.config.max_seq} allowed (BGE_M3_MAX_SEQ_LENGTH); send truncate=true "
+                "or split the text", param=f"input[{i}]")
+        cost = self._cost
+        if cost is None:
+            return
+        for i, n in enumerate(encoded.lengths):
+            if not cost.fits(1, int(n)):
+                raise TooLarge(
+                    f"input[{i}] has {int(n)} tokens, needing ~{cost.cost(1, int(n)) / 2**20:.0f}"
+                    f" MiB of workspace; the budget per worker is "
+                    f"{cost.max_workspace_bytes / 2**20:.0f} MiB (longest text that fits: "
+                    f"{cost.max_seq()} tokens). Lower BGE_M3_MAX_SEQ_LENGTH, reduce "
+                    "BGE_M3_WORKERS, or give the server more memory", param=f"input[{i}]")
+
+    def make_job(self, inputs: Inputs, options: EmbedOptions, request_id: str = "") -> Job:
+        """Tokenize and admit ``inputs``; the returned job is ready to submit."""
+        encoded = self.encode_inputs(inputs)
+        self.admit(encoded, options.truncate)
+        timeout = self.config.request_timeout_s
+        deadline = time.monotonic() + timeout if timeout else None
+        return Job(encoded.ids, encoded.truncated, options, deadline, request_id)
+
+    def submit(self, job: Job):
+        """Queue a job; returns its concurrent future."""
+        if not self._started:
+            raise NotReady("the engine is not started")
+        return self._scheduler.submit(job)
+
+    def embed(self, inputs: Inputs, dense: bool = True, sparse: bool = False,
+              colbert: bool = False, truncate: bool = True) -> Embeddings:
+        """Embed ``inputs`` (blocking). See ``Embeddings`` for the result fields."""
+        job = self.make_job(inputs, EmbedOptions(dense, sparse, colbert, truncate))
+        future = self.submit(job)
+        try:
+            return future.result()
+        except BaseException:
+            self._scheduler.cancel(job)
+            raise
+
+    async def aembed(self, inputs: Inputs, dense: bool = True, sparse: bool = False,
+                     colbert: bool = False, truncate: bool = True,
+                     request_id: str = "") -> Embeddings:
+        """Async ``embed``: tokenization off the event loop; cancellation drops queued texts."""
+        options = EmbedOptions(dense, sparse, colbert, truncate)
+        job = await asyncio.to_thread(self.make_job, inputs, options, request_id)
+        return await self.await_job(job)
+
+    async def await_job(self, job: Job) -> Embeddings:
+        """Submit ``job`` and wait for it; a cancelled waiter drops the job's pending texts."""
+        future = self.submit(job)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self._scheduler.cancel(job)
+            raise
+        except BgeServeError:
+            raise
+
+    # -- state -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """Workers (total / live / loaded / busy) and the queue (texts, tokens)."""
+        return self._scheduler.stats()
+
+    @property
+    def counters(self):
+        """Scheduler counters: rejected, cancelled_texts, deadline_exceeded, oom_splits."""
+        return self._scheduler.counters

@@ -1,0 +1,110 @@
+"""bge-m3 as one exportable torch module: encoder plus all three heads in a single graph.
+
+The forward pass is written out here (rather than calling transformers' module) so that the
+exported ONNX graph is exactly what we choose: plain MatMul/Softmax attention that ONNX Runtime
+fuses well, no dependence on the transformers version's masking or attention dispatch, and the
+heads inside the graph so one ``session.run`` gives any subset of outputs. Parity with
+FlagEmbedding is proved by the test suite, not assumed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+PAD_ID = 1
+OUTPUTS = ("dense", "sparse_weights", "colbert")
+
+
+class M3Graph(nn.Module):
+    """input_ids, attention_mask (int64 [B, L]) → dense [B,H], sparse_weights [B,L], colbert [B,L-1,H]."""
+
+    def __init__(self, encoder: nn.Module, sparse: nn.Linear, colbert: nn.Linear, config):
+        super().__init__()
+        self.encoder_model = encoder
+        self.sparse_linear = sparse
+        self.colbert_linear = colbert
+        self.heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.eps = config.layer_norm_eps
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        emb = self.encoder_model.embeddings
+        # XLM-R positions count real tokens from padding_idx + 1 (transformers'
+        # create_position_ids_from_input_ids); pads get padding_idx.
+        not_pad = input_ids.ne(PAD_ID).to(torch.int64)
+        positions = torch.cumsum(not_pad, dim=1) * not_pad + PAD_ID
+        x = (emb.word_embeddings(input_ids) + emb.position_embeddings(positions)
+             + emb.token_type_embeddings.weight[0])
+        return emb.LayerNorm(x)
+
+    def _attention(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        att = layer.attention.self
+        b, n, _ = x.shape
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, n, self.heads, self.head_dim).transpose(1, 2)
+
+        q = split(att.query(x)) * (1.0 / math.sqrt(self.head_dim))
+        k, v = split(att.key(x)), split(att.value(x))
+        probs = torch.softmax(q @ k.transpose(-1, -2) + bias, dim=-1)
+        ctx = (probs @ v).transpose(1, 2).reshape(b, n, self.heads * self.head_dim)
+        return ctx
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """Last hidden state [B, L, H] and the float mask [B, L]."""
+        x = self._embed(input_ids)
+        mask = attention_mask.to(x.dtype)
+        # Additive key mask, as transformers' eager attention: finfo.min on padded keys.
+        bias = (1.0 - mask)[:, None, None, :] * torch.finfo(x.dtype).min
+        for layer in self.encoder_model.encoder.layer:
+            ctx = self._attention(layer, x, bias)
+            x = layer.attention.output.LayerNorm(layer.attention.output.dense(ctx) + x)
+            inter = nn.functional.gelu(layer.intermediate.dense(x))
+            x = layer.output.LayerNorm(layer.output.dense(inter) + x)
+        return x, mask
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        x, mask = self.encode(input_ids, attention_mask)
+        dense = nn.functional.normalize(x[:, 0], dim=-1)
+        sparse = torch.relu(self.sparse_linear(x)).squeeze(-1)
+        colbert = self.colbert_linear(x[:, 1:]) * mask[:, 1:, None]
+        colbert = nn.functional.normalize(colbert, dim=-1)
+        return dense, sparse, colbert
+
+
+def load_graph(model_dir: Path) -> M3Graph:
+    """Build the export module from a bge-m3 directory (Hugging Face layout + head files)."""
+    from transformers import XLMRobertaConfig, XLMRobertaModel
+
+    config = XLMRobertaConfig.from_pretrained(model_dir)
+    encoder = XLMRobertaModel.from_pretrained(model_dir, add_pooling_layer=False,
+                                              dtype=torch.float32)
+    hidden = config.hidden_size
+    sparse, colbert = nn.Linear(hidden, 1), nn.Linear(hidden, hidden)
+    for head, name in ((sparse, "sparse_linear.pt"), (colbert, "colbert_linear.pt")):
+        path = Path(model_dir) / name
+        if not path.exists():
+            # FlagEmbedding silently uses random heads here; an export must not.
+            raise FileNotFoundError(f"{path} is missing: bge-m3's {name} head is required")
+        head.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    return M3Graph(encoder, sparse, colbert, config).eval()
+
+
+class HiddenGraph(nn.Module):
+    """The hub graphs' shape, for tests: BAAI (sentence_embedding, token_embeddings) or
+    Xenova (last_hidden_state)."""
+
+    def __init__(self, graph: M3Graph, kind: str):
+        super().__init__()
+        self.graph = graph
+        self.kind = kind
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        x, _ = self.graph.encode(input_ids, attention_mask)
+        if self.kind == "baai":
+            return nn.functional.normalize(x[:, 0], dim=-1), x
+        return x

@@ -1,0 +1,145 @@
+"""``bgeserve export``: a PyTorch bge-m3 (hub id or directory) → bgeserve's ONNX export.
+
+The export directory holds ``manifest.json``, the tokenizer files and one graph per variant
+(``fp32/model.onnx``, ``fp16/model.onnx``, ``int8/model.onnx``), each with the heads inside so
+one ``session.run`` yields dense, sparse and ColBERT outputs. Every heavy step runs in a child
+process (see ``steps.py``) so the peak memory is that of one step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .. import __version__
+from ..errors import ModelUnavailable
+
+VARIANTS = ("fp32", "fp16", "int8")
+CPU_VARIANTS = ("fp32", "int8")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+SOURCE_PATTERNS = ["config.json", "*.safetensors", "pytorch_model.bin", "sparse_linear.pt",
+                   "colbert_linear.pt", *TOKENIZER_FILES]
+MANIFEST_SCHEMA = 1
+OUTPUTS = ["dense", "sparse_weights", "colbert"]
+
+
+def sha256(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 8 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _source_dir(model: str, cache_dir: Path | None) -> Path:
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise ModelUnavailable(f"--model {model}: not a directory")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, allow_patterns=SOURCE_PATTERNS,
+                                      cache_dir=str(cache_dir) if cache_dir else None))
+    except Exception as exc:
+        raise ModelUnavailable(f"cannot download {model} from the Hugging Face hub: {exc}. "
+                               "Pass a local directory with --model instead.") from exc
+
+
+def _run_step(step: list[str], label: str) -> None:
+    print(f"==> {label}", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "bgeserve.export.steps", *step])
+    if proc.returncode != 0:
+        raise RuntimeError(f"export step {label!r} failed with exit code {proc.returncode}")
+    print(f"    {label}: {time.monotonic() - started:.1f}s", file=sys.stderr, flush=True)
+
+
+def _files_of(onnx_path: Path) -> list[Path]:
+    data = onnx_path.with_name(onnx_path.name + ".data")
+    return [onnx_path, data] if data.exists() else [onnx_path]
+
+
+def export(model: str, out: Path, variants: tuple[str, ...] = CPU_VARIANTS, *, opset: int = 18,
+           cache_dir: Path | None = None) -> Path:
+    """Export ``model`` into ``out`` and return the manifest path."""
+    src = _source_dir(model, cache_dir)
+    config = json.loads((src / "config.json").read_text())
+    for head in ("sparse_linear.pt", "colbert_linear.pt"):
+        if not (src / head).exists():
+            raise ModelUnavailable(f"{src / head} is missing: bge-m3's heads are required")
+    out.mkdir(parents=True, exist_ok=True)
+    fp32 = out / "fp32" / "model.onnx"
+    steps = 1 + sum(v != "fp32" for v in variants)
+    _run_step(["fp32", str(src), str(fp32), "--opset", str(opset)], f"1/{steps} fp32")
+    done = 1
+    if "fp16" in variants:
+        done += 1
+        _run_step(["fp16", str(fp32), str(out / "fp16" / "model.onnx"),
+                   "--heads", str(config["num_attention_heads"]),
+                   "--hidden", str(config["hidden_size"])], f"{done}/{steps} fp16")
+    if "int8" in variants:
+        done += 1
+        _run_step(["int8", str(fp32), str(out / "int8" / "model.onnx")], f"{done}/{steps} int8")
+    if "fp32" not in variants:
+        shutil.rmtree(out / "fp32")
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copyfile(src / name, out / name)
+    print("==> hashing", file=sys.stderr, flush=True)
+    manifest = {
+        "format": "bgeserve-export",
+        "schema": MANIFEST_SCHEMA,
+        "bgeserve_version": __version__,
+        "opset": opset,
+        "hidden_size": config["hidden_size"],
+        "outputs": OUTPUTS,
+        "variants": {
+            v: {"path": f"{v}/model.onnx",
+                "sha256": sha256(out / v / "model.onnx"),
+                "bytes": sum(p.stat().st_size for p in _files_of(out / v / "model.onnx"))}
+            for v in VARIANTS if v in variants
+        },
+        "tokenizer": "tokenizer.json",
+        "source": {
+            "model": model,
+            "files": {p.name: sha256(p) for p in sorted(src.iterdir())
+                      if p.is_file() and p.suffix in (".json", ".safetensors", ".pt", ".bin")},
+        },
+    }
+    path = out / "manifest.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``bgeserve export`` arguments."""
+    parser.add_argument("--model", required=True,
+                        help="PyTorch bge-m3: a local directory or a hub id (BAAI/bge-m3)")
+    parser.add_argument("--out", required=True, type=Path, help="export directory")
+    parser.add_argument("--variant", action="append", choices=VARIANTS,
+                        help="repeatable; default: every CPU variant (fp32, int8)")
+    parser.add_argument("--opset", type=int, default=18)
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="hub download cache (default: huggingface_hub's)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point for ``bgeserve export``."""
+    started = time.monotonic()
+    variants = tuple(dict.fromkeys(args.variant or CPU_VARIANTS))
+    path = export(args.model, args.out, variants, opset=args.opset, cache_dir=args.cache_dir)
+    print(f"export written: {path} ({', '.join(variants)}) in "
+          f"{time.monotonic() - started:.1f}s", file=sys.stderr)
+    return 0

@@ -1,0 +1,152 @@
+"""The export steps, each meant to run in its own process (see ``main.py``).
+
+One step of the full-size model peaks near 6 GiB, and torch and ONNX Runtime do not give all
+memory back: running fp32, fp16 and int8 in one process peaked near 18 GiB. A process per step
+keeps the peak at the largest single step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# ONNX protobufs cannot exceed 2 GiB; bigger graphs keep their weights in one external file.
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+HEAD_NODE_PREFIXES = ("/sparse_linear/", "/colbert_linear/")
+
+
+def _log(msg: str, started: float) -> None:
+    print(f"[export {time.monotonic() - started:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _save(model, out: Path) -> None:
+    """Save an ONNX ModelProto, with one external data file when it is large."""
+    import onnx
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    big = model.ByteSize() > EXTERNAL_DATA_THRESHOLD if _fits_protobuf(model) else True
+    if big:
+        data = out.name + ".data"
+        (out.parent / data).unlink(missing_ok=True)
+        onnx.save_model(model, str(out), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=data, size_threshold=1024)
+    else:
+        onnx.save_model(model, str(out))
+
+
+def _fits_protobuf(model) -> bool:
+    try:
+        return model.ByteSize() < 2**31 - 1
+    except Exception:  # protobuf raises once the message passes 2 GiB
+        return False
+
+
+def export_fp32(model_dir: Path, out: Path, opset: int, layout: str = "bgeserve") -> None:
+    """PyTorch bge-m3 → ONNX fp32 with the heads in the graph (or a hub-like layout)."""
+    import onnx
+    import torch
+
+    from .graph import OUTPUTS, HiddenGraph, load_graph
+
+    started = time.monotonic()
+    _log(f"loading {model_dir}", started)
+    graph = load_graph(model_dir)
+    module, outputs = graph, list(OUTPUTS)
+    dynamic = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
+               "dense": {0: "batch"}, "sparse_weights": {0: "batch", 1: "seq"},
+               "colbert": {0: "batch", 1: "seq_minus_1"}}
+    if layout != "bgeserve":
+        module = HiddenGraph(graph, layout)
+        outputs = (["sentence_embedding", "token_embeddings"] if layout == "baai"
+                   else ["last_hidden_state"])
+        dynamic = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
+                   "sentence_embedding": {0: "batch"},
+                   "token_embeddings": {0: "batch", 1: "seq"},
+                   "last_hidden_state": {0: "batch", 1: "seq"}}
+        dynamic = {k: v for k, v in dynamic.items() if k in outputs or k.startswith(("input",
+                                                                                      "attention"))}
+    ids = torch.tensor([[0, 5, 6, 7, 2], [0, 8, 2, 1, 1]], dtype=torch.int64)
+    mask = (ids != 1).to(torch.int64)
+    with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
+        raw = Path(tmp) / "raw.onnx"
+        _log(f"tracing and exporting (opset {opset})", started)
+        with torch.no_grad():
+            torch.onnx.export(module, (ids, mask), str(raw), input_names=["input_ids",
+                              "attention_mask"], output_names=outputs, dynamic_axes=dynamic,
+                              opset_version=opset, do_constant_folding=True, dynamo=False)
+        del module, graph
+        _log("consolidating weights", started)
+        model = onnx.load(str(raw), load_external_data=True)
+        _save(model, out)
+    _log(f"wrote {out}", started)
+
+
+def export_fp16(fp32: Path, out: Path, heads: int, hidden: int) -> None:
+    """fp16 weights and compute, float32 inputs/outputs, via ONNX Runtime's transformers tools."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    started = time.monotonic()
+    _log(f"optimizing {fp32} for fp16", started)
+    model = optimize_model(str(fp32), model_type="bert", num_heads=heads, hidden_size=hidden,
+                           opt_level=0, use_gpu=False)
+    model.convert_float_to_float16(keep_io_types=True)
+    _save(model.model, out)
+    _log(f"wrote {out}", started)
+
+
+def export_int8(fp32: Path, out: Path) -> None:
+    """Dynamic int8 quantisation of the MatMul weights, per channel; heads stay fp32."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    started = time.monotonic()
+    model = onnx.load(str(fp32), load_external_data=False)
+    exclude = [n.name for n in model.graph.node if n.name.startswith(HEAD_NODE_PREFIXES)]
+    big = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+    del model
+    _log(f"quantizing {fp32} (int8, per channel; {len(exclude)} head nodes kept fp32)", started)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        raw = Path(tmp) / "model.onnx"
+        quantize_dynamic(str(fp32), str(raw), weight_type=QuantType.QInt8, per_channel=True,
+                         op_types_to_quantize=["MatMul", "Gemm"], nodes_to_exclude=exclude,
+                         use_external_data_format=big)
+        if big:
+            _save(onnx.load(str(raw), load_external_data=True), out)
+        else:
+            shutil.move(str(raw), out)
+    _log(f"wrote {out}", started)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bgeserve.export.steps")
+    sub = parser.add_subparsers(dest="step", required=True)
+    p = sub.add_parser("fp32")
+    p.add_argument("model_dir", type=Path)
+    p.add_argument("out", type=Path)
+    p.add_argument("--opset", type=int, default=18)
+    p.add_argument("--layout", choices=["bgeserve", "baai", "xenova"], default="bgeserve")
+    p = sub.add_parser("fp16")
+    p.add_argument("fp32", type=Path)
+    p.add_argument("out", type=Path)
+    p.add_argument("--heads", type=int, required=True)
+    p.add_argument("--hidden", type=int, required=True)
+    p = sub.add_parser("int8")
+    p.add_argument("fp32", type=Path)
+    p.add_argument("out", type=Path)
+    args = parser.parse_args(argv)
+    if args.step == "fp32":
+        export_fp32(args.model_dir, args.out, args.opset, args.layout)
+    elif args.step == "fp16":
+        export_fp16(args.fp32, args.out, args.heads, args.hidden)
+    else:
+        export_int8(args.fp32, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

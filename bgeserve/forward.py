@@ -1,0 +1,82 @@
+"""One forward pass over a padded chunk, whatever the graph layout: ids in, ``ChunkOutputs`` out.
+
+A bgeserve export computes the heads in the graph; the hub graphs give hidden states and the
+heads are applied here in numpy (``HiddenHeads``). Either way the engine sees the same
+``ChunkOutputs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from .artifacts import Layout, ModelArtifacts
+from .errors import ModelUnavailable
+from .heads import ChunkOutputs, HiddenHeads, l2_normalize
+from .runtime.onnx import OnnxSession, SessionConfig
+from .tokenizer import PAD_ID
+
+
+def pad_chunk(ids: list[np.ndarray], pad_to: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad token id arrays with ``<pad>`` into (input_ids, attention_mask), int64."""
+    batch = np.full((len(ids), pad_to), PAD_ID, dtype=np.int64)
+    mask = np.zeros((len(ids), pad_to), dtype=np.int64)
+    for row, x in enumerate(ids):
+        batch[row, : len(x)] = x
+        mask[row, : len(x)] = 1
+    return batch, mask
+
+
+class Forward:
+    """A session plus its layout: ``run(ids, mask, dense, sparse, colbert)`` → ChunkOutputs."""
+
+    def __init__(self, session: OnnxSession, layout: Layout, heads: HiddenHeads | None):
+        if layout is not Layout.BGESERVE and heads is None:
+            raise ModelUnavailable(f"the {layout.value} graph layout needs the sparse and "
+                                   "ColBERT head weights (sparse_linear.pt, colbert_linear.pt)")
+        self.session = session
+        self.layout = layout
+        self.heads = heads
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, *, dense: bool,
+            sparse: bool, colbert: bool) -> ChunkOutputs:
+        if self.layout is Layout.BGESERVE:
+            names = [n for n, want in (("dense", dense), ("sparse_weights", sparse),
+                                       ("colbert", colbert)) if want]
+            out = self.session.run(input_ids, attention_mask, names)
+            return ChunkOutputs(out.get("dense"), out.get("sparse_weights"), out.get("colbert"))
+        if self.layout is Layout.BAAI:
+            names = ["sentence_embedding"] if dense else []
+            if sparse or colbert:
+                names.append("token_embeddings")
+            out = self.session.run(input_ids, attention_mask, names)
+            hidden = out.get("token_embeddings")
+            dense_out = l2_normalize(out["sentence_embedding"]) if dense else None
+        else:
+            hidden = self.session.run(input_ids, attention_mask, ["last_hidden_state"])[
+                "last_hidden_state"].astype(np.float32, copy=False)
+            dense_out = l2_normalize(hidden[:, 0]) if dense else None
+        assert self.heads is not None
+        return ChunkOutputs(
+            dense_out,
+            self.heads.sparse(hidden) if sparse else None,
+            self.heads.colbert(hidden, attention_mask) if colbert else None,
+        )
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def forward_factory(artifacts: ModelArtifacts, config: SessionConfig) -> Callable[[], Forward]:
+    """A callable that opens a fresh ``Forward`` (workers call it to load and reload)."""
+    heads = None
+    if artifacts.heads is not None:
+        h = artifacts.heads
+        heads = HiddenHeads(h.sparse_weight.astype(np.float32), float(h.sparse_bias),
+                            h.colbert_weight.astype(np.float32), h.colbert_bias.astype(np.float32))
+
+    def open_forward() -> Forward:
+        return Forward(OnnxSession(artifacts.onnx_path, config), artifacts.layout, heads)
+
+    return open_forward

@@ -1,0 +1,1 @@
+"""HTTP layer: Starlette app, routes, request schemas, the one error table, auth, request ids."""

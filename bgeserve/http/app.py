@@ -1,0 +1,83 @@
+"""``create_app(settings)``: the Starlette application, its routes and its middleware.
+
+Routes are a list of data. Percent-encoded colons (``/v1/embeddings%3Aboth``) need no alias:
+ASGI servers put the decoded path in ``scope["path"]``, which is what the router matches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.routing import Route
+
+from ..config import Settings
+from . import handlers
+from .context import RequestContext
+from .errors import EXCEPTION_HANDLERS
+from .guards import BearerAuth, BodyLimit
+from .schemas import BOTH, DENSE, SPARSE
+
+if TYPE_CHECKING:
+    from ..service import Service
+
+ServiceFactory = Callable[[Settings], "Service"]
+
+BUILTIN_MODEL_IDS = ("bge-m3", "BAAI/bge-m3")
+
+routes = [
+    Route("/v1/embeddings", handlers.embed_endpoint(DENSE), methods=["POST"], name="dense"),
+    Route("/v1/sparse-embeddings", handlers.embed_endpoint(SPARSE), methods=["POST"],
+          name="sparse"),
+    Route("/v1/embeddings:both", handlers.embed_endpoint(BOTH), methods=["POST"], name="both"),
+    Route("/v1/models", handlers.models, methods=["GET"]),
+    Route("/health", handlers.health, methods=["GET"]),
+    Route("/metrics", handlers.metrics, methods=["GET"]),
+]
+
+
+def _default_factory(settings: Settings) -> Service:
+    # Imported lazily so that the HTTP layer can be built (and tested) without the engine stack.
+    from ..service import build_service
+
+    return build_service(settings)
+
+
+def model_ids(model_name: str, settings: Settings) -> tuple[str, ...]:
+    """Names accepted in ``model``: the service's, the built-in aliases, configured aliases."""
+    names = (model_name, *BUILTIN_MODEL_IDS, *settings.model_aliases)
+    return tuple(dict.fromkeys(names))
+
+
+def create_app(settings: Settings, service_factory: ServiceFactory | None = None) -> Starlette:
+    """The bgeserve ASGI app; the lifespan builds, starts and stops the service."""
+    factory = service_factory or _default_factory
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        service = factory(settings)
+        await service.start()
+        try:
+            yield {
+                "service": service,
+                "settings": settings,
+                "model_ids": model_ids(service.model_name, settings),
+            }
+        finally:
+            await service.stop()
+
+    open_paths = {"/health"} if settings.metrics_auth else {"/health", "/metrics"}
+    middleware = [
+        Middleware(RequestContext),
+        Middleware(BearerAuth, keys=settings.api_keys, open_paths=frozenset(open_paths)),
+        Middleware(BodyLimit, max_bytes=settings.max_body_bytes),
+    ]
+    return Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
+        lifespan=lifespan,
+    )

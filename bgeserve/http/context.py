@@ -1,0 +1,89 @@
+"""Request ids: accepted or generated, echoed on every response, carried by every log line.
+
+``RequestContext`` is the outermost of our middleware: it settles the id before anything can
+fail, stores it in ``scope["state"]["request_id"]`` and in a context variable, adds the
+``X-Request-ID`` header to every response that passes through it, and writes one access-log
+line per request. ``RequestIdFilter`` lets the logging setup stamp the id on every record.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from contextvars import ContextVar
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger("bgeserve.http")
+
+request_id_var: ContextVar[str | None] = ContextVar("bgeserve_request_id", default=None)
+
+_HEADER = b"x-request-id"
+_VALID_ID = re.compile(r"[\x20-\x7e]{1,128}")
+_QUIET_PATHS = ("/health", "/metrics")
+
+
+def sanitize_request_id(raw: bytes | None) -> str:
+    """The caller's id when it is 1–128 printable ASCII characters, else a fresh uuid4 hex."""
+    if raw is not None:
+        text = raw.decode("latin-1").strip()
+        if _VALID_ID.fullmatch(text):
+            return text
+    return uuid.uuid4().hex
+
+
+def request_id_of(scope: Scope) -> str | None:
+    """The id ``RequestContext`` settled for this request (None before it ran)."""
+    return scope.get("state", {}).get("request_id")
+
+
+class RequestIdFilter(logging.Filter):
+    """Stamp ``record.request_id`` from the current request (``None`` outside one)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "request_id", None) is None:
+            record.request_id = request_id_var.get()
+        return True
+
+
+class RequestContext:
+    """ASGI middleware: request id in, request id out, one access-log line."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        raw = next((v for k, v in scope["headers"] if k == _HEADER), None)
+        rid = sanitize_request_id(raw)
+        scope.setdefault("state", {})["request_id"] = rid
+        request_id_var.set(rid)
+        status = 500  # what the log says if the app raises before starting a response
+        started = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [(k, v) for k, v in message.get("headers", []) if k != _HEADER]
+                headers.append((_HEADER, rid.encode("latin-1")))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            level = logging.DEBUG if scope["path"] in _QUIET_PATHS else logging.INFO
+            log.log(
+                level,
+                "%s %s %d %.1fms",
+                scope["method"],
+                scope["path"],
+                status,
+                (time.perf_counter() - started) * 1000,
+                extra={"request_id": rid},
+            )

@@ -1,0 +1,106 @@
+"""Middleware that refuses a request before a handler runs: bearer keys and the body limit.
+
+Both answer with the same envelope as every other error (built by ``errors.error_response``);
+they sit inside ``RequestContext``, so the response still carries the request id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..errors import BgeServeError, InvalidInput, TooLarge
+from .context import request_id_of
+from .errors import Unauthorized, error_response
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    return next((v for k, v in scope["headers"] if k == name), None)
+
+
+class BearerAuth:
+    """Require ``Authorization: Bearer <key>`` on every path except ``open_paths``.
+
+    Digests of the presented and configured keys are compared in constant time, every key
+    every time, so timing reveals neither a key's length nor which key came close. Keys are
+    never logged.
+    """
+
+    def __init__(self, app: ASGIApp, *, keys: tuple[str, ...], open_paths: frozenset[str]):
+        self.app = app
+        self.digests = tuple(_digest(k.encode("utf-8")) for k in keys)
+        self.open_paths = open_paths
+
+    def _check(self, scope: Scope) -> Unauthorized | None:
+        raw = _header(scope, b"authorization")
+        if raw is None:
+            return Unauthorized("missing API key: send the header 'Authorization: Bearer <key>'")
+        scheme, _, token = raw.strip().partition(b" ")
+        presented = _digest(token.strip())
+        matched = False
+        for digest in self.digests:
+            matched |= hmac.compare_digest(presented, digest)
+        if scheme.lower() != b"bearer" or not matched:
+            return Unauthorized("invalid API key")
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.digests and scope["path"] not in self.open_paths:
+            refusal = self._check(scope)
+            if refusal is not None:
+                await error_response(refusal, request_id_of(scope))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """Refuse bodies over ``max_bytes``: at once from ``Content-Length``, else while reading.
+
+    A chunked or lying client is cut off as soon as the running total passes the limit: the
+    wrapped ``receive`` raises ``TooLarge``, which the handler's body read propagates to the
+    error table, so the rest of the stream is never read.
+    """
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self, declared: int | None = None) -> TooLarge:
+        size = "" if declared is None else f" of {declared} bytes"
+        return TooLarge(
+            f"request body{size} exceeds the limit of {self.max_bytes} bytes "
+            "(BGE_M3_MAX_BODY_BYTES); send fewer or shorter texts per request",
+            code="payload_too_large",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        refusal: BgeServeError | None = None
+        if declared is not None and not declared.strip().isdigit():
+            refusal = InvalidInput("malformed Content-Length header", code="bad_request")
+        elif declared is not None and int(declared) > self.max_bytes:
+            refusal = self._too_large(int(declared))
+        if refusal is not None:
+            await error_response(refusal, request_id_of(scope))(scope, receive, send)
+            return
+        total = 0
+
+        async def limited_receive() -> Message:
+            nonlocal total
+            message = await receive()
+            if message["type"] == "http.request":
+                total += len(message.get("body", b""))
+                if total > self.max_bytes:
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, limited_receive, send)

@@ -1,0 +1,94 @@
+"""Thin handlers: read → parse → one service call → render. Errors propagate to the table.
+
+The lifespan puts ``service``, ``settings`` and ``model_ids`` in the request state. Parsing a
+big body and rendering a big result are CPU work, so past a size they run on a worker thread
+and the event loop keeps serving other requests.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio.to_thread
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from ..errors import InvalidInput
+from .errors import UnsupportedMediaType
+from .render import render_embeddings, render_json
+from .schemas import Endpoint, parse_embed_request
+
+T = TypeVar("T")
+
+OFFLOAD_BODY_BYTES = 256 * 1024  # parse on a thread past this (~2 ms of orjson + checks)
+OFFLOAD_ITEMS = 16  # render on a thread past this many items (16 x 1024 floats)
+HEALTHY = frozenset({"ok", "warn", "idle"})
+
+
+async def _maybe_offload(heavy: bool, fn: Callable[..., T], *args: Any) -> T:
+    if heavy:
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args))
+    return fn(*args)
+
+
+async def read_json_body(request: Request) -> bytes:
+    """The raw body, after checking it is declared as UTF-8 JSON (a missing type is allowed)."""
+    declared = request.headers.get("content-type")
+    if declared is not None:
+        media, *params = (part.strip().lower() for part in declared.split(";"))
+        charsets = [p.partition("=")[2].strip('"') for p in params if p.startswith("charset=")]
+        if media != "application/json" or any(c not in ("utf-8", "utf8") for c in charsets):
+            raise UnsupportedMediaType(
+                f"Content-Type {declared!r} is not supported; send application/json (UTF-8)"
+            )
+    try:
+        return await request.body()
+    except ClientDisconnect:
+        raise InvalidInput(
+            "client disconnected while sending the body", code="client_disconnected"
+        ) from None
+
+
+def embed_endpoint(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
+    """A handler for one embedding route (dense, sparse or both)."""
+
+    async def handle(request: Request) -> Response:
+        state = request.state
+        raw = await read_json_body(request)
+        parsed = await _maybe_offload(
+            len(raw) > OFFLOAD_BODY_BYTES,
+            parse_embed_request, raw, endpoint, state.settings, state.model_ids,
+        )
+        result = await state.service.embed(
+            parsed.inputs, parsed.options, request_id=state.request_id
+        )
+        body = await _maybe_offload(
+            len(result) > OFFLOAD_ITEMS or "colbert" in parsed.outputs,
+            render_embeddings, endpoint, parsed, result, state.service.model_name,
+            state.service.token_strings,
+        )
+        return Response(body, media_type="application/json")
+
+    return handle
+
+
+async def models(request: Request) -> Response:
+    """``GET /v1/models``: bge-m3 and every accepted alias."""
+    entry = {"object": "model", "owned_by": "BAAI", "created": 0}
+    data = [{"id": name, **entry} for name in request.state.model_ids]
+    return Response(render_json({"object": "list", "data": data}), media_type="application/json")
+
+
+async def health(request: Request) -> Response:
+    """``GET /health``: 200 while the service can answer (ok/warn/idle), else 503."""
+    report = request.state.service.health()
+    status = 200 if report.get("status") in HEALTHY else 503
+    return Response(render_json(report), status, media_type="application/json")
+
+
+async def metrics(request: Request) -> Response:
+    """``GET /metrics``: the Prometheus exposition from the service."""
+    body, content_type = request.state.service.metrics()
+    return Response(body, media_type=content_type)

@@ -1,0 +1,100 @@
+"""Response bodies: ``Embeddings`` → OpenAI-shaped JSON bytes (float lists or base64).
+
+Pure and synchronous (the handler runs big results on a thread). numpy arrays go straight to
+orjson (``OPT_SERIALIZE_NUMPY``), which needs C-contiguous arrays; base64 is always of
+little-endian bytes, float32 unless ``colbert_dtype`` asks for float16.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+
+from ..results import Embeddings
+from .schemas import EmbedRequest, Endpoint
+
+TokenStrings = Callable[[Sequence[int]], list[str]]
+
+
+def encode_array(array: np.ndarray, encoding_format: str, dtype: str = "<f4") -> Any:
+    """A vector or matrix as a contiguous array (orjson writes nested lists) or base64 text."""
+    data = np.ascontiguousarray(array, dtype=dtype)
+    if encoding_format == "base64":
+        return base64.b64encode(data.tobytes()).decode("ascii")
+    return data
+
+
+def select_sparse(
+    indices: np.ndarray, values: np.ndarray, top_k: int | None, min_weight: float | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Drop weights below ``min_weight``, keep the ``top_k`` largest; order stays by index."""
+    indices = np.asarray(indices, dtype=np.int64)
+    values = np.asarray(values, dtype=np.float32)
+    if min_weight is not None:
+        keep = values >= np.float64(min_weight)  # float64: a huge threshold must not overflow
+        indices, values = indices[keep], values[keep]
+    if top_k is not None and len(values) > top_k:
+        # stable: among equal weights the lower token id wins, so results are deterministic
+        keep = np.sort(np.argsort(-values, kind="stable")[:top_k])
+        indices, values = indices[keep], values[keep]
+    return np.ascontiguousarray(indices), np.ascontiguousarray(values)
+
+
+def sparse_values(
+    indices: np.ndarray, values: np.ndarray, request: EmbedRequest, token_strings: TokenStrings
+) -> dict[str, Any]:
+    """``{"indices", "values"}``, or ``{token: weight}`` (max weight when strings collide)."""
+    indices, values = select_sparse(
+        indices, values, request.sparse_top_k, request.sparse_min_weight
+    )
+    if request.sparse_format == "indices":
+        return {"indices": indices, "values": values}
+    by_token: dict[str, np.float32] = {}
+    for token, weight in zip(token_strings(indices.tolist()), values, strict=True):
+        if token not in by_token or weight > by_token[token]:
+            by_token[token] = weight
+    return by_token
+
+
+def render_embeddings(
+    endpoint: Endpoint,
+    request: EmbedRequest,
+    result: Embeddings,
+    model: str,
+    token_strings: TokenStrings,
+) -> bytes:
+    """The full JSON body for an embedding route, items in input order."""
+    fmt = request.encoding_format
+    colbert_dtype = "<f2" if request.colbert_dtype == "float16" else "<f4"
+    dense = result.dense if "dense" in request.outputs else None
+    sparse = result.sparse if "sparse" in request.outputs else None
+    colbert = result.colbert if "colbert" in request.outputs else None
+    items = []
+    for i in range(len(result)):
+        item: dict[str, Any] = {"object": endpoint.item_object, "index": i}
+        if dense is not None:
+            item["embedding"] = encode_array(dense[i], fmt)
+        if sparse is not None:
+            item["sparse_values"] = sparse_values(*sparse[i], request, token_strings)
+        if colbert is not None:
+            item["colbert"] = encode_array(colbert[i], fmt, colbert_dtype)
+        if result.truncated[i]:
+            item["truncated"] = True
+        items.append(item)
+    tokens = result.prompt_tokens
+    body = {
+        "object": "list",
+        "model": model,
+        "data": items,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def render_json(content: Any) -> bytes:
+    """Any other JSON body (health, models)."""
+    return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)

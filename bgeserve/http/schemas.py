@@ -1,0 +1,247 @@
+"""Request bodies: raw bytes → a validated ``EmbedRequest``, or ``InvalidInput`` / ``TooLarge``.
+
+Pure and synchronous (the handler runs big bodies on a thread). Every schema error is a 400
+whose ``param`` names the field at fault (``input[3]``, ``sparse_top_k``); a text over
+``max_text_chars`` is a 413. Fields an endpoint does not read are ignored, as OpenAI clients
+send extras.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import orjson
+
+from ..config import Settings
+from ..errors import InvalidInput, TooLarge
+from ..results import EmbedOptions
+from .errors import ModelNotFound
+
+VOCAB_SIZE = 250_002  # bge-m3 (XLM-R) vocabulary; the service checks the loaded tokenizer too
+HIDDEN = 1024
+OUTPUTS = ("dense", "sparse", "colbert")
+_INPUT_SHAPES = (
+    "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
+)
+
+
+@dataclass(frozen=True)
+class EmbedRequest:
+    """A validated embedding request (defaults are the documented ones)."""
+
+    inputs: list[str] | list[list[int]]
+    outputs: frozenset[str]
+    truncate: bool
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    sparse_top_k: int | None = None
+    sparse_min_weight: float | None = None
+    sparse_format: str = "indices"
+    colbert_dtype: str = "float32"
+
+    @property
+    def options(self) -> EmbedOptions:
+        """What the service should compute."""
+        return EmbedOptions(
+            dense="dense" in self.outputs,
+            sparse="sparse" in self.outputs,
+            colbert="colbert" in self.outputs,
+            truncate=self.truncate,
+        )
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What one embedding route reads and returns."""
+
+    item_object: str  # the per-item ``object`` field
+    default_outputs: tuple[str, ...]
+    options: tuple[str, ...] = field(default=())  # optional fields read besides the common ones
+
+
+DENSE = Endpoint("embedding", ("dense",), ("encoding_format", "dimensions"))
+_SPARSE_OPTIONS = ("sparse_top_k", "sparse_min_weight", "sparse_format")
+SPARSE = Endpoint("sparse_embedding", ("sparse",), _SPARSE_OPTIONS)
+BOTH = Endpoint(
+    "embedding",
+    ("dense", "sparse"),
+    ("encoding_format", "dimensions", *_SPARSE_OPTIONS, "outputs", "colbert_dtype"),
+)
+
+
+def _as_int(value: Any) -> int | None:
+    """``value`` as an int if JSON Schema calls it an integer (``3``, ``3.0``), else None."""
+    if type(value) is int:  # not isinstance: bool is an int subclass, and JSON true is no number
+        return value
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return None
+
+
+def _choice(*allowed: str) -> Callable[[str, Any], str]:
+    def parse(name: str, value: Any) -> str:
+        if value not in allowed:
+            raise InvalidInput(f"{name} must be one of {', '.join(map(repr, allowed))}", param=name)
+        return value  # type: ignore[no-any-return]
+
+    return parse
+
+
+def _boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{name} must be true or false", param=name)
+    return value
+
+
+def _positive_int(name: str, value: Any) -> int:
+    number = _as_int(value)
+    if number is None or number < 1:
+        raise InvalidInput(f"{name} must be an integer >= 1", param=name)
+    return number
+
+
+def _weight(name: str, value: Any) -> float:
+    if type(value) not in (int, float) or not value >= 0:
+        raise InvalidInput(f"{name} must be a number >= 0", param=name)
+    return float(value)
+
+
+def _dimensions(name: str, value: Any) -> int:
+    if _as_int(value) is None:
+        raise InvalidInput(f"{name} must be an integer", param=name)
+    if value != HIDDEN:
+        raise InvalidInput(
+            f"dimensions={value} is not supported: bge-m3 returns {HIDDEN}-dimensional vectors "
+            "and is not trained for truncated (Matryoshka) vectors; omit dimensions or pass "
+            f"{HIDDEN}",
+            param=name,
+            code="unsupported_dimensions",
+        )
+    return HIDDEN
+
+
+def _outputs(name: str, value: Any) -> frozenset[str]:
+    if not isinstance(value, list) or not value:
+        raise InvalidInput(f"{name} must be a non-empty array of {', '.join(OUTPUTS)}", param=name)
+    for i, item in enumerate(value):
+        if item not in OUTPUTS:
+            raise InvalidInput(
+                f"{name}[{i}] must be one of {', '.join(OUTPUTS)}", param=f"{name}[{i}]"
+            )
+    return frozenset(value)
+
+
+OPTION_PARSERS: dict[str, Callable[[str, Any], Any]] = {
+    "truncate": _boolean,
+    "encoding_format": _choice("float", "base64"),
+    "dimensions": _dimensions,
+    "sparse_top_k": _positive_int,
+    "sparse_min_weight": _weight,
+    "sparse_format": _choice("indices", "tokens"),
+    "outputs": _outputs,
+    "colbert_dtype": _choice("float32", "float16"),
+}
+
+
+def _token_ids(ids: list[Any], param: str) -> list[int]:
+    if not ids:
+        raise InvalidInput(f"{param} is an empty array of token ids", param=param)
+    out = ids
+    for j, token in enumerate(ids):
+        number = _as_int(token)
+        if number is None:
+            raise InvalidInput(f"{param} must hold only integer token ids", param=f"{param}[{j}]")
+        if not 0 <= number < VOCAB_SIZE:
+            raise InvalidInput(
+                f"token id {token} is outside bge-m3's vocabulary [0, {VOCAB_SIZE})",
+                param=f"{param}[{j}]",
+            )
+        if number is not token:  # 7.0 is an integer to JSON Schema; the service gets ints
+            out = list(ids) if out is ids else out
+            out[j] = number
+    return out
+
+
+def parse_input(value: Any, settings: Settings) -> list[str] | list[list[int]]:
+    """``input`` as a batch: a list of texts or a list of token-id lists."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise InvalidInput(f"input must be {_INPUT_SHAPES}", param="input")
+    if not value:
+        raise InvalidInput("input must not be empty", param="input", code="empty_input")
+    if _as_int(value[0]) is not None:
+        return [_token_ids(value, "input")]
+    if len(value) > settings.max_batch:
+        raise InvalidInput(
+            f"batch of {len(value)} inputs exceeds the maximum of {settings.max_batch} "
+            "(BGE_M3_MAX_BATCH); split the request",
+            param="input",
+            code="batch_too_large",
+        )
+    if isinstance(value[0], list):
+        batch = []
+        for i, ids in enumerate(value):
+            if not isinstance(ids, list):
+                raise InvalidInput(f"input[{i}] must be an array of token ids", param=f"input[{i}]")
+            batch.append(_token_ids(ids, f"input[{i}]"))
+        return batch
+    for i, text in enumerate(value):
+        if not isinstance(text, str):
+            raise InvalidInput(
+                f"input[{i}] must be a string: input must be {_INPUT_SHAPES}", param=f"input[{i}]"
+            )
+        if len(text) > settings.max_text_chars:
+            raise TooLarge(
+                f"input[{i}] has {len(text)} characters, over the limit of "
+                f"{settings.max_text_chars} (BGE_M3_MAX_TEXT_CHARS)",
+                param=f"input[{i}]",
+            )
+    return value
+
+
+def check_model(value: Any, model_ids: Collection[str]) -> None:
+    """``model`` may be absent; if given it must name bge-m3 or a configured alias."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise InvalidInput("model must be a string", param="model")
+    if value not in model_ids:
+        raise ModelNotFound(
+            f"the model {value!r} does not exist; this server serves {', '.join(model_ids)}",
+            param="model",
+        )
+
+
+def load_object(raw: bytes) -> dict[str, Any]:
+    """Decode a JSON object; bad UTF-8, bad JSON and too-deep nesting are all 400s."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:  # also raised for recursion past orjson's limit
+        raise InvalidInput(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise InvalidInput("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def parse_embed_request(
+    raw: bytes, endpoint: Endpoint, settings: Settings, model_ids: Collection[str]
+) -> EmbedRequest:
+    """Validate a body for ``endpoint``; raises ``InvalidInput``/``ModelNotFound``/``TooLarge``."""
+    body = load_object(raw)
+    check_model(body.get("model"), model_ids)
+    if "input" not in body:
+        raise InvalidInput("input is required", param="input")
+    request = EmbedRequest(
+        inputs=parse_input(body["input"], settings),
+        outputs=frozenset(endpoint.default_outputs),
+        truncate=settings.truncate,
+    )
+    changes = {
+        name: OPTION_PARSERS[name](name, body[name])
+        for name in ("truncate", *endpoint.options)
+        if body.get(name) is not None
+    }
+    return replace(request, **changes)

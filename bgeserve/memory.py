@@ -1,0 +1,236 @@
+"""How much memory this process may use, and how much it uses now and at peak (Linux).
+
+``detect_available_memory`` tries, in order: the operator's override, the cgroup v2
+``memory.max`` of this process's cgroup (walking up), the cgroup v1 ``memory.limit_in_bytes``
+(walking up), then ``/proc/meminfo`` MemAvailable. Each file format has a small pure parser that
+takes text and returns a number or None; a malformed file is logged and skipped, never fatal.
+Never imports onnxruntime.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError
+
+logger = logging.getLogger("bgeserve.memory")
+
+# cgroup v1 reports "no limit" as a huge number: LONG_MAX rounded down to the page size
+# (9223372036854771712 on 4 KiB pages), and other values near 2**63 on other page sizes.
+_V1_UNLIMITED = 1 << 60
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Bytes this process may use and where that number came from.
+
+    ``source`` is one of ``override``, ``cgroup_v2``, ``cgroup_v1``, ``meminfo``.
+    """
+
+    available_bytes: int
+    source: str
+
+
+def parse_cgroup_v2_path(text: str) -> str | None:
+    """The unified-hierarchy path from ``/proc/self/cgroup`` (the ``0::/path`` line), or None."""
+    for line in text.splitlines():
+        if line.startswith("0::"):
+            return line[3:].strip()
+    return None
+
+
+def parse_cgroup_v1_path(text: str, controller: str = "memory") -> str | None:
+    """The path of ``controller``'s hierarchy from ``/proc/self/cgroup`` (``N:a,b:/path``)."""
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3 and controller in parts[1].split(","):
+            return parts[2].strip()
+    return None
+
+
+def parse_memory_max(text: str) -> int | None:
+    """Bytes from a cgroup v2 ``memory.max``; None for ``max`` (no limit) or garbage."""
+    value = text.strip()
+    if value == "max":
+        return None
+    return _positive_int(value, "memory.max")
+
+
+def parse_limit_in_bytes(text: str) -> int | None:
+    """Bytes from a cgroup v1 ``memory.limit_in_bytes``; None for the unlimited sentinel."""
+    value = _positive_int(text.strip(), "memory.limit_in_bytes")
+    if value is None or value >= _V1_UNLIMITED:
+        return None
+    return value
+
+
+def parse_meminfo(text: str, key: str) -> int | None:
+    """Bytes of ``key`` (e.g. ``MemAvailable``) from ``/proc/meminfo``-style ``Key: N kB`` text."""
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        if name.strip() == key:
+            fields = rest.split()
+            if fields and fields[0].isdigit():
+                scale = 1024 if fields[1:] == ["kB"] else 1
+                return int(fields[0]) * scale
+            logger.warning("ignoring malformed %s line %r", key, line)
+            return None
+    return None
+
+
+def parse_statm_resident_pages(text: str) -> int | None:
+    """Resident pages (second field) from ``/proc/self/statm``."""
+    fields = text.split()
+    if len(fields) >= 2 and fields[1].isdigit():
+        return int(fields[1])
+    return None
+
+
+def _positive_int(value: str, what: str) -> int | None:
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    logger.warning("ignoring malformed %s value %r", what, value)
+    return None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _walk_up(
+    root: Path, cgroup_path: str, filename: str, parse: Callable[[str], int | None]
+) -> int | None:
+    """First parsed value of ``filename`` from ``root/cgroup_path`` up to ``root`` itself."""
+    # Drop "..": a path from /proc must never lead outside the cgroup mount.
+    parts = [p for p in cgroup_path.split("/") if p and p != ".."]
+    # Without a private cgroup namespace (e.g. ECS on Bottlerocket) the leaf may read "max"
+    # while a parent carries the real limit, hence the walk.
+    for depth in range(len(parts), -1, -1):
+        text = _read(root.joinpath(*parts[:depth], filename))
+        if text is not None and (value := parse(text)) is not None:
+            return value
+    return None
+
+
+def detect_available_memory(
+    override: int | None = None,
+    *,
+    proc: Path = Path("/proc"),
+    sys_cgroup: Path = Path("/sys/fs/cgroup"),
+) -> MemoryInfo:
+    """Bytes this process may use: override, else cgroup v2, else cgroup v1, else MemAvailable.
+
+    A cgroup limit is capped at the host's MemTotal (a limit above physical RAM is not memory);
+    the override is taken as given.
+
+    Raises:
+        ConfigError: nothing could be read; set ``BGE_M3_AVAILABLE_MEMORY_BYTES``.
+    """
+    if override is not None:
+        if override <= 0:
+            raise ConfigError(
+                f"BGE_M3_AVAILABLE_MEMORY_BYTES={override} must be > 0",
+                param="BGE_M3_AVAILABLE_MEMORY_BYTES",
+            )
+        return MemoryInfo(override, "override")
+    meminfo = _read(proc / "meminfo") or ""
+    total = parse_meminfo(meminfo, "MemTotal")
+    cgroups = _read(proc / "self" / "cgroup") or ""
+    limits = (
+        ("cgroup_v2", sys_cgroup, parse_cgroup_v2_path(cgroups), "memory.max", parse_memory_max),
+        (
+            "cgroup_v1",
+            sys_cgroup / "memory",
+            parse_cgroup_v1_path(cgroups) or "/",
+            "memory.limit_in_bytes",
+            parse_limit_in_bytes,
+        ),
+    )
+    for source, root, path, filename, parse in limits:
+        if path is None:
+            continue
+        limit = _walk_up(root, path, filename, parse)
+        if limit is not None:
+            return MemoryInfo(min(limit, total) if total else limit, source)
+    available = parse_meminfo(meminfo, "MemAvailable")
+    if available is None:
+        raise ConfigError(
+            f"cannot detect available memory (no cgroup limit under {sys_cgroup}, no "
+            f"MemAvailable in {proc / 'meminfo'}); set BGE_M3_AVAILABLE_MEMORY_BYTES",
+            param="BGE_M3_AVAILABLE_MEMORY_BYTES",
+        )
+    return MemoryInfo(available, "meminfo")
+
+
+def rss_bytes(*, proc: Path = Path("/proc")) -> int:
+    """Current resident set size of this process in bytes."""
+    pages = parse_statm_resident_pages(_read(proc / "self" / "statm") or "")
+    if pages is not None:
+        # The real page size: 16 KiB / 64 KiB on some arm64 kernels, not always 4096.
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    import psutil  # only off Linux or with /proc hidden
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def reset_peak_rss(*, proc: Path = Path("/proc")) -> bool:
+    """Reset this process's peak RSS (VmHWM) to its current RSS; False when not possible."""
+    try:
+        # "5" resets the peak RSS counter (Linux >= 4.0); see proc(5), /proc/pid/clear_refs.
+        (proc / "self" / "clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_rss_bytes(*, proc: Path = Path("/proc")) -> int:
+    """Peak resident set size (VmHWM) of this process in bytes since start or the last reset."""
+    peak = parse_meminfo(_read(proc / "self" / "status") or "", "VmHWM")
+    if peak is not None:
+        return peak
+    # ru_maxrss (kB on Linux) is the same high-water mark, reachable without /proc; elsewhere it
+    # is a lifetime peak, which over-reads but never under-reads.
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return max(maxrss, rss_bytes(proc=proc))
+
+
+def trim_heap() -> bool:
+    """Return freed heap memory to the OS (glibc ``malloc_trim``); False where unavailable.
+
+    glibc raises its mmap threshold after a large block is freed (up to 32 MiB), so later
+    blocks come from the heap and stay resident after ``free``. A probe that measures RSS above
+    a baseline would then under-read any run that reuses them; trimming first makes every run
+    fault its memory in afresh.
+    """
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim this way
+        return False
+    malloc_trim(0)
+    return True
+
+
+def worker_budget(
+    available: int, workers: int, model_cost: int, *, headroom: int, safety_factor: float
+) -> int:
+    """Workspace bytes each worker may use: ``(available − workers·model − headroom)·safety / workers``.
+
+    Floored at 0; the caller refuses to start when that cannot hold one ``max_seq`` text.
+    """
+    if workers < 1:
+        raise ValueError(f"workers={workers} must be >= 1 (this is a bug in the caller)")
+    if not 0 < safety_factor <= 1:
+        raise ValueError(
+            f"safety_factor={safety_factor} must be in (0, 1]; check BGE_M3_MEMORY_SAFETY_FACTOR"
+        )
+    free = available - workers * model_cost - headroom
+    return max(0, int(free * safety_factor / workers))

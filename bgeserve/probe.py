@@ -1,0 +1,292 @@
+"""The startup probe: measure each shape's own workspace, fit (a, b), cache the fit.
+
+``run_probe`` calls the caller's ``run(batch, seq)`` once per shape (cheap shapes twice) and
+measures that run alone: peak RSS is reset before the run and read after it, minus the RSS
+before. The caller must disable ONNX Runtime's memory arena on the probe session, so that every
+run allocates afresh and returns memory afterwards; otherwise the arena keeps its high-water
+mark and later, smaller runs read as zero. ``ProbeCache`` keeps the fit across restarts, keyed by
+a fingerprint of everything that changes memory use. Never imports onnxruntime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Self
+
+from .costmodel import CostModel, Fit, FitError, MiB, Sample, fit
+from .memory import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_heap
+
+logger = logging.getLogger("bgeserve.probe")
+
+PROBE_SCHEMA = 1
+# Fitting shapes: batch varies at equal batch·seq so a (∝ B·S) and b (∝ B·S²) separate.
+_BASE_SHAPES = [
+    (1, 64),
+    (8, 64),
+    (1, 128),
+    (1, 256),
+    (4, 256),
+    (1, 512),
+    (2, 1024),
+    (1, 2048),
+    (1, 4096),
+]
+_MIN_SHAPES = 6
+# A run this fast is repeated and the larger reading kept: small shapes are where page-fault
+# timing and allocator noise matter most, and a second run costs nothing.
+_REPEAT_BELOW_SECONDS = 1.0
+_SAMPLE_INTERVAL = 0.002
+
+
+def default_shapes(max_seq: int) -> list[tuple[int, int]]:
+    """At least 6 fitting shapes from short to ``max_seq``, ending with ``(1, max_seq)``."""
+    shapes = [(b, s) for b, s in _BASE_SHAPES if s < max_seq]
+    # Short max_seq leaves few base shapes; pad with fractions of max_seq at larger batches.
+    fillers = [
+        (2, max_seq),
+        (4, max_seq // 2),
+        (16, max_seq // 4),
+        (2, max_seq // 2),
+        (4, max_seq // 4),
+        (8, max_seq // 8),
+    ]
+    for b, s in fillers:
+        if len(shapes) + 1 >= _MIN_SHAPES:
+            break
+        if s >= 1 and (b, s) not in shapes:
+            shapes.append((b, s))
+    return shapes + [(1, max_seq)]
+
+
+def default_held_out(max_seq: int) -> tuple[int, int]:
+    """One shape, not among ``default_shapes(max_seq)``, to validate the fit on."""
+    return (2, 768) if max_seq >= 768 else (3, max(1, max_seq * 3 // 4))
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the probe measured and concluded.
+
+    ``skipped`` holds ``(batch, seq, reason)`` for shapes not measured (guard or error);
+    ``fit`` is None when ``error`` says why no trustworthy fit came out.
+    """
+
+    samples: list[Sample]
+    skipped: list[tuple[int, int, str]]
+    held_out: Sample | None
+    fit: Fit | None
+    error: str | None
+    seconds: float
+
+
+class _PeakSampler:
+    """Polls RSS on a thread and keeps the maximum: the fallback when VmHWM cannot be reset.
+
+    It under-reads spikes shorter than the poll interval, and it needs the GIL, which ONNX
+    Runtime releases during ``run`` but pure-Python work may not.
+    """
+
+    def __init__(self) -> None:
+        self.peak = rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bgeserve-rss-sampler", daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(_SAMPLE_INTERVAL):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+def _measure(run: Callable[[int, int], None], batch: int, seq: int) -> tuple[int, float]:
+    """Workspace bytes above the pre-run RSS, and seconds, of one ``run(batch, seq)``."""
+    # Freed-but-resident heap from earlier runs would be reused without raising RSS.
+    trim_heap()
+    baseline = rss_bytes()
+    if reset_peak_rss():
+        start = time.perf_counter()
+        run(batch, seq)
+        seconds = time.perf_counter() - start
+        peak = peak_rss_bytes()
+    else:
+        with _PeakSampler() as sampler:
+            start = time.perf_counter()
+            run(batch, seq)
+            seconds = time.perf_counter() - start
+        peak = sampler.peak
+    return max(0, peak - baseline), seconds
+
+
+def _sample(run: Callable[[int, int], None], batch: int, seq: int) -> Sample:
+    workspace, seconds = _measure(run, batch, seq)
+    if seconds < _REPEAT_BELOW_SECONDS:
+        workspace = max(workspace, _measure(run, batch, seq)[0])
+    return Sample(batch, seq, workspace, seconds)
+
+
+def run_probe(
+    run: Callable[[int, int], None],
+    *,
+    shapes: list[tuple[int, int]],
+    held_out: tuple[int, int] | None,
+    guard: CostModel,
+    log: Callable[[str], None] = logger.info,
+) -> ProbeResult:
+    """Measure every shape ``guard`` lets through, cheapest first, then fit and validate.
+
+    ``run(batch, seq)`` must execute one inference of exactly that shape. A shape that ``guard``
+    predicts not to fit, or whose run raises, is skipped with the reason. The held-out shape is
+    measured last and used only to validate the fit.
+    """
+    started = time.perf_counter()
+    samples: list[Sample] = []
+    skipped: list[tuple[int, int, str]] = []
+
+    def measure(batch: int, seq: int) -> Sample | None:
+        if not guard.fits(batch, seq):
+            reason = (
+                f"predicted {guard.cost(batch, seq) / MiB:.0f} MiB exceeds the "
+                f"{guard.max_workspace_bytes / MiB:.0f} MiB per-worker budget"
+            )
+            skipped.append((batch, seq, reason))
+            log(f"probe ({batch}, {seq}): skipped, {reason}")
+            return None
+        try:
+            sample = _sample(run, batch, seq)
+        # Any failure of the caller's runtime is data about that shape, not fatal to the probe.
+        except Exception as exc:  # noqa: BLE001
+            skipped.append((batch, seq, f"{type(exc).__name__}: {exc}"))
+            log(f"probe ({batch}, {seq}): failed, {type(exc).__name__}: {exc}")
+            return None
+        log(
+            f"probe ({batch}, {seq}): {sample.workspace_bytes / MiB:.1f} MiB "
+            f"in {sample.seconds:.2f} s"
+        )
+        return sample
+
+    for batch, seq in sorted(shapes, key=lambda s: guard.cost(*s)):
+        if (sample := measure(batch, seq)) is not None:
+            samples.append(sample)
+    held = measure(*held_out) if held_out is not None else None
+    result_fit: Fit | None = None
+    error: str | None = None
+    try:
+        result_fit = fit(samples, held)
+        log(
+            f"probe fit: a={result_fit.a:.0f} B/token, b={result_fit.b:.2f} B/token², "
+            f"max residual {result_fit.max_rel_residual:.0%}, held-out error "
+            f"{'n/a' if held is None else f'{result_fit.held_out_rel_error:.0%}'}"
+        )
+    except FitError as exc:
+        error = str(exc)
+        log(f"probe fit rejected: {error}")
+    return ProbeResult(samples, skipped, held, result_fit, error, time.perf_counter() - started)
+
+
+def fingerprint(parts: Mapping[str, str | int | float]) -> str:
+    """A stable hex digest of ``parts`` and the probe schema: changes when any part changes."""
+    payload = json.dumps(
+        {"probe_schema": PROBE_SCHEMA, "parts": dict(parts)}, sort_keys=True, separators=(",", ":")
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _coefficient(value: object) -> float | None:
+    """``value`` as a finite float, or None for anything else (bools and strings included)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _parse_record(text: str, fingerprint: str) -> Fit | str:
+    """The fit stored in a cache file's text, or why it cannot be used."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        return f"is corrupt or truncated ({exc})"
+    if not isinstance(data, dict):
+        return "is not a JSON object"
+    if data.get("schema") != PROBE_SCHEMA:
+        return f"has probe schema {data.get('schema')!r}, expected {PROBE_SCHEMA}"
+    if data.get("fingerprint") != fingerprint:
+        return "was made for another model, runtime or configuration"
+    a, b = _coefficient(data.get("a")), _coefficient(data.get("b"))
+    if a is None or b is None or a <= 0 or b <= 0:
+        return f"has unusable coefficients a={data.get('a')!r}, b={data.get('b')!r}"
+    residual, held = _coefficient(data.get("max_rel_residual")), data.get("held_out_rel_error")
+    if residual is None or (held is not None and _coefficient(held) is None):
+        return "is missing its fit-quality fields"
+    return Fit(a, b, residual, _coefficient(held))
+
+
+class ProbeCache:
+    """A fitted (a, b) on disk, valid only for the fingerprint it was saved under."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self, fingerprint: str) -> Fit | None:
+        """The cached fit for ``fingerprint``, or None (with a logged reason if unusable)."""
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as exc:
+            reason: Fit | str = f"cannot be read ({exc})"
+        else:
+            reason = _parse_record(text, fingerprint)
+        if isinstance(reason, Fit):
+            return reason
+        logger.warning("probe cache %s %s; ignoring it and probing again", self.path, reason)
+        return None
+
+    def save(
+        self, fingerprint: str, fit: Fit, parts: Mapping[str, object], samples: Sequence[Sample]
+    ) -> None:
+        """Write the fit atomically (temp file, fsync, rename); a failure only logs a warning."""
+        record = {
+            "schema": PROBE_SCHEMA,
+            "fingerprint": fingerprint,
+            **asdict(fit),
+            "fitted_at_unix": int(time.time()),
+            "parts": dict(parts),
+            "samples": [asdict(s) for s in samples],
+        }
+        tmp: str | None = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(
+                dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp"
+            )
+            with os.fdopen(fd, "w") as f:
+                json.dump(record, f, indent=2, default=str)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            tmp = None
+        except (OSError, TypeError, ValueError) as exc:
+            logger.warning(
+                "cannot save probe cache %s (%s); the next start will probe again", self.path, exc
+            )
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)

@@ -1,0 +1,130 @@
+"""ONNX Runtime adapter: the only module that imports ``onnxruntime``.
+
+It opens sessions with bgeserve's options and translates ORT's exceptions where they enter:
+an allocation failure becomes ``OutOfMemory`` (the engine splits the chunk and retries),
+anything else ``EngineFailed``.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from ..errors import EngineFailed, ModelUnavailable, OutOfMemory
+
+_OOM_MARKERS = ("failed to allocate", "bad_alloc", "out of memory", "cudaerrormemoryallocation")
+_PROVIDERS = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+    "coreml": "CoreMLExecutionProvider",
+    "openvino": "OpenVINOExecutionProvider",
+}
+
+
+def version() -> str:
+    """ONNX Runtime's version (part of the probe fingerprint)."""
+    return ort.__version__
+
+
+def available_providers() -> list[str]:
+    """Execution providers this onnxruntime build offers, by bgeserve's short names."""
+    have = set(ort.get_available_providers())
+    return [short for short, name in _PROVIDERS.items() if name in have]
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """How to open one session."""
+
+    provider: str = "cpu"
+    threads: int = 1
+    # The CPU arena keeps its high-water mark forever; off, a chunk's workspace goes back to
+    # the OS after the run, so memory use is what the cost model predicts, not its maximum.
+    cpu_arena: bool = False
+    device_id: int = 0
+    provider_options: dict[str, str] = field(default_factory=dict)
+    optimization: str = "all"
+
+
+def _session_options(config: SessionConfig) -> ort.SessionOptions:
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = config.threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.enable_cpu_mem_arena = config.cpu_arena
+    opts.graph_optimization_level = {
+        "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }[config.optimization]
+    opts.log_severity_level = 3
+    return opts
+
+
+def _providers(config: SessionConfig) -> list[str | tuple[str, dict[str, str]]]:
+    name = _PROVIDERS[config.provider]
+    if config.provider == "cpu":
+        return [name]
+    options = {"device_id": str(config.device_id), **config.provider_options}
+    return [(name, options), "CPUExecutionProvider"]
+
+
+class OnnxSession:
+    """One ONNX Runtime inference session over a bge-m3 graph."""
+
+    def __init__(self, path: Path, config: SessionConfig):
+        if _PROVIDERS[config.provider] not in ort.get_available_providers():
+            raise ModelUnavailable(
+                f"execution provider {config.provider!r} is not available in this onnxruntime "
+                f"build (have: {', '.join(available_providers())})", param="BGE_M3_EP")
+        try:
+            self._session = ort.InferenceSession(
+                str(path), sess_options=_session_options(config), providers=_providers(config))
+        except Exception as exc:  # ORT raises its own pybind exception types
+            raise ModelUnavailable(f"cannot open ONNX model {path}: {exc}") from exc
+        self.path = path
+        self.config = config
+        self.input_names = [i.name for i in self._session.get_inputs()]
+        self.output_names = [o.name for o in self._session.get_outputs()]
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray,
+            outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Run one padded chunk; returns the requested outputs by name."""
+        feeds = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if "token_type_ids" in self.input_names:
+            feeds["token_type_ids"] = np.zeros_like(input_ids)
+        names = list(outputs) if outputs else self.output_names
+        try:
+            values = self._session.run(names, feeds)
+        except Exception as exc:
+            text = str(exc)
+            if any(marker in text.lower() for marker in _OOM_MARKERS):
+                raise OutOfMemory(f"runtime could not allocate memory for a chunk of shape "
+                                  f"{tuple(input_ids.shape)}: {text}") from exc
+            raise EngineFailed(f"inference failed for shape {tuple(input_ids.shape)}: {text}") \
+                from exc
+        return dict(zip(names, values))
+
+    def close(self) -> None:
+        """Release the session (its memory is freed once no reference remains)."""
+        self._session = None  # type: ignore[assignment]
+
+
+def cpu_description() -> str:
+    """CPU model and architecture (part of the probe fingerprint)."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{platform.machine()} {model}".strip()

@@ -1,0 +1,23 @@
+"""Test and benchmark helpers: deterministic random-weight models with bge-m3's layout.
+
+Importing this package is cheap: names load on first use (which also keeps
+``python -m bgeserve.testing.randmodel`` free of runpy's double-import warning), and torch,
+transformers and tokenizers load only when a builder runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["SIZES", "build_random_model", "cached_random_model", "random_texts"]
+
+if TYPE_CHECKING:
+    from .randmodel import SIZES, build_random_model, cached_random_model, random_texts
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import randmodel
+
+        return getattr(randmodel, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,72 @@
+"""Shared fixtures: a tiny random bge-m3 (built once per run), its exports, FlagEmbedding."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# The oracle and the exporter import torch; keep them from oversubscribing the 2 CI cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(models_root: Path) -> Path:
+    """A tiny (2 layers, hidden 32) random-weight bge-m3 in Hugging Face layout."""
+    from bgeserve.testing.randmodel import cached_random_model
+
+    return cached_random_model(models_root, "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tiny_model: Path, models_root: Path) -> Path:
+    """``bgeserve export`` of the tiny model: fp32, fp16 and int8."""
+    from bgeserve.export.main import export
+
+    out = models_root / "tiny-export"
+    if not (out / "manifest.json").exists():
+        export(str(tiny_model), out, ("fp32", "fp16", "int8"))
+    return out
+
+
+@pytest.fixture(scope="session")
+def hub_layouts(tiny_model: Path, models_root: Path) -> dict[str, Path]:
+    """Fake hub snapshots of the tiny model in the reference server's layouts.
+
+    ``baai``: ``onnx/model.onnx`` (sentence_embedding, token_embeddings) + head .pt files;
+    ``xenova``: ``onnx/model_fp16.onnx`` and ``onnx/model_quantized.onnx`` (last_hidden_state).
+    """
+    import shutil
+
+    from bgeserve.export import steps
+
+    baai, xenova = models_root / "hub-baai", models_root / "hub-xenova"
+    if not (baai / "onnx" / "model.onnx").exists():
+        steps.export_fp32(tiny_model, baai / "onnx" / "model.onnx", 18, layout="baai")
+        hidden = xenova / "fp32.onnx"
+        steps.export_fp32(tiny_model, hidden, 18, layout="xenova")
+        cfg = __import__("json").loads((tiny_model / "config.json").read_text())
+        steps.export_fp16(hidden, xenova / "onnx" / "model_fp16.onnx",
+                          cfg["num_attention_heads"], cfg["hidden_size"])
+        steps.export_int8(hidden, xenova / "onnx" / "model_quantized.onnx")
+        hidden.unlink()
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "sparse_linear.pt", "colbert_linear.pt"):
+            shutil.copyfile(tiny_model / name, baai / name)
+            shutil.copyfile(tiny_model / name, xenova / name)
+    return {"baai": baai, "xenova": xenova}
+
+
+@pytest.fixture(scope="session")
+def flag_model(tiny_model: Path):
+    """FlagEmbedding's BGEM3FlagModel on the tiny model, fp32 on CPU: the oracle."""
+    from FlagEmbedding import BGEM3FlagModel
+
+    return BGEM3FlagModel(str(tiny_model), use_fp16=False, devices="cpu")

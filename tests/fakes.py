@@ -1,0 +1,150 @@
+"""Test doubles shared by the HTTP tests: ``FakeService`` has exactly the ``Service`` surface.
+
+Vectors are deterministic functions of the input (seeded by a hash of the text or token ids),
+so a test can compute what the server must return with ``FakeService.expected_dense``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from bgeserve.config import Settings
+from bgeserve.errors import BgeServeError, InvalidInput, TooLarge
+from bgeserve.results import EmbedOptions, Embeddings
+
+HIDDEN = 1024
+VOCAB = 250_002
+
+
+def _seed(item: str | list[int]) -> int:
+    raw = item.encode("utf-8", "surrogatepass") if isinstance(item, str) else repr(item).encode()
+    return int.from_bytes(hashlib.sha256(raw).digest()[:8], "little")
+
+
+def fake_tokens(item: str | list[int]) -> list[int]:
+    """Token ids the fake "tokenizer" gives: one per whitespace word, special tokens excluded."""
+    if isinstance(item, list):
+        return list(item)
+    return [5 + _seed(word) % (VOCAB - 5) for word in item.split()]
+
+
+@dataclass
+class Call:
+    """One recorded ``embed`` call."""
+
+    inputs: list[Any]
+    options: EmbedOptions
+    request_id: str
+
+
+@dataclass
+class FakeService:
+    """Deterministic stand-in for ``bgeserve.service.Service``.
+
+    Set ``fail_with`` to make ``embed`` raise; ``delay`` to make it slow; ``status`` to choose
+    the health state. ``calls`` records every ``embed`` call.
+    """
+
+    settings: Settings = field(default_factory=Settings)
+    model_name: str = "bge-m3"
+    fail_with: BaseException | None = None
+    delay: float = 0.0
+    status: str = "ok"
+    calls: list[Call] = field(default_factory=list)
+    started: bool = False
+    stopped: bool = False
+
+    async def start(self) -> None:
+        """Mark started."""
+        self.started = True
+
+    async def stop(self) -> None:
+        """Mark stopped."""
+        self.stopped = True
+
+    @staticmethod
+    def expected_dense(item: str | list[int]) -> np.ndarray:
+        """The unit float32 vector the fake returns for ``item``."""
+        v = np.random.default_rng(_seed(item)).standard_normal(HIDDEN).astype(np.float32)
+        return v / np.linalg.norm(v)
+
+    @staticmethod
+    def expected_sparse(item: str | list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Ascending unique ids and positive float32 weights (max per id)."""
+        ids = fake_tokens(item)
+        weights: dict[int, np.float32] = {}
+        for pos, token in enumerate(ids):
+            w = np.float32((_seed([token, pos]) % 1000 + 1) / 1000)
+            weights[token] = max(weights.get(token, np.float32(0)), w)
+        keys = sorted(weights)
+        return np.array(keys, dtype=np.int64), np.array([weights[k] for k in keys], np.float32)
+
+    @staticmethod
+    def expected_colbert(item: str | list[int], n_tokens: int) -> np.ndarray:
+        """(n_tokens - 1, 1024) unit rows."""
+        rng = np.random.default_rng(_seed(item) ^ 0xC0DE)
+        m = rng.standard_normal((n_tokens - 1, HIDDEN)).astype(np.float32)
+        return m / np.linalg.norm(m, axis=1, keepdims=True)
+
+    async def embed(
+        self, inputs: list[str] | list[list[int]], options: EmbedOptions, *, request_id: str
+    ) -> Embeddings:
+        """Fake vectors; honours ``max_seq_length`` and ``truncate`` like the real service."""
+        self.calls.append(Call(list(inputs), options, request_id))
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.fail_with is not None:
+            raise self.fail_with
+        max_seq = self.settings.max_seq_length
+        n_tokens, truncated = [], []
+        for i, item in enumerate(inputs):
+            if isinstance(item, list) and any(t >= VOCAB for t in item):
+                raise InvalidInput("token id out of range", param=f"input[{i}]")
+            n = len(fake_tokens(item)) + (0 if isinstance(item, list) else 2)
+            if n > max_seq and not options.truncate:
+                raise TooLarge(f"input[{i}] has {n} tokens > {max_seq}", param=f"input[{i}]")
+            truncated.append(n > max_seq)
+            n_tokens.append(min(n, max_seq))
+        return Embeddings(
+            dense=np.stack([self.expected_dense(x) for x in inputs]) if options.dense else None,
+            sparse=[self.expected_sparse(x) for x in inputs] if options.sparse else None,
+            colbert=[self.expected_colbert(x, n) for x, n in zip(inputs, n_tokens)]
+            if options.colbert
+            else None,
+            n_tokens=np.array(n_tokens, dtype=np.int64),
+            truncated=np.array(truncated, dtype=bool),
+        )
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """``"w<id mod 1000>"``: distinct ids can collide, as sub-word strings do."""
+        return [f"w{int(i) % 1000}" for i in ids]
+
+    def health(self) -> dict[str, Any]:
+        """A health report in the real shape, with the configured ``status``."""
+        return {
+            "status": self.status,
+            "workers": {"live": 1, "loaded": 1, "total": 1},
+            "max_seq_length": self.settings.max_seq_length,
+            "model": {"name": self.model_name, "variant": "fake"},
+            "tuning": {"probe_status": "fake"},
+        }
+
+    def metrics(self) -> tuple[bytes, str]:
+        """A minimal Prometheus exposition."""
+        return (
+            b"# TYPE bgeserve_fake_calls counter\nbgeserve_fake_calls_total "
+            + str(len(self.calls)).encode()
+            + b"\n",
+            "text/plain; version=0.0.4; charset=utf-8",
+        )
+
+
+def failing(error: BgeServeError | BaseException, settings: Settings | None = None) -> FakeService:
+    """A FakeService whose ``embed`` raises ``error``."""
+    return FakeService(settings=settings or Settings(), fail_with=error)

@@ -1,0 +1,605 @@
+"""Tests for bgeserve.artifacts: layout detection, cache-dir checks, and hub downloads.
+
+No test touches the network: downloads go to a fake Hugging Face endpoint on 127.0.0.1 that
+serves ``/{repo_id}/resolve/{revision}/{filename}`` the way huggingface_hub expects (HEAD with
+``X-Repo-Commit`` / ``ETag`` / ``Content-Length``, then GET).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+import torch
+
+from bgeserve.artifacts import (
+    BAAI_REPO,
+    BAAI_REVISION,
+    HUB_SOURCES,
+    XENOVA_REPO,
+    XENOVA_REVISION,
+    Layout,
+    ModelArtifacts,
+    resolve,
+    validate_cache_dir,
+)
+from bgeserve.errors import ConfigError, ModelUnavailable
+
+HIDDEN = 8
+
+
+def _heads_bytes(tmp: Path) -> dict[str, bytes]:
+    """sparse_linear.pt / colbert_linear.pt contents for hidden size 8, written by torch."""
+    torch.manual_seed(0)
+    out = {}
+    for name, linear in (
+        ("sparse_linear.pt", torch.nn.Linear(HIDDEN, 1)),
+        ("colbert_linear.pt", torch.nn.Linear(HIDDEN, HIDDEN)),
+    ):
+        torch.save(linear.state_dict(), tmp / name)
+        out[name] = (tmp / name).read_bytes()
+    return out
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    return _heads_bytes(tmp_path_factory.mktemp("heads"))
+
+
+def _write(root: Path, files: dict[str, bytes | str]) -> Path:
+    for name, content in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+    return root
+
+
+# --- local directories -------------------------------------------------------------------------
+
+
+def _export(
+    root: Path,
+    names: tuple[str, ...] = ("fp32", "int8"),
+    overrides: dict[str, object] | None = None,
+) -> Path:
+    files: dict[str, bytes | str] = {"tokenizer.json": "{}"}
+    entries = {}
+    for variant in names:
+        files[f"{variant}/model.onnx"] = f"graph-{variant}"
+        entries[variant] = {
+            "path": f"{variant}/model.onnx",
+            "sha256": "0" * 64,
+            "bytes": len(f"graph-{variant}"),
+        }
+    files["fp32/model.onnx_data"] = b"\0" * 32
+    manifest = {
+        "format": "bgeserve-export",
+        "schema": 1,
+        "bgeserve_version": "0.1.0",
+        "opset": 18,
+        "hidden_size": HIDDEN,
+        "outputs": ["dense", "sparse_weights", "colbert"],
+        "variants": entries,
+        "tokenizer": "tokenizer.json",
+        "source": {"model": "BAAI/bge-m3"},
+    }
+    manifest.update(overrides or {})
+    files["manifest.json"] = json.dumps(manifest)
+    return _write(root, files)
+
+
+def test_bgeserve_export_is_detected(tmp_path: Path) -> None:
+    """A directory with a bgeserve-export manifest resolves to its variant's graph, heads in-graph."""
+    root = _export(tmp_path / "export")
+
+    art = resolve(model_path=root, variant="fp32", cache_dir=tmp_path / "cache", offline=True)
+
+    assert art.layout is Layout.BGESERVE and art.layout.outputs == (
+        "dense",
+        "sparse_weights",
+        "colbert",
+    )
+    assert art.onnx_path == root / "fp32/model.onnx"
+    assert art.tokenizer_path == root / "tokenizer.json"
+    assert art.heads is None
+    assert art.external_data == (root / "fp32/model.onnx_data",)
+    assert art.source == f"local export {root} (fp32)"
+    assert (
+        resolve(model_path=root, variant="int8", cache_dir=tmp_path / "cache").onnx_path
+        == root / "int8/model.onnx"
+    )
+
+
+def test_export_without_the_requested_variant_says_how_to_export_it(tmp_path: Path) -> None:
+    """Asking an export for a variant it lacks lists what it has and the export command."""
+    root = _export(tmp_path / "export")
+
+    with pytest.raises(ModelUnavailable) as info:
+        resolve(model_path=root, variant="fp16", cache_dir=tmp_path / "cache")
+
+    assert "fp32, int8" in info.value.message
+    assert f"bgeserve export --model BAAI/bge-m3 --out {root} --variant fp16" in info.value.message
+    assert info.value.param == "BGE_M3_MODEL"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"schema": 2}, "schema 2"),
+        (
+            {"variants": {"fp32": {"path": "../outside.onnx", "bytes": 1}}},
+            "not a path inside the export",
+        ),
+        ({"variants": {"fp32": {"path": "fp32/missing.onnx", "bytes": 1}}}, "is missing"),
+        (
+            {"variants": {"fp32": {"path": "fp32/model.onnx", "bytes": 999}}},
+            "manifest.json says 999",
+        ),
+        ({"tokenizer": "nope.json"}, "nope.json"),
+    ],
+)
+def test_broken_export_manifests_are_refused(
+    tmp_path: Path, overrides: dict[str, object], match: str
+) -> None:
+    """Unknown schema, escaping or missing paths, size mismatch and a missing tokenizer are refused."""
+    (tmp_path / "outside.onnx").write_text("x")
+    root = _export(tmp_path / "export", overrides=overrides)
+
+    with pytest.raises(ModelUnavailable, match=match):
+        resolve(model_path=root, variant="fp32", cache_dir=tmp_path / "cache")
+
+
+def _baai(root: Path, heads: dict[str, bytes]) -> Path:
+    return _write(
+        root,
+        {
+            "onnx/model.onnx": "graph",
+            "onnx/model.onnx_data": b"\0" * 64,
+            "onnx/Constant_7_attr__value": b"\1",
+            "onnx/tokenizer.json": "{}",
+            "onnx/config.json": "{}",
+            "onnx/sentencepiece.bpe.model": "x",
+            "tokenizer.json": "{}",
+            "config.json": "{}",
+            "pytorch_model.bin": "w",
+            **heads,
+        },
+    )
+
+
+def test_baai_snapshot_is_detected(tmp_path: Path, heads: dict[str, bytes]) -> None:
+    """BAAI/bge-m3's layout: onnx/model.onnx with external data, heads loaded from the .pt files."""
+    root = _baai(tmp_path / "baai", heads)
+
+    art = resolve(model_path=root, variant="fp32", cache_dir=tmp_path / "cache", offline=True)
+
+    assert art.layout is Layout.BAAI and art.variant == "fp32"
+    assert art.onnx_path == root / "onnx/model.onnx"
+    assert art.tokenizer_path == root / "tokenizer.json"
+    assert art.external_data == (
+        root / "onnx/Constant_7_attr__value",
+        root / "onnx/model.onnx_data",
+    )
+    assert art.heads is not None and art.heads.colbert_weight.shape == (HIDDEN, HIDDEN)
+    assert art.source == f"local BAAI/bge-m3 snapshot {root} (fp32)"
+
+
+def test_snapshot_without_the_requested_variant_lists_what_it_has(
+    tmp_path: Path, heads: dict[str, bytes]
+) -> None:
+    """A BAAI snapshot asked for int8 names the graph it lacks, what it has, and the export route."""
+    root = _baai(tmp_path / "baai", heads)
+
+    with pytest.raises(ModelUnavailable) as info:
+        resolve(model_path=root, variant="int8", cache_dir=tmp_path / "cache", offline=True)
+
+    assert "onnx/model_quantized.onnx" in info.value.message
+    assert "fp32 (onnx/model.onnx)" in info.value.message
+    assert "bgeserve export" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("variant", "graph"), [("fp16", "onnx/model_fp16.onnx"), ("int8", "onnx/model_quantized.onnx")]
+)
+def test_xenova_snapshot_with_local_heads_is_detected(
+    tmp_path: Path, heads: dict[str, bytes], variant: str, graph: str
+) -> None:
+    """Xenova's fp16/int8 graphs resolve to the hidden-state layout, heads from the same directory."""
+    root = _write(
+        tmp_path / "xenova",
+        {graph: "graph", "tokenizer.json": "{}", "onnx/model.onnx": "g", **heads},
+    )
+
+    art = resolve(model_path=root, variant=variant, cache_dir=tmp_path / "cache", offline=True)
+
+    assert art.layout is Layout.HIDDEN and art.layout.outputs == ("last_hidden_state",)
+    assert art.onnx_path == root / graph
+    assert art.external_data == ()
+    assert art.heads is not None and art.heads.hidden_size == HIDDEN
+
+
+def test_xenova_snapshot_without_heads_offline_and_uncached_is_refused(tmp_path: Path) -> None:
+    """No .pt heads beside a Xenova graph, offline, empty cache: a clear error, no download."""
+    root = _write(tmp_path / "xenova", {"onnx/model_quantized.onnx": "g", "tokenizer.json": "{}"})
+
+    with pytest.raises(ModelUnavailable) as info:
+        resolve(model_path=root, variant="int8", cache_dir=tmp_path / "cache", offline=True)
+
+    assert "sparse_linear.pt" in info.value.message and str(root) in info.value.message
+    assert "offline" in info.value.message and str(tmp_path / "cache") in info.value.message
+
+
+def test_pytorch_only_directory_says_to_export(tmp_path: Path) -> None:
+    """A Hugging Face PyTorch snapshot without ONNX points the user at `bgeserve export`."""
+    root = _write(
+        tmp_path / "pt", {"config.json": "{}", "model.safetensors": "w", "tokenizer.json": "{}"}
+    )
+
+    with pytest.raises(ModelUnavailable) as info:
+        resolve(model_path=root, variant="fp32", cache_dir=tmp_path / "cache")
+
+    assert f"bgeserve export --model {root} --out OUT" in info.value.message
+    assert "BGE_M3_MODEL_PATH" in info.value.message
+
+
+def test_unrecognised_and_missing_directories_are_refused(tmp_path: Path) -> None:
+    """An empty directory says what was looked for; a missing one says so."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelUnavailable, match="looked for manifest.json"):
+        resolve(model_path=tmp_path / "empty", variant="fp32", cache_dir=tmp_path / "cache")
+    with pytest.raises(ModelUnavailable, match="does not exist"):
+        resolve(model_path=tmp_path / "nope", variant="fp32", cache_dir=tmp_path / "cache")
+
+
+def test_unknown_variant_is_a_config_error(tmp_path: Path) -> None:
+    """A variant outside fp32/fp16/int8 is refused naming BGE_M3_MODEL."""
+    with pytest.raises(ConfigError) as info:
+        resolve(model_path=tmp_path, variant="q4", cache_dir=tmp_path / "cache")
+    assert info.value.param == "BGE_M3_MODEL"
+
+
+def test_identity_tracks_graph_and_external_data(tmp_path: Path) -> None:
+    """identity() names each graph file with size and mtime, and changes when data changes."""
+    root = _export(tmp_path / "export")
+    art = resolve(model_path=root, variant="fp32", cache_dir=tmp_path / "cache")
+    before = art.identity()
+
+    assert before.startswith("model.onnx:") and ";model.onnx_data:32:" in before
+    (root / "fp32/model.onnx_data").write_bytes(b"\0" * 33)
+    assert art.identity() != before
+    (root / "fp32/model.onnx_data").unlink()
+    with pytest.raises(ModelUnavailable, match="is gone"):
+        art.identity()
+
+
+def test_local_resolution_imports_neither_torch_nor_the_hub_client(
+    tmp_path: Path, heads: dict[str, bytes]
+) -> None:
+    """Resolving a local BAAI snapshot (heads included) imports no torch, transformers, huggingface_hub."""
+    root = _baai(tmp_path / "baai", heads)
+    script = (
+        "import sys\nfrom pathlib import Path\nfrom bgeserve.artifacts import resolve\n"
+        f"art = resolve(model_path=Path({str(root)!r}), variant='fp32', cache_dir=Path({str(tmp_path / 'c')!r}))\n"
+        "assert art.heads is not None\n"
+        "bad = [m for m in ('torch', 'transformers', 'huggingface_hub') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+
+
+# --- cache directory -----------------------------------------------------------------------------
+
+
+def test_cache_dir_is_created(tmp_path: Path) -> None:
+    """A missing cache directory (and its parents) is created and returned."""
+    path = validate_cache_dir(tmp_path / "a" / "b")
+    assert path.is_dir() and not list(path.iterdir())
+
+
+@pytest.mark.parametrize("sub", ["", "sub/dir"])
+def test_cache_dir_through_a_regular_file_is_refused(tmp_path: Path, sub: str) -> None:
+    """A cache path that is, or runs through, a regular file is refused naming that file."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+
+    with pytest.raises(ModelUnavailable) as info:
+        validate_cache_dir(blocker / sub if sub else blocker)
+
+    assert f"{blocker} is a regular file" in info.value.message
+    assert info.value.param == "BGE_M3_CACHE_DIR"
+
+
+@pytest.mark.skipif(
+    hasattr(os, "geteuid") and os.geteuid() == 0, reason="root ignores directory permissions"
+)
+def test_read_only_cache_dir_is_refused(tmp_path: Path) -> None:
+    """A read-only directory fails the real write check; a path below it cannot be created."""
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    readonly.chmod(0o555)
+    try:
+        with pytest.raises(ModelUnavailable, match="not writable"):
+            validate_cache_dir(readonly)
+        with pytest.raises(ModelUnavailable, match="cannot create it"):
+            validate_cache_dir(readonly / "cache")
+    finally:
+        readonly.chmod(0o755)
+
+
+# --- hub downloads through a fake endpoint ------------------------------------------------------
+
+
+class FakeHub:
+    """A Hugging Face ``/resolve/`` endpoint on 127.0.0.1 serving in-memory files."""
+
+    def __init__(self, files: dict[tuple[str, str, str], bytes]):
+        self.files = files
+        self.requests: list[tuple[str, str]] = []
+        hub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_HEAD(self) -> None:
+                self._answer(body=False)
+
+            def do_GET(self) -> None:
+                self._answer(body=True)
+
+            def _answer(self, *, body: bool) -> None:
+                hub.requests.append((self.command, self.path))
+                repo_id, revision, filename = hub.parse(self.path)
+                content = hub.files.get((repo_id, revision, filename))
+                if content is None:
+                    known = any(r == repo_id and v == revision for r, v, _ in hub.files)
+                    self.send_response(404)
+                    self.send_header("X-Error-Code", "EntryNotFound" if known else "RepoNotFound")
+                    self.send_header("X-Repo-Commit", revision)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("X-Repo-Commit", revision)
+                self.send_header("ETag", f'"{hashlib.sha256(content).hexdigest()}"')
+                self.send_header("Content-Length", str(len(content)))
+                self.send_header("Content-Type", "application/octet-stream")
+                self.end_headers()
+                if body:
+                    self.wfile.write(content)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self.thread.start()
+
+    @staticmethod
+    def parse(path: str) -> tuple[str, str, str]:
+        parts = unquote(path.split("?")[0]).lstrip("/").split("/")
+        if len(parts) < 5 or parts[2] != "resolve":
+            return "", "", ""
+        return f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:])
+
+    def downloaded(self) -> list[tuple[str, str]]:
+        """(repo_id, filename) of every GET, in order."""
+        return [(r, f) for (m, p) in self.requests if m == "GET" for r, _, f in [self.parse(p)]]
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+def _hub_files(heads: dict[str, bytes]) -> dict[tuple[str, str, str], bytes]:
+    files = {(BAAI_REPO, BAAI_REVISION, name): content for name, content in heads.items()}
+    for variant, source in HUB_SOURCES.items():
+        for name in (source.onnx, *source.external_data):
+            files[(source.repo_id, source.revision, name)] = f"{variant}:{name}".encode()
+        files[(source.repo_id, source.revision, source.tokenizer)] = (
+            f'{{"repo": "{source.repo_id}"}}'.encode()
+        )
+    return files
+
+
+@pytest.fixture
+def hub(heads: dict[str, bytes], monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
+    from huggingface_hub import constants
+
+    # The hub client reads these at import time or per client; make the loopback server reachable.
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    fake = FakeHub(_hub_files(heads))
+    yield fake
+    fake.stop()
+
+
+def test_fp32_download_fetches_baai_graph_data_tokenizer_and_heads(
+    tmp_path: Path, hub: FakeHub
+) -> None:
+    """fp32 from the hub: BAAI/bge-m3's graph, both external-data files, tokenizer, both heads."""
+    cache = tmp_path / "cache"
+
+    art = resolve(
+        model_path=None, variant="fp32", cache_dir=cache, endpoint=hub.url, progress=False
+    )
+
+    assert sorted(hub.downloaded()) == sorted(
+        [
+            (BAAI_REPO, f)
+            for f in (
+                "onnx/model.onnx",
+                "onnx/model.onnx_data",
+                "onnx/Constant_7_attr__value",
+                "tokenizer.json",
+                "sparse_linear.pt",
+                "colbert_linear.pt",
+            )
+        ]
+    )
+    snapshot = cache.resolve() / "models--BAAI--bge-m3" / "snapshots" / BAAI_REVISION
+    assert art.layout is Layout.BAAI
+    assert art.onnx_path == snapshot / "onnx/model.onnx"
+    assert art.onnx_path.read_bytes() == b"fp32:onnx/model.onnx"
+    assert art.external_data == (
+        snapshot / "onnx/model.onnx_data",
+        snapshot / "onnx/Constant_7_attr__value",
+    )
+    assert art.tokenizer_path == snapshot / "tokenizer.json"
+    assert art.heads is not None and art.heads.hidden_size == HIDDEN
+    assert art.source == f"hub {BAAI_REPO}@{BAAI_REVISION} (fp32)"
+    assert art.identity().count(";") == 2
+
+
+def test_int8_download_then_offline_from_cache(tmp_path: Path, hub: FakeHub) -> None:
+    """int8 comes from Xenova with BAAI's heads; later calls use the cache, offline or not."""
+    cache = tmp_path / "cache"
+
+    art = resolve(
+        model_path=None, variant="int8", cache_dir=cache, endpoint=hub.url, progress=False
+    )
+
+    assert sorted(hub.downloaded()) == sorted(
+        [
+            (XENOVA_REPO, "onnx/model_quantized.onnx"),
+            (XENOVA_REPO, "tokenizer.json"),
+            (BAAI_REPO, "sparse_linear.pt"),
+            (BAAI_REPO, "colbert_linear.pt"),
+        ]
+    )
+    assert art.layout is Layout.HIDDEN and art.variant == "int8"
+    assert art.onnx_path.read_bytes() == b"int8:onnx/model_quantized.onnx"
+    assert art.onnx_path.is_relative_to(
+        cache.resolve() / "models--Xenova--bge-m3" / "snapshots" / XENOVA_REVISION
+    )
+    assert b"Xenova" in art.tokenizer_path.read_bytes()
+    assert art.heads is not None
+    assert "heads from BAAI/bge-m3@" in art.source
+
+    seen = len(hub.requests)
+    again = resolve(
+        model_path=None, variant="int8", cache_dir=cache, endpoint=hub.url, progress=False
+    )
+    assert len(hub.requests) == seen  # pinned commits: a warm cache needs no HEAD request at all
+    assert again.onnx_path == art.onnx_path
+
+    hub.stop()
+    hub.stop = lambda: None  # type: ignore[method-assign]
+    offline = resolve(
+        model_path=None, variant="int8", cache_dir=cache, endpoint=hub.url, offline=True
+    )
+    assert (offline.onnx_path, offline.tokenizer_path) == (art.onnx_path, art.tokenizer_path)
+    assert offline.heads is not None
+
+
+def test_local_xenova_directory_downloads_missing_heads(tmp_path: Path, hub: FakeHub) -> None:
+    """A Xenova snapshot without .pt heads gets them from BAAI/bge-m3 into the cache dir."""
+    root = _write(
+        tmp_path / "xenova",
+        {"onnx/model.onnx": "g", "onnx/model_fp16.onnx": "g", "tokenizer.json": "{}"},
+    )
+
+    art = resolve(
+        model_path=root,
+        variant="fp32",
+        cache_dir=tmp_path / "cache",
+        endpoint=hub.url,
+        progress=False,
+    )
+
+    assert art.layout is Layout.HIDDEN  # Xenova's own model.onnx outputs last_hidden_state
+    assert sorted(hub.downloaded()) == [
+        (BAAI_REPO, "colbert_linear.pt"),
+        (BAAI_REPO, "sparse_linear.pt"),
+    ]
+    assert art.heads is not None
+    assert (tmp_path / "cache" / "models--BAAI--bge-m3").is_dir()
+
+
+def test_file_missing_on_the_hub_is_named(tmp_path: Path, hub: FakeHub) -> None:
+    """A file the endpoint does not have gives ModelUnavailable naming it and its repo."""
+    del hub.files[(BAAI_REPO, BAAI_REVISION, "onnx/Constant_7_attr__value")]
+
+    with pytest.raises(ModelUnavailable) as info:
+        resolve(
+            model_path=None,
+            variant="fp32",
+            cache_dir=tmp_path / "cache",
+            endpoint=hub.url,
+            progress=False,
+        )
+
+    message = info.value.message
+    assert "onnx/Constant_7_attr__value" in message and BAAI_REPO in message
+    assert "no such file" in message and "BGE_M3_MODEL_PATH" in message
+
+
+def test_offline_with_empty_cache_is_refused_without_network(tmp_path: Path, hub: FakeHub) -> None:
+    """offline=True and nothing cached: ModelUnavailable naming the cache, and no request sent."""
+    with pytest.raises(ModelUnavailable) as info:
+        resolve(
+            model_path=None,
+            variant="fp16",
+            cache_dir=tmp_path / "cache",
+            endpoint=hub.url,
+            offline=True,
+        )
+
+    assert "onnx/model_fp16.onnx" in info.value.message and XENOVA_REPO in info.value.message
+    assert str(tmp_path / "cache") in info.value.message and "offline" in info.value.message
+    assert hub.requests == []
+
+
+def test_unreachable_hub_is_refused(
+    tmp_path: Path, hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection refused with an empty cache becomes ModelUnavailable, not a transport error."""
+    # huggingface_hub retries a failed connection with exponential backoff (~23 s of sleeps).
+    monkeypatch.setattr("huggingface_hub.utils._http.time.sleep", lambda seconds: None)
+    url = hub.url
+    hub.stop()
+    hub.stop = lambda: None  # type: ignore[method-assign]
+
+    with pytest.raises(ModelUnavailable, match="could not be reached"):
+        resolve(
+            model_path=None,
+            variant="int8",
+            cache_dir=tmp_path / "cache",
+            endpoint=url,
+            progress=False,
+        )
+
+
+def test_bad_cache_dir_is_refused_before_any_request(tmp_path: Path, hub: FakeHub) -> None:
+    """The cache directory is checked before the hub is contacted."""
+    (tmp_path / "file").write_text("x")
+
+    with pytest.raises(ModelUnavailable, match="BGE_M3_CACHE_DIR"):
+        resolve(
+            model_path=None, variant="fp32", cache_dir=tmp_path / "file" / "cache", endpoint=hub.url
+        )
+
+    assert hub.requests == []
+
+
+def test_model_artifacts_is_frozen(tmp_path: Path) -> None:
+    """ModelArtifacts cannot be mutated after resolve()."""
+    art = resolve(model_path=_export(tmp_path / "e"), variant="fp32", cache_dir=tmp_path / "c")
+    assert isinstance(art, ModelArtifacts)
+    with pytest.raises(AttributeError):
+        art.variant = "int8"  # type: ignore[misc]

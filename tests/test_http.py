@@ -1,0 +1,665 @@
+"""The HTTP layer in-process (Starlette TestClient, lifespan running) against ``FakeService``."""
+
+from __future__ import annotations
+
+import ast
+import base64
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import orjson
+import pytest
+from starlette.testclient import TestClient
+
+from bgeserve.config import Settings
+from bgeserve.errors import (
+    DeadlineExceeded,
+    EngineFailed,
+    InvalidInput,
+    ModelUnavailable,
+    NotReady,
+    OutOfMemory,
+    Overloaded,
+    TooLarge,
+)
+from bgeserve.http.app import create_app, model_ids
+from bgeserve.http.context import RequestIdFilter, request_id_var, sanitize_request_id
+from tests.fakes import FakeService, fake_tokens
+
+JSON = {"content-type": "application/json"}
+
+
+@contextmanager
+def serve(service: FakeService | None = None, **settings: Any) -> Iterator[TestClient]:
+    """A TestClient over a fresh app; ``settings`` override ``Settings`` fields."""
+    cfg = Settings(**settings)
+    fake = service or FakeService()
+    fake.settings = cfg
+    with TestClient(create_app(cfg, lambda _: fake), raise_server_exceptions=False) as client:
+        client.fake = fake  # type: ignore[attr-defined]
+        yield client
+
+
+@pytest.fixture
+def client() -> Iterator[TestClient]:
+    with serve() as c:
+        yield c
+
+
+def assert_error(r: Any, status: int, code: str | None = None, param: str | None = None) -> dict:
+    """The response is ``status`` with the envelope, and a request id."""
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    assert r.headers["x-request-id"]
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "code", "param"}
+    assert error["type"] == ("server_error" if status >= 500 else "invalid_request_error")
+    assert error["message"] and "Traceback" not in error["message"]
+    if code is not None:
+        assert error["code"] == code
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+# ---------------------------------------------------------------- dense
+
+
+def test_dense_float(client: TestClient) -> None:
+    """Dense vectors come back in input order with real token usage."""
+    texts = ["hello world", "a b c", ""]
+    r = client.post("/v1/embeddings", json={"input": texts, "model": "bge-m3"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "list" and body["model"] == "bge-m3"
+    assert [d["index"] for d in body["data"]] == [0, 1, 2]
+    for text, item in zip(texts, body["data"]):
+        assert item["object"] == "embedding" and "truncated" not in item
+        got = np.array(item["embedding"], dtype=np.float32)
+        np.testing.assert_array_equal(got, FakeService.expected_dense(text))
+    tokens = sum(len(fake_tokens(t)) + 2 for t in texts)
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+def test_dense_base64_equals_float(client: TestClient) -> None:
+    """base64 is the little-endian float32 bytes of exactly the float vector."""
+    req = {"input": ["x y", "z"], "model": "bge-m3"}
+    floats = client.post("/v1/embeddings", json=req).json()["data"]
+    b64 = client.post("/v1/embeddings", json={**req, "encoding_format": "base64"}).json()["data"]
+    for f, b in zip(floats, b64):
+        decoded = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
+        np.testing.assert_array_equal(decoded, np.array(f["embedding"], dtype=np.float32))
+
+
+@pytest.mark.parametrize(
+    ("value", "sent"),
+    [
+        ("one text", ["one text"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        ([[0, 5], [250001]], [[0, 5], [250001]]),
+        ([7.0, 8], [[7, 8]]),
+        ([[1], [2, 3.0]], [[1], [2, 3]]),
+    ],
+)
+def test_input_shapes(client: TestClient, value: Any, sent: list) -> None:
+    """A string, token ids, and lists of token ids all reach the service as a batch of ints.
+
+    Integral floats count as integers, as in JSON Schema.
+    """
+    r = client.post("/v1/embeddings", json={"input": value})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["data"]) == len(sent)
+    inputs = client.fake.calls[-1].inputs  # type: ignore[attr-defined]
+    assert inputs == sent
+    assert all(type(t) is int for item in inputs if isinstance(item, list) for t in item)
+
+
+def test_model_names() -> None:
+    """bge-m3, BAAI/bge-m3 and configured aliases are accepted; others are 404."""
+    with serve(model_aliases=("text-embedding-3-small",)) as c:
+        for name in ("bge-m3", "BAAI/bge-m3", "text-embedding-3-small"):
+            r = c.post("/v1/embeddings", json={"input": "x", "model": name})
+            assert r.status_code == 200 and r.json()["model"] == "bge-m3"
+        assert_error(
+            c.post("/v1/embeddings", json={"input": "x", "model": "gpt-4"}),
+            404, "model_not_found", "model",
+        )
+        assert_error(c.post("/v1/embeddings", json={"input": "x", "model": 3}), 400, param="model")
+        models = c.get("/v1/models").json()
+        assert [m["id"] for m in models["data"]] == [
+            "bge-m3", "BAAI/bge-m3", "text-embedding-3-small"
+        ]
+        assert models["data"][0] == {
+            "id": "bge-m3", "object": "model", "owned_by": "BAAI", "created": 0
+        }
+
+
+def test_dimensions(client: TestClient) -> None:
+    """dimensions=1024 is a no-op; anything else explains that bge-m3 is not Matryoshka."""
+    assert client.post("/v1/embeddings", json={"input": "x", "dimensions": 1024}).status_code == 200
+    err = assert_error(
+        client.post("/v1/embeddings", json={"input": "x", "dimensions": 256}),
+        400, "unsupported_dimensions", "dimensions",
+    )
+    assert "Matryoshka" in err["message"]
+    r = client.post("/v1/embeddings", json={"input": "x", "dimensions": 1024.0})
+    assert r.status_code == 200
+    for bad in ("1024", True, 1024.5):
+        assert_error(client.post("/v1/embeddings", json={"input": "x", "dimensions": bad}), 400)
+
+
+def test_truncation() -> None:
+    """Truncated items are flagged; truncate=false turns an over-long text into a 413."""
+    with serve(max_seq_length=5) as c:
+        r = c.post("/v1/embeddings", json={"input": ["short", "one two three four five"]})
+        data = r.json()["data"]
+        assert "truncated" not in data[0] and data[1]["truncated"] is True
+        assert r.json()["usage"]["prompt_tokens"] == 3 + 5
+        r = c.post("/v1/embeddings", json={"input": ["ok", "a b c d e"], "truncate": False})
+        assert_error(r, 413, param="input[1]")
+        assert c.fake.calls[-1].options.truncate is False  # type: ignore[attr-defined]
+    with serve(truncate=False) as c:
+        c.post("/v1/embeddings", json={"input": "x"})
+        assert c.fake.calls[-1].options.truncate is False  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- sparse and both
+
+
+def test_sparse(client: TestClient) -> None:
+    """Sparse items carry ascending indices and their weights, with usage."""
+    r = client.post("/v1/sparse-embeddings", json={"input": ["alpha beta gamma", ""]})
+    body = r.json()
+    assert body["object"] == "list" and body["model"] == "bge-m3" and body["usage"]
+    first, empty = body["data"]
+    assert first["object"] == "sparse_embedding" and first["index"] == 0
+    ids, weights = FakeService.expected_sparse("alpha beta gamma")
+    assert first["sparse_values"]["indices"] == ids.tolist()
+    np.testing.assert_array_equal(np.float32(first["sparse_values"]["values"]), weights)
+    assert empty["sparse_values"] == {"indices": [], "values": []}
+    assert client.fake.calls[-1].options.dense is False  # type: ignore[attr-defined]
+
+
+def test_sparse_top_k_and_min_weight(client: TestClient) -> None:
+    """top_k keeps the largest weights, min_weight drops small ones; order stays by index."""
+    text = " ".join(f"w{i}" for i in range(40))
+    ids, weights = FakeService.expected_sparse(text)
+    r = client.post("/v1/sparse-embeddings", json={"input": text, "sparse_top_k": 5})
+    sv = r.json()["data"][0]["sparse_values"]
+    assert len(sv["indices"]) == 5 and sv["indices"] == sorted(sv["indices"])
+    assert sorted(np.float32(sv["values"])) == sorted(weights)[-5:]
+    threshold = float(np.median(weights))
+    r = client.post("/v1/sparse-embeddings", json={"input": text, "sparse_min_weight": threshold})
+    sv = r.json()["data"][0]["sparse_values"]
+    assert sv["indices"] == ids[weights >= np.float32(threshold)].tolist()
+
+
+def test_sparse_tokens_format(client: TestClient) -> None:
+    """sparse_format=tokens keys weights by token string, keeping the max on a collision."""
+    text = " ".join(f"t{i}" for i in range(300))  # 300 ids into 1000 strings: collisions likely
+    ids, weights = FakeService.expected_sparse(text)
+    expected: dict[str, float] = {}
+    fake: FakeService = client.fake  # type: ignore[attr-defined]
+    for token, w in zip(fake.token_strings(ids.tolist()), weights):
+        expected[token] = max(expected.get(token, 0.0), float(w))
+    assert len(expected) < len(ids)
+    r = client.post("/v1/sparse-embeddings", json={"input": text, "sparse_format": "tokens"})
+    got = r.json()["data"][0]["sparse_values"]
+    assert {k: float(np.float32(v)) for k, v in got.items()} == expected
+
+
+def test_both_default_and_colbert(client: TestClient) -> None:
+    """:both gives dense + sparse by default, and ColBERT as lists or base64 (f32 / f16)."""
+    r = client.post("/v1/embeddings:both", json={"input": "a b"})
+    item = r.json()["data"][0]
+    assert set(item) == {"object", "index", "embedding", "sparse_values"}
+    assert client.fake.calls[-1].options.colbert is False  # type: ignore[attr-defined]
+    expected = FakeService.expected_colbert("a b", 4)
+    req = {"input": "a b", "outputs": ["colbert"]}
+    item = client.post("/v1/embeddings:both", json=req).json()["data"][0]
+    assert set(item) == {"object", "index", "colbert"}
+    np.testing.assert_array_equal(np.float32(item["colbert"]), expected)
+    for dtype, np_dtype in (("float32", "<f4"), ("float16", "<f2")):
+        r = client.post(
+            "/v1/embeddings:both",
+            json={**req, "encoding_format": "base64", "colbert_dtype": dtype},
+        )
+        raw = np.frombuffer(base64.b64decode(r.json()["data"][0]["colbert"]), dtype=np_dtype)
+        np.testing.assert_array_equal(raw.reshape(-1, 1024), expected.astype(np_dtype))
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings%3Aboth", "/v1/embeddings%3aboth"])
+def test_both_percent_encoded_colon(client: TestClient, path: str) -> None:
+    """A percent-encoded colon reaches :both (the router matches the decoded path)."""
+    r = client.post(path, json={"input": "x"})
+    assert r.status_code == 200 and "sparse_values" in r.json()["data"][0]
+
+
+@pytest.mark.parametrize(
+    ("outputs", "param"),
+    [
+        ([], "outputs"),
+        (["dense", "lexical"], "outputs[1]"),
+        ("dense", "outputs"),
+        ([1], "outputs[0]"),
+    ],
+)
+def test_both_bad_outputs(client: TestClient, outputs: Any, param: str) -> None:
+    """outputs must be a non-empty list drawn from dense, sparse, colbert."""
+    r = client.post("/v1/embeddings:both", json={"input": "x", "outputs": outputs})
+    assert_error(r, 400, "invalid_input", param)
+
+
+def test_unknown_fields_ignored(client: TestClient) -> None:
+    """Extra fields (OpenAI clients send some) and fields of other routes are ignored."""
+    body = {"input": "x", "user": "u", "foo": {"bar": [1]}, "outputs": "nonsense"}
+    assert client.post("/v1/embeddings", json=body).status_code == 200
+    body = {"input": "x", "encoding_format": "nonsense", "dimensions": 3}
+    assert client.post("/v1/sparse-embeddings", json=body).status_code == 200
+
+
+def test_nulls_mean_defaults(client: TestClient) -> None:
+    """An option sent as null takes its default."""
+    body = {"input": "x", "model": None, "encoding_format": None, "dimensions": None,
+            "truncate": None, "sparse_top_k": None, "outputs": None}
+    r = client.post("/v1/embeddings:both", json=body)
+    assert r.status_code == 200 and isinstance(r.json()["data"][0]["embedding"], list)
+
+
+# ---------------------------------------------------------------- validation
+
+BAD_BODIES = [
+    ({}, "input"),
+    ({"input": None}, "input"),
+    ({"input": 3}, "input"),
+    ({"input": {"text": "x"}}, "input"),
+    ({"input": True}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [[]]}, "input[0]"),
+    ({"input": ["a", 1]}, "input[1]"),
+    ({"input": ["a", ["b"]]}, "input[1]"),
+    ({"input": [["a"]]}, "input[0][0]"),
+    ({"input": [[1], "a"]}, "input[1]"),
+    ({"input": [[1, 2], [3, "4"]]}, "input[1][1]"),
+    ({"input": [1, True]}, "input[1]"),
+    ({"input": [True]}, "input[0]"),
+    ({"input": [1.5]}, "input[0]"),
+    ({"input": [[1, 2.5]]}, "input[0][1]"),
+    ({"input": [-1]}, "input[0]"),
+    ({"input": [5, 250002]}, "input[1]"),
+    ({"input": [[1], [250002]]}, "input[1][0]"),
+    ({"input": [None]}, "input[0]"),
+    ({"input": "x", "encoding_format": "binary"}, "encoding_format"),
+    ({"input": "x", "truncate": "yes"}, "truncate"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_BODIES)
+def test_schema_errors_are_400(client: TestClient, body: dict, param: str) -> None:
+    """Every malformed field is a 400 naming the field; the service is never called."""
+    assert_error(client.post("/v1/embeddings", json=body), 400, param=param)
+    assert client.fake.calls == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"sparse_top_k": 0}, "sparse_top_k"),
+        ({"sparse_top_k": 2.5}, "sparse_top_k"),
+        ({"sparse_top_k": True}, "sparse_top_k"),
+        ({"sparse_min_weight": -0.1}, "sparse_min_weight"),
+        ({"sparse_min_weight": "0"}, "sparse_min_weight"),
+        ({"sparse_format": "dict"}, "sparse_format"),
+    ],
+)
+def test_sparse_option_errors(client: TestClient, body: dict, param: str) -> None:
+    """Sparse options are range- and type-checked."""
+    r = client.post("/v1/sparse-embeddings", json={"input": "x", **body})
+    assert_error(r, 400, param=param)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"{", b"[1, 2]", b'"input"', b"null", b'{"input": "\xff\xfe"}', b'{"input": NaN}',
+     b'{"input": [' + b"1" * 40 + b"]}"],
+)
+def test_bad_json_is_400(client: TestClient, raw: bytes) -> None:
+    """Invalid JSON, invalid UTF-8, non-objects and oversized integers are 400 invalid_json."""
+    assert_error(client.post("/v1/embeddings", content=raw, headers=JSON), 400)
+
+
+def test_deep_nesting_is_400(client: TestClient) -> None:
+    """10,000 nested lists (past orjson's recursion limit) are a 400, not a 500."""
+    for raw in (b'{"input": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+                b'{"x": ' + b'{"a":' * 10_000 + b"1" + b"}" * 10_000 + b', "input": "a"}'):
+        assert_error(client.post("/v1/embeddings", content=raw, headers=JSON), 400, "invalid_json")
+    # nesting that orjson accepts is still a schema error, not a crash
+    raw = b'{"input": [' + b"[" * 500 + b"]" * 500 + b"]}"
+    assert_error(client.post("/v1/embeddings", content=raw, headers=JSON), 400)
+
+
+def test_batch_limit() -> None:
+    """max_batch texts are fine; one more is a 400 batch_too_large naming input."""
+    with serve(max_batch=4) as c:
+        assert c.post("/v1/embeddings", json={"input": ["a"] * 4}).status_code == 200
+        r = c.post("/v1/embeddings", json={"input": ["a"] * 5})
+        assert_error(r, 400, "batch_too_large", "input")
+        r = c.post("/v1/embeddings", json={"input": [[1]] * 5})
+        assert_error(r, 400, "batch_too_large", "input")
+
+
+def test_ten_thousand_inputs() -> None:
+    """A 10,000-item request is accepted when max_batch allows it (parse/render off-loop)."""
+    with serve(max_batch=10_000) as c:
+        texts = [f"text {i}" for i in range(10_000)]
+        r = c.post("/v1/sparse-embeddings", json={"input": texts})
+        data = r.json()["data"]
+        assert len(data) == 10_000 and data[-1]["index"] == 9_999
+        ids, _ = FakeService.expected_sparse(texts[-1])
+        assert data[-1]["sparse_values"]["indices"] == ids.tolist()
+
+
+def test_text_too_long_is_413(client: TestClient) -> None:
+    """A text over max_text_chars is a 413 naming its index; a huge string is refused too."""
+    with serve(max_text_chars=10) as c:
+        assert c.post("/v1/embeddings", json={"input": ["0123456789"]}).status_code == 200
+        r = c.post("/v1/embeddings", json={"input": ["ok", "0123456789x"]})
+        assert_error(r, 413, "too_large", "input[1]")
+    r = client.post("/v1/embeddings", json={"input": "x" * 20_000_000})
+    assert_error(r, 413, "too_large", "input[0]")
+
+
+# ---------------------------------------------------------------- framework errors
+
+
+def test_framework_errors_use_envelope(client: TestClient) -> None:
+    """404, 405 (with Allow) and 415 come in the same envelope."""
+    assert_error(client.get("/v2/nothing"), 404, "not_found")
+    r = client.get("/v1/embeddings")
+    assert_error(r, 405, "method_not_allowed")
+    assert r.headers["allow"] == "POST"
+    r = client.post("/health")
+    assert_error(r, 405)
+    assert "GET" in r.headers["allow"]
+    r = client.post("/v1/embeddings", content=b"input=x",
+                    headers={"content-type": "application/x-www-form-urlencoded"})
+    assert_error(r, 415, "unsupported_media_type")
+
+
+@pytest.mark.parametrize(
+    ("content_type", "status"),
+    [
+        ("application/json; charset=utf-8", 200),
+        ("Application/JSON; charset=UTF-8", 200),
+        ('application/json; charset="utf-8"', 200),
+        (None, 200),
+        ("application/json; charset=latin-1", 415),
+        ("text/plain", 415),
+        ("multipart/form-data; boundary=x", 415),
+    ],
+)
+def test_content_type(client: TestClient, content_type: str | None, status: int) -> None:
+    """Only (UTF-8) JSON is accepted; a missing Content-Type is read as JSON."""
+    headers = {"content-type": content_type} if content_type else {}
+    r = client.post("/v1/embeddings", content=b'{"input": "x"}', headers=headers)
+    assert r.status_code == status, r.text
+
+
+def test_body_limit_by_content_length() -> None:
+    """A declared Content-Length over the limit is refused before the handler runs."""
+    with serve(max_body_bytes=2048) as c:
+        r = c.post("/v1/embeddings", json={"input": "x" * 3000})
+        err = assert_error(r, 413, "payload_too_large")
+        assert "BGE_M3_MAX_BODY_BYTES" in err["message"]
+        assert c.fake.calls == []  # type: ignore[attr-defined]
+        r = c.post("/v1/embeddings", content=b"x" * 40 * 2**20, headers=JSON)
+        assert_error(r, 413, "payload_too_large")
+
+
+def _drive(app: Any, scope: dict, chunks: Iterator[bytes]) -> tuple[int, dict, int]:
+    """Run one request through the ASGI app; returns status, body and chunks pulled."""
+    pulled = 0
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        nonlocal pulled
+        try:
+            chunk = next(chunks)
+        except StopIteration:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        pulled += 1
+        return {"type": "http.request", "body": chunk, "more_body": True}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    anyio.run(app, scope, receive, send)
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, orjson.loads(body), pulled
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_body_limit_while_streaming(declared: bool) -> None:
+    """A 40 MiB body is cut off as soon as the running total passes the limit."""
+    settings = Settings()
+    fake = FakeService(settings=settings)
+    app = create_app(settings, lambda _: fake)
+    mib = 2**20
+    headers = [(b"content-type", b"application/json")]
+    if declared:
+        headers.append((b"content-length", str(40 * mib).encode()))
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/embeddings", "raw_path": b"/v1/embeddings",
+        "query_string": b"", "root_path": "", "headers": headers,
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+        "state": {"service": fake, "settings": settings, "model_ids": ("bge-m3",)},
+    }
+    status, body, pulled = _drive(app, scope, (b" " * mib for _ in range(40)))
+    assert status == 413 and body["error"]["code"] == "payload_too_large"
+    assert pulled == (0 if declared else settings.max_body_bytes // mib + 1)
+    assert fake.calls == []
+
+
+# ---------------------------------------------------------------- service errors
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "code"),
+    [
+        (InvalidInput("token id 260000 is not in the vocabulary", param="input[3]"), 400,
+         "invalid_input"),
+        (TooLarge("input[0] costs more memory than the budget", param="input[0]"), 413,
+         "too_large"),
+        (Overloaded("queue full", retry_after=2.5), 429, "overloaded"),
+        (DeadlineExceeded("deadline of 300 s passed"), 504, "timeout"),
+        (NotReady("model is loading"), 503, "not_ready"),
+        (ModelUnavailable("/secret/path/model.onnx missing"), 503, "model_unavailable"),
+        (EngineFailed("ORT: CUDA error at /secret/path"), 500, "engine_failed"),
+        (OutOfMemory("ORT: bad_alloc /secret/path"), 500, "out_of_memory"),
+    ],
+)
+def test_service_errors_map_through_the_table(error: Exception, status: int, code: str) -> None:
+    """Each service exception becomes its status; internals never reach the caller."""
+    with serve(FakeService(fail_with=error)) as c:
+        r = c.post("/v1/embeddings", json={"input": "x"}, headers={"x-request-id": "rid-1"})
+        err = assert_error(r, status, code)
+        assert "/secret/path" not in r.text
+        if status < 500:
+            assert err["param"] == getattr(error, "param", None)
+        if status == 500 or isinstance(error, ModelUnavailable):
+            assert "rid-1" in err["message"]
+        if isinstance(error, Overloaded):
+            assert r.headers["retry-after"] == "3"
+
+
+def test_retry_after_is_at_least_one() -> None:
+    """A sub-second retry_after still says Retry-After: 1."""
+    with serve(FakeService(fail_with=Overloaded("busy", retry_after=0.01))) as c:
+        assert c.post("/v1/embeddings", json={"input": "x"}).headers["retry-after"] == "1"
+
+
+def test_unexpected_error_is_generic_500() -> None:
+    """A bug in the service is a 500 envelope with the request id and no stack trace."""
+    with serve(FakeService(fail_with=RuntimeError("secret internals"))) as c:
+        r = c.post("/v1/embeddings", json={"input": "x"}, headers={"x-request-id": "bug-1"})
+    err = assert_error(r, 500, "internal_error")
+    assert "secret" not in r.text and "bug-1" in err["message"]
+    assert r.headers["x-request-id"] == "bug-1"
+
+
+# ---------------------------------------------------------------- auth
+
+
+def test_auth() -> None:
+    """With keys set, every route but /health (and /metrics) needs a matching bearer key."""
+    with serve(api_keys=("k1", "k2")) as c:
+        r = c.post("/v1/embeddings", json={"input": "x"})
+        assert_error(r, 401, "invalid_api_key")
+        assert r.headers["www-authenticate"] == "Bearer"
+        wrong = ("Bearer nope", "Basic k1", "k1", "Bearer", "Bearer k1k2", b"Bearer \xc3\xa9")
+        for header in wrong:
+            r = c.post("/v1/embeddings", json={"input": "x"}, headers={"authorization": header})
+            assert_error(r, 401, "invalid_api_key")
+        for header in ("Bearer k1", "bearer k2", "Bearer  k1 "):
+            r = c.post("/v1/embeddings", json={"input": "x"}, headers={"authorization": header})
+            assert r.status_code == 200
+        assert c.get("/health").status_code == 200
+        assert c.get("/metrics").status_code == 200
+        assert_error(c.get("/v1/models"), 401)
+        assert_error(c.get("/no/such/route"), 401)
+    with serve(api_keys=("k1",), metrics_auth=True) as c:
+        assert_error(c.get("/metrics"), 401)
+        assert c.get("/metrics", headers={"authorization": "Bearer k1"}).status_code == 200
+
+
+def test_no_auth_by_default(client: TestClient) -> None:
+    """Without configured keys no header is needed and any header is ignored."""
+    r = client.get("/v1/models", headers={"authorization": "Bearer whatever"})
+    assert r.status_code == 200
+
+
+def test_unauthenticated_huge_body_is_401_unread() -> None:
+    """Auth is checked before the body limit: a stranger's 40 MiB upload gets a 401."""
+    with serve(api_keys=("k",)) as c:
+        r = c.post("/v1/embeddings", content=b"x" * 40 * 2**20, headers=JSON)
+        assert_error(r, 401)
+
+
+# ---------------------------------------------------------------- request ids
+
+
+def test_request_id_echoed_and_passed(client: TestClient) -> None:
+    """A good X-Request-ID is echoed and handed to the service."""
+    r = client.post("/v1/embeddings", json={"input": "x"}, headers={"X-Request-ID": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    assert client.fake.calls[-1].request_id == "abc-123"  # type: ignore[attr-defined]
+
+
+def test_request_id_generated(client: TestClient) -> None:
+    """Without one, a uuid4 hex is generated, on success and on every kind of error."""
+    for r in (client.get("/health"), client.get("/nope"),
+              client.post("/v1/embeddings", content=b"{", headers=JSON)):
+        rid = r.headers["x-request-id"]
+        assert len(rid) == 32 and int(rid, 16) >= 0
+
+
+@pytest.mark.parametrize("raw", [b"x" * 129, b"", b"  ", b"a\x01b", "é".encode("latin-1")])
+def test_request_id_sanitized(raw: bytes) -> None:
+    """Over-long, empty or non-printable ids are replaced."""
+    rid = sanitize_request_id(raw)
+    assert len(rid) == 32 and rid != raw.decode("latin-1")
+
+
+def test_request_id_on_middleware_errors() -> None:
+    """401 and 413 refusals from middleware still echo the request id."""
+    with serve(api_keys=("k",), max_body_bytes=1024) as c:
+        r = c.post("/v1/embeddings", json={"input": "x"}, headers={"x-request-id": "r401"})
+        assert r.headers["x-request-id"] == "r401"
+        r = c.post("/v1/embeddings", content=b"x" * 2000,
+                   headers={**JSON, "x-request-id": "r413", "authorization": "Bearer k"})
+        assert r.status_code == 413 and r.headers["x-request-id"] == "r413"
+
+
+def test_request_id_filter() -> None:
+    """RequestIdFilter stamps records with the current request's id."""
+    record = logging.LogRecord("t", logging.INFO, "f", 1, "m", None, None)
+    token = request_id_var.set("ctx-id")
+    try:
+        assert RequestIdFilter().filter(record)
+        assert record.request_id == "ctx-id"  # type: ignore[attr-defined]
+    finally:
+        request_id_var.reset(token)
+
+
+def test_access_log_carries_request_id(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One access-log line per request, with the request id on the record."""
+    with caplog.at_level(logging.INFO, logger="bgeserve.http"):
+        client.post("/v1/embeddings", json={"input": "x"}, headers={"x-request-id": "log-1"})
+    lines = [r for r in caplog.records if getattr(r, "request_id", None) == "log-1"]
+    assert any("POST /v1/embeddings 200" in r.getMessage() for r in lines)
+
+
+# ---------------------------------------------------------------- health, metrics, lifespan
+
+
+@pytest.mark.parametrize(
+    ("state", "status"),
+    [("ok", 200), ("warn", 200), ("idle", 200), ("loading", 503), ("fail", 503)],
+)
+def test_health(state: str, status: int) -> None:
+    """ok/warn/idle are 200, loading/fail are 503; the body is the service's report."""
+    with serve(FakeService(status=state)) as c:
+        r = c.get("/health")
+        assert r.status_code == status and r.json()["status"] == state
+        assert r.json()["workers"] == {"live": 1, "loaded": 1, "total": 1}
+
+
+def test_metrics(client: TestClient) -> None:
+    """/metrics passes the service's exposition and content type through."""
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert b"bgeserve_fake_calls_total" in r.content
+
+
+def test_lifespan_starts_and_stops_service() -> None:
+    """The lifespan starts the service before serving and stops it at shutdown."""
+    fake = FakeService()
+    with serve(fake) as c:
+        assert fake.started and not fake.stopped
+        c.get("/health")
+    assert fake.stopped
+
+
+def test_model_ids_deduplicated() -> None:
+    """Aliases repeating a built-in name are listed once."""
+    assert model_ids("bge-m3", Settings(model_aliases=("bge-m3", "m3"))) == (
+        "bge-m3", "BAAI/bge-m3", "m3"
+    )
+
+
+def test_create_app_without_factory_is_lazy() -> None:
+    """Without a factory the app builds without importing the service (until the lifespan)."""
+    app = create_app(Settings())
+    assert {r.path for r in app.routes} >= {"/v1/embeddings", "/health"}
+
+
+def test_http_imports_only_leaves_and_service() -> None:
+    """bgeserve.http depends on config, errors, results (and service, lazily) — nothing deeper."""
+    allowed = {"bgeserve.config", "bgeserve.errors", "bgeserve.results", "bgeserve.service"}
+    package = Path(__file__).resolve().parent.parent / "bgeserve" / "http"
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 2:
+                assert f"bgeserve.{node.module}" in allowed, (path.name, node.module)
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                assert not node.module.startswith("bgeserve"), (path.name, node.module)

@@ -1,0 +1,340 @@
+"""Tests for bgeserve.probe: shapes, isolated measurement, fit, and the fingerprinted cache."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+
+import numpy as np
+import pytest
+
+from bgeserve import probe
+from bgeserve.costmodel import CostModel, Fit, MiB, Sample
+from bgeserve.probe import (
+    PROBE_SCHEMA,
+    ProbeCache,
+    ProbeResult,
+    default_held_out,
+    default_shapes,
+    fingerprint,
+    run_probe,
+)
+
+A, B = 20000.0, 5.0  # the fake model's true bytes per token and per token²
+SHAPES = [(1, 64), (8, 64), (1, 256), (4, 256), (1, 512), (2, 1024), (1, 2048), (1, 4096)]
+WIDE = CostModel(A * 2, B * 2, 1 << 40)
+
+
+def true_cost(batch: int, seq: int) -> int:
+    return int(A * batch * seq + B * batch * seq * seq)
+
+
+def fake_run(batch: int, seq: int, hold: float = 0.0) -> None:
+    """Allocate exactly the true workspace, touch every page, hold it, free it."""
+    block = np.ones(true_cost(batch, seq), dtype=np.uint8)
+    if hold:
+        time.sleep(hold)
+    assert block[-1] == 1
+
+
+def collect() -> tuple[list[str], object]:
+    lines: list[str] = []
+    return lines, lines.append
+
+
+# --- shapes --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_seq", [16, 128, 512, 768, 1000, 2048, 8192])
+def test_default_shapes_span_to_max_seq(max_seq):
+    """≥ 6 distinct shapes within max_seq, (1, max_seq) last, more than one batch size."""
+    shapes = default_shapes(max_seq)
+    assert len(shapes) >= 6 and len(set(shapes)) == len(shapes)
+    assert shapes[-1] == (1, max_seq)
+    assert all(1 <= s <= max_seq and b >= 1 for b, s in shapes)
+    assert len({b for b, _ in shapes}) > 1
+
+
+@pytest.mark.parametrize("max_seq", [1, 2])
+def test_default_shapes_for_degenerate_max_seq(max_seq):
+    """Even a 1–2 token limit gives valid shapes ending with the capability check."""
+    shapes = default_shapes(max_seq)
+    assert shapes[-1] == (1, max_seq) and all(1 <= s <= max_seq for _, s in shapes)
+
+
+@pytest.mark.parametrize("max_seq", [16, 128, 512, 768, 8192])
+def test_default_held_out_is_not_a_fitting_shape(max_seq):
+    """The held-out shape is within max_seq and not among the fitting shapes."""
+    held = default_held_out(max_seq)
+    assert held not in default_shapes(max_seq)
+    assert 1 <= held[1] <= max_seq
+
+
+# --- run_probe -----------------------------------------------------------------------------
+
+
+def test_probe_measures_each_shape_and_fits_the_truth():
+    """Measured workspaces match the allocated bytes, and the fit recovers a and b."""
+    lines, log = collect()
+    result = run_probe(fake_run, shapes=SHAPES, held_out=(2, 768), guard=WIDE, log=log)
+    assert isinstance(result, ProbeResult)
+    assert result.error is None and result.skipped == []
+    for s in result.samples:
+        assert s.workspace_bytes == pytest.approx(true_cost(s.batch, s.seq), abs=3 * MiB, rel=0.05)
+        assert s.seconds >= 0
+    assert [(s.batch, s.seq) for s in result.samples] == sorted(SHAPES, key=lambda s: WIDE.cost(*s))
+    assert result.held_out is not None and (result.held_out.batch, result.held_out.seq) == (2, 768)
+    assert result.fit is not None
+    assert result.fit.a == pytest.approx(A, rel=0.1)
+    assert result.fit.b == pytest.approx(B, rel=0.1)
+    assert result.fit.held_out_rel_error is not None and result.fit.held_out_rel_error < 0.1
+    assert len(lines) == len(SHAPES) + 2  # one per shape, the held-out one, the fit
+    assert "MiB" in lines[0] and "probe fit" in lines[-1]
+
+
+def test_probe_skips_shapes_the_guard_refuses():
+    """Shapes predicted over budget are not run; the reason names the budget."""
+    ran: list[tuple[int, int]] = []
+    guard = CostModel(A, B, true_cost(2, 1024))
+
+    def run(batch: int, seq: int) -> None:
+        ran.append((batch, seq))
+
+    result = run_probe(run, shapes=SHAPES, held_out=(1, 8192), guard=guard, log=lambda _: None)
+    assert {(b, s) for b, s, _ in result.skipped} == {(1, 2048), (1, 4096), (1, 8192)}
+    assert all("per-worker budget" in why for *_, why in result.skipped)
+    assert (1, 4096) not in ran and result.held_out is None
+
+
+def test_probe_records_a_failing_shape_and_carries_on():
+    """A run that raises is skipped with its error text; the other shapes still fit."""
+
+    def run(batch: int, seq: int) -> None:
+        if (batch, seq) == (1, 2048):
+            raise RuntimeError("Failed to allocate memory")
+        fake_run(batch, seq)
+
+    result = run_probe(run, shapes=SHAPES, held_out=None, guard=WIDE, log=lambda _: None)
+    assert result.skipped == [(1, 2048, "RuntimeError: Failed to allocate memory")]
+    assert len(result.samples) == len(SHAPES) - 1
+    assert result.fit is not None and result.fit.held_out_rel_error is None
+
+
+def test_probe_without_enough_samples_reports_why():
+    """Nothing measurable gives no fit and an error saying so."""
+    result = run_probe(fake_run, shapes=[(1, 64)], held_out=None, guard=WIDE, log=lambda _: None)
+    assert result.fit is None and "at least 2" in (result.error or "")
+
+
+def test_probe_falls_back_to_sampling_without_clear_refs(monkeypatch):
+    """With clear_refs unavailable, a polling thread still sees allocations held ≥ 20 ms."""
+    monkeypatch.setattr(probe, "reset_peak_rss", lambda: False)
+    shapes = [(1, 1024), (4, 1024), (1, 2048), (1, 4096)]
+
+    def run(batch: int, seq: int) -> None:
+        fake_run(batch, seq, hold=0.02)
+
+    result = run_probe(run, shapes=shapes, held_out=None, guard=WIDE, log=lambda _: None)
+    for s in result.samples:
+        assert s.workspace_bytes == pytest.approx(true_cost(s.batch, s.seq), abs=3 * MiB, rel=0.1)
+    assert result.fit is not None
+
+
+def test_slow_shapes_are_measured_once(monkeypatch):
+    """A run slower than the repeat threshold is not repeated; a fast one is."""
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(probe, "_REPEAT_BELOW_SECONDS", 0.005)
+
+    def run(batch: int, seq: int) -> None:
+        calls.append((batch, seq))
+        if seq == 2048:
+            time.sleep(0.01)
+
+    run_probe(run, shapes=[(1, 64), (1, 2048)], held_out=None, guard=WIDE, log=lambda _: None)
+    assert calls == [(1, 64), (1, 64), (1, 2048)]
+
+
+# --- fingerprint ---------------------------------------------------------------------------
+
+PARTS = {
+    "probe_schema": PROBE_SCHEMA,
+    "model": "model.onnx:2271145830:1718000000",
+    "variant": "fp32",
+    "execution_provider": "cpu",
+    "ort_version": "1.24.1",
+    "intra_op_threads": 2,
+    "cpu": "x86_64 Intel(R) Xeon(R) Platinum 8481C",
+    "max_seq": 8192,
+}
+
+
+def test_fingerprint_is_stable_and_order_independent():
+    """The same parts in any order give the same 64-hex digest."""
+    fp = fingerprint(PARTS)
+    assert fp == fingerprint(dict(reversed(list(PARTS.items()))))
+    assert len(fp) == 64 and int(fp, 16) >= 0
+
+
+@pytest.mark.parametrize("key", sorted(PARTS))
+def test_fingerprint_changes_with_every_part(key):
+    """Changing any single part changes the fingerprint."""
+    changed = dict(PARTS)
+    value = PARTS[key]
+    changed[key] = value + 1 if isinstance(value, int) else f"{value}-x"
+    assert fingerprint(changed) != fingerprint(PARTS)
+
+
+def test_fingerprint_includes_the_probe_schema(monkeypatch):
+    """A new probe schema invalidates every cache, whatever the caller passes."""
+    before = fingerprint({"x": 1})
+    monkeypatch.setattr(probe, "PROBE_SCHEMA", PROBE_SCHEMA + 1)
+    assert fingerprint({"x": 1}) != before
+
+
+# --- cache ---------------------------------------------------------------------------------
+
+FIT = Fit(a=41000.0, b=128.5, max_rel_residual=0.12, held_out_rel_error=0.03)
+SAMPLES = [Sample(1, 64, 3 * MiB, 0.05), Sample(1, 8192, 9 * 1024 * MiB, 85.0)]
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return ProbeCache(tmp_path / "cache" / "probe-coefficients.json")
+
+
+def test_cache_round_trip(cache):
+    """A saved fit loads back unchanged under the same fingerprint, with its parts recorded."""
+    fp = fingerprint(PARTS)
+    cache.save(fp, FIT, PARTS, SAMPLES)
+    assert cache.load(fp) == FIT
+    data = json.loads(cache.path.read_text())
+    assert data["parts"] == PARTS and len(data["samples"]) == 2
+
+
+def test_cache_round_trip_without_held_out(cache):
+    """A fit with no held-out error round-trips as None."""
+    fit = Fit(1.0, 2.0, 0.1, None)
+    cache.save("f", fit, {}, [])
+    assert cache.load("f") == fit
+
+
+def test_missing_cache_is_a_silent_miss(cache, caplog):
+    """No file: None, nothing logged."""
+    with caplog.at_level(logging.WARNING, "bgeserve.probe"):
+        assert cache.load("f") is None
+    assert caplog.text == ""
+
+
+def write_record(cache: ProbeCache, **changes: object) -> None:
+    record = {
+        "schema": PROBE_SCHEMA,
+        "fingerprint": "f",
+        "a": 1.0,
+        "b": 2.0,
+        "max_rel_residual": 0.1,
+        "held_out_rel_error": None,
+    }
+    record.update(changes)
+    cache.path.parent.mkdir(parents=True, exist_ok=True)
+    cache.path.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize(
+    "changes,reason",
+    [
+        ({"schema": 0}, "probe schema 0"),
+        ({"schema": None}, "probe schema None"),
+        ({"fingerprint": "other"}, "another model"),
+        ({"a": -1.0}, "unusable coefficients"),
+        ({"b": 0.0}, "unusable coefficients"),
+        ({"a": "1"}, "unusable coefficients"),
+        ({"b": True}, "unusable coefficients"),
+        ({"max_rel_residual": None}, "fit-quality"),
+        ({"held_out_rel_error": "x"}, "fit-quality"),
+    ],
+)
+def test_unusable_records_are_misses_with_a_reason(cache, caplog, changes, reason):
+    """Wrong schema, foreign fingerprint, bad coefficients or fields: None and a warning."""
+    write_record(cache, **changes)
+    with caplog.at_level(logging.WARNING, "bgeserve.probe"):
+        assert cache.load("f") is None
+    assert reason in caplog.text
+
+
+def test_non_finite_coefficients_are_rejected(cache, caplog):
+    """NaN/Infinity in the file (json allows them) are not coefficients."""
+    cache.path.parent.mkdir(parents=True)
+    cache.path.write_text(
+        '{"schema": 1, "fingerprint": "f", "a": NaN, "b": Infinity, "max_rel_residual": 0.1}'
+    )
+    with caplog.at_level(logging.WARNING, "bgeserve.probe"):
+        assert cache.load("f") is None
+    assert "unusable coefficients" in caplog.text
+
+
+@pytest.mark.parametrize("text", ["{not json", "", '["a", "list"]'])
+def test_corrupt_cache_is_a_miss(cache, caplog, text):
+    """Corrupt JSON or a non-object is None with a warning, never an exception."""
+    cache.path.parent.mkdir(parents=True)
+    cache.path.write_text(text)
+    with caplog.at_level(logging.WARNING, "bgeserve.probe"):
+        assert cache.load("f") is None
+    assert "ignoring it" in caplog.text
+
+
+def test_truncated_cache_is_a_miss(cache, caplog):
+    """A file cut off halfway (e.g. by a crash mid-write elsewhere) is a miss."""
+    cache.save("f", FIT, PARTS, SAMPLES)
+    text = cache.path.read_text()
+    cache.path.write_text(text[: len(text) // 2])
+    with caplog.at_level(logging.WARNING, "bgeserve.probe"):
+        assert cache.load("f") is None
+    assert "corrupt or truncated" in caplog.text
+
+
+def test_unreadable_cache_is_a_miss(cache, caplog):
+    """A cache path that is a directory cannot be read: None with a warning."""
+    cache.path.mkdir(parents=True)
+    with caplog.at_level(logging.WARNING, "bgeserve.probe"):
+        assert cache.load("f") is None
+    assert "cannot be read" in caplog.text
+
+
+def test_save_leaves_no_temp_files(cache):
+    """Saving twice replaces the file in place; only the cache file remains."""
+    cache.save("f", FIT, PARTS, SAMPLES)
+    cache.save("g", FIT, PARTS, SAMPLES)
+    assert [p.name for p in cache.path.parent.iterdir()] == [cache.path.name]
+    assert cache.load("g") == FIT
+
+
+def test_save_to_an_unusable_directory_only_warns(tmp_path, caplog):
+    """A cache directory that cannot be created logs a warning and does not raise."""
+    (tmp_path / "file").write_text("")
+    cache = ProbeCache(tmp_path / "file" / "probe-coefficients.json")
+    with caplog.at_level(logging.WARNING, "bgeserve.probe"):
+        cache.save("f", FIT, PARTS, SAMPLES)
+    assert "cannot save probe cache" in caplog.text
+
+
+def test_failed_write_removes_its_temp_file(cache, caplog):
+    """Unserialisable data fails the write, removes the temp file and keeps the old cache."""
+    cache.save("f", FIT, PARTS, SAMPLES)
+    bad = Fit(1.0, 2.0, math.nan, None)
+
+    class Boom:
+        def __str__(self) -> str:
+            raise ValueError("cannot serialise")
+
+    with caplog.at_level(logging.WARNING, "bgeserve.probe"):
+        cache.save("g", bad, {"x": Boom()}, [])
+    assert "cannot save probe cache" in caplog.text
+    assert [p.name for p in cache.path.parent.iterdir()] == [cache.path.name]
+    assert cache.load("f") == FIT
+
+
+def test_module_never_imports_onnxruntime():
+    """probe measures through a callable: no runtime import."""
+    assert "onnxruntime" not in probe.__dict__
