@@ -5,7 +5,8 @@ the graph), BAAI/bge-m3's own ONNX graph, and Xenova/bge-m3's fp16/int8 graphs (
 latter with the heads read from ``sparse_linear.pt`` / ``colbert_linear.pt`` by ``ptload``).
 ``resolve()`` finds the files, downloading from the hub at pinned commits when no local
 directory is given, and translates every failure into ``ModelUnavailable`` saying what to do.
-``huggingface_hub`` is imported only when a download is needed.
+Downloads go through ``hubfetch`` (huggingface_hub 0.24 to 2.x), which imports ``huggingface_hub``
+only when a download is needed.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 from bgeserve.errors import ConfigError, ModelUnavailable
+from bgeserve.hubfetch import Fetcher
 from bgeserve.ptload import HeadWeights, load_heads
 
 __all__ = [
@@ -169,7 +171,7 @@ def resolve(
             f"unknown model variant {variant!r}: choose one of {', '.join(HUB_SOURCES)}",
             param="BGE_M3_MODEL",
         )
-    fetch = _Fetcher(validate_cache_dir(cache_dir), offline, endpoint, progress)
+    fetch = Fetcher(validate_cache_dir(cache_dir), offline, endpoint, progress)
     if model_path is not None:
         return _resolve_local(Path(model_path).expanduser(), variant, fetch)
     source = HUB_SOURCES[variant]
@@ -183,78 +185,7 @@ def resolve(
     return ModelArtifacts(onnx, tokenizer, source.layout, variant, heads, description, data)
 
 
-class _NoProgress:
-    """A do-nothing progress bar for huggingface_hub's ``tqdm_class`` hook."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        pass
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def update(self, n: float | None = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-@dataclass(frozen=True)
-class _Fetcher:
-    """Downloads one pinned file into the cache through huggingface_hub, errors translated."""
-
-    cache_dir: Path
-    offline: bool
-    endpoint: str | None
-    progress: bool
-
-    def __call__(self, repo_id: str, revision: str, filename: str) -> Path:
-        from huggingface_hub import errors as hub_errors
-        from huggingface_hub import hf_hub_download
-
-        try:
-            return Path(
-                hf_hub_download(
-                    repo_id,
-                    filename,
-                    revision=revision,
-                    cache_dir=self.cache_dir,
-                    endpoint=self.endpoint,
-                    local_files_only=self.offline,
-                    tqdm_class=None if self.progress else _NoProgress,  # type: ignore[arg-type,unused-ignore]
-                )
-            )
-        except hub_errors.LocalEntryNotFoundError as exc:
-            error: Exception = exc
-            why = (
-                "it is not in the cache and hub access is off (offline / HF_HUB_OFFLINE=1)"
-                if self.offline
-                else "the hub could not be reached (or HF_HUB_OFFLINE is set) and it is not cached"
-            )
-        except hub_errors.EntryNotFoundError as exc:
-            error, why = exc, "the hub has no such file at that revision"
-        except hub_errors.RevisionNotFoundError as exc:
-            error, why = exc, "the hub has no such revision"
-        except hub_errors.RepositoryNotFoundError as exc:
-            error, why = exc, "repository not found, private or gated (check HF_TOKEN)"
-        except hub_errors.HfHubHTTPError as exc:
-            status = getattr(getattr(exc, "response", None), "status_code", "?")
-            error, why = exc, f"the hub answered HTTP {status}"
-        # Transport errors escape hf_hub_download from requests, httpx or httpx2 depending on
-        # the huggingface_hub version, and disk errors as OSError: all mean "not downloaded".
-        except Exception as exc:  # noqa: BLE001 -- translated below, with the cause chained
-            error, why = exc, f"download failed: {type(exc).__name__}: {exc}"
-        raise ModelUnavailable(
-            f"cannot get {filename} from {repo_id}@{revision} into cache {self.cache_dir}: {why}. "
-            "Set BGE_M3_MODEL_PATH to a local copy of the model, pre-fill BGE_M3_CACHE_DIR, or "
-            "allow downloads (HF_HUB_OFFLINE=0)"
-        ) from error
-
-
-def _resolve_local(root: Path, variant: str, fetch: _Fetcher) -> ModelArtifacts:
+def _resolve_local(root: Path, variant: str, fetch: Fetcher) -> ModelArtifacts:
     if not root.is_dir():
         raise ModelUnavailable(
             f"model directory {root} does not exist or is not a directory",
@@ -370,7 +301,7 @@ def _inside(root: Path, relative: object, field: str) -> Path:
     return path
 
 
-def _local_heads(root: Path, fetch: _Fetcher) -> tuple[HeadWeights, str]:
+def _local_heads(root: Path, fetch: Fetcher) -> tuple[HeadWeights, str]:
     """Heads from ``root`` when both files are there, else from BAAI/bge-m3 via the cache."""
     local = [root / name for name in HEAD_FILES]
     if all(path.is_file() for path in local):

@@ -113,6 +113,10 @@ class Settings:
                               "threads per session; 0 = CPU cores / workers")
     max_chunk: int = _var("BGE_M3_MAX_CHUNK", _number(int, 1, 4096), 64,
                           "texts per session.run() at most (a latency cap)")
+    max_chunk_tokens: int | None = _var("BGE_M3_MAX_CHUNK_TOKENS", _number(int, 1), None,
+                                        "padded tokens per session.run() at most")
+    cross_request_batching: bool = _var("BGE_M3_CROSS_REQUEST_BATCHING", _bool, True,
+                                        "pack texts of concurrent requests together")
     # memory
     available_memory_bytes: int | None = _var(
         "BGE_M3_AVAILABLE_MEMORY_BYTES", _number(int, 1), None,
@@ -143,7 +147,7 @@ class Settings:
     metrics_auth: bool = _var("BGE_M3_METRICS_AUTH", _bool, False,
                               "require the API key on /metrics too")
     # serving
-    batch_delay_ms: float = _var("BGE_M3_BATCH_DELAY_MS", _number(float, 0.0, 10_000.0), 2.0,
+    batch_delay_ms: float = _var("BGE_M3_BATCH_DELAY_MS", _number(float, 0.0, 10_000.0), 0.0,
                                  "coalescing window after the first arrival")
     max_queue_tokens: int = _var("BGE_M3_MAX_QUEUE_TOKENS", _number(int, 1), 1_000_000,
                                  "tokens waiting before 429")

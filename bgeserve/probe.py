@@ -229,7 +229,7 @@ def _parse_record(text: str, fingerprint: str) -> Fit | str:
     if data.get("fingerprint") != fingerprint:
         return "was made for another model, runtime or configuration"
     a, b = _coefficient(data.get("a")), _coefficient(data.get("b"))
-    if a is None or b is None or a <= 0 or b <= 0:
+    if a is None or b is None or a < 0 or b < 0 or a + b == 0:
         return f"has unusable coefficients a={data.get('a')!r}, b={data.get('b')!r}"
     residual, held = _coefficient(data.get("max_rel_residual")), data.get("held_out_rel_error")
     if residual is None or (held is not None and _coefficient(held) is None):

@@ -11,6 +11,7 @@ result, or the error of the chunk it was in, or DeadlineExceeded / NotReady.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -77,6 +78,7 @@ class SchedulerConfig:
     max_chunk_tokens: int | None = None
     min_fill: float = 0.75
     batch_delay_s: float = 0.0
+    cross_request: bool = True
     max_queue_tokens: int = 1_000_000
     idle_timeout_s: float = 0.0
 
@@ -236,8 +238,11 @@ class Scheduler:
 
     def _take_chunk(self) -> list[Piece]:
         """The chunk holding the oldest pending text (called with the lock held)."""
-        window = list(self._pending)[:WINDOW] if len(self._pending) > WINDOW else list(
-            self._pending)
+        if self.config.cross_request:
+            window = list(itertools.islice(self._pending, WINDOW))
+        else:  # batching within the oldest request only (the baseline benchmarks compare with)
+            oldest = self._pending[0].job
+            window = [p for p in itertools.islice(self._pending, WINDOW) if p.job is oldest]
         chunks = plan([p.length for p in window], fits=self._fits,
                       max_chunk=self.config.max_chunk, max_tokens=self.config.max_chunk_tokens,
                       min_fill=self.config.min_fill)

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import hashlib
 import http.server
+import io
 import json
 import os
+import struct
 import subprocess
 import sys
 import threading
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote
 
+import numpy as np
 import pytest
-import torch
 
 from bgeserve.artifacts import (
     BAAI_REPO,
@@ -37,22 +40,59 @@ from bgeserve.errors import ConfigError, ModelUnavailable
 HIDDEN = 8
 
 
-def _heads_bytes(tmp: Path) -> dict[str, bytes]:
-    """sparse_linear.pt / colbert_linear.pt contents for hidden size 8, written by torch."""
-    torch.manual_seed(0)
-    out = {}
-    for name, linear in (
-        ("sparse_linear.pt", torch.nn.Linear(HIDDEN, 1)),
-        ("colbert_linear.pt", torch.nn.Linear(HIDDEN, HIDDEN)),
-    ):
-        torch.save(linear.state_dict(), tmp / name)
-        out[name] = (tmp / name).read_bytes()
-    return out
+def _pt_bytes(state: dict[str, np.ndarray]) -> bytes:
+    """What ``torch.save(state_dict)`` writes for float32 tensors, built without torch.
+
+    A zip of ``archive/data.pkl`` (a protocol-2 pickle of an OrderedDict of
+    ``torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks)``,
+    each storage a persistent id) and ``archive/data/<key>`` (the raw little-endian floats), so
+    the hub tests run where torch is not installed (a serving-only environment).
+    """
+
+    def text(value: str) -> bytes:
+        raw = value.encode()
+        return b"X" + struct.pack("<I", len(raw)) + raw
+
+    def ints(values: tuple[int, ...]) -> bytes:
+        return b"(" + b"".join(b"J" + struct.pack("<i", v) for v in values) + b"t"
+
+    ordered_dict = b"ccollections\nOrderedDict\n)R"
+    pickled = b"\x80\x02" + ordered_dict + b"("
+    storages = {}
+    for key, (name, array) in enumerate(state.items()):
+        array = np.ascontiguousarray(array, dtype="<f4")
+        storages[str(key)] = array.tobytes()
+        storage = b"(" + text("storage") + b"ctorch\nFloatStorage\n" + text(str(key))
+        storage += text("cpu") + b"J" + struct.pack("<i", array.size) + b"tQ"
+        stride = tuple(int(np.prod(array.shape[i + 1 :])) for i in range(array.ndim))
+        pickled += text(name) + b"ctorch._utils\n_rebuild_tensor_v2\n("
+        pickled += storage + b"J\0\0\0\0" + ints(array.shape) + ints(stride)
+        pickled += b"\x89" + ordered_dict + b"tR"
+    pickled += b"u."
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("archive/data.pkl", pickled)
+        archive.writestr("archive/byteorder", "little")
+        for key, raw in storages.items():
+            archive.writestr(f"archive/data/{key}", raw)
+        archive.writestr("archive/version", "3\n")
+    return buffer.getvalue()
+
+
+def _heads_bytes() -> dict[str, bytes]:
+    """sparse_linear.pt / colbert_linear.pt contents (nn.Linear state dicts) for hidden size 8."""
+    rng = np.random.default_rng(0)
+    return {
+        name: _pt_bytes(
+            {"weight": rng.standard_normal((rows, HIDDEN)), "bias": rng.standard_normal(rows)}
+        )
+        for name, rows in (("sparse_linear.pt", 1), ("colbert_linear.pt", HIDDEN))
+    }
 
 
 @pytest.fixture(scope="module")
-def heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
-    return _heads_bytes(tmp_path_factory.mktemp("heads"))
+def heads() -> dict[str, bytes]:
+    return _heads_bytes()
 
 
 def _write(root: Path, files: dict[str, bytes | str]) -> Path:
@@ -346,6 +386,8 @@ class FakeHub:
 
     def __init__(self, files: dict[tuple[str, str, str], bytes]):
         self.files = files
+        # filename -> (HTTP status, X-Error-Code or None) to answer instead of the file.
+        self.failures: dict[str, tuple[int, str | None]] = {}
         self.requests: list[tuple[str, str]] = []
         hub = self
 
@@ -360,6 +402,14 @@ class FakeHub:
                 hub.requests.append((self.command, self.path))
                 repo_id, revision, filename = hub.parse(self.path)
                 content = hub.files.get((repo_id, revision, filename))
+                if filename in hub.failures:
+                    status, code = hub.failures[filename]
+                    self.send_response(status)
+                    if code is not None:
+                        self.send_header("X-Error-Code", code)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 if content is None:
                     known = any(r == repo_id and v == revision for r, v, _ in hub.files)
                     self.send_response(404)

@@ -102,11 +102,17 @@ def export(model: str, out: Path, variants: tuple[str, ...] = CPU_VARIANTS, *, o
         "bgeserve_version": __version__,
         "opset": opset,
         "hidden_size": config["hidden_size"],
+        # Encoder sizes: the server derives its conservative memory model from them.
+        "model": {"hidden": config["hidden_size"], "heads": config["num_attention_heads"],
+                  "intermediate": config["intermediate_size"],
+                  "layers": config["num_hidden_layers"],
+                  "max_positions": config["max_position_embeddings"] - 2},
         "outputs": OUTPUTS,
         "variants": {
             v: {"path": f"{v}/model.onnx",
                 "sha256": sha256(out / v / "model.onnx"),
-                "bytes": sum(p.stat().st_size for p in _files_of(out / v / "model.onnx"))}
+                "bytes": (out / v / "model.onnx").stat().st_size,
+                "total_bytes": sum(p.stat().st_size for p in _files_of(out / v / "model.onnx"))}
             for v in VARIANTS if v in variants
         },
         "tokenizer": "tokenizer.json",

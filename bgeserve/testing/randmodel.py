@@ -248,22 +248,27 @@ def _generator(seed: int, name: str) -> Any:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def _random_tensor(seed: int, name: str, shape: tuple[int, ...]) -> Any:
+def _random_tensor(seed: int, name: str, shape: tuple[int, ...], layers: int = 1) -> Any:
     import torch
 
     out = torch.empty(shape, dtype=torch.float32)
     gen = _generator(seed, name)
-    # Not transformers' std-0.02 init: at hidden 32 that makes attention almost uniform and every
-    # text's CLS vector nearly identical. Unit-scale activations keep outputs text-dependent.
+    # Not transformers' std-0.02 init: a random 24-layer post-LN stack collapses every token of a
+    # text onto one vector (token cosine 1.0, no sparse weight survives). Residual-branch outputs
+    # are scaled by 1/sqrt(2·layers) (GPT-2 style) so tokens stay distinct, and q/k are scaled up
+    # so attention is peaked (logit std ~4) and the CLS vector depends on the text.
     if "LayerNorm.weight" in name:
         return out.normal_(1.0, 0.2, generator=gen)
-    if "LayerNorm.bias" in name:
-        return out.normal_(0.0, 0.1, generator=gen)
     if name.endswith("embeddings.weight"):
         return out.normal_(0.0, 0.5 if "word" in name else 0.2, generator=gen)
-    if name.endswith("bias"):
+    if name.endswith("bias"):  # small: a shared offset added at every layer drowns the tokens
         return out.normal_(0.0, 0.02, generator=gen)
-    return out.normal_(0.0, shape[-1] ** -0.5, generator=gen)
+    std = shape[-1] ** -0.5
+    if ".query." in name or ".key." in name:
+        std *= 2.0
+    elif "output.dense" in name:
+        std *= (2 * layers) ** -0.5
+    return out.normal_(0.0, std, generator=gen)
 
 
 def _write_weights(tmp: Path, config: Any, seed: int) -> int:
@@ -276,7 +281,8 @@ def _write_weights(tmp: Path, config: Any, seed: int) -> int:
         meta = XLMRobertaModel(config, add_pooling_layer=True)
     shapes = {name: tuple(t.shape) for name, t in meta.state_dict().items()}
     del meta
-    tensors = {name: _random_tensor(seed, name, shape) for name, shape in shapes.items()}
+    layers = config.num_hidden_layers
+    tensors = {name: _random_tensor(seed, name, shape, layers) for name, shape in shapes.items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     count = sum(t.numel() for t in tensors.values())
     del tensors

@@ -1,0 +1,7 @@
+"""``python -m bgeserve`` is the ``bgeserve`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,129 @@
+"""Prometheus metrics (prometheus-client), one registry per service.
+
+Request-path events are recorded as they happen (chunks, requests); engine counters, queue,
+workers, tuning and RSS are read at scrape time by a collector, so they cannot drift.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
+                               generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from . import memory
+
+if TYPE_CHECKING:
+    from .results import Embeddings
+    from .scheduler import ChunkStats
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_PROBE_STATES = ("disabled", "running", "complete", "failed", "cache_hit")
+
+
+class Metrics:
+    """The bgeserve metric families."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.http_requests = Counter("bgeserve_http_requests", "HTTP requests by route and status",
+                                     ["route", "status"], registry=r)
+        self.http_latency = Histogram("bgeserve_http_request_duration_seconds",
+                                      "HTTP request latency", ["route"], buckets=_LATENCY,
+                                      registry=r)
+        self.embed_latency = Histogram("bgeserve_embed_duration_seconds",
+                                       "Embedding latency inside the service (tokenize, queue, "
+                                       "inference)", buckets=_LATENCY, registry=r)
+        self.inference = Histogram("bgeserve_inference_duration_seconds",
+                                   "session.run time per chunk", buckets=_LATENCY, registry=r)
+        self.chunk_texts = Histogram("bgeserve_chunk_texts", "Texts per chunk",
+                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.chunk_tokens = Histogram("bgeserve_chunk_padded_tokens", "Padded tokens per chunk",
+                                      buckets=(64, 256, 1024, 2048, 4096, 8192, 16384, 65536),
+                                      registry=r)
+        self.tokens = Counter("bgeserve_tokens", "Real tokens processed", registry=r)
+        self.padding = Counter("bgeserve_padding_tokens", "Padding tokens processed (waste)",
+                               registry=r)
+        self.texts = Counter("bgeserve_texts", "Texts embedded", registry=r)
+        self.truncated = Counter("bgeserve_truncated_texts", "Texts cut to max_seq", registry=r)
+        self.timeouts = Counter("bgeserve_deadline_exceeded_requests",
+                                "Requests answered 504", registry=r)
+        self._service: Any = None
+        r.register(_StateCollector(self))
+
+    def observe_chunk(self, stats: ChunkStats) -> None:
+        self.inference.observe(stats.seconds)
+        self.chunk_texts.observe(stats.batch)
+        self.chunk_tokens.observe(stats.batch * stats.pad_to)
+        self.tokens.inc(stats.real_tokens)
+        self.padding.inc(stats.batch * stats.pad_to - stats.real_tokens)
+
+    def observe_request(self, result: Embeddings, seconds: float) -> None:
+        self.embed_latency.observe(seconds)
+        self.texts.inc(len(result))
+        self.truncated.inc(int(result.truncated.sum()))
+
+    def observe_http(self, route: str, status: int, seconds: float) -> None:
+        self.http_requests.labels(route, str(status)).inc()
+        self.http_latency.labels(route).observe(seconds)
+
+    def deadline_exceeded(self) -> None:
+        self.timeouts.inc()
+
+    def update_state(self, service: Any) -> None:
+        self._service = service
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _StateCollector:
+    """Gauges and engine counters read at scrape time."""
+
+    def __init__(self, metrics: Metrics):
+        self._metrics = metrics
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        service = self._metrics._service
+        yield GaugeMetricFamily("bgeserve_process_rss_bytes", "Resident memory of the server",
+                                value=memory.rss_bytes())
+        engine = getattr(service, "engine", None)
+        if engine is not None:
+            stats = engine.stats()
+            workers = GaugeMetricFamily("bgeserve_workers", "Workers by state", labels=["state"])
+            for state in ("total", "live", "loaded", "busy"):
+                workers.add_metric([state], stats[state])
+            yield workers
+            yield GaugeMetricFamily("bgeserve_queue_texts", "Texts waiting", value=stats[
+                "queue_texts"])
+            yield GaugeMetricFamily("bgeserve_queue_tokens", "Tokens waiting",
+                                    value=stats["queue_tokens"])
+            counters = engine.counters
+            for name, key, doc in (
+                ("bgeserve_rejected_requests", "rejected", "Requests answered 429 (queue full)"),
+                ("bgeserve_cancelled_texts", "cancelled_texts",
+                 "Texts dropped before running (client gone or deadline)"),
+                ("bgeserve_oom_splits", "oom_splits", "Chunks split after an allocation failure"),
+            ):
+                yield CounterMetricFamily(name, doc, value=counters.get(key, 0))
+        tuner = getattr(service, "tuner", None)
+        if tuner is not None:
+            s = tuner.state
+            probe = GaugeMetricFamily("bgeserve_probe_status", "Probe status (1 = current)",
+                                      labels=["status"])
+            for state in _PROBE_STATES:
+                probe.add_metric([state], 1.0 if s.probe_status == state else 0.0)
+            yield probe
+            yield GaugeMetricFamily("bgeserve_cost_model_a_bytes", "Cost model a (bytes/token)",
+                                    value=s.a)
+            yield GaugeMetricFamily("bgeserve_cost_model_b_bytes",
+                                    "Cost model b (bytes/token^2)", value=s.b)
+            yield GaugeMetricFamily("bgeserve_workspace_budget_bytes",
+                                    "Per-worker workspace budget", value=s.max_workspace_bytes)
+            yield GaugeMetricFamily("bgeserve_model_rss_bytes_per_worker",
+                                    "Measured RSS per loaded session",
+                                    value=s.model_rss_bytes_per_worker)

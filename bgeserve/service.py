@@ -1,0 +1,215 @@
+"""The server's composition root: settings → artifacts → engine → tuning; request use-cases.
+
+``Service.start`` returns at once and loads in the background, so ``/health`` says
+``loading`` until the sessions are up; a fatal start-up error (model missing, memory floor)
+is kept in ``fatal_error`` and ``on_fatal`` is called so the CLI can exit non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import __version__, probe
+from .artifacts import Layout, ModelArtifacts, resolve, validate_cache_dir
+from .config import Settings
+from .engine import Engine, EngineConfig, Inputs
+from .errors import BgeServeError, DeadlineExceeded, NotReady
+from .metrics import Metrics
+from .results import EmbedOptions, Embeddings
+from .runtime import onnx as ort_adapter
+from .scheduler import SchedulerConfig
+from .tuning import Tuner, TuningConfig, measure_model_cost, synthetic_run
+
+log = logging.getLogger("bgeserve.service")
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    """The engine's plain-value configuration, from Settings."""
+    s = settings
+    session = ort_adapter.SessionConfig(provider=s.execution_provider,
+                                        threads=s.threads_per_worker)
+    max_chunk = s.max_chunk if s.onnx_batch_size is None else s.onnx_batch_size
+    scheduler = SchedulerConfig(
+        workers=s.workers, max_chunk=max_chunk, max_chunk_tokens=s.max_chunk_tokens,
+        batch_delay_s=s.batch_delay_ms / 1000.0, cross_request=s.cross_request_batching,
+        max_queue_tokens=s.max_queue_tokens,
+        idle_timeout_s=s.idle_timeout_secs)
+    return EngineConfig(max_seq=s.max_seq_length, session=session, scheduler=scheduler,
+                        request_timeout_s=s.request_timeout_secs or None)
+
+
+def model_dims(artifacts: ModelArtifacts) -> dict[str, int]:
+    """Encoder sizes for the conservative cost model (bge-m3's unless an export says else)."""
+    if artifacts.layout is Layout.BGESERVE:
+        manifest = artifacts.onnx_path.parent.parent / "manifest.json"
+        try:
+            dims = json.loads(manifest.read_text()).get("model", {})
+            return {k: int(dims[k]) for k in ("hidden", "heads", "intermediate") if k in dims}
+        except (OSError, ValueError, TypeError):
+            return {}
+    return {}
+
+
+class Service:
+    """What the HTTP layer calls: embed, health, metrics, token strings."""
+
+    model_name = "bge-m3"
+
+    def __init__(self, settings: Settings, on_fatal: Callable[[BaseException], None] | None = None):
+        self.settings = settings
+        self.metrics_registry = Metrics()
+        self.engine: Engine | None = None
+        self.tuner: Tuner | None = None
+        self.artifacts: ModelArtifacts | None = None
+        self.fatal_error: BaseException | None = None
+        self.on_fatal = on_fatal
+        self._ready = threading.Event()
+        self._loader: threading.Thread | None = None
+        self.started_at = time.time()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Begin loading in the background; returns at once."""
+        self._loader = threading.Thread(target=self._load, name="bgeserve-loader", daemon=True)
+        self._loader.start()
+
+    def load_blocking(self) -> None:
+        """Load synchronously (warm-up mode, tests); raises the start-up error if any."""
+        self._load()
+        if self.fatal_error is not None:
+            raise self.fatal_error
+
+    def _load(self) -> None:
+        s = self.settings
+        try:
+            cache_dir = validate_cache_dir(s.cache_dir)
+            self.artifacts = artifacts = resolve(model_path=s.model_path, variant=s.variant,
+                                                 cache_dir=cache_dir, offline=s.offline)
+            log.info("model: %s (%s layout, variant %s)", artifacts.source,
+                     artifacts.layout.value, artifacts.variant)
+            engine = Engine(artifacts=artifacts, config=engine_config(s), start=False,
+                            on_chunk=self.metrics_registry.observe_chunk)
+            tuning = TuningConfig(
+                workers=s.workers, max_seq=s.max_seq_length, safety_factor=s.memory_safety_factor,
+                available_override=s.available_memory_bytes, token_budget=s.token_budget,
+                cost_a=s.cost_model_a, cost_b=s.cost_model_b,
+                disable_auto_budget=s.disable_auto_budget,
+                disable_probe_cache=s.disable_probe_cache,
+                legacy_batch_size=s.onnx_batch_size,
+                gpu=s.execution_provider in ("cuda", "tensorrt"),
+                gpu_vram_budget=s.gpu_vram_budget_bytes, cache_dir=cache_dir,
+                dims=model_dims(artifacts))
+            self.tuner = tuner = Tuner(tuning, apply=engine.set_cost_model)
+
+            def load() -> None:
+                engine.start()
+                engine.embed("ready", dense=True, sparse=True, colbert=True)
+
+            model_cost = measure_model_cost(load, s.workers)
+            parts = {
+                "model": artifacts.identity(), "layout": artifacts.layout.value,
+                "variant": artifacts.variant, "provider": s.execution_provider,
+                "onnxruntime": ort_adapter.version(), "threads": s.threads_per_worker,
+                "cpu": ort_adapter.cpu_description(), "max_seq": s.max_seq_length,
+            }
+            fingerprint = probe.fingerprint(parts)
+            cost = tuner.initial(model_cost, fingerprint)
+            self.engine = engine
+            self._ready.set()
+            log.info("ready: probe %s, a=%.0f b=%.2f, %d MiB workspace per worker, texts up to "
+                     "%d tokens fit", tuner.state.probe_status, cost.a, cost.b,
+                     cost.max_workspace_bytes >> 20, cost.max_seq())
+            if tuner.state.probe_status == "running":
+                run, close = synthetic_run(engine.open_forward, engine.tokenizer.vocab_size)
+                tuner.start_probe(run, model_cost, fingerprint, parts, on_done=close)
+        except BaseException as exc:  # start-up failures are reported, not raised on a thread
+            log.error("start-up failed: %s", exc, exc_info=not isinstance(exc, BgeServeError))
+            self.fatal_error = exc
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+
+    async def stop(self) -> None:
+        """Drain in-flight work (bounded by BGE_M3_SHUTDOWN_TIMEOUT_SECS) and unload."""
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.close, self.settings.shutdown_timeout_secs)
+
+    # -- use-cases -------------------------------------------------------------------------
+    def _engine(self) -> Engine:
+        if self.engine is None or not self._ready.is_set():
+            if self.fatal_error is not None:
+                raise NotReady(f"the model failed to load: {self.fatal_error}")
+            raise NotReady("the model is still loading; retry shortly")
+        return self.engine
+
+    async def embed(self, inputs: Inputs, options: EmbedOptions, *,
+                    request_id: str = "") -> Embeddings:
+        """Embed one request's inputs (texts or token ids) in input order."""
+        engine = self._engine()
+        started = time.perf_counter()
+        job = await asyncio.to_thread(engine.make_job, inputs, options, request_id)
+        timeout = self.settings.request_timeout_secs or None
+        remaining = None if timeout is None else max(0.0, job.deadline - time.monotonic()) \
+            if job.deadline is not None else timeout
+        try:
+            result = await asyncio.wait_for(engine.await_job(job), remaining)
+        except TimeoutError:
+            self.metrics_registry.deadline_exceeded()
+            raise DeadlineExceeded(
+                f"the request did not finish within BGE_M3_REQUEST_TIMEOUT_SECS={timeout:g}s"
+            ) from None
+        self.metrics_registry.observe_request(result, time.perf_counter() - started)
+        return result
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Vocabulary strings for token ids (sparse_format=tokens)."""
+        return self._engine().tokenizer.id_to_token(ids)
+
+    def health(self) -> dict[str, Any]:
+        """Readiness and the facts operators look for."""
+        s = self.settings
+        body: dict[str, Any] = {"status": "loading", "version": __version__,
+                                "max_seq_length": s.max_seq_length}
+        if self.fatal_error is not None:
+            body.update(status="fail", error=str(self.fatal_error))
+            return body
+        if self.engine is None or not self._ready.is_set():
+            return body
+        stats = self.engine.stats()
+        if stats["live"] == 0:
+            status = "fail"
+        elif stats["loaded"] == 0:
+            status = "idle"
+        elif stats["live"] < stats["total"]:
+            status = "warn"
+        else:
+            status = "ok"
+        assert self.artifacts is not None and self.tuner is not None
+        body.update(
+            status=status,
+            workers={k: stats[k] for k in ("live", "loaded", "total", "busy")},
+            queue={"texts": stats["queue_texts"], "tokens": stats["queue_tokens"]},
+            model={"name": self.model_name, "variant": self.artifacts.variant,
+                   "layout": self.artifacts.layout.value, "source": self.artifacts.source,
+                   "backend": f"onnxruntime {ort_adapter.version()}",
+                   "execution_provider": s.execution_provider,
+                   "threads_per_worker": s.threads_per_worker},
+            tuning=self.tuner.state.as_dict(),
+        )
+        return body
+
+    def metrics(self) -> tuple[bytes, str]:
+        """Prometheus exposition of the server's metrics."""
+        self.metrics_registry.update_state(self)
+        return self.metrics_registry.render()
+
+
+def build_service(settings: Settings) -> Service:
+    """The factory ``create_app`` uses."""
+    return Service(settings)

@@ -1,0 +1,241 @@
+"""Memory-aware auto-tuning: budget, cost model, the startup probe in the background, its cache.
+
+Order of decisions (SPEC §4):
+1. available memory (override → cgroup v2 → v1 → MemAvailable), or the VRAM budget on a GPU;
+2. model cost per worker, measured as RSS growth while sessions load plus one priming run;
+3. per-worker budget ``(available − workers·model − headroom) · safety / workers``;
+4. coefficients: an override (A/B, token budget, disabled auto-budget, GPU) → ``disabled``;
+   a cache entry with a matching fingerprint → ``cache_hit``; else conservative now and the
+   probe in the background → ``running`` → ``complete`` (fitted model swapped in) or ``failed``
+   (the conservative model stays);
+5. refuse to start, naming the knob, when one ``max_seq`` text cannot fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import memory, probe
+from .costmodel import CostModel, conservative_coefficients
+from .errors import ConfigError
+
+log = logging.getLogger("bgeserve.tuning")
+HEADROOM_BYTES = 256 << 20
+LEGACY_BATCH_SEQ = 512  # what BGE_M3_ONNX_BATCH_SIZE texts were assumed to be long
+GPU_DEFAULT_VRAM = 10 << 30
+
+
+@dataclass(frozen=True)
+class TuningConfig:
+    """The knobs of auto-tuning (derived from Settings by the service)."""
+
+    workers: int = 1
+    max_seq: int = 8192
+    safety_factor: float = 0.7
+    available_override: int | None = None
+    token_budget: int | None = None
+    cost_a: float | None = None
+    cost_b: float | None = None
+    disable_auto_budget: bool = False
+    disable_probe_cache: bool = False
+    legacy_batch_size: int | None = None
+    gpu: bool = False
+    gpu_vram_budget: int | None = None
+    cache_dir: Path | None = None
+    dims: dict[str, int] = field(default_factory=dict)  # hidden, heads, intermediate
+
+
+@dataclass
+class TuningState:
+    """The tuning facts ``/health`` shows."""
+
+    a: float = 0.0
+    b: float = 0.0
+    max_workspace_bytes: int = 0
+    probe_status: str = "running"
+    memory_source: str = ""
+    available_bytes: int = 0
+    model_rss_bytes_per_worker: int = 0
+    probe_error: str | None = None
+    probe_seconds: float | None = None
+    max_seq_that_fits: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["a_bytes_per_token"] = out.pop("a")
+        out["b_bytes_per_token_sq"] = out.pop("b")
+        return out
+
+
+class Tuner:
+    """Chooses and maintains the engine's cost model."""
+
+    def __init__(self, config: TuningConfig, apply: Callable[[CostModel], None]):
+        self.config = config
+        self._apply = apply
+        self.state = TuningState()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- measurement -----------------------------------------------------------------------
+    def budget(self, model_cost: int, extra_sessions: int = 0) -> int:
+        """Per-worker workspace bytes, counting ``extra_sessions`` (the probe's) as workers."""
+        c = self.config
+        if c.token_budget is not None:
+            return c.token_budget
+        workers = c.workers + extra_sessions
+        if c.gpu:
+            return (c.gpu_vram_budget or GPU_DEFAULT_VRAM) // workers
+        return memory.worker_budget(self.state.available_bytes, workers, model_cost,
+                                    headroom=HEADROOM_BYTES, safety_factor=c.safety_factor)
+
+    def conservative(self) -> tuple[float, float]:
+        return conservative_coefficients(**self.config.dims)
+
+    # -- start-up --------------------------------------------------------------------------
+    def initial(self, model_cost: int, fingerprint: str | None) -> CostModel:
+        """The cost model to serve with from the start; sets ``probe_status``."""
+        c, s = self.config, self.state
+        info = memory.detect_available_memory(c.available_override)
+        s.memory_source, s.available_bytes = info.source, info.available_bytes
+        s.model_rss_bytes_per_worker = model_cost
+        a, b = self.conservative()
+        token_budget = c.token_budget
+        if c.legacy_batch_size is not None and token_budget is None:
+            token_budget = int(CostModel(a, b, 0).cost(c.legacy_batch_size, LEGACY_BATCH_SEQ))
+            log.warning("BGE_M3_ONNX_BATCH_SIZE=%d is deprecated; translated to "
+                        "BGE_M3_TOKEN_BUDGET=%d (workspace bytes of that many %d-token texts)",
+                        c.legacy_batch_size, token_budget, LEGACY_BATCH_SEQ)
+            self.config = c = TuningConfig(**{**asdict(c), "token_budget": token_budget})
+        if c.cost_a is not None and c.cost_b is not None:
+            a, b, s.probe_status = c.cost_a, c.cost_b, "disabled"
+        elif c.disable_auto_budget or c.token_budget is not None or c.gpu:
+            s.probe_status = "disabled"
+        else:
+            cached = None
+            if fingerprint and c.cache_dir and not c.disable_probe_cache:
+                cached = probe.ProbeCache(self.cache_path).load(fingerprint)
+            if cached is not None:
+                a, b, s.probe_status = cached.a, cached.b, "cache_hit"
+            else:
+                s.probe_status = "running"
+        extra = 1 if s.probe_status == "running" else 0
+        cost = CostModel(a, b, self.budget(model_cost, extra))
+        self._check_floor(cost, model_cost)
+        self._publish(cost)
+        return cost
+
+    @property
+    def cache_path(self) -> Path:
+        assert self.config.cache_dir is not None
+        return self.config.cache_dir / "probe-coefficients.json"
+
+    def _check_floor(self, cost: CostModel, model_cost: int) -> None:
+        c = self.config
+        if cost.fits(1, c.max_seq):
+            return
+        raise ConfigError(
+            f"one {c.max_seq}-token text needs ~{cost.cost(1, c.max_seq) / 2**20:.0f} MiB of "
+            f"workspace but each of the {c.workers} worker(s) gets "
+            f"{cost.max_workspace_bytes / 2**20:.0f} MiB ({self.state.available_bytes / 2**30:.1f}"
+            f" GiB available from {self.state.memory_source}, {model_cost / 2**30:.2f} GiB per "
+            f"model copy). Lower BGE_M3_MAX_SEQ_LENGTH (longest that fits: {cost.max_seq()}), "
+            "reduce BGE_M3_WORKERS, or raise the memory limit / BGE_M3_MEMORY_SAFETY_FACTOR",
+            param="BGE_M3_MAX_SEQ_LENGTH")
+
+    def _publish(self, cost: CostModel) -> None:
+        s = self.state
+        s.a, s.b, s.max_workspace_bytes = cost.a, cost.b, cost.max_workspace_bytes
+        s.max_seq_that_fits = cost.max_seq()
+        self._apply(cost)
+
+    # -- the probe -------------------------------------------------------------------------
+    def start_probe(self, run: Callable[[int, int], None], model_cost: int,
+                    fingerprint: str | None, parts: dict[str, Any],
+                    on_done: Callable[[], None] | None = None) -> None:
+        """Run the probe on a background thread (only when ``probe_status`` is running)."""
+        if self.state.probe_status != "running":
+            return
+
+        def work() -> None:
+            try:
+                self._probe(run, model_cost, fingerprint, parts)
+            except Exception as exc:  # the probe must never take the server down
+                log.exception("probe failed")
+                self.state.probe_status, self.state.probe_error = "failed", repr(exc)
+                a, b = self.conservative()
+                self._publish(CostModel(a, b, self.budget(model_cost)))
+            finally:
+                if on_done is not None:
+                    on_done()
+
+        self._thread = threading.Thread(target=work, name="bgeserve-probe", daemon=True)
+        self._thread.start()
+
+    def _probe(self, run: Callable[[int, int], None], model_cost: int,
+               fingerprint: str | None, parts: dict[str, Any]) -> None:
+        c = self.config
+        a, b = self.conservative()
+        guard = CostModel(a, b, self.budget(model_cost, extra_sessions=1))
+        result = probe.run_probe(run, shapes=probe.default_shapes(c.max_seq),
+                                 held_out=probe.default_held_out(c.max_seq), guard=guard,
+                                 log=log.info)
+        self.state.probe_seconds = round(result.seconds, 2)
+        if result.fit is None:
+            self.state.probe_status, self.state.probe_error = "failed", result.error
+            self._publish(CostModel(a, b, self.budget(model_cost)))
+            log.warning("probe gave no usable fit (%s); keeping the conservative model",
+                        result.error)
+            return
+        fitted = CostModel(result.fit.a, result.fit.b, self.budget(model_cost))
+        self.state.probe_status = "complete"
+        self._publish(fitted)
+        log.info("probe complete in %.1fs: a=%.0f b=%.2f, budget %d MiB per worker, longest "
+                 "text that fits %d tokens", result.seconds, fitted.a, fitted.b,
+                 fitted.max_workspace_bytes >> 20, fitted.max_seq())
+        if fingerprint and c.cache_dir and not c.disable_probe_cache:
+            probe.ProbeCache(self.cache_path).save(fingerprint, result.fit, parts,
+                                                   result.samples)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for a running probe; True when none is running any more."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+
+def synthetic_run(open_forward: Callable[[], Any], vocab_size: int) -> tuple[Callable[[int, int],
+                                                                                       None],
+                                                                              Callable[[], None]]:
+    """A ``run(batch, seq)`` over a dedicated session with exact-length synthetic ids."""
+    forward = open_forward()
+    rng = np.random.default_rng(0)
+
+    def run(batch: int, seq: int) -> None:
+        ids = rng.integers(4, max(vocab_size, 5), size=(batch, seq), dtype=np.int64)
+        ids[:, 0], ids[:, -1] = 0, 2
+        mask = np.ones((batch, seq), dtype=np.int64)
+        forward.run(ids, mask, dense=True, sparse=True, colbert=True)
+
+    return run, forward.close
+
+
+def measure_model_cost(load: Callable[[], None], workers: int) -> int:
+    """RSS growth per worker while ``load`` opens every session and primes it."""
+    memory.trim_heap()
+    before = memory.rss_bytes()
+    started = time.monotonic()
+    load()
+    cost = max(0, memory.rss_bytes() - before) // max(workers, 1)
+    log.info("model loaded in %.1fs: %d MiB RSS per worker", time.monotonic() - started,
+             cost >> 20)
+    return cost
