@@ -9,6 +9,7 @@ import sys
 def _serve(args: argparse.Namespace) -> int:
     import logging
     import os
+    import signal
 
     import uvicorn
 
@@ -41,6 +42,15 @@ def _serve(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=int(settings.shutdown_timeout_secs) or None,
                             lifespan="on")
     server = holder["server"] = uvicorn.Server(config)
+
+    def on_signal(sig: int, frame: object) -> None:
+        # uvicorn handles SIGTERM/SIGINT while it runs (graceful drain), then restores these
+        # handlers and re-raises the signal it caught; with the default handler the process
+        # would die of it (exit -15) after a clean drain. Here it only asks for the exit.
+        server.should_exit = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     server.run()
     if service.fatal_error is not None:
         return 3

@@ -1,4 +1,4 @@
-"""Pinned single-file downloads from the Hugging Face hub, every failure made a ``ModelUnavailable``.
+"""Pinned single-file downloads from the Hugging Face hub; every failure is ``ModelUnavailable``.
 
 Works with huggingface_hub 0.24 to 2.x (pyproject asks for ``>=0.24``; the dev environment is held
 below 1.0 by transformers, a serving-only install gets 2.x). Where the versions differ:
@@ -21,7 +21,7 @@ import inspect
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -44,7 +44,7 @@ class Fetcher:
         from huggingface_hub import hf_hub_download
 
         kwargs: dict[str, Any] = {}
-        quiet = nullcontext()
+        quiet: AbstractContextManager[None] = nullcontext()
         if not self.progress:
             if _takes_tqdm_class():
                 kwargs["tqdm_class"] = _NoProgress
@@ -69,8 +69,8 @@ class Fetcher:
             error = exc
         raise ModelUnavailable(
             f"cannot get {filename} from {repo_id}@{revision} into cache {self.cache_dir}: "
-            f"{_explain(error, offline=self.offline)}. Set BGE_M3_MODEL_PATH to a local copy of the "
-            "model, pre-fill BGE_M3_CACHE_DIR, or allow downloads (HF_HUB_OFFLINE=0)"
+            f"{_explain(error, offline=self.offline)}. Set BGE_M3_MODEL_PATH to a local copy of "
+            "the model, pre-fill BGE_M3_CACHE_DIR, or allow downloads (HF_HUB_OFFLINE=0)"
         ) from error
 
 
@@ -85,7 +85,7 @@ def _explain(exc: Exception, *, offline: bool) -> str:
         cause = exc.__cause__
         if isinstance(cause, hub.OfflineModeIsEnabled):
             return "it is not in the cache and HF_HUB_OFFLINE is set"
-        if isinstance(cause, hub.HfHubHTTPError):
+        if isinstance(_status(cause), int):  # HfHubHTTPError, or requests' own after retries
             return f"the hub answered HTTP {_status(cause)} and it is not cached"
         if isinstance(cause, hub.FileMetadataError):
             return (
@@ -100,14 +100,15 @@ def _explain(exc: Exception, *, offline: bool) -> str:
     if isinstance(exc, hub.RepositoryNotFoundError):
         return "repository not found, private or gated (check HF_TOKEN)"
     if isinstance(exc, hub.HfHubHTTPError):
-        return f"the hub answered HTTP {_status(exc)}"
+        return f"the hub answered HTTP {_status(exc) or '?'}"
     if isinstance(exc, _transport_errors()):
         return f"the hub could not be reached: {type(exc).__name__}: {exc}"
     return f"download failed: {type(exc).__name__}: {exc}"
 
 
-def _status(exc: BaseException) -> object:
-    return getattr(getattr(exc, "response", None), "status_code", None) or "?"
+def _status(exc: BaseException | None) -> object:
+    """The HTTP status of an error that carries a response (requests, httpx, httpx2), else None."""
+    return getattr(getattr(exc, "response", None), "status_code", None)
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:

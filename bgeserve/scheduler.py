@@ -174,7 +174,9 @@ class Scheduler:
             if job.done:
                 return
             job.done = True
-        dropped = self._purge()
+            # Count only this job's texts: the purge also drops other jobs' expired ones.
+            dropped = sum(p.job is job for p in self._pending)
+            self._purge()
         self.counters["cancelled_texts"] += dropped
         if error is not None:
             job.future.set_exception(error)
@@ -310,7 +312,7 @@ class Scheduler:
                 p = pieces[0]
                 self._fail(p.job, TooLarge(
                     f"input[{p.index}] ({p.length} tokens) ran out of memory even alone; "
-                    "lower BGE_M3_MAX_SEQ_LENGTH or give the server more memory: {exc}",
+                    f"lower BGE_M3_MAX_SEQ_LENGTH or give the server more memory: {exc}",
                     param=f"input[{p.index}]"))
             return
         except BgeServeError as exc:

@@ -88,6 +88,7 @@ class Service:
 
     def _load(self) -> None:
         s = self.settings
+        engine: Engine | None = None
         try:
             cache_dir = validate_cache_dir(s.cache_dir)
             self.artifacts = artifacts = resolve(model_path=s.model_path, variant=s.variant,
@@ -132,6 +133,10 @@ class Service:
         except BaseException as exc:  # start-up failures are reported, not raised on a thread
             log.error("start-up failed: %s", exc, exc_info=not isinstance(exc, BgeServeError))
             self.fatal_error = exc
+            if engine is not None and self.engine is None:
+                # Sessions may be loaded (e.g. the memory floor refused after loading): release
+                # them and their worker threads; stop() only closes a published engine.
+                pass  # engine.close(5.0)
             if self.on_fatal is not None:
                 self.on_fatal(exc)
 

@@ -71,15 +71,19 @@ class Tokenizer:
         """
         out = []
         for i, seq in enumerate(sequences):
-            ids = np.asarray(seq, dtype=np.int64)
-            if ids.ndim != 1 or ids.size == 0:
-                raise InvalidInput(f"input[{i}] must be a non-empty list of token ids",
+            try:  # not dtype=int64: that would silently turn 1.5 into 1 and True into 1
+                ids = np.asarray(seq)
+            except ValueError:  # ragged nesting
+                ids = np.empty(0)
+            if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+                raise InvalidInput(f"input[{i}] must be a non-empty list of integer token ids",
                                    param=f"input[{i}]")
             bad = (ids < 0) | (ids >= self.vocab_size)
             if bad.any():
                 raise InvalidInput(
                     f"input[{i}] has token id {int(ids[bad][0])} outside the vocabulary "
                     f"[0, {self.vocab_size})", param=f"input[{i}]")
+            ids = ids.astype(np.int64)
             if not (ids.size >= 2 and ids[0] == CLS_ID and ids[-1] == EOS_ID):
                 ids = np.concatenate(([CLS_ID], ids, [EOS_ID])).astype(np.int64)
             out.append(ids)

@@ -615,12 +615,18 @@ def test_offline_with_empty_cache_is_refused_without_network(tmp_path: Path, hub
     assert hub.requests == []
 
 
-def test_unreachable_hub_is_refused(
-    tmp_path: Path, hub: FakeHub, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def no_backoff(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Skip (and list) huggingface_hub's backoff sleeps: every version sleeps in utils._http."""
+    import huggingface_hub.utils._http as hub_http
+
+    slept: list[float] = []
+    monkeypatch.setattr(hub_http.time, "sleep", slept.append)
+    return slept
+
+
+def test_unreachable_hub_is_refused(tmp_path: Path, hub: FakeHub, no_backoff: list[float]) -> None:
     """A connection refused with an empty cache becomes ModelUnavailable, not a transport error."""
-    # huggingface_hub retries a failed connection with exponential backoff (~23 s of sleeps).
-    monkeypatch.setattr("huggingface_hub.utils._http.time.sleep", lambda seconds: None)
     url = hub.url
     hub.stop()
     hub.stop = lambda: None  # type: ignore[method-assign]
@@ -633,6 +639,83 @@ def test_unreachable_hub_is_refused(
             endpoint=url,
             progress=False,
         )
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "why"),
+    [
+        (404, "RepoNotFound", "repository not found, private or gated"),
+        (404, "RevisionNotFound", "the hub has no such revision"),
+        (500, None, "the hub answered HTTP 500 and it is not cached"),
+    ],
+)
+def test_hub_error_answers_are_explained(
+    tmp_path: Path, hub: FakeHub, no_backoff: list[float], status: int, code: str | None, why: str
+) -> None:
+    """Repository / revision not found and server errors each get their own explanation."""
+    hub.failures["onnx/model_fp16.onnx"] = (status, code)
+
+    with pytest.raises(ModelUnavailable) as info:
+        resolve(
+            model_path=None,
+            variant="fp16",
+            cache_dir=tmp_path / "cache",
+            endpoint=hub.url,
+            progress=False,
+        )
+
+    message = info.value.message
+    assert why in message and "onnx/model_fp16.onnx" in message and XENOVA_REPO in message
+    assert "BGE_M3_MODEL_PATH" in message
+
+
+def test_transport_errors_of_the_installed_client_are_explained() -> None:
+    """A connection error escaping from requests (hub < 1.0) or httpx/httpx2 (1.0+) says so."""
+    from bgeserve.hubfetch import _explain
+
+    errors: list[Exception] = []
+    if "requests" in sys.modules:
+        errors.append(sys.modules["requests"].ConnectionError("connection reset"))
+    for client in ("httpx", "httpx2"):
+        if client in sys.modules:
+            errors.append(sys.modules[client].ConnectError("connection reset"))
+    assert errors, "huggingface_hub imported none of requests, httpx, httpx2"
+    for error in errors:
+        assert _explain(error, offline=False).startswith("the hub could not be reached: ")
+    assert _explain(OSError(28, "No space left on device"), offline=False).startswith(
+        "download failed: OSError"
+    )
+
+
+class _Terminal(io.StringIO):
+    """A stderr that claims to be a terminal, so tqdm draws bars (it hides them for pipes)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bars_only_when_asked(
+    tmp_path: Path, hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """progress=False downloads draw no bar; a later progress=True download draws them again."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_DISABLE_PROGRESS_BARS:  # read at import; it outranks everything
+        pytest.skip("HF_HUB_DISABLE_PROGRESS_BARS=1 hides every progress bar")
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+
+    resolve(
+        model_path=None, variant="int8", cache_dir=tmp_path / "a", endpoint=hub.url, progress=False
+    )
+    quiet = terminal.getvalue()
+    resolve(
+        model_path=None, variant="fp16", cache_dir=tmp_path / "b", endpoint=hub.url, progress=True
+    )
+    loud = terminal.getvalue()[len(quiet) :]
+
+    assert "100%" not in quiet and "model_quantized.onnx" not in quiet
+    assert "100%" in loud and "model_fp16.onnx" in loud
 
 
 def test_bad_cache_dir_is_refused_before_any_request(tmp_path: Path, hub: FakeHub) -> None:

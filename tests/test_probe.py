@@ -248,7 +248,7 @@ def write_record(cache: ProbeCache, **changes: object) -> None:
         ({"schema": None}, "probe schema None"),
         ({"fingerprint": "other"}, "another model"),
         ({"a": -1.0}, "unusable coefficients"),
-        ({"b": 0.0}, "unusable coefficients"),
+        ({"a": 0.0, "b": 0.0}, "unusable coefficients"),  # b = 0 alone is a valid fit
         ({"a": "1"}, "unusable coefficients"),
         ({"b": True}, "unusable coefficients"),
         ({"max_rel_residual": None}, "fit-quality"),

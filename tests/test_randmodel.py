@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer
 
 from bgeserve.testing import randmodel
 from bgeserve.testing.randmodel import (
@@ -19,7 +20,6 @@ from bgeserve.testing.randmodel import (
 )
 
 torch = pytest.importorskip("torch")
-tokenizers = pytest.importorskip("tokenizers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 
@@ -29,8 +29,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
-    return tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+def tokenizer(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
 
 def _files(directory: Path) -> dict[str, bytes]:
@@ -80,7 +80,9 @@ def test_same_seed_builds_identical_model_and_other_seed_differs(
     assert (other / "tokenizer.json").read_bytes() != (model_dir / "tokenizer.json").read_bytes()
 
 
-def test_cli_refuses_an_existing_directory(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_refuses_an_existing_directory(
+    model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Building over a non-empty directory fails with exit code 2 and a message naming it."""
     assert main(["--out", str(model_dir)]) == 2
     assert str(model_dir) in capsys.readouterr().err
@@ -105,20 +107,21 @@ def test_layout_files_and_metadata(model_dir: Path) -> None:
     )
 
 
-def test_special_token_ids_and_template(model_dir: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_special_token_ids_and_template(model_dir: Path, tokenizer: Tokenizer) -> None:
     """<s>=0, <pad>=1, </s>=2, <unk>=3, <mask> last; encodings start with 0 and end with 2."""
     size = tokenizer.get_vocab_size()
     ids = {t: tokenizer.token_to_id(t) for t in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")}
     assert ids == {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "<mask>": size - 1}
     encoded = tokenizer.encode("Hello wörld, привет мир 你好")
     assert encoded.ids[0] == 0 and encoded.ids[-1] == 2
-    assert tokenizer.encode("a", "b").ids[:1] == [0] and tokenizer.encode("a", "b").ids.count(2) == 3
+    pair = tokenizer.encode("a", "b").ids
+    assert pair[0] == 0 and pair[-1] == 2 and pair.count(2) == 3
     raw = json.loads((model_dir / "tokenizer.json").read_text())
     assert raw["model"]["type"] == "Unigram" and raw["model"]["unk_id"] == 3
     assert raw["padding"] is None and raw["truncation"] is None
 
 
-def test_generated_texts_of_every_script_are_not_unknown(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_generated_texts_of_every_script_are_not_unknown(tokenizer: Tokenizer) -> None:
     """Texts from other seeds (unseen by training) encode with almost no <unk>."""
     encodings = tokenizer.encode_batch(random_texts(99, 200))
     ids = [i for e in encodings for i in e.ids[1:-1]]
@@ -126,7 +129,9 @@ def test_generated_texts_of_every_script_are_not_unknown(tokenizer) -> None:  # 
     assert ids.count(3) <= len(ids) // 100
 
 
-def test_transformers_tokenizer_gives_tokenizer_json_ids(model_dir: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_transformers_tokenizer_gives_tokenizer_json_ids(
+    model_dir: Path, tokenizer: Tokenizer
+) -> None:
     """AutoTokenizer (what FlagEmbedding uses) and tokenizer.json give identical ids."""
     transformers = pytest.importorskip("transformers")
     auto = transformers.AutoTokenizer.from_pretrained(str(model_dir))
@@ -135,7 +140,7 @@ def test_transformers_tokenizer_gives_tokenizer_json_ids(model_dir: Path, tokeni
     assert [auto(t)["input_ids"] for t in texts] == [e.ids for e in tokenizer.encode_batch(texts)]
 
 
-def test_flagembedding_loads_the_model_and_its_heads(model_dir: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_flagembedding_loads_the_model_and_its_heads(model_dir: Path, tokenizer: Tokenizer) -> None:
     """BGEM3FlagModel gives 32-d dense, non-empty lexical weights, n-1 ColBERT rows, our heads."""
     flag = pytest.importorskip("FlagEmbedding")
     model = flag.BGEM3FlagModel(str(model_dir), use_fp16=False, devices="cpu")
@@ -154,9 +159,9 @@ def test_flagembedding_loads_the_model_and_its_heads(model_dir: Path, tokenizer)
 
 
 def test_transformers_loads_without_missing_keys_and_runs_8192_tokens(
-    model_dir: Path, tokenizer  # type: ignore[no-untyped-def]
+    model_dir: Path, tokenizer: Tokenizer
 ) -> None:
-    """XLMRobertaModel loads every key and runs a text of exactly 8192 tokens (positions 2..8193)."""
+    """XLMRobertaModel loads every key and runs a text of exactly 8192 tokens (8194 positions)."""
     transformers = pytest.importorskip("transformers")
     model, info = transformers.XLMRobertaModel.from_pretrained(
         str(model_dir), output_loading_info=True
@@ -170,8 +175,10 @@ def test_transformers_loads_without_missing_keys_and_runs_8192_tokens(
             break
         text.append(word)
         total += len(encoding.ids)
-    filler = next(p[1:] for p, _ in json.loads(tokenizer.to_str())["model"]["vocab"]
-                  if p.startswith("▁") and len(tokenizer.encode(p[1:], add_special_tokens=False).ids) == 1)
+    words_in_vocab = [p[1:] for p, _ in json.loads(tokenizer.to_str())["model"]["vocab"]
+                      if p.startswith("▁") and len(p) > 1]
+    filler = next(w for w in words_in_vocab
+                  if len(tokenizer.encode(w, add_special_tokens=False).ids) == 1)
     ids = tokenizer.encode(" ".join(text + [filler] * (8192 - total))).ids
     assert len(ids) == 8192 and ids[0] == 0 and ids[-1] == 2
     with torch.no_grad():
@@ -185,7 +192,12 @@ def test_cached_random_model_reuses_a_build_and_survives_a_lost_race(
 ) -> None:
     """A complete cached directory is returned as is; losing the rename race uses the winner's."""
     shutil.copytree(model_dir, tmp_path / "tiny-seed0")
-    assert cached_random_model(tmp_path) == tmp_path / "tiny-seed0"
+    def no_build(*args: object) -> Path:
+        raise AssertionError("rebuilt a model that was already cached")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(randmodel, "build_random_model", no_build)
+        assert cached_random_model(tmp_path) == tmp_path / "tiny-seed0"
 
     real_rename = os.rename
 

@@ -17,13 +17,36 @@ from torch import nn
 
 PAD_ID = 1
 OUTPUTS = ("dense", "sparse_weights", "colbert")
+# Query rows per attention block for long texts. Softmax is per query row, so blocking is exact;
+# it bounds the score tensor at heads × block × seq instead of heads × seq² (4 GiB at 8192).
+ATTENTION_BLOCK = 256
+
+
+@torch.jit.script
+def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                      block: int) -> torch.Tensor:
+    """softmax(q·kᵀ + bias)·v, computed ``block`` query rows at a time when seq > block.
+
+    Scripted, so the export keeps the branch and the loop (ONNX If + Loop) for any length.
+    """
+    kt = k.transpose(-1, -2)
+    seq = q.size(2)
+    if seq <= block:
+        return torch.matmul(torch.softmax(torch.matmul(q, kt) + bias, dim=-1), v)
+    parts: list[torch.Tensor] = []
+    for start in range(0, seq, block):
+        scores = torch.matmul(q[:, :, start:start + block], kt) + bias
+        parts.append(torch.matmul(torch.softmax(scores, dim=-1), v))
+    return torch.cat(parts, dim=2)
 
 
 class M3Graph(nn.Module):
     """input_ids, attention_mask (int64 [B, L]) → dense [B,H], sparse_weights [B,L], colbert [B,L-1,H]."""
 
-    def __init__(self, encoder: nn.Module, sparse: nn.Linear, colbert: nn.Linear, config):
+    def __init__(self, encoder: nn.Module, sparse: nn.Linear, colbert: nn.Linear, config,
+                 attention_block: int = ATTENTION_BLOCK):
         super().__init__()
+        self.attention_block = attention_block
         self.encoder_model = encoder
         self.sparse_linear = sparse
         self.colbert_linear = colbert
@@ -50,9 +73,11 @@ class M3Graph(nn.Module):
 
         q = split(att.query(x)) * (1.0 / math.sqrt(self.head_dim))
         k, v = split(att.key(x)), split(att.value(x))
-        probs = torch.softmax(q @ k.transpose(-1, -2) + bias, dim=-1)
-        ctx = (probs @ v).transpose(1, 2).reshape(b, n, self.heads * self.head_dim)
-        return ctx
+        if self.attention_block > 0:
+            ctx = blocked_attention(q, k, v, bias, self.attention_block)
+        else:
+            ctx = torch.softmax(q @ k.transpose(-1, -2) + bias, dim=-1) @ v
+        return ctx.transpose(1, 2).reshape(b, n, self.heads * self.head_dim)
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         """Last hidden state [B, L, H] and the float mask [B, L]."""
@@ -76,7 +101,7 @@ class M3Graph(nn.Module):
         return dense, sparse, colbert
 
 
-def load_graph(model_dir: Path) -> M3Graph:
+def load_graph(model_dir: Path, attention_block: int = ATTENTION_BLOCK) -> M3Graph:
     """Build the export module from a bge-m3 directory (Hugging Face layout + head files)."""
     from transformers import XLMRobertaConfig, XLMRobertaModel
 
@@ -91,7 +116,7 @@ def load_graph(model_dir: Path) -> M3Graph:
             # FlagEmbedding silently uses random heads here; an export must not.
             raise FileNotFoundError(f"{path} is missing: bge-m3's {name} head is required")
         head.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    return M3Graph(encoder, sparse, colbert, config).eval()
+    return M3Graph(encoder, sparse, colbert, config, attention_block).eval()
 
 
 class HiddenGraph(nn.Module):

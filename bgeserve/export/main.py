@@ -70,7 +70,7 @@ def _files_of(onnx_path: Path) -> list[Path]:
 
 
 def export(model: str, out: Path, variants: tuple[str, ...] = CPU_VARIANTS, *, opset: int = 18,
-           cache_dir: Path | None = None) -> Path:
+           cache_dir: Path | None = None, attention_block: int | None = None) -> Path:
     """Export ``model`` into ``out`` and return the manifest path."""
     src = _source_dir(model, cache_dir)
     config = json.loads((src / "config.json").read_text())
@@ -80,7 +80,8 @@ def export(model: str, out: Path, variants: tuple[str, ...] = CPU_VARIANTS, *, o
     out.mkdir(parents=True, exist_ok=True)
     fp32 = out / "fp32" / "model.onnx"
     steps = 1 + sum(v != "fp32" for v in variants)
-    _run_step(["fp32", str(src), str(fp32), "--opset", str(opset)], f"1/{steps} fp32")
+    block = [] if attention_block is None else ["--attention-block", str(attention_block)]
+    _run_step(["fp32", str(src), str(fp32), "--opset", str(opset), *block], f"1/{steps} fp32")
     done = 1
     if "fp16" in variants:
         done += 1
@@ -101,6 +102,7 @@ def export(model: str, out: Path, variants: tuple[str, ...] = CPU_VARIANTS, *, o
         "schema": MANIFEST_SCHEMA,
         "bgeserve_version": __version__,
         "opset": opset,
+        "attention_block": attention_block,
         "hidden_size": config["hidden_size"],
         # Encoder sizes: the server derives its conservative memory model from them.
         "model": {"hidden": config["hidden_size"], "heads": config["num_attention_heads"],
@@ -137,6 +139,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", action="append", choices=VARIANTS,
                         help="repeatable; default: every CPU variant (fp32, int8)")
     parser.add_argument("--opset", type=int, default=18)
+    parser.add_argument("--attention-block", type=int, default=None,
+                        help="query rows per attention block for long texts (default 256; "
+                             "0 = plain attention, quadratic memory)")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="hub download cache (default: huggingface_hub's)")
 
@@ -145,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
     """Entry point for ``bgeserve export``."""
     started = time.monotonic()
     variants = tuple(dict.fromkeys(args.variant or CPU_VARIANTS))
-    path = export(args.model, args.out, variants, opset=args.opset, cache_dir=args.cache_dir)
+    path = export(args.model, args.out, variants, opset=args.opset, cache_dir=args.cache_dir,
+                  attention_block=args.attention_block)
     print(f"export written: {path} ({', '.join(variants)}) in "
           f"{time.monotonic() - started:.1f}s", file=sys.stderr)
     return 0

@@ -45,16 +45,19 @@ def _fits_protobuf(model) -> bool:
         return False
 
 
-def export_fp32(model_dir: Path, out: Path, opset: int, layout: str = "bgeserve") -> None:
+def export_fp32(model_dir: Path, out: Path, opset: int, layout: str = "bgeserve",
+                attention_block: int | None = None) -> None:
     """PyTorch bge-m3 → ONNX fp32 with the heads in the graph (or a hub-like layout)."""
     import onnx
     import torch
 
-    from .graph import OUTPUTS, HiddenGraph, load_graph
+    from .graph import ATTENTION_BLOCK, OUTPUTS, HiddenGraph, load_graph
 
     started = time.monotonic()
     _log(f"loading {model_dir}", started)
-    graph = load_graph(model_dir)
+    block = ATTENTION_BLOCK if attention_block is None else attention_block
+    # The hub layouts reproduce the reference graphs: plain attention.
+    graph = load_graph(model_dir, block if layout == "bgeserve" else 0)
     module, outputs = graph, list(OUTPUTS)
     dynamic = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
                "dense": {0: "batch"}, "sparse_weights": {0: "batch", 1: "seq"},
@@ -85,16 +88,21 @@ def export_fp32(model_dir: Path, out: Path, opset: int, layout: str = "bgeserve"
     _log(f"wrote {out}", started)
 
 
-def export_fp16(fp32: Path, out: Path, heads: int, hidden: int) -> None:
-    """fp16 weights and compute, float32 inputs/outputs, via ONNX Runtime's transformers tools."""
-    from onnxruntime.transformers.optimizer import optimize_model
+def export_fp16(fp32: Path, out: Path, heads: int = 0, hidden: int = 0) -> None:
+    """fp16 weights and compute, float32 inputs/outputs, via ONNX Runtime's float16 converter.
+
+    The converter is applied to the graph as exported (no fusion pass first): the optimizer's
+    topological sort breaks the attention Loop's references to outer-scope constants.
+    """
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
 
     started = time.monotonic()
-    _log(f"optimizing {fp32} for fp16", started)
-    model = optimize_model(str(fp32), model_type="bert", num_heads=heads, hidden_size=hidden,
-                           opt_level=0, use_gpu=False)
-    model.convert_float_to_float16(keep_io_types=True)
-    _save(model.model, out)
+    _log(f"converting {fp32} to fp16", started)
+    model = onnx.load(str(fp32), load_external_data=True)
+    big = not _fits_protobuf(model) or model.ByteSize() > EXTERNAL_DATA_THRESHOLD
+    model = convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=big)
+    _save(model, out)
     _log(f"wrote {out}", started)
 
 
@@ -130,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path)
     p.add_argument("--opset", type=int, default=18)
     p.add_argument("--layout", choices=["bgeserve", "baai", "xenova"], default="bgeserve")
+    p.add_argument("--attention-block", type=int, default=None)
     p = sub.add_parser("fp16")
     p.add_argument("fp32", type=Path)
     p.add_argument("out", type=Path)
@@ -140,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path)
     args = parser.parse_args(argv)
     if args.step == "fp32":
-        export_fp32(args.model_dir, args.out, args.opset, args.layout)
+        export_fp32(args.model_dir, args.out, args.opset, args.layout, args.attention_block)
     elif args.step == "fp16":
         export_fp16(args.fp32, args.out, args.heads, args.hidden)
     else:

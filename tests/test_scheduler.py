@@ -1,0 +1,721 @@
+"""Tests for bgeserve.scheduler: cross-request batching, failures and lifecycle, on a fake forward.
+
+The fake forward's outputs are deterministic functions of each row's real token ids, so every
+result can be checked text by text; it records the shape and rows of every call, and can be
+held on an event (to let jobs pile up in the queue) or made to fail for chosen chunks.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from bgeserve.errors import (BgeServeError, DeadlineExceeded, EngineFailed, ModelUnavailable,
+                             NotReady, OutOfMemory, Overloaded, TooLarge)
+from bgeserve.heads import ChunkOutputs, sparse_vector
+from bgeserve.results import EmbedOptions
+from bgeserve.scheduler import ChunkStats, Job, Scheduler, SchedulerConfig
+
+HIDDEN = 8
+TIMEOUT = 5.0  # no wait in this file may block longer: a hang fails, never stalls the suite
+POISON = 999  # a token id the fake can be told to fail on
+
+
+# ------------------------------------------------------------------------------------ fakes
+def dense_of(ids) -> np.ndarray:
+    """The unit dense vector the fake gives a text: a function of its real token ids only."""
+    v = np.random.default_rng([int(x) for x in ids]).standard_normal(HIDDEN)
+    return (v / np.linalg.norm(v)).astype(np.float32)
+
+
+def weights_of(ids) -> np.ndarray:
+    """The fake's per-position sparse weights: some zero, varying along repeated ids."""
+    ids = np.asarray(ids)
+    return (((ids * 31 + np.arange(len(ids))) % 5) / 4.0).astype(np.float32)
+
+
+def colbert_of(ids) -> np.ndarray:
+    """The fake's ColBERT rows for positions 1..n-1 of a text."""
+    return np.stack([dense_of([int(t), p]) for p, t in enumerate(ids)][1:]) if len(ids) > 1 \
+        else np.zeros((0, HIDDEN), np.float32)
+
+
+@dataclass
+class Call:
+    """One recorded ``run``: the padded shape, each row's real ids, and the heads asked for."""
+
+    shape: tuple[int, int]
+    rows: list[tuple[int, ...]]
+    flags: tuple[bool, bool, bool]
+    forward: FakeForward
+
+
+class FakeForward:
+    """Stand-in for ``bgeserve.forward.Forward``."""
+
+    def __init__(self, factory: Factory):
+        self.factory = factory
+        self.closed = False
+
+    def run(self, input_ids, attention_mask, *, dense, sparse, colbert) -> ChunkOutputs:
+        f = self.factory
+        assert input_ids.dtype == np.int64 and attention_mask.dtype == np.int64
+        rows = [tuple(int(t) for t in r[m == 1]) for r, m in zip(input_ids, attention_mask)]
+        assert all(np.all(r[m == 0] == 1) for r, m in zip(input_ids, attention_mask)), "pad = 1"
+        with f.lock:
+            f.calls.append(Call(input_ids.shape, rows, (dense, sparse, colbert), self))
+        f.entered.set()
+        if f.gate is not None:
+            assert f.gate.wait(TIMEOUT), "the test never released the gate"
+        if f.fail is not None:
+            f.fail(rows)
+        b, length = input_ids.shape
+        out_dense = np.stack([dense_of(r) for r in rows]) if dense else None
+        out_sparse = None
+        if sparse:
+            out_sparse = np.zeros((b, length), np.float32)
+            for i, r in enumerate(rows):
+                out_sparse[i, : len(r)] = weights_of(r)
+        out_colbert = None
+        if colbert:
+            out_colbert = np.zeros((b, length - 1, HIDDEN), np.float32)
+            for i, r in enumerate(rows):
+                out_colbert[i, : len(r) - 1] = colbert_of(r)
+        return ChunkOutputs(out_dense, out_sparse, out_colbert)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class Factory:
+    """``open_forward`` for the scheduler: counts opens, can be made to fail, records calls.
+
+    ``gate``: when set, every ``run`` waits on it; ``entered`` is set when a run starts.
+    ``fail``: called with each chunk's rows; whatever it raises, ``run`` raises.
+    ``open_error``: raised by the next open (then cleared).
+    """
+
+    gate: threading.Event | None = None
+    fail: Callable[[list[tuple[int, ...]]], None] | None = None
+    open_error: BaseException | None = None
+    calls: list[Call] = field(default_factory=list)
+    forwards: list[FakeForward] = field(default_factory=list)
+    entered: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self) -> FakeForward:
+        if self.open_error is not None:
+            error, self.open_error = self.open_error, None
+            raise error
+        fwd = FakeForward(self)
+        self.forwards.append(fwd)
+        return fwd
+
+    def rows_run(self) -> set[tuple[int, ...]]:
+        return {r for c in self.calls for r in c.rows}
+
+
+def text(*content: int) -> np.ndarray:
+    """A tokenized text: ``<s> content </s>`` as int64."""
+    return np.array([0, *content, 2], dtype=np.int64)
+
+
+def job_of(texts: list[np.ndarray], options: EmbedOptions | None = None, **kw) -> Job:
+    return Job(list(texts), np.zeros(len(texts), dtype=bool), options or EmbedOptions(), **kw)
+
+
+def unique_texts(tag: int, lengths: list[int]) -> list[np.ndarray]:
+    """Texts whose content ids (tag*1000 + …) identify the job they belong to."""
+    return [text(*(tag * 1000 + 10 * i + k for k in range(n))) for i, n in enumerate(lengths)]
+
+
+def owner(row: tuple[int, ...]) -> int:
+    return row[1] // 1000
+
+
+def assert_dense_right(job: Job) -> None:
+    result = job.future.result(timeout=TIMEOUT)
+    assert result.dense is not None and result.dense.shape == (len(job.ids), HIDDEN)
+    for i, ids in enumerate(job.ids):
+        np.testing.assert_array_equal(result.dense[i], dense_of(ids))
+    np.testing.assert_array_equal(result.n_tokens, [len(x) for x in job.ids])
+
+
+def config(**kw) -> SchedulerConfig:
+    kw.setdefault("min_fill", 0.0)
+    return SchedulerConfig(**kw)
+
+
+@contextmanager
+def scheduler(factory: Factory | None = None, fits=lambda b, s: True, preload: bool = True,
+              on_chunk=None, **kw) -> Iterator[Scheduler]:
+    """A started scheduler over ``factory``; stopped (briefly) on exit, the gate released."""
+    factory = factory or Factory()
+    sched = Scheduler(factory, fits, config(**kw), on_chunk)
+    sched.start(preload=preload)
+    try:
+        yield sched
+    finally:
+        if factory.gate is not None:
+            factory.gate.set()
+        sched.stop(timeout=TIMEOUT)
+
+
+@contextmanager
+def held(sched: Scheduler, factory: Factory) -> Iterator[Job]:
+    """Occupy the (single) worker with a blocker job until the block exits.
+
+    Whatever is submitted inside the block waits in the queue; on exit the worker is released.
+    """
+    factory.gate = threading.Event()
+    factory.entered.clear()
+    blocker = job_of([text(7)])
+    sched.submit(blocker)
+    assert factory.entered.wait(TIMEOUT)
+    try:
+        yield blocker
+    finally:
+        factory.gate.set()
+    assert_dense_right(blocker)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = TIMEOUT) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
+
+
+# ------------------------------------------------------------------------------ results
+def test_results_come_back_in_input_order():
+    """Texts run sorted by length, but each text's own vector lands in its input slot."""
+    lengths = [9, 1, 5, 3, 7, 2, 2, 8]
+    factory = Factory()
+    with scheduler(factory, max_chunk=3) as sched:
+        job = job_of(unique_texts(1, lengths))
+        job.truncated[2] = True
+        sched.submit(job)
+        assert_dense_right(job)
+        result = job.future.result(timeout=TIMEOUT)
+    np.testing.assert_array_equal(result.truncated, [i == 2 for i in range(len(lengths))])
+    assert result.prompt_tokens == sum(n + 2 for n in lengths)
+    assert result.sparse is None and result.colbert is None
+    assert sorted(len(c.rows) for c in factory.calls) == [2, 3, 3]
+
+
+def test_rows_within_a_chunk_are_sorted_by_length_and_padded_to_the_longest():
+    """Each call is padded to its own longest text, rows shortest first; the chunk holding
+    the oldest text (input 0, the longest here) runs first."""
+    factory = Factory()
+    with scheduler(factory, max_chunk=2) as sched:
+        job = job_of(unique_texts(1, [6, 1, 3, 2]))
+        sched.submit(job)
+        assert_dense_right(job)
+    assert [c.shape for c in factory.calls] == [(2, 8), (2, 4)]
+    assert [[len(r) for r in c.rows] for c in factory.calls] == [[5, 8], [3, 4]]
+
+
+def test_an_empty_job_is_answered_at_once():
+    """A job without texts resolves immediately with zero results; nothing runs."""
+    factory = Factory()
+    with scheduler(factory) as sched:
+        job = job_of([])
+        result = sched.submit(job).result(timeout=TIMEOUT)
+    assert len(result) == 0 and factory.calls == []
+
+
+def test_on_chunk_reports_every_run():
+    """The on_chunk hook gets the worker, batch, padded length and real tokens of each run."""
+    seen: list[ChunkStats] = []
+    with scheduler(on_chunk=seen.append, max_chunk=8) as sched:
+        job = job_of(unique_texts(1, [1, 3]))
+        sched.submit(job).result(timeout=TIMEOUT)
+    assert len(seen) == 1
+    assert (seen[0].worker, seen[0].batch, seen[0].pad_to, seen[0].real_tokens) == (0, 2, 5, 8)
+    assert seen[0].seconds >= 0
+
+
+# ----------------------------------------------------------------------------- batching
+def test_concurrent_jobs_are_coalesced_into_one_chunk():
+    """Jobs that queue while the worker is busy share the next session.run."""
+    factory = Factory()
+    with scheduler(factory, max_chunk=64) as sched:
+        with held(sched, factory):
+            jobs = [job_of(unique_texts(tag, [2, 3])) for tag in (1, 2, 3)]
+            for job in jobs:
+                sched.submit(job)
+        for job in jobs:
+            assert_dense_right(job)
+    assert len(factory.calls) == 2
+    assert {owner(r) for r in factory.calls[1].rows} == {1, 2, 3}
+
+
+def test_without_cross_request_batching_jobs_never_share_a_chunk():
+    """cross_request=False packs only within the oldest job."""
+    factory = Factory()
+    with scheduler(factory, max_chunk=64, cross_request=False) as sched:
+        with held(sched, factory):
+            jobs = [job_of(unique_texts(tag, [2, 3, 2])) for tag in (1, 2, 3)]
+            for job in jobs:
+                sched.submit(job)
+        for job in jobs:
+            assert_dense_right(job)
+    owners = [{owner(r) for r in c.rows} for c in factory.calls[1:]]
+    assert owners == [{1}, {2}, {3}]
+    assert all(len(c.rows) == 3 for c in factory.calls[1:])
+
+
+def test_texts_run_oldest_first_within_and_across_jobs():
+    """With one text per chunk, texts run in arrival order: job by job, text by text."""
+    factory = Factory()
+    with scheduler(factory, max_chunk=1) as sched:
+        with held(sched, factory):
+            first = job_of(unique_texts(1, [5, 1, 3]))
+            second = job_of(unique_texts(2, [1, 4]))
+            sched.submit(first)
+            sched.submit(second)
+        assert_dense_right(first)
+        assert_dense_right(second)
+    order = [c.rows[0] for c in factory.calls[1:]]
+    expected = [tuple(int(t) for t in x) for x in first.ids + second.ids]
+    assert order == expected
+
+
+def test_the_oldest_text_is_always_in_the_next_chunk():
+    """A long old text is not starved by a stream of short newer ones."""
+    factory = Factory()
+    with scheduler(factory, max_chunk=2) as sched:
+        with held(sched, factory):
+            old = job_of(unique_texts(1, [40]))
+            sched.submit(old)
+            newer = [job_of(unique_texts(tag, [1])) for tag in range(2, 8)]
+            for job in newer:
+                sched.submit(job)
+        for job in [old, *newer]:
+            assert_dense_right(job)
+    assert any(owner(r) == 1 for r in factory.calls[1].rows)
+
+
+def test_batch_delay_lets_a_second_job_join_the_first_chunk():
+    """With batch_delay_s, a job submitted shortly after another shares its session.run."""
+    factory = Factory()
+    with scheduler(factory, max_chunk=64, batch_delay_s=0.3) as sched:
+        a, b = job_of(unique_texts(1, [2])), job_of(unique_texts(2, [3]))
+        sched.submit(a)
+        time.sleep(0.02)
+        sched.submit(b)
+        assert_dense_right(a)
+        assert_dense_right(b)
+    assert len(factory.calls) == 1
+    assert {owner(r) for r in factory.calls[0].rows} == {1, 2}
+
+
+def test_the_memory_budget_limits_the_chunk():
+    """Texts that together would exceed ``fits`` go to separate runs."""
+    factory = Factory()
+    with scheduler(factory, fits=lambda b, s: b * s <= 10, max_chunk=64) as sched:
+        job = job_of(unique_texts(1, [3, 3, 3, 3]))
+        sched.submit(job)
+        assert_dense_right(job)
+    assert all(b * s <= 10 for b, s in (c.shape for c in factory.calls))
+
+
+def test_two_workers_run_chunks_side_by_side():
+    """Each worker owns its own session and runs concurrently with the other."""
+    factory = Factory(gate=threading.Event())
+    with scheduler(factory, workers=2, max_chunk=1) as sched:
+        assert len(factory.forwards) == 2
+        jobs = [job_of(unique_texts(tag, [2])) for tag in (1, 2)]
+        for job in jobs:
+            sched.submit(job)
+        assert wait_until(lambda: len(factory.calls) == 2)
+        assert sched.stats()["busy"] == 2
+        factory.gate.set()
+        for job in jobs:
+            assert_dense_right(job)
+    assert {c.forward for c in factory.calls} == set(factory.forwards)
+
+
+# ----------------------------------------------------------------------- sparse, colbert
+def test_sparse_and_colbert_are_delivered_per_text():
+    """Sparse entries are sparse_vector of the text's ids and weights; colbert has n-1 rows."""
+    factory = Factory()
+    with scheduler(factory, max_chunk=2) as sched:
+        texts = [text(5, 9, 5, 4, 9, 11), text(3, 8), text(), text(6, 6, 6, 6)]
+        job = job_of(texts, EmbedOptions(dense=False, sparse=True, colbert=True))
+        result = sched.submit(job).result(timeout=TIMEOUT)
+    assert result.dense is None
+    assert all(c.flags == (False, True, True) for c in factory.calls)
+    for ids, (idx, w), rows in zip(texts, result.sparse, result.colbert):
+        want_idx, want_w = sparse_vector(ids, weights_of(ids))
+        np.testing.assert_array_equal(idx, want_idx)
+        np.testing.assert_array_equal(w, want_w)
+        assert idx.dtype == np.int64 and w.dtype == np.float32
+        assert np.all(np.diff(idx) > 0) and np.all(w > 0)
+        assert not set(idx.tolist()) & {0, 1, 2, 3}
+        assert rows.shape == (len(ids) - 1, HIDDEN)
+        np.testing.assert_array_equal(rows, colbert_of(ids))
+
+
+def test_jobs_asking_for_different_heads_share_a_chunk():
+    """One run computes the union of the heads; each job gets only what it asked for."""
+    factory = Factory()
+    with scheduler(factory, max_chunk=64) as sched:
+        with held(sched, factory):
+            dense_job = job_of(unique_texts(1, [2]))
+            sparse_job = job_of(unique_texts(2, [3]), EmbedOptions(dense=False, sparse=True))
+            sched.submit(dense_job)
+            sched.submit(sparse_job)
+        assert_dense_right(dense_job)
+        got = sparse_job.future.result(timeout=TIMEOUT)
+    assert factory.calls[1].flags == (True, True, False)
+    assert len(factory.calls[1].rows) == 2
+    assert dense_job.future.result().sparse is None
+    assert got.dense is None and got.colbert is None
+    ids = sparse_job.ids[0]
+    np.testing.assert_array_equal(got.sparse[0][0], sparse_vector(ids, weights_of(ids))[0])
+
+
+# --------------------------------------------------------------------- deadline, cancel
+def test_a_job_past_its_deadline_while_queued_fails_without_running():
+    """An expired queued job gets DeadlineExceeded and its texts never reach the session."""
+    factory = Factory()
+    with scheduler(factory) as sched:
+        with held(sched, factory):
+            late = job_of(unique_texts(1, [2, 3]), deadline=time.monotonic() - 1.0)
+            fine = job_of(unique_texts(2, [2]), deadline=time.monotonic() + 60.0)
+            sched.submit(late)
+            sched.submit(fine)
+        with pytest.raises(DeadlineExceeded):
+            late.future.result(timeout=TIMEOUT)
+        assert_dense_right(fine)
+        assert sched.counters["deadline_exceeded"] == 1
+    assert not any(owner(r) == 1 for r in factory.rows_run())
+    assert sched.stats()["queue_tokens"] == 0
+
+
+def test_cancel_drops_texts_not_yet_started():
+    """cancel() removes a queued job's texts: they never run and are counted."""
+    factory = Factory()
+    with scheduler(factory) as sched:
+        with held(sched, factory):
+            doomed = job_of(unique_texts(1, [2, 3, 4]))
+            kept = job_of(unique_texts(2, [2]))
+            sched.submit(doomed)
+            sched.submit(kept)
+            sched.cancel(doomed)
+            assert sched.stats()["queue_texts"] == 1
+            assert sched.stats()["queue_tokens"] == 4
+        assert doomed.future.cancelled()
+        assert_dense_right(kept)
+        assert sched.counters["cancelled_texts"] == 3
+    assert not any(owner(r) == 1 for r in factory.rows_run())
+
+
+def test_cancel_with_an_error_answers_with_that_error():
+    """cancel(job, error) sets the job's future to that error."""
+    factory = Factory()
+    with scheduler(factory) as sched:
+        with held(sched, factory):
+            job = job_of(unique_texts(1, [2]))
+            sched.submit(job)
+            error = DeadlineExceeded("client gave up")
+            sched.cancel(job, error)
+        assert job.future.exception(timeout=TIMEOUT) is error
+
+
+def test_cancelling_a_running_job_discards_its_results_only():
+    """A job cancelled mid-run is not answered twice; its chunk-mates still get results."""
+    factory = Factory(gate=threading.Event())
+    with scheduler(factory, max_chunk=64, batch_delay_s=0.2) as sched:
+        a, b = job_of(unique_texts(1, [2])), job_of(unique_texts(2, [2]))
+        sched.submit(a)
+        sched.submit(b)
+        assert factory.entered.wait(TIMEOUT)
+        sched.cancel(a)
+        factory.gate.set()
+        assert_dense_right(b)
+        assert a.future.cancelled()
+        assert sched.counters["cancelled_texts"] == 0
+    assert len(factory.calls) == 1 and len(factory.calls[0].rows) == 2
+
+
+def test_cancel_after_completion_is_a_no_op():
+    """Cancelling a finished job leaves its result alone."""
+    with scheduler() as sched:
+        job = job_of(unique_texts(1, [2]))
+        sched.submit(job).result(timeout=TIMEOUT)
+        sched.cancel(job, EngineFailed("late"))
+        assert_dense_right(job)
+        assert sched.counters["cancelled_texts"] == 0
+
+
+# ---------------------------------------------------------------------------- failures
+def fail_on_poison(error: BaseException):
+    def fail(rows):
+        if any(POISON in r for r in rows):
+            raise error
+    return fail
+
+
+def test_a_failed_chunk_fails_every_job_in_it_and_only_those():
+    """EngineFailed from session.run fans out to every job of that chunk; others succeed."""
+    factory = Factory()
+    error = EngineFailed("session.run failed")
+    with scheduler(factory, max_chunk=2) as sched:
+        with held(sched, factory):
+            factory.fail = fail_on_poison(error)
+            a = job_of([text(1001, 1002)])
+            b = job_of([text(2001, POISON)])
+            c = job_of([text(3001, 3002)])
+            d = job_of([text(4001, 4002)])
+            for job in (a, b, c, d):
+                sched.submit(job)
+        assert a.future.exception(timeout=TIMEOUT) is error
+        assert b.future.exception(timeout=TIMEOUT) is error
+        assert_dense_right(c)
+        assert_dense_right(d)
+    assert [len(call.rows) for call in factory.calls[1:]] == [2, 2]
+
+
+def test_a_worker_survives_an_unexpected_exception():
+    """A non-bgeserve exception fails that chunk's jobs with EngineFailed; serving goes on."""
+    factory = Factory(fail=fail_on_poison(RuntimeError("boom")))
+    with scheduler(factory) as sched:
+        bad = job_of([text(POISON)])
+        with pytest.raises(EngineFailed, match="boom"):
+            sched.submit(bad).result(timeout=TIMEOUT)
+        good = job_of(unique_texts(1, [3]))
+        sched.submit(good)
+        assert_dense_right(good)
+        assert sched.stats()["live"] == 1
+
+
+def test_out_of_memory_splits_the_chunk_and_retries():
+    """OutOfMemory for a multi-text chunk halves it until it runs; results stay right."""
+    def fail(rows):
+        if len(rows) > 1:
+            raise OutOfMemory("arena")
+
+    factory = Factory(fail=fail)
+    with scheduler(factory, max_chunk=64) as sched:
+        job = job_of(unique_texts(1, [2, 5, 3, 4, 1]))
+        sched.submit(job)
+        assert_dense_right(job)
+        assert sched.counters["oom_splits"] > 0
+    assert sorted(len(c.rows) for c in factory.calls if len(c.rows) == 1) == [1] * 5
+
+
+def test_a_single_text_out_of_memory_is_too_large_for_its_job_only():
+    """A text that runs out of memory alone fails its job with TooLarge naming the input."""
+    def fail(rows):
+        if any(len(r) > 20 for r in rows):
+            raise OutOfMemory("cannot allocate 9 GiB")
+
+    factory = Factory()
+    with scheduler(factory, max_chunk=64) as sched:
+        with held(sched, factory):
+            factory.fail = fail
+            big = job_of(unique_texts(1, [2, 30]))
+            small = job_of(unique_texts(2, [3, 4]))
+            sched.submit(big)
+            sched.submit(small)
+        error = big.future.exception(timeout=TIMEOUT)
+        assert_dense_right(small)
+    assert isinstance(error, TooLarge)
+    assert error.param == "input[1]"
+    assert "cannot allocate 9 GiB" in error.message and "{exc}" not in error.message
+
+
+def test_a_failed_reload_fails_the_chunk_and_the_next_job_retries():
+    """ModelUnavailable from open_forward fails that chunk's jobs; the next job loads again."""
+    factory = Factory()
+    with scheduler(factory, idle_timeout_s=0.05) as sched:
+        assert wait_until(lambda: sched.stats()["loaded"] == 0)
+        factory.open_error = ModelUnavailable("model file vanished")
+        first = job_of(unique_texts(1, [2]))
+        with pytest.raises(ModelUnavailable, match="vanished"):
+            sched.submit(first).result(timeout=TIMEOUT)
+        second = job_of(unique_texts(2, [2]))
+        sched.submit(second)
+        assert_dense_right(second)
+    assert len(factory.forwards) == 2
+
+
+def test_an_unexpected_load_error_becomes_engine_failed():
+    """A foreign exception from open_forward fails the chunk with EngineFailed, not a hang."""
+    factory = Factory(open_error=OSError("disk on fire"))
+    with scheduler(factory, preload=False) as sched:
+        with pytest.raises(EngineFailed, match="disk on fire"):
+            sched.submit(job_of(unique_texts(1, [2]))).result(timeout=TIMEOUT)
+        job = job_of(unique_texts(2, [2]))
+        sched.submit(job)
+        assert_dense_right(job)
+
+
+# --------------------------------------------------------------------------- admission
+def test_a_full_queue_refuses_with_overloaded():
+    """Beyond max_queue_tokens waiting, submit raises Overloaded with a retry hint."""
+    factory = Factory()
+    with scheduler(factory, max_queue_tokens=10) as sched:
+        with held(sched, factory):
+            queued = job_of([text(*range(100, 104))])  # 6 tokens
+            sched.submit(queued)
+            with pytest.raises(Overloaded) as info:
+                sched.submit(job_of([text(*range(200, 203))]))  # 5 more: 11 > 10
+            assert info.value.retry_after > 0
+            assert "BGE_M3_MAX_QUEUE_TOKENS" in info.value.message
+            exact = job_of([text(*range(300, 302))])  # 4 more: exactly 10
+            sched.submit(exact)
+        assert_dense_right(queued)
+        assert_dense_right(exact)
+        assert sched.counters["rejected"] == 1
+
+
+def test_an_oversized_job_is_accepted_when_the_queue_is_empty():
+    """A single job larger than max_queue_tokens still runs if nothing else waits."""
+    with scheduler(max_queue_tokens=5) as sched:
+        job = job_of(unique_texts(1, [10, 12]))
+        sched.submit(job)
+        assert_dense_right(job)
+
+
+# --------------------------------------------------------------------------- lifecycle
+def test_idle_sessions_are_unloaded_and_reloaded_on_demand():
+    """After idle_timeout_s the session is closed; the next job opens a new one."""
+    factory = Factory()
+    with scheduler(factory, idle_timeout_s=0.05) as sched:
+        assert sched.stats()["loaded"] == 1
+        first = job_of(unique_texts(1, [2]))
+        sched.submit(first)
+        assert_dense_right(first)
+        assert wait_until(lambda: sched.stats()["loaded"] == 0)
+        assert factory.forwards[0].closed
+        second = job_of(unique_texts(2, [3]))
+        sched.submit(second)
+        assert_dense_right(second)
+        assert len(factory.forwards) == 2
+        assert factory.calls[-1].forward is factory.forwards[1]
+
+
+def test_without_preload_the_first_job_loads_the_session():
+    """start(preload=False) opens nothing until work arrives."""
+    factory = Factory()
+    with scheduler(factory, preload=False) as sched:
+        assert sched.stats()["loaded"] == 0 and sched.stats()["live"] == 1
+        job = job_of(unique_texts(1, [2]))
+        sched.submit(job)
+        assert_dense_right(job)
+        assert sched.stats()["loaded"] == 1
+
+
+def test_stop_finishes_queued_work_then_refuses_new_jobs():
+    """stop() drains the queue, closes the session, and later submits raise NotReady."""
+    factory = Factory()
+    sched = Scheduler(factory, lambda b, s: True, config(max_chunk=1))
+    sched.start()
+    with held(sched, factory):
+        jobs = [job_of(unique_texts(tag, [2, 3])) for tag in (1, 2)]
+        for job in jobs:
+            sched.submit(job)
+        threading.Timer(0.05, factory.gate.set).start()
+        sched.stop(timeout=TIMEOUT)
+    for job in jobs:
+        assert_dense_right(job)
+    assert sched.stats() == {"total": 1, "live": 0, "loaded": 0, "busy": 0, "queue_texts": 0,
+                             "queue_tokens": 0}
+    assert factory.forwards[0].closed
+    with pytest.raises(NotReady):
+        sched.submit(job_of(unique_texts(3, [2])))
+
+
+def test_stop_fails_what_it_could_not_finish_in_time():
+    """Work still queued when stop's timeout runs out gets NotReady; the running chunk finishes."""
+    factory = Factory()
+    sched = Scheduler(factory, lambda b, s: True, config())
+    sched.start()
+    with held(sched, factory) as blocker:
+        queued = job_of(unique_texts(1, [2]))
+        sched.submit(queued)
+        sched.stop(timeout=0.05)
+        with pytest.raises(NotReady):
+            queued.future.result(timeout=TIMEOUT)
+    blocker.future.result(timeout=TIMEOUT)
+    assert wait_until(lambda: sched.stats()["live"] == 0)
+    assert not any(owner(r) == 1 for r in factory.rows_run())
+
+
+def test_stats_report_the_queue():
+    """stats() counts workers, loaded sessions, busy workers and the waiting texts and tokens."""
+    factory = Factory()
+    with scheduler(factory) as sched:
+        with held(sched, factory):
+            sched.submit(job_of(unique_texts(1, [2, 3])))
+            assert sched.stats() == {"total": 1, "live": 1, "loaded": 1, "busy": 1,
+                                     "queue_texts": 2, "queue_tokens": 9}
+
+
+# ------------------------------------------------------------------------------- chaos
+def test_every_job_gets_exactly_one_answer_under_random_faults():
+    """Random jobs, sizes and faults over two workers: every future resolves, correct or
+    failed with a bgeserve error, and none is answered twice."""
+    rng = random.Random(1234)
+
+    def fail(rows):
+        roll = rng.random()
+        if roll < 0.1:
+            raise OutOfMemory("oom")
+        if roll < 0.15:
+            raise EngineFailed("flaky")
+        if roll < 0.2:
+            raise RuntimeError("bug")
+
+    factory = Factory(fail=fail)
+    answers: list[int] = []
+    with scheduler(factory, workers=2, max_chunk=8, fits=lambda b, s: b * s <= 200) as sched:
+        jobs = []
+        for tag in range(1, 60):
+            job = job_of(unique_texts(tag, [rng.randint(0, 30) for _ in range(rng.randint(1, 6))]))
+            job.future.add_done_callback(lambda f, tag=tag: answers.append(tag))
+            if rng.random() < 0.1:
+                job.deadline = time.monotonic() - 1
+            jobs.append(job)
+            sched.submit(job)
+            if rng.random() < 0.1:
+                sched.cancel(job)
+        for job in jobs:
+            if job.future.cancelled():
+                continue
+            error = job.future.exception(timeout=TIMEOUT)
+            if error is None:
+                assert_dense_right(job)
+            else:
+                assert isinstance(error, BgeServeError)
+        assert sched.stats()["queue_texts"] == 0 and sched.stats()["queue_tokens"] == 0
+    assert sorted(answers) == list(range(1, 60))
+
+
+def test_cancel_counts_only_the_cancelled_jobs_texts():
+    """cancelled_texts counts the cancelled job's dropped texts, not other jobs' expired ones."""
+    factory = Factory()
+    with scheduler(factory) as sched:
+        with held(sched, factory):
+            late = job_of(unique_texts(1, [2, 3]), deadline=time.monotonic() - 1.0)
+            doomed = job_of(unique_texts(2, [2, 3, 4]))
+            sched.submit(late)
+            sched.submit(doomed)
+            sched.cancel(doomed)
+        with pytest.raises(DeadlineExceeded):
+            late.future.result(timeout=TIMEOUT)
+        assert sched.counters["cancelled_texts"] == 3
+        assert sched.counters["deadline_exceeded"] == 1

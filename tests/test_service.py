@@ -1,0 +1,415 @@
+"""The real ``Service`` behind ``create_app``, in-process, on the tiny random bge-m3.
+
+Every response is checked against ``bgeserve.Engine`` on the same export: the HTTP layer, the
+service and cross-request batching must not change a single vector beyond float noise.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+
+import bgeserve.service as service_module
+from bgeserve import Engine
+from bgeserve.config import Settings
+from bgeserve.costmodel import CostModel, conservative_coefficients
+from bgeserve.engine import EngineConfig
+from bgeserve.http.app import create_app
+from bgeserve.service import Service
+
+pytestmark = pytest.mark.slow
+
+MAX_SEQ = 64
+ATOL = 1e-5
+TEXTS = [
+    "hello world",
+    "the quick brown fox jumps over the lazy dog",
+    "Définition de BM25 — 混合检索",
+    "a",
+    "What is BGE M3? A multilingual embedding model.",
+]
+LONG = "retrieval augmented generation with hybrid dense and sparse vectors " * 4
+
+
+def base_env(model: Path | str, cache: Path, **extra: str) -> dict[str, str]:
+    env = {"BGE_M3_MODEL_PATH": str(model), "BGE_M3_CACHE_DIR": str(cache),
+           "HF_HUB_OFFLINE": "1", "BGE_M3_DISABLE_AUTO_BUDGET": "1",
+           "BGE_M3_MAX_SEQ_LENGTH": str(MAX_SEQ)}
+    env.update(extra)
+    return env
+
+
+def wait_health(client: TestClient, status: int = 200, timeout: float = 30.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = client.get("/health")
+        if r.status_code == status:
+            return r.json()
+        assert time.monotonic() < deadline, f"/health still {r.status_code}: {r.json()}"
+        time.sleep(0.02)
+
+
+@contextmanager
+def serving(env: dict[str, str]) -> Iterator[tuple[TestClient, Service]]:
+    """The app with a real Service; yields the client and the service (not yet ready)."""
+    made: list[Service] = []
+
+    def factory(settings: Settings) -> Service:
+        made.append(Service(settings))
+        return made[0]
+
+    with TestClient(create_app(Settings.from_env(env), service_factory=factory)) as client:
+        yield client, made[0]
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(tiny_export: Path) -> Iterator[Engine]:
+    with Engine(tiny_export, "fp32") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def short_engine(tiny_export: Path) -> Iterator[Engine]:
+    """An engine that truncates at the server's MAX_SEQ, for truncated texts."""
+    with Engine(tiny_export, "fp32", config=EngineConfig(max_seq=MAX_SEQ)) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def client(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    """``create_app(settings)`` with its default factory (the real Service), ready."""
+    env = base_env(tiny_export, tmp_path_factory.mktemp("svc-cache"))
+    with TestClient(create_app(Settings.from_env(env))) as c:
+        wait_health(c)
+        yield c
+
+
+def dense_of(body: dict[str, Any]) -> np.ndarray:
+    rows = []
+    for item in body["data"]:
+        v = item["embedding"]
+        if isinstance(v, str):
+            v = np.frombuffer(base64.b64decode(v), dtype="<f4")
+        rows.append(np.asarray(v, dtype=np.float32))
+    return np.stack(rows)
+
+
+def n_tokens(engine: Engine, texts: list[str]) -> int:
+    return int(engine.tokenizer.encode(texts).lengths.sum())
+
+
+def worker_threads() -> int:
+    return sum(t.name.startswith("bgeserve-worker-") for t in threading.enumerate())
+
+
+def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+# -- outputs equal the engine's -----------------------------------------------------------------
+@pytest.mark.parametrize("encoding", ["float", "base64"])
+def test_dense_matches_engine(client: TestClient, engine: Engine, encoding: str) -> None:
+    r = client.post("/v1/embeddings",
+                    json={"model": "bge-m3", "input": TEXTS, "encoding_format": encoding})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [d["index"] for d in body["data"]] == list(range(len(TEXTS)))
+    assert all("truncated" not in d for d in body["data"])
+    want = engine.embed(TEXTS).dense
+    np.testing.assert_allclose(dense_of(body), want, atol=ATOL, rtol=0)
+    assert body["usage"]["prompt_tokens"] == n_tokens(engine, TEXTS)
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"]
+
+
+def test_single_string_input(client: TestClient, engine: Engine) -> None:
+    r = client.post("/v1/embeddings", json={"input": TEXTS[1]})
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(dense_of(r.json())[0], engine.embed(TEXTS[1]).dense[0],
+                               atol=ATOL, rtol=0)
+    assert r.json()["usage"]["prompt_tokens"] == n_tokens(engine, [TEXTS[1]])
+
+
+def test_sparse_matches_engine(client: TestClient, engine: Engine) -> None:
+    r = client.post("/v1/sparse-embeddings", json={"input": TEXTS})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    want = engine.embed(TEXTS, dense=False, sparse=True).sparse
+    for item, (ids, weights) in zip(body["data"], want, strict=True):
+        assert item["object"] == "sparse_embedding"
+        assert "embedding" not in item
+        got = item["sparse_values"]
+        assert got["indices"] == ids.tolist()
+        np.testing.assert_allclose(got["values"], weights, atol=ATOL, rtol=0)
+    assert body["usage"]["prompt_tokens"] == n_tokens(engine, TEXTS)
+
+
+def test_both_with_colbert_matches_engine(client: TestClient, engine: Engine) -> None:
+    r = client.post("/v1/embeddings:both",
+                    json={"input": TEXTS, "outputs": ["dense", "sparse", "colbert"]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    want = engine.embed(TEXTS, dense=True, sparse=True, colbert=True)
+    np.testing.assert_allclose(dense_of(body), want.dense, atol=ATOL, rtol=0)
+    for i, item in enumerate(body["data"]):
+        ids, weights = want.sparse[i]
+        assert item["sparse_values"]["indices"] == ids.tolist()
+        np.testing.assert_allclose(item["sparse_values"]["values"], weights, atol=ATOL, rtol=0)
+        rows = np.asarray(item["colbert"], dtype=np.float32)
+        assert rows.shape == want.colbert[i].shape == (want.n_tokens[i] - 1, want.dense.shape[1])
+        np.testing.assert_allclose(rows, want.colbert[i], atol=ATOL, rtol=0)
+    assert body["usage"]["prompt_tokens"] == int(want.n_tokens.sum())
+
+
+def test_both_defaults_to_dense_and_sparse(client: TestClient, engine: Engine) -> None:
+    r = client.post("/v1/embeddings:both", json={"input": TEXTS[:2]})
+    assert r.status_code == 200, r.text
+    item = r.json()["data"][0]
+    assert "embedding" in item and "sparse_values" in item and "colbert" not in item
+
+
+def test_sparse_format_tokens(client: TestClient, engine: Engine) -> None:
+    r = client.post("/v1/sparse-embeddings", json={"input": TEXTS[:3], "sparse_format": "tokens"})
+    assert r.status_code == 200, r.text
+    want = engine.embed(TEXTS[:3], dense=False, sparse=True).sparse
+    for item, (ids, weights) in zip(r.json()["data"], want, strict=True):
+        got = item["sparse_values"]
+        expected: dict[str, float] = {}
+        for token, w in zip(engine.tokenizer.id_to_token(ids.tolist()), weights.tolist(),
+                            strict=True):
+            expected[token] = max(w, expected.get(token, w))
+        assert set(got) == set(expected)
+        assert set(got) != {str(i) for i in ids.tolist()}  # token strings, not ids
+        for token, w in expected.items():
+            assert got[token] == pytest.approx(w, abs=ATOL)
+
+
+# -- truncation and limits ---------------------------------------------------------------------
+def test_truncation_flag(client: TestClient, engine: Engine, short_engine: Engine) -> None:
+    assert len(engine.tokenizer.encode([LONG]).ids[0]) > MAX_SEQ
+    r = client.post("/v1/embeddings", json={"input": [TEXTS[0], LONG]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert "truncated" not in body["data"][0]
+    assert body["data"][1]["truncated"] is True
+    want = short_engine.embed([TEXTS[0], LONG]).dense
+    np.testing.assert_allclose(dense_of(body), want, atol=ATOL, rtol=0)
+    # usage counts the tokens actually embedded: the long text contributes MAX_SEQ
+    assert body["usage"]["prompt_tokens"] == n_tokens(engine, [TEXTS[0]]) + MAX_SEQ
+
+
+def test_truncate_false_is_413_naming_the_input(client: TestClient) -> None:
+    r = client.post("/v1/embeddings", json={"input": [TEXTS[0], LONG], "truncate": False})
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["param"] == "input[1]"
+    assert "input[1]" in err["message"] and "BGE_M3_MAX_SEQ_LENGTH" in err["message"]
+    assert err["type"] == "invalid_request_error"
+    # a short batch with truncate=false is fine
+    ok = client.post("/v1/embeddings", json={"input": TEXTS, "truncate": False})
+    assert ok.status_code == 200, ok.text
+
+
+# -- token-id input ----------------------------------------------------------------------------
+def test_token_id_input(client: TestClient, engine: Engine) -> None:
+    text = TEXTS[1]
+    with_specials = engine.tokenizer.encode([text]).ids[0].tolist()
+    content = with_specials[1:-1]
+    want = engine.embed(text).dense[0]
+    for payload in (with_specials, content, [with_specials], [content, with_specials]):
+        r = client.post("/v1/embeddings", json={"input": payload})
+        assert r.status_code == 200, (payload, r.text)
+        body = r.json()
+        for row in dense_of(body):
+            np.testing.assert_allclose(row, want, atol=ATOL, rtol=0)
+        assert body["usage"]["prompt_tokens"] == len(with_specials) * len(body["data"])
+
+
+@pytest.mark.parametrize("bad_id", [3000, 249_999, 250_002, -1])
+def test_out_of_range_token_id_is_400(client: TestClient, bad_id: int) -> None:
+    """The tiny model's vocabulary is 3000: ids valid for bge-m3 but not for it are refused too."""
+    r = client.post("/v1/embeddings", json={"input": [[0, 5, bad_id, 2]]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] is not None and err["param"].startswith("input[0]")
+    assert str(bad_id) in err["message"]
+
+
+# -- /health -----------------------------------------------------------------------------------
+def test_health_ok(client: TestClient) -> None:
+    r = client.get("/health")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["status"] == "ok"
+    assert body["max_seq_length"] == MAX_SEQ
+    assert body["workers"] == {"live": 1, "loaded": 1, "total": 1, "busy": 0}
+    tuning = body["tuning"]
+    assert tuning["probe_status"] == "disabled"
+    for key in ("a_bytes_per_token", "b_bytes_per_token_sq", "max_workspace_bytes",
+                "memory_source", "available_bytes", "model_rss_bytes_per_worker"):
+        assert key in tuning, key
+    assert tuning["a_bytes_per_token"] > 0 and tuning["b_bytes_per_token_sq"] > 0
+    assert tuning["max_workspace_bytes"] > 0 and tuning["available_bytes"] > 0
+    assert tuning["memory_source"] in ("override", "cgroup_v2", "cgroup_v1", "meminfo")
+    assert tuning["model_rss_bytes_per_worker"] >= 0
+    assert tuning["max_seq_that_fits"] >= MAX_SEQ
+    model = body["model"]
+    assert model["variant"] == "fp32" and model["layout"] == "bgeserve"
+    assert model["backend"].startswith("onnxruntime ")
+
+
+def test_health_loading_then_ok(tiny_export: Path, tmp_path: Path,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the model loads /health is 503 loading and embeddings are 503 not_ready."""
+    gate = threading.Event()
+    real_resolve = service_module.resolve
+
+    def slow_resolve(**kwargs: Any) -> Any:
+        assert gate.wait(20), "the test never opened the gate"
+        return real_resolve(**kwargs)
+
+    monkeypatch.setattr(service_module, "resolve", slow_resolve)
+    try:
+        with serving(base_env(tiny_export, tmp_path)) as (c, _):
+            r = c.get("/health")
+            assert r.status_code == 503 and r.json()["status"] == "loading"
+            e = c.post("/v1/embeddings", json={"input": "x"})
+            assert e.status_code == 503 and e.json()["error"]["code"] == "not_ready"
+            gate.set()
+            assert wait_health(c)["status"] == "ok"
+            assert c.post("/v1/embeddings", json={"input": "x"}).status_code == 200
+    finally:
+        gate.set()
+
+
+def test_health_fail_with_missing_model(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    with serving(base_env(missing, tmp_path / "cache")) as (c, service):
+        body = wait_health(c, status=503)
+        deadline = time.monotonic() + 10
+        while body["status"] == "loading" and time.monotonic() < deadline:
+            time.sleep(0.02)
+            body = c.get("/health").json()
+        assert body["status"] == "fail"
+        assert str(missing) in body["error"]
+        assert service.fatal_error is not None
+        e = c.post("/v1/embeddings", json={"input": "x"})
+        assert e.status_code == 503
+        assert e.json()["error"]["code"] == "not_ready"
+
+
+# -- /metrics ----------------------------------------------------------------------------------
+def test_metrics_move(client: TestClient, engine: Engine) -> None:
+    before = metric_samples(client.get("/metrics").text)
+    texts = ["metrics one", "metrics two two", LONG]
+    assert client.post("/v1/embeddings", json={"input": texts}).status_code == 200
+    assert client.post("/v1/embeddings", json={"input": []}).status_code == 400
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    after = metric_samples(r.text)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    ok_route = {"route": "/v1/embeddings", "status": "200"}
+    assert delta("bgeserve_http_requests_total", **ok_route) == 1
+    assert delta("bgeserve_http_requests_total", route="/v1/embeddings", status="400") == 1
+    assert delta("bgeserve_http_request_duration_seconds_count", route="/v1/embeddings") == 2
+    assert delta("bgeserve_texts_total") == 3
+    assert delta("bgeserve_truncated_texts_total") == 1
+    expected_tokens = n_tokens(engine, texts[:2]) + MAX_SEQ
+    assert delta("bgeserve_tokens_total") == expected_tokens
+    assert delta("bgeserve_embed_duration_seconds_count") == 1
+    assert delta("bgeserve_inference_duration_seconds_count") >= 1
+    assert after[("bgeserve_probe_status", (("status", "disabled"),))] == 1
+    assert after[("bgeserve_workers", (("state", "live"),))] == 1
+    assert after[("bgeserve_queue_texts", ())] == 0
+    assert after[("bgeserve_process_rss_bytes", ())] > 0
+    assert after[("bgeserve_workspace_budget_bytes", ())] > 0
+    assert ("bgeserve_rejected_requests_total", ()) in after
+
+
+# -- the memory budget -------------------------------------------------------------------------
+def test_memory_budget_refuses_long_texts_only(tiny_export: Path, tmp_path: Path,
+                                               engine: Engine, short_engine: Engine) -> None:
+    """A tight budget: what fits runs (split into small chunks), what cannot fit is a 413."""
+    with serving(base_env(tiny_export, tmp_path)) as (c, service):
+        wait_health(c)
+        tuning = c.get("/health").json()["tuning"]
+        a, b = tuning["a_bytes_per_token"], tuning["b_bytes_per_token_sq"]
+        # Budget for one 24-token text: a longer one (the probe having found a costlier model
+        # than the conservative one, say) must be refused rather than run into an OOM.
+        tight = CostModel(a, b, int(CostModel(a, b, 0).cost(1, 24)))
+        assert service.engine is not None
+        service.engine.set_cost_model(tight)
+        long_ok = "x y z " * 8  # over 24 tokens, under MAX_SEQ
+        assert 24 < len(engine.tokenizer.encode([long_ok]).ids[0]) <= MAX_SEQ
+        r = c.post("/v1/embeddings", json={"input": [TEXTS[0], long_ok]})
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert err["param"] == "input[1]" and "BGE_M3_MAX_SEQ_LENGTH" in err["message"]
+        shorts = [t for t in TEXTS if len(engine.tokenizer.encode([t]).ids[0]) <= 24]
+        assert len(shorts) >= 3
+        r = c.post("/v1/embeddings", json={"input": shorts})
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(dense_of(r.json()), engine.embed(shorts).dense,
+                                   atol=ATOL, rtol=0)
+
+
+def test_token_budget_setting_is_enforced(tiny_export: Path, tmp_path: Path,
+                                          short_engine: Engine) -> None:
+    """BGE_M3_TOKEN_BUDGET pins the budget; the server only starts when max_seq fits it."""
+    dims = json.loads((tiny_export / "manifest.json").read_text())["model"]
+    a, b = conservative_coefficients(hidden=dims["hidden"], heads=dims["heads"],
+                                     intermediate=dims["intermediate"])
+    budget = int(CostModel(a, b, 0).cost(1, MAX_SEQ))
+    env = base_env(tiny_export, tmp_path, BGE_M3_TOKEN_BUDGET=str(budget))
+    del env["BGE_M3_DISABLE_AUTO_BUDGET"]
+    with serving(env) as (c, service):
+        body = wait_health(c)
+        assert body["tuning"]["probe_status"] == "disabled"
+        assert body["tuning"]["max_workspace_bytes"] == budget
+        assert (body["tuning"]["a_bytes_per_token"], body["tuning"]["b_bytes_per_token_sq"]) == (
+            a, b)
+        # every text fits alone; two MAX_SEQ texts do not fit together and are split
+        texts = [LONG, LONG + " again", TEXTS[0]]
+        r = c.post("/v1/embeddings", json={"input": texts})
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(dense_of(r.json()), short_engine.embed(texts).dense,
+                                   atol=ATOL, rtol=0)
+        r = c.post("/v1/embeddings", json={"input": [TEXTS[0], LONG], "truncate": False})
+        assert r.status_code == 413
+        assert "BGE_M3_MAX_SEQ_LENGTH" in r.json()["error"]["message"]
+    # one token less of budget and a MAX_SEQ text no longer fits: refused at start
+    env["BGE_M3_TOKEN_BUDGET"] = str(budget - 1)
+    workers_before = worker_threads()
+    with serving(env) as (c, service):
+        body = wait_health(c, status=503)
+        deadline = time.monotonic() + 10
+        while body["status"] == "loading" and time.monotonic() < deadline:
+            time.sleep(0.02)
+            body = c.get("/health").json()
+        assert body["status"] == "fail"
+        assert "BGE_M3_MAX_SEQ_LENGTH" in body["error"]
+        assert service.engine is None
+    # the sessions loaded before the refusal were released with their worker threads
+    deadline = time.monotonic() + 10
+    while worker_threads() > workers_before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert worker_threads() == workers_before

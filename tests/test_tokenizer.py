@@ -1,0 +1,254 @@
+"""Tests for bgeserve.tokenizer: truncation flags, token-id input and loading, on a tiny
+Unigram tokenizer built here with bge-m3's special tokens and ``<s> $A </s>`` template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import AddedToken, pre_tokenizers, processors
+from tokenizers import Tokenizer as HfTokenizer
+from tokenizers.models import Unigram
+
+from bgeserve.errors import InvalidInput, ModelUnavailable
+from bgeserve.tokenizer import CLS_ID, EOS_ID, PAD_ID, SPECIAL_IDS, UNK_ID, Tokenizer
+
+SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
+WORDS = ["hello", "world", "the", "cat", "sat", "on", "mat"]
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+# ids: 0-3 specials, 4-10 "▁word", 11 "▁", 12-37 single letters
+ID = {w: 4 + i for i, w in enumerate(WORDS)}
+VOCAB = 4 + len(WORDS) + 1 + len(LETTERS)
+
+
+def hf_tokenizer() -> HfTokenizer:
+    """A tiny XLM-R-style Unigram tokenizer: whole words, else letters, else ``<unk>``."""
+    pieces = [(t, 0.0) for t in SPECIALS] + [("▁" + w, -1.0) for w in WORDS]
+    pieces += [("▁", -3.0)] + [(c, -5.0) for c in LETTERS]
+    tok = HfTokenizer(Unigram(pieces, unk_id=UNK_ID, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", CLS_ID), ("</s>", EOS_ID)])
+    return tok
+
+
+def make(max_seq: int = 512) -> Tokenizer:
+    return Tokenizer(hf_tokenizer(), max_seq)
+
+
+def words(n: int) -> str:
+    """A text of ``n`` known words: exactly ``n`` content tokens."""
+    return " ".join(WORDS[i % len(WORDS)] for i in range(n))
+
+
+def content_ids(n: int) -> list[int]:
+    return [ID[WORDS[i % len(WORDS)]] for i in range(n)]
+
+
+def test_the_special_token_ids_are_bge_m3s():
+    """<s>=0, <pad>=1, </s>=2, <unk>=3, as bge-m3's vocabulary has them."""
+    assert (CLS_ID, PAD_ID, EOS_ID, UNK_ID) == (0, 1, 2, 3)
+    assert SPECIAL_IDS == (0, 1, 2, 3)
+
+
+# -------------------------------------------------------------------------------- encode
+def test_encode_wraps_each_text_in_cls_and_eos():
+    """Each text becomes <s> content </s> as int64, with no padding between texts."""
+    enc = make().encode(["hello world", "the cat sat on the mat"])
+    assert [x.tolist() for x in enc.ids] == [
+        [0, ID["hello"], ID["world"], 2],
+        [0, ID["the"], ID["cat"], ID["sat"], ID["on"], ID["the"], ID["mat"], 2]]
+    assert all(x.dtype == np.int64 for x in enc.ids)
+    np.testing.assert_array_equal(enc.lengths, [4, 8])
+    assert enc.lengths.dtype == np.int64
+    np.testing.assert_array_equal(enc.truncated, [False, False])
+    np.testing.assert_array_equal(enc.full_lengths, [4, 8])
+
+
+def test_an_empty_string_is_just_cls_and_eos():
+    """"" encodes to [<s>, </s>]."""
+    enc = make().encode([""])
+    assert enc.ids[0].tolist() == [0, 2]
+    assert not enc.truncated[0]
+
+
+def test_unknown_characters_become_unk():
+    """Characters outside the vocabulary map to <unk> (id 3), not an error."""
+    assert UNK_ID in make().encode(["😀"]).ids[0].tolist()
+
+
+def test_truncation_keeps_cls_the_first_content_tokens_and_eos():
+    """An over-long text keeps <s>, its first max_seq-2 content tokens and </s>; flagged."""
+    tok = make(max_seq=6)
+    enc = tok.encode([words(10), words(2)])
+    assert enc.ids[0].tolist() == [0, *content_ids(4), 2]
+    assert enc.truncated.tolist() == [True, False]
+    assert enc.full_lengths.tolist() == [12, 4]
+    assert enc.lengths.tolist() == [6, 4]
+
+
+@pytest.mark.parametrize("max_seq", [2, 3, 7, 50])
+def test_a_text_of_exactly_max_seq_tokens_is_not_truncated(max_seq):
+    """max_seq tokens fit; one more is cut back to max_seq and flagged."""
+    enc = make(max_seq).encode([words(max_seq - 2), words(max_seq - 1)])
+    assert len(enc.ids[0]) == max_seq and not enc.truncated[0]
+    assert len(enc.ids[1]) == max_seq and enc.truncated[1]
+    assert enc.ids[1][0] == CLS_ID and enc.ids[1][-1] == EOS_ID
+    assert enc.full_lengths.tolist() == [max_seq, max_seq + 1]
+
+
+def test_max_seq_two_keeps_only_the_special_tokens():
+    """At max_seq=2 every non-empty text is cut to [<s>, </s>]."""
+    enc = make(2).encode(["hello world"])
+    assert enc.ids[0].tolist() == [0, 2] and enc.truncated[0]
+
+
+def test_max_seq_below_two_is_refused():
+    """A limit with no room for <s> and </s> is a programming error."""
+    with pytest.raises(ValueError, match="max_seq"):
+        Tokenizer(hf_tokenizer(), 1)
+
+
+def test_the_files_own_padding_and_truncation_are_ignored():
+    """A tokenizer.json that pads or truncates does not change ids or the truncated flag."""
+    hf = hf_tokenizer()
+    hf.enable_truncation(max_length=3)
+    hf.enable_padding(pad_id=PAD_ID, pad_token="<pad>", length=20)
+    enc = Tokenizer(hf, 6).encode([words(10), words(1)])
+    assert enc.ids[0].tolist() == [0, *content_ids(4), 2] and enc.truncated[0]
+    assert enc.full_lengths[0] == 12
+    assert enc.ids[1].tolist() == [0, ID["hello"], 2]
+
+
+def test_unencodable_input_is_invalid_input():
+    """Something the tokenizer rejects (not a string) is InvalidInput on ``input``."""
+    with pytest.raises(InvalidInput) as info:
+        make().encode([123])  # type: ignore[list-item]
+    assert info.value.param == "input"
+
+
+def test_encoding_nothing_gives_nothing():
+    """No texts, no ids; the arrays are still well-typed."""
+    enc = make().encode([])
+    assert enc.ids == [] and enc.truncated.shape == (0,) and enc.lengths.shape == (0,)
+
+
+# ------------------------------------------------------------------------------ from_ids
+def test_from_ids_wraps_content_ids():
+    """Ids without special tokens are wrapped, embedding exactly like the text they came from."""
+    tok = make()
+    enc = tok.from_ids([[ID["hello"], ID["world"]]])
+    assert enc.ids[0].tolist() == tok.encode(["hello world"]).ids[0].tolist()
+    assert enc.ids[0].dtype == np.int64
+
+
+def test_from_ids_keeps_already_wrapped_ids():
+    """Ids that start with <s> and end with </s> are taken as they are."""
+    tok = make()
+    wrapped = tok.encode(["the cat"]).ids[0].tolist()
+    assert tok.from_ids([wrapped]).ids[0].tolist() == wrapped
+    assert tok.from_ids([[0, 2]]).ids[0].tolist() == [0, 2]
+
+
+def test_from_ids_wraps_a_sequence_with_only_one_special_end():
+    """Starting with <s> but not ending with </s> (or the reverse) counts as content."""
+    tok = make()
+    assert tok.from_ids([[0, 5]]).ids[0].tolist() == [0, 0, 5, 2]
+    assert tok.from_ids([[5, 2]]).ids[0].tolist() == [0, 5, 2, 2]
+    assert tok.from_ids([[0]]).ids[0].tolist() == [0, 0, 2]
+
+
+def test_from_ids_truncates_like_encode():
+    """Over-long token-id input is cut to max_seq with </s> kept, and flagged."""
+    tok = make(max_seq=5)
+    enc = tok.from_ids([list(range(4, 14)), [0, *range(4, 14), 2], [5, 6, 7]])
+    assert enc.ids[0].tolist() == [0, 4, 5, 6, 2]
+    assert enc.ids[1].tolist() == [0, 4, 5, 6, 2]
+    assert enc.ids[2].tolist() == [0, 5, 6, 7, 2]
+    assert enc.truncated.tolist() == [True, True, False]
+    assert enc.full_lengths.tolist() == [12, 12, 5]
+
+
+@pytest.mark.parametrize("bad", [[-1], [VOCAB], [4, 5, VOCAB + 100], [0, -7, 2]])
+def test_from_ids_rejects_ids_outside_the_vocabulary(bad):
+    """A negative id or one ≥ the vocabulary size is InvalidInput naming input[i]."""
+    with pytest.raises(InvalidInput) as info:
+        make().from_ids([[4, 5], bad])
+    assert info.value.param == "input[1]"
+    assert "input[1]" in info.value.message and f"[0, {VOCAB})" in info.value.message
+
+
+def test_from_ids_accepts_the_last_vocabulary_id():
+    """vocab_size - 1 is a valid id."""
+    assert make().from_ids([[VOCAB - 1]]).ids[0].tolist() == [0, VOCAB - 1, 2]
+
+
+@pytest.mark.parametrize("bad", [[], [[4, 5]]])
+def test_from_ids_rejects_empty_or_nested_sequences(bad):
+    """An empty list (or a list of lists) is InvalidInput naming input[i]."""
+    with pytest.raises(InvalidInput) as info:
+        make().from_ids([[4], bad])
+    assert info.value.param == "input[1]"
+    assert "non-empty" in info.value.message
+
+
+@pytest.mark.parametrize("bad", [[4, 5.5], [True], ["4"], [4, 2**70], [[4], [4, 5]]])
+def test_from_ids_rejects_non_integer_ids(bad):
+    """Floats, a boolean list, strings, ints beyond int64 and ragged nesting are InvalidInput on
+    input[i], never silently cast (1.5 → 1) nor a stray numpy error."""
+    with pytest.raises(InvalidInput) as info:
+        make().from_ids([[4], bad])
+    assert info.value.param == "input[1]"
+
+
+def test_from_ids_accepts_numpy_integer_arrays():
+    """int32 / uint16 arrays are accepted and come out int64."""
+    enc = make().from_ids([np.array([4, 5], np.int32), np.array([6], np.uint16)])
+    assert [x.tolist() for x in enc.ids] == [[0, 4, 5, 2], [0, 6, 2]]
+    assert all(x.dtype == np.int64 for x in enc.ids)
+
+
+def test_vocab_size_counts_the_special_tokens():
+    """vocab_size is the full vocabulary, added tokens included."""
+    assert make().vocab_size == VOCAB
+
+
+# -------------------------------------------------------------------------------- tokens
+def test_id_to_token_gives_piece_strings():
+    """Ids map back to their pieces, special tokens included."""
+    assert make().id_to_token([0, 1, 2, 3, ID["cat"], 11]) == [
+        "<s>", "<pad>", "</s>", "<unk>", "▁cat", "▁"]
+
+
+def test_id_to_token_gives_unk_for_an_unknown_id():
+    """An id the vocabulary lacks reads as <unk> instead of failing."""
+    assert make().id_to_token([VOCAB + 5]) == ["<unk>"]
+
+
+def test_id_to_token_accepts_numpy_ids():
+    """numpy integers (what Encoded holds) are accepted."""
+    tok = make()
+    assert tok.id_to_token(tok.encode(["hello"]).ids[0]) == ["<s>", "▁hello", "</s>"]
+
+
+# -------------------------------------------------------------------------------- load
+def test_load_reads_a_tokenizer_json(tmp_path: Path):
+    """A saved tokenizer.json loads and encodes like the in-memory tokenizer."""
+    path = tmp_path / "tokenizer.json"
+    hf_tokenizer().save(str(path))
+    tok = Tokenizer.load(path, 8)
+    assert tok.max_seq == 8
+    assert tok.encode(["hello world"]).ids[0].tolist() == make().encode(["hello world"]).ids[
+        0].tolist()
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '{"version": "1.0"}'])
+def test_load_of_a_missing_or_broken_file_is_model_unavailable(tmp_path: Path, content):
+    """A missing or invalid tokenizer.json is ModelUnavailable naming the path."""
+    path = tmp_path / "tokenizer.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ModelUnavailable, match="tokenizer.json"):
+        Tokenizer.load(path, 8)
