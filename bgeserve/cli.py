@@ -17,6 +17,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .errors import BgeServeError
     from .http.app import create_app
     from .logs import setup_logging
+    from .runtime import gpu
     from .service import Service
 
     try:
@@ -28,7 +29,16 @@ def _serve(args: argparse.Namespace) -> int:
         settings = settings.__class__(**{**vars(settings), "bind": args.bind})
     setup_logging(settings.log_format, settings.log_level)
     log = logging.getLogger("bgeserve")
+    try:  # before any port is bound: a missing GPU EP fails fast, naming BGE_M3_EP
+        settings = gpu.resolve(settings, model_explicit="BGE_M3_MODEL" in os.environ)
+    except BgeServeError as exc:
+        print(f"bgeserve: {exc}", file=sys.stderr)
+        return 2
     log.info("bgeserve starting", extra={"settings": settings.redacted()})
+    if settings.warmup_only:
+        from .warmup import run as warmup
+
+        return warmup(settings)
     host, _, port = settings.bind.rpartition(":")
     holder: dict[str, uvicorn.Server] = {}
 
@@ -57,6 +67,58 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _probe(args: argparse.Namespace) -> int:
+    """Run the startup probe in the foreground and print what it measured."""
+    import os
+
+    from . import memory, probe
+    from .artifacts import resolve, validate_cache_dir
+    from .config import Settings
+    from .costmodel import CostModel, conservative_coefficients
+    from .forward import forward_factory
+    from .logs import setup_logging
+    from .service import engine_config, model_dims, probe_parts
+    from .tokenizer import Tokenizer
+    from .tuning import HEADROOM_BYTES, probe_table, synthetic_run
+
+    settings = Settings.from_env(os.environ)
+    setup_logging("text", settings.log_level)
+    artifacts = resolve(model_path=settings.model_path, variant=settings.variant,
+                        cache_dir=validate_cache_dir(settings.cache_dir), offline=settings.offline)
+    config = engine_config(settings)
+    vocab = Tokenizer.load(artifacts.tokenizer_path, settings.max_seq_length).vocab_size
+    before = memory.rss_bytes()
+    run, close = synthetic_run(forward_factory(artifacts, config.session), vocab)
+    run(1, 8)
+    model_cost = memory.rss_bytes() - before
+    available = memory.detect_available_memory(settings.available_memory_bytes)
+    budget = memory.worker_budget(available.available_bytes, 1, model_cost,
+                                  headroom=HEADROOM_BYTES, safety_factor=settings.memory_safety_factor)
+    guard = CostModel(*conservative_coefficients(**model_dims(artifacts)), budget)
+    print(f"model {artifacts.source} ({artifacts.variant}), {model_cost / 2**30:.2f} GiB loaded, "
+          f"{available.available_bytes / 2**30:.1f} GiB available ({available.source}), "
+          f"probe budget {budget / 2**30:.1f} GiB, threads {settings.threads_per_worker}")
+    shapes = probe.default_shapes(settings.max_seq_length)
+    if args.shapes:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    result = probe.run_probe(run, shapes=shapes,  # type: ignore[arg-type]
+                             held_out=probe.default_held_out(settings.max_seq_length),
+                             guard=guard, log=print)
+    close()
+    print(probe_table(result))
+    if result.fit is not None:
+        print(f"fit: a={result.fit.a:.0f} B/token, b={result.fit.b:.2f} B/token^2, "
+              f"held-out error {result.fit.held_out_rel_error}")
+    else:
+        print(f"no fit: {result.error}")
+    if result.fit is not None and not settings.disable_probe_cache:
+        parts = probe_parts(settings, artifacts)
+        cache = probe.ProbeCache(settings.cache_dir / "probe-coefficients.json")
+        cache.save(probe.fingerprint(parts), result.fit, parts, result.samples)
+        print(f"cached in {cache.path}")
+    return 0 if result.fit is not None else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     from .config import Settings
 
@@ -67,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Run the HTTP server. Configuration comes from the environment:",
         epilog=Settings.help_text())
     serve.add_argument("--bind", help="HOST:PORT (overrides BGE_M3_BIND)")
+    probe_cmd = sub.add_parser("probe", help="run the memory probe now and print its table "
+                               "(same environment variables as serve)")
+    probe_cmd.add_argument("--shapes", help="BxS,BxS to measure instead of the default shapes")
     export = sub.add_parser("export", help="PyTorch bge-m3 → ONNX with in-graph heads")
     from .export.main import add_arguments
 
@@ -80,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "probe":
+        return _probe(args)
     if args.command == "export":
         from .export.main import run
 

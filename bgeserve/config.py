@@ -8,6 +8,7 @@ variable and the allowed values.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -44,6 +45,9 @@ def _number(cast: Callable[[str], T], lo: float | None = None, hi: float | None 
             raise ConfigError(
                 f"{name}={raw!r} is not a valid {cast.__name__}", param=name
             ) from None
+        # nan slips through every range check; inf crashes later (int(inf), Condition.wait(inf)).
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name}={raw!r} is not a finite number", param=name)
         if (lo is not None and value < lo) or (hi is not None and value > hi):  # type: ignore[operator]
             bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
             raise ConfigError(f"{name}={raw!r} is out of range {bounds}", param=name)
@@ -76,7 +80,8 @@ def _keys(name: str, raw: str) -> tuple[str, ...]:
 
 def _bind(name: str, raw: str) -> str:
     host, sep, port = raw.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    # isascii: str.isdigit() accepts "²", which int() then rejects with a bare ValueError.
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ConfigError(f"{name}={raw!r} must be HOST:PORT, e.g. 0.0.0.0:8081", param=name)
     return raw.strip()
 

@@ -107,7 +107,8 @@ def _settle(estimate: int, fits: Callable[[int], bool]) -> int:
 
 
 def conservative_coefficients(
-    *, hidden: int = 1024, heads: int = 16, intermediate: int = 4096, dtype_bytes: int = 4
+    *, hidden: int = 1024, heads: int = 16, intermediate: int = 4096, dtype_bytes: int = 4,
+    attention_block: int = 0,
 ) -> tuple[float, float]:
     """Upward-biased ``(a, b)`` for a BERT-style encoder run unfused on ONNX Runtime.
 
@@ -122,9 +123,15 @@ def conservative_coefficients(
     108 MiB at (1,512), 1,008 MiB at (1,2048), 12.9 GiB at (1,8192) and 864 MiB at (8,512),
     against measured 80 MiB, 587 MiB, 8.4 GiB and 351 MiB. Depth does not enter: layers run
     one after another and each frees its intermediates before the next peaks.
+
+    With ``attention_block`` > 0 (graphs exported by bgeserve compute attention over blocks of
+    that many query rows), the score tensors are ``heads × block × seq``: linear in seq, so
+    their bytes move from ``b`` into ``a`` (``3·dtype·heads·block`` per token) and ``b`` is 0.
     """
     a = float(dtype_bytes * (_HIDDEN_COPIES * hidden + _FFN_COPIES * intermediate))
     b = float(dtype_bytes * heads * _SCORE_COPIES)
+    if attention_block > 0:
+        return a + b * attention_block, 0.0
     return a, b
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from .artifacts import Layout, ModelArtifacts
 from .errors import ModelUnavailable
 from .heads import ChunkOutputs, HiddenHeads, l2_normalize
+from .runtime.gpu import open_pinned
 from .runtime.onnx import OnnxSession, SessionConfig
 from .tokenizer import PAD_ID
 
@@ -68,15 +69,20 @@ class Forward:
         self.session.close()
 
 
-def forward_factory(artifacts: ModelArtifacts, config: SessionConfig) -> Callable[[], Forward]:
-    """A callable that opens a fresh ``Forward`` (workers call it to load and reload)."""
+def forward_factory(artifacts: ModelArtifacts,
+                    config: SessionConfig) -> Callable[..., Forward]:
+    """A callable ``open_forward(worker=0)`` that opens a fresh ``Forward`` for that worker.
+
+    Workers call it to load and reload; on a GPU EP worker ``i`` runs on device
+    ``i % gpu_count``.
+    """
     heads = None
     if artifacts.heads is not None:
         h = artifacts.heads
         heads = HiddenHeads(h.sparse_weight.astype(np.float32), float(h.sparse_bias),
                             h.colbert_weight.astype(np.float32), h.colbert_bias.astype(np.float32))
 
-    def open_forward() -> Forward:
-        return Forward(OnnxSession(artifacts.onnx_path, config), artifacts.layout, heads)
+    def open_forward(worker: int = 0) -> Forward:
+        return Forward(open_pinned(artifacts.onnx_path, config, worker), artifacts.layout, heads)
 
     return open_forward

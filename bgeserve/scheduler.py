@@ -117,7 +117,7 @@ class Scheduler:
         """Start the workers; with ``preload`` open every session first (errors propagate)."""
         if preload:
             for w in range(self.config.workers):
-                self._forwards[w] = self._open_forward()
+                self._forwards[w] = self._open_forward(w)
         for w in range(self.config.workers):
             t = threading.Thread(target=self._worker, args=(w,), name=f"bgeserve-worker-{w}",
                                  daemon=True)
@@ -280,7 +280,7 @@ class Scheduler:
     def _execute(self, w: int, pieces: list[Piece]) -> None:
         if self._forwards[w] is None:
             try:
-                self._forwards[w] = self._open_forward()
+                self._forwards[w] = self._open_forward(w)
                 log.info("worker %d: session loaded", w)
             except BgeServeError as exc:
                 for p in pieces:

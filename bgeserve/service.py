@@ -23,6 +23,7 @@ from .engine import Engine, EngineConfig, Inputs
 from .errors import BgeServeError, DeadlineExceeded, NotReady
 from .metrics import Metrics
 from .results import EmbedOptions, Embeddings
+from .runtime import gpu
 from .runtime import onnx as ort_adapter
 from .scheduler import SchedulerConfig
 from .tuning import Tuner, TuningConfig, measure_model_cost, synthetic_run
@@ -33,8 +34,7 @@ log = logging.getLogger("bgeserve.service")
 def engine_config(settings: Settings) -> EngineConfig:
     """The engine's plain-value configuration, from Settings."""
     s = settings
-    session = ort_adapter.SessionConfig(provider=s.execution_provider,
-                                        threads=s.threads_per_worker)
+    session = gpu.session_config(s)  # provider options, device count, TensorRT profile/caches
     max_chunk = s.max_chunk if s.onnx_batch_size is None else s.onnx_batch_size
     scheduler = SchedulerConfig(
         workers=s.workers, max_chunk=max_chunk, max_chunk_tokens=s.max_chunk_tokens,
@@ -51,10 +51,21 @@ def model_dims(artifacts: ModelArtifacts) -> dict[str, int]:
         manifest = artifacts.onnx_path.parent.parent / "manifest.json"
         try:
             dims = json.loads(manifest.read_text()).get("model", {})
-            return {k: int(dims[k]) for k in ("hidden", "heads", "intermediate") if k in dims}
+            return {k: int(dims[k]) for k in ("hidden", "heads", "intermediate", "attention_block")
+                    if dims.get(k) is not None}
         except (OSError, ValueError, TypeError):
             return {}
     return {}
+
+
+def probe_parts(settings: Settings, artifacts: ModelArtifacts) -> dict[str, Any]:
+    """Everything that changes a session's memory use: the probe cache's fingerprint parts."""
+    return {
+        "model": artifacts.identity(), "layout": artifacts.layout.value,
+        "variant": artifacts.variant, "provider": settings.execution_provider,
+        "onnxruntime": ort_adapter.version(), "threads": settings.threads_per_worker,
+        "cpu": ort_adapter.cpu_description(), "max_seq": settings.max_seq_length,
+    }
 
 
 class Service:
@@ -90,6 +101,8 @@ class Service:
         s = self.settings
         engine: Engine | None = None
         try:
+            # EP present, GPUs counted, workers clamped (a no-op if the CLI resolved already).
+            s = self.settings = gpu.resolve(s)
             cache_dir = validate_cache_dir(s.cache_dir)
             self.artifacts = artifacts = resolve(model_path=s.model_path, variant=s.variant,
                                                  cache_dir=cache_dir, offline=s.offline)
@@ -105,7 +118,9 @@ class Service:
                 disable_probe_cache=s.disable_probe_cache,
                 legacy_batch_size=s.onnx_batch_size,
                 gpu=s.execution_provider in ("cuda", "tensorrt"),
-                gpu_vram_budget=s.gpu_vram_budget_bytes, cache_dir=cache_dir,
+                gpu_vram_budget=gpu.vram_budget(s, (artifacts.onnx_path,
+                                                    *artifacts.external_data)),
+                cache_dir=cache_dir,
                 dims=model_dims(artifacts))
             self.tuner = tuner = Tuner(tuning, apply=engine.set_cost_model)
 
@@ -114,12 +129,7 @@ class Service:
                 engine.embed("ready", dense=True, sparse=True, colbert=True)
 
             model_cost = measure_model_cost(load, s.workers)
-            parts = {
-                "model": artifacts.identity(), "layout": artifacts.layout.value,
-                "variant": artifacts.variant, "provider": s.execution_provider,
-                "onnxruntime": ort_adapter.version(), "threads": s.threads_per_worker,
-                "cpu": ort_adapter.cpu_description(), "max_seq": s.max_seq_length,
-            }
+            parts = probe_parts(s, artifacts)
             fingerprint = probe.fingerprint(parts)
             cost = tuner.initial(model_cost, fingerprint)
             self.engine = engine
@@ -136,7 +146,7 @@ class Service:
             if engine is not None and self.engine is None:
                 # Sessions may be loaded (e.g. the memory floor refused after loading): release
                 # them and their worker threads; stop() only closes a published engine.
-                pass  # engine.close(5.0)
+                engine.close(5.0)
             if self.on_fatal is not None:
                 self.on_fatal(exc)
 

@@ -239,3 +239,26 @@ def measure_model_cost(load: Callable[[], None], workers: int) -> int:
     log.info("model loaded in %.1fs: %d MiB RSS per worker", time.monotonic() - started,
              cost >> 20)
     return cost
+
+
+def probe_table(result: probe.ProbeResult) -> str:
+    """A markdown table of a probe: measured vs fitted workspace per shape, held-out marked."""
+    rows = ["| batch | seq | measured MiB | fitted MiB | error | seconds |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    f = result.fit
+    shapes = [(s, "") for s in result.samples]
+    if result.held_out is not None:
+        shapes.append((result.held_out, " (held out)"))
+    for sample, note in shapes:
+        measured = sample.workspace_bytes / 2**20
+        if f is not None:
+            fitted = (f.a * sample.batch * sample.seq + f.b * sample.batch * sample.seq ** 2) / 2**20
+            err = f"{(fitted - measured) / max(measured, 1e-9):+.0%}"
+            fitted_s = f"{fitted:.0f}"
+        else:
+            fitted_s, err = "—", "—"
+        rows.append(f"| {sample.batch} | {sample.seq}{note} | {measured:.0f} | {fitted_s} | {err} "
+                    f"| {sample.seconds:.2f} |")
+    for batch, seq, reason in result.skipped:
+        rows.append(f"| {batch} | {seq} | skipped: {reason} | | | |")
+    return "\n".join(rows)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from bgeserve.binpack import Chunk, chunk_fits, plan
 
 # Reproducible in CI, and no example database written into the working tree.
-PROPERTY = settings(max_examples=300, deadline=None, derandomize=True, database=None)
+PROPERTY = settings(max_examples=200, deadline=None, derandomize=True, database=None)
 
 
 def cost_model(a: float, c: float, budget: float):

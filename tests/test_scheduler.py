@@ -60,8 +60,9 @@ class Call:
 class FakeForward:
     """Stand-in for ``bgeserve.forward.Forward``."""
 
-    def __init__(self, factory: Factory):
+    def __init__(self, factory: Factory, worker: int):
         self.factory = factory
+        self.worker = worker
         self.closed = False
 
     def run(self, input_ids, attention_mask, *, dense, sparse, colbert) -> ChunkOutputs:
@@ -96,7 +97,8 @@ class FakeForward:
 
 @dataclass
 class Factory:
-    """``open_forward`` for the scheduler: counts opens, can be made to fail, records calls.
+    """``open_forward(worker)`` for the scheduler: counts opens, can be made to fail, records
+    calls.
 
     ``gate``: when set, every ``run`` waits on it; ``entered`` is set when a run starts.
     ``fail``: called with each chunk's rows; whatever it raises, ``run`` raises.
@@ -111,11 +113,11 @@ class Factory:
     entered: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def __call__(self) -> FakeForward:
+    def __call__(self, worker: int = 0) -> FakeForward:
         if self.open_error is not None:
             error, self.open_error = self.open_error, None
             raise error
-        fwd = FakeForward(self)
+        fwd = FakeForward(self, worker)
         self.forwards.append(fwd)
         return fwd
 
@@ -331,10 +333,10 @@ def test_the_memory_budget_limits_the_chunk():
 
 
 def test_two_workers_run_chunks_side_by_side():
-    """Each worker owns its own session and runs concurrently with the other."""
+    """Each worker owns its own session (opened for its index) and runs beside the other."""
     factory = Factory(gate=threading.Event())
     with scheduler(factory, workers=2, max_chunk=1) as sched:
-        assert len(factory.forwards) == 2
+        assert [f.worker for f in factory.forwards] == [0, 1]
         jobs = [job_of(unique_texts(tag, [2])) for tag in (1, 2)]
         for job in jobs:
             sched.submit(job)
@@ -604,7 +606,7 @@ def test_idle_sessions_are_unloaded_and_reloaded_on_demand():
         second = job_of(unique_texts(2, [3]))
         sched.submit(second)
         assert_dense_right(second)
-        assert len(factory.forwards) == 2
+        assert [f.worker for f in factory.forwards] == [0, 0]
         assert factory.calls[-1].forward is factory.forwards[1]
 
 

@@ -15,11 +15,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import ATTENTION_BLOCK
+
 PAD_ID = 1
 OUTPUTS = ("dense", "sparse_weights", "colbert")
-# Query rows per attention block for long texts. Softmax is per query row, so blocking is exact;
-# it bounds the score tensor at heads × block × seq instead of heads × seq² (4 GiB at 8192).
-ATTENTION_BLOCK = 256
 
 
 @torch.jit.script

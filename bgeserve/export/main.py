@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from .. import __version__
+from . import ATTENTION_BLOCK
 from ..errors import ModelUnavailable
 
 VARIANTS = ("fp32", "fp16", "int8")
@@ -108,7 +109,9 @@ def export(model: str, out: Path, variants: tuple[str, ...] = CPU_VARIANTS, *, o
         "model": {"hidden": config["hidden_size"], "heads": config["num_attention_heads"],
                   "intermediate": config["intermediate_size"],
                   "layers": config["num_hidden_layers"],
-                  "max_positions": config["max_position_embeddings"] - 2},
+                  "max_positions": config["max_position_embeddings"] - 2,
+                  "attention_block": ATTENTION_BLOCK if attention_block is None
+                  else attention_block},
         "outputs": OUTPUTS,
         "variants": {
             v: {"path": f"{v}/model.onnx",

@@ -8,6 +8,7 @@ keeps the peak at the largest single step.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -34,6 +35,8 @@ def _save(model, out: Path) -> None:
         (out.parent / data).unlink(missing_ok=True)
         onnx.save_model(model, str(out), save_as_external_data=True,
                         all_tensors_to_one_file=True, location=data, size_threshold=1024)
+        # onnx writes the data file 0600; a model shared through a volume must be readable.
+        os.chmod(out.parent / data, 0o644)
     else:
         onnx.save_model(model, str(out))
 
@@ -51,7 +54,8 @@ def export_fp32(model_dir: Path, out: Path, opset: int, layout: str = "bgeserve"
     import onnx
     import torch
 
-    from .graph import ATTENTION_BLOCK, OUTPUTS, HiddenGraph, load_graph
+    from . import ATTENTION_BLOCK
+    from .graph import OUTPUTS, HiddenGraph, load_graph
 
     started = time.monotonic()
     _log(f"loading {model_dir}", started)

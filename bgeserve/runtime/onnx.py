@@ -48,7 +48,11 @@ class SessionConfig:
     # the OS after the run, so memory use is what the cost model predicts, not its maximum.
     cpu_arena: bool = False
     device_id: int = 0
+    # GPU EPs: worker i runs on device ``i % device_count`` (``runtime.gpu.pin``).
+    device_count: int = 1
     provider_options: dict[str, str] = field(default_factory=dict)
+    # Options of the CUDA EP registered under TensorRT for the nodes TensorRT rejects.
+    cuda_options: dict[str, str] = field(default_factory=dict)
     optimization: str = "all"
 
 
@@ -71,8 +75,13 @@ def _providers(config: SessionConfig) -> list[str | tuple[str, dict[str, str]]]:
     name = _PROVIDERS[config.provider]
     if config.provider == "cpu":
         return [name]
-    options = {"device_id": str(config.device_id), **config.provider_options}
-    return [(name, options), "CPUExecutionProvider"]
+    if config.provider not in ("cuda", "tensorrt"):
+        return [(name, dict(config.provider_options)), "CPUExecutionProvider"]
+    device = {"device_id": str(config.device_id)}
+    chain: list[str | tuple[str, dict[str, str]]] = [(name, {**config.provider_options, **device})]
+    if config.provider == "tensorrt":
+        chain.append((_PROVIDERS["cuda"], {**config.cuda_options, **device}))
+    return [*chain, "CPUExecutionProvider"]
 
 
 class OnnxSession:
@@ -88,6 +97,13 @@ class OnnxSession:
                 str(path), sess_options=_session_options(config), providers=_providers(config))
         except Exception as exc:  # ORT raises its own pybind exception types
             raise ModelUnavailable(f"cannot open ONNX model {path}: {exc}") from exc
+        active = self._session.get_providers()
+        if _PROVIDERS[config.provider] not in active:
+            # onnxruntime's Python API retries on the next provider when one fails to start
+            # (a missing libnvinfer, a driver problem): serving silently on the CPU is worse.
+            raise ModelUnavailable(
+                f"execution provider {config.provider!r} failed to initialise and onnxruntime "
+                f"fell back to {', '.join(active)}; see its error above", param="BGE_M3_EP")
         self.path = path
         self.config = config
         self.input_names = [i.name for i in self._session.get_inputs()]

@@ -1,0 +1,298 @@
+"""Tests for bgeserve.config: every BGE_M3_* variable parsed from a plain dict, and refused
+with a ConfigError naming the variable when it is malformed."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from bgeserve.config import Settings
+from bgeserve.errors import ConfigError
+
+PACKAGE = Path(__file__).resolve().parents[1] / "bgeserve"
+ENV = {f.metadata["env"]: f for f in dataclasses.fields(Settings)}
+
+
+def parse(**env: str) -> Settings:
+    return Settings.from_env(env)
+
+
+def refuse(env: dict[str, str], var: str | None = None) -> ConfigError:
+    """The ConfigError ``env`` raises; it must name ``var`` (default: the only key)."""
+    var = var or next(iter(env))
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env(env)
+    assert info.value.param == var
+    assert var in info.value.message
+    return info.value
+
+
+# ------------------------------------------------------------------------------ defaults
+def test_an_empty_environment_gives_the_defaults():
+    """from_env({}) equals Settings(): every field at its documented default."""
+    s = Settings.from_env({})
+    assert s == Settings()
+    assert (s.model_path, s.variant, s.cache_dir, s.offline) == (None, "fp32", Path("/cache"),
+                                                                 False)
+    assert (s.max_seq_length, s.truncate, s.model_aliases) == (8192, True, ())
+    assert (s.execution_provider, s.workers, s.intra_threads, s.max_chunk) == ("cpu", 1, 0, 64)
+    assert (s.max_chunk_tokens, s.cross_request_batching) == (None, True)
+    assert (s.available_memory_bytes, s.memory_safety_factor, s.token_budget) == (None, 0.7, None)
+    assert (s.cost_model_a, s.cost_model_b, s.onnx_batch_size) == (None, None, None)
+    assert (s.disable_auto_budget, s.disable_probe_cache) == (False, False)
+    assert (s.bind, s.max_batch, s.max_body_bytes, s.max_text_chars) == (
+        "0.0.0.0:8081", 256, 32 * 1024 * 1024, 131_072)
+    assert (s.api_keys, s.metrics_auth) == ((), False)
+    assert (s.batch_delay_ms, s.max_queue_tokens, s.request_timeout_secs) == (0.0, 1_000_000,
+                                                                              300.0)
+    assert (s.idle_timeout_secs, s.shutdown_timeout_secs, s.heartbeat_secs) == (300.0, 30.0,
+                                                                                60.0)
+    assert (s.log_format, s.log_level) == ("auto", "info")
+    assert (s.gpu_count, s.gpu_vram_budget_bytes, s.trt_warmup_shapes) == (None, None, "")
+    assert (s.warmup_only, s.allow_cpu_fallback) == (False, False)
+
+
+def test_unrelated_variables_are_ignored():
+    """Variables bgeserve does not know (PATH, BGE_M3_TYPO) change nothing."""
+    assert Settings.from_env({"PATH": "/bin", "BGE_M3_TYPO": "x"}) == Settings()
+
+
+def test_settings_are_frozen():
+    """Settings cannot be changed after parsing."""
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Settings().workers = 2  # type: ignore[misc]
+
+
+def test_every_field_is_bound_to_a_documented_variable():
+    """Each field names its variable, a parser and a help line; no variable is used twice."""
+    fields = dataclasses.fields(Settings)
+    assert len(ENV) == len(fields)
+    for f in fields:
+        assert re.fullmatch(r"BGE_M3_[A-Z0-9_]+|HF_HUB_OFFLINE", f.metadata["env"])
+        assert callable(f.metadata["parse"]) and f.metadata["doc"]
+
+
+# ------------------------------------------------------------------------------- parsing
+PARSED = [
+    ("BGE_M3_MODEL_PATH", "/models/m3", "model_path", Path("/models/m3")),
+    ("BGE_M3_MODEL_PATH", "~/m3", "model_path", Path("~/m3").expanduser()),
+    ("BGE_M3_MODEL", "FP16", "variant", "fp16"),
+    ("BGE_M3_MODEL", " int8 ", "variant", "int8"),
+    ("BGE_M3_CACHE_DIR", "/tmp/c", "cache_dir", Path("/tmp/c")),
+    ("HF_HUB_OFFLINE", "1", "offline", True),
+    ("BGE_M3_MAX_SEQ_LENGTH", "512", "max_seq_length", 512),
+    ("BGE_M3_TRUNCATE", "false", "truncate", False),
+    ("BGE_M3_MODEL_ALIASES", "m3, bge ,,x", "model_aliases", ("m3", "bge", "x")),
+    ("BGE_M3_EP", "CUDA", "execution_provider", "cuda"),
+    ("BGE_M3_WORKERS", "4", "workers", 4),
+    ("BGE_M3_INTRA_THREADS", "2", "intra_threads", 2),
+    ("BGE_M3_MAX_CHUNK", "16", "max_chunk", 16),
+    ("BGE_M3_MAX_CHUNK_TOKENS", "4096", "max_chunk_tokens", 4096),
+    ("BGE_M3_CROSS_REQUEST_BATCHING", "no", "cross_request_batching", False),
+    ("BGE_M3_AVAILABLE_MEMORY_BYTES", "8589934592", "available_memory_bytes", 8 << 30),
+    ("BGE_M3_MEMORY_SAFETY_FACTOR", "0.5", "memory_safety_factor", 0.5),
+    ("BGE_M3_TOKEN_BUDGET", "1000000", "token_budget", 1_000_000),
+    ("BGE_M3_DISABLE_AUTO_BUDGET", "yes", "disable_auto_budget", True),
+    ("BGE_M3_DISABLE_PROBE_CACHE", "on", "disable_probe_cache", True),
+    ("BGE_M3_BIND", "127.0.0.1:9000", "bind", "127.0.0.1:9000"),
+    ("BGE_M3_BIND", "[::1]:80", "bind", "[::1]:80"),
+    ("BGE_M3_MAX_BATCH", "32", "max_batch", 32),
+    ("BGE_M3_MAX_BODY_BYTES", "1024", "max_body_bytes", 1024),
+    ("BGE_M3_MAX_TEXT_CHARS", "10", "max_text_chars", 10),
+    ("BGE_M3_API_KEY", "k1,k2", "api_keys", ("k1", "k2")),
+    ("BGE_M3_API_KEY", "", "api_keys", ()),
+    ("BGE_M3_METRICS_AUTH", "TRUE", "metrics_auth", True),
+    ("BGE_M3_BATCH_DELAY_MS", "2.5", "batch_delay_ms", 2.5),
+    ("BGE_M3_MAX_QUEUE_TOKENS", "100", "max_queue_tokens", 100),
+    ("BGE_M3_REQUEST_TIMEOUT_SECS", "0", "request_timeout_secs", 0.0),
+    ("BGE_M3_IDLE_TIMEOUT_SECS", "10", "idle_timeout_secs", 10.0),
+    ("BGE_M3_SHUTDOWN_TIMEOUT_SECS", "5", "shutdown_timeout_secs", 5.0),
+    ("BGE_M3_LOG_FORMAT", "json", "log_format", "json"),
+    ("BGE_M3_LOG_LEVEL", "DEBUG", "log_level", "debug"),
+    ("BGE_M3_HEARTBEAT_SECS", "0", "heartbeat_secs", 0.0),
+    ("BGE_M3_GPU_COUNT", "2", "gpu_count", 2),
+    ("BGE_M3_GPU_VRAM_BUDGET_BYTES", "1000", "gpu_vram_budget_bytes", 1000),
+    ("BGE_M3_TRT_WARMUP_SHAPES", " 1x512,8x128 ", "trt_warmup_shapes", "1x512,8x128"),
+    ("BGE_M3_WARMUP_ONLY", "1", "warmup_only", True),
+    ("BGE_M3_ALLOW_CPU_FALLBACK", "1", "allow_cpu_fallback", True),
+]
+
+
+@pytest.mark.parametrize("var, raw, name, value", PARSED)
+def test_each_variable_is_parsed(var, raw, name, value):
+    """Each variable is read, stripped, cast and stored on its field."""
+    assert getattr(Settings.from_env({var: raw}), name) == value
+
+
+def test_the_parsing_table_covers_every_variable():
+    """Every variable appears in the table above (a new one needs a parsing test)."""
+    assert {var for var, *_ in PARSED} | {"BGE_M3_COST_MODEL_A", "BGE_M3_COST_MODEL_B",
+                                           "BGE_M3_ONNX_BATCH_SIZE"} == set(ENV)
+
+
+@pytest.mark.parametrize("raw, value", [
+    ("1", True), ("true", True), ("Yes", True), ("ON", True),
+    ("0", False), ("false", False), ("No", False), ("off", False),
+])
+def test_booleans_accept_the_usual_spellings(raw, value):
+    """1/true/yes/on and 0/false/no/off, in any case."""
+    assert parse(BGE_M3_WARMUP_ONLY=raw).warmup_only is value
+
+
+@pytest.mark.parametrize("var", ["BGE_M3_WORKERS", "BGE_M3_MEMORY_SAFETY_FACTOR",
+                                 "BGE_M3_TRUNCATE", "BGE_M3_MODEL_PATH", "BGE_M3_GPU_COUNT"])
+def test_a_blank_non_text_variable_means_the_default(var):
+    """VAR= (empty or spaces) leaves a number, bool or path at its default."""
+    assert Settings.from_env({var: "  "}) == Settings()
+
+
+def test_the_cost_model_pair_is_read_together():
+    """BGE_M3_COST_MODEL_A and _B set together give both coefficients."""
+    s = parse(BGE_M3_COST_MODEL_A="1000", BGE_M3_COST_MODEL_B="2.5")
+    assert (s.cost_model_a, s.cost_model_b) == (1000.0, 2.5)
+
+
+# -------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("var, raw", [
+    ("BGE_M3_WORKERS", "two"),
+    ("BGE_M3_WORKERS", "1.5"),
+    ("BGE_M3_MAX_SEQ_LENGTH", "0x10"),
+    ("BGE_M3_MEMORY_SAFETY_FACTOR", "half"),
+    ("BGE_M3_BATCH_DELAY_MS", "1ms"),
+])
+def test_a_malformed_number_is_refused(var, raw):
+    """A value that is not a number of the right kind is a ConfigError naming the variable."""
+    assert "not a valid" in refuse({var: raw}).message
+
+
+@pytest.mark.parametrize("var, raw", [
+    ("BGE_M3_WORKERS", "0"),
+    ("BGE_M3_WORKERS", "257"),
+    ("BGE_M3_MAX_SEQ_LENGTH", "8193"),
+    ("BGE_M3_MAX_SEQ_LENGTH", "-1"),
+    ("BGE_M3_MAX_CHUNK", "0"),
+    ("BGE_M3_MEMORY_SAFETY_FACTOR", "1.5"),
+    ("BGE_M3_MEMORY_SAFETY_FACTOR", "0.05"),
+    ("BGE_M3_BATCH_DELAY_MS", "10001"),
+    ("BGE_M3_MAX_BODY_BYTES", "1023"),
+    ("BGE_M3_REQUEST_TIMEOUT_SECS", "-1"),
+    ("BGE_M3_COST_MODEL_A", "-0.1"),
+])
+def test_an_out_of_range_number_is_refused(var, raw):
+    """A number outside its allowed range is a ConfigError that shows the range."""
+    assert "out of range" in refuse({var: raw}).message
+
+
+def test_range_bounds_are_inclusive():
+    """The documented bounds themselves are accepted."""
+    s = parse(BGE_M3_WORKERS="256", BGE_M3_MAX_SEQ_LENGTH="1", BGE_M3_MEMORY_SAFETY_FACTOR="1.0",
+              BGE_M3_BATCH_DELAY_MS="10000")
+    assert (s.workers, s.max_seq_length, s.memory_safety_factor, s.batch_delay_ms) == (
+        256, 1, 1.0, 10000.0)
+
+
+@pytest.mark.parametrize("var, raw", [
+    ("BGE_M3_MEMORY_SAFETY_FACTOR", "nan"),
+    ("BGE_M3_REQUEST_TIMEOUT_SECS", "inf"),
+    ("BGE_M3_IDLE_TIMEOUT_SECS", "Infinity"),
+    ("BGE_M3_SHUTDOWN_TIMEOUT_SECS", "NaN"),
+    ("BGE_M3_COST_MODEL_A", "inf"),
+])
+def test_non_finite_numbers_are_refused(var, raw):
+    """nan and inf are ConfigErrors: nan passes every range check, inf crashes at use."""
+    assert "finite" in refuse({var: raw}).message
+
+
+@pytest.mark.parametrize("var", ["BGE_M3_TRUNCATE", "HF_HUB_OFFLINE", "BGE_M3_METRICS_AUTH"])
+@pytest.mark.parametrize("raw", ["maybe", "2", "y", "enabled"])
+def test_a_malformed_boolean_is_refused(var, raw):
+    """Only the listed spellings are booleans; anything else names the variable."""
+    assert "not a boolean" in refuse({var: raw}).message
+
+
+@pytest.mark.parametrize("var, raw", [
+    ("BGE_M3_MODEL", "fp64"),
+    ("BGE_M3_EP", "rocm"),
+    ("BGE_M3_LOG_FORMAT", "xml"),
+    ("BGE_M3_LOG_LEVEL", "trace"),
+])
+def test_a_value_outside_the_choices_is_refused(var, raw):
+    """A choice variable lists the allowed values in its error."""
+    assert "must be one of" in refuse({var: raw}).message
+
+
+@pytest.mark.parametrize("raw", ["8081", "localhost", ":8081", "host:", "host:0", "host:65536",
+                                 "host:http", "host:-1", "host:²", "host:８０"])
+def test_a_malformed_bind_is_refused(raw):
+    """BGE_M3_BIND must be HOST:PORT with an ASCII port in 1..65535."""
+    assert "HOST:PORT" in refuse({"BGE_M3_BIND": raw}).message
+
+
+def test_cost_model_a_without_b_is_refused():
+    """One cost coefficient without the other is a ConfigError naming the missing one."""
+    error = refuse({"BGE_M3_COST_MODEL_A": "1000"}, var="BGE_M3_COST_MODEL_B")
+    assert "BGE_M3_COST_MODEL_A" in error.message
+    refuse({"BGE_M3_COST_MODEL_B": "2"}, var="BGE_M3_COST_MODEL_A")
+
+
+def test_the_first_bad_variable_stops_parsing_with_its_own_name():
+    """With several bad values, the error still names exactly one real culprit."""
+    with pytest.raises(ConfigError) as info:
+        parse(BGE_M3_WORKERS="x", BGE_M3_LOG_LEVEL="loud")
+    assert info.value.param in {"BGE_M3_WORKERS", "BGE_M3_LOG_LEVEL"}
+
+
+def test_onnx_batch_size_is_deprecated():
+    """BGE_M3_ONNX_BATCH_SIZE still parses but warns that it is deprecated."""
+    with pytest.warns(DeprecationWarning, match="BGE_M3_ONNX_BATCH_SIZE"):
+        s = parse(BGE_M3_ONNX_BATCH_SIZE="8")
+    assert s.onnx_batch_size == 8
+
+
+def test_the_deprecation_warning_points_at_the_caller():
+    """The warning is attributed to the code calling from_env, not to config.py."""
+    with pytest.warns(DeprecationWarning) as record:
+        Settings.from_env({"BGE_M3_ONNX_BATCH_SIZE": "8"})
+    assert record[0].filename == __file__
+
+
+# --------------------------------------------------------------------- derived, redacted
+def test_threads_per_worker(monkeypatch):
+    """Explicit intra threads win; otherwise the cores are shared among workers (at least 1)."""
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert parse(BGE_M3_INTRA_THREADS="3").threads_per_worker == 3
+    assert parse(BGE_M3_WORKERS="2").threads_per_worker == 4
+    assert parse(BGE_M3_WORKERS="16").threads_per_worker == 1
+    monkeypatch.setattr("os.cpu_count", lambda: None)
+    assert Settings().threads_per_worker == 1
+
+
+def test_redacted_hides_the_api_keys():
+    """The loggable dict shows how many keys there are, never the keys themselves."""
+    s = parse(BGE_M3_API_KEY="sk-secret-one,sk-secret-two", BGE_M3_MODEL_PATH="/m")
+    out = s.redacted()
+    assert out["api_keys"] == "<2 key(s)>"
+    assert "sk-secret" not in repr(out)
+    assert out["model_path"] == "/m" and out["workers"] == 1
+    assert set(out) == {f.name for f in dataclasses.fields(Settings)}
+
+
+def test_help_text_lists_every_variable_with_its_default():
+    """One line per variable: its name, its description and its default."""
+    text = Settings.help_text()
+    lines = text.splitlines()
+    assert len(lines) == len(ENV)
+    for var, f in ENV.items():
+        line = next(line for line in lines if line.split()[0] == var)
+        assert f.metadata["doc"] in line and f"(default: {f.default})" in line
+
+
+def test_every_variable_the_code_mentions_exists():
+    """Each BGE_M3_* name in bgeserve's messages is a real setting (no stale or typo names)."""
+    mentioned = set()
+    for path in PACKAGE.rglob("*.py"):
+        mentioned |= set(re.findall(r"BGE_M3_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    assert mentioned - set(ENV) == set()

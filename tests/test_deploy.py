@@ -1,0 +1,213 @@
+"""Deployment files: Kubernetes manifests, the ECS task definition and both Dockerfiles.
+
+Structural checks always run; schema validation runs where the validators are installed
+(``kubernetes-validate`` bundles the Kubernetes schemas, botocore the ECS API model; neither
+needs the network).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from bgeserve.config import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "deploy" / "kubernetes"
+ECS = ROOT / "deploy" / "ecs" / "task-definition.json"
+
+
+def k8s_objects() -> dict[str, dict[str, Any]]:
+    """Every object in deploy/kubernetes/*.yaml (kustomization aside), by kind."""
+    objects = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in yaml.safe_load_all(path.read_text()):
+            assert doc["kind"] not in objects, f"two {doc['kind']} objects"
+            objects[doc["kind"]] = doc
+    return objects
+
+
+@pytest.fixture(scope="module")
+def k8s() -> dict[str, dict[str, Any]]:
+    return k8s_objects()
+
+
+def env_of(container: dict[str, Any], configmap: dict[str, Any]) -> dict[str, str]:
+    env = dict(configmap["data"]) if container.get("envFrom") else {}
+    env.update({e["name"]: e["value"] for e in container.get("env", [])})
+    return env
+
+
+# ------------------------------------------------------------------------------ Kubernetes
+def test_the_kustomization_lists_every_manifest():
+    """``kubectl apply -k`` applies every file in the folder."""
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == files
+    assert set(k8s_objects()) == {"ConfigMap", "PersistentVolumeClaim", "Deployment", "Service",
+                                  "HorizontalPodAutoscaler"}
+
+
+def test_the_server_is_probed_on_health(k8s):
+    """Startup, readiness and liveness probes GET /health on the container's HTTP port."""
+    pod = k8s["Deployment"]["spec"]["template"]["spec"]
+    (server,) = pod["containers"]
+    ports = {p["name"]: p["containerPort"] for p in server["ports"]}
+    bind = env_of(server, k8s["ConfigMap"])["BGE_M3_BIND"]
+    assert ports["http"] == int(bind.rpartition(":")[2])
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert server[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+        assert server[probe]["timeoutSeconds"] >= 3
+    startup = server["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300  # covers loading
+
+
+def test_the_warmup_init_container_shares_settings_and_cache(k8s):
+    """The init container: same image, settings and cache volume, plus BGE_M3_WARMUP_ONLY=1."""
+    pod = k8s["Deployment"]["spec"]["template"]["spec"]
+    (init,), (server,) = pod["initContainers"], pod["containers"]
+    cm = k8s["ConfigMap"]
+    init_env, server_env = env_of(init, cm), env_of(server, cm)
+    assert init_env.pop("BGE_M3_WARMUP_ONLY") == "1"
+    assert init_env == server_env  # same profile, variant and cache → the server reuses engines
+    assert Settings.from_env({**init_env, "BGE_M3_WARMUP_ONLY": "1"}).warmup_only
+    assert Settings.from_env(server_env).execution_provider == "tensorrt"
+    assert init["image"] == server["image"]
+    assert init["volumeMounts"] == server["volumeMounts"]
+    (mount,) = server["volumeMounts"]
+    assert mount["mountPath"] == server_env["BGE_M3_CACHE_DIR"]
+    (volume,) = pod["volumes"]
+    assert volume["name"] == mount["name"]
+    assert volume["persistentVolumeClaim"]["claimName"] == k8s["PersistentVolumeClaim"][
+        "metadata"]["name"]
+    for container in (init, server):
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == int(
+            server_env["BGE_M3_GPU_COUNT"])
+
+
+def test_the_pod_runs_as_the_image_user(k8s):
+    """runAsUser / fsGroup match the Dockerfiles' uid, so /cache is writable."""
+    ctx = k8s["Deployment"]["spec"]["template"]["spec"]["securityContext"]
+    uid = re.search(r"useradd .*--uid (\d+)", (ROOT / "Dockerfile.cuda").read_text())[1]
+    assert ctx["runAsNonRoot"] and ctx["runAsUser"] == ctx["fsGroup"] == int(uid)
+
+
+def test_service_hpa_and_pvc_point_at_the_deployment(k8s):
+    """The Service selects the pods, the HPA scales the Deployment, the PVC is shared (RWX)."""
+    dep = k8s["Deployment"]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    svc = k8s["Service"]["spec"]
+    assert svc["selector"].items() <= labels.items()
+    assert svc["ports"][0]["targetPort"] == "http"
+    hpa = k8s["HorizontalPodAutoscaler"]
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": dep["metadata"]["name"]}
+    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    server = dep["spec"]["template"]["spec"]["containers"][0]
+    assert "cpu" in server["resources"]["requests"]  # a Utilization target needs a request
+    assert k8s["PersistentVolumeClaim"]["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_the_manifests_match_the_kubernetes_schemas(k8s):
+    """Strict validation against Kubernetes 1.30's OpenAPI schemas (no unknown fields)."""
+    kv = pytest.importorskip("kubernetes_validate")
+    for obj in k8s.values():
+        kv.validate(obj, "1.30", strict=True)
+
+
+# ------------------------------------------------------------------------------------- ECS
+@pytest.fixture(scope="module")
+def task() -> dict[str, Any]:
+    return json.loads(ECS.read_text())
+
+
+def test_ecs_runs_the_warmup_container_first(task):
+    """trt-warmup (not essential) must exit 0 before the server starts (dependsOn SUCCESS)."""
+    containers = {c["name"]: c for c in task["containerDefinitions"]}
+    init, server = containers["trt-warmup"], containers["bgeserve"]
+    assert init["essential"] is False and server["essential"] is True
+    assert server["dependsOn"] == [{"containerName": "trt-warmup", "condition": "SUCCESS"}]
+    init_env = {e["name"]: e["value"] for e in init["environment"]}
+    server_env = {e["name"]: e["value"] for e in server["environment"]}
+    assert init_env.pop("BGE_M3_WARMUP_ONLY") == "1"
+    assert init_env == server_env
+    Settings.from_env(server_env)
+    assert init["image"] == server["image"] and init["mountPoints"] == server["mountPoints"]
+    volumes = {v["name"] for v in task["volumes"]}
+    assert {m["sourceVolume"] for m in server["mountPoints"]} <= volumes
+    assert server["mountPoints"][0]["containerPath"] == server_env["BGE_M3_CACHE_DIR"]
+    gpus = [{"type": "GPU", "value": server_env["BGE_M3_GPU_COUNT"]}]
+    assert init["resourceRequirements"] == server["resourceRequirements"] == gpus
+
+
+def test_ecs_health_check_calls_the_script(task):
+    """The server's container health check runs healthcheck.sh within ECS's limits."""
+    (server,) = [c for c in task["containerDefinitions"] if c["essential"]]
+    check = server["healthCheck"]
+    assert check["command"] == ["CMD", "/usr/local/bin/healthcheck.sh"]
+    assert 0 <= check["startPeriod"] <= 300 and 2 <= check["timeout"] < check["interval"]
+    assert server["portMappings"][0]["containerPort"] == 8081
+
+
+def test_the_task_definition_matches_the_ecs_api(task):
+    """The JSON is a valid RegisterTaskDefinition request (botocore's ECS model)."""
+    botocore_session = pytest.importorskip("botocore.session")
+    from botocore.validate import ParamValidator
+
+    model = botocore_session.get_session().get_service_model("ecs")
+    shape = model.operation_model("RegisterTaskDefinition").input_shape
+    report = ParamValidator().validate(task, shape)
+    assert not report.has_errors(), report.generate_report()
+
+
+# ------------------------------------------------------------------------------ Dockerfiles
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = []
+    for line in text.splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            word, _, rest = line.strip().partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cuda"])
+def test_images_run_unprivileged_with_a_cache_volume_and_a_health_check(name: str):
+    """Non-root user, /cache volume, port 8081, HEALTHCHECK running healthcheck.sh."""
+    steps = instructions(ROOT / name)
+    final = steps[max(i for i, (word, _) in enumerate(steps) if word == "FROM"):]
+    users = [arg for word, arg in final if word == "USER"]
+    assert users and users[-1] not in ("root", "0")
+    assert ("VOLUME", '["/cache"]') in final
+    assert ("EXPOSE", "8081") in final
+    (health,) = [arg for word, arg in final if word == "HEALTHCHECK"]
+    assert health.endswith('CMD ["/usr/local/bin/healthcheck.sh"]')
+    assert int(re.search(r"--start-period=(\d+)s", health)[1]) >= 120
+    assert any(word == "COPY" and "healthcheck.sh" in arg for word, arg in final)
+    assert ("CMD", '["bgeserve", "serve"]') in final
+
+
+def test_the_cpu_image_is_slim_python_311_installing_the_project():
+    """Dockerfile: python 3.11 slim base; `pip install .` as the README installs it."""
+    steps = instructions(ROOT / "Dockerfile")
+    assert ("ARG", "PYTHON_IMAGE=python:3.11-slim-bookworm") in steps
+    assert ("RUN", "pip install .") in steps
+
+
+def test_the_cuda_image_keeps_only_onnxruntime_gpu():
+    """Dockerfile.cuda: CUDA + cuDNN base, `.[gpu]` and TensorRT, CPU onnxruntime removed."""
+    text = (ROOT / "Dockerfile.cuda").read_text()
+    assert re.search(r"nvidia/cuda:12\.\S*cudnn-runtime", text)
+    assert 'pip install ".[gpu]"' in text and "tensorrt-cu12-libs" in text
+    assert "pip uninstall -y onnxruntime" in text
+    assert '"onnxruntime" not in names' in text

@@ -1,0 +1,290 @@
+"""GPU plumbing without a GPU: detection, provider options, pinning, warm-up grid, NVML fields."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from bgeserve.config import Settings
+from bgeserve.errors import ConfigError
+from bgeserve.runtime import gpu
+from bgeserve.runtime.onnx import SessionConfig, _providers
+from bgeserve.service import engine_config
+
+ALL_EPS = ["cpu", "cuda", "tensorrt"]
+
+
+def fake_proc(root: Path, devices: int) -> Path:
+    """A ``/proc`` with ``devices`` entries under driver/nvidia/gpus (and a stray file)."""
+    gpus = root / "proc" / "driver" / "nvidia" / "gpus"
+    gpus.mkdir(parents=True)
+    for i in range(devices):
+        (gpus / f"0000:{i:02x}:00.0").mkdir()
+        (gpus / f"0000:{i:02x}:00.0" / "information").write_text("Model: fake\n")
+    (gpus / "README").write_text("not a device")
+    return root / "proc"
+
+
+class FakeNvml:
+    """Just enough of pynvml: devices with memory, utilisation and temperature."""
+
+    NVML_TEMPERATURE_GPU = 0
+
+    def __init__(self, free: list[int], total: int = 80 << 30):
+        self.free, self.total = free, total
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.free)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> SimpleNamespace:
+        return SimpleNamespace(free=self.free[h], total=self.total, used=self.total - self.free[h])
+
+    def nvmlDeviceGetUtilizationRates(self, h: int) -> SimpleNamespace:
+        return SimpleNamespace(gpu=40 + h, memory=10)
+
+    def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
+        return 55 + h
+
+
+# ----------------------------------------------------------------------------- detection
+def test_gpu_count_comes_from_the_proc_tree(tmp_path: Path):
+    """Each device directory under driver/nvidia/gpus counts; files and a missing tree don't."""
+    assert gpu.detect_gpu_count(fake_proc(tmp_path / "a", 4)) == 4
+    assert gpu.detect_gpu_count(fake_proc(tmp_path / "b", 0)) == 0
+    assert gpu.detect_gpu_count(tmp_path / "nowhere") == 0
+
+
+def test_resolve_counts_gpus_and_clamps_workers(tmp_path: Path, caplog):
+    """BGE_M3_WORKERS above the GPU count is clamped to it, with a warning naming both."""
+    proc = fake_proc(tmp_path, 2)
+    with caplog.at_level(logging.WARNING, "bgeserve.gpu"):
+        s = gpu.resolve(Settings(execution_provider="cuda", workers=5), proc=proc,
+                        available=ALL_EPS)
+    assert (s.gpu_count, s.workers) == (2, 2)
+    assert "BGE_M3_WORKERS=5 clamped to 2" in caplog.text
+    assert gpu.resolve(s, proc=proc, available=ALL_EPS) == s  # idempotent
+
+
+def test_explicit_gpu_count_wins_over_detection(tmp_path: Path):
+    """BGE_M3_GPU_COUNT is trusted even where /proc shows no device (e.g. a masked /proc)."""
+    s = gpu.resolve(Settings(execution_provider="tensorrt", gpu_count=4, workers=4),
+                    proc=tmp_path, available=ALL_EPS, nvml=FakeNvml([]))
+    assert (s.gpu_count, s.workers) == (4, 4)
+
+
+def test_nvml_counts_devices_when_proc_shows_none(tmp_path: Path):
+    """Without /proc entries, NVML's device count is used."""
+    s = gpu.resolve(Settings(execution_provider="cuda"), proc=tmp_path, available=ALL_EPS,
+                    nvml=FakeNvml([1 << 30] * 3))
+    assert s.gpu_count == 3
+
+
+@pytest.mark.parametrize("ep, available, why", [
+    ("tensorrt", ["cpu"], "has no tensorrt execution provider"),
+    ("cuda", ["cpu"], "has no cuda execution provider"),
+    ("coreml", ["cpu"], "has no coreml execution provider"),
+    ("cuda", ALL_EPS, "no NVIDIA GPU was found"),
+])
+def test_an_unusable_ep_fails_fast_naming_bge_m3_ep(tmp_path: Path, ep, available, why):
+    """A provider missing from the build, or no GPU, is a ConfigError about BGE_M3_EP."""
+    with pytest.raises(ConfigError) as info:
+        gpu.resolve(Settings(execution_provider=ep), proc=tmp_path, available=available,
+                    nvml=FakeNvml([]))
+    assert info.value.param == "BGE_M3_EP"
+    assert f"BGE_M3_EP={ep}" in info.value.message and why in info.value.message
+    assert "BGE_M3_ALLOW_CPU_FALLBACK=1" in info.value.message
+
+
+def test_cpu_fallback_warns_and_uses_the_cpu(tmp_path: Path, caplog):
+    """With BGE_M3_ALLOW_CPU_FALLBACK=1 the same situation is a warning and the CPU EP."""
+    with caplog.at_level(logging.WARNING, "bgeserve.gpu"):
+        s = gpu.resolve(Settings(execution_provider="tensorrt", allow_cpu_fallback=True,
+                                 workers=3), proc=tmp_path, available=["cpu"])
+    assert (s.execution_provider, s.workers, s.variant) == ("cpu", 3, "fp32")
+    assert "running on the CPU instead" in caplog.text
+
+
+def test_fp16_is_the_gpu_default_unless_bge_m3_model_is_set(tmp_path: Path):
+    """On cuda/tensorrt the variant becomes fp16 when BGE_M3_MODEL was not given."""
+    proc = fake_proc(tmp_path, 1)
+    implicit = gpu.resolve(Settings(execution_provider="cuda"), model_explicit=False, proc=proc,
+                           available=ALL_EPS)
+    explicit = gpu.resolve(Settings(execution_provider="cuda"), model_explicit=True, proc=proc,
+                           available=ALL_EPS)
+    cpu = gpu.resolve(Settings(), model_explicit=False, available=["cpu"])
+    assert (implicit.variant, explicit.variant, cpu.variant) == ("fp16", "fp32", "fp32")
+
+
+# --------------------------------------------------------------------------------- pinning
+def test_worker_i_runs_on_device_i_mod_n():
+    """Pinning: worker i → device i % gpu_count; CPU configs are left alone."""
+    config = SessionConfig(provider="cuda", device_count=3)
+    assert [gpu.pin(config, w).device_id for w in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    cpu = SessionConfig(provider="cpu", device_count=3)
+    assert gpu.pin(cpu, 5) is cpu
+
+
+def test_the_device_reaches_every_gpu_provider_in_the_chain(tmp_path: Path):
+    """TensorRT is registered with CUDA under it, both on the worker's device, then the CPU."""
+    s = Settings(execution_provider="tensorrt", gpu_count=2, workers=2, cache_dir=tmp_path)
+    chain = _providers(gpu.pin(gpu.session_config(s), 1))
+    assert [p[0] if isinstance(p, tuple) else p for p in chain] == [
+        "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert chain[0][1]["device_id"] == chain[1][1]["device_id"] == "1"
+    assert chain[1][1]["arena_extend_strategy"] == "kSameAsRequested"
+    assert _providers(SessionConfig()) == ["CPUExecutionProvider"]
+
+
+# ------------------------------------------------------------------------ provider options
+def test_cuda_options_cap_the_arena():
+    """CUDA: the arena grows by what is asked, and gpu_mem_limit caps it when known."""
+    assert gpu.cuda_options() == {"arena_extend_strategy": "kSameAsRequested"}
+    assert gpu.cuda_options(3 << 30)["gpu_mem_limit"] == str(3 << 30)
+
+
+def test_tensorrt_options_have_fp16_caches_and_an_explicit_profile(tmp_path: Path):
+    """TensorRT: fp16, engines in trt-engines/, timings in trt-timing/, min/opt/max profile."""
+    opts = gpu.trt_options(tmp_path, gpu.trt_profile(64, 8192), max_workspace_bytes=1 << 30)
+    assert opts == {
+        "trt_fp16_enable": "True",
+        "trt_engine_cache_enable": "True",
+        "trt_engine_cache_path": str(tmp_path / "trt-engines"),
+        "trt_timing_cache_enable": "True",
+        "trt_timing_cache_path": str(tmp_path / "trt-timing"),
+        "trt_profile_min_shapes": "input_ids:1x1,attention_mask:1x1",
+        "trt_profile_opt_shapes": "input_ids:8x512,attention_mask:8x512",
+        "trt_profile_max_shapes": "input_ids:64x8192,attention_mask:64x8192",
+        "trt_max_workspace_size": str(1 << 30),
+    }
+
+
+def test_the_profile_covers_every_chunk_the_scheduler_can_form(tmp_path: Path):
+    """Max shape = (max_chunk, max_seq); the opt shape never exceeds it."""
+    assert gpu.trt_profile(4, 256) == gpu.TrtProfile((1, 1), (4, 256), (4, 256))
+    s = Settings(execution_provider="tensorrt", gpu_count=1, cache_dir=tmp_path, max_chunk=16,
+                 max_seq_length=1024)
+    opts = engine_config(s).session.provider_options
+    assert opts["trt_profile_max_shapes"] == "input_ids:16x1024,attention_mask:16x1024"
+    legacy = Settings(execution_provider="tensorrt", gpu_count=1, cache_dir=tmp_path,
+                      onnx_batch_size=5, max_seq_length=1024)
+    assert gpu.profile_max_batch(legacy) == 5
+
+
+def test_session_config_per_provider(tmp_path: Path, caplog):
+    """cpu: plain; cuda: CUDA options and device count; tensorrt: creates and reports caches."""
+    assert gpu.session_config(Settings(intra_threads=2)) == SessionConfig(threads=2)
+    cuda = gpu.session_config(Settings(execution_provider="cuda", gpu_count=2, workers=2),
+                              gpu_mem_limit=1 << 30)
+    assert (cuda.device_count, cuda.provider_options["gpu_mem_limit"]) == (2, str(1 << 30))
+    with caplog.at_level(logging.INFO, "bgeserve.gpu"):
+        gpu.session_config(Settings(execution_provider="tensorrt", gpu_count=1,
+                                    cache_dir=tmp_path))
+    assert (tmp_path / "trt-engines").is_dir() and (tmp_path / "trt-timing").is_dir()
+    assert "trt cache: empty (will compile)" in caplog.text
+
+
+def test_the_trt_cache_announcement_counts_engines(tmp_path: Path, caplog):
+    """Engines present → ``trt cache: found N cached engines at PATH``; other files don't count."""
+    folder = tmp_path / "trt-engines"
+    folder.mkdir()
+    for name in ("a_sm90.engine", "b_sm90.engine", "a_sm90.profile"):
+        (folder / name).write_bytes(b"x")
+    with caplog.at_level(logging.INFO, "bgeserve.gpu"):
+        assert gpu.announce_trt_cache(folder) == 2
+    assert f"trt cache: found 2 cached engines at {folder}" in caplog.text
+
+
+def test_fsync_tree_syncs_every_file(tmp_path: Path):
+    """Every regular file below the folder is synced (symlinks are not followed)."""
+    (tmp_path / "sub").mkdir()
+    for name in ("a.engine", "b.profile", "sub/c.timing"):
+        (tmp_path / name).write_bytes(b"plan")
+    (tmp_path / "link").symlink_to(tmp_path / "a.engine")
+    assert gpu.fsync_tree(tmp_path) == 3
+    assert gpu.fsync_tree(tmp_path / "missing") == 0
+
+
+# ------------------------------------------------------------------------- warm-up shapes
+def test_the_default_grid_is_batch_major():
+    """Empty value → {1,2,4,8,16,32} × {128,512,2048,8192}, smallest batches first."""
+    shapes = gpu.parse_warmup_shapes("", 8192)
+    assert len(shapes) == 24
+    assert shapes[:5] == [(1, 128), (1, 512), (1, 2048), (1, 8192), (2, 128)]
+    assert shapes[-1] == (32, 8192)
+
+
+def test_valid_shapes_parse_in_order_without_duplicates():
+    """``BxL`` tokens, any case and spacing, deduplicated, order kept."""
+    assert gpu.parse_warmup_shapes(" 1x128, 8X512 ,1x128,,", 8192) == [(1, 128), (8, 512)]
+
+
+def test_invalid_tokens_are_skipped_with_a_warning(caplog):
+    """Malformed or zero tokens are skipped and named in a warning; all invalid → default."""
+    with caplog.at_level(logging.WARNING, "bgeserve.gpu"):
+        assert gpu.parse_warmup_shapes("1x128,banana,0x512,4x,2x256", 8192) == [(1, 128),
+                                                                                 (2, 256)]
+    assert "'banana'" in caplog.text and "'0x512'" in caplog.text and "'4x'" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "bgeserve.gpu"):
+        assert gpu.parse_warmup_shapes("nope", 8192) == list(gpu.DEFAULT_WARMUP_SHAPES)
+    assert "no valid shape" in caplog.text
+
+
+def test_shapes_beyond_max_seq_or_max_chunk_are_dropped(caplog):
+    """Longer than max_seq (or wider than the profile's batch) → dropped, with a warning."""
+    with caplog.at_level(logging.WARNING, "bgeserve.gpu"):
+        shapes = gpu.parse_warmup_shapes("", 1024, max_batch=8)
+    assert shapes == [(b, s) for b in (1, 2, 4, 8) for s in (128, 512)]
+    assert "2048" in caplog.text and "BGE_M3_MAX_SEQ_LENGTH=1024" in caplog.text
+    assert gpu.parse_warmup_shapes("1x4096", 1024) == [(1, 1024)]  # nothing left → 1×max_seq
+
+
+def test_stride_sharding_splits_the_grid_disjointly():
+    """Worker k takes the shapes at i % n == k; together the shards are the grid."""
+    shapes = list(gpu.DEFAULT_WARMUP_SHAPES)
+    shards = [gpu.shard(shapes, k, 3) for k in range(3)]
+    assert shards[1][:2] == [shapes[1], shapes[4]]
+    assert sorted(s for sh in shards for s in sh) == sorted(shapes)
+    assert gpu.shard(shapes, 0, 1) == shapes
+
+
+# ------------------------------------------------------------------------------------ NVML
+def test_heartbeat_fields_from_nvml():
+    """VRAM used/total, utilisation and temperature per device; {} without NVML."""
+    fields = gpu.heartbeat_fields(FakeNvml([30 << 30, 50 << 30]))
+    assert fields["gpus"][1] == {"index": 1, "vram_used_bytes": 30 << 30,
+                                 "vram_total_bytes": 80 << 30, "utilization_pct": 41,
+                                 "temperature_c": 56}
+
+    class Broken(FakeNvml):
+        def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
+            raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+
+    assert gpu.heartbeat_fields(Broken([1])) == {}
+
+
+def test_without_nvml_nothing_is_measured(monkeypatch):
+    """No pynvml installed → no heartbeat fields, no free VRAM, no device count."""
+    monkeypatch.setattr(gpu, "_system_nvml", lambda: None)
+    assert gpu.heartbeat_fields() == {}
+    assert gpu.free_vram_bytes([0]) is None
+    assert gpu.nvml_device_count() == 0
+
+
+def test_vram_budget_prefers_the_setting_then_measures(tmp_path: Path):
+    """BGE_M3_GPU_VRAM_BUDGET_BYTES wins; else (min free − model) × safety × devices."""
+    model = tmp_path / "model.onnx"
+    model.write_bytes(b"\0" * (1 << 20))
+    nvml = FakeNvml([10 << 30, 8 << 30])
+    pinned = Settings(execution_provider="cuda", gpu_count=2, workers=2,
+                      gpu_vram_budget_bytes=5 << 30)
+    assert gpu.vram_budget(pinned, [model], nvml) == 5 << 30
+    s = Settings(execution_provider="cuda", gpu_count=2, workers=2, memory_safety_factor=0.5)
+    assert gpu.vram_budget(s, [model], nvml) == int(((8 << 30) - (1 << 20)) * 0.5) * 2
+    assert gpu.vram_budget(Settings(), [model], nvml) is None

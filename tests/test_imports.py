@@ -1,0 +1,190 @@
+"""The import-direction rules of docs/architecture.md, checked on every module's ``ast``.
+
+Every ``import`` statement counts, including those inside functions (lazy imports still run at
+serve time); only ``if TYPE_CHECKING:`` blocks are skipped, since they never execute.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "bgeserve"
+LEAVES = ("bgeserve.config", "bgeserve.errors", "bgeserve.costmodel")
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports_of(path: Path, root: Path = ROOT) -> set[str]:
+    """Absolute dotted names a module imports (``from . import x`` gives ``pkg`` and ``pkg.x``)."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base_name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base_name = node.module or ""
+            found.add(base_name)
+            found.update(f"{base_name}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return found
+
+
+MODULES = {module_name(p): imports_of(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def importers_of(top: str) -> set[str]:
+    """Modules importing the third-party package ``top`` (or any of its submodules)."""
+    return {m for m, imps in MODULES.items()
+            if any(i == top or i.startswith(top + ".") for i in imps)}
+
+
+def internal_imports(module: str) -> set[str]:
+    """bgeserve modules that ``module`` imports, as real module names (``a.b.name`` → ``a.b``
+    when ``name`` is not itself a module)."""
+    out = set()
+    for imp in MODULES[module]:
+        while imp.startswith("bgeserve") and imp not in MODULES:
+            imp = imp.rpartition(".")[0]
+        if imp.startswith("bgeserve.") and imp != module:
+            out.add(imp)
+    return out
+
+
+def in_package(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+# ----------------------------------------------------------------------------- the walker
+def test_the_walker_sees_every_module_and_lazy_imports():
+    """The scan covers all of bgeserve, resolves relative imports and finds function-level ones."""
+    assert {"bgeserve.config", "bgeserve.scheduler", "bgeserve.http.app",
+            "bgeserve.runtime.onnx", "bgeserve.export.graph"} <= set(MODULES)
+    assert "bgeserve.errors" in internal_imports("bgeserve.config")
+    assert "bgeserve.service" in internal_imports("bgeserve.http.app")  # imported in a function
+    assert "onnxruntime" in MODULES["bgeserve.runtime.onnx"]
+
+
+def test_the_walker_skips_type_checking_blocks(tmp_path: Path):
+    """Imports under ``if TYPE_CHECKING:`` are annotations only and are not counted."""
+    pkg = tmp_path / "bgeserve"
+    pkg.mkdir()
+    module = pkg / "m.py"
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"
+                      "else:\n    import json\ndef f():\n    from .x import y\n")
+    found = imports_of(module, root=tmp_path)
+    assert "torch" not in found and "json" in found and "bgeserve.x.y" in found
+
+
+# ------------------------------------------------------------------------------ the rules
+def test_only_the_runtime_imports_onnxruntime_at_serve_time():
+    """onnxruntime is imported by bgeserve/runtime/* alone; bgeserve/export/* may use its
+    offline tools (quantization, graph optimizer), never at serve time."""
+    importers = importers_of("onnxruntime")
+    assert "bgeserve.runtime.onnx" in importers
+    strays = {m for m in importers if not in_package(m, "bgeserve.runtime", "bgeserve.export")}
+    assert strays == set()
+
+
+def test_only_the_tokenizer_module_imports_tokenizers():
+    """`tokenizers` is imported by bgeserve/tokenizer.py alone (and the offline builder of test
+    models in bgeserve/testing/, which trains one)."""
+    importers = importers_of("tokenizers")
+    assert "bgeserve.tokenizer" in importers
+    strays = {m for m in importers if not in_package(m, "bgeserve.tokenizer", "bgeserve.testing")}
+    assert strays == set()
+
+
+@pytest.mark.parametrize("top", ["torch", "transformers", "safetensors", "FlagEmbedding"])
+def test_only_export_and_testing_import_torch_or_transformers(top):
+    """The PyTorch stack appears only in bgeserve/export/ and bgeserve/testing/."""
+    strays = {m for m in importers_of(top)
+              if not in_package(m, "bgeserve.export", "bgeserve.testing")}
+    assert strays == set()
+
+
+def test_http_never_reaches_below_the_service():
+    """bgeserve/http/* imports no engine, scheduler, runtime, tokenizer (nor their helpers)."""
+    forbidden = ("bgeserve.engine", "bgeserve.scheduler", "bgeserve.runtime",
+                 "bgeserve.tokenizer", "bgeserve.forward", "bgeserve.binpack", "bgeserve.heads")
+    for module in MODULES:
+        if in_package(module, "bgeserve.http"):
+            bad = {i for i in internal_imports(module) if in_package(i, *forbidden)}
+            assert bad == set(), f"{module} imports {bad}"
+
+
+@pytest.mark.parametrize("leaf", LEAVES)
+def test_leaves_import_only_errors(leaf):
+    """config, errors and costmodel import no bgeserve module except errors."""
+    assert internal_imports(leaf) - {"bgeserve.errors"} == set()
+
+
+def test_errors_imports_nothing_from_bgeserve():
+    """errors.py is the bottom of the graph."""
+    assert internal_imports("bgeserve.errors") == set()
+
+
+def test_only_config_reads_the_environment():
+    """Nothing below config.py reads os.environ (settings arrive as values)."""
+    allowed = {"bgeserve.config", "bgeserve.cli"}
+    readers = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        if in_package(name, "bgeserve.export", "bgeserve.testing") or name in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv") and \
+                    isinstance(node.value, ast.Name) and node.value.id == "os":
+                readers.add(name)
+    assert readers == set()
+
+
+def test_nothing_imports_the_http_layer_or_the_service_from_below():
+    """engine, scheduler, runtime, tokenizer, heads, binpack never import service or http."""
+    below = ("bgeserve.engine", "bgeserve.scheduler", "bgeserve.runtime", "bgeserve.tokenizer",
+             "bgeserve.heads", "bgeserve.binpack", "bgeserve.forward", "bgeserve.costmodel")
+    for module in MODULES:
+        if in_package(module, *below):
+            bad = {i for i in internal_imports(module)
+                   if in_package(i, "bgeserve.http", "bgeserve.service")}
+            assert bad == set(), f"{module} imports {bad}"
+
+
+# --------------------------------------------------------------------------- at runtime
+def test_serving_never_loads_torch_or_transformers():
+    """Importing the service, the engine and the HTTP app leaves the PyTorch stack unloaded."""
+    code = ("import sys\n"
+            "import bgeserve.service, bgeserve.engine, bgeserve.http.app\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'FlagEmbedding', 'safetensors')"
+            " if m in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

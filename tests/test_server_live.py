@@ -1,0 +1,246 @@
+"""``python -m bgeserve serve`` as a real process on 127.0.0.1, with the tiny random bge-m3.
+
+What only a real process shows: the official OpenAI client end to end, many concurrent clients
+each getting exactly their own vectors, 429 backpressure that answers at once, SIGTERM draining
+every accepted request and exiting 0, idle unload and transparent reload, JSON logs with
+request ids, and a non-zero exit when the model cannot be loaded.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from bgeserve import Engine
+from tests.serverproc import ServerProc
+
+pytestmark = pytest.mark.slow
+
+ATOL = 1e-5
+START_TIMEOUT = 60.0
+
+
+def server_env(export: Path, cache: Path, **extra: str) -> dict[str, str]:
+    env = {"BGE_M3_MODEL_PATH": str(export), "BGE_M3_CACHE_DIR": str(cache),
+           "HF_HUB_OFFLINE": "1", "BGE_M3_LOG_FORMAT": "json",
+           "BGE_M3_DISABLE_AUTO_BUDGET": "1", "BGE_M3_MAX_SEQ_LENGTH": "512"}
+    env.update(extra)
+    return env
+
+
+def dense_rows(body: dict[str, Any]) -> np.ndarray:
+    rows = []
+    for item in body["data"]:
+        v = item["embedding"]
+        if isinstance(v, str):
+            v = np.frombuffer(base64.b64decode(v), dtype="<f4")
+        rows.append(np.asarray(v, dtype=np.float32))
+    return np.stack(rows)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_export: Path) -> Iterator[Engine]:
+    with Engine(tiny_export, "fp32") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def server(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    """One default server shared by the tests that do not need special settings."""
+    with ServerProc(server_env(tiny_export, tmp_path_factory.mktemp("live-cache"))) as proc:
+        proc.wait_health(timeout=START_TIMEOUT)
+        yield proc
+
+
+# -- the official client -------------------------------------------------------------------------
+def test_openai_client_gets_engine_vectors(server: ServerProc, engine: Engine) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=30)
+    texts = ["What is BGE M3?", "Definition of BM25", "hybrid search 混合检索"]
+    want = engine.embed(texts).dense
+    default = client.embeddings.create(model="bge-m3", input=texts)  # base64 on the wire
+    as_float = client.embeddings.create(model="bge-m3", input=texts, encoding_format="float")
+    for response in (default, as_float):
+        assert response.model == "bge-m3"
+        got = np.asarray([d.embedding for d in response.data], dtype=np.float32)
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+        assert response.usage.prompt_tokens == int(engine.tokenizer.encode(texts).lengths.sum())
+    models = client.models.list()
+    assert "bge-m3" in [m.id for m in models.data]
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="text-embedding-3-small", input="x")
+
+
+# -- concurrency ---------------------------------------------------------------------------------
+def test_64_concurrent_clients_get_their_own_vectors(server: ServerProc, engine: Engine) -> None:
+    texts = [f"client {i}: " + "lorem ipsum dolor sit amet " * (1 + i % 7) for i in range(64)]
+    want = {t: engine.embed(t).dense[0] for t in texts}  # each computed alone
+    barrier = threading.Barrier(len(texts), timeout=30)
+    limits = httpx.Limits(max_connections=len(texts), max_keepalive_connections=len(texts))
+
+    def one(c: httpx.Client, text: str) -> tuple[str, int, np.ndarray | None]:
+        barrier.wait()  # so that the requests really arrive together
+        r = c.post("/v1/embeddings", json={"input": text})
+        if r.status_code != 200:
+            return text, r.status_code, None
+        return text, r.status_code, dense_rows(r.json())[0]
+
+    with httpx.Client(base_url=server.url, timeout=30, limits=limits) as c, \
+            ThreadPoolExecutor(max_workers=len(texts)) as pool:
+        results = list(pool.map(lambda t: one(c, t), texts))
+    errors = [(t[:12], s) for t, s, _ in results if s != 200]
+    assert not errors, errors
+    for text, _, got in results:
+        np.testing.assert_allclose(got, want[text], atol=ATOL, rtol=0, err_msg=text)
+    # the batching really crossed requests: fewer chunks than requests
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert "bgeserve_chunk_texts_count" in metrics
+
+
+# -- logs and request ids --------------------------------------------------------------------
+def test_json_logs_carry_request_ids(server: ServerProc) -> None:
+    rid = "live-test-request-42"
+    r = httpx.post(f"{server.url}/v1/embeddings", json={"input": "log me"},
+                   headers={"X-Request-ID": rid}, timeout=30)
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] == rid
+    generated = httpx.post(f"{server.url}/v1/embeddings", json={"input": []}, timeout=30)
+    assert generated.status_code == 400
+    other = generated.headers["x-request-id"]
+    assert other and other != rid
+
+    def find(request_id: str) -> dict[str, Any] | None:
+        for record in server.json_logs():
+            if record.get("request_id") == request_id and record.get("path") == "/v1/embeddings":
+                return record
+        return None
+
+    deadline = time.monotonic() + 10
+    while (find(rid) is None or find(other) is None) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ok, bad = find(rid), find(other)
+    assert ok is not None, server.output()
+    assert bad is not None, server.output()
+    assert ok["status"] == 200 and bad["status"] == 400
+    assert ok["level"] == "info" and ok["logger"] == "bgeserve.http"
+    assert "POST /v1/embeddings 200" in ok["msg"]
+    # every stdout line is JSON (BGE_M3_LOG_FORMAT=json)
+    lines = [line for line in server.stdout_lines if line.strip()]
+    assert lines and all(isinstance(json.loads(line), dict) for line in lines)
+
+
+# -- backpressure ----------------------------------------------------------------------------
+def test_overload_answers_429_at_once(tiny_export: Path, tmp_path: Path) -> None:
+    env = server_env(tiny_export, tmp_path, BGE_M3_MAX_QUEUE_TOKENS="400",
+                     BGE_M3_MAX_CHUNK="1", BGE_M3_INTRA_THREADS="1")
+    n = 32
+    with ServerProc(env) as proc:
+        proc.wait_health(timeout=START_TIMEOUT)
+        barrier = threading.Barrier(n, timeout=30)
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+
+        def one(c: httpx.Client, i: int) -> tuple[int, float, str | None]:
+            barrier.wait()
+            started = time.monotonic()
+            r = c.post("/v1/embeddings", json={"input": [f"request {i} " + "word " * 60]})
+            return r.status_code, time.monotonic() - started, r.headers.get("retry-after")
+
+        with httpx.Client(base_url=proc.url, timeout=30, limits=limits) as c, \
+                ThreadPoolExecutor(max_workers=n) as pool:
+            results = list(pool.map(lambda i: one(c, i), range(n)))
+        statuses = sorted(s for s, _, _ in results)
+        assert set(statuses) <= {200, 429}, statuses
+        rejected = [(t, ra) for s, t, ra in results if s == 429]
+        assert rejected, "a queue of 400 tokens must overflow with 32 requests of ~130 tokens"
+        assert any(s == 200 for s in statuses)
+        assert all(ra is not None and int(ra) >= 1 for _, ra in rejected)
+        slowest_429 = max(t for t, _ in rejected)
+        assert slowest_429 < 1.0, f"a 429 took {slowest_429:.2f}s"
+        health = proc.health()
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        # and the server still serves normally afterwards
+        r = httpx.post(f"{proc.url}/v1/embeddings", json={"input": "after the storm"}, timeout=30)
+        assert r.status_code == 200
+        metrics = httpx.get(f"{proc.url}/metrics", timeout=10).text
+        assert f"bgeserve_rejected_requests_total {float(len(rejected))}" in metrics
+
+
+# -- shutdown --------------------------------------------------------------------------------
+def test_sigterm_drains_accepted_requests_and_exits_0(tiny_export: Path, tmp_path: Path,
+                                                      engine: Engine) -> None:
+    per_request, n = 4, 8
+    # Queued texts wait for the batch window: once /health counts all of them, every request
+    # has been accepted; SIGTERM then arrives with all of them still in flight.
+    env = server_env(tiny_export, tmp_path, BGE_M3_BATCH_DELAY_MS="1500",
+                     BGE_M3_SHUTDOWN_TIMEOUT_SECS="15")
+    texts = [[f"shutdown {i}.{j} " + "text " * (5 + 3 * j) for j in range(per_request)]
+             for i in range(n)]
+    with ServerProc(env) as proc:
+        proc.wait_health(timeout=START_TIMEOUT)
+        barrier = threading.Barrier(n + 1, timeout=30)
+
+        def one(batch: list[str]) -> tuple[int, Any]:
+            with httpx.Client(base_url=proc.url, timeout=30) as c:
+                c.get("/health")
+                barrier.wait()
+                r = c.post("/v1/embeddings", json={"input": batch})
+                return r.status_code, r.json()
+
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            futures = [pool.submit(one, batch) for batch in texts]
+            barrier.wait()
+            deadline = time.monotonic() + 10
+            queued = 0
+            while queued < n * per_request and time.monotonic() < deadline:
+                queued = proc.health().json()["queue"]["texts"]
+                time.sleep(0.01)
+            assert queued == n * per_request, f"only {queued} texts were queued"
+            proc.signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            results = [f.result(timeout=30) for f in futures]
+        rc = proc.wait(timeout=20)
+        took = time.monotonic() - signalled
+    assert [s for s, _ in results] == [200] * n, results
+    for batch, (_, body) in zip(texts, results, strict=True):
+        np.testing.assert_allclose(dense_rows(body), engine.embed(batch).dense, atol=ATOL, rtol=0)
+    assert rc == 0, proc.output()
+    assert took < 15, f"shutdown took {took:.1f}s"
+
+
+# -- idle unload ---------------------------------------------------------------------------------
+def test_idle_unload_and_reload(tiny_export: Path, tmp_path: Path, engine: Engine) -> None:
+    env = server_env(tiny_export, tmp_path, BGE_M3_IDLE_TIMEOUT_SECS="1")
+    with ServerProc(env) as proc:
+        proc.wait_health(timeout=START_TIMEOUT)
+        idle = proc.wait_health(200, timeout=10, body_status="idle")
+        assert idle["workers"]["loaded"] == 0 and idle["workers"]["live"] == 1
+        r = httpx.post(f"{proc.url}/v1/embeddings", json={"input": "wake up"}, timeout=30)
+        assert r.status_code == 200
+        np.testing.assert_allclose(dense_rows(r.json())[0], engine.embed("wake up").dense[0],
+                                   atol=ATOL, rtol=0)
+        body = proc.health().json()
+        assert body["status"] == "ok" and body["workers"]["loaded"] == 1
+        messages = [rec.get("msg", "") for rec in proc.json_logs()]
+        assert any("session unloaded" in m for m in messages), proc.output()
+
+
+# -- start-up failure ------------------------------------------------------------------------
+def test_missing_model_exits_non_zero(tmp_path: Path) -> None:
+    missing = tmp_path / "no-model-here"
+    with ServerProc(server_env(missing, tmp_path / "cache")) as proc:
+        rc = proc.wait(timeout=START_TIMEOUT)
+        assert rc == 3, proc.output()
+        errors = [rec for rec in proc.json_logs() if rec.get("level") == "error"]
+        assert any("start-up failed" in rec["msg"] and str(missing) in rec["msg"]
+                   for rec in errors), proc.output()

@@ -1,0 +1,406 @@
+"""Auto-tuning on the real tiny model: the probe, its cache, the overrides, the start-up floor.
+
+The probe is real (``synthetic_run`` over a dedicated ONNX session, peak-RSS measurement), kept
+fast with a short ``max_seq``. Its outcome depends on the graph and the machine's memory
+accounting, so a ``failed`` real probe is accepted as long as the reason is recorded and the
+conservative model stays. The ``complete`` path (fit swapped in, cache written, ``cache_hit`` on
+the next start) is pinned with ``exact_run``, a workload whose workspace is known exactly,
+measured by the same probe machinery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import bgeserve.service as service_module
+from bgeserve import Engine
+from bgeserve.artifacts import resolve
+from bgeserve.config import Settings
+from bgeserve.costmodel import CostModel, conservative_coefficients
+from bgeserve.errors import ConfigError
+from bgeserve.service import Service, model_dims
+from bgeserve.tuning import LEGACY_BATCH_SEQ, Tuner, TuningConfig, synthetic_run
+
+pytestmark = pytest.mark.slow
+
+MAX_SEQ = 1024
+PROBE_TIMEOUT = 60.0
+
+
+def tiny_dims(export: Path) -> dict[str, int]:
+    """The encoder sizes the service derives the conservative model from."""
+    return model_dims(resolve(model_path=export, variant="fp32", cache_dir=export, offline=True))
+
+
+def env_for(export: Path, cache: Path, **extra: str) -> dict[str, str]:
+    env = {"BGE_M3_MODEL_PATH": str(export), "BGE_M3_CACHE_DIR": str(cache),
+           "HF_HUB_OFFLINE": "1", "BGE_M3_MAX_SEQ_LENGTH": str(MAX_SEQ)}
+    env.update(extra)
+    return env
+
+
+@contextmanager
+def loaded(env: dict[str, str]) -> Iterator[Service]:
+    """A Service loaded synchronously; stopped (probe finished first) on exit."""
+    service = Service(Settings.from_env(env))
+    try:
+        service.load_blocking()
+        yield service
+    finally:
+        if service.tuner is not None:
+            service.tuner.wait(PROBE_TIMEOUT)
+        asyncio.run(service.stop())
+
+
+def ready_status(caplog: pytest.LogCaptureFixture) -> str:
+    """The probe status the service logged when it became ready."""
+    lines = [r.getMessage() for r in caplog.records
+             if r.name == "bgeserve.service" and r.getMessage().startswith("ready: probe ")]
+    assert lines, "the service logged no ready line"
+    return lines[-1].split()[2].rstrip(",")
+
+
+def assert_probe_outcome(service: Service, dims: dict[str, int]) -> str:
+    """The probe ended (complete or failed, consistently); returns the status."""
+    assert service.tuner is not None
+    assert service.tuner.wait(PROBE_TIMEOUT), "the probe did not finish"
+    state = service.tuner.state
+    assert state.probe_status in ("complete", "failed"), state
+    assert state.probe_seconds is not None or state.probe_status == "failed"
+    if state.probe_status == "failed":
+        assert state.probe_error, "a failed probe must record its reason"
+        assert (state.a, state.b) == conservative_coefficients(**dims)
+    else:
+        assert state.probe_error is None
+        assert state.a >= 0 and state.b >= 0 and state.a + state.b > 0
+    # whatever the outcome, the engine serves with the published model
+    assert service.engine is not None and service.engine.cost_model is not None
+    cost = service.engine.cost_model
+    assert (cost.a, cost.b, cost.max_workspace_bytes) == (state.a, state.b,
+                                                           state.max_workspace_bytes)
+    return state.probe_status
+
+
+# -- a workload whose workspace is known exactly --------------------------------------------------
+TRUE_A, TRUE_B = 20_000.0, 100.0  # bytes per token, per token squared
+
+
+def exact_run(batch: int, seq: int) -> None:
+    """Touch exactly ``TRUE_A·B·S + TRUE_B·B·S²`` fresh bytes, as a forward pass would."""
+    buf = np.ones(int(TRUE_A * batch * seq + TRUE_B * batch * seq * seq), dtype=np.uint8)
+    del buf
+
+
+def exact_synthetic_run(open_forward: object, vocab_size: int) -> tuple[object, object]:
+    """Stands in for ``synthetic_run``: the service's probe then measures ``exact_run``."""
+    return exact_run, lambda: None
+
+
+@contextmanager
+def bgeserve_logs() -> Iterator[list[logging.LogRecord]]:
+    """INFO records of the ``bgeserve`` loggers (for module-scoped fixtures, without caplog)."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler, logger = Keep(logging.INFO), logging.getLogger("bgeserve")
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+
+
+def probe_once(export: Path, cache: Path) -> dict[str, object]:
+    """Start a service with the probe on; wait for it; what it concluded."""
+    with bgeserve_logs() as records, loaded(env_for(export, cache)) as service:
+        status = assert_probe_outcome(service, tiny_dims(export))
+        state = service.tuner.state  # type: ignore[union-attr]
+        assert service.engine is not None
+        # it serves after the probe whatever the outcome
+        assert service.engine.embed("after the probe").dense is not None
+        health = service.health()["tuning"]
+    ready = [r.getMessage() for r in records if r.getMessage().startswith("ready: probe ")]
+    return {"cache": cache, "status": status, "a": state.a, "b": state.b,
+            "error": state.probe_error, "ready_line": ready[-1] if ready else "",
+            "health": health}
+
+
+@pytest.fixture(scope="module")
+def real_probe(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """The real probe (ONNX session, synthetic ids) on the tiny model."""
+    return probe_once(tiny_export, tmp_path_factory.mktemp("real-probe"))
+
+
+@pytest.fixture(scope="module")
+def exact_probe(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """The service's probe measuring ``exact_run``: it must complete and cache its fit."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(service_module, "synthetic_run", exact_synthetic_run)
+        result = probe_once(tiny_export, tmp_path_factory.mktemp("exact-probe"))
+    assert result["status"] == "complete", result["error"]
+    return result
+
+
+def copy_cache(probe: dict[str, object], to: Path) -> Path:
+    """A private copy of a probe's cache dir (a test that probes again may overwrite it)."""
+    src = Path(str(probe["cache"])) / "probe-coefficients.json"
+    to.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src, to / src.name)
+    return to
+
+
+# -- the probe through the Service ---------------------------------------------------------------
+def test_real_probe_runs_in_background_then_ends(real_probe: dict[str, object]) -> None:
+    # ready (conservative model) while the probe was still running
+    assert str(real_probe["ready_line"]).startswith("ready: probe running"), real_probe
+    health = real_probe["health"]
+    assert isinstance(health, dict) and health["probe_status"] == real_probe["status"]
+    cache_file = Path(str(real_probe["cache"])) / "probe-coefficients.json"
+    if real_probe["status"] == "complete":
+        record = json.loads(cache_file.read_text())
+        assert (record["a"], record["b"]) == (real_probe["a"], real_probe["b"])
+    else:
+        assert real_probe["error"] and health["probe_error"] == real_probe["error"]
+        assert not cache_file.exists(), "a failed probe must not be cached"
+
+
+def test_complete_probe_swaps_in_the_fit_and_caches_it(exact_probe: dict[str, object]) -> None:
+    assert str(exact_probe["ready_line"]).startswith("ready: probe running"), exact_probe
+    a, b = float(exact_probe["a"]), float(exact_probe["b"])  # type: ignore[arg-type]
+    # the fit recovers the workload's coefficients (RSS noise aside)
+    assert a == pytest.approx(TRUE_A, rel=0.3) and b == pytest.approx(TRUE_B, rel=0.3)
+    health = exact_probe["health"]
+    assert isinstance(health, dict)
+    assert health["probe_status"] == "complete" and health["probe_error"] is None
+    assert (health["a_bytes_per_token"], health["b_bytes_per_token_sq"]) == (a, b)
+    assert health["probe_seconds"] is not None
+    record = json.loads((Path(str(exact_probe["cache"])) / "probe-coefficients.json").read_text())
+    assert (record["a"], record["b"]) == (a, b)
+    assert record["parts"]["max_seq"] == MAX_SEQ and record["parts"]["variant"] == "fp32"
+    assert len(record["fingerprint"]) == 64 and len(record["samples"]) >= 6
+
+
+def test_second_start_is_a_cache_hit(exact_probe: dict[str, object], tiny_export: Path,
+                                     tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="bgeserve")
+    cache = copy_cache(exact_probe, tmp_path / "cache")
+    started = time.monotonic()
+    with loaded(env_for(tiny_export, cache)) as service:
+        elapsed = time.monotonic() - started
+        state = service.tuner.state  # type: ignore[union-attr]
+        assert state.probe_status == "cache_hit"
+        assert ready_status(caplog) == "cache_hit"
+        assert (state.a, state.b) == (exact_probe["a"], exact_probe["b"])
+        assert service.tuner.wait(0), "no probe may run on a cache hit"  # type: ignore[union-attr]
+        assert elapsed < 10, f"a cache hit took {elapsed:.1f}s to be ready"
+        assert service.health()["tuning"]["probe_status"] == "cache_hit"
+        assert service.engine is not None and service.engine.cost_model is not None
+        assert service.engine.cost_model.a == state.a
+
+
+def test_other_max_seq_misses_the_cache(exact_probe: dict[str, object], tiny_export: Path,
+                                        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_seq is part of the fingerprint: another value must not reuse the fit."""
+    caplog.set_level(logging.INFO, logger="bgeserve")
+    monkeypatch.setattr(service_module, "synthetic_run", exact_synthetic_run)
+    cache = copy_cache(exact_probe, tmp_path / "cache")
+    with loaded(env_for(tiny_export, cache, BGE_M3_MAX_SEQ_LENGTH="512")) as service:
+        assert ready_status(caplog) == "running"
+        assert_probe_outcome(service, tiny_dims(tiny_export))
+
+
+def test_disable_probe_cache_forces_a_probe(exact_probe: dict[str, object], tiny_export: Path,
+                                           tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    caplog.set_level(logging.INFO, logger="bgeserve")
+    monkeypatch.setattr(service_module, "synthetic_run", exact_synthetic_run)
+    cache = copy_cache(exact_probe, tmp_path / "cache")
+    cache_file = cache / "probe-coefficients.json"
+    before = cache_file.read_bytes(), cache_file.stat().st_mtime_ns
+    with loaded(env_for(tiny_export, cache, BGE_M3_DISABLE_PROBE_CACHE="1")) as service:
+        assert ready_status(caplog) == "running"
+        assert assert_probe_outcome(service, tiny_dims(tiny_export)) == "complete"
+    after = cache_file.read_bytes(), cache_file.stat().st_mtime_ns
+    assert after == before, "BGE_M3_DISABLE_PROBE_CACHE must not write the cache either"
+
+
+# -- overrides disable the probe -----------------------------------------------------------------
+@pytest.mark.parametrize("extra", [
+    {"BGE_M3_COST_MODEL_A": "5000", "BGE_M3_COST_MODEL_B": "60"},
+    {"BGE_M3_TOKEN_BUDGET": str(512 << 20)},
+    {"BGE_M3_DISABLE_AUTO_BUDGET": "1"},
+], ids=["cost-model", "token-budget", "disable-auto-budget"])
+def test_overrides_disable_the_probe(extra: dict[str, str], tiny_export: Path, tmp_path: Path,
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="bgeserve")
+    with loaded(env_for(tiny_export, tmp_path, **extra)) as service:
+        state = service.tuner.state  # type: ignore[union-attr]
+        assert state.probe_status == "disabled"
+        assert ready_status(caplog) == "disabled"
+        assert service.tuner.wait(0)  # type: ignore[union-attr]
+        conservative = conservative_coefficients(**tiny_dims(tiny_export))
+        if "BGE_M3_COST_MODEL_A" in extra:
+            assert (state.a, state.b) == (5000.0, 60.0)
+        else:
+            assert (state.a, state.b) == conservative
+        if "BGE_M3_TOKEN_BUDGET" in extra:
+            assert state.max_workspace_bytes == 512 << 20
+        assert service.health()["tuning"]["probe_status"] == "disabled"
+        assert service.engine is not None and service.engine.embed("x").dense is not None
+    assert not (tmp_path / "probe-coefficients.json").exists()
+
+
+def test_onnx_batch_size_becomes_a_token_budget(tiny_export: Path, tmp_path: Path,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="bgeserve")
+    with pytest.warns(DeprecationWarning, match="BGE_M3_ONNX_BATCH_SIZE"):
+        settings = Settings.from_env(env_for(tiny_export, tmp_path, BGE_M3_ONNX_BATCH_SIZE="4"))
+    service = Service(settings)
+    try:
+        service.load_blocking()
+        state = service.tuner.state  # type: ignore[union-attr]
+        a, b = conservative_coefficients(**tiny_dims(tiny_export))
+        expected = int(CostModel(a, b, 0).cost(4, LEGACY_BATCH_SEQ))
+        assert state.probe_status == "disabled"
+        assert state.max_workspace_bytes == expected
+        assert service.tuner.config.token_budget == expected  # type: ignore[union-attr]
+        warnings = [r for r in caplog.records
+                    if r.name == "bgeserve.tuning" and r.levelno == logging.WARNING]
+        assert any("BGE_M3_ONNX_BATCH_SIZE=4" in r.getMessage()
+                   and f"BGE_M3_TOKEN_BUDGET={expected}" in r.getMessage() for r in warnings), (
+            [r.getMessage() for r in warnings])
+    finally:
+        asyncio.run(service.stop())
+
+
+# -- the start-up floor -------------------------------------------------------------------------
+def test_tiny_memory_refuses_to_start(tiny_export: Path, tmp_path: Path) -> None:
+    settings = Settings.from_env(env_for(tiny_export, tmp_path,
+                                         BGE_M3_AVAILABLE_MEMORY_BYTES=str(64 << 20)))
+    service = Service(settings)
+    with pytest.raises(ConfigError) as info:
+        service.load_blocking()
+    assert service.fatal_error is info.value
+    assert isinstance(service.fatal_error, ConfigError)
+    assert "BGE_M3_MAX_SEQ_LENGTH" in str(info.value)
+    assert info.value.param == "BGE_M3_MAX_SEQ_LENGTH"
+    health = service.health()
+    assert health["status"] == "fail" and "BGE_M3_MAX_SEQ_LENGTH" in health["error"]
+    assert service.engine is None
+    asyncio.run(service.stop())
+
+
+# -- the Tuner directly, with synthetic_run over the engine's sessions --------------------------
+@pytest.fixture(scope="module")
+def engine(tiny_export: Path) -> Iterator[Engine]:
+    with Engine(tiny_export, "fp32") as e:
+        yield e
+
+
+def test_tuner_probe_with_synthetic_run(engine: Engine, tiny_export: Path, tmp_path: Path) -> None:
+    """The real probe over a dedicated session of the engine: running → complete or failed."""
+    dims = tiny_dims(tiny_export)
+    applied: list[CostModel] = []
+    config = TuningConfig(max_seq=512, cache_dir=tmp_path, dims=dims,
+                          available_override=8 << 30)
+    tuner = Tuner(config, apply=applied.append)
+    initial = tuner.initial(model_cost=16 << 20, fingerprint="f" * 64)
+    assert tuner.state.probe_status == "running"
+    assert tuner.state.memory_source == "override" and tuner.state.available_bytes == 8 << 30
+    assert (initial.a, initial.b) == conservative_coefficients(**dims)
+    assert applied == [initial]
+
+    shapes: list[tuple[int, int]] = []
+    run, close = synthetic_run(engine.open_forward, engine.tokenizer.vocab_size)
+
+    def recording_run(batch: int, seq: int) -> None:
+        shapes.append((batch, seq))
+        run(batch, seq)
+
+    closed: list[bool] = []
+
+    def on_done() -> None:
+        close()
+        closed.append(True)
+
+    tuner.start_probe(recording_run, 16 << 20, "f" * 64, {"max_seq": 512}, on_done=on_done)
+    assert tuner.wait(PROBE_TIMEOUT)
+    assert closed == [True], "the probe session must be closed when the probe ends"
+    assert (1, 512) in shapes, "max_seq itself must be probed"
+    assert len(set(shapes)) >= 6
+    state = tuner.state
+    assert state.probe_status in ("complete", "failed")
+    assert len(applied) == 2 and (applied[-1].a, applied[-1].b) == (state.a, state.b)
+    cache_file = tmp_path / "probe-coefficients.json"
+    if state.probe_status == "failed":
+        assert state.probe_error
+        assert (state.a, state.b) == conservative_coefficients(**dims)
+        assert not cache_file.exists()
+    else:
+        assert cache_file.exists()
+
+
+def test_tuner_complete_then_cache_hit(tiny_export: Path, tmp_path: Path) -> None:
+    dims = tiny_dims(tiny_export)
+    applied: list[CostModel] = []
+    config = TuningConfig(max_seq=512, cache_dir=tmp_path, dims=dims,
+                          available_override=8 << 30)
+    tuner = Tuner(config, apply=applied.append)
+    tuner.initial(model_cost=16 << 20, fingerprint="f" * 64)
+    assert tuner.state.probe_status == "running"
+    tuner.start_probe(exact_run, 16 << 20, "f" * 64, {"max_seq": 512})
+    assert tuner.wait(PROBE_TIMEOUT)
+    state = tuner.state
+    assert state.probe_status == "complete", state.probe_error
+    assert state.a == pytest.approx(TRUE_A, rel=0.3) and state.b == pytest.approx(TRUE_B, rel=0.3)
+    assert (applied[-1].a, applied[-1].b) == (state.a, state.b)
+    assert (tmp_path / "probe-coefficients.json").exists()
+    # a warm start with the same fingerprint reuses the fit; another fingerprint probes again
+    again = Tuner(config, apply=lambda cost: None)
+    cost = again.initial(model_cost=16 << 20, fingerprint="f" * 64)
+    assert again.state.probe_status == "cache_hit"
+    assert (cost.a, cost.b) == (pytest.approx(state.a), pytest.approx(state.b))
+    other = Tuner(config, apply=lambda cost: None)
+    other.initial(model_cost=16 << 20, fingerprint="0" * 64)
+    assert other.state.probe_status == "running"
+    forced = Tuner(TuningConfig(**{**config.__dict__, "disable_probe_cache": True}),
+                   apply=lambda cost: None)
+    forced.initial(model_cost=16 << 20, fingerprint="f" * 64)
+    assert forced.state.probe_status == "running"
+
+
+def test_tuner_probe_failure_keeps_the_conservative_model(tiny_export: Path,
+                                                          tmp_path: Path) -> None:
+    dims = tiny_dims(tiny_export)
+    applied: list[CostModel] = []
+    tuner = Tuner(TuningConfig(max_seq=512, cache_dir=tmp_path, dims=dims,
+                               available_override=8 << 30), apply=applied.append)
+    tuner.initial(model_cost=16 << 20, fingerprint="e" * 64)
+
+    def broken(batch: int, seq: int) -> None:
+        raise RuntimeError("no memory measurement here")
+
+    tuner.start_probe(broken, 16 << 20, "e" * 64, {})
+    assert tuner.wait(PROBE_TIMEOUT)
+    assert tuner.state.probe_status == "failed"
+    assert tuner.state.probe_error
+    assert (tuner.state.a, tuner.state.b) == conservative_coefficients(**dims)
+    assert applied[-1].a == tuner.state.a and applied[-1].fits(1, 512)
+    assert not (tmp_path / "probe-coefficients.json").exists()
