@@ -721,6 +721,25 @@ def child_main(spec_path: str) -> int:
 
 
 # ================================================================================ parent
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End what is left of a child's process group (the child itself included)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        try:
+            proc.wait(10 if sig == signal.SIGTERM else 5)
+        except subprocess.TimeoutExpired:
+            continue
+        # the child is gone; a leftover server may still be stopping: give it a moment
+        time.sleep(0.5 if sig == signal.SIGTERM else 0)
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+
+
 class Runner:
     def __init__(self, args: argparse.Namespace, work: Path, export_dir: Path,
                  model_dir: Path | None, run_id: str):
@@ -755,13 +774,17 @@ class Runner:
         log(f"{name}: running (log {log_path})")
         started = time.perf_counter()
         with open(log_path, "wb") as out:
+            # Its own session (process group): a killed or crashed child must not leave its
+            # server behind, so the whole group is ended once the child is done.
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "_child",
+                                     str(spec_path)], stdout=out, stderr=subprocess.STDOUT,
+                                    env=env, cwd=str(REPO), start_new_session=True)
             try:
-                proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "_child",
-                                       str(spec_path)], stdout=out, stderr=subprocess.STDOUT,
-                                      env=env, cwd=str(REPO), timeout=self.args.child_timeout)
-                rc = proc.returncode
+                rc: int | str = proc.wait(self.args.child_timeout)
             except subprocess.TimeoutExpired:
                 rc = "timeout"
+            finally:
+                _kill_group(proc)
         elapsed = time.perf_counter() - started
         result_path = Path(spec["result"])
         if result_path.exists():

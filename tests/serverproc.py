@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -54,7 +54,7 @@ class ServerProc:
         self._readers: list[threading.Thread] = []
 
     # -- lifecycle -------------------------------------------------------------------------
-    def start(self) -> ServerProc:
+    def start(self) -> Self:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bgeserve", "serve"], cwd=REPO, env=self.env,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -70,7 +70,7 @@ class ServerProc:
                 sink.append(raw.decode("utf-8", "replace").rstrip("\n"))
         stream.close()
 
-    def __enter__(self) -> ServerProc:
+    def __enter__(self) -> Self:
         return self.start() if self.proc is None else self
 
     def __exit__(self, *exc: object) -> None:

@@ -141,6 +141,20 @@ def test_the_device_reaches_every_gpu_provider_in_the_chain(tmp_path: Path):
     assert _providers(SessionConfig()) == ["CPUExecutionProvider"]
 
 
+def test_open_pinned_opens_on_the_workers_device_and_syncs_trt_caches(tmp_path: Path,
+                                                                      monkeypatch):
+    """Worker 3 of 2 GPUs opens on device 1; a TensorRT open fsyncs both cache folders."""
+    opened, synced = [], []
+    monkeypatch.setattr(gpu, "OnnxSession", lambda path, config: opened.append(config) or config)
+    monkeypatch.setattr(gpu, "fsync_tree", lambda folder: synced.append(folder) or 0)
+    s = Settings(execution_provider="tensorrt", gpu_count=2, workers=2, cache_dir=tmp_path)
+    gpu.open_pinned(tmp_path / "model.onnx", gpu.session_config(s), worker=3)
+    assert opened[0].device_id == 1
+    assert synced == [tmp_path / "trt-engines", tmp_path / "trt-timing"]
+    gpu.open_pinned(tmp_path / "model.onnx", SessionConfig(), worker=3)
+    assert opened[1].device_id == 0 and len(synced) == 2
+
+
 # ------------------------------------------------------------------------ provider options
 def test_cuda_options_cap_the_arena():
     """CUDA: the arena grows by what is asked, and gpu_mem_limit caps it when known."""

@@ -111,8 +111,9 @@ def resolve(settings: Settings, *, model_explicit: bool = True, proc: Path = Pat
         return settings
     changes: dict[str, Any] = {"gpu_count": count}
     if settings.workers > count:
-        log.warning("BGE_M3_WORKERS=%d clamped to %d: on %s each worker owns one GPU "
-                    "(BGE_M3_GPU_COUNT=%d)", settings.workers, count, ep, count)
+        log.warning("BGE_M3_WORKERS=%d clamped to %d: on %s each worker owns one GPU and "
+                    "there are %d (BGE_M3_GPU_COUNT or detected)", settings.workers, count, ep,
+                    count)
         changes["workers"] = count
     if not model_explicit and settings.variant != "fp16":
         log.info("BGE_M3_MODEL not set: using the fp16 variant on %s", ep)
