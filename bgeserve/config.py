@@ -189,6 +189,8 @@ class Settings:
             raw = environ.get(f.metadata["env"])
             if raw is not None and (raw.strip() or f.type in ("str", "tuple[str, ...]")):
                 values[f.name] = f.metadata["parse"](f.metadata["env"], raw)
+        if "variant" not in values and values.get("execution_provider") in ("cuda", "tensorrt"):
+            values["variant"] = "fp16"  # the GPU default; an explicit BGE_M3_MODEL wins
         settings = cls(**values)
         settings.validate()
         return settings

@@ -97,7 +97,7 @@ class ChunkStats:
 class Scheduler:
     """Owns the pending queue and the worker threads."""
 
-    def __init__(self, open_forward: Callable[[], Forward], fits: Fits, config: SchedulerConfig,
+    def __init__(self, open_forward: Callable[[int], Forward], fits: Fits, config: SchedulerConfig,
                  on_chunk: Callable[[ChunkStats], None] | None = None):
         self._open_forward = open_forward
         self._fits = fits

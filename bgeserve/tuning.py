@@ -92,8 +92,8 @@ class Tuner:
         if c.token_budget is not None:
             return c.token_budget
         workers = c.workers + extra_sessions
-        if c.gpu:
-            return (c.gpu_vram_budget or GPU_DEFAULT_VRAM) // workers
+        if c.gpu:  # one worker per device: the VRAM budget is each worker's own
+            return c.gpu_vram_budget or GPU_DEFAULT_VRAM
         return memory.worker_budget(self.state.available_bytes, workers, model_cost,
                                     headroom=HEADROOM_BYTES, safety_factor=c.safety_factor)
 

@@ -791,8 +791,9 @@ class Runner:
             result = json.loads(result_path.read_text())
         else:
             tail = log_path.read_bytes()[-800:].decode("utf-8", "replace")
-            result = {"ok": False, "error": f"child exited with {rc} (killed? out of memory?): "
-                                            f"{tail}"}
+            why = (f"killed after --child-timeout {self.args.child_timeout:g}s"
+                   if rc == "timeout" else f"child exited with {rc} (killed? out of memory?)")
+            result = {"ok": False, "error": f"{why}: {tail}"}
         result["child_seconds"] = elapsed
         result["vectors"] = spec["vectors"] if result.get("ok") else None
         if not result.get("ok"):
@@ -835,7 +836,7 @@ def agreement(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         by_corpus.setdefault(r["corpus"], []).append(r)
     prefer = [("flag", "fp32"), ("engine", "fp32"), ("raw", "fp32"), ("raw1", "fp32"),
-              ("http", "fp32")]
+              ("http", "fp32"), ("ref", "fp32")]
     for corpus_rows in by_corpus.values():
         ref = None
         for mode, variant in prefer:
@@ -953,7 +954,8 @@ def load_gains(load_rows: list[dict[str, Any]]) -> dict[str, float]:
     for (variant, batching, clients), rps in level.items():
         off = level.get((variant, False, clients))
         if batching and off:
-            out[f"load {variant}, {clients} clients: batching on / off (requests/s)"] = rps / off
+            label = f"{clients} client{'' if clients == 1 else 's'}"
+            out[f"load {variant}, {label}: batching on / off (requests/s)"] = rps / off
     return out
 
 
@@ -1130,6 +1132,13 @@ def main(argv: list[str]) -> int:
                 log(f"{name}: {row['tokens_per_s']:.1f} tokens/s, peak RSS "
                     f"{_mib(row['peak_rss'])} MiB")
             rows.append(row)
+        if plan_ and not any(r["corpus"] == kind and r.get("ok") and r["variant"] == "fp32"
+                             for r in rows):
+            # No fp32 vectors to compare with: an untimed fp32 engine pass as the reference.
+            name = f"{kind}-ref-fp32"
+            res = runner.child(name, {"mode": "engine", "variant": "fp32", "corpus": str(cpath),
+                                      "latency_pass": False})
+            rows.append(summarize(name, "ref", "fp32", kind, corpus, res))
     agreement(rows)
 
     load_rows: list[dict[str, Any]] = []

@@ -292,7 +292,7 @@ def test_without_nvml_nothing_is_measured(monkeypatch):
 
 
 def test_vram_budget_prefers_the_setting_then_measures(tmp_path: Path):
-    """BGE_M3_GPU_VRAM_BUDGET_BYTES wins; else (min free − model) × safety × devices."""
+    """BGE_M3_GPU_VRAM_BUDGET_BYTES wins; else (min free − model) × safety, per device."""
     model = tmp_path / "model.onnx"
     model.write_bytes(b"\0" * (1 << 20))
     nvml = FakeNvml([10 << 30, 8 << 30])
@@ -300,5 +300,5 @@ def test_vram_budget_prefers_the_setting_then_measures(tmp_path: Path):
                       gpu_vram_budget_bytes=5 << 30)
     assert gpu.vram_budget(pinned, [model], nvml) == 5 << 30
     s = Settings(execution_provider="cuda", gpu_count=2, workers=2, memory_safety_factor=0.5)
-    assert gpu.vram_budget(s, [model], nvml) == int(((8 << 30) - (1 << 20)) * 0.5) * 2
+    assert gpu.vram_budget(s, [model], nvml) == int(((8 << 30) - (1 << 20)) * 0.5)
     assert gpu.vram_budget(Settings(), [model], nvml) is None

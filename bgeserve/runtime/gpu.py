@@ -331,9 +331,9 @@ def vram_budget(settings: Settings, model_files: Iterable[Path] = (),
                 nvml: Any = None) -> int | None:
     """Workspace VRAM for the tuner: BGE_M3_GPU_VRAM_BUDGET_BYTES, else measured with NVML.
 
-    Measured: (free VRAM of the fullest device in use − the model's size) × the safety factor,
-    times the devices in use (the tuner divides by the workers, one per device). None when
-    neither is available (the tuner then assumes its default).
+    Per worker, i.e. per device (each worker has a GPU of its own), as the reference server
+    meant it. Measured: (free VRAM of the fullest device in use − the model's size) × the
+    safety factor. None when neither is available (the tuner then assumes its default).
     """
     s = settings
     if s.gpu_vram_budget_bytes is not None or s.execution_provider not in GPU_EPS:
@@ -346,7 +346,7 @@ def vram_budget(settings: Settings, model_files: Iterable[Path] = (),
     per_device = max(int((free - model) * s.memory_safety_factor), 1)
     log.info("gpu: %d MiB free VRAM on the fullest device, %d MiB for workspace per device",
              free >> 20, per_device >> 20)
-    return per_device * devices
+    return per_device
 
 
 def heartbeat_fields(nvml: Any = None) -> dict[str, Any]:

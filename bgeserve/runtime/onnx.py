@@ -43,7 +43,7 @@ class SessionConfig:
     """How to open one session."""
 
     provider: str = "cpu"
-    threads: int = 1
+    threads: int = 0  # 0: ONNX Runtime picks (one per physical core)
     # The CPU arena keeps its high-water mark forever; off, a chunk's workspace goes back to
     # the OS after the run, so memory use is what the cost model predicts, not its maximum.
     cpu_arena: bool = False
