@@ -83,6 +83,9 @@ def _probe(args: argparse.Namespace) -> int:
 
     settings = Settings.from_env(os.environ)
     setup_logging("text", settings.log_level)
+    from .probe_child import PIN_THRESHOLD
+
+    memory.pin_mmap_threshold(PIN_THRESHOLD)  # measure each shape alone (see probe_child)
     artifacts = resolve(model_path=settings.model_path, variant=settings.variant,
                         cache_dir=validate_cache_dir(settings.cache_dir), offline=settings.offline)
     config = engine_config(settings)

@@ -203,6 +203,26 @@ def peak_rss_bytes(*, proc: Path = Path("/proc")) -> int:
     return max(maxrss, rss_bytes(proc=proc))
 
 
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+MMAP_THRESHOLD = 128 << 10
+
+
+def pin_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Make glibc serve every block ≥ ``threshold`` by mmap, returned to the OS on ``free``.
+
+    By default glibc raises the threshold after each large free (up to 32 MiB) and keeps such
+    blocks in per-thread heaps that ``malloc_trim`` cannot always release: RSS then stays at the
+    high-water mark of every shape run so far, and a probe measuring one shape after another
+    under-reads. Pinned, a chunk's workspace is allocated when it runs and gone when it ends,
+    which is what the cost model budgets. False where this is not glibc.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, threshold))
+
+
 def trim_heap() -> bool:
     """Return freed heap memory to the OS (glibc ``malloc_trim``); False where unavailable.
 

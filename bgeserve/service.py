@@ -26,7 +26,7 @@ from .results import EmbedOptions, Embeddings
 from .runtime import gpu
 from .runtime import onnx as ort_adapter
 from .scheduler import SchedulerConfig
-from .tuning import Tuner, TuningConfig, measure_model_cost, synthetic_run
+from .tuning import Tuner, TuningConfig, measure_model_cost
 
 log = logging.getLogger("bgeserve.service")
 
@@ -56,6 +56,11 @@ def model_dims(artifacts: ModelArtifacts) -> dict[str, int]:
         except (OSError, ValueError, TypeError):
             return {}
     return {}
+
+
+def probe_source(engine: Engine, spec: dict[str, Any]) -> Any:
+    """What the probe measures: the child-process spec (a seam tests replace)."""
+    return spec
 
 
 def probe_parts(settings: Settings, artifacts: ModelArtifacts) -> dict[str, Any]:
@@ -123,6 +128,7 @@ class Service:
                 cache_dir=cache_dir,
                 dims=model_dims(artifacts))
             self.tuner = tuner = Tuner(tuning, apply=engine.set_cost_model)
+            tuner.detect_memory()
 
             def load() -> None:
                 engine.start()
@@ -138,8 +144,11 @@ class Service:
                      "%d tokens fit", tuner.state.probe_status, cost.a, cost.b,
                      cost.max_workspace_bytes >> 20, cost.max_seq())
             if tuner.state.probe_status == "running":
-                run, close = synthetic_run(engine.open_forward, engine.tokenizer.vocab_size)
-                tuner.start_probe(run, model_cost, fingerprint, parts, on_done=close)
+                spec = {"model_path": str(s.model_path) if s.model_path else None,
+                        "variant": s.variant, "cache_dir": str(cache_dir),
+                        "provider": s.execution_provider, "threads": s.threads_per_worker,
+                        "max_seq": s.max_seq_length}
+                tuner.start_probe(probe_source(engine, spec), model_cost, fingerprint, parts)
         except BaseException as exc:  # start-up failures are reported, not raised on a thread
             log.error("start-up failed: %s", exc, exc_info=not isinstance(exc, BgeServeError))
             self.fatal_error = exc
@@ -152,6 +161,8 @@ class Service:
 
     async def stop(self) -> None:
         """Drain in-flight work (bounded by BGE_M3_SHUTDOWN_TIMEOUT_SECS) and unload."""
+        if self.tuner is not None:
+            self.tuner.stop()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.close, self.settings.shutdown_timeout_secs)
 

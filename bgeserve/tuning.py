@@ -101,11 +101,20 @@ class Tuner:
         return conservative_coefficients(**self.config.dims)
 
     # -- start-up --------------------------------------------------------------------------
+    def detect_memory(self) -> None:
+        """Read available memory; call it BEFORE the sessions load.
+
+        MemAvailable read after loading would already exclude the model, which the budget
+        subtracts once more (a cgroup limit is the same before and after).
+        """
+        info = memory.detect_available_memory(self.config.available_override)
+        self.state.memory_source, self.state.available_bytes = info.source, info.available_bytes
+
     def initial(self, model_cost: int, fingerprint: str | None) -> CostModel:
         """The cost model to serve with from the start; sets ``probe_status``."""
         c, s = self.config, self.state
-        info = memory.detect_available_memory(c.available_override)
-        s.memory_source, s.available_bytes = info.source, info.available_bytes
+        if not s.memory_source:
+            self.detect_memory()
         s.model_rss_bytes_per_worker = model_cost
         a, b = self.conservative()
         token_budget = c.token_budget
@@ -158,10 +167,15 @@ class Tuner:
         self._apply(cost)
 
     # -- the probe -------------------------------------------------------------------------
-    def start_probe(self, run: Callable[[int, int], None], model_cost: int,
+    def start_probe(self, run: Callable[[int, int], None] | dict[str, Any], model_cost: int,
                     fingerprint: str | None, parts: dict[str, Any],
                     on_done: Callable[[], None] | None = None) -> None:
-        """Run the probe on a background thread (only when ``probe_status`` is running)."""
+        """Run the probe on a background thread (only when ``probe_status`` is running).
+
+        ``run`` is either ``run(batch, seq)`` executed in this process (tests, tools), or a
+        spec dict for ``bgeserve.probe_child``, which measures in a process of its own (the
+        server's way: see that module for why).
+        """
         if self.state.probe_status != "running":
             return
 
@@ -180,14 +194,23 @@ class Tuner:
         self._thread = threading.Thread(target=work, name="bgeserve-probe", daemon=True)
         self._thread.start()
 
-    def _probe(self, run: Callable[[int, int], None], model_cost: int,
+    def _measure(self, run: Callable[[int, int], None] | dict[str, Any],
+                 guard: CostModel) -> probe.ProbeResult:
+        shapes = probe.default_shapes(self.config.max_seq)
+        held_out = probe.default_held_out(self.config.max_seq)
+        if callable(run):
+            return probe.run_probe(run, shapes=shapes, held_out=held_out, guard=guard,
+                                   log=log.info)
+        spec = {**run, "shapes": shapes, "held_out": held_out, "guard_a": guard.a,
+                "guard_b": guard.b, "guard_budget": guard.max_workspace_bytes}
+        return run_child(spec, self._stop)
+
+    def _probe(self, run: Callable[[int, int], None] | dict[str, Any], model_cost: int,
                fingerprint: str | None, parts: dict[str, Any]) -> None:
         c = self.config
         a, b = self.conservative()
         guard = CostModel(a, b, self.budget(model_cost, extra_sessions=1))
-        result = probe.run_probe(run, shapes=probe.default_shapes(c.max_seq),
-                                 held_out=probe.default_held_out(c.max_seq), guard=guard,
-                                 log=log.info)
+        result = self._measure(run, guard)
         self.state.probe_seconds = round(result.seconds, 2)
         if result.fit is None:
             self.state.probe_status, self.state.probe_error = "failed", result.error
@@ -204,6 +227,10 @@ class Tuner:
         if fingerprint and c.cache_dir and not c.disable_probe_cache:
             probe.ProbeCache(self.cache_path).save(fingerprint, result.fit, parts,
                                                    result.samples)
+
+    def stop(self) -> None:
+        """Ask a running probe to give up (its child process is killed)."""
+        self._stop.set()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for a running probe; True when none is running any more."""
@@ -262,3 +289,38 @@ def probe_table(result: probe.ProbeResult) -> str:
     for batch, seq, reason in result.skipped:
         rows.append(f"| {batch} | {seq} | skipped: {reason} | | | |")
     return "\n".join(rows)
+
+
+def run_child(spec: dict[str, Any], stop: threading.Event) -> probe.ProbeResult:
+    """Run ``bgeserve.probe_child`` with ``spec``; its death is a failed probe, not ours."""
+    import json
+    import subprocess
+    import sys
+
+    from .costmodel import Fit, Sample
+
+    proc = subprocess.Popen([sys.executable, "-m", "bgeserve.probe_child", json.dumps(spec)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def relay() -> None:
+        for line in proc.stderr:  # type: ignore[union-attr]
+            log.info("%s", line.rstrip())
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        if stop.wait(0.5):
+            proc.kill()
+    out = proc.stdout.read() if proc.stdout else ""
+    reader.join(1.0)
+    if proc.returncode != 0:
+        reason = (f"killed by signal {-proc.returncode} (out of memory?)"
+                  if proc.returncode < 0 else f"exit code {proc.returncode}")
+        return probe.ProbeResult([], [], None, None, f"probe process {reason}", 0.0)
+    data = json.loads(out.strip().splitlines()[-1])
+    return probe.ProbeResult(
+        [Sample(**s) for s in data["samples"]],
+        [(int(b), int(q), str(r)) for b, q, r in data["skipped"]],
+        Sample(**data["held_out"]) if data["held_out"] else None,
+        Fit(**data["fit"]) if data["fit"] else None,
+        data["error"], data["seconds"])

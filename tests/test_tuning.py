@@ -109,9 +109,9 @@ def exact_run(batch: int, seq: int) -> None:
         del view
 
 
-def exact_synthetic_run(open_forward: object, vocab_size: int) -> tuple[object, object]:
-    """Stands in for ``synthetic_run``: the service's probe then measures ``exact_run``."""
-    return exact_run, lambda: None
+def exact_probe_source(engine: object, spec: object) -> object:
+    """Stands in for the probe child: the service's probe then measures ``exact_run``."""
+    return exact_run
 
 
 @contextmanager
@@ -159,7 +159,7 @@ def real_probe(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> d
 def exact_probe(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """The service's probe measuring ``exact_run``: it must complete and cache its fit."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(service_module, "synthetic_run", exact_synthetic_run)
+        mp.setattr(service_module, "probe_source", exact_probe_source)
         result = probe_once(tiny_export, tmp_path_factory.mktemp("exact-probe"))
     assert result["status"] == "complete", result["error"]
     return result
@@ -227,7 +227,7 @@ def test_other_max_seq_misses_the_cache(exact_probe: dict[str, object], tiny_exp
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """max_seq is part of the fingerprint: another value must not reuse the fit."""
     caplog.set_level(logging.INFO, logger="bgeserve")
-    monkeypatch.setattr(service_module, "synthetic_run", exact_synthetic_run)
+    monkeypatch.setattr(service_module, "probe_source", exact_probe_source)
     cache = copy_cache(exact_probe, tmp_path / "cache")
     with loaded(env_for(tiny_export, cache, BGE_M3_MAX_SEQ_LENGTH="512")) as service:
         assert ready_status(caplog) == "running"
@@ -238,7 +238,7 @@ def test_disable_probe_cache_forces_a_probe(exact_probe: dict[str, object], tiny
                                            tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     caplog.set_level(logging.INFO, logger="bgeserve")
-    monkeypatch.setattr(service_module, "synthetic_run", exact_synthetic_run)
+    monkeypatch.setattr(service_module, "probe_source", exact_probe_source)
     cache = copy_cache(exact_probe, tmp_path / "cache")
     cache_file = cache / "probe-coefficients.json"
     before = cache_file.read_bytes(), cache_file.stat().st_mtime_ns

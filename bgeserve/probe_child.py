@@ -1,0 +1,64 @@
+"""The probe's own process: ``python -m bgeserve.probe_child SPEC_JSON`` → result JSON on stdout.
+
+Measuring peak RSS inside the serving process is unreliable: serving threads allocate at the
+same time, and glibc keeps freed blocks in per-thread heaps, so a shape that reuses them reads
+as ~0. A child process that loads its own session, pins glibc's mmap threshold (every large
+block is mapped on allocation and unmapped on free) and runs one shape at a time measures each
+shape's workspace alone. If the child is killed (say by the OOM killer), the server survives
+and reports the probe as failed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from . import memory, probe
+from .artifacts import resolve
+from .costmodel import CostModel
+from .forward import forward_factory
+from .runtime.onnx import SessionConfig
+from .tokenizer import Tokenizer
+
+PIN_THRESHOLD = 1 << 20  # blocks ≥ 1 MiB are returned to the OS on free
+
+
+def run(spec: dict) -> dict:
+    """Load the model as ``spec`` says, probe, and return the result as plain data."""
+    memory.pin_mmap_threshold(PIN_THRESHOLD)
+    artifacts = resolve(model_path=Path(spec["model_path"]) if spec["model_path"] else None,
+                        variant=spec["variant"], cache_dir=Path(spec["cache_dir"]),
+                        offline=True, progress=False)
+    vocab = Tokenizer.load(artifacts.tokenizer_path, spec["max_seq"]).vocab_size
+    from .tuning import synthetic_run
+
+    config = SessionConfig(provider=spec["provider"], threads=spec["threads"])
+    run_shape, close = synthetic_run(forward_factory(artifacts, config), vocab)
+    run_shape(1, 8)
+    guard = CostModel(spec["guard_a"], spec["guard_b"], spec["guard_budget"])
+    lines: list[str] = []
+    result = probe.run_probe(run_shape, shapes=[tuple(s) for s in spec["shapes"]],
+                             held_out=tuple(spec["held_out"]) if spec["held_out"] else None,
+                             guard=guard, log=lambda line: print(line, file=sys.stderr,
+                                                                 flush=True) or lines.append(line))
+    close()
+    return {
+        "samples": [asdict(s) for s in result.samples],
+        "skipped": [list(s) for s in result.skipped],
+        "held_out": asdict(result.held_out) if result.held_out else None,
+        "fit": asdict(result.fit) if result.fit else None,
+        "error": result.error,
+        "seconds": result.seconds,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    print(json.dumps(run(json.loads(args[0]))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
