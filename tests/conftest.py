@@ -43,19 +43,25 @@ def hub_layouts(tiny_model: Path, models_root: Path) -> dict[str, Path]:
     ``baai``: ``onnx/model.onnx`` (sentence_embedding, token_embeddings) + head .pt files;
     ``xenova``: ``onnx/model_fp16.onnx`` and ``onnx/model_quantized.onnx`` (last_hidden_state).
     """
+    import json
     import shutil
+    import subprocess
+    import sys
 
-    from bgeserve.export import steps
+    def step(*args: str) -> None:
+        # In a child, like `bgeserve export`: torch's tracer must not run inside pytest, whose
+        # warnings-as-errors turn its internal warnings into SystemErrors.
+        subprocess.run([sys.executable, "-m", "bgeserve.export.steps", *args], check=True)
 
     baai, xenova = models_root / "hub-baai", models_root / "hub-xenova"
     if not (baai / "onnx" / "model.onnx").exists():
-        steps.export_fp32(tiny_model, baai / "onnx" / "model.onnx", 18, layout="baai")
+        step("fp32", str(tiny_model), str(baai / "onnx" / "model.onnx"), "--layout", "baai")
         hidden = xenova / "fp32.onnx"
-        steps.export_fp32(tiny_model, hidden, 18, layout="xenova")
-        cfg = __import__("json").loads((tiny_model / "config.json").read_text())
-        steps.export_fp16(hidden, xenova / "onnx" / "model_fp16.onnx",
-                          cfg["num_attention_heads"], cfg["hidden_size"])
-        steps.export_int8(hidden, xenova / "onnx" / "model_quantized.onnx")
+        step("fp32", str(tiny_model), str(hidden), "--layout", "xenova")
+        cfg = json.loads((tiny_model / "config.json").read_text())
+        step("fp16", str(hidden), str(xenova / "onnx" / "model_fp16.onnx"),
+             "--heads", str(cfg["num_attention_heads"]), "--hidden", str(cfg["hidden_size"]))
+        step("int8", str(hidden), str(xenova / "onnx" / "model_quantized.onnx"))
         hidden.unlink()
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                      "sparse_linear.pt", "colbert_linear.pt"):
