@@ -110,7 +110,8 @@ def _probe(args: argparse.Namespace) -> int:
     close()
     print(probe_table(result))
     if result.fit is not None:
-        print(f"fit: a={result.fit.a:.0f} B/token, b={result.fit.b:.2f} B/token^2, "
+        print(f"fit: c={result.fit.c:.0f} B/run, a={result.fit.a:.0f} B/token, "
+              f"b={result.fit.b:.2f} B/token^2, "
               f"held-out error {result.fit.held_out_rel_error}")
     else:
         print(f"no fit: {result.error}")

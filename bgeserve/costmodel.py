@@ -43,9 +43,10 @@ class CostModel:
     a: float
     b: float
     max_workspace_bytes: int
+    c: float = 0.0  # fixed bytes per run, whatever its shape (the probe's intercept)
 
     def __post_init__(self) -> None:
-        for name, value in (("a", self.a), ("b", self.b)):
+        for name, value in (("a", self.a), ("b", self.b), ("c", self.c)):
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(
                     f"cost model coefficient {name}={value!r} must be a finite number >= 0; "
@@ -66,7 +67,7 @@ class CostModel:
 
     def cost(self, batch: int, seq: int) -> float:
         """Predicted workspace bytes of ``batch`` texts padded to ``seq`` tokens."""
-        return self.a * batch * seq + self.b * batch * seq * seq
+        return self.c + self.a * batch * seq + self.b * batch * seq * seq
 
     def fits(self, batch: int, seq: int) -> bool:
         """True when ``cost(batch, seq)`` is within the budget."""
@@ -81,8 +82,8 @@ class CostModel:
 
     def max_seq(self) -> int:
         """The longest single text (in tokens) that fits; 0 if not even one token does."""
-        budget = float(self.max_workspace_bytes)
-        if budget == 0:
+        budget = float(self.max_workspace_bytes) - self.c
+        if budget <= 0:
             s = 0.0
         elif self.b == 0:
             s = budget / self.a
@@ -93,7 +94,7 @@ class CostModel:
 
     def with_budget(self, max_workspace_bytes: int) -> CostModel:
         """The same coefficients under another per-worker budget."""
-        return CostModel(self.a, self.b, max_workspace_bytes)
+        return CostModel(self.a, self.b, max_workspace_bytes, self.c)
 
 
 def _settle(estimate: int, fits: Callable[[int], bool]) -> int:
@@ -158,19 +159,108 @@ class Fit:
     b: float
     max_rel_residual: float
     held_out_rel_error: float | None
+    c: float = 0.0
 
 
 class FitError(Exception):
     """The samples do not support a trustworthy fit; the message says why."""
 
 
-def rel_error(a: float, b: float, sample: Sample, floor: float) -> float:
+class ShapeSetError(FitError):
+    """The probed shapes themselves cannot determine the coefficients (too few, collinear...)."""
+
+
+def rel_error(a: float, b: float, sample: Sample, floor: float, c: float = 0.0) -> float:
     """``|predicted − measured| / max(measured, floor)`` for one sample."""
-    predicted = a * sample.batch * sample.seq + b * sample.batch * sample.seq**2
+    predicted = c + a * sample.batch * sample.seq + b * sample.batch * sample.seq**2
     return abs(predicted - sample.workspace_bytes) / max(sample.workspace_bytes, floor)
 
 
 def fit(
+    samples: Sequence[Sample],
+    held_out: Sample | None = None,
+    *,
+    max_rel_residual: float = 0.5,
+    max_held_out_error: float = 0.25,
+    noise_floor_bytes: float = 16 * MiB,
+) -> Fit:
+    """``fit_ab``, or, when the data has a fixed per-run cost it cannot express, ``fit_cab``.
+
+    The two-coefficient model comes first (fewer parameters, the SPEC's model); the intercept
+    is only brought in when that fit is rejected and the intercept fit passes the same checks.
+    """
+    kwargs = {"max_rel_residual": max_rel_residual, "max_held_out_error": max_held_out_error,
+              "noise_floor_bytes": noise_floor_bytes}
+    try:
+        return fit_ab(samples, held_out, **kwargs)
+    except ShapeSetError:
+        raise
+    except FitError as first:
+        try:
+            return fit_cab(samples, held_out, **kwargs)
+        except FitError as second:
+            raise FitError(f"{first}; with a fixed per-run term: {second}") from None
+
+
+def fit_cab(
+    samples: Sequence[Sample],
+    held_out: Sample | None = None,
+    *,
+    max_rel_residual: float = 0.5,
+    max_held_out_error: float = 0.25,
+    noise_floor_bytes: float = 16 * MiB,
+) -> Fit:
+    """Non-negative weighted least squares of ``c + a·B·S + b·B·S²`` (c: bytes per run).
+
+    ONNX Runtime allocates some buffers per run whatever the shape (measured ~90 MiB on
+    full-size bge-m3 with blocked attention), which the two-term model cannot express. Every
+    subset of {c, a, b} that contains c is solved and the best non-negative one is kept.
+    """
+    import itertools
+
+    import numpy as np
+
+    if len(samples) < 3:
+        raise FitError(f"need at least 3 measured shapes to fit c, a and b, got {len(samples)}")
+    w = np.array([1.0 / max(x.workspace_bytes, noise_floor_bytes) for x in samples])
+    cols = np.array([[1.0, x.batch * x.seq, x.batch * x.seq**2] for x in samples]) * w[:, None]
+    scale = np.abs(cols).max(axis=0)
+    cols = cols / scale
+    target = w * np.array([x.workspace_bytes for x in samples], dtype=float)
+    best: tuple[float, np.ndarray] | None = None
+    for k in (3, 2):
+        for subset in itertools.combinations(range(3), k):
+            if 0 not in subset:
+                continue
+            coef, *_ = np.linalg.lstsq(cols[:, subset], target, rcond=None)
+            if (coef < 0).any():
+                continue
+            full = np.zeros(3)
+            full[list(subset)] = coef
+            sse = float(((cols @ full - target) ** 2).sum())
+            if best is None or sse < best[0]:
+                best = (sse, full)
+    if best is None:
+        raise FitError("no non-negative c, a, b describes the data")
+    c, a, b = (best[1] / scale).tolist()
+    errors = [rel_error(a, b, x, noise_floor_bytes, c) for x in samples]
+    worst = max(errors)
+    if worst > max_rel_residual:
+        x = samples[errors.index(worst)]
+        raise FitError(f"fit c={c:.4g} a={a:.4g} b={b:.4g} misses shape ({x.batch}, {x.seq}) "
+                       f"by {worst:.0%} (limit {max_rel_residual:.0%})")
+    held_err = None
+    if held_out is not None:
+        held_err = rel_error(a, b, held_out, noise_floor_bytes, c)
+        if held_err > max_held_out_error:
+            raise FitError(f"fit c={c:.4g} a={a:.4g} b={b:.4g} predicts held-out shape "
+                           f"({held_out.batch}, {held_out.seq}) {held_err:.0%} off its measured "
+                           f"{held_out.workspace_bytes / MiB:.1f} MiB "
+                           f"(limit {max_held_out_error:.0%})")
+    return Fit(a=a, b=b, max_rel_residual=worst, held_out_rel_error=held_err, c=c)
+
+
+def fit_ab(
     samples: Sequence[Sample],
     held_out: Sample | None = None,
     *,
@@ -194,7 +284,7 @@ def fit(
             ``max_held_out_error``.
     """
     if len(samples) < 2:
-        raise FitError(f"need at least 2 measured shapes to fit a and b, got {len(samples)}")
+        raise ShapeSetError(f"need at least 2 measured shapes to fit a and b, got {len(samples)}")
     rows = []
     for s in samples:
         w = 1.0 / max(s.workspace_bytes, noise_floor_bytes)
@@ -202,7 +292,7 @@ def fit(
     s1 = max(abs(r[0]) for r in rows)
     s2 = max(abs(r[1]) for r in rows)
     if s1 == 0 or s2 == 0:
-        raise FitError("every sample has batch·seq = 0; probe shapes need batch >= 1, seq >= 1")
+        raise ShapeSetError("every sample has batch·seq = 0; probe shapes need batch >= 1, seq >= 1")
     n = [(u1 / s1, u2 / s2, t) for u1, u2, t in rows]
     g11 = sum(r[0] * r[0] for r in n)
     g12 = sum(r[0] * r[1] for r in n)
@@ -213,7 +303,7 @@ def fit(
     # det / (g11·g22) = sin² of the angle between the columns: near 0, noise is amplified ~1/sin.
     if det <= 1e-4 * g11 * g22:
         shapes = sorted({(s.batch, s.seq) for s in samples})
-        raise FitError(
+        raise ShapeSetError(
             f"shapes {shapes} are (nearly) collinear in batch·seq vs batch·seq², so a and b "
             "cannot be separated; probe several sequence lengths"
         )
@@ -232,7 +322,7 @@ def fit(
         note = f" (the unconstrained fit had {negative} < 0; kept the best fit with it at 0)"
     a, b = alpha / s1, beta / s2
     if a == 0 and b == 0:
-        raise FitError(
+        raise ShapeSetError(
             "measured workspace does not grow with batch·seq (negative coefficients); "
             "is peak-RSS measurement working (arena disabled, clear_refs permitted)?"
         )

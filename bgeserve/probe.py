@@ -29,7 +29,7 @@ from .memory import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_heap
 
 logger = logging.getLogger("bgeserve.probe")
 
-PROBE_SCHEMA = 1
+PROBE_SCHEMA = 2  # 2: the fit may carry a fixed per-run term c
 # Fitting shapes: batch varies at equal batch·seq so a (∝ B·S) and b (∝ B·S²) separate.
 _BASE_SHAPES = [
     (1, 64),
@@ -234,7 +234,10 @@ def _parse_record(text: str, fingerprint: str) -> Fit | str:
     residual, held = _coefficient(data.get("max_rel_residual")), data.get("held_out_rel_error")
     if residual is None or (held is not None and _coefficient(held) is None):
         return "is missing its fit-quality fields"
-    return Fit(a, b, residual, _coefficient(held))
+    c = _coefficient(data.get("c", 0.0))
+    if c is None or c < 0:
+        return f"has an unusable fixed term c={data.get('c')!r}"
+    return Fit(a, b, residual, _coefficient(held), c)
 
 
 class ProbeCache:

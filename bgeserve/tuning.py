@@ -59,6 +59,7 @@ class TuningState:
 
     a: float = 0.0
     b: float = 0.0
+    c: float = 0.0
     max_workspace_bytes: int = 0
     probe_status: str = "running"
     memory_source: str = ""
@@ -72,6 +73,7 @@ class TuningState:
         out = asdict(self)
         out["a_bytes_per_token"] = out.pop("a")
         out["b_bytes_per_token_sq"] = out.pop("b")
+        out["c_bytes_per_run"] = out.pop("c")
         return out
 
 
@@ -117,6 +119,7 @@ class Tuner:
             self.detect_memory()
         s.model_rss_bytes_per_worker = model_cost
         a, b = self.conservative()
+        c_fixed = 0.0
         token_budget = c.token_budget
         if c.legacy_batch_size is not None and token_budget is None:
             token_budget = int(CostModel(a, b, 0).cost(c.legacy_batch_size, LEGACY_BATCH_SEQ))
@@ -133,11 +136,11 @@ class Tuner:
             if fingerprint and c.cache_dir and not c.disable_probe_cache:
                 cached = probe.ProbeCache(self.cache_path).load(fingerprint)
             if cached is not None:
-                a, b, s.probe_status = cached.a, cached.b, "cache_hit"
+                a, b, c_fixed, s.probe_status = cached.a, cached.b, cached.c, "cache_hit"
             else:
                 s.probe_status = "running"
         extra = 1 if s.probe_status == "running" else 0
-        cost = CostModel(a, b, self.budget(model_cost, extra))
+        cost = CostModel(a, b, self.budget(model_cost, extra), c_fixed)
         self._check_floor(cost, model_cost)
         self._publish(cost)
         return cost
@@ -162,7 +165,7 @@ class Tuner:
 
     def _publish(self, cost: CostModel) -> None:
         s = self.state
-        s.a, s.b, s.max_workspace_bytes = cost.a, cost.b, cost.max_workspace_bytes
+        s.a, s.b, s.c, s.max_workspace_bytes = cost.a, cost.b, cost.c, cost.max_workspace_bytes
         s.max_seq_that_fits = cost.max_seq()
         self._apply(cost)
 
@@ -218,11 +221,11 @@ class Tuner:
             log.warning("probe gave no usable fit (%s); keeping the conservative model",
                         result.error)
             return
-        fitted = CostModel(result.fit.a, result.fit.b, self.budget(model_cost))
+        fitted = CostModel(result.fit.a, result.fit.b, self.budget(model_cost), result.fit.c)
         self.state.probe_status = "complete"
         self._publish(fitted)
-        log.info("probe complete in %.1fs: a=%.0f b=%.2f, budget %d MiB per worker, longest "
-                 "text that fits %d tokens", result.seconds, fitted.a, fitted.b,
+        log.info("probe complete in %.1fs: c=%.0f a=%.0f b=%.2f, budget %d MiB per worker, "
+                 "longest text that fits %d tokens", result.seconds, fitted.c, fitted.a, fitted.b,
                  fitted.max_workspace_bytes >> 20, fitted.max_seq())
         if fingerprint and c.cache_dir and not c.disable_probe_cache:
             probe.ProbeCache(self.cache_path).save(fingerprint, result.fit, parts,
@@ -279,7 +282,8 @@ def probe_table(result: probe.ProbeResult) -> str:
     for sample, note in shapes:
         measured = sample.workspace_bytes / 2**20
         if f is not None:
-            fitted = (f.a * sample.batch * sample.seq + f.b * sample.batch * sample.seq ** 2) / 2**20
+            fitted = (f.c + f.a * sample.batch * sample.seq
+                      + f.b * sample.batch * sample.seq ** 2) / 2**20
             err = f"{(fitted - measured) / max(measured, 1e-9):+.0%}"
             fitted_s = f"{fitted:.0f}"
         else:

@@ -267,7 +267,7 @@ def test_non_finite_coefficients_are_rejected(cache, caplog):
     """NaN/Infinity in the file (json allows them) are not coefficients."""
     cache.path.parent.mkdir(parents=True)
     cache.path.write_text(
-        '{"schema": 1, "fingerprint": "f", "a": NaN, "b": Infinity, "max_rel_residual": 0.1}'
+        '{"schema": 2, "fingerprint": "f", "a": NaN, "b": Infinity, "max_rel_residual": 0.1}'
     )
     with caplog.at_level(logging.WARNING, "bgeserve.probe"):
         assert cache.load("f") is None
