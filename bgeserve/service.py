@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import __version__, probe
+from . import __version__, memory, probe
 from .artifacts import Layout, ModelArtifacts, resolve, validate_cache_dir
 from .config import Settings
 from .engine import Engine, EngineConfig, Inputs
@@ -87,6 +87,7 @@ class Service:
         self.fatal_error: BaseException | None = None
         self.on_fatal = on_fatal
         self._ready = threading.Event()
+        self._stopping = threading.Event()
         self._loader: threading.Thread | None = None
         self.started_at = time.time()
 
@@ -95,6 +96,9 @@ class Service:
         """Begin loading in the background; returns at once."""
         self._loader = threading.Thread(target=self._load, name="bgeserve-loader", daemon=True)
         self._loader.start()
+        if self.settings.heartbeat_secs > 0:
+            threading.Thread(target=self._heartbeat, name="bgeserve-heartbeat",
+                             daemon=True).start()
 
     def load_blocking(self) -> None:
         """Load synchronously (warm-up mode, tests); raises the start-up error if any."""
@@ -159,8 +163,25 @@ class Service:
             if self.on_fatal is not None:
                 self.on_fatal(exc)
 
+    def _heartbeat(self) -> None:
+        """Log RSS, workers, queue and probe status every BGE_M3_HEARTBEAT_SECS."""
+        period = self.settings.heartbeat_secs
+        while not self._stopping.wait(period):
+            fields: dict[str, Any] = {"rss_mb": memory.rss_bytes() >> 20}
+            if self.engine is not None:
+                stats = self.engine.stats()
+                fields.update(live_workers=stats["live"], loaded_workers=stats["loaded"],
+                              busy_workers=stats["busy"], queue_texts=stats["queue_texts"],
+                              queue_tokens=stats["queue_tokens"])
+            if self.tuner is not None:
+                fields["probe_status"] = self.tuner.state.probe_status
+            if self.settings.execution_provider in ("cuda", "tensorrt"):
+                fields["gpus"] = gpu.heartbeat_fields()
+            log.info("heartbeat", extra=fields)
+
     async def stop(self) -> None:
         """Drain in-flight work (bounded by BGE_M3_SHUTDOWN_TIMEOUT_SECS) and unload."""
+        self._stopping.set()
         if self.tuner is not None:
             self.tuner.stop()
         if self.engine is not None:

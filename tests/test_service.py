@@ -7,6 +7,7 @@ service and cross-request batching must not change a single vector beyond float 
 from __future__ import annotations
 
 import base64
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -413,3 +414,20 @@ def test_token_budget_setting_is_enforced(tiny_export: Path, tmp_path: Path,
     while worker_threads() > workers_before and time.monotonic() < deadline:
         time.sleep(0.02)
     assert worker_threads() == workers_before
+
+
+def test_heartbeat_logs_rss_workers_queue_and_probe(tiny_export: Path, tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Every BGE_M3_HEARTBEAT_SECS a 'heartbeat' record carries RSS, workers, queue, probe."""
+    env = base_env(tiny_export, tmp_path, BGE_M3_HEARTBEAT_SECS="0.2")
+    with caplog.at_level(logging.INFO, "bgeserve.service"), serving(env) as (client, _):
+        wait_health(client)
+        deadline = time.monotonic() + 10
+        beats: list[logging.LogRecord] = []
+        while time.monotonic() < deadline and not any(
+                hasattr(r, "loaded_workers") for r in beats):
+            time.sleep(0.1)
+            beats = [r for r in caplog.records if r.getMessage() == "heartbeat"]
+    beat = next(r for r in beats if hasattr(r, "loaded_workers"))
+    assert beat.rss_mb > 0 and beat.live_workers == beat.loaded_workers == 1
+    assert beat.queue_texts == 0 and beat.probe_status == "disabled"
