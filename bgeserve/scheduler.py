@@ -75,7 +75,9 @@ class SchedulerConfig:
 
     workers: int = 1
     max_chunk: int = 64
-    max_chunk_tokens: int | None = None
+    # Measured on ORT CPU (docs/benchmarks.md): batching pays for short texts, is neutral from
+    # ~256 tokens up; 1,024 padded tokens keeps both the gain and the latency of a chunk bounded.
+    max_chunk_tokens: int | None = 1024
     min_fill: float = 0.75
     batch_delay_s: float = 0.0
     cross_request: bool = True
