@@ -77,7 +77,8 @@ def _probe(args: argparse.Namespace) -> int:
     from .costmodel import CostModel, conservative_coefficients
     from .forward import forward_factory
     from .logs import setup_logging
-    from .service import engine_config, model_dims, probe_parts
+    from .engine import model_dims
+    from .service import engine_config, probe_parts
     from .tokenizer import Tokenizer
     from .tuning import HEADROOM_BYTES, probe_table, synthetic_run
 

@@ -9,6 +9,7 @@ queue, so concurrent callers are batched together.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from .artifacts import ModelArtifacts, resolve
-from .costmodel import CostModel
+from . import memory
+from .artifacts import Layout
+from .costmodel import CostModel, conservative_coefficients
 from .errors import BgeServeError, InvalidInput, NotReady, TooLarge
 from .forward import forward_factory
 from .results import EmbedOptions, Embeddings
@@ -58,6 +61,19 @@ def normalize_inputs(inputs: Inputs) -> tuple[list[str] | None, list[list[int]] 
                        "list of lists of token ids", param="input")
 
 
+def model_dims(artifacts: ModelArtifacts) -> dict[str, int]:
+    """Encoder sizes for the conservative cost model (bge-m3's unless an export says else)."""
+    if artifacts.layout is Layout.BGESERVE:
+        manifest = artifacts.onnx_path.parent.parent / "manifest.json"
+        try:
+            dims = json.loads(manifest.read_text()).get("model", {})
+            return {k: int(dims[k]) for k in ("hidden", "heads", "intermediate", "attention_block")
+                    if dims.get(k) is not None}
+        except (OSError, ValueError, TypeError):
+            return {}
+    return {}
+
+
 class Engine:
     """bge-m3 dense / sparse / ColBERT embeddings from an ONNX model.
 
@@ -68,7 +84,8 @@ class Engine:
     def __init__(self, model_path: str | Path | None = None, variant: str = "fp32", *,
                  config: EngineConfig | None = None, artifacts: ModelArtifacts | None = None,
                  cache_dir: str | Path | None = None, offline: bool = False,
-                 cost_model: CostModel | None = None, start: bool = True,
+                 cost_model: CostModel | None = None, auto_budget: bool = True,
+                 start: bool = True,
                  on_chunk: Callable[[ChunkStats], None] | None = None):
         self.config = config or EngineConfig()
         if artifacts is None:
@@ -79,6 +96,9 @@ class Engine:
         self.tokenizer = Tokenizer.load(artifacts.tokenizer_path, self.config.max_seq)
         self.open_forward = forward_factory(artifacts, self.config.session)
         self._cost = cost_model
+        # A plain Engine (no server, no probe) still never runs a chunk past the memory it has:
+        # conservative coefficients under a budget measured at start (see tuning / the probe).
+        self._auto_budget = auto_budget and cost_model is None
         self._scheduler = Scheduler(self.open_forward, self._fits, self.config.scheduler,
                                     on_chunk=on_chunk)
         self._started = False
@@ -89,8 +109,19 @@ class Engine:
     def start(self) -> None:
         """Load every worker's session and start the workers."""
         if not self._started:
+            if self._auto_budget:
+                available = memory.detect_available_memory()
+                before = memory.rss_bytes()
             self._scheduler.start(preload=True)
             self._started = True
+            if self._auto_budget:
+                self._auto_budget = False
+                workers = self.config.scheduler.workers
+                model_cost = max(0, memory.rss_bytes() - before) // workers
+                budget = memory.worker_budget(available.available_bytes, workers, model_cost,
+                                              headroom=256 << 20, safety_factor=0.7)
+                a, b = conservative_coefficients(**model_dims(self.artifacts))
+                self._cost = CostModel(a, b, budget)
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish queued work (bounded by ``timeout``) and release the sessions."""

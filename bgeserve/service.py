@@ -8,7 +8,6 @@ is kept in ``fatal_error`` and ``on_fatal`` is called so the CLI can exit non-ze
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -19,7 +18,7 @@ from typing import Any
 from . import __version__, memory, probe
 from .artifacts import Layout, ModelArtifacts, resolve, validate_cache_dir
 from .config import Settings
-from .engine import Engine, EngineConfig, Inputs
+from .engine import Engine, EngineConfig, Inputs, model_dims
 from .errors import BgeServeError, DeadlineExceeded, NotReady
 from .metrics import Metrics
 from .results import EmbedOptions, Embeddings
@@ -43,19 +42,6 @@ def engine_config(settings: Settings) -> EngineConfig:
         idle_timeout_s=s.idle_timeout_secs)
     return EngineConfig(max_seq=s.max_seq_length, session=session, scheduler=scheduler,
                         request_timeout_s=s.request_timeout_secs or None)
-
-
-def model_dims(artifacts: ModelArtifacts) -> dict[str, int]:
-    """Encoder sizes for the conservative cost model (bge-m3's unless an export says else)."""
-    if artifacts.layout is Layout.BGESERVE:
-        manifest = artifacts.onnx_path.parent.parent / "manifest.json"
-        try:
-            dims = json.loads(manifest.read_text()).get("model", {})
-            return {k: int(dims[k]) for k in ("hidden", "heads", "intermediate", "attention_block")
-                    if dims.get(k) is not None}
-        except (OSError, ValueError, TypeError):
-            return {}
-    return {}
 
 
 def probe_source(engine: Engine, spec: dict[str, Any]) -> Any:
@@ -118,6 +104,7 @@ class Service:
             log.info("model: %s (%s layout, variant %s)", artifacts.source,
                      artifacts.layout.value, artifacts.variant)
             engine = Engine(artifacts=artifacts, config=engine_config(s), start=False,
+                            auto_budget=False,  # the Tuner owns the budget here
                             on_chunk=self.metrics_registry.observe_chunk)
             tuning = TuningConfig(
                 workers=s.workers, max_seq=s.max_seq_length, safety_factor=s.memory_safety_factor,
