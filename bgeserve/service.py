@@ -125,7 +125,9 @@ class Service:
                 engine.start()
                 engine.embed("ready", dense=True, sparse=True, colbert=True)
 
-            model_cost = measure_model_cost(load, s.workers)
+            model_bytes = sum(p.stat().st_size for p in (artifacts.onnx_path,
+                                                          *artifacts.external_data))
+            model_cost = measure_model_cost(load, s.workers, model_bytes)
             parts = probe_parts(s, artifacts)
             fingerprint = probe.fingerprint(parts)
             cost = tuner.initial(model_cost, fingerprint)
