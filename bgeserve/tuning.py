@@ -140,9 +140,21 @@ class Tuner:
                 a, b, c_fixed, s.probe_status = cached.a, cached.b, cached.c, "cache_hit"
             else:
                 s.probe_status = "running"
-        extra = 1 if s.probe_status == "running" else 0
-        cost = CostModel(a, b, self.budget(model_cost, extra), c_fixed)
+        cost = CostModel(a, b, self.budget(model_cost), c_fixed)
         self._check_floor(cost, model_cost)
+        if s.probe_status == "running":
+            # The probe loads another copy of the model in its own process: while it runs the
+            # workers share what is left. If that cannot hold one max_seq text, serving wins.
+            sharing = cost.with_budget(self.budget(model_cost, extra_sessions=1))
+            if sharing.fits(1, c.max_seq):
+                cost = sharing
+            else:
+                s.probe_status = "failed"
+                s.probe_error = (
+                    "not enough memory to probe beside the server (the probe loads another "
+                    "model copy); serving with the conservative model. Run `bgeserve probe` "
+                    "with the same settings where memory allows: its fit is cached and used")
+                log.warning("probe skipped: %s", s.probe_error)
         self._publish(cost)
         return cost
 
@@ -223,6 +235,11 @@ class Tuner:
                         result.error)
             return
         fitted = CostModel(result.fit.a, result.fit.b, self.budget(model_cost), result.fit.c)
+        if not fitted.fits(1, c.max_seq):
+            # The measured model is costlier than the conservative one said: keep serving, but
+            # say so; texts that no longer fit get 413 naming BGE_M3_MAX_SEQ_LENGTH.
+            log.warning("the fitted cost model fits texts of at most %d tokens, below "
+                        "BGE_M3_MAX_SEQ_LENGTH=%d", fitted.max_seq(), c.max_seq)
         self.state.probe_status = "complete"
         self._publish(fitted)
         log.info("probe complete in %.1fs: c=%.0f a=%.0f b=%.2f, budget %d MiB per worker, "

@@ -412,3 +412,17 @@ def test_tuner_probe_failure_keeps_the_conservative_model(tiny_export: Path,
     assert (tuner.state.a, tuner.state.b) == conservative_coefficients(**dims)
     assert applied[-1].a == tuner.state.a and applied[-1].fits(1, 512)
     assert not (tmp_path / "probe-coefficients.json").exists()
+
+
+def test_probe_is_skipped_when_it_cannot_run_beside_the_server(tmp_path: Path) -> None:
+    """Memory for the server but not for a second model copy: serve, probe 'failed', say why."""
+    applied: list[object] = []
+    gib = 1 << 30
+    config = TuningConfig(max_seq=512, available_override=int(2.2 * gib) + (256 << 20),
+                          cache_dir=tmp_path)
+    tuner = Tuner(config, apply=applied.append)
+    cost = tuner.initial(model_cost=gib, fingerprint="f")
+    assert tuner.state.probe_status == "failed"
+    assert "bgeserve probe" in (tuner.state.probe_error or "")
+    assert cost.fits(1, 512) and applied == [cost]
+    assert cost.max_workspace_bytes == tuner.budget(gib)
