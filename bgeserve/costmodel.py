@@ -243,21 +243,8 @@ def fit_cab(
     if best is None:
         raise FitError("no non-negative c, a, b describes the data")
     c, a, b = (best[1] / scale).tolist()
-    errors = [rel_error(a, b, x, noise_floor_bytes, c) for x in samples]
-    worst = max(errors)
-    if worst > max_rel_residual:
-        x = samples[errors.index(worst)]
-        raise FitError(f"fit c={c:.4g} a={a:.4g} b={b:.4g} misses shape ({x.batch}, {x.seq}) "
-                       f"by {worst:.0%} (limit {max_rel_residual:.0%})")
-    held_err = None
-    if held_out is not None:
-        held_err = rel_error(a, b, held_out, noise_floor_bytes, c)
-        if held_err > max_held_out_error:
-            raise FitError(f"fit c={c:.4g} a={a:.4g} b={b:.4g} predicts held-out shape "
-                           f"({held_out.batch}, {held_out.seq}) {held_err:.0%} off its measured "
-                           f"{held_out.workspace_bytes / MiB:.1f} MiB "
-                           f"(limit {max_held_out_error:.0%})")
-    return Fit(a=a, b=b, max_rel_residual=worst, held_out_rel_error=held_err, c=c)
+    return _validated(c, a, b, samples, held_out, max_rel_residual, max_held_out_error,
+                      noise_floor_bytes, label=f"fit c={c:.4g} a={a:.4g} b={b:.4g}", note="")
 
 
 def fit_ab(
@@ -326,21 +313,27 @@ def fit_ab(
             "measured workspace does not grow with batch·seq (negative coefficients); "
             "is peak-RSS measurement working (arena disabled, clear_refs permitted)?"
         )
-    errors = [rel_error(a, b, s, noise_floor_bytes) for s in samples]
+    return _validated(0.0, a, b, samples, held_out, max_rel_residual, max_held_out_error,
+                      noise_floor_bytes, label=f"fit a={a:.4g} b={b:.4g}", note=note,
+                      model="a·B·S + b·B·S²")
+
+
+def _validated(c: float, a: float, b: float, samples: Sequence[Sample], held_out: Sample | None,
+               max_rel_residual: float, max_held_out_error: float, floor: float, *,
+               label: str, note: str, model: str = "c + a·B·S + b·B·S²") -> Fit:
+    """The fit, once every sample and the held-out shape are close enough; else FitError."""
+    errors = [rel_error(a, b, x, floor, c) for x in samples]
     worst = max(errors)
     if worst > max_rel_residual:
-        s = samples[errors.index(worst)]
-        raise FitError(
-            f"fit a={a:.4g} b={b:.4g} misses shape ({s.batch}, {s.seq}) by {worst:.0%} "
-            f"(limit {max_rel_residual:.0%}){note}; the data is not a·B·S + b·B·S²"
-        )
+        x = samples[errors.index(worst)]
+        raise FitError(f"{label} misses shape ({x.batch}, {x.seq}) by {worst:.0%} "
+                       f"(limit {max_rel_residual:.0%}){note}; the data is not {model}")
     held_err = None
     if held_out is not None:
-        held_err = rel_error(a, b, held_out, noise_floor_bytes)
+        held_err = rel_error(a, b, held_out, floor, c)
         if held_err > max_held_out_error:
-            raise FitError(
-                f"fit a={a:.4g} b={b:.4g} predicts held-out shape "
-                f"({held_out.batch}, {held_out.seq}) {held_err:.0%} off its measured "
-                f"{held_out.workspace_bytes / MiB:.1f} MiB (limit {max_held_out_error:.0%}){note}"
-            )
-    return Fit(a=a, b=b, max_rel_residual=worst, held_out_rel_error=held_err)
+            raise FitError(f"{label} predicts held-out shape ({held_out.batch}, {held_out.seq}) "
+                           f"{held_err:.0%} off its measured "
+                           f"{held_out.workspace_bytes / MiB:.1f} MiB "
+                           f"(limit {max_held_out_error:.0%}){note}")
+    return Fit(a=a, b=b, max_rel_residual=worst, held_out_rel_error=held_err, c=c)
