@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -60,3 +62,14 @@ def assert_matches(ours: Embeddings, ref: dict, tol: Tolerance) -> None:
         if len(ref_cb):
             c = _cos(ours.colbert[i], ref_cb)
             assert c.min() >= tol.colbert_cos, f"text {i}: colbert cos {c.min():.6f}"
+
+
+def dense_rows(body: dict[str, Any]) -> np.ndarray:
+    """The dense vectors of an embeddings response, whether float lists or base64."""
+    rows = []
+    for item in body["data"]:
+        v = item["embedding"]
+        if isinstance(v, str):
+            v = np.frombuffer(base64.b64decode(v), dtype="<f4")
+        rows.append(np.asarray(v, dtype=np.float32))
+    return np.stack(rows)

@@ -8,7 +8,6 @@ request ids, and a non-zero exit when the model cannot be loaded.
 
 from __future__ import annotations
 
-import base64
 import json
 import signal
 import threading
@@ -25,6 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bgeserve import Engine
+from tests.oracle import dense_rows
 from tests.serverproc import ServerProc
 
 pytestmark = pytest.mark.slow
@@ -41,14 +41,6 @@ def server_env(export: Path, cache: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def dense_rows(body: dict[str, Any]) -> np.ndarray:
-    rows = []
-    for item in body["data"]:
-        v = item["embedding"]
-        if isinstance(v, str):
-            v = np.frombuffer(base64.b64decode(v), dtype="<f4")
-        rows.append(np.asarray(v, dtype=np.float32))
-    return np.stack(rows)
 
 
 def chunk_count(proc: ServerProc) -> float:

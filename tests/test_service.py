@@ -6,7 +6,6 @@ service and cross-request batching must not change a single vector beyond float 
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
 import time
@@ -21,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 import bgeserve.service as service_module
+from tests.oracle import dense_rows
 from bgeserve import Engine
 from bgeserve.artifacts import resolve
 from bgeserve.config import Settings
@@ -97,14 +97,6 @@ def client(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield c
 
 
-def dense_of(body: dict[str, Any]) -> np.ndarray:
-    rows = []
-    for item in body["data"]:
-        v = item["embedding"]
-        if isinstance(v, str):
-            v = np.frombuffer(base64.b64decode(v), dtype="<f4")
-        rows.append(np.asarray(v, dtype=np.float32))
-    return np.stack(rows)
 
 
 def n_tokens(engine: Engine, texts: list[str]) -> int:
@@ -133,7 +125,7 @@ def test_dense_matches_engine(client: TestClient, engine: Engine, encoding: str)
     assert [d["index"] for d in body["data"]] == list(range(len(TEXTS)))
     assert all("truncated" not in d for d in body["data"])
     want = engine.embed(TEXTS).dense
-    np.testing.assert_allclose(dense_of(body), want, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(dense_rows(body), want, atol=ATOL, rtol=0)
     assert body["usage"]["prompt_tokens"] == n_tokens(engine, TEXTS)
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"]
 
@@ -141,7 +133,7 @@ def test_dense_matches_engine(client: TestClient, engine: Engine, encoding: str)
 def test_single_string_input(client: TestClient, engine: Engine) -> None:
     r = client.post("/v1/embeddings", json={"input": TEXTS[1]})
     assert r.status_code == 200, r.text
-    np.testing.assert_allclose(dense_of(r.json())[0], engine.embed(TEXTS[1]).dense[0],
+    np.testing.assert_allclose(dense_rows(r.json())[0], engine.embed(TEXTS[1]).dense[0],
                                atol=ATOL, rtol=0)
     assert r.json()["usage"]["prompt_tokens"] == n_tokens(engine, [TEXTS[1]])
 
@@ -166,7 +158,7 @@ def test_both_with_colbert_matches_engine(client: TestClient, engine: Engine) ->
     assert r.status_code == 200, r.text
     body = r.json()
     want = engine.embed(TEXTS, dense=True, sparse=True, colbert=True)
-    np.testing.assert_allclose(dense_of(body), want.dense, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(dense_rows(body), want.dense, atol=ATOL, rtol=0)
     for i, item in enumerate(body["data"]):
         ids, weights = want.sparse[i]
         assert item["sparse_values"]["indices"] == ids.tolist()
@@ -209,7 +201,7 @@ def test_truncation_flag(client: TestClient, engine: Engine, short_engine: Engin
     assert "truncated" not in body["data"][0]
     assert body["data"][1]["truncated"] is True
     want = short_engine.embed([TEXTS[0], LONG]).dense
-    np.testing.assert_allclose(dense_of(body), want, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(dense_rows(body), want, atol=ATOL, rtol=0)
     # usage counts the tokens actually embedded: the long text contributes MAX_SEQ
     assert body["usage"]["prompt_tokens"] == n_tokens(engine, [TEXTS[0]]) + MAX_SEQ
 
@@ -236,7 +228,7 @@ def test_token_id_input(client: TestClient, engine: Engine) -> None:
         r = client.post("/v1/embeddings", json={"input": payload})
         assert r.status_code == 200, (payload, r.text)
         body = r.json()
-        for row in dense_of(body):
+        for row in dense_rows(body):
             np.testing.assert_allclose(row, want, atol=ATOL, rtol=0)
         assert body["usage"]["prompt_tokens"] == len(with_specials) * len(body["data"])
 
@@ -369,7 +361,7 @@ def test_memory_budget_refuses_long_texts_only(tiny_export: Path, tmp_path: Path
         assert len(shorts) >= 3
         r = c.post("/v1/embeddings", json={"input": shorts})
         assert r.status_code == 200, r.text
-        np.testing.assert_allclose(dense_of(r.json()), engine.embed(shorts).dense,
+        np.testing.assert_allclose(dense_rows(r.json()), engine.embed(shorts).dense,
                                    atol=ATOL, rtol=0)
 
 
@@ -392,7 +384,7 @@ def test_token_budget_setting_is_enforced(tiny_export: Path, tmp_path: Path,
         texts = [LONG, LONG + " again", TEXTS[0]]
         r = c.post("/v1/embeddings", json={"input": texts})
         assert r.status_code == 200, r.text
-        np.testing.assert_allclose(dense_of(r.json()), short_engine.embed(texts).dense,
+        np.testing.assert_allclose(dense_rows(r.json()), short_engine.embed(texts).dense,
                                    atol=ATOL, rtol=0)
         r = c.post("/v1/embeddings", json={"input": [TEXTS[0], LONG], "truncate": False})
         assert r.status_code == 413
