@@ -108,6 +108,9 @@ class _StateCollector:
                 ("bgeserve_cancelled_texts", "cancelled_texts",
                  "Texts dropped before running (client gone or deadline)"),
                 ("bgeserve_oom_splits", "oom_splits", "Chunks split after an allocation failure"),
+                ("bgeserve_worker_restarts", "worker_restarts",
+                 "Worker threads restarted after dying, or sessions reopened after a runtime "
+                 "error"),
             ):
                 yield CounterMetricFamily(name, doc, value=counters.get(key, 0))
         tuner = getattr(service, "tuner", None)

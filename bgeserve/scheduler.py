@@ -6,6 +6,12 @@ the pending texts nearest to it in length, from any request, under the memory bu
 chunk caps (``binpack``). Results are written into each request's slots in input order and a
 request's future resolves when its last text is done. Every job gets exactly one answer: a
 result, or the error of the chunk it was in, or DeadlineExceeded / NotReady.
+
+Workers are supervised: a worker thread that dies (a bug outside a chunk's own error handling)
+has the texts it held failed with EngineFailed and is replaced by a new thread after a backoff
+that grows while it keeps dying; a session whose run fails with a runtime error is closed and
+reopened on the next chunk, since it may be left unusable. A worker whose session cannot be
+opened, or that is waiting out its backoff, is not counted as live, so ``/health`` shows it.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +36,10 @@ from .results import EmbedOptions, Embeddings
 
 log = logging.getLogger("bgeserve.scheduler")
 WINDOW = 1024  # pending texts considered per dispatch: bounds the packing work
+# Delay before a dead worker's replacement starts, doubling per consecutive death: a worker that
+# dies at once every time must not spin a core or flood the log.
+MIN_RESTART_DELAY_S = 0.1
+MAX_RESTART_DELAY_S = 5.0
 
 
 @dataclass(eq=False)
@@ -109,9 +119,15 @@ class Scheduler:
         self._pending: collections.deque[Piece] = collections.deque()
         self._pending_tokens = 0
         self._stopping = False
-        self._threads: list[threading.Thread] = []
-        self._forwards: list[Forward | None] = [None] * config.workers
-        self._busy = [False] * config.workers
+        n = config.workers
+        self._threads: list[threading.Thread | None] = [None] * n
+        self._forwards: list[Forward | None] = [None] * n
+        self._busy = [False] * n
+        # Pieces a worker has taken off the queue and not yet answered: failed if it dies.
+        self._holding: list[list[Piece]] = [[] for _ in range(n)]
+        self._restarting = [False] * n  # a replacement thread is waiting out its backoff
+        self._open_failed = [False] * n  # the last attempt to open the session failed
+        self._deaths = [0] * n  # consecutive deaths: sets the restart backoff
         self.counters = collections.Counter()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -121,10 +137,7 @@ class Scheduler:
             for w in range(self.config.workers):
                 self._forwards[w] = self._open_forward(w)
         for w in range(self.config.workers):
-            t = threading.Thread(target=self._worker, args=(w,), name=f"bgeserve-worker-{w}",
-                                 daemon=True)
-            t.start()
-            self._threads.append(t)
+            self._spawn(w, delay=0.0)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop accepting, finish what is queued within ``timeout``, fail the rest, unload."""
@@ -132,18 +145,17 @@ class Scheduler:
             self._stopping = True
             self._cond.notify_all()
         deadline = time.monotonic() + timeout
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        with self._cond:
-            leftover = list(self._pending)
-            self._pending.clear()
-            self._pending_tokens = 0
-        for piece in leftover:
-            self._fail(piece.job, NotReady("the server is shutting down"))
-        for w, fwd in enumerate(self._forwards):
-            if fwd is not None and not self._threads[w].is_alive():
-                fwd.close()
-                self._forwards[w] = None
+        # Read under the lock each time: a worker that died just before ``_stopping`` was set
+        # may have been replaced, and the replacement is the thread to wait for.
+        for w in range(self.config.workers):
+            with self._cond:
+                t = self._threads[w]
+            if t is not None:
+                t.join(max(0.0, deadline - time.monotonic()))
+        self._fail_pending(NotReady("the server is shutting down"))
+        for w, t in enumerate(self._threads):
+            if t is None or not t.is_alive():
+                self._drop_session(w)
 
     # -- submission ------------------------------------------------------------------------
     def submit(self, job: Job) -> Future:
@@ -153,6 +165,8 @@ class Scheduler:
         with self._cond:
             if self._stopping:
                 raise NotReady("the server is shutting down")
+            if self._no_worker_left():
+                raise NotReady("no worker is left to run the model (see /health)")
             if self._pending and self._pending_tokens + tokens > self.config.max_queue_tokens:
                 self.counters["rejected"] += 1
                 raise Overloaded(
@@ -162,7 +176,7 @@ class Scheduler:
             job.submitted = now
             if not job.ids:
                 job.done = True
-                job.future.set_result(job.result())
+                _answer(job.future, result=job.result())
                 return job.future
             for i, x in enumerate(job.ids):
                 self._pending.append(Piece(job, i, len(x), now))
@@ -181,21 +195,35 @@ class Scheduler:
             self._purge()
         self.counters["cancelled_texts"] += dropped
         if error is not None:
-            job.future.set_exception(error)
+            _answer(job.future, error=error)
         else:
             job.future.cancel()
 
     # -- state -----------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
+        """Workers and queue. ``live``: workers able to take work — thread running, not waiting
+        to restart, and its session not known to fail to open."""
         with self._cond:
             return {
                 "total": self.config.workers,
-                "live": sum(t.is_alive() for t in self._threads),
+                "live": sum(self._live(w) for w in range(self.config.workers)),
                 "loaded": sum(f is not None for f in self._forwards),
                 "busy": sum(self._busy),
                 "queue_texts": len(self._pending),
                 "queue_tokens": self._pending_tokens,
             }
+
+    def _live(self, w: int) -> bool:
+        t = self._threads[w]
+        return (t is not None and t.is_alive() and not self._restarting[w]
+                and not self._open_failed[w])
+
+    def _no_worker_left(self) -> bool:
+        """Started, and every worker thread but the caller's has ended (a replacement failed
+        to start): nothing would ever take work off the queue."""
+        threads = [t for t in self._threads if t is not None]
+        me = threading.current_thread()
+        return bool(threads) and not any(t.is_alive() and t is not me for t in threads)
 
     # -- internals -------------------------------------------------------------------------
     def _purge(self) -> int:
@@ -236,7 +264,10 @@ class Scheduler:
                     if wait > 0 and not self._stopping:
                         self._cond.wait(wait)
                         continue
-                    return self._take_chunk()
+                    # Held until answered, under the same lock: if this worker dies, the pieces
+                    # are neither lost nor left waiting in the queue.
+                    self._holding[worker] = chunk = self._take_chunk()
+                    return chunk
                 if not self._cond.wait(idle) and self._forwards[worker] is not None:
                     return "unload"
 
@@ -257,44 +288,152 @@ class Scheduler:
         self._pending_tokens -= sum(p.length for p in picked)
         return picked
 
+    # -- worker threads and supervision -----------------------------------------------------
+    def _spawn(self, w: int, delay: float) -> None:
+        """Start worker ``w``'s thread (called with the lock held, or before any thread runs)."""
+        t = threading.Thread(target=self._supervised, args=(w, delay),
+                             name=f"bgeserve-worker-{w}", daemon=True)
+        self._threads[w] = t
+        t.start()
+
+    def _supervised(self, w: int, delay: float) -> None:
+        """A worker thread's body: the worker loop, and whatever ends it gets cleaned up."""
+        try:
+            if delay:
+                with self._cond:  # woken early by stop(), which then needs this thread to drain
+                    self._cond.wait_for(lambda: self._stopping, delay)
+            with self._cond:
+                self._restarting[w] = False
+            self._worker(w)
+        except BaseException:  # whatever killed the loop, its callers must still get an answer
+            log.exception("worker %d died", w)
+        finally:
+            self._after_exit(w)
+
+    def _after_exit(self, w: int) -> None:
+        """Unless the scheduler is stopping, replace the exiting worker; fail what it held."""
+        with self._cond:
+            held, self._holding[w] = self._holding[w], []
+            self._busy[w] = False
+            died = not self._stopping  # the loop only returns by itself when stopping
+        try:
+            if died:  # first: whoever gets the error below sees the worker already replaced
+                self._restart(w)
+        finally:
+            for p in held:
+                self._fail(p.job, EngineFailed(f"worker {w} died while running this text; "
+                                               "retry"))
+
+    def _restart(self, w: int) -> None:
+        """Replace dead worker ``w`` with a new thread, after a backoff; its session reopens on
+        the next chunk (the death may have left it in any state)."""
+        self._drop_session(w)
+        with self._cond:
+            if self._stopping:
+                return
+            self._deaths[w] += 1
+            delay = min(MAX_RESTART_DELAY_S,
+                        MIN_RESTART_DELAY_S * 2 ** min(self._deaths[w] - 1, 16))
+            self.counters["worker_restarts"] += 1
+            self._restarting[w] = True
+            try:
+                self._spawn(w, delay)
+            except Exception:  # e.g. "can't start new thread": stats and /health show it
+                log.exception("worker %d could not be restarted", w)
+                self._restarting[w] = False
+            else:
+                log.warning("worker %d died; restarting it in %.1fs", w, delay)
+                return
+            gone = self._no_worker_left()
+        if gone:  # nobody is left to run what waits: answer it now rather than at its deadline
+            self._fail_pending(NotReady("no worker is left to run the model (see /health)"))
+
     def _worker(self, w: int) -> None:
         while True:
             chunk = self._next_chunk(w)
             if chunk is None:
                 return
             if chunk == "unload":
-                fwd, self._forwards[w] = self._forwards[w], None
-                if fwd is not None:
-                    fwd.close()
+                if self._drop_session(w):
                     log.info("worker %d idle for %.0fs: session unloaded", w,
                              self.config.idle_timeout_s)
                 continue
             self._busy[w] = True
             try:
                 self._execute(w, chunk)  # type: ignore[arg-type]
-            except BaseException as exc:  # a bug must fail the chunk, never hang its callers
+            except Exception as exc:  # a bug must fail the chunk, never hang its callers
                 log.exception("worker %d crashed on a chunk", w)
+                self._reopen_later(w, f"unexpected error {exc!r}")
                 for p in chunk:  # type: ignore[union-attr]
                     self._fail(p.job, EngineFailed(f"internal error: {exc!r}"))
-            finally:
+            # Not in a ``finally``: if the thread dies here, _after_exit fails what it held.
+            with self._cond:
                 self._busy[w] = False
+                self._holding[w] = []
 
     def _execute(self, w: int, pieces: list[Piece]) -> None:
-        if self._forwards[w] is None:
-            try:
-                self._forwards[w] = self._open_forward(w)
-                log.info("worker %d: session loaded", w)
-            except BgeServeError as exc:
-                for p in pieces:
-                    self._fail(p.job, exc)
-                return
         self._run(w, [p for p in pieces if not p.job.done])
 
+    def _session(self, w: int, pieces: list[Piece]) -> Forward | None:
+        """Worker ``w``'s session, opened if it is not; None (``pieces`` failed) if it cannot
+        be. A failed open marks the worker not live until an open succeeds."""
+        fwd = self._forwards[w]
+        if fwd is not None:
+            return fwd
+        try:
+            fwd = self._open_forward(w)
+        except Exception as exc:
+            log.error("worker %d: the session failed to open: %s", w, exc,
+                      exc_info=not isinstance(exc, BgeServeError))
+            with self._cond:
+                self._open_failed[w] = True
+            error = exc if isinstance(exc, BgeServeError) else EngineFailed(
+                f"could not open the session: {exc!r}")
+            for p in pieces:
+                self._fail(p.job, error)
+            return None
+        with self._cond:
+            self._forwards[w] = fwd
+            self._open_failed[w] = False
+        log.info("worker %d: session loaded", w)
+        return fwd
+
+    def _drop_session(self, w: int) -> bool:
+        """Close worker ``w``'s session if it has one. A failing close is logged, not raised:
+        it must not take the worker down, and the session is dropped either way."""
+        with self._cond:
+            fwd, self._forwards[w] = self._forwards[w], None
+        if fwd is None:
+            return False
+        try:
+            fwd.close()
+        except Exception:
+            log.exception("worker %d: closing its session failed", w)
+        return True
+
+    def _reopen_later(self, w: int, why: str) -> None:
+        """Drop a session that failed at run time (it may stay broken: a poisoned CUDA context,
+        a corrupted arena); the next chunk opens a fresh one. Counted as a restart."""
+        log.warning("worker %d: %s; its session will be reopened", w, why)
+        self._drop_session(w)
+        with self._cond:
+            self.counters["worker_restarts"] += 1
+
+    def _fail_pending(self, error: BgeServeError) -> None:
+        with self._cond:
+            leftover = list(self._pending)
+            self._pending.clear()
+            self._pending_tokens = 0
+        for piece in leftover:
+            self._fail(piece.job, error)
+
+    # -- running chunks ----------------------------------------------------------------------
     def _run(self, w: int, pieces: list[Piece]) -> None:
         if not pieces:
             return
-        fwd = self._forwards[w]
-        assert fwd is not None
+        fwd = self._session(w, pieces)  # per call: an OOM split's halves may need a fresh one
+        if fwd is None:
+            return
         pad_to = max(p.length for p in pieces)
         ids, mask = pad_chunk([p.job.ids[p.index] for p in pieces], pad_to)
         opts = [p.job.options for p in pieces]
@@ -318,10 +457,13 @@ class Scheduler:
                     param=f"input[{p.index}]"))
             return
         except BgeServeError as exc:
+            if isinstance(exc, EngineFailed):  # the runtime failed, not the input
+                self._reopen_later(w, f"session.run failed: {exc}")
             for p in pieces:
                 self._fail(p.job, exc)
             return
         seconds = time.perf_counter() - started
+        self._deaths[w] = 0  # it works again: the next death starts the backoff afresh
         self._on_chunk(ChunkStats(w, len(pieces), pad_to, sum(p.length for p in pieces),
                                   seconds))
         self._deliver(pieces, out)
@@ -347,11 +489,25 @@ class Scheduler:
                     job.done = True
                     finished.append(job)
         for job in finished:
-            job.future.set_result(job.result())
+            _answer(job.future, result=job.result())
 
     def _fail(self, job: Job, error: BaseException) -> None:
         with self._cond:
             if job.done:
                 return
             job.done = True
-        job.future.set_exception(error)
+        _answer(job.future, error=error)
+
+
+def _answer(future: Future, result: Embeddings | None = None,
+            error: BaseException | None = None) -> None:
+    """Resolve a job's future, unless its caller cancelled it meanwhile (asyncio's wrap_future
+    cancels it when the awaiting task is cancelled): that must not raise in a worker, where it
+    would skip the answers of the other jobs in the chunk."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass

@@ -218,12 +218,14 @@ class Service:
         if self.engine is None or not self._ready.is_set():
             return body
         stats = self.engine.stats()
+        # A worker that is dead, restarting or cannot open its session is not live: that is
+        # warn even when the others are idle-unloaded, and fail once none is left.
         if stats["live"] == 0:
             status = "fail"
-        elif stats["loaded"] == 0:
-            status = "idle"
         elif stats["live"] < stats["total"]:
             status = "warn"
+        elif stats["loaded"] == 0:
+            status = "idle"
         else:
             status = "ok"
         assert self.artifacts is not None and self.tuner is not None

@@ -58,12 +58,18 @@ class Call:
 
 
 class FakeForward:
-    """Stand-in for ``bgeserve.forward.Forward``."""
+    """Stand-in for ``bgeserve.forward.Forward``.
+
+    ``poisoned``: every ``run`` fails with EngineFailed (a session the runtime left unusable);
+    ``close_error``: raised by ``close`` (after recording the close).
+    """
 
     def __init__(self, factory: Factory, worker: int):
         self.factory = factory
         self.worker = worker
         self.closed = False
+        self.poisoned = False
+        self.close_error: BaseException | None = None
 
     def run(self, input_ids, attention_mask, *, dense, sparse, colbert) -> ChunkOutputs:
         f = self.factory
@@ -75,6 +81,8 @@ class FakeForward:
         f.entered.set()
         if f.gate is not None:
             assert f.gate.wait(TIMEOUT), "the test never released the gate"
+        if self.poisoned:
+            raise EngineFailed("session poisoned")
         if f.fail is not None:
             f.fail(rows)
         b, length = input_ids.shape
@@ -94,6 +102,8 @@ class FakeForward:
     def close(self) -> None:
         self.closed = True
         self.factory.closed.set()
+        if self.close_error is not None:
+            raise self.close_error
 
 
 @dataclass
@@ -105,11 +115,13 @@ class Factory:
     ``closed`` when a forward is closed.
     ``fail``: called with each chunk's rows; whatever it raises, ``run`` raises.
     ``open_error``: raised by the next open (then cleared).
+    ``broken``: worker -> error raised by every open for that worker (until removed).
     """
 
     gate: threading.Event | None = None
     fail: Callable[[list[tuple[int, ...]]], None] | None = None
     open_error: BaseException | None = None
+    broken: dict[int, BaseException] = field(default_factory=dict)
     calls: list[Call] = field(default_factory=list)
     forwards: list[FakeForward] = field(default_factory=list)
     entered: threading.Event = field(default_factory=threading.Event)
@@ -120,6 +132,8 @@ class Factory:
         if self.open_error is not None:
             error, self.open_error = self.open_error, None
             raise error
+        if worker in self.broken:
+            raise self.broken[worker]
         fwd = FakeForward(self, worker)
         self.forwards.append(fwd)
         return fwd
@@ -743,3 +757,231 @@ def test_cancel_counts_only_the_cancelled_jobs_texts():
             late.future.result(timeout=TIMEOUT)
         assert sched.counters["cancelled_texts"] == 3
         assert sched.counters["deadline_exceeded"] == 1
+
+
+# ------------------------------------------------------------------------- supervision
+def answers_of(job: Job) -> list[object]:
+    """Every answer the job's future gets (a future can be resolved once; this shows it)."""
+    seen: list[object] = []
+    job.future.add_done_callback(lambda f: seen.append(f.exception() or f.result()))
+    return seen
+
+
+def kill_next_chunk(sched: Scheduler, times: int = 1, take: bool = True) -> list[int]:
+    """Make the worker loop die in ``_next_chunk`` (outside a chunk's error handling) the next
+    ``times`` calls; with ``take``, after the chunk was taken off the queue. Returns a list
+    that grows by one per kill."""
+    real = sched._next_chunk
+    kills: list[int] = []
+
+    def dying(worker: int):
+        if len(kills) >= times:
+            return real(worker)
+        chunk = real(worker) if take else None
+        if take and not isinstance(chunk, list):
+            return chunk
+        kills.append(worker)
+        raise RuntimeError("worker bug outside the chunk")
+
+    sched._next_chunk = dying  # type: ignore[method-assign]
+    return kills
+
+
+def started(factory: Factory, patch: Callable[[Scheduler], object] = lambda s: None,
+            **kw) -> Scheduler:
+    """A scheduler patched by ``patch`` before its worker threads start."""
+    sched = Scheduler(factory, lambda b, s: True, config(**kw))
+    patch(sched)
+    sched.start()
+    return sched
+
+
+def test_a_worker_killed_outside_a_chunk_is_restarted_and_the_next_job_succeeds():
+    """The dying worker's chunk is failed once with EngineFailed; a new thread with a fresh
+    session takes over and serves the next job."""
+    factory = Factory()
+    kills: list[list[int]] = []
+    sched = started(factory, lambda s: kills.append(kill_next_chunk(s)))
+    try:
+        first_thread = sched._threads[0]
+        victim = job_of(unique_texts(1, [2, 3]))
+        seen = answers_of(victim)
+        sched.submit(victim)
+        error = victim.future.exception(timeout=TIMEOUT)
+        assert isinstance(error, EngineFailed) and error.code == "engine_failed"
+        assert "died" in error.message
+        assert kills == [[0]]
+        assert wait_until(lambda: sched.stats()["live"] == 1)
+        assert sched._threads[0] is not first_thread
+        assert sched.counters["worker_restarts"] == 1
+        assert factory.forwards[0].closed  # the dead worker's session is not reused
+        after = job_of(unique_texts(2, [4]))
+        sched.submit(after)
+        assert_dense_right(after)
+        assert factory.calls[-1].forward is factory.forwards[-1] is not factory.forwards[0]
+        assert seen == [error]
+        assert not any(owner(r) == 1 for r in factory.rows_run())
+    finally:
+        sched.stop(timeout=TIMEOUT)
+
+
+def test_a_worker_that_keeps_dying_backs_off_and_is_not_live():
+    """A crash loop restarts with a growing delay (no spinning); meanwhile the worker is not
+    live; stop() interrupts the backoff and answers what waits."""
+    factory = Factory()
+    sched = started(factory, lambda s: kill_next_chunk(s, times=10**6, take=False))
+    try:
+        assert wait_until(lambda: sched.counters["worker_restarts"] >= 3)
+        # 3 deaths take 0.1 + 0.2 s of backoff; the 4th waits 0.4 s more, the 5th 0.8 s.
+        time.sleep(0.3)
+        assert sched.counters["worker_restarts"] <= 4
+        assert wait_until(lambda: sched.stats()["live"] == 0)
+        waiting = job_of(unique_texts(1, [2]))
+        sched.submit(waiting)
+    finally:
+        began = time.monotonic()
+        sched.stop(timeout=TIMEOUT)
+    assert time.monotonic() - began < 1.0
+    assert isinstance(waiting.future.exception(timeout=TIMEOUT), NotReady)
+    assert factory.calls == []
+
+
+def test_a_poisoned_session_is_reopened_for_the_next_chunk():
+    """After session.run fails with EngineFailed the session is closed; the next job runs on a
+    freshly opened one instead of failing forever."""
+    factory = Factory()
+    with scheduler(factory) as sched:
+        factory.forwards[0].poisoned = True
+        bad = job_of(unique_texts(1, [2]))
+        with pytest.raises(EngineFailed, match="poisoned"):
+            sched.submit(bad).result(timeout=TIMEOUT)
+        assert factory.forwards[0].closed
+        assert sched.counters["worker_restarts"] == 1
+        good = job_of(unique_texts(2, [3]))
+        sched.submit(good)
+        assert_dense_right(good)
+        assert len(factory.forwards) == 2
+        assert factory.calls[-1].forward is factory.forwards[1]
+        assert sched.stats()["live"] == 1 and sched.stats()["loaded"] == 1
+
+
+def test_input_errors_do_not_reopen_the_session():
+    """Only runtime failures (EngineFailed) reopen: a TooLarge from run keeps the session."""
+    factory = Factory(fail=fail_on_poison(TooLarge("too long")))
+    with scheduler(factory) as sched:
+        with pytest.raises(TooLarge):
+            sched.submit(job_of([text(POISON)])).result(timeout=TIMEOUT)
+        job = job_of(unique_texts(1, [2]))
+        sched.submit(job)
+        assert_dense_right(job)
+        assert len(factory.forwards) == 1 and not factory.forwards[0].closed
+        assert sched.counters["worker_restarts"] == 0
+
+
+def test_after_a_runtime_failure_an_oom_splits_other_half_runs_on_a_fresh_session():
+    """OOM splits a chunk; its first half poisons the session; the second half reopens."""
+    factory = Factory()
+
+    def fail(rows):
+        if len(rows) > 1:
+            raise OutOfMemory("arena")
+        if owner(rows[0]) == 1:
+            factory.forwards[-1].poisoned = True
+            raise EngineFailed("device lost")
+
+    with scheduler(factory, max_chunk=64, batch_delay_s=0.2) as sched:
+        factory.fail = fail
+        a, b = job_of(unique_texts(1, [2])), job_of(unique_texts(2, [3]))
+        sched.submit(a)
+        sched.submit(b)
+        with pytest.raises(EngineFailed, match="device lost"):
+            a.future.result(timeout=TIMEOUT)
+        assert_dense_right(b)
+    assert len(factory.forwards) == 2
+    assert factory.calls[-1].forward is factory.forwards[1]
+
+
+def test_a_session_that_fails_to_close_does_not_kill_the_worker():
+    """An error from close() on idle unload is logged; the worker lives and reloads."""
+    factory = Factory()
+    with scheduler(factory, idle_timeout_s=0.05) as sched:
+        factory.forwards[0].close_error = RuntimeError("close failed")
+        assert factory.closed.wait(TIMEOUT)
+        assert wait_until(lambda: sched.stats()["loaded"] == 0)
+        assert sched.stats()["live"] == 1
+        job = job_of(unique_texts(1, [2]))
+        sched.submit(job)
+        assert_dense_right(job)
+        assert sched.counters["worker_restarts"] == 0
+
+
+def test_workers_whose_session_cannot_open_are_not_live_until_it_opens():
+    """Open failures answer the chunk and take the worker out of ``live``; one broken worker
+    leaves the other serving; all broken: every job still gets an answer; healed: live again."""
+    factory = Factory(broken={1: ModelUnavailable("model file vanished")})
+    with scheduler(factory, workers=2, preload=False, max_chunk=1) as sched:
+        factory.gate = threading.Event()
+        jobs = [job_of(unique_texts(tag, [2])) for tag in (1, 2)]
+        for job in jobs:
+            sched.submit(job)  # worker 0 blocks on the gate, so worker 1 gets one
+        assert wait_until(lambda: sched.stats()["live"] == 1)
+        factory.gate.set()
+        errors = [job.future.exception(timeout=TIMEOUT) for job in jobs]
+        assert any(isinstance(e, ModelUnavailable) for e in errors)
+        assert sched.stats()["loaded"] <= 1
+
+        factory.broken[0] = ModelUnavailable("model file vanished")
+        sched._drop_session(0)  # as idle unload would
+        for tag in range(3, 100):
+            if sched.stats()["live"] == 0:
+                break
+            with pytest.raises(ModelUnavailable):
+                sched.submit(job_of(unique_texts(tag, [2]))).result(timeout=TIMEOUT)
+        assert sched.stats()["live"] == 0 and sched.stats()["loaded"] == 0
+
+        factory.broken.clear()
+        for tag in range(100, 200):
+            if sched.stats()["live"] == 2:
+                break
+            job = job_of(unique_texts(tag, [2]))
+            sched.submit(job)
+            assert_dense_right(job)
+        assert sched.stats()["live"] == 2
+
+
+def test_when_no_worker_can_be_restarted_waiting_jobs_are_answered():
+    """If a dead worker cannot be replaced and none is left, queued jobs get NotReady at once,
+    new ones are refused, and stats show no live worker."""
+    factory = Factory()
+    sched = started(factory, lambda s: kill_next_chunk(s), batch_delay_s=0.2, max_chunk=1)
+    try:
+        def no_thread(w: int, delay: float) -> None:
+            raise RuntimeError("can't start new thread")
+
+        sched._spawn = no_thread  # type: ignore[method-assign]
+        held_job, queued = job_of(unique_texts(1, [2])), job_of(unique_texts(2, [2]))
+        sched.submit(held_job)
+        sched.submit(queued)
+        assert isinstance(held_job.future.exception(timeout=TIMEOUT), EngineFailed)
+        assert isinstance(queued.future.exception(timeout=TIMEOUT), NotReady)
+        assert wait_until(lambda: not sched._threads[0].is_alive())
+        assert sched.stats()["live"] == 0
+        with pytest.raises(NotReady, match="no worker"):
+            sched.submit(job_of(unique_texts(3, [2])))
+    finally:
+        sched.stop(timeout=TIMEOUT)
+
+
+def test_a_future_cancelled_by_its_caller_does_not_cost_its_chunk_mates_their_answer():
+    """asyncio's wrap_future cancels the job's future when the awaiting task is cancelled;
+    resolving it then must not raise in the worker and skip the other jobs of the chunk."""
+    factory = Factory(gate=threading.Event())
+    with scheduler(factory, max_chunk=64, batch_delay_s=0.2) as sched:
+        a, b = job_of(unique_texts(1, [2])), job_of(unique_texts(2, [3]))  # a's row comes first
+        sched.submit(a)
+        sched.submit(b)
+        assert factory.entered.wait(TIMEOUT)
+        assert a.future.cancel()
+        factory.gate.set()
+        assert_dense_right(b)
+        assert sched.counters["worker_restarts"] == 0

@@ -1,0 +1,124 @@
+"""``Service.health`` over the scheduler's worker stats, without a model: the real health code
+on a stand-in engine whose ``stats`` come from a table or from a real Scheduler on the fake
+forward of test_scheduler (workers that die or cannot open their session).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import bgeserve.scheduler as scheduler_module
+from bgeserve.config import Settings
+from bgeserve.errors import ModelUnavailable
+from bgeserve.scheduler import Scheduler
+from bgeserve.service import Service
+from tests.test_scheduler import (TIMEOUT, Factory, assert_dense_right, config, job_of,
+                                  unique_texts, wait_until)
+
+
+def ready_service(stats: Any) -> Service:
+    """A Service that is past loading, its engine reporting ``stats()``."""
+    service = Service(Settings())
+    service.engine = SimpleNamespace(stats=stats)  # type: ignore[assignment]
+    service.artifacts = SimpleNamespace(variant="fp32", source="test",  # type: ignore[assignment]
+                                        layout=SimpleNamespace(value="bgeserve"))
+    service.tuner = SimpleNamespace(state=SimpleNamespace(as_dict=dict))  # type: ignore[assignment]
+    service._ready.set()
+    return service
+
+
+@pytest.mark.parametrize(("live", "loaded", "total", "status"), [
+    (2, 2, 2, "ok"),
+    (2, 1, 2, "ok"),      # a lazily (re)opened session is not a problem
+    (2, 0, 2, "idle"),
+    (1, 1, 2, "warn"),
+    (1, 0, 2, "warn"),    # a broken worker is reported even when the other is idle-unloaded
+    (0, 1, 2, "fail"),
+    (0, 0, 2, "fail"),
+])
+def test_status_follows_live_and_loaded_workers(live: int, loaded: int, total: int,
+                                                status: str) -> None:
+    stats = {"live": live, "loaded": loaded, "total": total, "busy": 0, "queue_texts": 0,
+             "queue_tokens": 0}
+    body = ready_service(lambda: stats).health()
+    assert body["status"] == status
+    assert body["workers"] == {"live": live, "loaded": loaded, "total": total, "busy": 0}
+
+
+def embed_until(sched: Scheduler, done: Any, first_tag: int, can_fail: bool = True,
+                can_succeed: bool = True) -> None:
+    """Submit one-text jobs (the idle workers take turns) until ``done()``; each must be
+    answered, right or with the open error."""
+    for tag in range(first_tag, first_tag + 100):
+        if done():
+            return
+        job = job_of(unique_texts(tag, [2]))
+        sched.submit(job)
+        error = job.future.exception(timeout=TIMEOUT)
+        if error is None:
+            assert can_succeed
+            assert_dense_right(job)
+        else:
+            assert can_fail and isinstance(error, ModelUnavailable), error
+    assert done()
+
+
+def test_health_warns_then_fails_as_sessions_stop_opening_and_recovers() -> None:
+    """Real scheduler, two workers: one session cannot open → warn; none → fail (jobs are
+    still answered); the model back → ok."""
+    factory = Factory()
+    sched = Scheduler(factory, lambda b, s: True, config(workers=2, max_chunk=1))
+    sched.start(preload=False)
+    service = ready_service(sched.stats)
+    try:
+        assert service.health()["status"] == "idle"
+        error = ModelUnavailable("model file vanished")
+        factory.broken[1] = error
+        embed_until(sched, lambda: sched.stats()["live"] == 1, 1)
+        embed_until(sched, lambda: sched.stats()["loaded"] == 1, 200)
+        assert sched.stats()["live"] == 1
+        assert service.health()["status"] == "warn"
+
+        factory.broken[0] = error
+        sched._drop_session(0)  # as the idle unload would: the next chunk must reopen it
+        embed_until(sched, lambda: sched.stats()["live"] == 0, 400, can_succeed=False)
+        body = service.health()
+        assert body["status"] == "fail"
+        assert body["workers"]["live"] == 0 and body["workers"]["total"] == 2
+
+        factory.broken.clear()
+        embed_until(sched, lambda: sched.stats()["live"] == 2, 600, can_fail=False)
+        assert service.health()["status"] == "ok"
+    finally:
+        sched.stop(timeout=TIMEOUT)
+
+
+def test_health_reports_a_worker_waiting_to_restart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the only worker's replacement waits out its backoff, /health says fail; once it
+    runs again, the status comes back."""
+    monkeypatch.setattr(scheduler_module, "MIN_RESTART_DELAY_S", 0.5)  # a window to look in
+    factory = Factory()
+    sched = Scheduler(factory, lambda b, s: True, config())
+    real = sched._next_chunk
+    kills: list[int] = []
+
+    def dies_once(worker: int):
+        if not kills:
+            kills.append(worker)
+            raise RuntimeError("worker bug")
+        return real(worker)
+
+    sched._next_chunk = dies_once  # type: ignore[method-assign]
+    sched.start(preload=False)
+    service = ready_service(sched.stats)
+    try:
+        assert wait_until(lambda: sched.counters["worker_restarts"] == 1)
+        assert service.health()["status"] == "fail"
+        assert wait_until(lambda: sched.stats()["live"] == 1)
+        assert service.health()["status"] == "idle"
+        assert kills == [0]
+    finally:
+        sched.stop(timeout=TIMEOUT)
