@@ -28,6 +28,7 @@ __all__ = [
     "HeadWeights",
     "Layout",
     "ModelArtifacts",
+    "export_variants",
     "resolve",
     "validate_cache_dir",
 ]
@@ -81,6 +82,9 @@ HUB_SOURCES: dict[str, HubSource] = {
     "fp16": HubSource(Layout.HIDDEN, XENOVA_REPO, XENOVA_REVISION, "onnx/model_fp16.onnx"),
     "int8": HubSource(Layout.HIDDEN, XENOVA_REPO, XENOVA_REVISION, "onnx/model_quantized.onnx"),
 }
+# Variants only `bgeserve export` makes (bf16: an OpenVINO IR run by runtime/openvino.py).
+EXPORT_ONLY_VARIANTS = ("bf16",)
+RUNTIMES = ("onnxruntime", "openvino")
 _MANIFEST_FORMAT = "bgeserve-export"
 # Sibling files that are never a graph's external data (tokenizer files, configs, weights).
 _NOT_DATA_SUFFIXES = {
@@ -107,6 +111,9 @@ class ModelArtifacts:
     heads: HeadWeights | None  # None for Layout.BGESERVE (heads are in the graph)
     source: str  # human-readable, for logs and /health
     external_data: tuple[Path, ...] = ()
+    # Which runtime reads the graph: "onnxruntime" (an .onnx file), or "openvino" (the bf16
+    # variant of an export: an OpenVINO IR, ``onnx_path`` is its model.xml).
+    runtime: str = "onnxruntime"
 
     def identity(self) -> str:
         """Cheap identity of the graph files (name, size, mtime_ns) for the probe fingerprint."""
@@ -166,14 +173,22 @@ def resolve(
     The cache directory is validated first, before any network call. ``offline`` uses only what
     is already cached; ``endpoint`` overrides the hub URL (None: huggingface_hub's default).
     """
-    if variant not in HUB_SOURCES:
+    if variant not in (*HUB_SOURCES, *EXPORT_ONLY_VARIANTS):
         raise ConfigError(
-            f"unknown model variant {variant!r}: choose one of {', '.join(HUB_SOURCES)}",
+            f"unknown model variant {variant!r}: choose one of "
+            f"{', '.join((*HUB_SOURCES, *EXPORT_ONLY_VARIANTS))}",
             param="BGE_M3_MODEL",
         )
     fetch = Fetcher(validate_cache_dir(cache_dir), offline, endpoint, progress)
     if model_path is not None:
         return _resolve_local(Path(model_path).expanduser(), variant, fetch)
+    if variant in EXPORT_ONLY_VARIANTS:
+        raise ModelUnavailable(
+            f"the {variant} variant exists only in a `bgeserve export` (the hub has no such "
+            "graph): run `bgeserve export --model BAAI/bge-m3 --out DIR` and set "
+            "BGE_M3_MODEL_PATH=DIR",
+            param="BGE_M3_MODEL",
+        )
     source = HUB_SOURCES[variant]
     onnx = fetch(source.repo_id, source.revision, source.onnx)
     data = tuple(fetch(source.repo_id, source.revision, name) for name in source.external_data)
@@ -260,12 +275,24 @@ def _resolve_export(root: Path, manifest: dict[str, Any], variant: str) -> Model
         )
     entry = variants.get(variant)
     if not isinstance(entry, dict):
+        if variant in EXPORT_ONLY_VARIANTS:
+            hint = "(it needs `pip install 'bgeserve[openvino]'` when exporting)"
+        else:
+            hint = ""
         source = manifest.get("source")
         model = source.get("model") if isinstance(source, dict) else None
         raise ModelUnavailable(
             f"export {root} has variants {', '.join(sorted(variants)) or 'none'} but not {variant}: "
             f"set BGE_M3_MODEL to one of those, or add it with `bgeserve export --model "
-            f"{model if isinstance(model, str) else 'MODEL'} --out {root} --variant {variant}`",
+            f"{model if isinstance(model, str) else 'MODEL'} --out {root} --variant {variant}`"
+            + (f" {hint}" if hint else ""),
+            param="BGE_M3_MODEL",
+        )
+    runtime = entry.get("runtime", "onnxruntime")
+    if runtime not in RUNTIMES:
+        raise ModelUnavailable(
+            f"{root}/manifest.json: variant {variant} needs runtime {runtime!r}, which this "
+            f"bgeserve does not have (it has {', '.join(RUNTIMES)}): upgrade bgeserve",
             param="BGE_M3_MODEL",
         )
     onnx = _inside(root, entry.get("path"), f"variants.{variant}.path")
@@ -277,15 +304,38 @@ def _resolve_export(root: Path, manifest: dict[str, Any], variant: str) -> Model
             param="BGE_M3_MODEL_PATH",
         )
     tokenizer = _inside(root, manifest.get("tokenizer", "tokenizer.json"), "tokenizer")
+    if runtime == "openvino":
+        weights = onnx.with_suffix(".bin")
+        if not weights.is_file():
+            raise ModelUnavailable(f"{weights} (the weights of {onnx.name}) is missing: "
+                                   "re-export the model", param="BGE_M3_MODEL_PATH")
+        data: tuple[Path, ...] = (weights,)
+    else:
+        data = _external_data(onnx)
     return ModelArtifacts(
         onnx,
         tokenizer,
         Layout.BGESERVE,
         variant,
         None,
-        f"local export {root} ({variant})",
-        _external_data(onnx),
+        f"local export {root} ({variant}, {runtime})",
+        data,
+        runtime,
     )
+
+
+def export_variants(root: Path | None) -> tuple[str, ...]:
+    """The variants a local ``bgeserve export`` at ``root`` holds (() for anything else)."""
+    if root is None:
+        return ()
+    try:
+        manifest = _read_manifest(Path(root).expanduser() / "manifest.json")
+    except ModelUnavailable:
+        return ()
+    if manifest is None or manifest.get("format") != _MANIFEST_FORMAT:
+        return ()
+    variants = manifest.get("variants")
+    return tuple(variants) if isinstance(variants, dict) else ()
 
 
 def _inside(root: Path, relative: object, field: str) -> Path:

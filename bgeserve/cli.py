@@ -17,7 +17,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .errors import BgeServeError
     from .http.app import create_app
     from .logs import setup_logging
-    from .runtime import gpu
+    from . import backend
     from .service import Service
 
     try:
@@ -30,7 +30,8 @@ def _serve(args: argparse.Namespace) -> int:
     setup_logging(settings.log_format, settings.log_level)
     log = logging.getLogger("bgeserve")
     try:  # before any port is bound: a missing GPU EP fails fast, naming BGE_M3_EP
-        settings = gpu.resolve(settings, model_explicit="BGE_M3_MODEL" in os.environ)
+        settings = backend.resolve(settings, model_explicit="BGE_M3_MODEL" in os.environ,
+                                   ep_explicit="BGE_M3_EP" in os.environ)
     except BgeServeError as exc:
         print(f"bgeserve: {exc}", file=sys.stderr)
         return 2
@@ -82,8 +83,12 @@ def _probe(args: argparse.Namespace) -> int:
     from .tokenizer import Tokenizer
     from .tuning import HEADROOM_BYTES, probe_table, synthetic_run
 
+    from . import backend
+
     settings = Settings.from_env(os.environ)
     setup_logging("text", settings.log_level)
+    settings = backend.resolve(settings, model_explicit="BGE_M3_MODEL" in os.environ,
+                               ep_explicit="BGE_M3_EP" in os.environ)
     from .probe_child import PIN_THRESHOLD
 
     memory.pin_mmap_threshold(PIN_THRESHOLD)  # measure each shape alone (see probe_child)

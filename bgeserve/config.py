@@ -20,7 +20,7 @@ from .errors import ConfigError
 
 T = TypeVar("T")
 
-VARIANTS = ("fp32", "fp16", "int8")
+VARIANTS = ("fp32", "fp16", "int8", "bf16")
 EXECUTION_PROVIDERS = ("cpu", "cuda", "tensorrt", "coreml", "openvino")
 LOG_FORMATS = ("auto", "json", "text", "pretty")
 MAX_POSITIONS = 8192  # bge-m3: 8194 position embeddings minus the padding offset of 2
@@ -99,7 +99,9 @@ class Settings:
     model_path: Path | None = _var(
         "BGE_M3_MODEL_PATH", _path, None,
         "local model directory: a `bgeserve export` or a Hugging Face snapshot")
-    variant: str = _var("BGE_M3_MODEL", _choice(*VARIANTS), "fp32", "model variant: fp32|fp16|int8")
+    variant: str = _var("BGE_M3_MODEL", _choice(*VARIANTS), "fp32",
+                        "model variant: fp32|fp16|int8|bf16 (bf16: OpenVINO; unset: the fastest "
+                        "keeping dense cos >= 0.999 here, see backend.py)")
     cache_dir: Path = _var("BGE_M3_CACHE_DIR", _path, Path("/cache"),
                            "downloads, probe coefficients and TensorRT engines")
     offline: bool = _var("HF_HUB_OFFLINE", _bool, False, "never contact the Hugging Face hub")
@@ -111,7 +113,7 @@ class Settings:
                                           "extra model names accepted besides bge-m3")
     # execution
     execution_provider: str = _var("BGE_M3_EP", _choice(*EXECUTION_PROVIDERS), "cpu",
-                                   "execution provider")
+                                   "cpu|cuda|tensorrt|coreml (ONNX Runtime) or openvino")
     workers: int = _var("BGE_M3_WORKERS", _number(int, 1, 256), 1,
                         "inference sessions, one thread each")
     intra_threads: int = _var("BGE_M3_INTRA_THREADS", _number(int, 0, 1024), 0,
@@ -192,6 +194,10 @@ class Settings:
                 values[f.name] = f.metadata["parse"](f.metadata["env"], raw)
         if "variant" not in values and values.get("execution_provider") in ("cuda", "tensorrt"):
             values["variant"] = "fp16"  # the GPU default; an explicit BGE_M3_MODEL wins
+        if "variant" not in values and values.get("execution_provider") == "openvino":
+            values["variant"] = "bf16"  # the only variant OpenVINO runs (backend.py)
+        if values.get("variant") == "bf16" and "execution_provider" not in values:
+            values["execution_provider"] = "openvino"
         settings = cls(**values)
         settings.validate()
         return settings

@@ -82,6 +82,18 @@ def forward_factory(artifacts: ModelArtifacts,
         heads = HiddenHeads(h.sparse_weight.astype(np.float32), float(h.sparse_bias),
                             h.colbert_weight.astype(np.float32), h.colbert_bias.astype(np.float32))
 
+    if artifacts.runtime == "openvino":
+        from .runtime import openvino
+
+        # One compiled model, one stream per worker: the weights are resident once.
+        shared = openvino.SharedModel(artifacts.onnx_path, precision=artifacts.variant,
+                                      threads=config.threads, streams=config.streams)
+
+        def open_openvino(worker: int = 0) -> Forward:
+            return Forward(shared.session(), artifacts.layout, heads)  # type: ignore[arg-type]
+
+        return open_openvino
+
     def open_forward(worker: int = 0) -> Forward:
         return Forward(open_pinned(artifacts.onnx_path, config, worker), artifacts.layout, heads)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import __version__, memory, probe
+from . import __version__, backend, memory, probe
 from .artifacts import Layout, ModelArtifacts, resolve, validate_cache_dir
 from .config import Settings
 from .engine import Engine, EngineConfig, Inputs, model_dims
@@ -54,9 +54,19 @@ def probe_parts(settings: Settings, artifacts: ModelArtifacts) -> dict[str, Any]
     return {
         "model": artifacts.identity(), "layout": artifacts.layout.value,
         "variant": artifacts.variant, "provider": settings.execution_provider,
-        "onnxruntime": ort_adapter.version(), "threads": settings.threads_per_worker,
+        "runtime": runtime_version(artifacts), "threads": settings.threads_per_worker,
+        "workers": settings.workers,
         "cpu": ort_adapter.cpu_description(), "max_seq": settings.max_seq_length,
     }
+
+
+def runtime_version(artifacts: ModelArtifacts) -> str:
+    """The runtime that reads the graph, with its version (health, logs, probe fingerprint)."""
+    if artifacts.runtime == "openvino":
+        from .runtime import openvino
+
+        return f"openvino {openvino.version()}"
+    return f"onnxruntime {ort_adapter.version()}"
 
 
 class Service:
@@ -97,12 +107,12 @@ class Service:
         engine: Engine | None = None
         try:
             # EP present, GPUs counted, workers clamped (a no-op if the CLI resolved already).
-            s = self.settings = gpu.resolve(s)
+            s = self.settings = backend.resolve(s)
             cache_dir = validate_cache_dir(s.cache_dir)
             self.artifacts = artifacts = resolve(model_path=s.model_path, variant=s.variant,
                                                  cache_dir=cache_dir, offline=s.offline)
-            log.info("model: %s (%s layout, variant %s)", artifacts.source,
-                     artifacts.layout.value, artifacts.variant)
+            log.info("model: %s (%s layout, variant %s, %s)", artifacts.source,
+                     artifacts.layout.value, artifacts.variant, runtime_version(artifacts))
             engine = Engine(artifacts=artifacts, config=engine_config(s), start=False,
                             auto_budget=False,  # the Tuner owns the budget here
                             on_chunk=self.metrics_registry.observe_chunk)
@@ -235,7 +245,7 @@ class Service:
             queue={"texts": stats["queue_texts"], "tokens": stats["queue_tokens"]},
             model={"name": self.model_name, "variant": self.artifacts.variant,
                    "layout": self.artifacts.layout.value, "source": self.artifacts.source,
-                   "backend": f"onnxruntime {ort_adapter.version()}",
+                   "backend": runtime_version(self.artifacts),
                    "execution_provider": s.execution_provider,
                    "threads_per_worker": s.threads_per_worker},
             tuning=self.tuner.state.as_dict(),

@@ -37,6 +37,21 @@ def tiny_export(tiny_model: Path, models_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_export_bf16(tiny_model: Path, models_root: Path) -> Path:
+    """``bgeserve export --variant bf16`` of the tiny model (an OpenVINO IR); skips without
+    the openvino package (``bgeserve[openvino]``, in the dev extra)."""
+    from bgeserve.export.main import export
+    from bgeserve.runtime import openvino
+
+    if not openvino.available():
+        pytest.skip("openvino is not installed: pip install 'bgeserve[openvino]'")
+    out = models_root / "tiny-export-bf16"
+    if not (out / "manifest.json").exists():
+        export(str(tiny_model), out, ("bf16",))
+    return out
+
+
+@pytest.fixture(scope="session")
 def hub_layouts(tiny_model: Path, models_root: Path) -> dict[str, Path]:
     """Fake hub snapshots of the tiny model in the reference server's layouts.
 

@@ -26,6 +26,9 @@ class Tolerance:
 FP32 = Tolerance(dense_cos=0.99999, sparse_abs=1e-4, sparse_ids_exact=True, colbert_cos=0.9999)
 FP16 = Tolerance(dense_cos=0.999, sparse_abs=5e-3, sparse_ids_exact=False, colbert_cos=0.999)
 INT8 = Tolerance(dense_cos=0.99, sparse_abs=0.1, sparse_ids_exact=False, colbert_cos=0.98)
+# bf16 on OpenVINO (fp16-stored weights, bf16 compute): measured on the tiny model dense 0.99996,
+# sparse 0.019, ColBERT 0.99986; on the full-size model dense 0.99997 (docs/benchmarks.md).
+BF16 = Tolerance(dense_cos=0.999, sparse_abs=0.05, sparse_ids_exact=False, colbert_cos=0.999)
 
 
 def reference(flag_model, texts: list[str], max_length: int = 8192) -> dict:

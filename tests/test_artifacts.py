@@ -152,7 +152,7 @@ def test_bgeserve_export_is_detected(tmp_path: Path) -> None:
     assert art.tokenizer_path == root / "tokenizer.json"
     assert art.heads is None
     assert art.external_data == (root / "fp32/model.onnx_data",)
-    assert art.source == f"local export {root} (fp32)"
+    assert art.source == f"local export {root} (fp32, onnxruntime)"
     assert (
         resolve(model_path=root, variant="int8", cache_dir=tmp_path / "cache").onnx_path
         == root / "int8/model.onnx"

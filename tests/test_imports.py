@@ -113,6 +113,12 @@ def test_only_the_runtime_imports_onnxruntime_at_serve_time():
     assert strays == set()
 
 
+def test_only_the_openvino_adapter_imports_openvino():
+    """openvino (the optional backend) is imported by bgeserve/runtime/openvino.py alone."""
+    importers = importers_of("openvino")
+    assert importers == {"bgeserve.runtime.openvino"}
+
+
 def test_only_the_tokenizer_module_imports_tokenizers():
     """`tokenizers` is imported by bgeserve/tokenizer.py alone (and the offline builder of test
     models in bgeserve/testing/, which trains one)."""

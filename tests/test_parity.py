@@ -11,7 +11,7 @@ from bgeserve.engine import Engine, EngineConfig
 from bgeserve.scheduler import SchedulerConfig
 from bgeserve.testing.randmodel import random_texts
 
-from tests.oracle import FP16, FP32, INT8, Tolerance, assert_matches, reference
+from tests.oracle import BF16, FP16, FP32, INT8, Tolerance, assert_matches, reference
 
 pytestmark = pytest.mark.slow
 
@@ -42,15 +42,19 @@ def _engine(path: Path, variant: str, tmp_path_factory, **sched) -> Engine:
 
 
 CASES = [("export", "fp32", FP32), ("export", "fp16", FP16), ("export", "int8", INT8),
+         ("export", "bf16", BF16),  # OpenVINO; skips when openvino is not installed
          ("baai", "fp32", FP32), ("xenova", "fp16", FP16), ("xenova", "int8", INT8)]
 
 
 @pytest.mark.parametrize(("layout", "variant", "tol"), CASES,
                          ids=[f"{a}-{b}" for a, b, _ in CASES])
 def test_matches_flagembedding(layout: str, variant: str, tol: Tolerance, texts, ref,
-                               tiny_export, hub_layouts, tmp_path_factory):
+                               request, tmp_path_factory):
     """Dense, sparse and ColBERT agree with FlagEmbedding for texts of 1 to 8192+ tokens."""
-    path = tiny_export if layout == "export" else hub_layouts[layout]
+    if layout == "export":
+        path = request.getfixturevalue("tiny_export_bf16" if variant == "bf16" else "tiny_export")
+    else:
+        path = request.getfixturevalue("hub_layouts")[layout]
     with _engine(path, variant, tmp_path_factory, max_chunk=8) as engine:
         ours = engine.embed(texts, dense=True, sparse=True, colbert=True)
     assert ours.truncated.tolist() == [False] * (len(texts) - 1) + [True]

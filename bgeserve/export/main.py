@@ -22,8 +22,12 @@ from .. import __version__
 from . import ATTENTION_BLOCK
 from ..errors import ModelUnavailable
 
-VARIANTS = ("fp32", "fp16", "int8")
-CPU_VARIANTS = ("fp32", "int8")
+VARIANTS = ("fp32", "fp16", "int8", "bf16")
+CPU_VARIANTS = ("fp32", "int8", "bf16")  # bf16 only where openvino is installed
+# Where each variant's graph lives in the export, and the runtime that reads it.
+GRAPH_PATHS = {"fp32": "fp32/model.onnx", "fp16": "fp16/model.onnx", "int8": "int8/model.onnx",
+               "bf16": "bf16/model.xml"}
+RUNTIMES = {"bf16": "openvino"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 SOURCE_PATTERNS = ["config.json", "*.safetensors", "pytorch_model.bin", "sparse_linear.pt",
                    "colbert_linear.pt", *TOKENIZER_FILES]
@@ -65,14 +69,40 @@ def _run_step(step: list[str], label: str) -> None:
     print(f"    {label}: {time.monotonic() - started:.1f}s", file=sys.stderr, flush=True)
 
 
-def _files_of(onnx_path: Path) -> list[Path]:
-    data = onnx_path.with_name(onnx_path.name + ".data")
-    return [onnx_path, data] if data.exists() else [onnx_path]
+def _files_of(graph: Path) -> list[Path]:
+    data = (graph.with_suffix(".bin") if graph.suffix == ".xml"
+            else graph.with_name(graph.name + ".data"))
+    return [graph, data] if data.exists() else [graph]
 
 
-def export(model: str, out: Path, variants: tuple[str, ...] = CPU_VARIANTS, *, opset: int = 18,
+def default_variants() -> tuple[str, ...]:
+    """Every CPU variant this machine can write (bf16 needs the openvino package)."""
+    from ..runtime import openvino
+
+    if openvino.available():
+        return CPU_VARIANTS
+    print("    bf16 (OpenVINO) skipped: the openvino package is not installed "
+          f"({openvino.INSTALL_HINT})", file=sys.stderr, flush=True)
+    return tuple(v for v in CPU_VARIANTS if v != "bf16")
+
+
+def _export_bf16(src: Path, out: Path, opset: int, label: str) -> None:
+    """A plain-attention fp32 graph (temporary), then the OpenVINO IR made from it."""
+    plain = out / "bf16" / "plain-attention.onnx"
+    try:
+        _run_step(["fp32", str(src), str(plain), "--opset", str(opset), "--attention-block", "0"],
+                  f"{label} (plain-attention fp32 graph)")
+        _run_step(["openvino", str(plain), str(out / GRAPH_PATHS["bf16"])],
+                  f"{label} (OpenVINO IR)")
+    finally:
+        for path in _files_of(plain):
+            path.unlink(missing_ok=True)
+
+
+def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, opset: int = 18,
            cache_dir: Path | None = None, attention_block: int | None = None) -> Path:
-    """Export ``model`` into ``out`` and return the manifest path."""
+    """Export ``model`` into ``out`` (default: ``default_variants()``); returns the manifest."""
+    variants = default_variants() if variants is None else variants
     src = _source_dir(model, cache_dir)
     config = json.loads((src / "config.json").read_text())
     for head in ("sparse_linear.pt", "colbert_linear.pt"):
@@ -80,10 +110,14 @@ def export(model: str, out: Path, variants: tuple[str, ...] = CPU_VARIANTS, *, o
             raise ModelUnavailable(f"{src / head} is missing: bge-m3's heads are required")
     out.mkdir(parents=True, exist_ok=True)
     fp32 = out / "fp32" / "model.onnx"
-    steps = 1 + sum(v != "fp32" for v in variants)
+    # fp16 and int8 are made from the blocked-attention fp32 graph; bf16 needs its own.
+    blocked = any(v in variants for v in ("fp32", "fp16", "int8"))
+    steps = int(blocked) + sum(v != "fp32" for v in variants)
     block = [] if attention_block is None else ["--attention-block", str(attention_block)]
-    _run_step(["fp32", str(src), str(fp32), "--opset", str(opset), *block], f"1/{steps} fp32")
-    done = 1
+    done = 0
+    if blocked:
+        done += 1
+        _run_step(["fp32", str(src), str(fp32), "--opset", str(opset), *block], f"1/{steps} fp32")
     if "fp16" in variants:
         done += 1
         _run_step(["fp16", str(fp32), str(out / "fp16" / "model.onnx"),
@@ -92,8 +126,11 @@ def export(model: str, out: Path, variants: tuple[str, ...] = CPU_VARIANTS, *, o
     if "int8" in variants:
         done += 1
         _run_step(["int8", str(fp32), str(out / "int8" / "model.onnx")], f"{done}/{steps} int8")
-    if "fp32" not in variants:
-        shutil.rmtree(out / "fp32")
+    if "bf16" in variants:
+        done += 1
+        _export_bf16(src, out, opset, f"{done}/{steps} bf16")
+    if "fp32" not in variants and fp32.parent.exists():
+        shutil.rmtree(fp32.parent)
     for name in TOKENIZER_FILES:
         if (src / name).exists():
             shutil.copyfile(src / name, out / name)
@@ -113,13 +150,7 @@ def export(model: str, out: Path, variants: tuple[str, ...] = CPU_VARIANTS, *, o
                   "attention_block": ATTENTION_BLOCK if attention_block is None
                   else attention_block},
         "outputs": OUTPUTS,
-        "variants": {
-            v: {"path": f"{v}/model.onnx",
-                "sha256": sha256(out / v / "model.onnx"),
-                "bytes": (out / v / "model.onnx").stat().st_size,
-                "total_bytes": sum(p.stat().st_size for p in _files_of(out / v / "model.onnx"))}
-            for v in VARIANTS if v in variants
-        },
+        "variants": {v: _variant_entry(out, v) for v in VARIANTS if v in variants},
         "tokenizer": "tokenizer.json",
         "source": {
             "model": model,
@@ -134,13 +165,28 @@ def export(model: str, out: Path, variants: tuple[str, ...] = CPU_VARIANTS, *, o
     return path
 
 
+def _variant_entry(out: Path, variant: str) -> dict[str, object]:
+    graph = out / GRAPH_PATHS[variant]
+    entry: dict[str, object] = {
+        "path": GRAPH_PATHS[variant],
+        "sha256": sha256(graph),
+        "bytes": graph.stat().st_size,
+        "total_bytes": sum(p.stat().st_size for p in _files_of(graph)),
+    }
+    if variant in RUNTIMES:
+        entry["runtime"] = RUNTIMES[variant]
+        entry["attention"] = "plain (the runtime fuses it)"
+    return entry
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``bgeserve export`` arguments."""
     parser.add_argument("--model", required=True,
                         help="PyTorch bge-m3: a local directory or a hub id (BAAI/bge-m3)")
     parser.add_argument("--out", required=True, type=Path, help="export directory")
     parser.add_argument("--variant", action="append", choices=VARIANTS,
-                        help="repeatable; default: every CPU variant (fp32, int8)")
+                        help="repeatable; default: every CPU variant (fp32, int8, and bf16 — "
+                             "an OpenVINO IR — when openvino is installed)")
     parser.add_argument("--opset", type=int, default=18)
     parser.add_argument("--attention-block", type=int, default=None,
                         help="query rows per attention block for long texts (default 256; "
@@ -152,7 +198,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Entry point for ``bgeserve export``."""
     started = time.monotonic()
-    variants = tuple(dict.fromkeys(args.variant or CPU_VARIANTS))
+    variants = tuple(dict.fromkeys(args.variant or default_variants()))
     path = export(args.model, args.out, variants, opset=args.opset, cache_dir=args.cache_dir,
                   attention_block=args.attention_block)
     print(f"export written: {path} ({', '.join(variants)}) in "

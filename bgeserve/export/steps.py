@@ -134,6 +134,21 @@ def export_int8(fp32: Path, out: Path) -> None:
     _log(f"wrote {out}", started)
 
 
+def export_openvino(plain_fp32: Path, out: Path) -> None:
+    """The bf16 variant: an OpenVINO IR of the plain-attention fp32 graph, weights stored fp16.
+
+    OpenVINO computes it in bf16 where the CPU has it (runtime/openvino.py); it fuses the
+    plain attention into its own bounded-memory kernel, and crashes on the ONNX Loop of the
+    blocked attention, hence a plain graph for this variant only.
+    """
+    from ..runtime.openvino import save_ir
+
+    started = time.monotonic()
+    _log(f"converting {plain_fp32} to an OpenVINO IR (fp16 weights)", started)
+    save_ir(plain_fp32, out)
+    _log(f"wrote {out}", started)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bgeserve.export.steps")
     sub = parser.add_subparsers(dest="step", required=True)
@@ -151,11 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("int8")
     p.add_argument("fp32", type=Path)
     p.add_argument("out", type=Path)
+    p = sub.add_parser("openvino")
+    p.add_argument("fp32", type=Path)
+    p.add_argument("out", type=Path)
     args = parser.parse_args(argv)
     if args.step == "fp32":
         export_fp32(args.model_dir, args.out, args.opset, args.layout, args.attention_block)
     elif args.step == "fp16":
         export_fp16(args.fp32, args.out, args.heads, args.hidden)
+    elif args.step == "openvino":
+        export_openvino(args.fp32, args.out)
     else:
         export_int8(args.fp32, args.out)
     return 0

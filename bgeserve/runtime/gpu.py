@@ -133,7 +133,8 @@ def session_config(settings: Settings, *, gpu_mem_limit: int | None = None) -> S
     folder holds (``trt cache: found N cached engines at PATH`` / ``trt cache: empty``).
     """
     s = settings
-    base = SessionConfig(provider=s.execution_provider, threads=s.threads_per_worker)
+    base = SessionConfig(provider=s.execution_provider, threads=s.threads_per_worker,
+                         streams=s.workers)
     if s.execution_provider not in GPU_EPS:
         return base
     cuda = cuda_options(gpu_mem_limit)

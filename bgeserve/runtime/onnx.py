@@ -23,7 +23,6 @@ _PROVIDERS = {
     "cuda": "CUDAExecutionProvider",
     "tensorrt": "TensorrtExecutionProvider",
     "coreml": "CoreMLExecutionProvider",
-    "openvino": "OpenVINOExecutionProvider",
 }
 
 
@@ -54,6 +53,8 @@ class SessionConfig:
     # Options of the CUDA EP registered under TensorRT for the nodes TensorRT rejects.
     cuda_options: dict[str, str] = field(default_factory=dict)
     optimization: str = "all"
+    # OpenVINO: inference streams of the one compiled model the workers share (= workers).
+    streams: int = 1
 
 
 def _session_options(config: SessionConfig) -> ort.SessionOptions:

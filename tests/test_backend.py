@@ -1,0 +1,99 @@
+"""Which runtime and variant serve (bgeserve/backend.py): pure rules, a fake machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bgeserve.backend import Machine, resolve
+from bgeserve.config import Settings
+from bgeserve.errors import ConfigError
+
+BF16_CPU = Machine(openvino=lambda: True, native_bf16=lambda: True)
+NO_BF16 = Machine(openvino=lambda: True, native_bf16=lambda: False)
+NO_OPENVINO = Machine(openvino=lambda: False, native_bf16=lambda: True)
+
+
+def export_dir(tmp_path: Path, *variants: str) -> Path:
+    (tmp_path / "manifest.json").write_text(json.dumps(
+        {"format": "bgeserve-export", "schema": 1,
+         "variants": {v: {"path": f"{v}/model.onnx"} for v in variants}}))
+    return tmp_path
+
+
+def auto(settings: Settings, machine: Machine) -> Settings:
+    return resolve(settings, model_explicit=False, ep_explicit=False, machine=machine)
+
+
+def test_default_is_bf16_on_openvino_where_everything_allows_it(tmp_path):
+    s = auto(Settings(model_path=export_dir(tmp_path, "fp32", "int8", "bf16")), BF16_CPU)
+    assert (s.execution_provider, s.variant) == ("openvino", "bf16")
+
+
+@pytest.mark.parametrize(("machine", "variants", "why"), [
+    (NO_OPENVINO, ("fp32", "bf16"), "openvino is not installed"),
+    (NO_BF16, ("fp32", "bf16"), "no native bf16"),
+    (BF16_CPU, ("fp32", "int8"), "no bf16 variant"),
+])
+def test_default_stays_exact_fp32_otherwise(tmp_path, caplog, machine, variants, why):
+    caplog.set_level("INFO", "bgeserve.backend")
+    s = auto(Settings(model_path=export_dir(tmp_path, *variants)), machine)
+    assert (s.execution_provider, s.variant) == ("cpu", "fp32")
+    assert why in caplog.text
+
+
+def test_hub_download_default_is_fp32():
+    """No local export: the hub has no bf16 graph."""
+    s = auto(Settings(model_path=None), BF16_CPU)
+    assert (s.execution_provider, s.variant) == ("cpu", "fp32")
+
+
+def test_an_explicit_choice_is_never_overridden(tmp_path):
+    root = export_dir(tmp_path, "fp32", "int8", "bf16")
+    for explicit in ({"model_explicit": True, "ep_explicit": False},
+                     {"model_explicit": False, "ep_explicit": True}):
+        s = resolve(Settings(model_path=root), machine=BF16_CPU, **explicit)
+        assert (s.execution_provider, s.variant) == ("cpu", "fp32")
+    s = resolve(Settings(model_path=root, variant="int8"), machine=BF16_CPU)
+    assert (s.execution_provider, s.variant) == ("cpu", "int8")
+
+
+def test_openvino_ep_implies_bf16_and_bf16_implies_openvino():
+    s = resolve(Settings(execution_provider="openvino"), model_explicit=False, machine=BF16_CPU)
+    assert s.variant == "bf16"
+    s = resolve(Settings(variant="bf16"), ep_explicit=False, machine=BF16_CPU)
+    assert s.execution_provider == "openvino"
+
+
+def test_contradictions_are_config_errors_naming_the_variable():
+    with pytest.raises(ConfigError) as err:
+        resolve(Settings(variant="bf16"), machine=BF16_CPU)  # BGE_M3_EP=cpu given explicitly
+    assert err.value.param == "BGE_M3_MODEL" and "BGE_M3_EP=openvino" in err.value.message
+    with pytest.raises(ConfigError) as err:
+        resolve(Settings(execution_provider="openvino", variant="int8"), machine=BF16_CPU)
+    assert err.value.param == "BGE_M3_MODEL" and "bf16" in err.value.message
+
+
+def test_missing_openvino_fails_fast_unless_cpu_fallback_is_allowed():
+    with pytest.raises(ConfigError) as err:
+        resolve(Settings(execution_provider="openvino"), machine=NO_OPENVINO)
+    assert err.value.param == "BGE_M3_EP" and "bgeserve[openvino]" in err.value.message
+    s = resolve(Settings(execution_provider="openvino", allow_cpu_fallback=True),
+                machine=NO_OPENVINO)
+    assert (s.execution_provider, s.variant) == ("cpu", "fp32")
+
+
+def test_resolving_is_idempotent(tmp_path):
+    s = auto(Settings(model_path=export_dir(tmp_path, "bf16")), BF16_CPU)
+    assert resolve(s, machine=BF16_CPU) == s
+
+
+def test_environment_pairs_openvino_with_bf16():
+    """Like the GPU EPs' fp16 default: each of BGE_M3_EP=openvino / BGE_M3_MODEL=bf16 implies
+    the other when the other is not given."""
+    assert Settings.from_env({"BGE_M3_EP": "openvino"}).variant == "bf16"
+    assert Settings.from_env({"BGE_M3_MODEL": "bf16"}).execution_provider == "openvino"
+    both = Settings.from_env({"BGE_M3_MODEL": "bf16", "BGE_M3_EP": "cpu"})
+    assert (both.execution_provider, both.variant) == ("cpu", "bf16")  # backend.resolve refuses

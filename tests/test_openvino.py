@@ -1,0 +1,107 @@
+"""The OpenVINO backend (bf16 variant): export, resolution, shared compiled model, serving.
+
+Parity with FlagEmbedding lives in test_parity.py (case export-bf16). Everything here skips
+when the openvino package is not installed (``bgeserve[openvino]``, part of the dev extra).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from starlette.testclient import TestClient
+
+from bgeserve.artifacts import resolve
+from bgeserve.engine import Engine, EngineConfig
+from bgeserve.runtime.onnx import SessionConfig
+from bgeserve.scheduler import SchedulerConfig
+
+from tests.oracle import BF16, _cos, dense_rows
+from tests.test_service import TEXTS, base_env, serving, wait_health
+
+pytestmark = pytest.mark.slow
+
+
+def test_export_writes_an_ir_with_its_runtime_in_the_manifest(tiny_export_bf16: Path) -> None:
+    manifest = json.loads((tiny_export_bf16 / "manifest.json").read_text())
+    entry = manifest["variants"]["bf16"]
+    assert entry["path"] == "bf16/model.xml" and entry["runtime"] == "openvino"
+    xml, weights = tiny_export_bf16 / "bf16" / "model.xml", tiny_export_bf16 / "bf16" / "model.bin"
+    assert entry["total_bytes"] == xml.stat().st_size + weights.stat().st_size
+    # The plain-attention graph it was made from is temporary.
+    assert sorted(p.name for p in (tiny_export_bf16 / "bf16").iterdir()) == ["model.bin",
+                                                                           "model.xml"]
+    assert not (tiny_export_bf16 / "fp32").exists()  # only bf16 was asked for
+
+
+def test_resolve_names_the_runtime_and_the_weights(tiny_export_bf16: Path, tmp_path: Path) -> None:
+    art = resolve(model_path=tiny_export_bf16, variant="bf16", cache_dir=tmp_path)
+    assert art.runtime == "openvino" and art.onnx_path.suffix == ".xml"
+    assert [p.name for p in art.external_data] == ["model.bin"]
+    assert "model.bin:" in art.identity()  # a new IR invalidates cached probe coefficients
+
+
+def test_missing_weights_file_is_a_clear_error(tiny_export_bf16: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from bgeserve.errors import ModelUnavailable
+
+    copy = tmp_path / "export"
+    shutil.copytree(tiny_export_bf16, copy)
+    (copy / "bf16" / "model.bin").unlink()
+    with pytest.raises(ModelUnavailable, match="model.bin"):
+        resolve(model_path=copy, variant="bf16", cache_dir=tmp_path / "cache")
+
+
+def test_workers_share_one_compiled_model(tiny_export_bf16: Path, tmp_path: Path) -> None:
+    """Two workers = two infer requests on one compiled model; it goes with the last session."""
+    config = EngineConfig(session=SessionConfig(threads=1, streams=2),
+                          scheduler=SchedulerConfig(workers=2))
+    with Engine(tiny_export_bf16, "bf16", config=config, cache_dir=tmp_path) as engine:
+        one = engine.embed(TEXTS, dense=True, sparse=True, colbert=True)
+        shared = engine.open_forward.__closure__  # the factory's SharedModel
+        owner = next(c.cell_contents for c in shared if hasattr(c.cell_contents, "streams"))
+        assert owner.streams == 2 and owner._users == 2
+        again = engine.embed(list(reversed(TEXTS)), dense=True)
+    assert owner._users == 0 and owner._compiled is None
+    np.testing.assert_allclose(again.dense[::-1], one.dense, atol=1e-6)
+    assert [len(c) for c in one.colbert] == [n - 1 for n in one.n_tokens]
+
+
+def test_bf16_agrees_with_fp32(tiny_export: Path, tiny_export_bf16: Path, tmp_path: Path) -> None:
+    with Engine(tiny_export, "fp32", cache_dir=tmp_path) as engine:
+        want = engine.embed(TEXTS, dense=True, sparse=True)
+    with Engine(tiny_export_bf16, "bf16", cache_dir=tmp_path) as engine:
+        got = engine.embed(TEXTS, dense=True, sparse=True)
+    assert _cos(got.dense, want.dense).min() >= BF16.dense_cos
+    for (gi, gv), (wi, wv) in zip(got.sparse, want.sparse):
+        g, w = dict(zip(gi.tolist(), gv.tolist())), dict(zip(wi.tolist(), wv.tolist()))
+        assert max(abs(g.get(k, 0.0) - w.get(k, 0.0)) for k in set(g) | set(w)) <= BF16.sparse_abs
+
+
+def test_server_on_openvino_reports_its_backend(tiny_export: Path, tiny_export_bf16: Path,
+                                                tmp_path: Path) -> None:
+    env = base_env(tiny_export_bf16, tmp_path, BGE_M3_EP="openvino", BGE_M3_WORKERS="2",
+                   BGE_M3_INTRA_THREADS="1")
+    with serving(env) as (client, _):
+        health = wait_health(client)
+        assert health["model"]["variant"] == "bf16"
+        assert health["model"]["backend"].startswith("openvino ")
+        assert health["model"]["execution_provider"] == "openvino"
+        assert health["workers"]["total"] == 2
+        r = client.post("/v1/embeddings", json={"model": "bge-m3", "input": TEXTS})
+        assert r.status_code == 200, r.text
+        got = dense_rows(r.json())
+    with Engine(tiny_export, "fp32", cache_dir=tmp_path) as engine:
+        want = engine.embed(TEXTS).dense
+    assert _cos(got, want).min() >= BF16.dense_cos
+
+
+def test_asking_openvino_for_another_variant_fails_fast(tiny_export_bf16: Path,
+                                                        tmp_path: Path) -> None:
+    env = base_env(tiny_export_bf16, tmp_path, BGE_M3_EP="openvino", BGE_M3_MODEL="int8")
+    with serving(env) as (client, service):
+        body = wait_health(client, status=503)
+    assert body["status"] == "fail" and "bf16" in json.dumps(body)
