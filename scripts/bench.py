@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""bgeserve benchmark: FlagEmbedding vs raw ONNX Runtime vs bgeserve in-process vs bgeserve HTTP.
+"""bgeserve benchmark: FlagEmbedding vs raw ONNX Runtime / OpenVINO vs bgeserve in-process vs HTTP.
 
 Everything runs from one invocation, so the ratios hold on a noisy machine. Each measurement
 runs in its own child process (``bench.py _child SPEC``), so its peak RSS (VmHWM) is its own.
@@ -8,21 +8,29 @@ runs in its own child process (``bench.py _child SPEC``), so its peak RSS (VmHWM
     .venv/bin/python scripts/bench.py --quick              # tiny model: checks the script works
     .venv/bin/python scripts/bench.py --corpus both --load --rss-vs-length
 
-Modes (each per variant, except ``flag`` which is the fp32 PyTorch oracle):
+Variants: ``fp32`` and ``int8`` run on ONNX Runtime, ``bf16`` (an OpenVINO IR) on OpenVINO.
+Modes (each per variant, except ``flag`` and ``ort1``, which are fp32 baselines):
 
 - ``flag``:   FlagEmbedding ``BGEM3FlagModel`` fp32 on CPU, batch_size 16, max_length 8192,
               dense + sparse, ``torch.set_num_threads(--threads)``.
-- ``raw``:    ``onnxruntime.InferenceSession.run`` on the export, texts packed exactly as
-              bgeserve packs them (``bgeserve.binpack.plan`` + ``bgeserve.forward.pad_chunk``).
-- ``raw1``:   the same session, each text alone (batch 1): the "raw ORT at batch 1" baseline.
+- ``ort1``:   ``onnxruntime.InferenceSession`` with ORT's default options (threads aside) on a
+              plain-attention fp32 graph (``--plain-graph``), batch 1: what a user running the
+              stock ORT export gets. Skipped without ``--plain-graph``.
+- ``raw``:    the variant's runtime called directly (``InferenceSession.run``, or OpenVINO's
+              ``compile_model`` + ``infer`` for bf16), texts packed exactly as bgeserve packs
+              them (``bgeserve.binpack.plan`` + ``bgeserve.forward.pad_chunk``).
+- ``raw1``:   the same session, each text alone (batch 1): the "raw runtime at batch 1" baseline.
 - ``engine``: ``bgeserve.Engine`` in-process, one ``embed(all texts, dense, sparse)`` call,
               then a per-text latency pass.
 - ``http``:   ``python -m bgeserve serve`` in a subprocess; ``--http-clients`` concurrent httpx
               clients POST ``--http-batch`` texts per request to ``/v1/embeddings:both``.
 - ``--load``: N concurrent clients (``--clients 1,16,64``), one short text per request, with
               cross-request batching on and off (``BGE_M3_CROSS_REQUEST_BATCHING=0``).
-- ``--rss-vs-length``: one child per length (512 … 8192) loads the fp32 engine and measures the
-              RSS growth while embedding one text of that length.
+- ``--rss-vs-length``: one child per variant (``--rss-variants``) and length (512 … 8192) loads
+              the engine and measures the RSS growth while embedding one text of that length.
+- ``--chunk-sweep N,…``: ``raw`` on the mixed corpus per variant with ``plan(max_tokens=N)``,
+              one child per point: throughput against padded tokens per chunk.
+- ``--plots DIR``: SVG plots of the sweep and of RSS growth vs length (needs matplotlib).
 
 Results: markdown tables and ratios on stdout, JSON (and the same markdown) in ``--work-dir``.
 """
@@ -55,7 +63,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a plain script from a checkout
     sys.path.insert(0, str(REPO))
 
-MODES = ("flag", "raw", "raw1", "engine", "http")
+MODES = ("flag", "ort1", "raw", "raw1", "engine", "http")
+VARIANT_MODES = ("raw", "raw1", "engine", "http")  # once per variant; flag and ort1 once
+RSS_VARIANTS = ("fp32", "bf16")
 CORPUS_SEED = 20240
 MIXED_RANGE = (16, 512)
 LONG_LENGTHS = (2048, 4096, 8192)
@@ -160,8 +170,8 @@ def machine_info() -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 
     versions = {}
-    for pkg in ("bgeserve", "onnxruntime", "torch", "FlagEmbedding", "transformers", "tokenizers",
-                "numpy", "httpx", "uvicorn"):
+    for pkg in ("bgeserve", "onnxruntime", "openvino", "torch", "FlagEmbedding", "transformers",
+                "tokenizers", "numpy", "httpx", "uvicorn"):
         try:
             versions[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -290,9 +300,63 @@ def _session_options(threads: int, arena: bool):
     return opts
 
 
+def variant_runtime(export_dir: Path, variant: str) -> str:
+    """Which runtime reads a variant: "onnxruntime" or "openvino" (the manifest says)."""
+    manifest = json.loads((export_dir / "manifest.json").read_text())
+    return manifest["variants"][variant].get("runtime", "onnxruntime")
+
+
 def _export_graph(export_dir: Path, variant: str) -> Path:
     manifest = json.loads((export_dir / "manifest.json").read_text())
     return export_dir / manifest["variants"][variant]["path"]
+
+
+RAW_OUTPUTS = ["dense", "sparse_weights"]
+
+
+def _check_outputs(have: set[str]) -> None:
+    if not set(RAW_OUTPUTS) <= have:
+        raise SystemExit(f"raw modes need a bgeserve export (outputs {RAW_OUTPUTS}); "
+                         f"got {sorted(have)}")
+
+
+def _stock_options(threads: int):
+    """ORT's default session options (arena on, parallel defaults) with only the thread count
+    set: what ``ort1`` uses, as a user running the stock export would."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    return opts
+
+
+def _open_ort(graph: Path, opts):
+    """``run(ids, mask) -> [dense, sparse_weights]`` on an ONNX Runtime CPU session."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(graph), sess_options=opts,
+                                   providers=["CPUExecutionProvider"])
+    _check_outputs({o.name for o in session.get_outputs()})
+    return lambda ids, mask: session.run(RAW_OUTPUTS, {"input_ids": ids, "attention_mask": mask})
+
+
+def _open_openvino(xml: Path, precision: str, threads: int):
+    """The same ``run`` on a compiled OpenVINO model (one stream, latency hint)."""
+    import openvino as ov  # only in this child: the parent never loads OpenVINO
+
+    compiled = ov.Core().compile_model(str(xml), "CPU", {
+        "INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": threads,
+        "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"})
+    _check_outputs({o.get_any_name() for o in compiled.outputs})
+    request = compiled.create_infer_request()
+    outputs = [compiled.output(name) for name in RAW_OUTPUTS]
+
+    def run(ids: np.ndarray, mask: np.ndarray) -> list[np.ndarray]:
+        result = request.infer({"input_ids": ids, "attention_mask": mask})  # copies outputs
+        return [result[o] for o in outputs]
+
+    return run
 
 
 def child_flag(spec: dict[str, Any], corpus: dict[str, Any]) -> dict[str, Any]:
@@ -329,8 +393,6 @@ def child_flag(spec: dict[str, Any], corpus: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_raw(spec: dict[str, Any], corpus: dict[str, Any], batch1: bool) -> dict[str, Any]:
-    import onnxruntime as ort
-
     from bgeserve.binpack import plan
     from bgeserve.forward import pad_chunk
     from bgeserve.heads import sparse_vector
@@ -338,24 +400,23 @@ def child_raw(spec: dict[str, Any], corpus: dict[str, Any], batch1: bool) -> dic
     from bgeserve.tokenizer import Tokenizer
 
     export_dir = Path(spec["export_dir"])
+    variant = spec["variant"]
     texts = corpus["texts"]
     t0 = time.perf_counter()
-    session = ort.InferenceSession(str(_export_graph(export_dir, spec["variant"])),
-                                   sess_options=_session_options(spec["threads"],
-                                                                 spec["raw_arena"]),
-                                   providers=["CPUExecutionProvider"])
+    if spec["mode"] == "ort1":  # the plain-attention graph as a user would run it
+        run_graph = _open_ort(Path(spec["plain_graph"]), _stock_options(spec["threads"]))
+    elif variant_runtime(export_dir, variant) == "openvino":
+        run_graph = _open_openvino(_export_graph(export_dir, variant), variant, spec["threads"])
+    else:
+        run_graph = _open_ort(_export_graph(export_dir, variant),
+                              _session_options(spec["threads"], spec["raw_arena"]))
     tokenizer = Tokenizer.load(export_dir / "tokenizer.json", MAX_SEQ)
     load_s = time.perf_counter() - t0
     rss_load = rss_now()
-    names = ["dense", "sparse_weights"]
-    have = {o.name for o in session.get_outputs()}
-    if not set(names) <= have:
-        raise SystemExit(f"raw mode needs a bgeserve export (outputs {names}); got {sorted(have)}")
 
     def run(ids_list: list[np.ndarray]) -> list[np.ndarray]:
         pad_to = max(len(x) for x in ids_list)
-        ids, mask = pad_chunk(ids_list, pad_to)
-        return session.run(names, {"input_ids": ids, "attention_mask": mask})
+        return run_graph(*pad_chunk(ids_list, pad_to))
 
     run([tokenizer.encode(["warm up"]).ids[0]])
     dense = np.zeros((len(texts), 0), np.float32)
@@ -378,11 +439,12 @@ def child_raw(spec: dict[str, Any], corpus: dict[str, Any], batch1: bool) -> dic
             latencies.append(time.perf_counter() - s)
         wall = time.perf_counter() - t0
     else:
-        cfg = SchedulerConfig()  # the engine's packing defaults
+        cfg = SchedulerConfig()  # the engine's packing defaults (max_tokens: --chunk-sweep)
         t0 = time.perf_counter()
         all_ids = tokenizer.encode(texts).ids
         for chunk in plan([len(x) for x in all_ids], fits=lambda b, s: True,
-                          max_chunk=cfg.max_chunk, max_tokens=cfg.max_chunk_tokens,
+                          max_chunk=cfg.max_chunk,
+                          max_tokens=spec.get("max_tokens") or cfg.max_chunk_tokens,
                           min_fill=cfg.min_fill):
             d, w = run([all_ids[i] for i in chunk.indices])
             if dense.shape[1] == 0:
@@ -699,8 +761,8 @@ def child_main(spec_path: str) -> int:
     try:
         if mode == "flag":
             result = child_flag(spec, corpus)
-        elif mode in ("raw", "raw1"):
-            result = child_raw(spec, corpus, batch1=mode == "raw1")
+        elif mode in ("raw", "raw1", "ort1"):
+            result = child_raw(spec, corpus, batch1=mode != "raw")
         elif mode == "engine":
             result = child_engine(spec, corpus)
         elif mode == "http":
@@ -757,7 +819,8 @@ class Runner:
             "work_dir": str(self.work), "export_dir": str(self.export_dir),
             "model_dir": str(self.model_dir) if self.model_dir else None,
             "threads": self.args.threads, "latency_pass": not self.args.no_latency_pass,
-            "raw_arena": self.args.raw_arena, "http_clients": self.args.http_clients,
+            "raw_arena": self.args.raw_arena, "plain_graph": self.args.plain_graph,
+            "http_clients": self.args.http_clients,
             "http_batch": self.args.http_batch, "http_budget": self.args.http_budget,
             "http_env": dict(kv.split("=", 1) for kv in self.args.http_env),
             "server_timeout": self.args.server_timeout, "request_timeout": 3600.0,
@@ -836,7 +899,7 @@ def agreement(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         by_corpus.setdefault(r["corpus"], []).append(r)
     prefer = [("flag", "fp32"), ("engine", "fp32"), ("raw", "fp32"), ("raw1", "fp32"),
-              ("http", "fp32"), ("ref", "fp32")]
+              ("http", "fp32"), ("ref", "fp32"), ("ort1", "fp32")]
     for corpus_rows in by_corpus.values():
         ref = None
         for mode, variant in prefer:
@@ -904,11 +967,14 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+def ratios(rows: list[dict[str, Any]], default_variant: str | None = None) -> dict[str, float]:
+    """tokens/s ratios; ``default_variant``: what the server serves with neither BGE_M3_MODEL
+    nor BGE_M3_EP set (``server_default_variant``)."""
     out: dict[str, float] = {}
     tps = {(r["corpus"], r["mode"], r["variant"]): r["tokens_per_s"] for r in rows if r.get("ok")}
     corpora = sorted({r["corpus"] for r in rows})
-    variants = sorted({r["variant"] for r in rows if r["mode"] != "flag"})
+    variants = [v for v in ("fp32", "int8", "bf16") if any(r["variant"] == v for r in rows)]
+    variants += sorted({r["variant"] for r in rows} - set(variants))
 
     def put(label: str, a: tuple[str, str, str], b: tuple[str, str, str]) -> None:
         if a in tps and b in tps:
@@ -917,14 +983,19 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     for c in corpora:
         for v in variants:
             put(f"{c}: engine {v} / flag fp32", (c, "engine", v), (c, "flag", "fp32"))
+            put(f"{c}: http {v} / flag fp32"
+                + (" (the server's default variant)" if v == default_variant else ""),
+                (c, "http", v), (c, "flag", "fp32"))
             put(f"{c}: http {v} / engine {v}", (c, "http", v), (c, "engine", v))
             put(f"{c}: engine {v} / raw {v} (same packing)", (c, "engine", v), (c, "raw", v))
             put(f"{c}: engine {v} / raw1 {v}", (c, "engine", v), (c, "raw1", v))
             put(f"{c}: raw {v} / raw1 {v}", (c, "raw", v), (c, "raw1", v))
+            if v != "fp32":
+                put(f"{c}: engine {v} / engine fp32", (c, "engine", v), (c, "engine", "fp32"))
         put(f"{c}: engine fp32 / raw1 fp32 (raw ORT batch 1)", (c, "engine", "fp32"),
             (c, "raw1", "fp32"))
-        put(f"{c}: engine int8 / flag fp32", (c, "engine", "int8"), (c, "flag", "fp32"))
-        put(f"{c}: engine int8 / engine fp32", (c, "engine", "int8"), (c, "engine", "fp32"))
+        put(f"{c}: engine fp32 / ort1 (stock ORT, plain attention, batch 1)",
+            (c, "engine", "fp32"), (c, "ort1", "fp32"))
     return out
 
 
@@ -973,6 +1044,53 @@ def rss_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def sweep_row(name: str, variant: str, runtime: str, max_tokens: int, corpus: dict[str, Any],
+              res: dict[str, Any]) -> dict[str, Any]:
+    """One --chunk-sweep point: tokens/s of ``raw`` against the padded tokens per chunk."""
+    row: dict[str, Any] = {"name": name, "variant": variant, "runtime": runtime,
+                           "max_tokens": max_tokens, "ok": res.get("ok"),
+                           "error": res.get("error")}
+    if res.get("ok"):
+        tokens = int(sum(corpus["lengths"]))
+        chunks = res["chunks"]
+        padded = sum(b * s for b, s in chunks)
+        row.update({"tokens": tokens, "wall_s": res["wall_s"],
+                    "tokens_per_s": tokens / res["wall_s"], "chunks": len(chunks),
+                    "padded_per_chunk": padded / len(chunks),
+                    "padding_pct": 100.0 * (1 - tokens / padded), "peak_rss": res["peak_rss"]})
+    return row
+
+
+def sweep_table(rows: list[dict[str, Any]]) -> str:
+    lines = [("| variant | runtime | max tokens/chunk | chunks | padded tokens/chunk | pad % "
+              "| tokens/s | peak RSS MiB |"), "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if not r.get("ok"):
+            lines.append(f"| {r['variant']} | {r['runtime']} | {r['max_tokens']} | FAILED: "
+                         f"{_cell(r.get('error'))} | | | | |")
+            continue
+        lines.append(f"| {r['variant']} | {r['runtime']} | {r['max_tokens']} | {r['chunks']} | "
+                     f"{r['padded_per_chunk']:.0f} | {r['padding_pct']:.1f} | "
+                     f"{r['tokens_per_s']:.1f} | {_mib(r['peak_rss'])} |")
+    return "\n".join(lines)
+
+
+def server_default_variant(export_dir: Path) -> str | None:
+    """The variant ``bgeserve serve`` picks with neither BGE_M3_MODEL nor BGE_M3_EP set (bf16
+    on OpenVINO where this CPU has native bf16, else fp32). Asked in a child, so the parent
+    never imports OpenVINO."""
+    code = ("import sys; from bgeserve import backend; from bgeserve.config import Settings; "
+            "s = Settings.from_env({'BGE_M3_MODEL_PATH': sys.argv[1]}); "
+            "print(backend.resolve(s, model_explicit=False, ep_explicit=False).variant)")
+    try:
+        out = subprocess.run([sys.executable, "-c", code, str(export_dir)], cwd=str(REPO),
+                             capture_output=True, text=True, timeout=120, check=True)
+        return out.stdout.strip().splitlines()[-1]
+    except (subprocess.SubprocessError, IndexError) as exc:
+        log(f"server default variant unknown ({exc}): no 'http <default> / flag' ratio")
+        return None
+
+
 def server_max_seq(args: argparse.Namespace, corpus: dict[str, Any]) -> int | None:
     """BGE_M3_MAX_SEQ_LENGTH for the server: ``auto`` = the corpus's longest text, at least
     512 (nothing is truncated); ``server`` = leave the server's default (8192)."""
@@ -1012,14 +1130,22 @@ def prepare(args: argparse.Namespace, work: Path, need_model: bool) -> tuple[Pat
     if needs_export:
         if args.export_dir and export_dir.exists() and any(export_dir.iterdir()):
             raise SystemExit(f"{export_dir} has no manifest.json: not a complete export")
-        variants = sorted(set(args.variants) | {"fp32"})
         cmd = [sys.executable, "-m", "bgeserve", "export", "--model", str(model_dir),
                "--out", str(export_dir)]
-        for v in variants:
+        # no --variants: the export's own default (fp32, int8, and bf16 with openvino installed)
+        for v in sorted(set(args.variants) | {"fp32"}) if args.variants else []:
             cmd += ["--variant", v]
         run_tool(cmd, "exporting")
     have = json.loads(manifest_path.read_text()).get("variants", {})
+    if args.variants is None:
+        args.variants = ["fp32", "int8"] + (["bf16"] if "bf16" in have else [])
     missing = [v for v in args.variants if v not in have]
+    if args.rss_vs_length and args.rss_variants is None:  # the default: those the export has
+        args.rss_variants = [v for v in RSS_VARIANTS if v in have]
+        for v in sorted(set(RSS_VARIANTS) - set(args.rss_variants)):
+            log(f"rss-vs-length: the export has no {v} variant: skipped")
+    elif args.rss_vs_length:
+        missing += [v for v in args.rss_variants if v not in have and v not in missing]
     if missing:
         raise SystemExit(f"{export_dir} has no {', '.join(missing)} variant (has "
                          f"{', '.join(have)}); re-export with --variant")
@@ -1034,13 +1160,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model-dir", help="PyTorch bge-m3 directory (default: the export's source, "
                                        "else build a random one in the work dir)")
     p.add_argument("--export-dir", help="bgeserve export (default: export into the work dir)")
-    p.add_argument("--variants", default="fp32,int8", help="comma list (default fp32,int8)")
+    p.add_argument("--variants", default=None,
+                   help="comma list of export variants: fp32, int8 (ONNX Runtime), bf16 "
+                        "(OpenVINO) (default fp32,int8, plus bf16 when the export has it)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads (ORT and torch)")
     p.add_argument("--texts", type=int, default=None,
                    help="texts in the mixed corpus (default 64; 16 with --quick)")
     p.add_argument("--corpus", choices=["mixed", "long", "both"], default="mixed")
     p.add_argument("--modes", default=",".join(MODES),
-                   help=f"comma list of {', '.join(MODES)}, or 'none' (default: all)")
+                   help=f"comma list of {', '.join(MODES)}, or 'none' (default: all; ort1 "
+                        "only with --plain-graph)")
+    p.add_argument("--plain-graph", metavar="MODEL.onnx",
+                   help="ort1 mode: a plain-attention fp32 graph with the dense and "
+                        "sparse_weights outputs (`bgeserve export --attention-block 0 --variant "
+                        "fp32`); without it ort1 is skipped")
     p.add_argument("--quick", action="store_true", help="tiny model, fewer texts")
     p.add_argument("--no-latency-pass", action="store_true",
                    help="skip the per-text latency passes of flag and engine")
@@ -1065,14 +1198,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--load-requests", type=int, default=None,
                    help="requests per client count in the load test (default 256; 48 quick)")
     p.add_argument("--rss-vs-length", action="store_true",
-                   help="also measure RSS growth for one text of 512..8192 tokens (fp32)")
+                   help="also measure RSS growth for one text of 512..8192 tokens")
     p.add_argument("--rss-lengths", default=",".join(map(str, RSS_LENGTHS)))
+    p.add_argument("--rss-variants", default=None,
+                   help="variants for --rss-vs-length (default fp32,bf16: those the export has)")
+    p.add_argument("--chunk-sweep", default="", metavar="N,N,...",
+                   help="also run raw on the mixed corpus per variant with each max padded "
+                        "tokens per chunk, e.g. 256,512,1024,2048,4096 (one child per point)")
+    p.add_argument("--plots", metavar="DIR",
+                   help="write SVG plots (throughput vs chunk size, RSS growth vs length) into "
+                        "DIR; needs matplotlib")
     p.add_argument("--server-timeout", type=float, default=900.0,
                    help="seconds to wait for the server's /health")
     p.add_argument("--child-timeout", type=float, default=7200.0,
                    help="seconds before a measurement is killed")
     args = p.parse_args(argv)
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    def comma(value: str | None) -> list[str] | None:
+        return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+    args.variants = comma(args.variants)
+    args.rss_variants = comma(args.rss_variants)
     args.modes = [] if args.modes.strip() == "none" else [
         m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in args.modes if m not in MODES]
@@ -1082,6 +1227,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--http-max-seq must be auto, server or a number of tokens")
     args.clients = [int(x) for x in args.clients.split(",") if x.strip()]
     args.rss_lengths = [int(x) for x in args.rss_lengths.split(",") if x.strip()]
+    args.chunk_sweep = [int(x) for x in args.chunk_sweep.split(",") if x.strip()]
+    if args.plain_graph:
+        args.plain_graph = str(Path(args.plain_graph).resolve())
+        if not Path(args.plain_graph).is_file():
+            p.error(f"--plain-graph {args.plain_graph}: no such file")
     if args.texts is None:
         args.texts = 16 if args.quick else 64
     if args.load_requests is None:
@@ -1101,11 +1251,19 @@ def main(argv: list[str]) -> int:
     runner = Runner(args, work, export_dir, model_dir, run_id)
     tokenizer_path = export_dir / "tokenizer.json"
     started = time.perf_counter()
+    runtimes = {v: variant_runtime(export_dir, v)
+                for v in args.variants + (args.rss_variants if args.rss_vs_length else [])}
+    default_variant = server_default_variant(export_dir) if "http" in args.modes else None
     meta = {"date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
             "command": command, "machine": machine_info(), "export_dir": str(export_dir),
             "model_dir": str(model_dir) if model_dir else None, "threads": args.threads,
-            "variants": args.variants, "quick": args.quick}
-    log(f"export {export_dir}, model {model_dir}, {args.threads} threads, run {run_id}")
+            "variants": args.variants, "runtimes": runtimes, "quick": args.quick,
+            "plain_graph": args.plain_graph, "server_default_variant": default_variant}
+    log(f"export {export_dir}, model {model_dir}, {args.threads} threads, run {run_id}, variants "
+        + ", ".join(f"{v} ({runtimes[v]})" for v in args.variants)
+        + (f"; server default {default_variant}" if default_variant else ""))
+    if "ort1" in args.modes and not args.plain_graph:
+        log("ort1: skipped (no --plain-graph)")
 
     rows: list[dict[str, Any]] = []
     corpora = ["mixed", "long"] if args.corpus == "both" else [args.corpus]
@@ -1116,7 +1274,9 @@ def main(argv: list[str]) -> int:
         log(f"corpus {kind}: {len(corpus['texts'])} texts, {sum(corpus['lengths'])} tokens, "
             f"lengths {min(corpus['lengths'])}..{max(corpus['lengths'])}")
         plan_ = [("flag", "fp32")] if "flag" in args.modes else []
-        plan_ += [(m, v) for v in args.variants for m in MODES[1:] if m in args.modes]
+        if "ort1" in args.modes and args.plain_graph:
+            plan_.append(("ort1", "fp32"))
+        plan_ += [(m, v) for v in args.variants for m in VARIANT_MODES if m in args.modes]
         for mode, variant in plan_:
             if mode == "flag" and model_dir is None:
                 rows.append({"name": f"{kind}-flag", "mode": mode, "variant": variant,
@@ -1141,6 +1301,21 @@ def main(argv: list[str]) -> int:
             rows.append(summarize(name, "ref", "fp32", kind, corpus, res))
     agreement(rows)
 
+    sweep_rows: list[dict[str, Any]] = []
+    if args.chunk_sweep:
+        cpath = corpus_file(work, tokenizer_path, "mixed", args.texts)
+        sweep_corpus = json.loads(cpath.read_text())
+        for variant in args.variants:
+            for max_tokens in args.chunk_sweep:
+                name = f"sweep-{variant}-{max_tokens}"
+                res = runner.child(name, {"mode": "raw", "variant": variant, "corpus": str(cpath),
+                                          "max_tokens": max_tokens})
+                row = sweep_row(name, variant, runtimes[variant], max_tokens, sweep_corpus, res)
+                if row["ok"]:
+                    log(f"{name}: {row['tokens_per_s']:.1f} tokens/s, "
+                        f"{row['padded_per_chunk']:.0f} padded tokens per chunk")
+                sweep_rows.append(row)
+
     load_rows: list[dict[str, Any]] = []
     if args.load:
         cpath = corpus_file(work, tokenizer_path, "load", 64)
@@ -1157,13 +1332,20 @@ def main(argv: list[str]) -> int:
 
     rss_rows: list[dict[str, Any]] = []
     if args.rss_vs_length:
-        for length in args.rss_lengths:
-            cpath = corpus_file(work, tokenizer_path, f"single-{length}", 1)
-            name = f"rss-{length}"
-            res = runner.child(name, {"mode": "rss", "variant": "fp32", "corpus": str(cpath)})
-            rss_rows.append({"name": name, "target": length, "variant": "fp32", **res})
+        for variant in args.rss_variants:
+            for length in args.rss_lengths:
+                cpath = corpus_file(work, tokenizer_path, f"single-{length}", 1)
+                name = f"rss-{variant}-{length}"
+                res = runner.child(name, {"mode": "rss", "variant": variant, "corpus": str(cpath)})
+                rss_rows.append({"name": name, "target": length, "variant": variant, **res})
 
-    all_ratios = {**ratios(rows), **load_gains(load_rows)}
+    plots: list[str] = []
+    if args.plots:
+        from bench_plots import write_plots  # scripts/, next to this file (sys.path[0])
+
+        plots = [str(x) for x in write_plots(Path(args.plots), sweep_rows, rss_rows, log)]
+
+    all_ratios = {**ratios(rows, default_variant), **load_gains(load_rows)}
     m = meta["machine"]
     out = [f"# bgeserve benchmark {run_id}", "",
            f"- date: {meta['date']}",
@@ -1171,6 +1353,9 @@ def main(argv: list[str]) -> int:
            f"{m['machine']}, Linux {m['kernel']}",
            f"- versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v),
            f"- model: {model_dir or '—'}; export: {export_dir}; threads: {args.threads}",
+           "- variants: " + ", ".join(f"{v} ({runtimes[v]})" for v in args.variants)
+           + (f"; server default: {default_variant}" if default_variant else "")
+           + (f"; ort1 graph: {args.plain_graph}" if args.plain_graph else ""),
            f"- command: `{command}`", ""]
     if rows:
         out += ["## Corpus runs", "", table(rows), ""]
@@ -1179,18 +1364,22 @@ def main(argv: list[str]) -> int:
         out += [f"- {k}: **{v:.2f}×**" for k, v in all_ratios.items()] + [""]
     if load_rows:
         out += ["## Load (one short text per request)", "", load_table(load_rows), ""]
+    if sweep_rows:
+        out += ["## Chunk size sweep (raw, mixed corpus)", "", sweep_table(sweep_rows), ""]
     if rss_rows:
         out += ["## RSS vs text length (engine, one text)", "", rss_table(rss_rows), ""]
+    if plots:
+        out += ["## Plots", ""] + [f"- `{x}`" for x in plots] + [""]
     out += [f"Total time: {time.perf_counter() - started:.0f} s."]
     report = "\n".join(out)
     print(report)
     results = {"meta": meta, "runs": rows, "ratios": all_ratios, "load": load_rows,
-               "rss_vs_length": rss_rows}
+               "chunk_sweep": sweep_rows, "rss_vs_length": rss_rows, "plots": plots}
     for path in (runner.run_dir / "results.json", work / "results-latest.json"):
         path.write_text(json.dumps(results, indent=2, default=str))
     (runner.run_dir / "results.md").write_text(report + "\n")
     log(f"results: {runner.run_dir / 'results.json'} (and {work / 'results-latest.json'})")
-    failed = [r["name"] for r in rows + load_rows + rss_rows if not r.get("ok")]
+    failed = [r["name"] for r in rows + sweep_rows + load_rows + rss_rows if not r.get("ok")]
     if failed:
         log(f"failed: {', '.join(failed)}")
     return 1 if failed else 0
