@@ -324,18 +324,21 @@ def _resolve_export(root: Path, manifest: dict[str, Any], variant: str) -> Model
     )
 
 
-def export_variants(root: Path | None) -> tuple[str, ...]:
-    """The variants a local ``bgeserve export`` at ``root`` holds (() for anything else)."""
+def export_variants(root: Path | None) -> dict[str, dict[str, Any]]:
+    """The variants a local ``bgeserve export`` at ``root`` holds, with their manifest entries
+    (including the ``agreement`` with fp32 measured at export); {} for anything else."""
     if root is None:
-        return ()
+        return {}
     try:
         manifest = _read_manifest(Path(root).expanduser() / "manifest.json")
     except ModelUnavailable:
-        return ()
+        return {}
     if manifest is None or manifest.get("format") != _MANIFEST_FORMAT:
-        return ()
+        return {}
     variants = manifest.get("variants")
-    return tuple(variants) if isinstance(variants, dict) else ()
+    if not isinstance(variants, dict):
+        return {}
+    return {k: v for k, v in variants.items() if isinstance(v, dict)}
 
 
 def _inside(root: Path, relative: object, field: str) -> Path:

@@ -3,10 +3,16 @@
 - ``BGE_M3_EP=openvino`` runs the ``bf16`` variant (an OpenVINO IR made by ``bgeserve export``)
   on the native OpenVINO runtime; ``BGE_M3_MODEL=bf16`` alone implies it.
 - With neither ``BGE_M3_EP`` nor ``BGE_M3_MODEL`` set, the CPU default is the fastest variant
-  that keeps dense cosine ≥ 0.999 against fp32 on this machine: ``bf16`` on OpenVINO when the
-  package is installed, the CPU computes bf16 natively (AVX512_BF16 or AMX) and the export holds
-  that variant; otherwise exact ``fp32`` on ONNX Runtime. int8 (dynamic, per channel) is faster
-  still but measured below 0.999 (docs/benchmarks.md), so it is only used when asked for.
+  that keeps dense cosine ≥ 0.999 against fp32 on this machine, among those the export holds
+  (measured in docs/benchmarks.md):
+
+  1. ``bf16`` on OpenVINO where the CPU has AMX (bf16 matrix tiles: fastest there);
+  2. ``int8`` on ONNX Runtime when ``bgeserve export`` measured its dense cosine vs fp32 at
+     ≥ 0.999 (the manifest's ``agreement``; SmoothQuant made that reachable);
+  3. ``bf16`` on OpenVINO where the CPU has native bf16 without AMX (AVX512_BF16);
+  4. exact ``fp32`` on ONNX Runtime.
+
+  A hub download has only fp32 among these (its int8 is not validated), so it serves fp32.
 - GPU EPs are then checked by ``runtime.gpu.resolve`` (fp16 default, GPUs counted).
 
 Idempotent: resolving resolved settings changes nothing.
@@ -17,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from .artifacts import export_variants
 from .config import Settings
@@ -27,12 +35,25 @@ from .runtime import openvino as ov_runtime
 log = logging.getLogger("bgeserve.backend")
 
 
+MIN_DENSE_COS = 0.999  # the bar a variant must keep to be chosen without being asked for
+
+
+def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether the CPU has AMX bf16 tiles (Sapphire Rapids and later)."""
+    try:
+        with open(cpuinfo, encoding="utf-8") as f:
+            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
+    except OSError:
+        return False
+
+
 @dataclasses.dataclass(frozen=True)
 class Machine:
     """What this machine offers (a seam: tests pass their own)."""
 
     openvino: Callable[[], bool] = ov_runtime.available
     native_bf16: Callable[[], bool] = ov_runtime.native_bf16
+    amx: Callable[[], bool] = cpu_has_amx
 
 
 def resolve(settings: Settings, *, model_explicit: bool = True, ep_explicit: bool = True,
@@ -70,19 +91,49 @@ def _openvino(s: Settings, model_explicit: bool, machine: Machine) -> Settings:
     return s
 
 
+def _validated(entry: dict[str, Any]) -> float | None:
+    """The dense cosine vs fp32 that ``bgeserve export`` measured for a variant, if any."""
+    agreement = entry.get("agreement")
+    value = agreement.get("dense_cos_min") if isinstance(agreement, dict) else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def _cpu_default(s: Settings, machine: Machine) -> Settings:
     """Neither BGE_M3_EP nor BGE_M3_MODEL given: the fastest variant keeping cos ≥ 0.999."""
-    if not machine.openvino():
-        why = f"openvino is not installed ({ov_runtime.INSTALL_HINT})"
+    variants = export_variants(s.model_path)
+    notes = []
+    bf16 = False
+    if "bf16" not in variants:
+        notes.append("bf16: not in the model (`bgeserve export` writes it when openvino is "
+                     "installed)")
+    elif not machine.openvino():
+        notes.append(f"bf16: openvino is not installed ({ov_runtime.INSTALL_HINT})")
     elif not machine.native_bf16():
-        why = "this CPU has no native bf16 (AVX512_BF16 / AMX)"
-    elif "bf16" not in export_variants(s.model_path):
-        why = ("the model has no bf16 variant (`bgeserve export` writes it when openvino is "
-               "installed)")
+        notes.append("bf16: this CPU has no native bf16 (AVX512_BF16 / AMX)")
     else:
-        log.info("BGE_M3_EP and BGE_M3_MODEL not set: serving bf16 on OpenVINO (native bf16 on "
-                 "this CPU; dense cosine vs fp32 >= 0.999)")
-        return dataclasses.replace(s, execution_provider="openvino", variant="bf16")
-    log.info("BGE_M3_EP and BGE_M3_MODEL not set: serving %s on ONNX Runtime (bf16 on OpenVINO "
-             "not used: %s)", s.variant, why)
+        bf16 = True
+    int8_cos = _validated(variants["int8"]) if "int8" in variants else None
+    int8 = int8_cos is not None and int8_cos >= MIN_DENSE_COS
+    if "int8" not in variants:
+        notes.append("int8: not in the model")
+    elif int8_cos is None:
+        notes.append("int8: the export did not measure its agreement with fp32")
+    elif not int8:
+        notes.append(f"int8: dense cosine vs fp32 {int8_cos:.4f} < {MIN_DENSE_COS}")
+    if bf16 and machine.amx():
+        return _choose(s, "openvino", "bf16", "AMX bf16 on OpenVINO is the fastest path")
+    if int8:
+        return _choose(s, "cpu", "int8", f"the export measured dense cosine {int8_cos:.4f} vs "
+                                         "fp32")
+    if bf16:
+        return _choose(s, "openvino", "bf16", "native bf16 on this CPU")
+    log.info("BGE_M3_EP and BGE_M3_MODEL not set: serving exact %s on ONNX Runtime (%s)",
+             s.variant, "; ".join(notes))
     return s
+
+
+def _choose(s: Settings, ep: str, variant: str, why: str) -> Settings:
+    log.info("BGE_M3_EP and BGE_M3_MODEL not set: serving %s on %s (%s; dense cosine vs fp32 "
+             ">= %s)", variant, "OpenVINO" if ep == "openvino" else "ONNX Runtime", why,
+             MIN_DENSE_COS)
+    return dataclasses.replace(s, execution_provider=ep, variant=variant)

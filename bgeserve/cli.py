@@ -104,7 +104,7 @@ def _probe(args: argparse.Namespace) -> int:
     budget = memory.worker_budget(available.available_bytes, 1, model_cost,
                                   headroom=HEADROOM_BYTES, safety_factor=settings.memory_safety_factor)
     guard = CostModel(*conservative_coefficients(**model_dims(artifacts)), budget)
-    print(f"model {artifacts.source} ({artifacts.variant}), {model_cost / 2**30:.2f} GiB loaded, "
+    print(f"model {artifacts.source}, {model_cost / 2**30:.2f} GiB loaded, "
           f"{available.available_bytes / 2**30:.1f} GiB available ({available.source}), "
           f"probe budget {budget / 2**30:.1f} GiB, threads {settings.threads_per_worker}")
     shapes = probe.default_shapes(settings.max_seq_length)

@@ -11,15 +11,18 @@ from bgeserve.backend import Machine, resolve
 from bgeserve.config import Settings
 from bgeserve.errors import ConfigError
 
-BF16_CPU = Machine(openvino=lambda: True, native_bf16=lambda: True)
-NO_BF16 = Machine(openvino=lambda: True, native_bf16=lambda: False)
-NO_OPENVINO = Machine(openvino=lambda: False, native_bf16=lambda: True)
+BF16_CPU = Machine(openvino=lambda: True, native_bf16=lambda: True, amx=lambda: False)
+AMX_CPU = Machine(openvino=lambda: True, native_bf16=lambda: True, amx=lambda: True)
+NO_BF16 = Machine(openvino=lambda: True, native_bf16=lambda: False, amx=lambda: False)
+NO_OPENVINO = Machine(openvino=lambda: False, native_bf16=lambda: True, amx=lambda: False)
 
 
-def export_dir(tmp_path: Path, *variants: str) -> Path:
+def export_dir(tmp_path: Path, *variants: str, int8_cos: float | None = None) -> Path:
+    entries: dict = {v: {"path": f"{v}/model.onnx"} for v in variants}
+    if int8_cos is not None:
+        entries["int8"]["agreement"] = {"dense_cos_min": int8_cos, "dense_cos_mean": int8_cos}
     (tmp_path / "manifest.json").write_text(json.dumps(
-        {"format": "bgeserve-export", "schema": 1,
-         "variants": {v: {"path": f"{v}/model.onnx"} for v in variants}}))
+        {"format": "bgeserve-export", "schema": 1, "variants": entries}))
     return tmp_path
 
 
@@ -32,16 +35,40 @@ def test_default_is_bf16_on_openvino_where_everything_allows_it(tmp_path):
     assert (s.execution_provider, s.variant) == ("openvino", "bf16")
 
 
-@pytest.mark.parametrize(("machine", "variants", "why"), [
-    (NO_OPENVINO, ("fp32", "bf16"), "openvino is not installed"),
-    (NO_BF16, ("fp32", "bf16"), "no native bf16"),
-    (BF16_CPU, ("fp32", "int8"), "no bf16 variant"),
+@pytest.mark.parametrize(("machine", "variants", "int8_cos", "why"), [
+    (NO_OPENVINO, ("fp32", "bf16"), None, "openvino is not installed"),
+    (NO_BF16, ("fp32", "bf16"), None, "no native bf16"),
+    (BF16_CPU, ("fp32", "int8"), None, "did not measure its agreement"),
+    (BF16_CPU, ("fp32", "int8"), 0.9977, "0.9977 < 0.999"),
 ])
-def test_default_stays_exact_fp32_otherwise(tmp_path, caplog, machine, variants, why):
+def test_default_stays_exact_fp32_otherwise(tmp_path, caplog, machine, variants, int8_cos, why):
     caplog.set_level("INFO", "bgeserve.backend")
-    s = auto(Settings(model_path=export_dir(tmp_path, *variants)), machine)
+    s = auto(Settings(model_path=export_dir(tmp_path, *variants, int8_cos=int8_cos)), machine)
     assert (s.execution_provider, s.variant) == ("cpu", "fp32")
     assert why in caplog.text
+
+
+@pytest.mark.parametrize(("machine", "int8_cos", "want"), [
+    (BF16_CPU, 0.9994, ("cpu", "int8")),  # VNNI int8 beats AVX512_BF16 bf16 (benchmarks.md)
+    (BF16_CPU, 0.998, ("openvino", "bf16")),
+    (AMX_CPU, 0.9994, ("openvino", "bf16")),  # AMX bf16 is the fastest there
+    (NO_OPENVINO, 0.9994, ("cpu", "int8")),
+])
+def test_fastest_variant_that_keeps_the_bar(tmp_path, machine, int8_cos, want):
+    s = auto(Settings(model_path=export_dir(tmp_path, "fp32", "int8", "bf16", int8_cos=int8_cos)),
+             machine)
+    assert (s.execution_provider, s.variant) == want
+
+
+def test_amx_flag_is_read_from_cpuinfo(tmp_path):
+    from bgeserve.backend import cpu_has_amx
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    assert cpu_has_amx(info)
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 avx512_vnni\n")
+    assert not cpu_has_amx(info)
+    assert not cpu_has_amx(tmp_path / "missing")
 
 
 def test_hub_download_default_is_fp32():
