@@ -34,8 +34,10 @@ START_TIMEOUT = 60.0
 
 
 def server_env(export: Path, cache: Path, **extra: str) -> dict[str, str]:
+    # fp32 named: the vectors are compared with fp32's at 1e-5, and left to choose, the server
+    # would serve this export's int8 (its manifest records dense cosine >= 0.999 vs fp32).
     env = {"BGE_M3_MODEL_PATH": str(export), "BGE_M3_CACHE_DIR": str(cache),
-           "HF_HUB_OFFLINE": "1", "BGE_M3_LOG_FORMAT": "json",
+           "HF_HUB_OFFLINE": "1", "BGE_M3_LOG_FORMAT": "json", "BGE_M3_MODEL": "fp32",
            "BGE_M3_DISABLE_AUTO_BUDGET": "1", "BGE_M3_MAX_SEQ_LENGTH": "512"}
     env.update(extra)
     return env

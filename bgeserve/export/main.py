@@ -4,6 +4,11 @@ The export directory holds ``manifest.json``, the tokenizer files and one graph 
 (``fp32/model.onnx``, ``fp16/model.onnx``, ``int8/model.onnx``), each with the heads inside so
 one ``session.run`` yields dense, sparse and ColBERT outputs. Every heavy step runs in a child
 process (see ``steps.py``) so the peak memory is that of one step.
+
+int8 is SmoothQuant + dynamic per-channel quantization, calibrated on texts made with the
+export's tokenizer (``smoothquant.py``). When fp32 is part of the export, a last step measures
+each other variant against it (``validate.py``) and the manifest records the figures in that
+variant's ``"agreement"``.
 """
 
 from __future__ import annotations
@@ -75,6 +80,12 @@ def _files_of(graph: Path) -> list[Path]:
     return [graph, data] if data.exists() else [graph]
 
 
+def _openvino_available() -> bool:
+    from ..runtime import openvino
+
+    return openvino.available()
+
+
 def default_variants() -> tuple[str, ...]:
     """Every CPU variant this machine can write (bf16 needs the openvino package)."""
     from ..runtime import openvino
@@ -108,11 +119,24 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
     for head in ("sparse_linear.pt", "colbert_linear.pt"):
         if not (src / head).exists():
             raise ModelUnavailable(f"{src / head} is missing: bge-m3's heads are required")
+    if not (src / "tokenizer.json").exists():
+        raise ModelUnavailable(f"{src / 'tokenizer.json'} is missing: the export needs it "
+                               "(the server reads it; int8 calibration uses it)")
     out.mkdir(parents=True, exist_ok=True)
+    # The tokenizer first: the int8 calibration and the validation make their texts with it.
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copyfile(src / name, out / name)
+    tokenizer = out / "tokenizer.json"
     fp32 = out / "fp32" / "model.onnx"
     # fp16 and int8 are made from the blocked-attention fp32 graph; bf16 needs its own.
     blocked = any(v in variants for v in ("fp32", "fp16", "int8"))
-    steps = int(blocked) + sum(v != "fp32" for v in variants)
+    # The other variants are validated against fp32, when this export writes fp32 (bf16 runs
+    # on OpenVINO: only where the package is installed, as it must be to export bf16 at all).
+    validated = [v for v in VARIANTS if v in variants and v != "fp32"
+                 and (RUNTIMES.get(v) != "openvino" or _openvino_available())] \
+        if "fp32" in variants else []
+    steps = int(blocked) + sum(v != "fp32" for v in variants) + int(bool(validated))
     block = [] if attention_block is None else ["--attention-block", str(attention_block)]
     done = 0
     if blocked:
@@ -125,15 +149,15 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
                    "--hidden", str(config["hidden_size"])], f"{done}/{steps} fp16")
     if "int8" in variants:
         done += 1
-        _run_step(["int8", str(fp32), str(out / "int8" / "model.onnx")], f"{done}/{steps} int8")
+        _run_step(["int8", str(fp32), str(out / "int8" / "model.onnx"),
+                   "--tokenizer", str(tokenizer)], f"{done}/{steps} int8")
     if "bf16" in variants:
         done += 1
         _export_bf16(src, out, opset, f"{done}/{steps} bf16")
+    agreement = _validate(out, validated, tokenizer, f"{steps}/{steps} validation") \
+        if validated else {}
     if "fp32" not in variants and fp32.parent.exists():
         shutil.rmtree(fp32.parent)
-    for name in TOKENIZER_FILES:
-        if (src / name).exists():
-            shutil.copyfile(src / name, out / name)
     print("==> hashing", file=sys.stderr, flush=True)
     manifest = {
         "format": "bgeserve-export",
@@ -150,7 +174,8 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
                   "attention_block": ATTENTION_BLOCK if attention_block is None
                   else attention_block},
         "outputs": OUTPUTS,
-        "variants": {v: _variant_entry(out, v) for v in VARIANTS if v in variants},
+        "variants": {v: _variant_entry(out, v, agreement.get(v)) for v in VARIANTS
+                     if v in variants},
         "tokenizer": "tokenizer.json",
         "source": {
             "model": model,
@@ -165,7 +190,20 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
     return path
 
 
-def _variant_entry(out: Path, variant: str) -> dict[str, object]:
+def _validate(out: Path, variants: list[str], tokenizer: Path,
+              label: str) -> dict[str, dict[str, float]]:
+    """Each of ``variants`` against fp32, in a child step (it loads the graphs one by one)."""
+    result = out / ".agreement.json.tmp"
+    try:
+        _run_step(["validate", str(out), str(result), "--tokenizer", str(tokenizer),
+                   *(arg for v in variants for arg in ("--variant", v))], label)
+        return json.loads(result.read_text())
+    finally:
+        result.unlink(missing_ok=True)
+
+
+def _variant_entry(out: Path, variant: str,
+                   agreement: dict[str, float] | None = None) -> dict[str, object]:
     graph = out / GRAPH_PATHS[variant]
     entry: dict[str, object] = {
         "path": GRAPH_PATHS[variant],
@@ -176,6 +214,9 @@ def _variant_entry(out: Path, variant: str) -> dict[str, object]:
     if variant in RUNTIMES:
         entry["runtime"] = RUNTIMES[variant]
         entry["attention"] = "plain (the runtime fuses it)"
+    if agreement is not None:
+        # vs this export's fp32 graph on validate.VALIDATION_TEXTS texts (validate.py)
+        entry["agreement"] = agreement
     return entry
 
 

@@ -110,21 +110,49 @@ def export_fp16(fp32: Path, out: Path, heads: int = 0, hidden: int = 0) -> None:
     _log(f"wrote {out}", started)
 
 
-def export_int8(fp32: Path, out: Path) -> None:
-    """Dynamic int8 quantisation of the MatMul weights, per channel; heads stay fp32."""
+INT8_RECIPES = ("smoothquant", "dynamic")
+CALIBRATION_TEXTS = 16
+
+
+def export_int8(fp32: Path, out: Path, tokenizer: Path | None = None,
+                recipe: str = "smoothquant") -> None:
+    """int8 MatMul weights (dynamic quantization, per channel); heads stay fp32.
+
+    ``smoothquant`` (the export's recipe) first smooths the fp32 graph with activation maxima
+    from CALIBRATION_TEXTS texts made with ``tokenizer`` (see smoothquant.py); ``dynamic``
+    quantizes the graph as it is (the recipe before SmoothQuant; the tests' stand-in for
+    Xenova's hub graph uses it).
+    """
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    if recipe not in INT8_RECIPES:
+        raise ValueError(f"int8 recipe {recipe!r}: expected one of {INT8_RECIPES}")
+    if recipe == "smoothquant" and tokenizer is None:
+        raise ValueError("the smoothquant int8 recipe needs a tokenizer for its calibration")
     started = time.monotonic()
     model = onnx.load(str(fp32), load_external_data=False)
     exclude = [n.name for n in model.graph.node if n.name.startswith(HEAD_NODE_PREFIXES)]
     big = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
     del model
-    _log(f"quantizing {fp32} (int8, per channel; {len(exclude)} head nodes kept fp32)", started)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src = fp32
+        if recipe == "smoothquant":
+            from . import corpus, smoothquant
+
+            rows = corpus.token_rows(tokenizer, corpus.CALIBRATION_SEED, CALIBRATION_TEXTS)
+            _log(f"smoothing {fp32} (SmoothQuant, {len(rows)} calibration texts)", started)
+            model, summary = smoothquant.smooth(fp32, rows, head_prefixes=HEAD_NODE_PREFIXES)
+            # quantize_dynamic reads a path (given a proto, it would copy it twice more).
+            src = Path(tmp) / "smoothed" / "model.onnx"
+            _save(model, src)
+            del model
+            _log(f"smoothed: {summary}", started)
+        _log(f"quantizing {src} (int8, per channel; {len(exclude)} head nodes kept fp32)",
+             started)
         raw = Path(tmp) / "model.onnx"
-        quantize_dynamic(str(fp32), str(raw), weight_type=QuantType.QInt8, per_channel=True,
+        quantize_dynamic(str(src), str(raw), weight_type=QuantType.QInt8, per_channel=True,
                          op_types_to_quantize=["MatMul", "Gemm"], nodes_to_exclude=exclude,
                          use_external_data_format=big)
         if big:
@@ -132,6 +160,20 @@ def export_int8(fp32: Path, out: Path) -> None:
         else:
             shutil.move(str(raw), out)
     _log(f"wrote {out}", started)
+
+
+def validate(export_dir: Path, variants: list[str], tokenizer: Path, result: Path) -> None:
+    """Agreement of ``variants`` with the export's fp32 graph, as JSON in ``result``."""
+    import json
+
+    from .validate import agreement
+
+    started = time.monotonic()
+    _log(f"validating {', '.join(variants)} against fp32", started)
+    found = agreement(export_dir, variants, tokenizer)
+    for variant, figures in found.items():
+        _log(f"{variant}: {figures}", started)
+    result.write_text(json.dumps(found, indent=1))
 
 
 def export_openvino(plain_fp32: Path, out: Path) -> None:
@@ -166,6 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("int8")
     p.add_argument("fp32", type=Path)
     p.add_argument("out", type=Path)
+    p.add_argument("--recipe", choices=INT8_RECIPES, default="smoothquant")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="tokenizer.json for the calibration texts (smoothquant)")
+    p = sub.add_parser("validate")
+    p.add_argument("export_dir", type=Path)
+    p.add_argument("result", type=Path, help="JSON file written with the figures")
+    p.add_argument("--tokenizer", type=Path, required=True)
+    p.add_argument("--variant", action="append", required=True)
     p = sub.add_parser("openvino")
     p.add_argument("fp32", type=Path)
     p.add_argument("out", type=Path)
@@ -176,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         export_fp16(args.fp32, args.out, args.heads, args.hidden)
     elif args.step == "openvino":
         export_openvino(args.fp32, args.out)
+    elif args.step == "validate":
+        validate(args.export_dir, args.variant, args.tokenizer, args.result)
     else:
-        export_int8(args.fp32, args.out)
+        export_int8(args.fp32, args.out, args.tokenizer, args.recipe)
     return 0
 
 

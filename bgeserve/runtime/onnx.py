@@ -88,14 +88,21 @@ def _providers(config: SessionConfig) -> list[str | tuple[str, dict[str, str]]]:
 class OnnxSession:
     """One ONNX Runtime inference session over a bge-m3 graph."""
 
-    def __init__(self, path: Path, config: SessionConfig):
+    def __init__(self, path: Path, config: SessionConfig, *, graph: bytes | None = None):
+        """Open ``path``; or, with ``graph``, that serialized model (e.g. ``path``'s graph with
+        extra outputs) whose external data is read from ``path``'s directory, not copied."""
         if _PROVIDERS[config.provider] not in ort.get_available_providers():
             raise ModelUnavailable(
                 f"execution provider {config.provider!r} is not available in this onnxruntime "
                 f"build (have: {', '.join(available_providers())})", param="BGE_M3_EP")
+        opts = _session_options(config)
+        if graph is not None:
+            opts.add_session_config_entry(
+                "session.model_external_initializers_file_folder_path", str(Path(path).parent))
         try:
             self._session = ort.InferenceSession(
-                str(path), sess_options=_session_options(config), providers=_providers(config))
+                graph if graph is not None else str(path), sess_options=opts,
+                providers=_providers(config))
         except Exception as exc:  # ORT raises its own pybind exception types
             raise ModelUnavailable(f"cannot open ONNX model {path}: {exc}") from exc
         active = self._session.get_providers()
