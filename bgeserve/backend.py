@@ -35,6 +35,20 @@ from .runtime import openvino as ov_runtime
 log = logging.getLogger("bgeserve.backend")
 
 
+# Padded tokens per session.run() that gave the most tokens/s on the mixed corpus
+# (docs/benchmarks.md, chunk sweep): ORT on the CPU runs small chunks best (its GEMMs gain
+# little from batching and padding costs), OpenVINO bf16 ~1,024; GPUs want big chunks.
+CHUNK_TOKENS = {"cpu": 256, "openvino": 1024}
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+def chunk_tokens(settings: Settings) -> int:
+    """BGE_M3_MAX_CHUNK_TOKENS, else the measured best for the settings' backend."""
+    if settings.max_chunk_tokens is not None:
+        return settings.max_chunk_tokens
+    return CHUNK_TOKENS.get(settings.execution_provider, DEFAULT_CHUNK_TOKENS)
+
+
 MIN_DENSE_COS = 0.999  # the bar a variant must keep to be chosen without being asked for
 
 

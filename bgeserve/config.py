@@ -120,9 +120,11 @@ class Settings:
                               "threads per session; 0 = CPU cores / workers")
     max_chunk: int = _var("BGE_M3_MAX_CHUNK", _number(int, 1, 4096), 64,
                           "texts per session.run() at most (a latency cap)")
-    max_chunk_tokens: int | None = _var("BGE_M3_MAX_CHUNK_TOKENS", _number(int, 1), 1024,
+    max_chunk_tokens: int | None = _var("BGE_M3_MAX_CHUNK_TOKENS", _number(int, 1), None,
                                         "padded tokens per session.run() at most (a text "
-                                        "longer than this runs alone)")
+                                        "longer than this runs alone); default: the backend's "
+                                        "measured best, 256 on ONNX Runtime CPU, 1024 on "
+                                        "OpenVINO and GPUs")
     cross_request_batching: bool = _var("BGE_M3_CROSS_REQUEST_BATCHING", _bool, True,
                                         "pack texts of concurrent requests together")
     # memory

@@ -36,7 +36,7 @@ def engine_config(settings: Settings) -> EngineConfig:
     session = gpu.session_config(s)  # provider options, device count, TensorRT profile/caches
     max_chunk = s.max_chunk if s.onnx_batch_size is None else s.onnx_batch_size
     scheduler = SchedulerConfig(
-        workers=s.workers, max_chunk=max_chunk, max_chunk_tokens=s.max_chunk_tokens,
+        workers=s.workers, max_chunk=max_chunk, max_chunk_tokens=backend.chunk_tokens(s),
         batch_delay_s=s.batch_delay_ms / 1000.0, cross_request=s.cross_request_batching,
         max_queue_tokens=s.max_queue_tokens,
         idle_timeout_s=s.idle_timeout_secs)

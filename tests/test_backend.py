@@ -124,3 +124,12 @@ def test_environment_pairs_openvino_with_bf16():
     assert Settings.from_env({"BGE_M3_MODEL": "bf16"}).execution_provider == "openvino"
     both = Settings.from_env({"BGE_M3_MODEL": "bf16", "BGE_M3_EP": "cpu"})
     assert (both.execution_provider, both.variant) == ("cpu", "bf16")  # backend.resolve refuses
+
+
+def test_chunk_tokens_default_per_backend_and_explicit_wins():
+    from bgeserve.backend import chunk_tokens
+
+    assert chunk_tokens(Settings()) == 256  # ONNX Runtime CPU
+    assert chunk_tokens(Settings(execution_provider="openvino", variant="bf16")) == 1024
+    assert chunk_tokens(Settings(execution_provider="cuda")) == 1024
+    assert chunk_tokens(Settings(max_chunk_tokens=4096)) == 4096

@@ -39,7 +39,7 @@ def test_an_empty_environment_gives_the_defaults():
                                                                  False)
     assert (s.max_seq_length, s.truncate, s.model_aliases) == (8192, True, ())
     assert (s.execution_provider, s.workers, s.intra_threads, s.max_chunk) == ("cpu", 1, 0, 64)
-    assert (s.max_chunk_tokens, s.cross_request_batching) == (1024, True)
+    assert (s.max_chunk_tokens, s.cross_request_batching) == (None, True)  # per backend
     assert (s.available_memory_bytes, s.memory_safety_factor, s.token_budget) == (None, 0.7, None)
     assert (s.cost_model_a, s.cost_model_b, s.onnx_batch_size) == (None, None, None)
     assert (s.disable_auto_budget, s.disable_probe_cache) == (False, False)
