@@ -23,8 +23,9 @@ def ready_service(stats: Any) -> Service:
     """A Service that is past loading, its engine reporting ``stats()``."""
     service = Service(Settings())
     service.engine = SimpleNamespace(stats=stats)  # type: ignore[assignment]
-    service.artifacts = SimpleNamespace(variant="fp32", source="test",  # type: ignore[assignment]
-                                        layout=SimpleNamespace(value="bgeserve"))
+    service.artifacts = SimpleNamespace(  # type: ignore[assignment]
+        variant="fp32", source="test", runtime="onnxruntime",
+        layout=SimpleNamespace(value="bgeserve"))
     service.tuner = SimpleNamespace(state=SimpleNamespace(as_dict=dict))  # type: ignore[assignment]
     service._ready.set()
     return service
