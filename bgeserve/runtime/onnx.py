@@ -1,8 +1,7 @@
 """ONNX Runtime adapter: the only module that imports ``onnxruntime``.
 
-It opens sessions with bgeserve's options and translates ORT's exceptions where they enter:
-an allocation failure becomes ``OutOfMemory`` (the engine splits the chunk and retries),
-anything else ``EngineFailed``.
+It opens sessions with bgeserve's options; a failed run is translated where it enters
+(``common.run_failure``: OutOfMemory, which the scheduler splits, or EngineFailed).
 """
 
 from __future__ import annotations
@@ -15,9 +14,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from ..errors import EngineFailed, ModelUnavailable, OutOfMemory
-
-_OOM_MARKERS = ("failed to allocate", "bad_alloc", "out of memory", "cudaerrormemoryallocation")
+from ..errors import ModelUnavailable
+from .common import feeds, run_failure
 _PROVIDERS = {
     "cpu": "CPUExecutionProvider",
     "cuda": "CUDAExecutionProvider",
@@ -120,19 +118,11 @@ class OnnxSession:
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray,
             outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run one padded chunk; returns the requested outputs by name."""
-        feeds = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if "token_type_ids" in self.input_names:
-            feeds["token_type_ids"] = np.zeros_like(input_ids)
         names = list(outputs) if outputs else self.output_names
         try:
-            values = self._session.run(names, feeds)
+            values = self._session.run(names, feeds(self.input_names, input_ids, attention_mask))
         except Exception as exc:
-            text = str(exc)
-            if any(marker in text.lower() for marker in _OOM_MARKERS):
-                raise OutOfMemory(f"runtime could not allocate memory for a chunk of shape "
-                                  f"{tuple(input_ids.shape)}: {text}") from exc
-            raise EngineFailed(f"inference failed for shape {tuple(input_ids.shape)}: {text}") \
-                from exc
+            raise run_failure(exc, tuple(input_ids.shape), "onnxruntime") from exc
         return dict(zip(names, values))
 
     def close(self) -> None:

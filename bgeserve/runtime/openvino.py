@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import EngineFailed, ModelUnavailable, OutOfMemory
+from ..errors import ModelUnavailable
+from .common import feeds, run_failure
 
 INSTALL_HINT = "install it with `pip install 'bgeserve[openvino]'`"
-_OOM_MARKERS = ("bad_alloc", "cannot allocate", "failed to allocate", "out of memory")
 
 
 def available() -> bool:
@@ -132,19 +132,11 @@ class OpenVinoSession:
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray,
             outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run one padded chunk; returns the requested outputs (copies) by name."""
-        feeds = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if "token_type_ids" in self.input_names:
-            feeds["token_type_ids"] = np.zeros_like(input_ids)
         names = list(outputs) if outputs else self.output_names
         try:
-            result = self._request.infer(feeds)
+            result = self._request.infer(feeds(self.input_names, input_ids, attention_mask))
         except Exception as exc:
-            text = str(exc)
-            if any(marker in text.lower() for marker in _OOM_MARKERS):
-                raise OutOfMemory(f"OpenVINO could not allocate memory for a chunk of shape "
-                                  f"{tuple(input_ids.shape)}: {text}") from exc
-            raise EngineFailed(f"inference failed for shape {tuple(input_ids.shape)}: {text}") \
-                from exc
+            raise run_failure(exc, tuple(input_ids.shape), "OpenVINO") from exc
         # infer() copies its outputs (share_outputs=False): they outlive the next run.
         return {name: result[self._compiled.output(name)] for name in names}
 
