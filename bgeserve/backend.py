@@ -29,17 +29,11 @@ from typing import Any
 from .artifacts import export_variants
 from .config import Settings
 from .errors import ConfigError
+from .forward import CHUNK_TOKENS, DEFAULT_CHUNK_TOKENS
 from .runtime import gpu
 from .runtime import openvino as ov_runtime
 
 log = logging.getLogger("bgeserve.backend")
-
-
-# Padded tokens per session.run() that gave the most tokens/s on the mixed corpus
-# (docs/benchmarks.md, chunk sweep): ORT on the CPU runs small chunks best (its GEMMs gain
-# little from batching and padding costs), OpenVINO bf16 ~1,024; GPUs want big chunks.
-CHUNK_TOKENS = {"cpu": 256, "openvino": 1024}
-DEFAULT_CHUNK_TOKENS = 1024
 
 
 def chunk_tokens(settings: Settings) -> int:

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,7 @@ from . import memory
 from .artifacts import Layout
 from .costmodel import CostModel, conservative_coefficients
 from .errors import BgeServeError, InvalidInput, NotReady, TooLarge
-from .forward import forward_factory
+from .forward import best_chunk_tokens, forward_factory
 from .results import EmbedOptions, Embeddings
 from .runtime.onnx import SessionConfig
 from .scheduler import ChunkStats, Job, Scheduler, SchedulerConfig
@@ -87,12 +87,17 @@ class Engine:
                  cost_model: CostModel | None = None, auto_budget: bool = True,
                  start: bool = True,
                  on_chunk: Callable[[ChunkStats], None] | None = None):
-        self.config = config or EngineConfig()
         if artifacts is None:
             cache = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "bgeserve"
             artifacts = resolve(model_path=Path(model_path) if model_path else None,
                                 variant=variant, cache_dir=cache, offline=offline)
         self.artifacts = artifacts
+        if config is None:
+            # No config given: chunk as the server does, by the runtime's measured best.
+            config = EngineConfig()
+            config = replace(config, scheduler=replace(
+                config.scheduler, max_chunk_tokens=best_chunk_tokens(artifacts, config.session)))
+        self.config = config
         self.tokenizer = Tokenizer.load(artifacts.tokenizer_path, self.config.max_seq)
         self.open_forward = forward_factory(artifacts, self.config.session)
         self._cost = cost_model

@@ -15,8 +15,21 @@ from .artifacts import Layout, ModelArtifacts
 from .errors import ModelUnavailable
 from .heads import ChunkOutputs, HiddenHeads, l2_normalize
 from .runtime.gpu import open_pinned
-from .runtime.onnx import OnnxSession, SessionConfig
+from .runtime.onnx import OnnxSession, SessionConfig, SharedSession
 from .tokenizer import PAD_ID
+
+
+# Padded tokens per session.run() that gave the most tokens/s on the mixed corpus
+# (docs/benchmarks.md, chunk sweep): ORT on the CPU runs small chunks best (its GEMMs gain
+# little from batching and padding costs), OpenVINO bf16 ~1,024; GPUs want big chunks.
+CHUNK_TOKENS = {"cpu": 256, "openvino": 1024}
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+def best_chunk_tokens(artifacts: ModelArtifacts, config: SessionConfig) -> int:
+    """The measured best padded tokens per chunk for the runtime and EP that will run."""
+    key = "openvino" if artifacts.runtime == "openvino" else config.provider
+    return CHUNK_TOKENS.get(key, DEFAULT_CHUNK_TOKENS)
 
 
 def pad_chunk(ids: list[np.ndarray], pad_to: int) -> tuple[np.ndarray, np.ndarray]:
@@ -94,7 +107,24 @@ def forward_factory(artifacts: ModelArtifacts,
 
         return open_openvino
 
+    if config.provider == "cpu":
+        # One session, one copy of the weights, however many workers (runtime.onnx.SharedSession).
+        session = SharedSession(artifacts.onnx_path, config)
+
+        def open_shared(worker: int = 0) -> Forward:
+            return Forward(session.session(), artifacts.layout, heads)  # type: ignore[arg-type]
+
+        return open_shared
+
     def open_forward(worker: int = 0) -> Forward:
         return Forward(open_pinned(artifacts.onnx_path, config, worker), artifacts.layout, heads)
 
     return open_forward
+
+
+def weight_copies(artifacts: ModelArtifacts, config: SessionConfig, workers: int) -> int:
+    """How many copies of the weights ``workers`` workers keep resident: one where they share
+    a session or compiled model (CPU, OpenVINO), else one per worker (GPU sessions)."""
+    if artifacts.runtime == "openvino" or config.provider == "cpu":
+        return 1
+    return max(1, workers)

@@ -267,6 +267,10 @@ class Scheduler:
                     # Held until answered, under the same lock: if this worker dies, the pieces
                     # are neither lost nor left waiting in the queue.
                     self._holding[worker] = chunk = self._take_chunk()
+                    if self._pending:
+                        # submit() woke one worker; pass the rest on, so one big request
+                        # runs on every idle worker, not only the first.
+                        self._cond.notify()
                     return chunk
                 if not self._cond.wait(idle) and self._forwards[worker] is not None:
                     return "unload"

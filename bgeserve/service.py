@@ -19,6 +19,7 @@ from . import __version__, backend, memory, probe
 from .artifacts import Layout, ModelArtifacts, resolve, validate_cache_dir
 from .config import Settings
 from .engine import Engine, EngineConfig, Inputs, model_dims
+from .forward import weight_copies
 from .errors import BgeServeError, DeadlineExceeded, NotReady
 from .metrics import Metrics
 from .results import EmbedOptions, Embeddings
@@ -137,7 +138,9 @@ class Service:
 
             model_bytes = sum(p.stat().st_size for p in (artifacts.onnx_path,
                                                           *artifacts.external_data))
-            model_cost = measure_model_cost(load, s.workers, model_bytes)
+            model_cost = measure_model_cost(
+                load, s.workers, model_bytes,
+                copies=weight_copies(artifacts, engine.config.session, s.workers))
             parts = probe_parts(s, artifacts)
             fingerprint = probe.fingerprint(parts)
             cost = tuner.initial(model_cost, fingerprint)

@@ -284,21 +284,27 @@ def synthetic_run(open_forward: Callable[[], Any], vocab_size: int) -> tuple[Cal
     return run, forward.close
 
 
-def measure_model_cost(load: Callable[[], None], workers: int, model_bytes: int = 0) -> int:
+def measure_model_cost(load: Callable[[], None], workers: int, model_bytes: int = 0,
+                       copies: int | None = None) -> int:
     """Memory per worker: RSS growth while ``load`` opens every session and primes it.
 
-    Never less than ``model_bytes`` (the ONNX files): ONNX Runtime maps external weight data,
-    so a primed session is not yet fully resident (full-size fp32: 1.35 GiB of 2.27 GB) and
-    grows as texts touch new rows of the embedding table. The budget must hold the end state.
+    Never less than ``copies`` × ``model_bytes`` (the ONNX files) shared among the workers:
+    ONNX Runtime maps external weight data, so a primed session is not yet fully resident
+    (full-size fp32: 1.35 GiB of 2.27 GB) and grows as texts touch new rows of the embedding
+    table. The budget must hold the end state. ``copies``: weight copies the workers keep
+    (1 where they share one session, as on the CPU; default one per worker).
     """
+    workers = max(workers, 1)
+    copies = workers if copies is None else max(1, copies)
     memory.trim_heap()
     before = memory.rss_bytes()
     started = time.monotonic()
     load()
-    measured = max(0, memory.rss_bytes() - before) // max(workers, 1)
-    cost = max(measured, model_bytes)
-    log.info("model loaded in %.1fs: %d MiB RSS per worker (counted as %d MiB)",
-             time.monotonic() - started, measured >> 20, cost >> 20)
+    measured = max(0, memory.rss_bytes() - before) // workers
+    cost = max(measured, model_bytes * copies // workers)
+    log.info("model loaded in %.1fs: %d MiB RSS per worker (counted as %d MiB; %d worker%s, "
+             "%d cop%s of the weights)", time.monotonic() - started, measured >> 20, cost >> 20,
+             workers, "s" if workers > 1 else "", copies, "ies" if copies > 1 else "y")
     return cost
 
 

@@ -460,14 +460,30 @@ def child_raw(spec: dict[str, Any], corpus: dict[str, Any], batch1: bool) -> dic
             "latencies": latencies if batch1 else [], "chunks": chunks}
 
 
+def _engine_config(spec: dict[str, Any]):
+    """The server's engine settings: ``workers`` sharing the threads, chunks of the backend's
+    best padded-token count (what ``bgeserve serve`` would use)."""
+    from bgeserve.artifacts import resolve
+    from bgeserve.engine import EngineConfig
+    from bgeserve.forward import best_chunk_tokens
+    from bgeserve.runtime.onnx import SessionConfig
+    from bgeserve.scheduler import SchedulerConfig
+
+    workers = spec.get("workers", 1)
+    session = SessionConfig(threads=max(1, spec["threads"] // workers), streams=workers)
+    artifacts = resolve(model_path=Path(spec["export_dir"]), variant=spec["variant"],
+                        cache_dir=Path(spec["work_dir"]) / "cache", offline=True)
+    scheduler = SchedulerConfig(workers=workers,
+                                max_chunk_tokens=best_chunk_tokens(artifacts, session))
+    return EngineConfig(max_seq=MAX_SEQ, session=session, scheduler=scheduler)
+
+
 def child_engine(spec: dict[str, Any], corpus: dict[str, Any]) -> dict[str, Any]:
     from bgeserve import Engine
-    from bgeserve.engine import EngineConfig
-    from bgeserve.runtime.onnx import SessionConfig
 
     texts = corpus["texts"]
     chunks: list[tuple[int, int]] = []
-    config = EngineConfig(max_seq=MAX_SEQ, session=SessionConfig(threads=spec["threads"]))
+    config = _engine_config(spec)
     t0 = time.perf_counter()
     engine = Engine(spec["export_dir"], spec["variant"], config=config,
                     cache_dir=Path(spec["work_dir"]) / "cache", offline=True,
@@ -506,7 +522,8 @@ class Server:
         env = {k: v for k, v in os.environ.items() if not k.startswith("BGE_M3_")}
         env.update({
             "BGE_M3_MODEL_PATH": spec["export_dir"], "BGE_M3_MODEL": spec["variant"],
-            "BGE_M3_INTRA_THREADS": str(spec["threads"]), "BGE_M3_WORKERS": "1",
+            "BGE_M3_INTRA_THREADS": str(max(1, spec["threads"] // spec.get("workers", 1))),
+            "BGE_M3_WORKERS": str(spec.get("workers", 1)),
             "BGE_M3_CACHE_DIR": str(work / "cache"), "BGE_M3_BIND": f"127.0.0.1:{self.port}",
             "BGE_M3_IDLE_TIMEOUT_SECS": "0", "BGE_M3_HEARTBEAT_SECS": "0",
             "BGE_M3_LOG_FORMAT": "json", "HF_HUB_OFFLINE": "1",
@@ -732,11 +749,9 @@ def child_load(spec: dict[str, Any], corpus: dict[str, Any]) -> dict[str, Any]:
 
 def child_rss(spec: dict[str, Any], corpus: dict[str, Any]) -> dict[str, Any]:
     from bgeserve import Engine
-    from bgeserve.engine import EngineConfig
     from bgeserve.memory import trim_heap
-    from bgeserve.runtime.onnx import SessionConfig
 
-    config = EngineConfig(max_seq=MAX_SEQ, session=SessionConfig(threads=spec["threads"]))
+    config = _engine_config(spec)
     engine = Engine(spec["export_dir"], spec["variant"], config=config,
                     cache_dir=Path(spec["work_dir"]) / "cache", offline=True)
     try:
@@ -818,7 +833,8 @@ class Runner:
         spec = {
             "work_dir": str(self.work), "export_dir": str(self.export_dir),
             "model_dir": str(self.model_dir) if self.model_dir else None,
-            "threads": self.args.threads, "latency_pass": not self.args.no_latency_pass,
+            "threads": self.args.threads, "workers": self.args.workers,
+            "latency_pass": not self.args.no_latency_pass,
             "raw_arena": self.args.raw_arena, "plain_graph": self.args.plain_graph,
             "http_clients": self.args.http_clients,
             "http_batch": self.args.http_batch, "http_budget": self.args.http_budget,
@@ -1164,6 +1180,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="comma list of export variants: fp32, int8 (ONNX Runtime), bf16 "
                         "(OpenVINO) (default fp32,int8, plus bf16 when the export has it)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads (ORT and torch)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="engine/http workers, sharing --threads (BGE_M3_WORKERS; CPU workers "
+                        "share one session)")
     p.add_argument("--texts", type=int, default=None,
                    help="texts in the mixed corpus (default 64; 16 with --quick)")
     p.add_argument("--corpus", choices=["mixed", "long", "both"], default="mixed")
@@ -1352,7 +1371,10 @@ def main(argv: list[str]) -> int:
            f"- machine: {m['nproc']} CPUs ({m['cpu_model']}), {m['mem_total_gib']} GiB, "
            f"{m['machine']}, Linux {m['kernel']}",
            f"- versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v),
-           f"- model: {model_dir or '—'}; export: {export_dir}; threads: {args.threads}",
+           f"- model: {model_dir or '—'}; export: {export_dir}; threads: {args.threads}"
+           + (f"; engine/http workers: {args.workers} (one shared session, "
+              f"{max(1, args.threads // args.workers)} thread(s) each)" if args.workers > 1
+              else ""),
            "- variants: " + ", ".join(f"{v} ({runtimes[v]})" for v in args.variants)
            + (f"; server default: {default_variant}" if default_variant else "")
            + (f"; ort1 graph: {args.plain_graph}" if args.plain_graph else ""),

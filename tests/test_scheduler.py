@@ -365,6 +365,20 @@ def test_two_workers_run_chunks_side_by_side():
     assert {c.forward for c in factory.calls} == set(factory.forwards)
 
 
+def test_one_big_job_runs_on_every_idle_worker():
+    """One submit wakes one worker; it passes the rest on, so a single large request (the
+    library's ``embed(list)``) runs its chunks on both workers at once, not on the first only."""
+    factory = Factory(gate=threading.Event())
+    with scheduler(factory, workers=2, max_chunk=1) as sched:
+        job = job_of(unique_texts(3, [2, 2, 2, 2]))
+        sched.submit(job)
+        assert wait_until(lambda: len(factory.calls) == 2)
+        assert sched.stats()["busy"] == 2
+        assert {c.forward for c in factory.calls} == set(factory.forwards)
+        factory.gate.set()
+        assert_dense_right(job)
+
+
 # ----------------------------------------------------------------------- sparse, colbert
 def test_sparse_and_colbert_are_delivered_per_text():
     """Sparse entries are sparse_vector of the text's ids and weights; colbert has n-1 rows."""

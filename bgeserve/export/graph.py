@@ -1,8 +1,9 @@
 """bge-m3 as one exportable torch module: encoder plus all three heads in a single graph.
 
 The forward pass is written out here (rather than calling transformers' module) so that the
-exported ONNX graph is exactly what we choose: plain MatMul/Softmax attention that ONNX Runtime
-fuses well, no dependence on the transformers version's masking or attention dispatch, and the
+exported ONNX graph is exactly what we choose: ONNX Runtime's fused MultiHeadAttention for chunks
+without padding and masked attention over blocks of query rows for padded ones (``attention``;
+plain MatMul/Softmax attention for the hub layouts and OpenVINO), no dependence on the transformers version's masking or attention dispatch, and the
 heads inside the graph so one ``session.run`` gives any subset of outputs. Parity with
 FlagEmbedding is proved by the test suite, not assumed.
 """
@@ -15,28 +16,86 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import ATTENTION_BLOCK
+from . import ATTENTION_BLOCK, ATTENTION_KEYS, ATTENTION_MIN_ROWS
 
 PAD_ID = 1
 OUTPUTS = ("dense", "sparse_weights", "colbert")
 
 
+# ``bgeserve::mha``: multi-head attention over [B, L, D] projections without a mask, exported as
+# ONNX Runtime's com.microsoft MultiHeadAttention. On the CPU that op runs MLAS's flash attention
+# when it gets no mask (the score matrix is never materialised: bounded memory, no transposes); on
+# CUDA its fused kernels. The torch implementation is the plain math, used only while tracing.
+_LIBRARY = torch.library.Library("bgeserve", "DEF")
+_LIBRARY.define("mha(Tensor q, Tensor k, Tensor v, int heads) -> Tensor")
+
+
+def _mha_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    b, n, d = q.shape
+    hd = d // heads
+
+    def split(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(b, n, heads, hd).transpose(1, 2)
+
+    scores = split(q) @ split(k).transpose(-1, -2) * (1.0 / math.sqrt(hd))
+    return (torch.softmax(scores, dim=-1) @ split(v)).transpose(1, 2).reshape(b, n, d)
+
+
+_LIBRARY.impl("mha", _mha_reference, "CPU")
+
+
+def _mha_symbolic(g, q, k, v, heads):
+    from torch.onnx.symbolic_helper import _get_const
+
+    return g.op("com.microsoft::MultiHeadAttention", q, k, v,
+                num_heads_i=_get_const(heads, "i", "heads"))
+
+
+torch.onnx.register_custom_op_symbolic("bgeserve::mha", _mha_symbolic, 1)
+
+
 @torch.jit.script
 def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                      block: int) -> torch.Tensor:
-    """softmax(q·kᵀ + bias)·v, computed ``block`` query rows at a time when seq > block.
+                      block: int, keys: int, min_rows: int) -> torch.Tensor:
+    """softmax(q·kᵀ + bias)·v, over blocks of query rows when seq > block.
 
+    Rows per block shrink as the keys grow (``block`` rows up to ``keys`` keys, then
+    ``block·keys / seq``, never under ``min_rows``), so one block's scores stay under heads ×
+    block × keys elements at any length: 16 MiB for bge-m3 fp32, where a fixed 256-row block
+    needs 128 MiB per score tensor at 8,192 tokens. Exact, since softmax is per query row.
     Scripted, so the export keeps the branch and the loop (ONNX If + Loop) for any length.
     """
     kt = k.transpose(-1, -2)
     seq = q.size(2)
     if seq <= block:
         return torch.matmul(torch.softmax(torch.matmul(q, kt) + bias, dim=-1), v)
+    rows = max(min_rows, min(block, block * keys // seq))
     parts: list[torch.Tensor] = []
-    for start in range(0, seq, block):
-        scores = torch.matmul(q[:, :, start:start + block], kt) + bias
+    for start in range(0, seq, rows):
+        scores = torch.matmul(q[:, :, start:start + rows], kt) + bias
         parts.append(torch.matmul(torch.softmax(scores, dim=-1), v))
     return torch.cat(parts, dim=2)
+
+
+@torch.jit.script
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+              unpadded: torch.Tensor, heads: int, block: int, keys: int,
+              min_rows: int) -> torch.Tensor:
+    """Attention over the [B, L, D] projections; exported as If(unpadded, MHA, blocked).
+
+    A chunk without padding (every text alone, and every long text, is one) needs no mask, so
+    it takes the fused MultiHeadAttention (flash attention on the CPU); a padded chunk takes the
+    masked, blocked path.
+    """
+    if bool(unpadded):
+        return torch.ops.bgeserve.mha(q, k, v, heads)
+    b, n, d = q.size(0), q.size(1), q.size(2)
+    hd = d // heads
+    qs = q.view(b, n, heads, hd).transpose(1, 2) * (1.0 / math.sqrt(hd))
+    ks = k.view(b, n, heads, hd).transpose(1, 2)
+    vs = v.view(b, n, heads, hd).transpose(1, 2)
+    ctx = blocked_attention(qs, ks, vs, bias, block, keys, min_rows)
+    return ctx.transpose(1, 2).reshape(b, n, d)
 
 
 class M3Graph(nn.Module):
@@ -63,19 +122,21 @@ class M3Graph(nn.Module):
              + emb.token_type_embeddings.weight[0])
         return emb.LayerNorm(x)
 
-    def _attention(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def _attention(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor,
+                   unpadded: torch.Tensor) -> torch.Tensor:
         att = layer.attention.self
         b, n, _ = x.shape
+        if self.attention_block > 0:
+            return attention(att.query(x), att.key(x), att.value(x), bias, unpadded, self.heads,
+                             self.attention_block, ATTENTION_KEYS, ATTENTION_MIN_ROWS)
 
         def split(t: torch.Tensor) -> torch.Tensor:
             return t.view(b, n, self.heads, self.head_dim).transpose(1, 2)
 
         q = split(att.query(x)) * (1.0 / math.sqrt(self.head_dim))
         k, v = split(att.key(x)), split(att.value(x))
-        if self.attention_block > 0:
-            ctx = blocked_attention(q, k, v, bias, self.attention_block)
-        else:
-            ctx = torch.softmax(q @ k.transpose(-1, -2) + bias, dim=-1) @ v
+        # Plain attention (hub layouts, the OpenVINO variant: OpenVINO fuses this pattern).
+        ctx = torch.softmax(q @ k.transpose(-1, -2) + bias, dim=-1) @ v
         return ctx.transpose(1, 2).reshape(b, n, self.heads * self.head_dim)
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
@@ -84,8 +145,9 @@ class M3Graph(nn.Module):
         mask = attention_mask.to(x.dtype)
         # Additive key mask, as transformers' eager attention: finfo.min on padded keys.
         bias = (1.0 - mask)[:, None, None, :] * torch.finfo(x.dtype).min
+        unpadded = attention_mask.min() == 1
         for layer in self.encoder_model.encoder.layer:
-            ctx = self._attention(layer, x, bias)
+            ctx = self._attention(layer, x, bias, unpadded)
             x = layer.attention.output.LayerNorm(layer.attention.output.dense(ctx) + x)
             inter = nn.functional.gelu(layer.intermediate.dense(x))
             x = layer.output.LayerNorm(layer.output.dense(inter) + x)

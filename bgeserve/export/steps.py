@@ -84,7 +84,8 @@ def export_fp32(model_dir: Path, out: Path, opset: int, layout: str = "bgeserve"
         with torch.no_grad():
             torch.onnx.export(module, (ids, mask), str(raw), input_names=["input_ids",
                               "attention_mask"], output_names=outputs, dynamic_axes=dynamic,
-                              opset_version=opset, do_constant_folding=True, dynamo=False)
+                              opset_version=opset, do_constant_folding=True, dynamo=False,
+                              custom_opsets={"com.microsoft": 1})
         del module, graph
         _log("consolidating weights", started)
         model = onnx.load(str(raw), load_external_data=True)
@@ -154,7 +155,10 @@ def export_int8(fp32: Path, out: Path, tokenizer: Path | None = None,
         raw = Path(tmp) / "model.onnx"
         quantize_dynamic(str(src), str(raw), weight_type=QuantType.QInt8, per_channel=True,
                          op_types_to_quantize=["MatMul", "Gemm"], nodes_to_exclude=exclude,
-                         use_external_data_format=big)
+                         use_external_data_format=big,
+                         # Shape inference cannot see through the com.microsoft attention op;
+                         # every tensor it would quantize is float.
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
         if big:
             _save(onnx.load(str(raw), load_external_data=True), out)
         else:

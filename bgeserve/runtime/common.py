@@ -7,7 +7,9 @@ retries), anything else ``EngineFailed``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -17,6 +19,41 @@ from ..errors import BgeServeError, EngineFailed, OutOfMemory
 # std::bad_alloc, OpenVINO's CPU plugin.
 OOM_MARKERS = ("failed to allocate", "bad_alloc", "out of memory", "cudaerrormemoryallocation",
                "cannot allocate")
+
+
+T = TypeVar("T")
+
+
+class Shared(Generic[T]):
+    """One runtime object (a session, a compiled model) for every worker that asks for it.
+
+    ``acquire()`` opens it on first use (once, under a lock, while the others wait) and counts
+    its users; ``release()`` drops it with the last user, so an idle unload frees the weights
+    and the next load opens afresh.
+    """
+
+    def __init__(self, open_: Callable[[], T]):
+        self._open = open_
+        self._lock = threading.Lock()
+        self._value: T | None = None
+        self._users = 0
+
+    def acquire(self) -> T:
+        with self._lock:
+            if self._value is None:
+                self._value = self._open()
+            self._users += 1
+            return self._value
+
+    def release(self) -> None:
+        with self._lock:
+            self._users = max(0, self._users - 1)
+            if self._users == 0:
+                self._value = None
+
+    @property
+    def users(self) -> int:
+        return self._users
 
 
 def feeds(input_names: Sequence[str], input_ids: np.ndarray,

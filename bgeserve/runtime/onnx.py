@@ -15,7 +15,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..errors import ModelUnavailable
-from .common import feeds, run_failure
+from .common import Shared, feeds, run_failure
 _PROVIDERS = {
     "cpu": "CPUExecutionProvider",
     "cuda": "CUDAExecutionProvider",
@@ -128,6 +128,58 @@ class OnnxSession:
     def close(self) -> None:
         """Release the session (its memory is freed once no reference remains)."""
         self._session = None  # type: ignore[assignment]
+
+
+class SharedSession:
+    """One CPU session for every worker: ``session()`` hands each worker a handle on it.
+
+    ``InferenceSession.run`` is thread-safe and, on the CPU EP, computes on its caller's thread
+    (plus the session's intra-op pool), so N workers with cores/N threads each run N chunks at
+    once on ONE copy of the weights and of their prepacked forms, where a session per worker
+    holds N. Measured (full-size, 2 cores, 64 texts of 16-512 tokens, batch 1): two concurrent
+    single-thread runs vs one two-thread run, fp32 285 vs 267 tokens/s, int8 852 vs 809, for
+    +40 MiB RSS, not the +1.9 GiB of a second fp32 session.
+
+    Opened on the first ``session()``, released when the last handle closes (idle unload). A
+    worker that reopens after a failed run gets the same session while others hold it: a CPU
+    session keeps no state between runs (the per-worker reopen is for GPU contexts, which are
+    not shared).
+    """
+
+    def __init__(self, path: Path, config: SessionConfig):
+        self.path = path
+        self.config = config
+        self._shared = Shared(lambda: OnnxSession(path, config))
+
+    def session(self) -> SharedHandle:
+        return SharedHandle(self._shared, self._shared.acquire())
+
+    @property
+    def users(self) -> int:
+        return self._shared.users
+
+
+class SharedHandle:
+    """One worker's view of a ``SharedSession``: the same ``run`` / ``close`` as ``OnnxSession``."""
+
+    def __init__(self, owner: Shared[OnnxSession], session: OnnxSession):
+        self._owner = owner
+        self._session: OnnxSession | None = session
+        self.path = session.path
+        self.config = session.config
+        self.input_names = session.input_names
+        self.output_names = session.output_names
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray,
+            outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        if self._session is None:
+            raise RuntimeError("run() on a closed session")
+        return self._session.run(input_ids, attention_mask, outputs)
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session = None
+            self._owner.release()
 
 
 def cpu_description() -> str:

@@ -18,14 +18,13 @@ and its CPU plugin crashes on the ONNX Loop of bgeserve's blocked attention.
 from __future__ import annotations
 
 import importlib.util
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ModelUnavailable
-from .common import feeds, run_failure
+from .common import Shared, feeds, run_failure
 
 INSTALL_HINT = "install it with `pip install 'bgeserve[openvino]'`"
 
@@ -84,9 +83,7 @@ class SharedModel:
         self.precision = precision
         self.threads = threads  # per stream
         self.streams = max(1, streams)
-        self._lock = threading.Lock()
-        self._compiled = None
-        self._users = 0
+        self._shared = Shared(self._compile)
 
     def _compile(self):
         ov = _ov()
@@ -102,20 +99,16 @@ class SharedModel:
         except Exception as exc:
             raise ModelUnavailable(f"OpenVINO cannot compile {self.path}: {exc}") from exc
 
+    @property
+    def users(self) -> int:
+        """Sessions open on the compiled model (0: released)."""
+        return self._shared.users
+
     def session(self) -> OpenVinoSession:
-        with self._lock:
-            if self._compiled is None:
-                self._compiled = self._compile()
-            self._users += 1
-            compiled = self._compiled
-        return OpenVinoSession(self, compiled)
+        return OpenVinoSession(self, self._shared.acquire())
 
     def _release(self) -> None:
-        with self._lock:
-            self._users -= 1
-            if self._users <= 0:
-                self._users = 0
-                self._compiled = None
+        self._shared.release()
 
 
 class OpenVinoSession:
