@@ -426,3 +426,24 @@ def test_probe_is_skipped_when_it_cannot_run_beside_the_server(tmp_path: Path) -
     assert "bgeserve probe" in (tuner.state.probe_error or "")
     assert cost.fits(1, 512) and applied == [cost]
     assert cost.max_workspace_bytes == tuner.budget(gib)
+
+
+def test_synthetic_batches_are_padded_like_real_chunks() -> None:
+    """Probe shapes with several texts carry padding (the graph's masked, costlier path);
+    a single text carries none (the fused path a lone text takes)."""
+    seen: list[tuple[np.ndarray, np.ndarray]] = []
+
+    class Recorder:
+        def run(self, ids, mask, **_):
+            seen.append((ids.copy(), mask.copy()))
+
+        def close(self):
+            pass
+
+    run, _ = synthetic_run(lambda: Recorder(), 1000)
+    run(1, 16)
+    run(4, 16)
+    (one_ids, one_mask), (ids, mask) = seen
+    assert one_mask.all() and one_ids[0, -1] == 2
+    assert mask[:-1].all() and mask[-1, -1] == 0 and mask[-1, :-1].all()
+    assert ids[-1, -1] == 1 and ids[-1, -2] == 2  # </s> then <pad>, as pad_chunk makes it
