@@ -47,6 +47,7 @@ import os
 import platform
 import random
 import resource
+import threading
 import shlex
 import signal
 import socket
@@ -82,13 +83,13 @@ def log(msg: str) -> None:
 
 
 def proc_status(pid: int | str = "self") -> dict[str, int]:
-    """VmRSS / VmHWM (bytes) of a process from /proc/PID/status."""
+    """VmRSS / VmHWM / RssAnon / RssFile (bytes) of a process from /proc/PID/status."""
     out: dict[str, int] = {}
     try:
         with open(f"/proc/{pid}/status", encoding="ascii") as f:
             for line in f:
                 key, _, rest = line.partition(":")
-                if key in ("VmRSS", "VmHWM"):
+                if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
                     out[key] = int(rest.split()[0]) * 1024
     except OSError:
         pass
@@ -758,15 +759,35 @@ def child_rss(spec: dict[str, Any], corpus: dict[str, Any]) -> dict[str, Any]:
         engine.embed(["warm up"], dense=True, sparse=True)
         trim_heap()
         before = rss_now()
+        start = proc_status()
         was_reset = reset_peak()
+        # The kernel keeps no peak of the anonymous part alone: sample it. Anonymous memory is
+        # the run's workspace; file-backed growth is the memory-mapped weights (the embedding
+        # table's rows, with readahead) paging in as new token ids appear: model, not workspace.
+        anon_peak = [start.get("RssAnon", 0)]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(0.02):
+                anon_peak[0] = max(anon_peak[0], proc_status().get("RssAnon", 0))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         t0 = time.perf_counter()
-        out = engine.embed(corpus["texts"], dense=True, sparse=True)
+        try:
+            out = engine.embed(corpus["texts"], dense=True, sparse=True)
+        finally:
+            done.set()
+            sampler.join()
         seconds = time.perf_counter() - t0
         peak = peak_rss()
+        end = proc_status()
     finally:
         engine.close()
     return {"length": int(out.n_tokens[0]), "rss_before": before, "peak": peak,
-            "growth": peak - before, "seconds": seconds, "peak_reset": was_reset}
+            "growth": peak - before, "seconds": seconds, "peak_reset": was_reset,
+            "anon_growth": anon_peak[0] - start.get("RssAnon", 0),
+            "file_growth": end.get("RssFile", 0) - start.get("RssFile", 0)}
 
 
 def child_main(spec_path: str) -> int:
@@ -1047,15 +1068,18 @@ def load_gains(load_rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def rss_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| text tokens | variant | RSS before MiB | peak MiB | growth MiB | seconds |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| text tokens | variant | RSS before MiB | peak MiB | growth MiB | of which "
+             "anonymous (workspace, sampled peak) MiB | file-backed (mapped weights) MiB "
+             "| seconds |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r.get("ok"):
             lines.append(f"| {r['target']} | {r['variant']} | FAILED: {_cell(r.get('error'))}"
-                         " | | | |")
+                         " | | | | | |")
             continue
         lines.append(f"| {r['length']} | {r['variant']} | {_mib(r['rss_before'])} | "
-                     f"{_mib(r['peak'])} | {_mib(r['growth'])} | {r['seconds']:.2f} |"
+                     f"{_mib(r['peak'])} | {_mib(r['growth'])} | {_mib(r.get('anon_growth'))} | "
+                     f"{_mib(r.get('file_growth'))} | {r['seconds']:.2f} |"
                      + ("" if r.get("peak_reset") else " (peak not reset: includes load)"))
     return "\n".join(lines)
 

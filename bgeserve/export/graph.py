@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import ATTENTION_BLOCK, ATTENTION_KEYS, ATTENTION_MIN_ROWS
+from . import ATTENTION_BLOCK
 
 PAD_ID = 1
 OUTPUTS = ("dense", "sparse_weights", "colbert")
@@ -56,31 +56,29 @@ torch.onnx.register_custom_op_symbolic("bgeserve::mha", _mha_symbolic, 1)
 
 @torch.jit.script
 def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                      block: int, keys: int, min_rows: int) -> torch.Tensor:
-    """softmax(q·kᵀ + bias)·v, over blocks of query rows when seq > block.
+                      block: int) -> torch.Tensor:
+    """softmax(q·kᵀ + bias)·v, computed ``block`` query rows at a time when seq > block.
 
-    Rows per block shrink as the keys grow (``block`` rows up to ``keys`` keys, then
-    ``block·keys / seq``, never under ``min_rows``), so one block's scores stay under heads ×
-    block × keys elements at any length: 16 MiB for bge-m3 fp32, where a fixed 256-row block
-    needs 128 MiB per score tensor at 8,192 tokens. Exact, since softmax is per query row.
-    Scripted, so the export keeps the branch and the loop (ONNX If + Loop) for any length.
+    Exact, since softmax is per query row. Scripted, so the export keeps the branch and the
+    loop (ONNX If + Loop) for any length. The rows stay fixed: the exported loop collects its
+    parts with SequenceInsert, which ONNX Runtime copies whole on every iteration, so smaller
+    blocks at long lengths cost more time and memory than they save (measured: rows shrinking
+    to 32 at 8,192 tokens took 239 s and +683 MiB against 198 s and +555 MiB).
     """
     kt = k.transpose(-1, -2)
     seq = q.size(2)
     if seq <= block:
         return torch.matmul(torch.softmax(torch.matmul(q, kt) + bias, dim=-1), v)
-    rows = max(min_rows, min(block, block * keys // seq))
     parts: list[torch.Tensor] = []
-    for start in range(0, seq, rows):
-        scores = torch.matmul(q[:, :, start:start + rows], kt) + bias
+    for start in range(0, seq, block):
+        scores = torch.matmul(q[:, :, start:start + block], kt) + bias
         parts.append(torch.matmul(torch.softmax(scores, dim=-1), v))
     return torch.cat(parts, dim=2)
 
 
 @torch.jit.script
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-              unpadded: torch.Tensor, heads: int, block: int, keys: int,
-              min_rows: int) -> torch.Tensor:
+              unpadded: torch.Tensor, heads: int, block: int) -> torch.Tensor:
     """Attention over the [B, L, D] projections; exported as If(unpadded, MHA, blocked).
 
     A chunk without padding (every text alone, and every long text, is one) needs no mask, so
@@ -94,7 +92,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     qs = q.view(b, n, heads, hd).transpose(1, 2) * (1.0 / math.sqrt(hd))
     ks = k.view(b, n, heads, hd).transpose(1, 2)
     vs = v.view(b, n, heads, hd).transpose(1, 2)
-    ctx = blocked_attention(qs, ks, vs, bias, block, keys, min_rows)
+    ctx = blocked_attention(qs, ks, vs, bias, block)
     return ctx.transpose(1, 2).reshape(b, n, d)
 
 
@@ -128,7 +126,7 @@ class M3Graph(nn.Module):
         b, n, _ = x.shape
         if self.attention_block > 0:
             return attention(att.query(x), att.key(x), att.value(x), bias, unpadded, self.heads,
-                             self.attention_block, ATTENTION_KEYS, ATTENTION_MIN_ROWS)
+                             self.attention_block)
 
         def split(t: torch.Tensor) -> torch.Tensor:
             return t.view(b, n, self.heads, self.head_dim).transpose(1, 2)

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from .. import __version__
-from . import ATTENTION_BLOCK, ATTENTION_KEYS
+from . import ATTENTION_BLOCK
 from ..errors import ModelUnavailable
 
 VARIANTS = ("fp32", "fp16", "int8", "bf16")
@@ -172,9 +172,7 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
                   "layers": config["num_hidden_layers"],
                   "max_positions": config["max_position_embeddings"] - 2,
                   "attention_block": ATTENTION_BLOCK if attention_block is None
-                  else attention_block,
-                  # Rows per block shrink past this many keys (bounded score tensors).
-                  "attention_keys": ATTENTION_KEYS},
+                  else attention_block},
         "outputs": OUTPUTS,
         "variants": {v: _variant_entry(out, v, agreement.get(v)) for v in VARIANTS
                      if v in variants},
