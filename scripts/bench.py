@@ -289,16 +289,9 @@ def corpus_file(work: Path, tokenizer_path: Path, kind: str, n: int) -> Path:
 # ============================================================================ child modes
 def _session_options(threads: int, arena: bool):
     """The session options bgeserve uses (runtime/onnx.py), so raw differs only in packing."""
-    import onnxruntime as ort
+    from bgeserve.runtime.onnx import SessionConfig, session_options
 
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    opts.enable_cpu_mem_arena = arena
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.log_severity_level = 3
-    return opts
+    return session_options(SessionConfig(threads=threads, cpu_arena=arena))
 
 
 def variant_runtime(export_dir: Path, variant: str) -> str:
@@ -461,9 +454,10 @@ def child_raw(spec: dict[str, Any], corpus: dict[str, Any], batch1: bool) -> dic
             "latencies": latencies if batch1 else [], "chunks": chunks}
 
 
-def _engine_config(spec: dict[str, Any]):
-    """The server's engine settings: ``workers`` sharing the threads, chunks of the backend's
-    best padded-token count (what ``bgeserve serve`` would use)."""
+def _open_engine(spec: dict[str, Any], on_chunk=None):
+    """An Engine as ``bgeserve serve`` would run it: ``workers`` sharing the threads, chunks of
+    the backend's best padded-token count."""
+    from bgeserve import Engine
     from bgeserve.artifacts import resolve
     from bgeserve.engine import EngineConfig
     from bgeserve.forward import best_chunk_tokens
@@ -476,19 +470,15 @@ def _engine_config(spec: dict[str, Any]):
                         cache_dir=Path(spec["work_dir"]) / "cache", offline=True)
     scheduler = SchedulerConfig(workers=workers,
                                 max_chunk_tokens=best_chunk_tokens(artifacts, session))
-    return EngineConfig(max_seq=MAX_SEQ, session=session, scheduler=scheduler)
+    return Engine(artifacts=artifacts, on_chunk=on_chunk,
+                  config=EngineConfig(max_seq=MAX_SEQ, session=session, scheduler=scheduler))
 
 
 def child_engine(spec: dict[str, Any], corpus: dict[str, Any]) -> dict[str, Any]:
-    from bgeserve import Engine
-
     texts = corpus["texts"]
     chunks: list[tuple[int, int]] = []
-    config = _engine_config(spec)
     t0 = time.perf_counter()
-    engine = Engine(spec["export_dir"], spec["variant"], config=config,
-                    cache_dir=Path(spec["work_dir"]) / "cache", offline=True,
-                    on_chunk=lambda st: chunks.append((st.batch, st.pad_to)))
+    engine = _open_engine(spec, on_chunk=lambda st: chunks.append((st.batch, st.pad_to)))
     load_s = time.perf_counter() - t0
     rss_load = rss_now()
     try:
@@ -749,12 +739,9 @@ def child_load(spec: dict[str, Any], corpus: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_rss(spec: dict[str, Any], corpus: dict[str, Any]) -> dict[str, Any]:
-    from bgeserve import Engine
     from bgeserve.memory import trim_heap
 
-    config = _engine_config(spec)
-    engine = Engine(spec["export_dir"], spec["variant"], config=config,
-                    cache_dir=Path(spec["work_dir"]) / "cache", offline=True)
+    engine = _open_engine(spec)
     try:
         engine.embed(["warm up"], dense=True, sparse=True)
         trim_heap()

@@ -43,7 +43,21 @@ def write_plots(out_dir: Path, sweep_rows: list[dict[str, Any]], rss_rows: list[
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
 
-    def save(fig, name: str) -> None:
+    def plot(lines: dict[str, list[tuple[float, float]]], name: str, labels: dict[str, str],
+             xlabel: str, ylabel: str, title: str, log2_x: bool = False) -> None:
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for variant, points in lines.items():
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o", label=labels.get(variant, variant))
+        if log2_x:
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 512, not 2^9
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend()
         path = out_dir / name
         fig.tight_layout()
         fig.savefig(path, format="svg", metadata={"Date": None})
@@ -54,37 +68,18 @@ def write_plots(out_dir: Path, sweep_rows: list[dict[str, Any]], rss_rows: list[
     sweep = _lines(sweep_rows, "padded_per_chunk", "tokens_per_s")
     if sweep:
         runtime = {r["variant"]: r.get("runtime") for r in sweep_rows}
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-        for variant, points in sweep.items():
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o",
-                    label=f"{variant} ({RUNTIME_NAMES.get(runtime[variant], runtime[variant])})")
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 512, not 2^9
-        ax.set_xlabel("padded tokens per chunk (mean, batch × padded length)")
-        ax.set_ylabel("tokens/s (real tokens)")
-        ax.set_title("Raw throughput vs chunk size (mixed corpus)")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        save(fig, "throughput-vs-chunk.svg")
+        plot(sweep, "throughput-vs-chunk.svg",
+             {v: f"{v} ({RUNTIME_NAMES.get(runtime[v], runtime[v])})" for v in sweep},
+             "padded tokens per chunk (mean, batch × padded length)", "tokens/s (real tokens)",
+             "Raw throughput vs chunk size (mixed corpus)", log2_x=True)
     else:
         log("--plots: no --chunk-sweep results: no throughput plot")
 
     rss = _lines([{**r, "growth_mib": r["growth"] / MiB} if r.get("ok") else r for r in rss_rows],
                  "length", "growth_mib")
     if rss:
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-        for variant, points in rss.items():
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o", label=variant)
-        ax.set_xlabel("text length (tokens)")
-        ax.set_ylabel("RSS growth (MiB)")
-        ax.set_title("Memory for one text (engine, peak − before)")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        save(fig, "rss-vs-length.svg")
+        plot(rss, "rss-vs-length.svg", {}, "text length (tokens)", "RSS growth (MiB)",
+             "Memory for one text (engine, peak − before)")
     else:
         log("--plots: no --rss-vs-length results: no RSS plot")
     return written

@@ -186,14 +186,10 @@ def session(path: Path, threads: int) -> Any:
     """An ORT CPU session configured as bgeserve's (sequential, no arena, ORT_ENABLE_ALL)."""
     import onnxruntime as ort
 
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    opts.enable_cpu_mem_arena = False
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    from bgeserve.runtime.onnx import SessionConfig, session_options
+
+    return ort.InferenceSession(str(path), session_options(SessionConfig(threads=threads)),
+                                providers=["CPUExecutionProvider"])
 
 
 def feed(ids: np.ndarray) -> dict[str, np.ndarray]:
@@ -287,6 +283,9 @@ def smooth(fp32: Path, work: Path, graph: dict[str, Any], exclude: set[str], alp
     import onnx
     from onnx import numpy_helper
 
+    from bgeserve.export.smoothquant import (insert_before, scale_weight, smoothing_scales,
+                                             weight_max)
+
     groups = []
     for layer in graph["layers"]:
         for roles in (("q", "k", "v"), ("o",), ("up",), ("down",)):
@@ -318,15 +317,12 @@ def smooth(fp32: Path, work: Path, graph: dict[str, Any], exclude: set[str], alp
     ratios = []
     for group, x in zip(groups, inputs):
         weights = [numpy_helper.to_array(inits[nodes[n].input[1]]) for n in group]
-        wmax = np.max([np.abs(w).max(axis=1) for w in weights], axis=0)
         xmax = amax[x]
-        s = np.where((xmax > 0) & (wmax > 0),
-                     xmax ** alpha / np.maximum(wmax, 1e-12) ** (1 - alpha), 1.0)
-        s = np.clip(s, 1e-5, 1e5).astype(np.float32)
+        s = smoothing_scales(xmax, weight_max(weights), alpha)  # the export's own maths
         ratios.append(float(xmax.max() / max(np.median(xmax), 1e-12)))
         for name, w in zip(group, weights):
             init = inits[nodes[name].input[1]]
-            init.CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(np.float32), init.name))
+            init.CopyFrom(numpy_helper.from_array(scale_weight(w, s), init.name))
         inv = f"{group[0]}_smooth_inv_s"
         model.graph.initializer.append(numpy_helper.from_array(1.0 / s, inv))
         out = f"{x}_smoothed_{group[0]}"
@@ -334,13 +330,7 @@ def smooth(fp32: Path, work: Path, graph: dict[str, Any], exclude: set[str], alp
                                                   name=f"{group[0]}_smooth")
         for name in group:
             nodes[name].input[0] = out
-    new_nodes = []
-    for node in model.graph.node:
-        if node.name in inserts:
-            new_nodes.append(inserts[node.name])
-        new_nodes.append(node)
-    model.graph.ClearField("node")
-    model.graph.node.extend(new_nodes)
+    insert_before(model, inserts)
     smoothed = work / "smoothed" / "model.onnx"
     save_model(model, smoothed)
     del model

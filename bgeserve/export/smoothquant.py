@@ -150,6 +150,18 @@ def _insert_smoothing(model: Any, name: str, group: list[Any], inv_s: np.ndarray
     return onnx.helper.make_node("Mul", [x, scale], [out], name=f"{PREFIX}{name}/Mul")
 
 
+def insert_before(model: Any, inserts: dict[str, Any]) -> None:
+    """Put each ``inserts[name]`` node just before the node called ``name``: the graph stays
+    topologically ordered, since a group's input is produced before its first MatMul."""
+    ordered = []
+    for node in model.graph.node:
+        if node.name in inserts:
+            ordered.append(inserts[node.name])
+        ordered.append(node)
+    model.graph.ClearField("node")
+    model.graph.node.extend(ordered)
+
+
 def smooth(fp32: Path, rows: Sequence[np.ndarray], *, alpha: float = ALPHA,
            head_prefixes: Sequence[str] = ()) -> tuple[Any, dict[str, Any]]:
     """The fp32 graph at ``fp32``, smoothed (weights in memory), and a summary for the log.
@@ -180,14 +192,7 @@ def smooth(fp32: Path, rows: Sequence[np.ndarray], *, alpha: float = ALPHA,
         del weights
         before[nodes[0].name] = _insert_smoothing(model, name, nodes, 1.0 / s)
         outliers.append(float(amax[x].max() / max(float(np.median(amax[x])), 1e-12)))
-    # Graph order stays topological: x is produced before the group's first MatMul.
-    ordered = []
-    for node in model.graph.node:
-        if node.name in before:
-            ordered.append(before[node.name])
-        ordered.append(node)
-    model.graph.ClearField("node")
-    model.graph.node.extend(ordered)
+    insert_before(model, before)
     summary = {"alpha": alpha, "groups": len(groups), "calibration_texts": len(rows),
                "calibration_tokens": int(sum(len(r) for r in rows)),
                "max_activation_over_median": round(max(outliers), 1)}

@@ -55,7 +55,9 @@ class SessionConfig:
     streams: int = 1
 
 
-def _session_options(config: SessionConfig) -> ort.SessionOptions:
+def session_options(config: SessionConfig) -> ort.SessionOptions:
+    """bgeserve's session options (the benchmark and recipe scripts use them too, so what they
+    time is what the server runs)."""
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = config.threads
     opts.inter_op_num_threads = 1
@@ -93,7 +95,7 @@ class OnnxSession:
             raise ModelUnavailable(
                 f"execution provider {config.provider!r} is not available in this onnxruntime "
                 f"build (have: {', '.join(available_providers())})", param="BGE_M3_EP")
-        opts = _session_options(config)
+        opts = session_options(config)
         if graph is not None:
             opts.add_session_config_entry(
                 "session.model_external_initializers_file_folder_path", str(Path(path).parent))
