@@ -76,6 +76,9 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+# The export's attention op (com.microsoft MultiHeadAttention) hides tensor types from the
+# quantizers' shape inference; every tensor they would quantize is float (as export/steps.py).
+FLOAT_DEFAULT = {"DefaultTensorType": 1}  # onnx.TensorProto.FLOAT
 HEAD_PREFIXES = ("/sparse_linear/", "/colbert_linear/")  # as bgeserve.export.steps
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000  # as bgeserve.export.steps
 LENGTHS = (16, 512)
@@ -389,7 +392,7 @@ def build(spec: dict[str, Any]) -> dict[str, Any]:
                             calibrate_method=CalibrationMethod.MinMax,
                             use_external_data_format=True,
                             extra_options={"OpTypesToExcludeOutputQuantization": ["MatMul"],
-                                           "MatMulConstBOnly": True})
+                                           "MatMulConstBOnly": True, **FLOAT_DEFAULT})
             save_model(onnx.load(str(raw), load_external_data=True), out)
         else:
             if recipe.smooth:
@@ -406,7 +409,7 @@ def build(spec: dict[str, Any]) -> dict[str, Any]:
             quantize_dynamic(str(src), str(raw), weight_type=QuantType.QInt8,
                              per_channel=recipe.per_channel, reduce_range=recipe.reduce_range,
                              op_types_to_quantize=ops, nodes_to_exclude=exclude,
-                             use_external_data_format=True)
+                             use_external_data_format=True, extra_options=FLOAT_DEFAULT)
             save_model(onnx.load(str(raw), load_external_data=True), out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
