@@ -43,6 +43,9 @@ Attention's QK^T and PV MatMuls live in the If/Loop subgraphs of the blocked att
 no constant weight: quantize_dynamic (EnableSubgraph off, MatMulConstBOnly) leaves them fp32 in
 every recipe, and so do the static and MatMulNBits quantizers.
 
+The fp32 graph must come from an export made with ``--ffn-rows 0`` (the default export runs each FFN
+in row blocks inside a Scan, where the quantizers do not look); the script says so otherwise.
+
 Usage (from the repository root). For the full-size model on 2 cores the builds take ~12 minutes
 (about a minute each, SmoothQuant and static ~2) and one measuring round ~9 minutes, so the first
 command below runs ~30 minutes, ~18 once the models are built:
@@ -678,7 +681,19 @@ def main(argv: list[str] | None = None) -> int:
         for r in RECIPES.values():
             print(f"{r.key:3s} {r.label}")
         return 0
+    _require_unblocked(args.fp32)
     return run(args)
+
+
+def _require_unblocked(fp32: Path) -> None:
+    """The quantizers and SmoothQuant work on the main graph's MatMuls; an export's FFN row
+    blocks (Scan) hide half of them."""
+    import onnx
+
+    graph = onnx.load(str(fp32), load_external_data=False).graph
+    if any(n.op_type == "Scan" for n in graph.node):
+        raise SystemExit(f"{fp32}: its FFN runs in row blocks (Scan); export the source with "
+                         "`bgeserve export --variant fp32 --ffn-rows 0`")
 
 
 if __name__ == "__main__":

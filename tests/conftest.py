@@ -37,6 +37,18 @@ def tiny_export(tiny_model: Path, models_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_fp32_unblocked(tiny_model: Path, models_root: Path) -> Path:
+    """The tiny model's fp32 graph without FFN row blocks (``--ffn-rows 0``): what the int8
+    step smooths and quantizes."""
+    from bgeserve.export.main import export
+
+    out = models_root / "tiny-export-unblocked"
+    if not (out / "manifest.json").exists():
+        export(str(tiny_model), out, ("fp32",), ffn_rows=0)
+    return out / "fp32" / "model.onnx"
+
+
+@pytest.fixture(scope="session")
 def tiny_export_bf16(tiny_model: Path, models_root: Path) -> Path:
     """``bgeserve export --variant bf16`` of the tiny model (an OpenVINO IR); skips without
     the openvino package (``bgeserve[openvino]``, in the dev extra)."""

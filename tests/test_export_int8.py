@@ -82,23 +82,30 @@ def test_manifest_records_agreement_with_fp32(tiny_export: Path):
 
 @slow
 def test_int8_graph_has_one_smoothing_mul_per_group(tiny_export: Path):
-    """Q/K/V, O, FFN up and FFN down of every layer read their input through one Mul by 1/s;
-    the heads stay fp32 MatMuls."""
+    """Q/K/V, O, FFN up and FFN down of every layer read their input through one Mul by 1/s
+    (the FFN's inside its row-block Scan); the heads stay fp32 MatMuls."""
     import onnx
     from onnx import numpy_helper
+
+    def nodes(graph):
+        for node in graph.node:
+            yield node
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    yield from nodes(attr.g)
 
     layers = json.loads((tiny_export / "manifest.json").read_text())["model"]["layers"]
     model = onnx.load(str(tiny_export / "int8" / "model.onnx"))
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    muls = [n for n in model.graph.node
-            if n.op_type == "Mul" and n.name.startswith(smoothquant.PREFIX)]
+    every = list(nodes(model.graph))
+    muls = [n for n in every if n.op_type == "Mul" and n.name.startswith(smoothquant.PREFIX)]
     assert len(muls) == 4 * layers
     assert sorted(n.name.split("/")[-2] for n in muls) == sorted(["qkv", "o", "up", "down"]
                                                                   * layers)
     for mul in muls:
         inv_s = inits[mul.input[1]]
         assert inv_s.dtype == np.float32 and inv_s.ndim == 1 and np.all(inv_s > 0)
-        readers = [n for n in model.graph.node if mul.output[0] in n.input]
+        readers = [n for n in every if mul.output[0] in n.input]
         assert readers and all(n.op_type != "MatMul" for n in readers)  # quantized, not fp32
     heads = [n for n in model.graph.node if n.name.startswith(("/sparse_linear/",
                                                                  "/colbert_linear/"))]
@@ -106,11 +113,12 @@ def test_int8_graph_has_one_smoothing_mul_per_group(tiny_export: Path):
 
 
 @slow
-def test_smoothing_alone_keeps_the_fp32_outputs(tiny_export: Path, tmp_path: Path):
+def test_smoothing_alone_keeps_the_fp32_outputs(tiny_export: Path, tiny_fp32_unblocked: Path,
+                                                tmp_path: Path):
     """X/s · (s·W) = X·W: the smoothed fp32 graph (before quantization) computes the same."""
     import onnx
 
-    fp32 = tiny_export / "fp32" / "model.onnx"
+    fp32 = tiny_fp32_unblocked
     rows = _rows(tiny_export)
     model, summary = smoothquant.smooth(fp32, rows,
                                         head_prefixes=("/sparse_linear/", "/colbert_linear/"))
@@ -123,21 +131,23 @@ def test_smoothing_alone_keeps_the_fp32_outputs(tiny_export: Path, tmp_path: Pat
 
 @slow
 def test_int8_from_a_graph_with_external_data_equals_the_one_file_build(
-        tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+        tiny_export: Path, tiny_fp32_unblocked: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch):
     """The full-size path: weights in an external file, read in place for calibration and
-    written back external; same int8 model as from the one-file fp32 graph."""
+    written back external, then row-blocked in place; same int8 model as the export's."""
     import onnx
 
-    from bgeserve.export import steps
+    from bgeserve.export import FFN_ROWS, steps
 
     fp32 = tmp_path / "fp32" / "model.onnx"
     fp32.parent.mkdir()
-    onnx.save_model(onnx.load(str(tiny_export / "fp32" / "model.onnx")), str(fp32),
+    onnx.save_model(onnx.load(str(tiny_fp32_unblocked)), str(fp32),
                     save_as_external_data=True, all_tensors_to_one_file=True,
                     location="model.onnx.data", size_threshold=1024)
     monkeypatch.setattr(steps, "EXTERNAL_DATA_THRESHOLD", 0)  # tiny, but saved as if large
     out = tmp_path / "int8" / "model.onnx"
     steps.export_int8(fp32, out, tiny_export / "tokenizer.json")
+    steps.row_block([out], FFN_ROWS)
     assert (out.parent / "model.onnx.data").exists()
     assert sorted(p.name for p in out.parent.iterdir()) == ["model.onnx", "model.onnx.data"]
     rows = _rows(tiny_export)

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from .. import __version__
-from . import ATTENTION_BLOCK
+from . import ATTENTION_BLOCK, FFN_ROWS
 from ..errors import ModelUnavailable
 
 VARIANTS = ("fp32", "fp16", "int8", "bf16")
@@ -111,9 +111,14 @@ def _export_bf16(src: Path, out: Path, opset: int, label: str) -> None:
 
 
 def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, opset: int = 18,
-           cache_dir: Path | None = None, attention_block: int | None = None) -> Path:
+           cache_dir: Path | None = None, attention_block: int | None = None,
+           ffn_rows: int | None = None) -> Path:
     """Export ``model`` into ``out`` (default: ``default_variants()``); returns the manifest."""
     variants = default_variants() if variants is None else variants
+    # The CPU graphs (fp32, int8) run each layer's FFN over blocks of token rows (rowblock.py);
+    # fp16 is the GPU variant and stays one piece for TensorRT. Plain attention means plain
+    # graphs throughout (the benchmark's stock baseline).
+    rows = (FFN_ROWS if ffn_rows is None else ffn_rows) if attention_block != 0 else 0
     src = _source_dir(model, cache_dir)
     config = json.loads((src / "config.json").read_text())
     for head in ("sparse_linear.pt", "colbert_linear.pt"):
@@ -136,7 +141,9 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
     validated = [v for v in VARIANTS if v in variants and v != "fp32"
                  and (RUNTIMES.get(v) != "openvino" or _openvino_available())] \
         if "fp32" in variants else []
-    steps = int(blocked) + sum(v != "fp32" for v in variants) + int(bool(validated))
+    row_blocked = [out / GRAPH_PATHS[v] for v in ("fp32", "int8") if v in variants] if rows else []
+    steps = (int(blocked) + sum(v != "fp32" for v in variants) + int(bool(row_blocked))
+             + int(bool(validated)))
     block = [] if attention_block is None else ["--attention-block", str(attention_block)]
     done = 0
     if blocked:
@@ -154,6 +161,10 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
     if "bf16" in variants:
         done += 1
         _export_bf16(src, out, opset, f"{done}/{steps} bf16")
+    if row_blocked:
+        done += 1
+        _run_step(["rowblock", *map(str, row_blocked), "--rows", str(rows)],
+                  f"{done}/{steps} FFN row blocks")
     agreement = _validate(out, validated, tokenizer, f"{steps}/{steps} validation") \
         if validated else {}
     if "fp32" not in variants and fp32.parent.exists():
@@ -172,7 +183,9 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
                   "layers": config["num_hidden_layers"],
                   "max_positions": config["max_position_embeddings"] - 2,
                   "attention_block": ATTENTION_BLOCK if attention_block is None
-                  else attention_block},
+                  else attention_block,
+                  # Token rows per FFN block in the fp32 and int8 graphs (0: not blocked).
+                  "ffn_rows": rows},
         "outputs": OUTPUTS,
         "variants": {v: _variant_entry(out, v, agreement.get(v)) for v in VARIANTS
                      if v in variants},
@@ -231,7 +244,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--opset", type=int, default=18)
     parser.add_argument("--attention-block", type=int, default=None,
                         help="query rows per attention block for long texts (default 256; "
-                             "0 = plain attention, quadratic memory)")
+                             "0 = plain attention, quadratic memory, and no FFN row blocks)")
+    parser.add_argument("--ffn-rows", type=int, default=None,
+                        help=f"token rows per FFN block in the fp32 and int8 graphs (default "
+                             f"{FFN_ROWS}; 0 = one block, as scripts/int8_recipes.py needs)")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="hub download cache (default: huggingface_hub's)")
 
@@ -241,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     variants = tuple(dict.fromkeys(args.variant or default_variants()))
     path = export(args.model, args.out, variants, opset=args.opset, cache_dir=args.cache_dir,
-                  attention_block=args.attention_block)
+                  attention_block=args.attention_block, ffn_rows=args.ffn_rows)
     print(f"export written: {path} ({', '.join(variants)}) in "
           f"{time.monotonic() - started:.1f}s", file=sys.stderr)
     return 0

@@ -166,6 +166,26 @@ def export_int8(fp32: Path, out: Path, tokenizer: Path | None = None,
     _log(f"wrote {out}", started)
 
 
+def row_block(graphs: list[Path], rows: int) -> None:
+    """Rewrite each graph so every layer's FFN runs in blocks of ``rows`` tokens (rowblock.py).
+
+    Run after the int8 step, which smooths and quantizes the main graph's MatMuls and would not
+    find the FFN's inside a Scan. Only the graph proto is rewritten: external weights stay as
+    they are on disk (their references are kept), inline ones stay inline.
+    """
+    import onnx
+
+    from .rowblock import row_block_ffn
+
+    started = time.monotonic()
+    for path in graphs:
+        model = onnx.load(str(path), load_external_data=False)
+        layers = row_block_ffn(model, rows)
+        onnx.save_model(model, str(path))
+        del model
+        _log(f"{path}: FFN of {layers} layers in blocks of {rows} tokens", started)
+
+
 def validate(export_dir: Path, variants: list[str], tokenizer: Path, result: Path) -> None:
     """Agreement of ``variants`` with the export's fp32 graph, as JSON in ``result``."""
     import json
@@ -215,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", choices=INT8_RECIPES, default="smoothquant")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer.json for the calibration texts (smoothquant)")
+    p = sub.add_parser("rowblock")
+    p.add_argument("graphs", type=Path, nargs="+")
+    p.add_argument("--rows", type=int, required=True)
     p = sub.add_parser("validate")
     p.add_argument("export_dir", type=Path)
     p.add_argument("result", type=Path, help="JSON file written with the figures")
@@ -230,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         export_fp16(args.fp32, args.out, args.heads, args.hidden)
     elif args.step == "openvino":
         export_openvino(args.fp32, args.out)
+    elif args.step == "rowblock":
+        row_block(args.graphs, args.rows)
     elif args.step == "validate":
         validate(args.export_dir, args.variant, args.tokenizer, args.result)
     else:
