@@ -287,11 +287,13 @@ def corpus_file(work: Path, tokenizer_path: Path, kind: str, n: int) -> Path:
 
 
 # ============================================================================ child modes
-def _session_options(threads: int, arena: bool):
-    """The session options bgeserve uses (runtime/onnx.py), so raw differs only in packing."""
-    from bgeserve.runtime.onnx import SessionConfig, session_options
+def _session_options(threads: int):
+    """The session and run options bgeserve uses (runtime/onnx.py), so raw differs only in
+    packing."""
+    from bgeserve.runtime.onnx import SessionConfig, run_options, session_options
 
-    return session_options(SessionConfig(threads=threads, cpu_arena=arena))
+    config = SessionConfig(threads=threads)
+    return session_options(config), run_options(config)
 
 
 def variant_runtime(export_dir: Path, variant: str) -> str:
@@ -325,14 +327,15 @@ def _stock_options(threads: int):
     return opts
 
 
-def _open_ort(graph: Path, opts):
+def _open_ort(graph: Path, opts, run_opts=None):
     """``run(ids, mask) -> [dense, sparse_weights]`` on an ONNX Runtime CPU session."""
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(graph), sess_options=opts,
                                    providers=["CPUExecutionProvider"])
     _check_outputs({o.name for o in session.get_outputs()})
-    return lambda ids, mask: session.run(RAW_OUTPUTS, {"input_ids": ids, "attention_mask": mask})
+    return lambda ids, mask: session.run(RAW_OUTPUTS, {"input_ids": ids, "attention_mask": mask},
+                                         run_opts)
 
 
 def _open_openvino(xml: Path, precision: str, threads: int):
@@ -403,7 +406,7 @@ def child_raw(spec: dict[str, Any], corpus: dict[str, Any], batch1: bool) -> dic
         run_graph = _open_openvino(_export_graph(export_dir, variant), variant, spec["threads"])
     else:
         run_graph = _open_ort(_export_graph(export_dir, variant),
-                              _session_options(spec["threads"], spec["raw_arena"]))
+                              *_session_options(spec["threads"]))
     tokenizer = Tokenizer.load(export_dir / "tokenizer.json", MAX_SEQ)
     load_s = time.perf_counter() - t0
     rss_load = rss_now()
@@ -843,7 +846,7 @@ class Runner:
             "model_dir": str(self.model_dir) if self.model_dir else None,
             "threads": self.args.threads, "workers": self.args.workers,
             "latency_pass": not self.args.no_latency_pass,
-            "raw_arena": self.args.raw_arena, "plain_graph": self.args.plain_graph,
+            "plain_graph": self.args.plain_graph,
             "http_clients": self.args.http_clients,
             "http_batch": self.args.http_batch, "http_budget": self.args.http_budget,
             "http_env": dict(kv.split("=", 1) for kv in self.args.http_env),
@@ -1207,8 +1210,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny model, fewer texts")
     p.add_argument("--no-latency-pass", action="store_true",
                    help="skip the per-text latency passes of flag and engine")
-    p.add_argument("--raw-arena", action="store_true",
-                   help="raw modes: enable ORT's CPU arena (bgeserve disables it)")
     p.add_argument("--http-clients", type=int, default=4,
                    help="http mode: concurrent clients (default 4)")
     p.add_argument("--http-batch", type=int, default=1,
