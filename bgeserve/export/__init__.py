@@ -5,8 +5,9 @@
 # score tensor at heads × block × seq instead of heads × seq² (4 GiB for 8192 tokens in fp32).
 ATTENTION_BLOCK = 256
 
-# Token rows per FFN block. 2,048 rows make each [rows, 4096] fp32 buffer 32 MiB, which glibc
-# always maps with mmap and unmaps on free; smaller blocks land in the malloc heap, which does
-# not shrink (measured at 8,192 tokens: 1,024 rows +380 MiB peak anonymous memory for int8,
-# 2,048 rows +300, unblocked +521). The GEMMs run as fast at 2,048 rows as at 8,192.
+# Token rows per FFN block. Chosen when glibc's heap served the workspace: [2048, 4096] fp32
+# buffers (32 MiB) were always mmapped and given back, 16 MiB ones fragmented the heap
+# (8,192 tokens, int8: 1,024 rows +380 MiB peak anonymous memory, 2,048 rows +300, unblocked
+# +521). CPU sessions now draw from a shrinking ONNX Runtime arena instead (runtime/onnx.py);
+# the GEMMs run as fast at 2,048 rows as at 8,192.
 FFN_ROWS = 2048

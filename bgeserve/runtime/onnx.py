@@ -57,6 +57,12 @@ class SessionConfig:
     # OpenVINO: inference streams of the one compiled model the workers share (= workers).
     streams: int = 1
 
+    @property
+    def shrinking_arena(self) -> bool:
+        """The CPU arena is on, and shrunk after every run (CPU sessions only: GPU sessions keep
+        it off, since nothing there would shrink it between runs)."""
+        return self.cpu_arena and self.provider == "cpu"
+
 
 _ARENA_LOCK = threading.Lock()
 _arena_registered: bool | None = None  # once per process: ONNX Runtime's environment is global
@@ -81,7 +87,7 @@ def _shared_cpu_arena() -> bool:
 
 def run_options(config: SessionConfig) -> ort.RunOptions | None:
     """Per-run options: with the arena, give its free regions back once the run ends."""
-    if not (config.cpu_arena and config.provider == "cpu"):
+    if not config.shrinking_arena:
         return None
     options = ort.RunOptions()
     options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
@@ -95,8 +101,7 @@ def session_options(config: SessionConfig) -> ort.SessionOptions:
     opts.intra_op_num_threads = config.threads
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    # GPU sessions keep the CPU arena off, as before: nothing there shrinks it between runs.
-    opts.enable_cpu_mem_arena = config.cpu_arena and config.provider == "cpu"
+    opts.enable_cpu_mem_arena = config.shrinking_arena
     if opts.enable_cpu_mem_arena and _shared_cpu_arena():
         opts.add_session_config_entry("session.use_env_allocators", "1")
     opts.graph_optimization_level = {
