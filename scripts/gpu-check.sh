@@ -82,7 +82,22 @@ def cos(a, b):
 
 cmd, args = sys.argv[1], sys.argv[2:]
 if cmd == "providers":
-    print(" ".join(gpu.available_providers()), gpu.detect_gpu_count())
+    have = gpu.available_providers()
+    if "tensorrt" in have:
+        # onnxruntime-gpu lists TensorRT whenever its provider library is present; the TensorRT
+        # runtime itself (libnvinfer) is a separate install. Without it, it is a SKIP.
+        import ctypes
+        for lib in ("libnvinfer.so.10", "libnvinfer.so"):
+            try:
+                ctypes.CDLL(lib)
+                break
+            except OSError:
+                pass
+        else:
+            have.remove("tensorrt")
+            print("TensorRT: onnxruntime has the provider but libnvinfer does not load "
+                  "(TensorRT 10 not installed or not on LD_LIBRARY_PATH)", file=sys.stderr)
+    print(" ".join(have), gpu.detect_gpu_count())
 elif cmd == "parity":  # EP VARIANT EXPORT CACHE MAX_SEQ MAX_CHUNK
     ep, variant, export, cache, max_seq, max_chunk = args
     with engine(settings("cpu", "fp32", export, cache, max_seq, max_chunk)) as ref:
@@ -130,7 +145,7 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 else
   say "nvidia-smi not found"
 fi
-read -r -a PROVIDERS_AND_COUNT <<<"$(helper providers)"
+read -r -a PROVIDERS_AND_COUNT <<<"$(helper providers 2> >(tee -a "$REPORT" >&2))"
 GPUS="${PROVIDERS_AND_COUNT[-1]}"
 PROVIDERS=" ${PROVIDERS_AND_COUNT[*]:0:${#PROVIDERS_AND_COUNT[@]}-1} "
 say "onnxruntime providers:${PROVIDERS}| GPUs under /proc/driver/nvidia/gpus: $GPUS"
