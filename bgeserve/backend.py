@@ -29,7 +29,7 @@ from typing import Any
 from .artifacts import export_variants
 from .config import Settings
 from .errors import ConfigError
-from .forward import CHUNK_TOKENS, DEFAULT_CHUNK_TOKENS
+from .forward import CHUNK_TOKENS, DEFAULT_CHUNK_TOKENS, PAD_MULTIPLE
 from .runtime import gpu
 from .runtime import openvino as ov_runtime
 
@@ -41,6 +41,13 @@ def chunk_tokens(settings: Settings) -> int:
     if settings.max_chunk_tokens is not None:
         return settings.max_chunk_tokens
     return CHUNK_TOKENS.get(settings.execution_provider, DEFAULT_CHUNK_TOKENS)
+
+
+def pad_multiple(settings: Settings) -> int:
+    """BGE_M3_PAD_MULTIPLE, else the backend's default (rounding pays on GPUs only)."""
+    if settings.pad_multiple is not None:
+        return settings.pad_multiple
+    return PAD_MULTIPLE.get(settings.execution_provider, 1)
 
 
 MIN_DENSE_COS = 0.999  # the bar a variant must keep to be chosen without being asked for

@@ -6,6 +6,11 @@ longest text, holds at most ``max_chunk`` texts and ``max_tokens`` padded tokens
 the memory budget: ``fits(count, longest)`` is the cost model's check. A text that cannot fit even
 alone is the caller's to refuse (admission happens before packing); ``plan`` puts such a text
 in a chunk of its own rather than dropping it.
+
+With ``pad_multiple`` > 1 each chunk's length is rounded up to a multiple of it (never past
+``pad_cap``, and only where the rounded chunk still fits the budget): fewer distinct shapes, for
+runtimes that pay for every shape they have not seen (a GPU's first run of a shape). The
+rounding is wanted padding, so ``min_fill`` still judges a chunk by its texts' own longest.
 """
 
 from __future__ import annotations
@@ -28,21 +33,42 @@ class Chunk:
         return len(self.indices) * self.pad_to
 
 
+def rounded_length(longest: int, multiple: int = 1, cap: int | None = None) -> int:
+    """``longest`` rounded up to a multiple of ``multiple``, but not past ``cap`` (a length
+    already past ``cap`` stays as it is)."""
+    if multiple <= 1:
+        return longest
+    up = -(-longest // multiple) * multiple
+    return up if cap is None else max(longest, min(up, cap))
+
+
+def chunk_length(count: int, longest: int, *, fits: Fits, multiple: int = 1,
+                 cap: int | None = None) -> int:
+    """What a chunk of ``count`` texts is padded to: ``longest`` rounded up, where the rounded
+    chunk fits the budget; else ``longest`` (rounding never makes a chunk refusable)."""
+    up = rounded_length(longest, multiple, cap)
+    return up if up == longest or fits(count, up) else longest
+
+
 def chunk_fits(count: int, longest: int, real_tokens: int, *, fits: Fits, max_chunk: int,
-               max_tokens: int | None, min_fill: float) -> bool:
-    """Whether ``count`` texts (``real_tokens`` in all) padded to ``longest`` may form a chunk."""
+               max_tokens: int | None, min_fill: float, pad_multiple: int = 1,
+               pad_cap: int | None = None) -> bool:
+    """Whether ``count`` texts (``real_tokens`` in all, the longest ``longest``) may form a
+    chunk, once padded (see ``chunk_length``)."""
     if count > max_chunk:
         return False
+    padded = chunk_length(count, longest, fits=fits, multiple=pad_multiple, cap=pad_cap)
     if count > 1:
-        if max_tokens is not None and count * longest > max_tokens:
+        if max_tokens is not None and count * padded > max_tokens:
             return False
         if real_tokens < min_fill * count * longest:
             return False
-    return fits(count, longest)
+    return fits(count, padded)
 
 
 def plan(lengths: Sequence[int], *, fits: Fits, max_chunk: int,
-         max_tokens: int | None = None, min_fill: float = 0.0) -> list[Chunk]:
+         max_tokens: int | None = None, min_fill: float = 0.0, pad_multiple: int = 1,
+         pad_cap: int | None = None) -> list[Chunk]:
     """Pack texts of the given token lengths; every index appears in exactly one chunk.
 
     Chunks come out shortest first. Ties keep input order, so equal texts stay in order.
@@ -53,15 +79,22 @@ def plan(lengths: Sequence[int], *, fits: Fits, max_chunk: int,
     chunks: list[Chunk] = []
     current: list[int] = []
     real = 0
+
+    def close() -> None:
+        longest = max(int(lengths[current[-1]]), 1)
+        chunks.append(Chunk(tuple(current), chunk_length(len(current), longest, fits=fits,
+                                                         multiple=pad_multiple, cap=pad_cap)))
+
     for i in order:
         longest = max(int(lengths[i]), 1)
         if current and not chunk_fits(len(current) + 1, longest, real + longest, fits=fits,
                                       max_chunk=max_chunk, max_tokens=max_tokens,
-                                      min_fill=min_fill):
-            chunks.append(Chunk(tuple(current), max(int(lengths[current[-1]]), 1)))
+                                      min_fill=min_fill, pad_multiple=pad_multiple,
+                                      pad_cap=pad_cap):
+            close()
             current, real = [], 0
         current.append(i)
         real += longest
     if current:
-        chunks.append(Chunk(tuple(current), max(int(lengths[current[-1]]), 1)))
+        close()
     return chunks

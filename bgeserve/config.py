@@ -125,6 +125,11 @@ class Settings:
                                         "longer than this runs alone); default: the backend's "
                                         "measured best, 256 on ONNX Runtime CPU, 1024 on "
                                         "OpenVINO and GPUs")
+    pad_multiple: int | None = _var("BGE_M3_PAD_MULTIPLE", _number(int, 1, 8192), None,
+                                    "round each chunk's padded length up to a multiple of "
+                                    "this (fewer distinct shapes; never past "
+                                    "BGE_M3_MAX_SEQ_LENGTH); default: 32 on CUDA and "
+                                    "TensorRT, 1 (none) on CPUs")
     cross_request_batching: bool = _var("BGE_M3_CROSS_REQUEST_BATCHING", _bool, True,
                                         "pack texts of concurrent requests together")
     # memory

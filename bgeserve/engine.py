@@ -23,7 +23,7 @@ from . import memory
 from .artifacts import Layout
 from .costmodel import CostModel, conservative_coefficients
 from .errors import BgeServeError, InvalidInput, NotReady, TooLarge
-from .forward import best_chunk_tokens, forward_factory
+from .forward import best_chunk_tokens, best_pad_multiple, forward_factory
 from .results import EmbedOptions, Embeddings
 from .runtime.onnx import SessionConfig
 from .scheduler import ChunkStats, Job, Scheduler, SchedulerConfig
@@ -96,7 +96,10 @@ class Engine:
             # No config given: chunk as the server does, by the runtime's measured best.
             config = EngineConfig()
             config = replace(config, scheduler=replace(
-                config.scheduler, max_chunk_tokens=best_chunk_tokens(artifacts, config.session)))
+                config.scheduler, max_chunk_tokens=best_chunk_tokens(artifacts, config.session),
+                pad_multiple=best_pad_multiple(artifacts, config.session)))
+        if config.scheduler.pad_cap is None:  # rounding never pads a chunk past max_seq
+            config = replace(config, scheduler=replace(config.scheduler, pad_cap=config.max_seq))
         self.config = config
         self.tokenizer = Tokenizer.load(artifacts.tokenizer_path, self.config.max_seq)
         self.open_forward = forward_factory(artifacts, self.config.session)

@@ -26,10 +26,24 @@ CHUNK_TOKENS = {"cpu": 256, "openvino": 1024}
 DEFAULT_CHUNK_TOKENS = 1024
 
 
+# Chunk lengths rounded up to a multiple of this. On an H200 (CUDA, fp16; docs/benchmarks.md)
+# a warm run costs ~9 ms from 1x16 to 8x512 tokens, but a shape's first run costs ~30-50 ms
+# more (1 client: p50 7 ms, p99 55 ms over ~25 distinct lengths; a mixed corpus, every chunk a
+# new shape, ran at 37-43 ms per chunk): 32 bounds the shapes texts of up to 512 tokens make at
+# 16 lengths, for padding the GPU runs nearly for free. CPUs pay for every padded token and
+# nothing per shape: no rounding. (The end-to-end gain on a GPU is not measured yet.)
+PAD_MULTIPLE = {"cuda": 32, "tensorrt": 32}
+
+
 def best_chunk_tokens(artifacts: ModelArtifacts, config: SessionConfig) -> int:
     """The measured best padded tokens per chunk for the runtime and EP that will run."""
     key = "openvino" if artifacts.runtime == "openvino" else config.provider
     return CHUNK_TOKENS.get(key, DEFAULT_CHUNK_TOKENS)
+
+
+def best_pad_multiple(artifacts: ModelArtifacts, config: SessionConfig) -> int:
+    """What chunk lengths are rounded up to a multiple of, for the runtime and EP that will run."""
+    return 1 if artifacts.runtime == "openvino" else PAD_MULTIPLE.get(config.provider, 1)
 
 
 def pad_chunk(ids: list[np.ndarray], pad_to: int) -> tuple[np.ndarray, np.ndarray]:

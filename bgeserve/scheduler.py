@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .binpack import Fits, plan
+from .binpack import Fits, chunk_length, plan
 from .errors import (BgeServeError, DeadlineExceeded, EngineFailed, NotReady, OutOfMemory,
                      Overloaded, TooLarge)
 from .forward import Forward, pad_chunk
@@ -89,6 +89,10 @@ class SchedulerConfig:
     # ~256 tokens up; 1,024 padded tokens keeps both the gain and the latency of a chunk bounded.
     max_chunk_tokens: int | None = 1024
     min_fill: float = 0.75
+    # Chunk lengths rounded up to a multiple of this (1 = none), never past pad_cap (the
+    # engine sets its max_seq): GPUs pay for every shape they run for the first time.
+    pad_multiple: int = 1
+    pad_cap: int | None = None
     batch_delay_s: float = 0.0
     cross_request: bool = True
     max_queue_tokens: int = 1_000_000
@@ -284,7 +288,8 @@ class Scheduler:
             window = [p for p in itertools.islice(self._pending, WINDOW) if p.job is oldest]
         chunks = plan([p.length for p in window], fits=self._fits,
                       max_chunk=self.config.max_chunk, max_tokens=self.config.max_chunk_tokens,
-                      min_fill=self.config.min_fill)
+                      min_fill=self.config.min_fill, pad_multiple=self.config.pad_multiple,
+                      pad_cap=self.config.pad_cap)
         chosen = next(c for c in chunks if 0 in c.indices)
         picked = [window[i] for i in chosen.indices]
         ids = {id(p) for p in picked}
@@ -438,7 +443,8 @@ class Scheduler:
         fwd = self._session(w, pieces)  # per call: an OOM split's halves may need a fresh one
         if fwd is None:
             return
-        pad_to = max(p.length for p in pieces)
+        pad_to = chunk_length(len(pieces), max(p.length for p in pieces), fits=self._fits,
+                              multiple=self.config.pad_multiple, cap=self.config.pad_cap)
         ids, mask = pad_chunk([p.job.ids[p.index] for p in pieces], pad_to)
         opts = [p.job.options for p in pieces]
         started = time.perf_counter()

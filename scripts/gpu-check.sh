@@ -8,7 +8,10 @@
 # 3. CUDA parity against the CPU fp32 engine (dense cosine >= 0.999; sparse and ColBERT shown);
 # 4. TensorRT: warmup-only for two small shapes (cold: builds the engine), then again (warm:
 #    "trt cache: found N cached engines"), and TensorRT parity;
-# 5. a throughput table: tokens/s at several batch x length shapes, CUDA and TensorRT.
+# 5. a throughput table: tokens/s at several batch x length shapes, CUDA and TensorRT, with
+#    each shape's first (cold) run;
+# 6. one embed() of a mixed corpus with chunk lengths rounded to 32 (the GPU default,
+#    BGE_M3_PAD_MULTIPLE) and not: what fewer distinct shapes buy.
 # Each step prints PASS, FAIL or SKIP (a provider missing is a SKIP, not a failure); the exit
 # status is 1 when any step failed. Figures also land in WORK_DIR/gpu-check.md.
 #
@@ -17,7 +20,7 @@
 # and parity lengths, default 2048), GPU_CHECK_MAX_CHUNK (profile batch, default 32),
 # GPU_CHECK_WARMUP_SHAPES (default 1x128,4x512), GPU_CHECK_SHAPES (throughput, default
 # 1x128,8x128,32x128,1x512,8x512,32x512,4x2048), GPU_CHECK_ITERS (default 10),
-# GPU_CHECK_EXPORT_ARGS (extra `bgeserve export` arguments, e.g. "--attention-block 0"),
+# GPU_CHECK_ROUND_TEXTS (the rounding step's corpus, default 512), GPU_CHECK_EXPORT_ARGS (extra `bgeserve export` arguments, e.g. "--attention-block 0"),
 # GPU_CHECK_CPU=1 (a CPU fp32 row in the throughput table, for scale).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +34,7 @@ MAX_CHUNK="${GPU_CHECK_MAX_CHUNK:-32}"
 WARMUP_SHAPES="${GPU_CHECK_WARMUP_SHAPES:-1x128,4x512}"
 SHAPES="${GPU_CHECK_SHAPES:-1x128,8x128,32x128,1x512,8x512,32x512,4x2048}"
 ITERS="${GPU_CHECK_ITERS:-10}"
+ROUND_TEXTS="${GPU_CHECK_ROUND_TEXTS:-512}"
 MODEL="$WORK/model-$SIZE"
 EXPORT="$WORK/export-$SIZE"
 CACHE="$WORK/cache"
@@ -126,14 +130,35 @@ elif cmd == "throughput":  # EP VARIANT EXPORT CACHE MAX_SEQ MAX_CHUNK SHAPES IT
         ids = np.random.default_rng(1).integers(4, eng.tokenizer.vocab_size, (b, n))
         ids[:, 0], ids[:, -1] = 0, 2
         mask = np.ones_like(ids)
-        fwd.run(ids, mask, dense=True, sparse=True, colbert=False)  # warm
+        started = time.perf_counter()
+        fwd.run(ids, mask, dense=True, sparse=True, colbert=False)  # first run of the shape
+        cold = time.perf_counter() - started
         started = time.perf_counter()
         for _ in range(int(iters)):
             fwd.run(ids, mask, dense=True, sparse=True, colbert=False)
         per = (time.perf_counter() - started) / int(iters)
-        print(f"| {ep} | {variant} | {b}x{n} | {per * 1000:.1f} | {b * n / per:,.0f} |")
+        print(f"| {ep} | {variant} | {b}x{n} | {cold * 1000:.1f} | {per * 1000:.1f} | "
+              f"{b * n / per:,.0f} |")
     fwd.close()
     eng.close()
+elif cmd == "rounding":  # EP VARIANT EXPORT CACHE MAX_SEQ MAX_CHUNK TEXTS
+    # One embed() of TEXTS random texts of 16..512 tokens, chunk lengths rounded up to a
+    # multiple of 1 (none) or 32 (the GPU default): every new shape costs a GPU a first run.
+    ep, variant, export, cache, max_seq, max_chunk, n = args
+    import dataclasses
+    for multiple in (1, 32):
+        s = dataclasses.replace(settings(ep, variant, export, cache, max_seq, max_chunk),
+                                pad_multiple=multiple)
+        with engine(s) as eng:
+            rng = np.random.default_rng(2)
+            texts = [[0, *rng.integers(4, eng.tokenizer.vocab_size, k - 2).tolist(), 2]
+                     for k in rng.integers(16, 513, int(n))]
+            eng.embed([[0, 5, 2]], dense=True, sparse=True)  # the session is open and warm
+            started = time.perf_counter()
+            eng.embed(texts, dense=True, sparse=True)
+            wall = time.perf_counter() - started
+        tokens = sum(len(t) for t in texts)
+        print(f"| {ep} | {variant} | {multiple} | {int(n)} | {wall:.2f} | {tokens / wall:,.0f} |")
 PYEOF
 }
 
@@ -210,8 +235,8 @@ else
 fi
 
 step "throughput (tokens/s, dense + sparse, one session, $ITERS runs per shape)"
-say "| EP | variant | shape | ms/run | tokens/s |"
-say "|---|---|---|---|---|"
+say "| EP | variant | shape | first run ms | ms/run | tokens/s |"
+say "|---|---|---|---|---|---|"
 specs=("cuda fp32 $HAVE_CUDA" "cuda fp16 $HAVE_CUDA" "tensorrt fp16 $HAVE_TRT")
 [ "${GPU_CHECK_CPU:-0}" = 1 ] && specs=("cpu fp32 1" "${specs[@]}")
 for spec in "${specs[@]}"; do
@@ -223,6 +248,18 @@ for spec in "${specs[@]}"; do
   if ! helper throughput "$ep" "$variant" "$EXPORT" "$CACHE" "$MAX_SEQ" "$MAX_CHUNK" \
       "$SHAPES" "$ITERS" 2>"$WORK/throughput-$ep-$variant.err" | tee -a "$REPORT"; then
     tail -n 5 "$WORK/throughput-$ep-$variant.err"; fail "throughput $ep/$variant"
+  fi
+done
+
+step "chunk lengths rounded to 32 vs not (one embed() of $ROUND_TEXTS random texts, 16-512 tokens)"
+say "| EP | variant | multiple | texts | wall s | tokens/s |"
+say "|---|---|---|---|---|---|"
+for spec in "cuda fp16 $HAVE_CUDA" "tensorrt fp16 $HAVE_TRT"; do
+  read -r ep variant have <<<"$spec"
+  [ "$have" = 1 ] || { say "| $ep | $variant | (provider or GPU missing) | | | |"; continue; }
+  if ! helper rounding "$ep" "$variant" "$EXPORT" "$CACHE" "$MAX_SEQ" "$MAX_CHUNK" \
+      "$ROUND_TEXTS" 2>"$WORK/rounding-$ep.err" | tee -a "$REPORT"; then
+    tail -n 5 "$WORK/rounding-$ep.err"; fail "rounding $ep/$variant"
   fi
 done
 

@@ -133,3 +133,14 @@ def test_chunk_tokens_default_per_backend_and_explicit_wins():
     assert chunk_tokens(Settings(execution_provider="openvino", variant="bf16")) == 1024
     assert chunk_tokens(Settings(execution_provider="cuda")) == 1024
     assert chunk_tokens(Settings(max_chunk_tokens=4096)) == 4096
+
+
+def test_pad_multiple_rounds_on_gpus_only_and_explicit_wins():
+    from bgeserve.backend import pad_multiple
+
+    assert pad_multiple(Settings()) == 1
+    assert pad_multiple(Settings(execution_provider="openvino", variant="bf16")) == 1
+    assert pad_multiple(Settings(execution_provider="cuda")) == 32
+    assert pad_multiple(Settings(execution_provider="tensorrt")) == 32
+    assert pad_multiple(Settings(execution_provider="cuda", pad_multiple=1)) == 1
+    assert pad_multiple(Settings(pad_multiple=16)) == 16

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bgeserve.binpack import Chunk, chunk_fits, plan
+from bgeserve.binpack import Chunk, chunk_fits, chunk_length, plan, rounded_length
 
 # Reproducible in CI, and no example database written into the working tree.
 PROPERTY = settings(max_examples=200, deadline=None, derandomize=True, database=None)
@@ -213,3 +213,38 @@ def test_chunk_is_frozen():
     chunk = Chunk((0,), 3)
     with pytest.raises(AttributeError):
         chunk.pad_to = 4  # type: ignore[misc]
+
+
+# ------------------------------------------------------------------------ rounded lengths
+@pytest.mark.parametrize("longest, multiple, cap, want", [
+    (17, 1, None, 17), (17, 32, None, 32), (32, 32, None, 32), (33, 32, None, 64),
+    (1, 32, None, 32), (500, 32, 512, 512), (510, 32, 500, 510), (8190, 64, 8192, 8192),
+])
+def test_rounded_length(longest, multiple, cap, want):
+    """Up to the next multiple, never past the cap, never below the length itself."""
+    assert rounded_length(longest, multiple, cap) == want
+
+
+def test_rounding_happens_only_where_the_rounded_chunk_fits():
+    """A chunk the budget admits at its own length is never refused for the rounding."""
+    tight = lambda count, seq: count * seq <= 100  # noqa: E731
+    assert chunk_length(3, 30, fits=tight, multiple=32) == 32  # 3 x 32 = 96 fits
+    assert chunk_length(3, 33, fits=tight, multiple=32) == 33  # 3 x 64 does not: unrounded
+    assert chunk_fits(3, 33, 99, fits=tight, max_chunk=8, max_tokens=None, min_fill=0.0,
+                      pad_multiple=32)
+
+
+def test_plan_rounds_each_chunk_and_judges_fill_by_the_texts_own_longest():
+    """Short texts padded to 32 still pack together: min_fill looks at their own longest (8),
+    not the rounded 32; max_tokens counts the rounded length."""
+    chunks = plan([8] * 10, fits=always, max_chunk=64, max_tokens=128, min_fill=0.75,
+                  pad_multiple=32)
+    assert [c.pad_to for c in chunks] == [32, 32, 32]
+    assert [len(c.indices) for c in chunks] == [4, 4, 2]  # 4 x 32 = 128 padded tokens each
+    unrounded = plan([8] * 10, fits=always, max_chunk=64, max_tokens=128, min_fill=0.75)
+    assert [len(c.indices) for c in unrounded] == [10]
+
+
+def test_plan_rounding_stops_at_the_cap():
+    chunks = plan([500, 10], fits=always, max_chunk=1, pad_multiple=64, pad_cap=512)
+    assert [(c.indices, c.pad_to) for c in chunks] == [((1,), 64), ((0,), 512)]

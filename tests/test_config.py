@@ -91,6 +91,7 @@ PARSED = [
     ("BGE_M3_INTRA_THREADS", "2", "intra_threads", 2),
     ("BGE_M3_MAX_CHUNK", "16", "max_chunk", 16),
     ("BGE_M3_MAX_CHUNK_TOKENS", "4096", "max_chunk_tokens", 4096),
+    ("BGE_M3_PAD_MULTIPLE", "64", "pad_multiple", 64),
     ("BGE_M3_CROSS_REQUEST_BATCHING", "no", "cross_request_batching", False),
     ("BGE_M3_AVAILABLE_MEMORY_BYTES", "8589934592", "available_memory_bytes", 8 << 30),
     ("BGE_M3_MEMORY_SAFETY_FACTOR", "0.5", "memory_safety_factor", 0.5),

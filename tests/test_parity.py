@@ -62,6 +62,20 @@ def test_matches_flagembedding(layout: str, variant: str, tol: Tolerance, texts,
     assert_matches(ours, ref, tol)
 
 
+@pytest.mark.parametrize(("variant", "tol"), [("fp32", FP32), ("fp16", FP16)])
+def test_rounded_chunk_lengths_match_flagembedding(variant: str, tol: Tolerance, texts, ref,
+                                                  tiny_export, tmp_path_factory):
+    """Chunks padded up to a multiple of 32 (the GPU default, BGE_M3_PAD_MULTIPLE): every
+    text, the 8192-token one included (capped at max_seq), still matches FlagEmbedding."""
+    seen: list[int] = []
+    config = EngineConfig(scheduler=SchedulerConfig(max_chunk=8, pad_multiple=32))
+    with Engine(tiny_export, variant, config=config, cache_dir=tmp_path_factory.mktemp("cache"),
+                offline=True, on_chunk=lambda st: seen.append(st.pad_to)) as engine:
+        ours = engine.embed(texts, dense=True, sparse=True, colbert=True)
+    assert seen and all(n % 32 == 0 for n in seen) and max(seen) == 8192
+    assert_matches(ours, ref, tol)
+
+
 def test_batch_composition_does_not_change_results(texts, tiny_export, tmp_path_factory):
     """A text embedded alone equals the same text inside any packed, padded chunk."""
     texts = texts[:-1]  # the 8192-token text alone is covered above

@@ -244,6 +244,25 @@ def test_rows_within_a_chunk_are_sorted_by_length_and_padded_to_the_longest():
     assert [[len(r) for r in c.rows] for c in factory.calls] == [[5, 8], [3, 4]]
 
 
+def test_chunks_are_rounded_to_the_pad_multiple_but_not_past_the_cap_or_the_budget():
+    """pad_multiple rounds each run's length up (results unchanged: the padding is masked);
+    pad_cap stops it at max_seq; a budget that admits the chunk only unrounded gets it
+    unrounded, never refused."""
+    factory = Factory()
+    with scheduler(factory, max_chunk=1, pad_multiple=8, pad_cap=20) as sched:
+        job = job_of(unique_texts(1, [3, 8, 9, 18]))  # 5, 10, 11, 20 tokens with CLS/EOS
+        sched.submit(job)
+        assert_dense_right(job)
+    assert sorted(c.shape[1] for c in factory.calls) == [8, 16, 16, 20]
+    factory = Factory()
+    with scheduler(factory, fits=lambda b, s: b * s <= 11, max_chunk=1,
+                   pad_multiple=8) as sched:
+        job = job_of(unique_texts(2, [3, 9]))  # 5 -> 8 fits; 11 -> 16 does not: stays 11
+        sched.submit(job)
+        assert_dense_right(job)
+    assert sorted(c.shape[1] for c in factory.calls) == [8, 11]
+
+
 def test_an_empty_job_is_answered_at_once():
     """A job without texts resolves immediately with zero results; nothing runs."""
     factory = Factory()
