@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "Settings", "create_app", "__version__"]
+__all__ = ["Engine", "Settings", "__version__", "create_app"]
 
 if TYPE_CHECKING:
     from .config import Settings

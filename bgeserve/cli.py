@@ -13,11 +13,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from . import backend
     from .config import Settings
     from .errors import BgeServeError
     from .http.app import create_app
     from .logs import setup_logging
-    from . import backend
     from .service import Service
 
     try:
@@ -72,18 +72,16 @@ def _probe(args: argparse.Namespace) -> int:
     """Run the startup probe in the foreground and print what it measured."""
     import os
 
-    from . import memory, probe
+    from . import backend, memory, probe
     from .artifacts import resolve, validate_cache_dir
     from .config import Settings
     from .costmodel import CostModel, conservative_coefficients
+    from .engine import model_dims
     from .forward import forward_factory
     from .logs import setup_logging
-    from .engine import model_dims
     from .service import engine_config, probe_parts
     from .tokenizer import Tokenizer
     from .tuning import HEADROOM_BYTES, probe_table, synthetic_run
-
-    from . import backend
 
     settings = Settings.from_env(os.environ)
     setup_logging("text", settings.log_level)

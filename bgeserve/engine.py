@@ -15,16 +15,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 
-from .artifacts import ModelArtifacts, resolve
 from . import memory
-from .artifacts import Layout
+from .artifacts import Layout, ModelArtifacts, resolve
 from .costmodel import CostModel, conservative_coefficients
 from .errors import BgeServeError, InvalidInput, NotReady, TooLarge
 from .forward import best_chunk_tokens, best_pad_multiple, forward_factory
-from .results import EmbedOptions, Embeddings
+from .results import Embeddings, EmbedOptions
 from .runtime.onnx import SessionConfig
 from .scheduler import ChunkStats, Job, Scheduler, SchedulerConfig
 from .tokenizer import Encoded, Tokenizer
@@ -137,7 +137,7 @@ class Engine:
             self._scheduler.stop(timeout)
             self._started = False
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -18,7 +18,6 @@ from .runtime.gpu import open_pinned
 from .runtime.onnx import OnnxSession, SessionConfig, SharedSession
 from .tokenizer import PAD_ID
 
-
 # Padded tokens per session.run() that gave the most tokens/s on the mixed corpus
 # (docs/benchmarks.md, chunk sweep): ORT on the CPU runs small chunks best (its GEMMs gain
 # little from batching and padding costs), OpenVINO bf16 ~1,024; GPUs want big chunks.

@@ -65,7 +65,7 @@ class Fetcher:
                 )
         # Anything hf_hub_download raises (hub errors, transport errors, OSError from the disk)
         # means "not downloaded": explained below, with the cause chained.
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every failure is explained below
             error = exc
         raise ModelUnavailable(
             f"cannot get {filename} from {repo_id}@{revision} into cache {self.cache_dir}: "

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
-                               generate_latest)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import memory
@@ -109,8 +114,8 @@ class _StateCollector:
                  "Texts dropped before running (client gone or deadline)"),
                 ("bgeserve_oom_splits", "oom_splits", "Chunks split after an allocation failure"),
                 ("bgeserve_worker_restarts", "worker_restarts",
-                 "Worker threads restarted after dying, or sessions reopened after a runtime "
-                 "error"),
+                 ("Worker threads restarted after dying, or sessions reopened after a runtime "
+                  "error")),
             ):
                 yield CounterMetricFamily(name, doc, value=counters.get(key, 0))
         tuner = getattr(service, "tuner", None)

@@ -28,11 +28,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .binpack import Fits, chunk_length, plan
-from .errors import (BgeServeError, DeadlineExceeded, EngineFailed, NotReady, OutOfMemory,
-                     Overloaded, TooLarge)
+from .errors import (
+    BgeServeError,
+    DeadlineExceeded,
+    EngineFailed,
+    NotReady,
+    OutOfMemory,
+    Overloaded,
+    TooLarge,
+)
 from .forward import Forward, pad_chunk
 from .heads import colbert_rows, sparse_vector
-from .results import EmbedOptions, Embeddings
+from .results import Embeddings, EmbedOptions
 
 log = logging.getLogger("bgeserve.scheduler")
 WINDOW = 1024  # pending texts considered per dispatch: bounds the packing work

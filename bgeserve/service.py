@@ -12,17 +12,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from . import __version__, backend, memory, probe
-from .artifacts import Layout, ModelArtifacts, resolve, validate_cache_dir
+from .artifacts import ModelArtifacts, resolve, validate_cache_dir
 from .config import Settings
 from .engine import Engine, EngineConfig, Inputs, model_dims
-from .forward import weight_copies
 from .errors import BgeServeError, DeadlineExceeded, NotReady
+from .forward import weight_copies
 from .metrics import Metrics
-from .results import EmbedOptions, Embeddings
+from .results import Embeddings, EmbedOptions
 from .runtime import gpu
 from .runtime import onnx as ort_adapter
 from .scheduler import SchedulerConfig

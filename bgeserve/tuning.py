@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 
 from . import memory, probe
-from .tokenizer import PAD_ID
 from .costmodel import CostModel, conservative_coefficients
 from .errors import ConfigError
+from .tokenizer import PAD_ID
 
 log = logging.getLogger("bgeserve.tuning")
 HEADROOM_BYTES = 256 << 20

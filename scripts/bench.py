@@ -47,13 +47,13 @@ import os
 import platform
 import random
 import resource
-import threading
 import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -144,7 +144,7 @@ def save_vectors(path: Path, dense: np.ndarray | None,
 
 def load_vectors(path: Path) -> tuple[np.ndarray | None, list[dict[int, float]] | None]:
     with np.load(path) as z:
-        dense = z["dense"] if "dense" in z else None
+        dense = z.get("dense")
         sparse = None
         if "sparse_offsets" in z:
             off, ids, vals = z["sparse_offsets"], z["sparse_ids"], z["sparse_values"]
@@ -188,7 +188,7 @@ def machine_info() -> dict[str, Any]:
         try:
             gpus = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
                                    "--format=csv,noheader"], capture_output=True, text=True,
-                                  timeout=30).stdout.strip().replace("\n", "; ")
+                                  timeout=30, check=False).stdout.strip().replace("\n", "; ")
         except (OSError, subprocess.SubprocessError):
             pass
     return {
@@ -378,8 +378,8 @@ def child_flag(spec: dict[str, Any], corpus: dict[str, Any]) -> dict[str, Any]:
     from FlagEmbedding import BGEM3FlagModel
 
     texts = corpus["texts"]
-    kwargs = dict(batch_size=FLAG_BATCH, max_length=MAX_SEQ, return_dense=True,
-                  return_sparse=True, return_colbert_vecs=False)
+    kwargs = {"batch_size": FLAG_BATCH, "max_length": MAX_SEQ, "return_dense": True,
+              "return_sparse": True, "return_colbert_vecs": False}
     t0 = time.perf_counter()
     model = BGEM3FlagModel(spec["model_dir"], use_fp16=False, devices="cpu")
     load_s = time.perf_counter() - t0
@@ -846,7 +846,7 @@ def child_main(spec_path: str) -> int:
         else:
             raise ValueError(mode)
         result["ok"] = True
-    except BaseException as exc:  # reported to the parent as an error row
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent as an error row
         traceback.print_exc()
         result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:500]}
     result["peak_rss"] = peak_rss()
@@ -1073,8 +1073,8 @@ def ratios(rows: list[dict[str, Any]], default_variant: str | None = None) -> di
 
 
 def load_table(load_rows: list[dict[str, Any]]) -> str:
-    lines = ["| variant | cross-request batching | clients | requests | wall s | requests/s "
-             "| tokens/s | p50 ms | p99 ms | texts/chunk | errors | server peak RSS MiB |",
+    lines = [("| variant | cross-request batching | clients | requests | wall s | requests/s "
+              "| tokens/s | p50 ms | p99 ms | texts/chunk | errors | server peak RSS MiB |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in load_rows:
         if not r.get("ok"):
@@ -1104,9 +1104,9 @@ def load_gains(load_rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def rss_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| text tokens | variant | RSS before MiB | peak MiB | growth MiB | of which "
-             "anonymous (workspace, sampled peak) MiB | file-backed (mapped weights) MiB "
-             "| seconds |",
+    lines = [("| text tokens | variant | RSS before MiB | peak MiB | growth MiB | of which "
+              "anonymous (workspace, sampled peak) MiB | file-backed (mapped weights) MiB "
+              "| seconds |"),
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r.get("ok"):
@@ -1439,7 +1439,7 @@ def main(argv: list[str]) -> int:
            f"- date: {meta['date']}",
            f"- machine: {m['nproc']} CPUs ({m['cpu_model']}), {m['mem_total_gib']} GiB, "
            f"{m['machine']}, Linux {m['kernel']}" + (f"; GPUs: {m['gpus']}" if m.get("gpus") else ""),
-           f"- versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v),
+           "- versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v),
            f"- model: {model_dir or '—'}; export: {export_dir}; threads: {args.threads}"
            + (f"; engine/http workers: {args.workers} (one shared session, "
               f"{max(1, args.threads // args.workers)} thread(s) each)" if args.workers > 1

@@ -1,5 +1,10 @@
 """Tokens/s of raw session.run for batches of b texts of L tokens: python scripts/chunk_shapes.py MODEL.onnx"""
-import sys, time, numpy as np, onnxruntime as ort
+import sys
+import time
+
+import numpy as np
+import onnxruntime as ort
+
 path = sys.argv[1]
 o = ort.SessionOptions(); o.enable_cpu_mem_arena = False; o.intra_op_num_threads = 2
 s = ort.InferenceSession(path, o)
@@ -9,7 +14,7 @@ def run(b, L):
     s.run(['dense','sparse_weights'], {'input_ids': ids, 'attention_mask': np.ones_like(ids)})
 run(1, 8)
 for L, bs in ((16, (1, 8, 32)), (64, (1, 4, 16)), (256, (1, 2, 4)), (512, (1, 2))):
-    total = 2048 if L < 512 else 2048
+    total = 2048
     line = []
     for b in bs:
         n = total // (b * L)

@@ -1,6 +1,12 @@
 """Time and peak workspace of one N-token text on several ONNX graphs: python scripts/compare_graphs.py N A.onnx B.onnx"""
-import sys, time, numpy as np, onnxruntime as ort
+import sys
+import time
+
+import numpy as np
+import onnxruntime as ort
+
 from bgeserve import memory
+
 n = int(sys.argv[1]); paths = sys.argv[2:]
 sess = []
 for p in paths:

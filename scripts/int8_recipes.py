@@ -156,7 +156,7 @@ def save_model(model: Any, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         big = model.ByteSize() > EXTERNAL_DATA_THRESHOLD
-    except Exception:  # protobuf raises past 2 GiB
+    except Exception:  # noqa: BLE001 - protobuf raises past 2 GiB
         big = True
     if big:
         data = out.name + ".data"
@@ -289,8 +289,12 @@ def smooth(fp32: Path, work: Path, graph: dict[str, Any], exclude: set[str], alp
     import onnx
     from onnx import numpy_helper
 
-    from bgeserve.export.smoothquant import (insert_before, scale_weight, smoothing_scales,
-                                             weight_max)
+    from bgeserve.export.smoothquant import (
+        insert_before,
+        scale_weight,
+        smoothing_scales,
+        weight_max,
+    )
 
     groups = []
     for layer in graph["layers"]:
@@ -364,8 +368,13 @@ def nbits(src: Path, out: Path, include: list[str]) -> None:
 def build(spec: dict[str, Any]) -> dict[str, Any]:
     """Build one recipe into spec['out'] (runs in a child process)."""
     import onnx
-    from onnxruntime.quantization import (CalibrationMethod, QuantFormat, QuantType,
-                                          quantize_dynamic, quantize_static)
+    from onnxruntime.quantization import (
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
 
     recipe = Recipe(**{k: tuple(v) if isinstance(v, list) else v
                        for k, v in spec["recipe"].items()})
@@ -435,7 +444,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     for row in sorted(rows, key=len)[::max(1, len(rows) // 3)]:  # warm-up: short … long
         sess.run(names, feed(row))
     rss_warm = proc_mem()["VmRSS"]
-    passes, dense, sparse, colbert_cos = [], [], [], []
+    passes, dense, sparse = [], [], []
     for p in range(spec["passes"]):
         t0 = time.perf_counter()
         outs = [sess.run(names, feed(row)) for row in rows]
@@ -461,7 +470,7 @@ def child(kind: str, spec: dict[str, Any], spec_path: Path, timeout: float) -> d
     result_path = spec_path.with_suffix(".result.json")
     result_path.unlink(missing_ok=True)
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), f"_{kind}",
-                           str(spec_path)], timeout=timeout)
+                           str(spec_path)], timeout=timeout, check=False)
     if proc.returncode != 0 or not result_path.exists():
         raise RuntimeError(f"{kind} child failed (exit {proc.returncode}), spec {spec_path}")
     return json.loads(result_path.read_text())
@@ -497,8 +506,8 @@ def fmt_mib(n: int) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     fp32 = next(r for r in rows if r["key"] == "fp32")
     cur = next((r for r in rows if r["key"] == "a"), None)
-    lines = ["| recipe | dense cos min / mean | sparse max Δ | tok/s | × fp32 | × current int8 "
-             "| RSS load / warm MiB | peak RSS MiB | size MiB |",
+    lines = [("| recipe | dense cos min / mean | sparse max Δ | tok/s | × fp32 | × current int8 "
+              "| RSS load / warm MiB | peak RSS MiB | size MiB |"),
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = "**" if r["cos_min"] >= 0.999 and not r["key"].startswith("fp32") else ""
@@ -599,7 +608,7 @@ def run(args: argparse.Namespace) -> int:
             row = {"key": name, "label": label, "model": str(model),
                    "bytes": model_bytes(model), "cos_min": float(cos.min()),
                    "cos_mean": float(cos.mean()),
-                   "cos_min_text_len": int(len(corpus[int(cos.argmin())])),
+                   "cos_min_text_len": len(corpus[int(cos.argmin())]),
                    "sparse_max_diff": float(np.abs(vec["sparse"] - ref["sparse"]).max()),
                    "sparse_ref_max": float(ref["sparse"].max()),
                    "colbert_token_cos_min": float(colbert.min()),

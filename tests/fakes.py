@@ -16,7 +16,7 @@ import numpy as np
 
 from bgeserve.config import Settings
 from bgeserve.errors import BgeServeError, InvalidInput, TooLarge
-from bgeserve.results import EmbedOptions, Embeddings
+from bgeserve.results import Embeddings, EmbedOptions
 
 HIDDEN = 1024
 VOCAB = 250_002

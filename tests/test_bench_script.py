@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 aiohttp = pytest.importorskip("aiohttp")
-from aiohttp import web  # noqa: E402
+from aiohttp import web
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
 
@@ -102,7 +102,7 @@ def test_load_driver_counts_a_dead_server_as_errors(bench):
     from tests.serverproc import free_port
 
     bodies = [bench._body(["x"]) for _ in range(5)]
-    wall, latencies, results, errors, tokens = asyncio.run(
+    _, latencies, results, errors, tokens = asyncio.run(
         bench._drive(f"http://127.0.0.1:{free_port()}", bodies, 2, 5.0))
     assert len(errors) == 5 and len(latencies) == 5
     assert results == [None] * 5 and tokens == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -110,7 +112,7 @@ def test_packing_is_greedy(problem):
     """A chunk is closed only because its next text would break a rule (no needless splits)."""
     lengths, fits, chunks = run_plan(problem)
     _, _, max_chunk, max_tokens, min_fill = problem
-    for this, following in zip(chunks, chunks[1:]):
+    for this, following in itertools.pairwise(chunks):
         nxt = following.indices[0]
         real = sum(lengths[i] for i in this.indices) + lengths[nxt]
         assert not chunk_fits(len(this.indices) + 1, lengths[nxt], real, fits=fits,
@@ -227,7 +229,7 @@ def test_rounded_length(longest, multiple, cap, want):
 
 def test_rounding_happens_only_where_the_rounded_chunk_fits():
     """A chunk the budget admits at its own length is never refused for the rounding."""
-    tight = lambda count, seq: count * seq <= 100  # noqa: E731
+    tight = lambda count, seq: count * seq <= 100
     assert chunk_length(3, 30, fits=tight, multiple=32) == 32  # 3 x 32 = 96 fits
     assert chunk_length(3, 33, fits=tight, multiple=32) == 33  # 3 x 64 does not: unrounded
     assert chunk_fits(3, 33, 99, fits=tight, max_chunk=8, max_tokens=None, min_fill=0.0,

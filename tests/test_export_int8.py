@@ -10,7 +10,6 @@ import pytest
 
 from bgeserve.export import smoothquant
 from bgeserve.export.smoothquant import scale_weight, smoothing_scales, weight_max
-
 from tests.oracle import FP16, INT8
 
 

@@ -11,13 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from starlette.testclient import TestClient
 
 from bgeserve.artifacts import resolve
 from bgeserve.engine import Engine, EngineConfig
 from bgeserve.runtime.onnx import SessionConfig
 from bgeserve.scheduler import SchedulerConfig
-
 from tests.oracle import BF16, _cos, dense_rows
 from tests.test_service import TEXTS, base_env, serving, wait_health
 
@@ -102,6 +100,6 @@ def test_server_on_openvino_reports_its_backend(tiny_export: Path, tiny_export_b
 def test_asking_openvino_for_another_variant_fails_fast(tiny_export_bf16: Path,
                                                         tmp_path: Path) -> None:
     env = base_env(tiny_export_bf16, tmp_path, BGE_M3_EP="openvino", BGE_M3_MODEL="int8")
-    with serving(env) as (client, service):
+    with serving(env) as (client, _service):
         body = wait_health(client, status=503)
     assert body["status"] == "fail" and "bf16" in json.dumps(body)

@@ -17,8 +17,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from bgeserve.errors import (BgeServeError, DeadlineExceeded, EngineFailed, ModelUnavailable,
-                             NotReady, OutOfMemory, Overloaded, TooLarge)
+from bgeserve.errors import (
+    BgeServeError,
+    DeadlineExceeded,
+    EngineFailed,
+    ModelUnavailable,
+    NotReady,
+    OutOfMemory,
+    Overloaded,
+    TooLarge,
+)
 from bgeserve.heads import ChunkOutputs, sparse_vector
 from bgeserve.results import EmbedOptions
 from bgeserve.scheduler import ChunkStats, Job, Scheduler, SchedulerConfig
@@ -729,11 +737,10 @@ def test_stop_fails_what_it_could_not_finish_in_time():
 def test_stats_report_the_queue():
     """stats() counts workers, loaded sessions, busy workers and the waiting texts and tokens."""
     factory = Factory()
-    with scheduler(factory) as sched:
-        with held(sched, factory):
-            sched.submit(job_of(unique_texts(1, [2, 3])))
-            assert sched.stats() == {"total": 1, "live": 1, "loaded": 1, "busy": 1,
-                                     "queue_texts": 2, "queue_tokens": 9}
+    with scheduler(factory) as sched, held(sched, factory):
+        sched.submit(job_of(unique_texts(1, [2, 3])))
+        assert sched.stats() == {"total": 1, "live": 1, "loaded": 1, "busy": 1,
+                                 "queue_texts": 2, "queue_tokens": 9}
 
 
 # ------------------------------------------------------------------------------- chaos

@@ -20,7 +20,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 import bgeserve.service as service_module
-from tests.oracle import dense_rows
 from bgeserve import Engine
 from bgeserve.artifacts import resolve
 from bgeserve.config import Settings
@@ -28,6 +27,7 @@ from bgeserve.costmodel import CostModel, conservative_coefficients
 from bgeserve.engine import EngineConfig
 from bgeserve.http.app import create_app
 from bgeserve.service import Service, model_dims
+from tests.oracle import dense_rows
 
 pytestmark = pytest.mark.slow
 

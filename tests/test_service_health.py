@@ -15,8 +15,15 @@ from bgeserve.config import Settings
 from bgeserve.errors import ModelUnavailable
 from bgeserve.scheduler import Scheduler
 from bgeserve.service import Service
-from tests.test_scheduler import (TIMEOUT, Factory, assert_dense_right, config, job_of,
-                                  unique_texts, wait_until)
+from tests.test_scheduler import (
+    TIMEOUT,
+    Factory,
+    assert_dense_right,
+    config,
+    job_of,
+    unique_texts,
+    wait_until,
+)
 
 
 def ready_service(stats: Any) -> Service:

@@ -44,7 +44,7 @@ def _save(model, out: Path) -> None:
 def _fits_protobuf(model) -> bool:
     try:
         return model.ByteSize() < 2**31 - 1
-    except Exception:  # protobuf raises once the message passes 2 GiB
+    except Exception:  # noqa: BLE001 - protobuf raises once the message passes 2 GiB
         return False
 
 

@@ -17,6 +17,7 @@ import onnxruntime as ort
 
 from ..errors import ModelUnavailable
 from .common import Shared, feeds, run_failure
+
 _PROVIDERS = {
     "cpu": "CPUExecutionProvider",
     "cuda": "CUDAExecutionProvider",
@@ -80,7 +81,7 @@ def _shared_cpu_arena() -> bool:
                 # (max memory: unlimited, strategy 1 = kSameAsRequested, defaults, defaults)
                 ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, 1, -1, -1))
                 _arena_registered = True
-            except Exception:  # an older build, or another library registered one first
+            except Exception:  # noqa: BLE001 - an older build, or one registered first
                 _arena_registered = False
         return _arena_registered
 
