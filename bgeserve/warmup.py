@@ -25,7 +25,7 @@ from .artifacts import resolve, validate_cache_dir
 from .config import Settings
 from .errors import BgeServeError
 from .forward import forward_factory
-from .runtime import gpu
+from .runtime import gpu, trt
 
 log = logging.getLogger("bgeserve.warmup")
 
@@ -63,13 +63,13 @@ def warm(open_forward: Callable[[int], Any], shapes: Sequence[tuple[int, int]], 
             errors[worker] = str(exc)
             log.error("worker %d: session failed to open: %s", worker, exc)
             return
-        gpu.fsync_tree(engines)
+        trt.fsync_tree(engines)
         log.info("worker %d (device %d): session ready in %.1fs", worker,
                  gpu.device_for_worker(worker, device_count), time.monotonic() - started)
 
     def run_shard(worker: int) -> list[ShapeResult]:
         results = []
-        for batch, seq in gpu.shard(shapes, worker, workers):
+        for batch, seq in trt.shard(shapes, worker, workers):
             result = ShapeResult(worker, batch, seq)
             started = time.monotonic()
             try:
@@ -77,7 +77,7 @@ def warm(open_forward: Callable[[int], Any], shapes: Sequence[tuple[int, int]], 
                     raise BgeServeError(f"no session: {errors[worker]}")
                 ids, mask = synthetic_chunk(batch, seq)
                 forwards[worker].run(ids, mask, dense=True, sparse=True, colbert=True)
-                gpu.fsync_tree(engines)
+                trt.fsync_tree(engines)
             except (BgeServeError, OSError) as exc:
                 result.error = str(exc)
             result.seconds = time.monotonic() - started
@@ -116,18 +116,18 @@ def run(settings: Settings) -> int:
                     "of time, so there is nothing to compile; model %s is in place, exiting",
                     s.execution_provider, artifacts.source)
         return 0
-    engines = gpu.engine_dir(cache_dir)
+    engines = trt.engine_dir(cache_dir)
     try:
         session = gpu.session_config(s)
-        shapes = gpu.parse_warmup_shapes(s.trt_warmup_shapes, s.max_seq_length,
+        shapes = trt.parse_warmup_shapes(s.trt_warmup_shapes, s.max_seq_length,
                                          max_batch=gpu.profile_max_batch(s))
         results = warm(forward_factory(artifacts, session), shapes, s.workers, engines,
                        session.device_count)
-        synced = gpu.fsync_tree(engines) + gpu.fsync_tree(gpu.timing_dir(cache_dir))
+        synced = trt.fsync_tree(engines) + trt.fsync_tree(trt.timing_dir(cache_dir))
     except (BgeServeError, OSError) as exc:
         log.error("warmup-only mode failed: %s", exc)
         return 1
-    count = gpu.count_engines(engines)
+    count = trt.count_engines(engines)
     failed = [f"{r.batch}x{r.seq}" for r in results if r.error]
     summary = {"engine_count": count, "cache_path": str(engines), "shapes": len(results),
                "failed_shapes": failed, "workers": s.workers, "files_synced": synced,

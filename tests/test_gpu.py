@@ -10,7 +10,7 @@ import pytest
 
 from bgeserve.config import Settings
 from bgeserve.errors import ConfigError
-from bgeserve.runtime import gpu
+from bgeserve.runtime import gpu, trt
 from bgeserve.runtime.onnx import SessionConfig, _providers
 from bgeserve.service import engine_config
 
@@ -162,25 +162,9 @@ def test_cuda_options_cap_the_arena():
     assert gpu.cuda_options(3 << 30)["gpu_mem_limit"] == str(3 << 30)
 
 
-def test_tensorrt_options_have_fp16_caches_and_an_explicit_profile(tmp_path: Path):
-    """TensorRT: fp16, engines in trt-engines/, timings in trt-timing/, min/opt/max profile."""
-    opts = gpu.trt_options(tmp_path, gpu.trt_profile(64, 8192), max_workspace_bytes=1 << 30)
-    assert opts == {
-        "trt_fp16_enable": "True",
-        "trt_engine_cache_enable": "True",
-        "trt_engine_cache_path": str(tmp_path / "trt-engines"),
-        "trt_timing_cache_enable": "True",
-        "trt_timing_cache_path": str(tmp_path / "trt-timing"),
-        "trt_profile_min_shapes": "input_ids:1x1,attention_mask:1x1",
-        "trt_profile_opt_shapes": "input_ids:8x512,attention_mask:8x512",
-        "trt_profile_max_shapes": "input_ids:64x8192,attention_mask:64x8192",
-        "trt_max_workspace_size": str(1 << 30),
-    }
-
-
 def test_the_profile_covers_every_chunk_the_scheduler_can_form(tmp_path: Path):
     """Max shape = (max_chunk, max_seq); the opt shape never exceeds it."""
-    assert gpu.trt_profile(4, 256) == gpu.TrtProfile((1, 1), (4, 256), (4, 256))
+    assert trt.trt_profile(4, 256) == trt.TrtProfile((1, 1), (4, 256), (4, 256))
     s = Settings(execution_provider="tensorrt", gpu_count=1, cache_dir=tmp_path, max_chunk=16,
                  max_seq_length=1024)
     opts = engine_config(s).session.provider_options
@@ -201,71 +185,6 @@ def test_session_config_per_provider(tmp_path: Path, caplog):
                                     cache_dir=tmp_path))
     assert (tmp_path / "trt-engines").is_dir() and (tmp_path / "trt-timing").is_dir()
     assert "trt cache: empty (will compile)" in caplog.text
-
-
-def test_the_trt_cache_announcement_counts_engines(tmp_path: Path, caplog):
-    """Engines present → ``trt cache: found N cached engines at PATH``; other files don't count."""
-    folder = tmp_path / "trt-engines"
-    folder.mkdir()
-    for name in ("a_sm90.engine", "b_sm90.engine", "a_sm90.profile"):
-        (folder / name).write_bytes(b"x")
-    with caplog.at_level(logging.INFO, "bgeserve.gpu"):
-        assert gpu.announce_trt_cache(folder) == 2
-    assert f"trt cache: found 2 cached engines at {folder}" in caplog.text
-
-
-def test_fsync_tree_syncs_every_file(tmp_path: Path):
-    """Every regular file below the folder is synced (symlinks are not followed)."""
-    (tmp_path / "sub").mkdir()
-    for name in ("a.engine", "b.profile", "sub/c.timing"):
-        (tmp_path / name).write_bytes(b"plan")
-    (tmp_path / "link").symlink_to(tmp_path / "a.engine")
-    assert gpu.fsync_tree(tmp_path) == 3
-    assert gpu.fsync_tree(tmp_path / "missing") == 0
-
-
-# ------------------------------------------------------------------------- warm-up shapes
-def test_the_default_grid_is_batch_major():
-    """Empty value → {1,2,4,8,16,32} × {128,512,2048,8192}, smallest batches first."""
-    shapes = gpu.parse_warmup_shapes("", 8192)
-    assert len(shapes) == 24
-    assert shapes[:5] == [(1, 128), (1, 512), (1, 2048), (1, 8192), (2, 128)]
-    assert shapes[-1] == (32, 8192)
-
-
-def test_valid_shapes_parse_in_order_without_duplicates():
-    """``BxL`` tokens, any case and spacing, deduplicated, order kept."""
-    assert gpu.parse_warmup_shapes(" 1x128, 8X512 ,1x128,,", 8192) == [(1, 128), (8, 512)]
-
-
-def test_invalid_tokens_are_skipped_with_a_warning(caplog):
-    """Malformed or zero tokens are skipped and named in a warning; all invalid → default."""
-    with caplog.at_level(logging.WARNING, "bgeserve.gpu"):
-        assert gpu.parse_warmup_shapes("1x128,banana,0x512,4x,2x256", 8192) == [(1, 128),
-                                                                                 (2, 256)]
-    assert "'banana'" in caplog.text and "'0x512'" in caplog.text and "'4x'" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, "bgeserve.gpu"):
-        assert gpu.parse_warmup_shapes("nope", 8192) == list(gpu.DEFAULT_WARMUP_SHAPES)
-    assert "no valid shape" in caplog.text
-
-
-def test_shapes_beyond_max_seq_or_max_chunk_are_dropped(caplog):
-    """Longer than max_seq (or wider than the profile's batch) → dropped, with a warning."""
-    with caplog.at_level(logging.WARNING, "bgeserve.gpu"):
-        shapes = gpu.parse_warmup_shapes("", 1024, max_batch=8)
-    assert shapes == [(b, s) for b in (1, 2, 4, 8) for s in (128, 512)]
-    assert "2048" in caplog.text and "BGE_M3_MAX_SEQ_LENGTH=1024" in caplog.text
-    assert gpu.parse_warmup_shapes("1x4096", 1024) == [(1, 1024)]  # nothing left → 1×max_seq
-
-
-def test_stride_sharding_splits_the_grid_disjointly():
-    """Worker k takes the shapes at i % n == k; together the shards are the grid."""
-    shapes = list(gpu.DEFAULT_WARMUP_SHAPES)
-    shards = [gpu.shard(shapes, k, 3) for k in range(3)]
-    assert shards[1][:2] == [shapes[1], shapes[4]]
-    assert sorted(s for sh in shards for s in sh) == sorted(shapes)
-    assert gpu.shard(shapes, 0, 1) == shapes
 
 
 # ------------------------------------------------------------------------------------ NVML

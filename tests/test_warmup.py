@@ -14,7 +14,7 @@ import pytest
 from bgeserve import warmup
 from bgeserve.config import Settings
 from bgeserve.errors import EngineFailed, ModelUnavailable
-from bgeserve.runtime import gpu
+from bgeserve.runtime import gpu, trt
 from tests.serverproc import ServerProc
 
 
@@ -175,7 +175,7 @@ def test_run_exits_1_when_a_shape_fails(tmp_path: Path, fake_tensorrt, caplog):
 def test_run_exits_1_when_no_engine_was_written(tmp_path: Path, monkeypatch, fake_tensorrt,
                                                 caplog):
     """Every shape ran but the engine folder is empty: a failure, not a silent success."""
-    monkeypatch.setattr(gpu, "count_engines", lambda folder: 0)
+    monkeypatch.setattr(trt, "count_engines", lambda folder: 0)
     with caplog.at_level(logging.ERROR):
         assert warmup.run(trt_settings(tmp_path)) == 1
     assert "no engine was written" in caplog.text
