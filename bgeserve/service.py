@@ -37,7 +37,7 @@ def engine_config(settings: Settings) -> EngineConfig:
     max_chunk = s.max_chunk if s.onnx_batch_size is None else s.onnx_batch_size
     scheduler = SchedulerConfig(
         workers=s.workers, max_chunk=max_chunk, max_chunk_tokens=backend.chunk_tokens(s),
-        pad_multiple=backend.pad_multiple(s), pad_cap=s.max_seq_length,
+        pad_multiple=backend.pad_multiple(s),
         batch_delay_s=s.batch_delay_ms / 1000.0, cross_request=s.cross_request_batching,
         max_queue_tokens=s.max_queue_tokens,
         idle_timeout_s=s.idle_timeout_secs)
