@@ -124,7 +124,7 @@ class Settings:
                                         "padded tokens per session.run() at most (a text "
                                         "longer than this runs alone); default: the backend's "
                                         "measured best, 256 on ONNX Runtime CPU, 1024 on "
-                                        "OpenVINO and GPUs")
+                                        "OpenVINO, 8192 on CUDA and TensorRT")
     pad_multiple: int | None = _var("BGE_M3_PAD_MULTIPLE", _number(int, 1, 8192), None,
                                     "round each chunk's padded length up to a multiple of "
                                     "this (fewer distinct shapes; never past "

@@ -20,8 +20,11 @@ from .tokenizer import PAD_ID
 
 # Padded tokens per session.run() that gave the most tokens/s on the mixed corpus
 # (docs/benchmarks.md, chunk sweep): ORT on the CPU runs small chunks best (its GEMMs gain
-# little from batching and padding costs), OpenVINO bf16 ~1,024; GPUs want big chunks.
-CHUNK_TOKENS = {"cpu": 256, "openvino": 1024}
+# little from batching and padding costs), OpenVINO bf16 ~1,024. GPUs want big chunks: on an
+# H200 (CUDA fp16, one run per shape) 1,024 tokens run in ~9 ms (~110k tokens/s), 8,192 in
+# ~16 ms (4x2048: 515k tokens/s), 16,384 in 26 ms (32x512: 642k); 8,192 takes most of that
+# gain at a run's latency of ~16 ms. (The memory budget still bounds every chunk.)
+CHUNK_TOKENS = {"cpu": 256, "openvino": 1024, "cuda": 8192, "tensorrt": 8192}
 DEFAULT_CHUNK_TOKENS = 1024
 
 

@@ -131,7 +131,8 @@ def test_chunk_tokens_default_per_backend_and_explicit_wins():
 
     assert chunk_tokens(Settings()) == 256  # ONNX Runtime CPU
     assert chunk_tokens(Settings(execution_provider="openvino", variant="bf16")) == 1024
-    assert chunk_tokens(Settings(execution_provider="cuda")) == 1024
+    assert chunk_tokens(Settings(execution_provider="cuda")) == 8192
+    assert chunk_tokens(Settings(execution_provider="tensorrt")) == 8192
     assert chunk_tokens(Settings(max_chunk_tokens=4096)) == 4096
 
 
