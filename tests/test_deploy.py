@@ -208,6 +208,21 @@ def test_the_cuda_image_keeps_only_onnxruntime_gpu():
     """Dockerfile.cuda: CUDA + cuDNN base, `.[gpu]` and TensorRT, CPU onnxruntime removed."""
     text = (ROOT / "Dockerfile.cuda").read_text()
     assert re.search(r"nvidia/cuda:12\.\S*cudnn-runtime", text)
-    assert 'pip install ".[gpu]"' in text and "tensorrt-cu12-libs" in text
+    assert 'pip install ".[gpu]" "${ORT_GPU_SPEC}"' in text and "tensorrt-cu12-libs" in text
     assert "pip uninstall -y onnxruntime" in text
     assert '"onnxruntime" not in names' in text
+
+
+def test_the_cuda_image_pins_onnxruntime_gpu_to_its_cuda_major():
+    """onnxruntime-gpu on PyPI is a CUDA 12 build up to 1.26 and a CUDA 13 build from 1.27
+    (measured: 1.26.0 links libcublas.so.12, 1.27.0 and 1.31.1 libcublas.so.13). The image's
+    base, ORT_GPU_SPEC and TensorRT wheel must name the same CUDA major."""
+    text = (ROOT / "Dockerfile.cuda").read_text()
+    cuda = int(re.search(r"ARG CUDA_IMAGE=nvidia/cuda:(\d+)\.", text)[1])
+    ort = re.search(r'ARG ORT_GPU_SPEC="([^"]+)"', text)[1]
+    trt = re.search(r'ARG TENSORRT_SPEC="([^"]+)"', text)[1]
+    assert f"tensorrt-cu{cuda}-libs" in trt
+    if cuda == 12:
+        assert re.search(r"<\s*1\.2[0-7]\b", ort), ort  # excludes 1.27+ (CUDA 13)
+    else:
+        assert re.search(r">=\s*1\.(2[7-9]|[3-9]\d)", ort), ort

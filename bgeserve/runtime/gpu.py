@@ -24,7 +24,8 @@ log = logging.getLogger("bgeserve.gpu")
 
 GPU_EPS = ("cuda", "tensorrt")
 _INSTALL_HINT = {
-    "cuda": "install onnxruntime-gpu in place of onnxruntime (the Dockerfile.cuda image has it)",
+    "cuda": "install onnxruntime-gpu in place of onnxruntime, built for the host's CUDA (PyPI: "
+            "<1.27 for CUDA 12, >=1.27 for CUDA 13); the Dockerfile.cuda image has it",
     "tensorrt": "install onnxruntime-gpu in place of onnxruntime and TensorRT 10 "
                 "(tensorrt-cu12-libs, on LD_LIBRARY_PATH); the Dockerfile.cuda image has both",
 }

@@ -153,7 +153,10 @@ class OnnxSession:
             # (a missing libnvinfer, a driver problem): serving silently on the CPU is worse.
             raise ModelUnavailable(
                 f"execution provider {config.provider!r} failed to initialise and onnxruntime "
-                f"fell back to {', '.join(active)}; see its error above", param="BGE_M3_EP")
+                f"fell back to {', '.join(active)}; see its error above (a library not found, "
+                "e.g. libcublas.so.13, means onnxruntime-gpu was built for another CUDA major "
+                "than the host has: PyPI's <1.27 are CUDA 12 builds, >=1.27 CUDA 13)",
+                param="BGE_M3_EP")
         self.path = path
         self.config = config
         self.input_names = [i.name for i in self._session.get_inputs()]
