@@ -125,7 +125,7 @@ elif cmd == "throughput":  # EP VARIANT EXPORT CACHE MAX_SEQ MAX_CHUNK SHAPES IT
     for shape in shapes.split(","):
         b, n = (int(x) for x in shape.lower().split("x"))
         if n > int(max_seq) or b > int(max_chunk):
-            print(f"| {ep} | {variant} | {b}x{n} | outside the profile | |")
+            print(f"| {ep} | {variant} | {b}x{n} | outside the profile | | |")
             continue
         ids = np.random.default_rng(1).integers(4, eng.tokenizer.vocab_size, (b, n))
         ids[:, 0], ids[:, -1] = 0, 2
@@ -242,7 +242,7 @@ specs=("cuda fp32 $HAVE_CUDA" "cuda fp16 $HAVE_CUDA" "tensorrt fp16 $HAVE_TRT")
 for spec in "${specs[@]}"; do
   read -r ep variant have <<<"$spec"
   if [ "$have" != 1 ]; then
-    say "| $ep | $variant | (provider or GPU missing) | | |"
+    say "| $ep | $variant | (provider or GPU missing) | | | |"
     continue
   fi
   if ! helper throughput "$ep" "$variant" "$EXPORT" "$CACHE" "$MAX_SEQ" "$MAX_CHUNK" \
