@@ -117,6 +117,11 @@ class Service:
             engine = Engine(artifacts=artifacts, config=engine_config(s), start=False,
                             auto_budget=False,  # the Tuner owns the budget here
                             on_chunk=self.metrics_registry.observe_chunk)
+            chunks = engine.config.scheduler
+            log.info("chunks: up to %d texts and %s padded tokens per run, lengths rounded up "
+                     "to a multiple of %d, cross-request batching %s", chunks.max_chunk,
+                     chunks.max_chunk_tokens or "unlimited", chunks.pad_multiple,
+                     "on" if chunks.cross_request else "off")
             tuning = TuningConfig(
                 workers=s.workers, max_seq=s.max_seq_length, safety_factor=s.memory_safety_factor,
                 available_override=s.available_memory_bytes, token_budget=s.token_budget,

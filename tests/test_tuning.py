@@ -275,6 +275,18 @@ def test_overrides_disable_the_probe(extra: dict[str, str], tiny_export: Path, t
     assert not (tmp_path / "probe-coefficients.json").exists()
 
 
+def test_the_start_up_log_says_how_chunks_are_formed(tiny_export: Path, tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Operators read the chunk limits from the log: texts, padded tokens, rounding, batching."""
+    caplog.set_level(logging.INFO, logger="bgeserve")
+    env = env_for(tiny_export, tmp_path, BGE_M3_DISABLE_AUTO_BUDGET="1", BGE_M3_MAX_CHUNK="16",
+                  BGE_M3_PAD_MULTIPLE="8", BGE_M3_CROSS_REQUEST_BATCHING="0")
+    with loaded(env):
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("chunks: ")]
+    assert lines == [("chunks: up to 16 texts and 256 padded tokens per run, lengths rounded up "
+                      "to a multiple of 8, cross-request batching off")]
+
+
 def test_onnx_batch_size_becomes_a_token_budget(tiny_export: Path, tmp_path: Path,
                                                 caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="bgeserve")
