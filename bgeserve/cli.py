@@ -81,7 +81,7 @@ def _probe(args: argparse.Namespace) -> int:
     from .logs import setup_logging
     from .service import engine_config, probe_parts
     from .tokenizer import Tokenizer
-    from .tuning import HEADROOM_BYTES, probe_table, synthetic_run
+    from .tuning import HEADROOM_BYTES, chunk_timing_run, probe_table, synthetic_run
 
     settings = Settings.from_env(os.environ)
     setup_logging("text", settings.log_level)
@@ -108,9 +108,13 @@ def _probe(args: argparse.Namespace) -> int:
     shapes = probe.default_shapes(settings.max_seq_length)
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    # Chunk budgets are timed as the server's probe times them (unless the budget is pinned).
+    timed = settings.max_chunk_tokens is None and config.scheduler.max_chunk_tokens is not None
     result = probe.run_probe(run, shapes=shapes,  # type: ignore[arg-type]
                              held_out=probe.default_held_out(settings.max_seq_length),
-                             guard=guard, log=print)
+                             guard=guard, log=print,
+                             chunk_candidates=probe.CHUNK_CANDIDATES if timed else (),
+                             chunk_run=chunk_timing_run(run))
     close()
     print(probe_table(result))
     if result.fit is not None:
@@ -119,10 +123,17 @@ def _probe(args: argparse.Namespace) -> int:
               f"held-out error {result.fit.held_out_rel_error}")
     else:
         print(f"no fit: {result.error}")
+    if result.chunk_rates:
+        default = config.scheduler.max_chunk_tokens
+        chosen = probe.choose_chunk_tokens(default, result.chunk_rates)  # type: ignore[arg-type]
+        print("chunk budgets (padded tokens: tokens/s): "
+              + ", ".join(f"{k}: {v:.0f}" for k, v in sorted(result.chunk_rates.items()))
+              + f"; the server will use {chosen} (default {default})")
     if result.fit is not None and not settings.disable_probe_cache:
         parts = probe_parts(settings, artifacts)
         cache = probe.ProbeCache(settings.cache_dir / "probe-coefficients.json")
-        cache.save(probe.fingerprint(parts), result.fit, parts, result.samples)
+        cache.save(probe.fingerprint(parts), result.fit, parts, result.samples,
+                   result.chunk_rates)
         print(f"cached in {cache.path}")
     return 0 if result.fit is not None else 1
 

@@ -153,6 +153,11 @@ class Engine:
         """Swap the cost model (atomic: the next chunk uses it)."""
         self._cost = cost
 
+    def set_max_chunk_tokens(self, tokens: int) -> None:
+        """Change the padded tokens per run (the probe's timing may choose another budget)."""
+        self._scheduler.set_max_chunk_tokens(tokens)
+        self.config = replace(self.config, scheduler=self._scheduler.config)
+
     def _fits(self, batch: int, seq: int) -> bool:
         cost = self._cost
         return True if cost is None else cost.fits(batch, seq)

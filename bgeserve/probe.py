@@ -1,4 +1,5 @@
-"""The startup probe: measure each shape's own workspace, fit (a, b), cache the fit.
+"""The startup probe: measure each shape's own workspace, fit (a, b), cache the fit; and time
+a few chunk sizes, so the packer's padded-token budget fits the machine (``choose_chunk_tokens``).
 
 ``run_probe`` calls the caller's ``run(batch, seq)`` once per shape (cheap shapes twice) and
 measures that run alone: peak RSS is reset before the run and read after it, minus the RSS
@@ -20,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Self
 
@@ -47,6 +48,17 @@ _MIN_SHAPES = 6
 # timing and allocator noise matter most, and a second run costs nothing.
 _REPEAT_BELOW_SECONDS = 1.0
 _SAMPLE_INTERVAL = 0.002
+# Chunk budgets (padded tokens per run) the probe times, as texts of CHUNK_SEQ tokens batched up
+# to each; the backend default (256 ORT CPU, 1,024 OpenVINO: benchmark sweeps) is replaced only
+# by a budget at least CHUNK_MARGIN faster, so timing noise cannot move it. Timed without
+# padding: a padded chunk takes the graph's masked attention path, whose fixed cost per run
+# flatters big batches (full-size int8, 2x128 -> 32x128: 695 -> 864 tokens/s padded, but
+# 944 -> 909 unpadded, and 256 is the best budget on the mixed corpus).
+CHUNK_CANDIDATES = (256, 1024, 4096)
+CHUNK_SEQ = 128
+CHUNK_MARGIN = 0.10
+CHUNK_ROUNDS = 2
+CHUNK_MAX_RUN_SECONDS = 5.0  # a budget whose run takes longer is no chunk size (latency)
 
 
 def default_shapes(max_seq: int) -> list[tuple[int, int]]:
@@ -88,6 +100,7 @@ class ProbeResult:
     fit: Fit | None
     error: str | None
     seconds: float
+    chunk_rates: dict[int, float] = field(default_factory=dict)  # padded tokens → tokens/s
 
 
 class _PeakSampler:
@@ -149,12 +162,15 @@ def run_probe(
     held_out: tuple[int, int] | None,
     guard: CostModel,
     log: Callable[[str], None] = logger.info,
+    chunk_candidates: Sequence[int] = (),
+    chunk_run: Callable[[int, int], None] | None = None,
 ) -> ProbeResult:
     """Measure every shape ``guard`` lets through, cheapest first, then fit and validate.
 
     ``run(batch, seq)`` must execute one inference of exactly that shape. A shape that ``guard``
     predicts not to fit, or whose run raises, is skipped with the reason. The held-out shape is
-    measured last and used only to validate the fit.
+    measured last and used only to validate the fit. With ``chunk_candidates``, the chunk
+    budgets are timed last (``time_chunk_budgets``) with ``chunk_run`` (default ``run``).
     """
     started = time.perf_counter()
     samples: list[Sample] = []
@@ -198,7 +214,69 @@ def run_probe(
     except FitError as exc:
         error = str(exc)
         log(f"probe fit rejected: {error}")
-    return ProbeResult(samples, skipped, held, result_fit, error, time.perf_counter() - started)
+    rates = time_chunk_budgets(chunk_run or run, chunk_candidates, guard,
+                               log=log) if chunk_candidates else {}
+    return ProbeResult(samples, skipped, held, result_fit, error, time.perf_counter() - started,
+                       rates)
+
+
+def time_chunk_budgets(run: Callable[[int, int], None], candidates: Sequence[int],
+                       guard: CostModel, *, seq: int = CHUNK_SEQ,
+                       clock: Callable[[], float] = time.perf_counter,
+                       log: Callable[[str], None] = logger.info,
+                       rounds: int = CHUNK_ROUNDS,
+                       max_run_seconds: float = CHUNK_MAX_RUN_SECONDS) -> dict[int, float]:
+    """Tokens/s of ``run(T // seq, seq)`` for each budget ``T``.
+
+    Each budget is run once to warm up (its first run pays for allocations), smallest first;
+    a budget the ``guard`` says would not fit, whose warm-up fails or takes longer than
+    ``max_run_seconds`` (too slow a run to serve as a chunk), ends the list untimed. Then ``rounds``
+    rounds each time every budget once, interleaved, and the fastest run counts: a machine
+    whose speed drifts (a shared VM) drifts for all budgets alike.
+    """
+    shapes: list[tuple[int, int, int]] = []
+    for budget in sorted(candidates):
+        batch = max(1, budget // seq)
+        if not guard.fits(batch, seq):
+            log(f"probe chunk {batch}x{seq}: skipped, predicted not to fit")
+            break
+        try:
+            start = clock()
+            run(batch, seq)
+            warm = clock() - start
+        except Exception as exc:  # noqa: BLE001 - a failing shape is data, not fatal
+            log(f"probe chunk {batch}x{seq}: failed, {type(exc).__name__}: {exc}")
+            break
+        if warm > max_run_seconds:
+            log(f"probe chunk {batch}x{seq}: one run took {warm:.1f} s, not a chunk budget "
+                "(latency): not timed")
+            break
+        shapes.append((budget, batch, seq))
+    best: dict[int, float] = {}
+    try:
+        for _ in range(rounds):
+            for budget, batch, seq_ in shapes:
+                start = clock()
+                run(batch, seq_)
+                elapsed = clock() - start
+                best[budget] = min(best.get(budget, elapsed), elapsed)
+    except Exception as exc:  # noqa: BLE001 - no timing then; the memory fit stands
+        log(f"probe chunk timing failed, {type(exc).__name__}: {exc}")
+        return {}
+    rates = {budget: batch * seq_ / max(best[budget], 1e-9) for budget, batch, seq_ in shapes}
+    for budget, batch, seq_ in shapes:
+        log(f"probe chunk {batch}x{seq_} ({budget} padded tokens): {rates[budget]:.0f} tokens/s")
+    return rates
+
+
+def choose_chunk_tokens(default: int, rates: Mapping[int, float],
+                        margin: float = CHUNK_MARGIN) -> int:
+    """``default``, unless a timed budget ran at least ``margin`` faster than it did (a
+    default that was not timed stays)."""
+    if default not in rates:
+        return default
+    best = max(rates, key=lambda t: rates[t])
+    return best if rates[best] / rates[default] >= 1 + margin - 1e-9 else default
 
 
 def fingerprint(parts: Mapping[str, str | int | float]) -> str:
@@ -261,8 +339,20 @@ class ProbeCache:
         logger.warning("probe cache %s %s; ignoring it and probing again", self.path, reason)
         return None
 
+    def chunk_rates(self, fingerprint: str) -> dict[int, float]:
+        """The chunk budgets' tokens/s saved with ``fingerprint``'s fit; {} if none."""
+        try:
+            record = json.loads(self.path.read_text())
+            if record.get("fingerprint") != fingerprint:
+                return {}
+            rates = {int(k): float(v) for k, v in (record.get("chunk_rates") or {}).items()}
+            return {k: v for k, v in rates.items() if k > 0 and math.isfinite(v) and v > 0}
+        except (OSError, ValueError, TypeError, AttributeError):
+            return {}
+
     def save(
-        self, fingerprint: str, fit: Fit, parts: Mapping[str, object], samples: Sequence[Sample]
+        self, fingerprint: str, fit: Fit, parts: Mapping[str, object], samples: Sequence[Sample],
+        chunk_rates: Mapping[int, float] | None = None,
     ) -> None:
         """Write the fit atomically (temp file, fsync, rename); a failure only logs a warning."""
         record = {
@@ -272,6 +362,7 @@ class ProbeCache:
             "fitted_at_unix": int(time.time()),
             "parts": dict(parts),
             "samples": [asdict(s) for s in samples],
+            "chunk_rates": {str(k): v for k, v in (chunk_rates or {}).items()},
         }
         tmp: str | None = None
         try:

@@ -32,7 +32,7 @@ def run(spec: dict) -> dict:
                         variant=spec["variant"], cache_dir=Path(spec["cache_dir"]),
                         offline=True, progress=False)
     vocab = Tokenizer.load(artifacts.tokenizer_path, spec["max_seq"]).vocab_size
-    from .tuning import synthetic_run
+    from .tuning import chunk_timing_run, synthetic_run
 
     config = SessionConfig(provider=spec["provider"], threads=spec["threads"])
     run_shape, close = synthetic_run(forward_factory(artifacts, config), vocab)
@@ -42,7 +42,9 @@ def run(spec: dict) -> dict:
     result = probe.run_probe(run_shape, shapes=[tuple(s) for s in spec["shapes"]],
                              held_out=tuple(spec["held_out"]) if spec["held_out"] else None,
                              guard=guard, log=lambda line: print(line, file=sys.stderr,
-                                                                 flush=True) or lines.append(line))
+                                                                 flush=True) or lines.append(line),
+                             chunk_candidates=spec.get("chunk_candidates", ()),
+                             chunk_run=chunk_timing_run(run_shape))
     close()
     return {
         "samples": [asdict(s) for s in result.samples],
@@ -51,6 +53,7 @@ def run(spec: dict) -> dict:
         "fit": asdict(result.fit) if result.fit else None,
         "error": result.error,
         "seconds": result.seconds,
+        "chunk_rates": {str(k): v for k, v in result.chunk_rates.items()},
     }
 
 

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -209,6 +209,11 @@ class Scheduler:
             _answer(job.future, error=error)
         else:
             job.future.cancel()
+
+    def set_max_chunk_tokens(self, tokens: int) -> None:
+        """Padded tokens per run from the next chunk on (chunks already taken keep theirs)."""
+        with self._cond:
+            self.config = replace(self.config, max_chunk_tokens=tokens)
 
     # -- state -----------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:

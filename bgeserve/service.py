@@ -133,8 +133,11 @@ class Service:
                 gpu_vram_budget=gpu.vram_budget(s, (artifacts.onnx_path,
                                                     *artifacts.external_data)),
                 cache_dir=cache_dir,
-                dims=model_dims(artifacts))
-            self.tuner = tuner = Tuner(tuning, apply=engine.set_cost_model)
+                dims=model_dims(artifacts),
+                chunk_tokens=engine.config.scheduler.max_chunk_tokens,
+                chunk_pinned=s.max_chunk_tokens is not None)
+            self.tuner = tuner = Tuner(tuning, apply=engine.set_cost_model,
+                                       apply_chunk_tokens=engine.set_max_chunk_tokens)
             tuner.detect_memory()
 
             def load() -> None:

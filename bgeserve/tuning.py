@@ -53,6 +53,10 @@ class TuningConfig:
     gpu_vram_budget: int | None = None
     cache_dir: Path | None = None
     dims: dict[str, int] = field(default_factory=dict)  # hidden, heads, intermediate
+    # The engine's padded tokens per run; the probe times alternatives unless it is pinned
+    # (BGE_M3_MAX_CHUNK_TOKENS) or unknown.
+    chunk_tokens: int | None = None
+    chunk_pinned: bool = False
 
 
 @dataclass
@@ -70,22 +74,30 @@ class TuningState:
     probe_error: str | None = None
     probe_seconds: float | None = None
     max_seq_that_fits: int = 0
+    chunk_tokens: int | None = None
+    chunk_tokens_source: str = "default"  # default | setting | probe
+    chunk_rates: dict[int, float] = field(default_factory=dict)  # padded tokens → tokens/s
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["a_bytes_per_token"] = out.pop("a")
         out["b_bytes_per_token_sq"] = out.pop("b")
         out["c_bytes_per_run"] = out.pop("c")
+        out["chunk_rates"] = {str(k): round(v, 1) for k, v in self.chunk_rates.items()}
         return out
 
 
 class Tuner:
     """Chooses and maintains the engine's cost model."""
 
-    def __init__(self, config: TuningConfig, apply: Callable[[CostModel], None]):
+    def __init__(self, config: TuningConfig, apply: Callable[[CostModel], None],
+                 apply_chunk_tokens: Callable[[int], None] | None = None):
         self.config = config
         self._apply = apply
-        self.state = TuningState()
+        self._apply_chunk_tokens = apply_chunk_tokens or (lambda tokens: None)
+        self.state = TuningState(chunk_tokens=config.chunk_tokens,
+                                 chunk_tokens_source="setting" if config.chunk_pinned
+                                 else "default")
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -139,6 +151,7 @@ class Tuner:
                 cached = probe.ProbeCache(self.cache_path).load(fingerprint)
             if cached is not None:
                 a, b, c_fixed, s.probe_status = cached.a, cached.b, cached.c, "cache_hit"
+                self._choose_chunks(probe.ProbeCache(self.cache_path).chunk_rates(fingerprint))
             else:
                 s.probe_status = "running"
         cost = CostModel(a, b, self.budget(model_cost), c_fixed)
@@ -215,11 +228,14 @@ class Tuner:
                  guard: CostModel) -> probe.ProbeResult:
         shapes = probe.default_shapes(self.config.max_seq)
         held_out = probe.default_held_out(self.config.max_seq)
+        timed = self.config.chunk_tokens is not None and not self.config.chunk_pinned
+        candidates = probe.CHUNK_CANDIDATES if timed else ()
         if callable(run):
             return probe.run_probe(run, shapes=shapes, held_out=held_out, guard=guard,
-                                   log=log.info)
+                                   log=log.info, chunk_candidates=candidates)
         spec = {**run, "shapes": shapes, "held_out": held_out, "guard_a": guard.a,
-                "guard_b": guard.b, "guard_budget": guard.max_workspace_bytes}
+                "guard_b": guard.b, "guard_budget": guard.max_workspace_bytes,
+                "chunk_candidates": list(candidates)}
         return run_child(spec, self._stop)
 
     def _probe(self, run: Callable[[int, int], None] | dict[str, Any], model_cost: int,
@@ -243,12 +259,27 @@ class Tuner:
                         "BGE_M3_MAX_SEQ_LENGTH=%d", fitted.max_seq(), c.max_seq)
         self.state.probe_status = "complete"
         self._publish(fitted)
+        self._choose_chunks(result.chunk_rates)
         log.info("probe complete in %.1fs: c=%.0f a=%.0f b=%.2f, budget %d MiB per worker, "
                  "longest text that fits %d tokens", result.seconds, fitted.c, fitted.a, fitted.b,
                  fitted.max_workspace_bytes >> 20, fitted.max_seq())
         if fingerprint and c.cache_dir and not c.disable_probe_cache:
             probe.ProbeCache(self.cache_path).save(fingerprint, result.fit, parts,
-                                                   result.samples)
+                                                   result.samples, result.chunk_rates)
+
+    def _choose_chunks(self, rates: dict[int, float]) -> None:
+        """Move the engine's chunk budget to a timed one that clearly beat the default."""
+        c, s = self.config, self.state
+        if c.chunk_tokens is None or c.chunk_pinned or not rates:
+            return
+        s.chunk_rates = dict(sorted(rates.items()))
+        chosen = probe.choose_chunk_tokens(c.chunk_tokens, rates)
+        if chosen != c.chunk_tokens:
+            log.info("chunks: %d padded tokens per run ran %.0f tokens/s against %.0f at the "
+                     "default %d: using %d", chosen, rates[chosen], rates[c.chunk_tokens],
+                     c.chunk_tokens, chosen)
+            s.chunk_tokens, s.chunk_tokens_source = chosen, "probe"
+            self._apply_chunk_tokens(chosen)
 
     def stop(self) -> None:
         """Ask a running probe to give up (its child process is killed)."""
@@ -262,10 +293,10 @@ class Tuner:
         return True
 
 
-def synthetic_run(open_forward: Callable[[], Any], vocab_size: int) -> tuple[Callable[[int, int],
-                                                                                       None],
-                                                                              Callable[[], None]]:
-    """A ``run(batch, seq)`` over a dedicated session with exact-length synthetic ids.
+def synthetic_run(open_forward: Callable[[], Any],
+                  vocab_size: int) -> tuple[Callable[..., None], Callable[[], None]]:
+    """A ``run(batch, seq, padded=True)`` over a dedicated session with exact-length synthetic
+    ids (``padded=False``: no padding token, the unmasked path; the chunk timing uses it).
 
     The ids come from a small fixed set (compute does not depend on their values): random ids
     over the whole vocabulary would fault new rows of a memory-mapped embedding table into RSS
@@ -276,11 +307,11 @@ def synthetic_run(open_forward: Callable[[], Any], vocab_size: int) -> tuple[Cal
     rng = np.random.default_rng(0)
     top = min(max(vocab_size, 5), SYNTHETIC_IDS)
 
-    def run(batch: int, seq: int) -> None:
+    def run(batch: int, seq: int, padded: bool = True) -> None:
         ids = rng.integers(4, top, size=(batch, seq), dtype=np.int64)
         ids[:, 0], ids[:, -1] = 0, 2
         mask = np.ones((batch, seq), dtype=np.int64)
-        if seq > 2:
+        if padded and seq > 2:
             # One padding token sends the chunk down the exported graph's masked path (blocked
             # attention) rather than the fused kernel an unpadded chunk gets. The masked path
             # needs more workspace, so every shape measures it: one model then bounds both
@@ -292,6 +323,27 @@ def synthetic_run(open_forward: Callable[[], Any], vocab_size: int) -> tuple[Cal
         forward.run(ids, mask, dense=True, sparse=True, colbert=True)
 
     return run, forward.close
+
+
+# glibc's own mmap threshold in a long-running process (it rises to this after large frees):
+# the serving process's allocator state, which chunk timing must reproduce.
+SERVING_MMAP_THRESHOLD = 32 << 20
+
+
+def chunk_timing_run(run: Callable[..., None]) -> Callable[[int, int], None]:
+    """``run`` as the probe's chunk timing needs it: unpadded, and under the serving process's
+    allocator. The memory probe pins glibc's mmap threshold at 1 MiB so each shape's workspace
+    is mapped and unmapped per run; timed that way, every run pays its page faults anew and
+    small chunks look up to ~25 % slower than they serve (full-size int8, 2x128 vs 8x128)."""
+    state = {"set": False}
+
+    def timed(batch: int, seq: int) -> None:
+        if not state["set"]:
+            memory.pin_mmap_threshold(SERVING_MMAP_THRESHOLD)
+            state["set"] = True
+        run(batch, seq, padded=False)
+
+    return timed
 
 
 def measure_model_cost(load: Callable[[], None], workers: int, model_bytes: int = 0,
@@ -374,4 +426,5 @@ def run_child(spec: dict[str, Any], stop: threading.Event) -> probe.ProbeResult:
         [(int(b), int(q), str(r)) for b, q, r in data["skipped"]],
         Sample(**data["held_out"]) if data["held_out"] else None,
         Fit(**data["fit"]) if data["fit"] else None,
-        data["error"], data["seconds"])
+        data["error"], data["seconds"],
+        {int(k): float(v) for k, v in (data.get("chunk_rates") or {}).items()})

@@ -6,6 +6,8 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,10 +18,12 @@ from bgeserve.probe import (
     PROBE_SCHEMA,
     ProbeCache,
     ProbeResult,
+    choose_chunk_tokens,
     default_held_out,
     default_shapes,
     fingerprint,
     run_probe,
+    time_chunk_budgets,
 )
 
 A, B = 20000.0, 5.0  # the fake model's true bytes per token and per token²
@@ -338,3 +342,103 @@ def test_failed_write_removes_its_temp_file(cache, caplog):
 def test_module_never_imports_onnxruntime():
     """probe measures through a callable: no runtime import."""
     assert "onnxruntime" not in probe.__dict__
+
+
+# --- chunk budgets -------------------------------------------------------------------------
+class FakeClock:
+    """A clock the fake run advances by a cost per shape."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def timed_run(clock: FakeClock, seconds: Callable[[int, int], float]):
+    def run(batch: int, seq: int) -> None:
+        clock.now += seconds(batch, seq)
+    return run
+
+
+def test_chunk_budgets_are_warmed_then_timed_in_interleaved_rounds():
+    """Each budget warms up once (smallest first), then rounds time every budget once in turn;
+    the fastest run of each counts."""
+    clock = FakeClock()
+    costs = iter([0.5, 0.9,  # warm-ups: 2x128, 8x128
+                  0.010, 0.050, 0.020, 0.040])  # round 1, round 2
+    shapes: list[tuple[int, int]] = []
+
+    def seconds(batch: int, seq: int) -> float:
+        shapes.append((batch, seq))
+        return next(costs)
+
+    lines, log = collect()
+    rates = time_chunk_budgets(timed_run(clock, seconds), (1024, 256), WIDE, clock=clock,
+                               log=log)
+    assert rates == {256: pytest.approx(25_600), 1024: pytest.approx(25_600)}
+    assert shapes == [(2, 128), (8, 128), (2, 128), (8, 128), (2, 128), (8, 128)]
+    assert any("(1024 padded tokens): 25600 tokens/s" in line for line in lines)
+
+
+def test_a_slow_warm_up_ends_the_list_of_budgets():
+    """A budget whose warm-up run takes longer than max_run_seconds is not timed, nor any
+    bigger one."""
+    clock = FakeClock()
+    shapes: list[tuple[int, int]] = []
+
+    def seconds(batch: int, seq: int) -> float:
+        shapes.append((batch, seq))
+        return 0.1 * batch
+
+    rates = time_chunk_budgets(timed_run(clock, seconds), (256, 1024, 4096), WIDE, clock=clock,
+                               log=lambda _: None, max_run_seconds=0.5)
+    assert list(rates) == [256]  # 8x128 warmed up in 0.8 s; 32x128 is never run
+    assert shapes.count((8, 128)) == 1 and (32, 128) not in shapes
+
+
+def test_chunk_budget_timing_skips_what_does_not_fit_and_survives_failures():
+    clock = FakeClock()
+    tight = CostModel(A, B, true_cost(2, 128))  # (2, 128) fits, (8, 128) does not
+    assert list(time_chunk_budgets(timed_run(clock, lambda b, s: 0.01), (256, 1024), tight,
+                                   clock=clock, log=lambda _: None)) == [256]
+
+    def broken(batch: int, seq: int) -> None:
+        raise RuntimeError("no")
+
+    assert time_chunk_budgets(broken, (256,), WIDE, clock=clock, log=lambda _: None) == {}
+    calls = []
+
+    def fails_after_warm_up(batch: int, seq: int) -> None:
+        calls.append(batch)
+        if len(calls) > 1:
+            raise RuntimeError("no")
+
+    assert time_chunk_budgets(fails_after_warm_up, (256,), WIDE, clock=clock,
+                              log=lambda _: None) == {}
+
+
+@pytest.mark.parametrize("rates, chosen", [
+    ({256: 100.0, 1024: 109.0, 4096: 50.0}, 256),  # 9 % faster is noise: the default stays
+    ({256: 100.0, 1024: 110.0}, 1024),  # 10 % faster moves it
+    ({256: 100.0, 1024: 130.0, 4096: 150.0}, 4096),  # to the fastest
+    ({1024: 500.0}, 256),  # the default itself was not timed: nothing to compare
+    ({}, 256),
+])
+def test_choose_chunk_tokens_keeps_the_default_unless_clearly_beaten(rates, chosen):
+    assert choose_chunk_tokens(256, rates) == chosen
+
+
+def test_the_cache_keeps_chunk_rates_with_the_fit(tmp_path: Path):
+    cache = ProbeCache(tmp_path / "probe-coefficients.json")
+    fit_ = Fit(A, B, 0.01, 0.02)
+    cache.save("f" * 64, fit_, {"x": 1}, [], {256: 100.0, 1024: 150.5})
+    assert cache.chunk_rates("f" * 64) == {256: 100.0, 1024: 150.5}
+    assert cache.chunk_rates("e" * 64) == {}  # another fingerprint
+    cache.save("f" * 64, fit_, {"x": 1}, [])  # saved without timings
+    assert cache.chunk_rates("f" * 64) == {}
+    record = json.loads(cache.path.read_text())
+    record["chunk_rates"] = {"256": "NaN", "oops": 1, "1024": -5}
+    cache.path.write_text(json.dumps(record))
+    assert cache.chunk_rates("f" * 64) == {}
+    assert cache.load("f" * 64) is not None  # bad timings never cost the fit

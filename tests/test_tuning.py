@@ -183,6 +183,11 @@ def test_real_probe_runs_in_background_then_ends(real_probe: dict[str, object]) 
     if real_probe["status"] == "complete":
         record = json.loads(cache_file.read_text())
         assert (record["a"], record["b"]) == (real_probe["a"], real_probe["b"])
+        # The probe child also timed the chunk budgets, starting from the CPU default (256).
+        assert "256" in health["chunk_rates"] and record["chunk_rates"] == {
+            k: pytest.approx(v, rel=0.01) for k, v in health["chunk_rates"].items()}
+        assert health["chunk_tokens"] in (256, 1024, 4096)
+        assert health["chunk_tokens_source"] in ("default", "probe")
     else:
         assert real_probe["error"] and health["probe_error"] == real_probe["error"]
         assert not cache_file.exists(), "a failed probe must not be cached"
@@ -456,8 +461,65 @@ def test_synthetic_shapes_take_the_masked_path() -> None:
     run(1, 16)
     run(4, 16)
     run(1, 2)
+    run(4, 16, padded=False)  # what the chunk timing runs: the unmasked path
     for ids, mask in seen[:2]:
         assert mask[:-1].all() and mask[-1, -1] == 0 and mask[-1, :-1].all()
         assert ids[-1, -1] == 1 and ids[-1, -2] == 2  # </s> then <pad>, as pad_chunk makes it
     short_ids, short_mask = seen[2]
     assert short_mask.all() and short_ids.tolist() == [[0, 2]]
+    ids, mask = seen[3]
+    assert mask.all() and (ids[:, -1] == 2).all() and (ids[:, 0] == 0).all()
+
+
+# -- chunk budgets timed by the probe --------------------------------------------------------
+def launch_bound_run(batch: int, seq: int) -> None:
+    """exact_run plus a fixed 20 ms per run, as on a GPU: bigger chunks are nearly free."""
+    exact_run(batch, seq)
+    time.sleep(0.02)
+
+
+def test_probe_timing_moves_the_chunk_budget_when_clearly_faster(tiny_export: Path,
+                                                                  tmp_path: Path) -> None:
+    """Runs cost ~20 ms whatever their size: 4,096 padded tokens per run beats the default 256
+    by far, so the probe moves the engine's budget there, says so in /health, caches it, and a
+    warm start applies the cached choice again."""
+    dims = tiny_dims(tiny_export)
+    config = TuningConfig(max_seq=512, cache_dir=tmp_path, dims=dims,
+                          available_override=8 << 30, chunk_tokens=256)
+    moved: list[int] = []
+    tuner = Tuner(config, apply=lambda cost: None, apply_chunk_tokens=moved.append)
+    tuner.initial(model_cost=16 << 20, fingerprint="c" * 64)
+    assert tuner.state.as_dict()["chunk_tokens"] == 256
+    tuner.start_probe(launch_bound_run, 16 << 20, "c" * 64, {"max_seq": 512})
+    assert tuner.wait(PROBE_TIMEOUT)
+    state = tuner.state
+    assert state.probe_status == "complete", state.probe_error
+    assert sorted(state.chunk_rates) == [256, 1024, 4096]
+    assert moved == [4096] and (state.chunk_tokens, state.chunk_tokens_source) == (4096, "probe")
+    assert json.loads(json.dumps(state.as_dict()))["chunk_rates"].keys() == {"256", "1024", "4096"}
+    again: list[int] = []
+    warm = Tuner(config, apply=lambda cost: None, apply_chunk_tokens=again.append)
+    warm.initial(model_cost=16 << 20, fingerprint="c" * 64)
+    assert warm.state.probe_status == "cache_hit" and again == [4096]
+
+
+def test_a_pinned_chunk_budget_is_neither_timed_nor_moved(tiny_export: Path,
+                                                          tmp_path: Path) -> None:
+    """BGE_M3_MAX_CHUNK_TOKENS set: the probe measures memory only and the budget stays."""
+    runs: list[tuple[int, int]] = []
+
+    def run(batch: int, seq: int) -> None:
+        runs.append((batch, seq))
+        exact_run(batch, seq)
+
+    config = TuningConfig(max_seq=512, cache_dir=tmp_path, dims=tiny_dims(tiny_export),
+                          available_override=8 << 30, chunk_tokens=256, chunk_pinned=True)
+    moved: list[int] = []
+    tuner = Tuner(config, apply=lambda cost: None, apply_chunk_tokens=moved.append)
+    tuner.initial(model_cost=16 << 20, fingerprint="d" * 64)
+    tuner.start_probe(run, 16 << 20, "d" * 64, {"max_seq": 512})
+    assert tuner.wait(PROBE_TIMEOUT)
+    assert tuner.state.probe_status == "complete"
+    assert moved == [] and tuner.state.chunk_rates == {}
+    assert (tuner.state.chunk_tokens, tuner.state.chunk_tokens_source) == (256, "setting")
+    assert (2, 128) not in runs and (8, 128) not in runs
