@@ -442,3 +442,19 @@ def test_the_cache_keeps_chunk_rates_with_the_fit(tmp_path: Path):
     cache.path.write_text(json.dumps(record))
     assert cache.chunk_rates("f" * 64) == {}
     assert cache.load("f" * 64) is not None  # bad timings never cost the fit
+
+
+def test_the_held_out_shape_is_measured_in_cost_order_not_last():
+    """A runtime may keep buffers from its biggest run: a shape measured after it reads low.
+    So the held-out shape, like every shape, comes after smaller ones only."""
+    order: list[tuple[int, int]] = []
+
+    def run(batch: int, seq: int) -> None:
+        order.append((batch, seq))
+        fake_run(batch, seq)
+
+    result = run_probe(run, shapes=SHAPES, held_out=(2, 768), guard=WIDE, log=lambda _: None)
+    assert result.held_out is not None and (result.held_out.batch, result.held_out.seq) == (2, 768)
+    firsts = list(dict.fromkeys(order))
+    assert firsts.index((2, 768)) < firsts.index((1, 4096))
+    assert all((s.batch, s.seq) != (2, 768) for s in result.samples)
