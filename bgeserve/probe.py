@@ -244,7 +244,7 @@ def time_chunk_budgets(run: Callable[[int, int], None], candidates: Sequence[int
     rounds each time every budget once, interleaved, and the fastest run counts: a machine
     whose speed drifts (a shared VM) drifts for all budgets alike.
     """
-    shapes: list[tuple[int, int, int]] = []
+    batches: dict[int, int] = {}  # budget -> texts of ``seq`` tokens per run
     for budget in sorted(candidates):
         batch = max(1, budget // seq)
         if not guard.fits(batch, seq):
@@ -261,21 +261,21 @@ def time_chunk_budgets(run: Callable[[int, int], None], candidates: Sequence[int
             log(f"probe chunk {batch}x{seq}: one run took {warm:.1f} s, not a chunk budget "
                 "(latency): not timed")
             break
-        shapes.append((budget, batch, seq))
+        batches[budget] = batch
     best: dict[int, float] = {}
     try:
         for _ in range(rounds):
-            for budget, batch, seq_ in shapes:
+            for budget, batch in batches.items():
                 start = clock()
-                run(batch, seq_)
+                run(batch, seq)
                 elapsed = clock() - start
                 best[budget] = min(best.get(budget, elapsed), elapsed)
     except Exception as exc:  # noqa: BLE001 - no timing then; the memory fit stands
         log(f"probe chunk timing failed, {type(exc).__name__}: {exc}")
         return {}
-    rates = {budget: batch * seq_ / max(best[budget], 1e-9) for budget, batch, seq_ in shapes}
-    for budget, batch, seq_ in shapes:
-        log(f"probe chunk {batch}x{seq_} ({budget} padded tokens): {rates[budget]:.0f} tokens/s")
+    rates = {budget: batch * seq / max(best[budget], 1e-9) for budget, batch in batches.items()}
+    for budget, batch in batches.items():
+        log(f"probe chunk {batch}x{seq} ({budget} padded tokens): {rates[budget]:.0f} tokens/s")
     return rates
 
 

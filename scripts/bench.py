@@ -173,16 +173,12 @@ def machine_info() -> dict[str, Any]:
 
     versions = {}
     for pkg in ("bgeserve", "onnxruntime", "openvino", "torch", "FlagEmbedding", "transformers",
-                "tokenizers", "numpy", "aiohttp", "uvicorn"):
+                "tokenizers", "numpy", "aiohttp", "uvicorn",
+                "onnxruntime-gpu"):  # installed instead of (or, wrongly, beside) onnxruntime
         try:
             versions[pkg] = version(pkg)
         except PackageNotFoundError:
             versions[pkg] = None
-    for pkg in ("onnxruntime-gpu",):  # installed instead of (or, wrongly, beside) onnxruntime
-        try:
-            versions[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
     gpus = ""
     if shutil.which("nvidia-smi"):
         try:
