@@ -24,9 +24,10 @@ from .artifacts import Layout, ModelArtifacts, resolve
 from .costmodel import CostModel, conservative_coefficients
 from .errors import BgeServeError, InvalidInput, NotReady, TooLarge
 from .forward import best_chunk_tokens, best_pad_multiple, forward_factory
+from .jobs import Job
 from .results import Embeddings, EmbedOptions
 from .runtime.onnx import SessionConfig
-from .scheduler import ChunkStats, Job, Scheduler, SchedulerConfig
+from .scheduler import ChunkStats, Scheduler, SchedulerConfig
 from .tokenizer import Encoded, Tokenizer
 
 log = logging.getLogger("bgeserve.engine")

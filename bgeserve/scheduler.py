@@ -17,17 +17,14 @@ opened, or that is waiting out its backoff, is not counted as live, so ``/health
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 
-import numpy as np
-
-from .binpack import Fits, chunk_length, plan
+from .binpack import Chunk, Fits, chunk_length, plan
 from .errors import (
     BgeServeError,
     DeadlineExceeded,
@@ -38,52 +35,15 @@ from .errors import (
     TooLarge,
 )
 from .forward import Forward, pad_chunk
-from .heads import colbert_rows, sparse_vector
-from .results import Embeddings, EmbedOptions
+from .heads import ChunkOutputs
+from .jobs import Job, Piece, answer
+from .pending import PendingQueue
 
 log = logging.getLogger("bgeserve.scheduler")
-WINDOW = 1024  # pending texts considered per dispatch: bounds the packing work
 # Delay before a dead worker's replacement starts, doubling per consecutive death: a worker that
 # dies at once every time must not spin a core or flood the log.
 MIN_RESTART_DELAY_S = 0.1
 MAX_RESTART_DELAY_S = 5.0
-
-
-@dataclass(eq=False)
-class Job:
-    """One caller's texts (already tokenized) and the future its answer goes to."""
-
-    ids: list[np.ndarray]
-    truncated: np.ndarray
-    options: EmbedOptions
-    deadline: float | None = None
-    request_id: str = ""
-    future: Future = field(default_factory=Future)
-    dense: np.ndarray | None = None
-    sparse: list | None = None
-    colbert: list | None = None
-    remaining: int = 0
-    done: bool = False
-    submitted: float = 0.0
-
-    def __post_init__(self) -> None:
-        n = len(self.ids)
-        self.remaining = n
-        self.sparse = [None] * n if self.options.sparse else None
-        self.colbert = [None] * n if self.options.colbert else None
-
-    def result(self) -> Embeddings:
-        return Embeddings(self.dense, self.sparse, self.colbert,
-                          np.fromiter((len(x) for x in self.ids), np.int64, len(self.ids)),
-                          self.truncated)
-
-
-@dataclass(eq=False)
-class Piece:
-    job: Job
-    index: int
-    length: int
-    arrived: float
 
 
 @dataclass(frozen=True)
@@ -127,8 +87,7 @@ class Scheduler:
         self.config = config
         self._on_chunk = on_chunk or (lambda stats: None)
         self._cond = threading.Condition(threading.RLock())
-        self._pending: collections.deque[Piece] = collections.deque()
-        self._pending_tokens = 0
+        self._pending = PendingQueue()
         self._stopping = False
         n = config.workers
         self._threads: list[threading.Thread | None] = [None] * n
@@ -178,20 +137,18 @@ class Scheduler:
                 raise NotReady("the server is shutting down")
             if self._no_worker_left():
                 raise NotReady("no worker is left to run the model (see /health)")
-            if self._pending and self._pending_tokens + tokens > self.config.max_queue_tokens:
+            if self._pending and self._pending.tokens + tokens > self.config.max_queue_tokens:
                 self.counters["rejected"] += 1
                 raise Overloaded(
-                    f"queue full ({self._pending_tokens} tokens waiting, limit "
+                    f"queue full ({self._pending.tokens} tokens waiting, limit "
                     f"BGE_M3_MAX_QUEUE_TOKENS={self.config.max_queue_tokens}); retry shortly",
                     retry_after=1.0)
             job.submitted = now
             if not job.ids:
                 job.done = True
-                _answer(job.future, result=job.result())
+                answer(job.future, result=job.result())
                 return job.future
-            for i, x in enumerate(job.ids):
-                self._pending.append(Piece(job, i, len(x), now))
-            self._pending_tokens += tokens
+            self._pending.add(job, now)
             self._cond.notify()
         return job.future
 
@@ -206,7 +163,7 @@ class Scheduler:
             self._purge()
         self.counters["cancelled_texts"] += dropped
         if error is not None:
-            _answer(job.future, error=error)
+            answer(job.future, error=error)
         else:
             job.future.cancel()
 
@@ -226,7 +183,7 @@ class Scheduler:
                 "loaded": sum(f is not None for f in self._forwards),
                 "busy": sum(self._busy),
                 "queue_texts": len(self._pending),
-                "queue_tokens": self._pending_tokens,
+                "queue_tokens": self._pending.tokens,
             }
 
     def _live(self, w: int) -> bool:
@@ -247,23 +204,13 @@ class Scheduler:
 
         The condition's lock is re-entrant, so this may be called with it held.
         """
-        now = time.monotonic()
         with self._cond:
-            keep: collections.deque[Piece] = collections.deque()
-            dropped = 0
-            for p in self._pending:
-                job = p.job
-                if not job.done and job.deadline is not None and now > job.deadline:
-                    self.counters["deadline_exceeded"] += 1
-                    self._fail(job, DeadlineExceeded(
-                        "the request did not finish within BGE_M3_REQUEST_TIMEOUT_SECS"))
-                if job.done:
-                    dropped += 1
-                    self._pending_tokens -= p.length
-                else:
-                    keep.append(p)
-            self._pending = keep
-        return dropped
+            return self._pending.purge(time.monotonic(), self._expire)
+
+    def _expire(self, job: Job) -> None:
+        self.counters["deadline_exceeded"] += 1
+        self._fail(job, DeadlineExceeded(
+            "the request did not finish within BGE_M3_REQUEST_TIMEOUT_SECS"))
 
     def _next_chunk(self, worker: int) -> list[Piece] | None | str:
         """Block until there is a chunk for this worker; None = stop; "unload" = idle too long."""
@@ -276,7 +223,8 @@ class Scheduler:
                     self._purge()
                     if not self._pending:
                         continue
-                    wait = self._pending[0].arrived + self.config.batch_delay_s - time.monotonic()
+                    wait = (self._pending.oldest_arrival() + self.config.batch_delay_s
+                            - time.monotonic())
                     if wait > 0 and not self._stopping:
                         self._cond.wait(wait)
                         continue
@@ -293,21 +241,13 @@ class Scheduler:
 
     def _take_chunk(self) -> list[Piece]:
         """The chunk holding the oldest pending text (called with the lock held)."""
-        if self.config.cross_request:
-            window = list(itertools.islice(self._pending, WINDOW))
-        else:  # batching within the oldest request only (the baseline benchmarks compare with)
-            oldest = self._pending[0].job
-            window = [p for p in itertools.islice(self._pending, WINDOW) if p.job is oldest]
-        chunks = plan([p.length for p in window], fits=self._fits,
-                      max_chunk=self.config.max_chunk, max_tokens=self.config.max_chunk_tokens,
-                      min_fill=self.config.min_fill, pad_multiple=self.config.pad_multiple,
-                      pad_cap=self.config.pad_cap)
-        chosen = next(c for c in chunks if 0 in c.indices)
-        picked = [window[i] for i in chosen.indices]
-        ids = {id(p) for p in picked}
-        self._pending = collections.deque(p for p in self._pending if id(p) not in ids)
-        self._pending_tokens -= sum(p.length for p in picked)
-        return picked
+        return self._pending.take(self._pack, self.config.cross_request)
+
+    def _pack(self, lengths: Sequence[int]) -> list[Chunk]:
+        c = self.config
+        return plan(lengths, fits=self._fits, max_chunk=c.max_chunk,
+                    max_tokens=c.max_chunk_tokens, min_fill=c.min_fill,
+                    pad_multiple=c.pad_multiple, pad_cap=c.pad_cap)
 
     # -- worker threads and supervision -----------------------------------------------------
     def _spawn(self, w: int, delay: float) -> None:
@@ -442,9 +382,7 @@ class Scheduler:
 
     def _fail_pending(self, error: BgeServeError) -> None:
         with self._cond:
-            leftover = list(self._pending)
-            self._pending.clear()
-            self._pending_tokens = 0
+            leftover = self._pending.drain()
         for piece in leftover:
             self._fail(piece.job, error)
 
@@ -490,46 +428,25 @@ class Scheduler:
                                   seconds))
         self._deliver(pieces, out)
 
-    def _deliver(self, pieces: list[Piece], out) -> None:
+    def _deliver(self, pieces: list[Piece], out: ChunkOutputs) -> None:
         finished: list[Job] = []
         for row, p in enumerate(pieces):
-            job, n = p.job, p.length
+            job = p.job
             if job.done:
                 continue
-            if job.options.dense:
-                if job.dense is None:
-                    job.dense = np.empty((len(job.ids), out.dense.shape[1]), dtype=np.float32)
-                job.dense[p.index] = out.dense[row]
-            if job.options.sparse:
-                job.sparse[p.index] = sparse_vector(job.ids[p.index],  # type: ignore[index]
-                                                    out.sparse_weights[row, :n])
-            if job.options.colbert:
-                job.colbert[p.index] = colbert_rows(out.colbert[row], n)  # type: ignore[index]
+            job.write(p.index, out, row)
             with self._cond:
                 job.remaining -= 1
                 if job.remaining == 0 and not job.done:
                     job.done = True
                     finished.append(job)
         for job in finished:
-            _answer(job.future, result=job.result())
+            answer(job.future, result=job.result())
 
     def _fail(self, job: Job, error: BaseException) -> None:
         with self._cond:
             if job.done:
                 return
             job.done = True
-        _answer(job.future, error=error)
+        answer(job.future, error=error)
 
-
-def _answer(future: Future, result: Embeddings | None = None,
-            error: BaseException | None = None) -> None:
-    """Resolve a job's future, unless its caller cancelled it meanwhile (asyncio's wrap_future
-    cancels it when the awaiting task is cancelled): that must not raise in a worker, where it
-    would skip the answers of the other jobs in the chunk."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass

@@ -28,8 +28,9 @@ from bgeserve.errors import (
     TooLarge,
 )
 from bgeserve.heads import ChunkOutputs, sparse_vector
+from bgeserve.jobs import Job
 from bgeserve.results import EmbedOptions
-from bgeserve.scheduler import ChunkStats, Job, Scheduler, SchedulerConfig
+from bgeserve.scheduler import ChunkStats, Scheduler, SchedulerConfig
 
 HIDDEN = 8
 TIMEOUT = 5.0  # no wait in this file may block longer: a hang fails, never stalls the suite

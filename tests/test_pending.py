@@ -1,0 +1,91 @@
+"""Tests for bgeserve.pending: the queue's bookkeeping without threads or a model."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bgeserve import pending
+from bgeserve.binpack import plan
+from bgeserve.jobs import Job
+from bgeserve.pending import PendingQueue
+from bgeserve.results import EmbedOptions
+
+
+def job(*lengths: int, deadline: float | None = None) -> Job:
+    return Job([np.arange(n) for n in lengths], np.zeros(len(lengths), bool), EmbedOptions(),
+               deadline=deadline)
+
+
+def pack(max_chunk: int):
+    return lambda lengths: plan(lengths, fits=lambda b, s: True, max_chunk=max_chunk)
+
+
+def test_add_counts_texts_and_tokens():
+    q = PendingQueue()
+    q.add(job(3, 5), now=1.0)
+    q.add(job(7), now=2.0)
+    assert len(q) == 3 and q.tokens == 15 and q.oldest_arrival() == 1.0
+    assert [(p.index, p.length) for p in q] == [(0, 3), (1, 5), (0, 7)]
+
+
+def test_take_always_holds_the_oldest_text_as_the_packer_groups_it():
+    q = PendingQueue()
+    old, new = job(100), job(10, 11, 99, 101)
+    q.add(old, 0.0)
+    q.add(new, 1.0)
+    # Sorted 10 11 99 | 100 101 in chunks of three: the oldest (100) runs first, with 101.
+    picked = q.take(pack(max_chunk=3))
+    assert [p.job for p in picked] == [old, new]
+    assert [p.length for p in picked] == [100, 101]
+    assert len(q) == 3 and q.tokens == 120
+    assert [p.length for p in q.take(pack(3))] == [10, 11, 99]
+    assert len(q) == 0 and q.tokens == 0
+
+
+def test_take_without_cross_request_batching_keeps_to_the_oldest_job():
+    q = PendingQueue()
+    a, b = job(10), job(10, 10)
+    q.add(a, 0.0)
+    q.add(b, 1.0)
+    picked = q.take(pack(8), cross_request=False)
+    assert [p.job for p in picked] == [a]
+    assert [p.job for p in q.take(pack(8), cross_request=True)] == [b, b]
+
+
+def test_take_packs_only_a_window_of_the_oldest(monkeypatch):
+    monkeypatch.setattr(pending, "WINDOW", 4)
+    q = PendingQueue()
+    q.add(job(*[5] * 10), 0.0)
+    seen: list[int] = []
+
+    def spy(lengths):
+        seen.append(len(lengths))
+        return pack(64)(lengths)
+
+    assert len(q.take(spy)) == 4
+    assert seen == [4] and len(q) == 6 and q.tokens == 30
+
+
+def test_purge_expires_late_jobs_and_drops_finished_ones():
+    q = PendingQueue()
+    late, done, live = job(2, 3, deadline=5.0), job(4), job(6, deadline=50.0)
+    for j in (late, done, live):
+        q.add(j, 0.0)
+    done.done = True
+    expired: list[Job] = []
+
+    def expire(j: Job) -> None:
+        expired.append(j)
+        j.done = True
+
+    assert q.purge(now=10.0, expire=expire) == 3
+    assert expired == [late]
+    assert [p.job for p in q] == [live] and q.tokens == 6
+
+
+def test_drain_empties_the_queue():
+    q = PendingQueue()
+    j = job(1, 2)
+    q.add(j, 0.0)
+    assert [p.index for p in q.drain()] == [0, 1]
+    assert len(q) == 0 and q.tokens == 0
