@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+SHUTDOWN_ANSWER_SECS = 2.0  # after the drain deadline: time to send the 503s
+
 
 def _serve(args: argparse.Namespace) -> int:
     import logging
@@ -49,10 +51,20 @@ def _serve(args: argparse.Namespace) -> int:
 
     service = Service(settings, on_fatal=on_fatal)
     app = create_app(settings, service_factory=lambda _: service)
+    # uvicorn cancels the requests still running when its grace ends, answering a bare 500;
+    # the service answers them 503 at BGE_M3_SHUTDOWN_TIMEOUT_SECS, so uvicorn's grace is a
+    # little longer (the time to render and send those answers).
+    grace = settings.shutdown_timeout_secs + SHUTDOWN_ANSWER_SECS
     config = uvicorn.Config(app, host=host.strip("[]"), port=int(port), log_config=None,
-                            timeout_graceful_shutdown=int(settings.shutdown_timeout_secs) or None,
+                            timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
                             lifespan="on")
-    server = holder["server"] = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:  # type: ignore[no-untyped-def]
+            service.begin_shutdown()
+            await super().shutdown(sockets)
+
+    server = holder["server"] = Server(config)
 
     def on_signal(sig: int, frame: object) -> None:
         # uvicorn handles SIGTERM/SIGINT while it runs (graceful drain), then restores these

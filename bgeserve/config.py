@@ -105,7 +105,7 @@ class Settings:
     cache_dir: Path = _var("BGE_M3_CACHE_DIR", _path, Path("/cache"),
                            "downloads, probe coefficients and TensorRT engines")
     offline: bool = _var("HF_HUB_OFFLINE", _bool, False, "never contact the Hugging Face hub")
-    max_seq_length: int = _var("BGE_M3_MAX_SEQ_LENGTH", _number(int, 1, MAX_POSITIONS),
+    max_seq_length: int = _var("BGE_M3_MAX_SEQ_LENGTH", _number(int, 2, MAX_POSITIONS),
                                MAX_POSITIONS, "tokens per text, special tokens included")
     truncate: bool = _var("BGE_M3_TRUNCATE", _bool, True,
                           "default for requests: truncate over-long texts (else 413)")
@@ -171,7 +171,8 @@ class Settings:
     idle_timeout_secs: float = _var("BGE_M3_IDLE_TIMEOUT_SECS", _number(float, 0.0), 300.0,
                                     "unload sessions after this idle time; 0 = never")
     shutdown_timeout_secs: float = _var("BGE_M3_SHUTDOWN_TIMEOUT_SECS", _number(float, 0.0),
-                                        30.0, "bound on draining in-flight work at SIGTERM")
+                                        30.0, "SIGTERM: in-flight work gets this long, then what "
+                                        "is left is answered 503")
     # operations
     log_format: str = _var("BGE_M3_LOG_FORMAT", _choice(*LOG_FORMATS), "auto", "json|text|auto")
     log_level: str = _var("BGE_M3_LOG_LEVEL", _choice("debug", "info", "warning", "error"),

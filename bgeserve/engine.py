@@ -138,6 +138,14 @@ class Engine:
             self._scheduler.stop(timeout)
             self._started = False
 
+    def flush(self) -> None:
+        """Run what is queued at once, without waiting out the batch window."""
+        self._scheduler.flush()
+
+    def abort(self, error: BgeServeError) -> int:
+        """Answer every waiting job with ``error`` and take no more work (see Scheduler.abort)."""
+        return self._scheduler.abort(error)
+
     def __enter__(self) -> Self:
         return self
 
@@ -189,6 +197,18 @@ class Engine:
                     f"{cost.max_workspace_bytes / 2**20:.0f} MiB (longest text that fits: "
                     f"{cost.max_seq()} tokens). Lower BGE_M3_MAX_SEQ_LENGTH, reduce "
                     "BGE_M3_WORKERS, or give the server more memory", param=f"input[{i}]")
+
+    def refuse_early(self, inputs: Inputs) -> None:
+        """Raise Overloaded before tokenizing ``inputs`` when even a lower bound of their
+        tokens would overflow the queue. Only worth it near the limit (the bound walks the
+        texts), so a caller with room to spare skips it: under a flood, refusals then cost no
+        tokenizing, which competes with the sessions for the CPU."""
+        if self._scheduler.room() > self._scheduler.config.max_queue_tokens // 2:
+            return
+        texts, ids = normalize_inputs(inputs)
+        bound = (self.tokenizer.min_tokens(texts) if texts is not None
+                 else sum(min(len(x), self.tokenizer.max_seq) for x in ids or ()))
+        self._scheduler.check_room(bound)
 
     def make_job(self, inputs: Inputs, options: EmbedOptions, request_id: str = "") -> Job:
         """Tokenize and admit ``inputs``; the returned job is ready to submit."""

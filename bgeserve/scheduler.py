@@ -89,6 +89,7 @@ class Scheduler:
         self._cond = threading.Condition(threading.RLock())
         self._pending = PendingQueue()
         self._stopping = False
+        self._flushing = False  # no batch window: no more work is coming (shutdown began)
         n = config.workers
         self._threads: list[threading.Thread | None] = [None] * n
         self._forwards: list[Forward | None] = [None] * n
@@ -127,7 +128,48 @@ class Scheduler:
             if t is None or not t.is_alive():
                 self._drop_session(w)
 
+    def flush(self) -> None:
+        """Run what is queued without waiting out the batch window (a shutdown has begun)."""
+        with self._cond:
+            self._flushing = True
+            self._cond.notify_all()
+
+    def abort(self, error: BgeServeError) -> int:
+        """Stop taking work and answer every job still waiting with ``error``: queued texts
+        are dropped, running chunks finish but their results are discarded. Returns how many
+        jobs it answered. For a shutdown whose time is up: a late answer beats none."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            waiting = {id(p.job): p.job for p in self._pending}
+            waiting.update((id(p.job), p.job) for held in self._holding for p in held)
+            self._pending.drain()
+            jobs = [job for job in waiting.values() if not job.done]
+        for job in jobs:
+            self._fail(job, error)
+        return len(jobs)
+
     # -- submission ------------------------------------------------------------------------
+    def room(self) -> int:
+        """Tokens the queue may still take."""
+        with self._cond:
+            return self.config.max_queue_tokens - self._pending.tokens
+
+    def check_room(self, tokens: int) -> None:
+        """Raise Overloaded now if ``tokens`` more would not fit the queue (a caller with a
+        lower bound of its tokens skips tokenizing a request that will be refused anyway)."""
+        with self._cond:
+            self._check_room(tokens)
+
+    def _check_room(self, tokens: int) -> None:
+        # An empty queue takes any job: a request bigger than the whole limit still runs.
+        if self._pending and self._pending.tokens + tokens > self.config.max_queue_tokens:
+            self.counters["rejected"] += 1
+            raise Overloaded(
+                f"queue full ({self._pending.tokens} tokens waiting, limit "
+                f"BGE_M3_MAX_QUEUE_TOKENS={self.config.max_queue_tokens}); retry shortly",
+                retry_after=1.0)
+
     def submit(self, job: Job) -> Future:
         """Queue a job's texts; raises Overloaded when the queue is full, NotReady if stopping."""
         tokens = sum(len(x) for x in job.ids)
@@ -137,12 +179,7 @@ class Scheduler:
                 raise NotReady("the server is shutting down")
             if self._no_worker_left():
                 raise NotReady("no worker is left to run the model (see /health)")
-            if self._pending and self._pending.tokens + tokens > self.config.max_queue_tokens:
-                self.counters["rejected"] += 1
-                raise Overloaded(
-                    f"queue full ({self._pending.tokens} tokens waiting, limit "
-                    f"BGE_M3_MAX_QUEUE_TOKENS={self.config.max_queue_tokens}); retry shortly",
-                    retry_after=1.0)
+            self._check_room(tokens)
             job.submitted = now
             if not job.ids:
                 job.done = True
@@ -225,7 +262,7 @@ class Scheduler:
                         continue
                     wait = (self._pending.oldest_arrival() + self.config.batch_delay_s
                             - time.monotonic())
-                    if wait > 0 and not self._stopping:
+                    if wait > 0 and not (self._stopping or self._flushing):
                         self._cond.wait(wait)
                         continue
                     # Held until answered, under the same lock: if this worker dies, the pieces

@@ -86,6 +86,8 @@ class Service:
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._loader: threading.Thread | None = None
+        self._dense_width = 0  # the loaded model's, from its first embedding
+        self._abort_timer: asyncio.TimerHandle | None = None
         self.started_at = time.time()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -142,7 +144,9 @@ class Service:
 
             def load() -> None:
                 engine.start()
-                engine.embed("ready", dense=True, sparse=True, colbert=True)
+                ready = engine.embed("ready", dense=True, sparse=True, colbert=True)
+                assert ready.dense is not None
+                self._dense_width = int(ready.dense.shape[1])
 
             model_bytes = sum(p.stat().st_size for p in (artifacts.onnx_path,
                                                           *artifacts.external_data))
@@ -189,8 +193,34 @@ class Service:
                 fields["gpus"] = gpu.heartbeat_fields()
             log.info("heartbeat", extra=fields)
 
+    def begin_shutdown(self) -> None:
+        """SIGTERM (called on the event loop as the server stops accepting): queued texts run
+        at once, and whatever still waits after BGE_M3_SHUTDOWN_TIMEOUT_SECS is answered 503.
+
+        The HTTP server waits a little longer than that for its requests (cli.py), so every
+        request gets an answer in the envelope, never a connection cut by the server's own
+        grace timeout.
+        """
+        if self.engine is not None:
+            self.engine.flush()
+        loop = asyncio.get_running_loop()
+        self._abort_timer = loop.call_later(self.settings.shutdown_timeout_secs,
+                                            self._abort_waiting)
+
+    def _abort_waiting(self) -> None:
+        if self.engine is None:
+            return
+        answered = self.engine.abort(NotReady(
+            "the server is shutting down and this request did not finish within "
+            "BGE_M3_SHUTDOWN_TIMEOUT_SECS; retry (another instance will answer)"))
+        if answered:
+            log.warning("shutdown: %d requests were still waiting after %gs and were answered "
+                        "503", answered, self.settings.shutdown_timeout_secs)
+
     async def stop(self) -> None:
         """Drain in-flight work (bounded by BGE_M3_SHUTDOWN_TIMEOUT_SECS) and unload."""
+        if self._abort_timer is not None:
+            self._abort_timer.cancel()
         self._stopping.set()
         if self.tuner is not None:
             self.tuner.stop()
@@ -210,6 +240,7 @@ class Service:
         """Embed one request's inputs (texts or token ids) in input order."""
         engine = self._engine()
         started = time.perf_counter()
+        engine.refuse_early(inputs)
         job = await asyncio.to_thread(engine.make_job, inputs, options, request_id)
         timeout = self.settings.request_timeout_secs or None
         remaining = None if timeout is None else max(0.0, job.deadline - time.monotonic()) \
@@ -223,6 +254,11 @@ class Service:
             ) from None
         self.metrics_registry.observe_request(result, time.perf_counter() - started)
         return result
+
+    def dense_width(self) -> int:
+        """The loaded model's vector width (1,024 for bge-m3)."""
+        self._engine()
+        return self._dense_width
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Vocabulary strings for token ids (sparse_format=tokens)."""

@@ -8,6 +8,8 @@ what FlagEmbedding's ``tokenizer(..., truncation=True, max_length=max_seq)`` pro
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,19 @@ from .errors import InvalidInput, ModelUnavailable
 
 CLS_ID, PAD_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 SPECIAL_IDS = (CLS_ID, PAD_ID, EOS_ID, UNK_ID)
+_WORD_CHAR = re.compile(r"[^\W_]")  # a letter or digit: no normalizer maps it to nothing
+_WORD_SPLITTERS = {"WhitespaceSplit", "Whitespace", "BertPreTokenizer"}
+
+
+def _splits_on_spaces(pre_tokenizer: dict | None) -> bool:
+    """Whether a pre-tokenizer (tokenizer.json's) cuts text at spaces, so no token spans two
+    space-separated words (XLM-R's: Metaspace with split, or WhitespaceSplit)."""
+    if not pre_tokenizer:
+        return False
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return any(_splits_on_spaces(p) for p in pre_tokenizer.get("pretokenizers", []))
+    return kind in _WORD_SPLITTERS or (kind == "Metaspace" and pre_tokenizer.get("split", True))
 
 
 @dataclass
@@ -45,6 +60,11 @@ class Tokenizer:
         self._tk = tokenizer
         self.max_seq = max_seq
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        try:
+            pre = json.loads(tokenizer.to_str()).get("pre_tokenizer")
+        except (ValueError, AttributeError):
+            pre = None
+        self._word_bound = _splits_on_spaces(pre)
 
     @classmethod
     def load(cls, path: Path, max_seq: int) -> Tokenizer:
@@ -62,12 +82,25 @@ class Tokenizer:
             raise InvalidInput(f"cannot tokenize input: {exc}", param="input") from exc
         return self._truncate([np.asarray(e.ids, dtype=np.int64) for e in encodings])
 
+    def min_tokens(self, texts: Sequence[str]) -> int:
+        """A lower bound on the tokens ``encode(texts)`` gives, far cheaper than encoding (for
+        refusing work before tokenizing it when the queue is full).
+
+        Each text has ``<s>`` and ``</s>``; where the pre-tokenizer cuts at spaces, each
+        space-separated word holding a letter or digit is at least one more token. Capped at
+        ``max_seq`` per text, as truncation does.
+        """
+        if not self._word_bound:
+            return 2 * len(texts)
+        return sum(min(self.max_seq, 2 + sum(1 for w in t.split(" ") if _WORD_CHAR.search(w)))
+                   for t in texts)
+
     def from_ids(self, sequences: Sequence[Sequence[int]]) -> Encoded:
         """Accept pre-tokenized input in bge-m3's vocabulary.
 
-        A sequence that already starts with ``<s>`` and ends with ``</s>`` is taken as is;
-        otherwise it is treated as content tokens and wrapped, so the ids a client got from
-        ``tokenizer(text)`` with or without special tokens embed exactly like ``text``.
+        ``<s>`` is added unless the sequence starts with it and ``</s>`` unless it ends with
+        it, so the ids a client got from ``tokenizer(text)`` with or without special tokens
+        embed exactly like ``text``.
         """
         out = []
         for i, seq in enumerate(sequences):
@@ -84,8 +117,10 @@ class Tokenizer:
                     f"input[{i}] has token id {int(ids[bad][0])} outside the vocabulary "
                     f"[0, {self.vocab_size})", param=f"input[{i}]")
             ids = ids.astype(np.int64)
-            if not (ids.size >= 2 and ids[0] == CLS_ID and ids[-1] == EOS_ID):
-                ids = np.concatenate(([CLS_ID], ids, [EOS_ID])).astype(np.int64)
+            head = [] if ids[0] == CLS_ID else [CLS_ID]
+            tail = [] if ids.size >= 1 + (not head) and ids[-1] == EOS_ID else [EOS_ID]
+            if head or tail:
+                ids = np.concatenate((head, ids, tail)).astype(np.int64)
             out.append(ids)
         return self._truncate(out)
 

@@ -121,6 +121,10 @@ class FakeService:
             truncated=np.array(truncated, dtype=bool),
         )
 
+    def dense_width(self) -> int:
+        """bge-m3's width."""
+        return HIDDEN
+
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """``"w<id mod 1000>"``: distinct ids can collide, as sub-word strings do."""
         return [f"w{int(i) % 1000}" for i in ids]

@@ -174,6 +174,7 @@ def test_a_malformed_number_is_refused(var, raw):
     ("BGE_M3_WORKERS", "257"),
     ("BGE_M3_MAX_SEQ_LENGTH", "8193"),
     ("BGE_M3_MAX_SEQ_LENGTH", "-1"),
+    ("BGE_M3_MAX_SEQ_LENGTH", "1"),  # no room for <s> and </s>
     ("BGE_M3_MAX_CHUNK", "0"),
     ("BGE_M3_MEMORY_SAFETY_FACTOR", "1.5"),
     ("BGE_M3_MEMORY_SAFETY_FACTOR", "0.05"),
@@ -189,10 +190,10 @@ def test_an_out_of_range_number_is_refused(var, raw):
 
 def test_range_bounds_are_inclusive():
     """The documented bounds themselves are accepted."""
-    s = parse(BGE_M3_WORKERS="256", BGE_M3_MAX_SEQ_LENGTH="1", BGE_M3_MEMORY_SAFETY_FACTOR="1.0",
+    s = parse(BGE_M3_WORKERS="256", BGE_M3_MAX_SEQ_LENGTH="2", BGE_M3_MEMORY_SAFETY_FACTOR="1.0",
               BGE_M3_BATCH_DELAY_MS="10000")
     assert (s.workers, s.max_seq_length, s.memory_safety_factor, s.batch_delay_ms) == (
-        256, 1, 1.0, 10000.0)
+        256, 2, 1.0, 10000.0)
 
 
 @pytest.mark.parametrize("var, raw", [

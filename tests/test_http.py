@@ -27,6 +27,7 @@ from bgeserve.errors import (
     Overloaded,
     TooLarge,
 )
+from bgeserve.http import guards
 from bgeserve.http.app import create_app, model_ids
 from bgeserve.http.context import RequestIdFilter, request_id_var, sanitize_request_id
 from tests.fakes import FakeService, fake_tokens
@@ -421,6 +422,17 @@ def test_body_limit_by_content_length() -> None:
         assert_error(r, 413, "payload_too_large")
 
 
+def _scope(headers: list[tuple[bytes, bytes]], fake: FakeService, settings: Settings) -> dict:
+    """An ASGI scope for ``POST /v1/embeddings``."""
+    return {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/embeddings", "raw_path": b"/v1/embeddings",
+        "query_string": b"", "root_path": "", "headers": headers,
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+        "state": {"service": fake, "settings": settings, "model_ids": ("bge-m3",)},
+    }
+
+
 def _drive(app: Any, scope: dict, chunks: Iterator[bytes]) -> tuple[int, dict, int]:
     """Run one request through the ASGI app; returns status, body and chunks pulled."""
     pulled = 0
@@ -454,13 +466,7 @@ def test_body_limit_while_streaming(declared: bool) -> None:
     headers = [(b"content-type", b"application/json")]
     if declared:
         headers.append((b"content-length", str(40 * mib).encode()))
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": "/v1/embeddings", "raw_path": b"/v1/embeddings",
-        "query_string": b"", "root_path": "", "headers": headers,
-        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-        "state": {"service": fake, "settings": settings, "model_ids": ("bge-m3",)},
-    }
+    scope = _scope(headers, fake, settings)
     status, body, pulled = _drive(app, scope, (b" " * mib for _ in range(40)))
     assert status == 413 and body["error"]["code"] == "payload_too_large"
     assert pulled == (0 if declared else settings.max_body_bytes // mib + 1)
@@ -663,3 +669,42 @@ def test_http_imports_only_leaves_and_service() -> None:
                 assert f"bgeserve.{node.module}" in allowed, (path.name, node.module)
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 assert not node.module.startswith("bgeserve"), (path.name, node.module)
+
+
+def test_a_trailing_slash_is_an_unknown_route_not_a_redirect(client: TestClient) -> None:
+    """No 307 to a URL built from the Host header (plain http behind a TLS proxy)."""
+    for method, path in (("post", "/v1/embeddings/"), ("get", "/health/"), ("get", "/v1/models/")):
+        r = getattr(client, method)(path, follow_redirects=False)
+        assert_error(r, 404, "not_found")
+
+
+def test_a_stalled_body_is_408_after_the_idle_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that declares more body than it sends gets 408, not a connection held open."""
+    monkeypatch.setattr(guards, "BODY_IDLE_TIMEOUT_S", 0.2)
+    settings = Settings()
+    fake = FakeService(settings=settings)
+    app = create_app(settings, lambda _: fake)
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"100")]
+    sent: list[dict] = []
+    calls = 0
+
+    async def receive() -> dict:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return {"type": "http.request", "body": b'{"input": ', "more_body": True}
+        await anyio.sleep(60)  # the rest never comes
+        raise AssertionError("not reached")
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def main() -> None:
+        with anyio.fail_after(10):
+            await app(_scope(headers, fake, settings), receive, send)
+
+    anyio.run(main)
+    assert next(m["status"] for m in sent if m["type"] == "http.response.start") == 408
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert orjson.loads(body)["error"]["code"] == "request_timeout"
+    assert fake.calls == []

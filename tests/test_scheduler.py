@@ -660,6 +660,24 @@ def test_a_full_queue_refuses_with_overloaded():
         assert sched.counters["rejected"] == 1
 
 
+def test_check_room_refuses_a_bound_that_cannot_fit_without_queueing_anything():
+    """check_room: the same rule as submit, for a lower bound of a request's tokens."""
+    factory = Factory()
+    with scheduler(factory, max_queue_tokens=10) as sched:
+        sched.check_room(1000)  # an empty queue takes anything
+        assert sched.room() == 10
+        with held(sched, factory):
+            queued = job_of([text(*range(100, 104))])  # 6 tokens
+            sched.submit(queued)
+            assert sched.room() == 4
+            sched.check_room(4)
+            with pytest.raises(Overloaded):
+                sched.check_room(5)
+            assert sched.stats()["queue_tokens"] == 6
+        assert_dense_right(queued)
+        assert sched.counters["rejected"] == 1
+
+
 def test_an_oversized_job_is_accepted_when_the_queue_is_empty():
     """A single job larger than max_queue_tokens still runs if nothing else waits."""
     with scheduler(max_queue_tokens=5) as sched:
@@ -669,6 +687,40 @@ def test_an_oversized_job_is_accepted_when_the_queue_is_empty():
 
 
 # --------------------------------------------------------------------------- lifecycle
+def test_flush_runs_queued_texts_without_waiting_out_the_batch_window():
+    factory = Factory()
+    with scheduler(factory, batch_delay_s=30.0) as sched:
+        job = job_of(unique_texts(1, [3, 4]))
+        sched.submit(job)
+        time.sleep(0.05)
+        assert not job.future.done()  # held for the 30 s window
+        sched.flush()
+        assert_dense_right(job)
+
+
+def test_abort_answers_queued_and_running_jobs_at_once_and_takes_no_more():
+    """A running chunk's job and the queued ones get the error now; the running chunk's late
+    results are dropped; later submits are refused."""
+    factory = Factory(gate=threading.Event())
+    with scheduler(factory, max_chunk=1) as sched:
+        running = job_of([text(7)])
+        sched.submit(running)
+        assert factory.entered.wait(TIMEOUT)
+        queued = [job_of([text(100 + i)]) for i in range(3)]
+        for job in queued:
+            sched.submit(job)
+        assert sched.abort(NotReady("shutting down")) == 4
+        for job in [running, *queued]:
+            with pytest.raises(NotReady):
+                job.future.result(timeout=TIMEOUT)
+        assert sched.stats()["queue_texts"] == 0
+        with pytest.raises(NotReady):
+            sched.submit(job_of([text(5)]))
+        factory.gate.set()
+        assert wait_until(lambda: sched.stats()["busy"] == 0)
+    assert len(factory.calls) == 1  # the queued texts never ran
+
+
 def test_idle_sessions_are_unloaded_and_reloaded_on_demand():
     """After idle_timeout_s the session is closed; the next job opens a new one and succeeds."""
     factory = Factory()

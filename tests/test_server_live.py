@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -146,6 +147,55 @@ def test_json_logs_carry_request_ids(server: ServerProc) -> None:
     assert lines and all(isinstance(json.loads(line), dict) for line in lines)
 
 
+def metric(proc: ServerProc, name: str) -> float:
+    text = httpx.get(f"{proc.url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise AssertionError(f"{name} is missing from /metrics")
+
+
+def test_dimensions_must_be_the_models_own_width(server: ServerProc) -> None:
+    """The tiny model is 32 wide: dimensions=32 is the no-op, 1024 (bge-m3's) is refused."""
+    r = httpx.post(f"{server.url}/v1/embeddings", json={"input": "x"}, timeout=30)
+    width = len(r.json()["data"][0]["embedding"])
+    assert width != 1024
+    ok = httpx.post(f"{server.url}/v1/embeddings", json={"input": "x", "dimensions": width},
+                    timeout=30)
+    assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == width
+    bad = httpx.post(f"{server.url}/v1/embeddings", json={"input": "x", "dimensions": 1024},
+                     timeout=30)
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["code"] == "unsupported_dimensions"
+    assert f"{width}-dimensional" in bad.json()["error"]["message"]
+
+
+# -- disconnects -----------------------------------------------------------------------------
+def test_a_client_that_disconnects_has_its_texts_dropped(tiny_export: Path, tmp_path: Path) -> None:
+    """Its texts leave the queue when it goes, not after they were computed for nobody."""
+    # The 10 s batch window keeps the texts queued long enough to watch them go.
+    env = server_env(tiny_export, tmp_path, BGE_M3_BATCH_DELAY_MS="10000")
+    body = json.dumps({"input": [f"abandoned {i} " + "word " * 50 for i in range(4)]}).encode()
+    with ServerProc(env) as proc:
+        proc.wait_health(timeout=START_TIMEOUT)
+        runs = chunk_count(proc)
+        with socket.create_connection(("127.0.0.1", proc.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            deadline = time.monotonic() + 10
+            while proc.health().json()["queue"]["texts"] < 4:
+                assert time.monotonic() < deadline, "the texts were never queued"
+                time.sleep(0.01)
+        gone = time.monotonic()
+        while proc.health().json()["queue"]["texts"] > 0:
+            assert time.monotonic() - gone < 3, "the abandoned texts are still queued"
+            time.sleep(0.01)
+        assert metric(proc, "bgeserve_cancelled_texts_total") == 4
+        assert chunk_count(proc) == runs  # the texts never ran
+
+
 # -- backpressure ----------------------------------------------------------------------------
 def test_overload_answers_429_at_once(tiny_export: Path, tmp_path: Path) -> None:
     env = server_env(tiny_export, tmp_path, BGE_M3_MAX_QUEUE_TOKENS="400",
@@ -222,6 +272,44 @@ def test_sigterm_drains_accepted_requests_and_exits_0(tiny_export: Path, tmp_pat
         np.testing.assert_allclose(dense_rows(body), engine.embed(batch).dense, atol=ATOL, rtol=0)
     assert rc == 0, proc.output()
     assert took < 15, f"shutdown took {took:.1f}s"
+
+
+def test_sigterm_answers_what_is_left_503_after_the_shutdown_timeout(tiny_export: Path,
+                                                                     tmp_path: Path) -> None:
+    """Work that cannot finish within BGE_M3_SHUTDOWN_TIMEOUT_SECS is answered 503 in the
+    envelope (not cut off by the HTTP server's grace with a bare 500), and the exit is 0."""
+    env = server_env(tiny_export, tmp_path, BGE_M3_MAX_SEQ_LENGTH="8192",
+                     BGE_M3_SHUTDOWN_TIMEOUT_SECS="1", BGE_M3_MAX_CHUNK="1",
+                     BGE_M3_INTRA_THREADS="1")
+    n = 6
+    long_text = "lorem ipsum dolor " * 3000  # truncated to 8,192 tokens: ~1 s each here
+    with ServerProc(env) as proc:
+        proc.wait_health(timeout=START_TIMEOUT)
+
+        def one(i: int) -> httpx.Response:
+            return httpx.post(f"{proc.url}/v1/embeddings", timeout=60,
+                              json={"input": [f"{i} {long_text}"] * 4})
+
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            futures = [pool.submit(one, i) for i in range(n)]
+            deadline = time.monotonic() + 20
+            while proc.health().json()["queue"]["texts"] < 4 * (n - 1):
+                assert time.monotonic() < deadline, "the requests were never queued"
+                time.sleep(0.01)
+            proc.signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            responses = [f.result(timeout=30) for f in futures]
+            answered = time.monotonic() - signalled
+        rc = proc.wait(timeout=30)
+    statuses = sorted(r.status_code for r in responses)
+    assert set(statuses) <= {200, 503} and 503 in statuses, statuses
+    for r in responses:
+        assert r.headers["content-type"] == "application/json" and r.headers["x-request-id"]
+        if r.status_code == 503:
+            assert r.json()["error"]["code"] == "not_ready"
+            assert "BGE_M3_SHUTDOWN_TIMEOUT_SECS" in r.json()["error"]["message"]
+    assert answered < 10, f"the last answer came {answered:.1f}s after SIGTERM"
+    assert rc == 0, proc.output()
 
 
 # -- idle unload ---------------------------------------------------------------------------------

@@ -152,12 +152,37 @@ def test_from_ids_keeps_already_wrapped_ids():
     assert tok.from_ids([[0, 2]]).ids[0].tolist() == [0, 2]
 
 
-def test_from_ids_wraps_a_sequence_with_only_one_special_end():
-    """Starting with <s> but not ending with </s> (or the reverse) counts as content."""
+def test_from_ids_adds_only_the_missing_special_end():
+    """A sequence cut from a wrapped encoding (``<s>`` kept, ``</s>`` lost) or the reverse gets
+    the missing end only, never a second ``<s>``."""
     tok = make()
-    assert tok.from_ids([[0, 5]]).ids[0].tolist() == [0, 0, 5, 2]
-    assert tok.from_ids([[5, 2]]).ids[0].tolist() == [0, 5, 2, 2]
-    assert tok.from_ids([[0]]).ids[0].tolist() == [0, 0, 2]
+    assert tok.from_ids([[0, 5]]).ids[0].tolist() == [0, 5, 2]
+    assert tok.from_ids([[5, 2]]).ids[0].tolist() == [0, 5, 2]
+    assert tok.from_ids([[0]]).ids[0].tolist() == [0, 2]
+    assert tok.from_ids([[2]]).ids[0].tolist() == [0, 2]
+    cut = tok.encode(["the cat sat on the mat"]).ids[0].tolist()[:4]
+    assert tok.from_ids([cut]).ids[0].tolist() == [*cut, 2]
+
+
+def test_min_tokens_is_a_lower_bound_of_encode():
+    """The cheap bound the overload check uses never exceeds the real count: words the
+    vocabulary lacks, punctuation-only words, spacing, unicode, truncation."""
+    texts = ["hello world", "the  cat sat", "zzzz qqq", "!!! ... hello", "", "   ",
+             "日本語 text", "a\u200bb c", "tab\tseparated words", words(40)]
+    for max_seq in (4, 16, 512):
+        tok = make(max_seq)
+        for text in texts:
+            real = int(tok.encode([text]).lengths[0])
+            assert 2 <= tok.min_tokens([text]) <= real, (text, max_seq)
+        assert tok.min_tokens(texts) <= int(tok.encode(texts).lengths.sum())
+    assert make().min_tokens([words(10)]) == 12  # known words: the bound is exact
+
+
+def test_min_tokens_without_a_word_splitting_pre_tokenizer_counts_specials_only():
+    hf = hf_tokenizer()
+    hf.pre_tokenizer = None
+    tok = Tokenizer(hf, 512)
+    assert tok.min_tokens(["hello world", "cat"]) == 4
 
 
 def test_from_ids_truncates_like_encode():

@@ -15,7 +15,7 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from ..config import Settings
-from . import handlers
+from . import guards, handlers
 from .context import RequestContext
 from .errors import EXCEPTION_HANDLERS
 from .guards import BearerAuth, BodyLimit
@@ -73,11 +73,16 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
     middleware = [
         Middleware(RequestContext),
         Middleware(BearerAuth, keys=settings.api_keys, open_paths=frozenset(open_paths)),
-        Middleware(BodyLimit, max_bytes=settings.max_body_bytes),
+        Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
+                   idle_timeout=guards.BODY_IDLE_TIMEOUT_S),
     ]
-    return Starlette(
+    app = Starlette(
         routes=routes,
         middleware=middleware,
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=lifespan,
     )
+    # `/v1/embeddings/` is an unknown route (404 in the envelope), not a 307 to a URL built
+    # from the Host header: behind a TLS proxy that would point clients at plain http.
+    app.router.redirect_slashes = False
+    return app

@@ -53,12 +53,29 @@ class UnsupportedMediaType(BgeServeError):
     code = "unsupported_media_type"
 
 
+class BodyTimeout(BgeServeError):
+    """The client stopped sending its body (a stalled or slowloris client)."""
+
+    code = "request_timeout"
+
+
+class ClientGone(BgeServeError):
+    """The client closed the connection before its answer: its queued texts were dropped.
+
+    Nobody reads the response; the status (nginx's 499, "client closed request") is for the
+    access log and the request metrics.
+    """
+
+    code = "client_disconnected"
+
+
 # The one table. Looked up along the MRO, so OutOfMemory (an EngineFailed) is a 500 and any
 # other BgeServeError (e.g. ConfigError) falls through to 500.
 ERROR_STATUS: dict[type[BgeServeError], int] = {
     InvalidInput: 400,
     Unauthorized: 401,
     ModelNotFound: 404,
+    BodyTimeout: 408,
     TooLarge: 413,
     UnsupportedMediaType: 415,
     Overloaded: 429,
@@ -66,6 +83,7 @@ ERROR_STATUS: dict[type[BgeServeError], int] = {
     NotReady: 503,
     ModelUnavailable: 503,
     DeadlineExceeded: 504,
+    ClientGone: 499,
 }
 
 # 500s and a missing model may carry internals (paths, runtime errors) in their message: the

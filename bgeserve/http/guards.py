@@ -6,6 +6,7 @@ they sit inside ``RequestContext``, so the response still carries the request id
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 
@@ -13,7 +14,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import BgeServeError, InvalidInput, TooLarge
 from .context import request_id_of
-from .errors import Unauthorized, error_response
+from .errors import BodyTimeout, Unauthorized, error_response
+
+# nginx's client_body_timeout: a client may be slow, but not silent for longer than this.
+BODY_IDLE_TIMEOUT_S = 60.0
 
 
 def _digest(key: bytes) -> bytes:
@@ -64,12 +68,16 @@ class BodyLimit:
 
     A chunked or lying client is cut off as soon as the running total passes the limit: the
     wrapped ``receive`` raises ``TooLarge``, which the handler's body read propagates to the
-    error table, so the rest of the stream is never read.
+    error table, so the rest of the stream is never read. A client that stops sending its body
+    (a Content-Length larger than what it sends, a slowloris) gets 408 after ``idle_timeout``
+    seconds without a byte, instead of holding its connection forever.
     """
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int):
+    def __init__(self, app: ASGIApp, *, max_bytes: int,
+                 idle_timeout: float = BODY_IDLE_TIMEOUT_S):
         self.app = app
         self.max_bytes = max_bytes
+        self.idle_timeout = idle_timeout
 
     def _too_large(self, declared: int | None = None) -> TooLarge:
         size = "" if declared is None else f" of {declared} bytes"
@@ -93,14 +101,22 @@ class BodyLimit:
             await error_response(refusal, request_id_of(scope))(scope, receive, send)
             return
         total = 0
+        complete = False
 
         async def limited_receive() -> Message:
-            nonlocal total
-            message = await receive()
+            nonlocal total, complete
+            if complete:  # after the body only http.disconnect comes, whenever it does
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.idle_timeout)
+            except TimeoutError:
+                raise BodyTimeout(f"no byte of the request body arrived for "
+                                  f"{self.idle_timeout:g}s; send the whole body at once") from None
             if message["type"] == "http.request":
                 total += len(message.get("body", b""))
                 if total > self.max_bytes:
                     raise self._too_large()
+                complete = not message.get("more_body", False)
             return message
 
         await self.app(scope, limited_receive, send)

@@ -7,18 +7,18 @@ and the event loop keeps serving other requests.
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import anyio.to_thread
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from ..errors import InvalidInput
-from .errors import UnsupportedMediaType
+from .errors import ClientGone, UnsupportedMediaType
 from .render import render_embeddings, render_json
-from .schemas import Endpoint, parse_embed_request
+from .schemas import Endpoint, check_dimensions, parse_embed_request
 
 T = TypeVar("T")
 
@@ -46,9 +46,41 @@ async def read_json_body(request: Request) -> bytes:
     try:
         return await request.body()
     except ClientDisconnect:
-        raise InvalidInput(
-            "client disconnected while sending the body", code="client_disconnected"
-        ) from None
+        raise ClientGone("client disconnected while sending the body") from None
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has closed the connection.
+
+    Called after the whole body was read: the server's next message is then only ever
+    ``http.disconnect`` (uvicorn sends it when the peer goes away, or once the response is
+    complete).
+    """
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Await ``work``, cancelling it if the client goes away first.
+
+    Starlette does not cancel a handler whose client left, so without this an abandoned
+    request would still have every text computed, delaying everyone queued behind it; the
+    engine drops a cancelled job's queued texts.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled: so is its work
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.wait({task})  # the cancellation reaches the engine before we answer
+    raise ClientGone("client disconnected before the answer; its texts were dropped")
 
 
 def embed_endpoint(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
@@ -61,9 +93,10 @@ def embed_endpoint(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response
             len(raw) > OFFLOAD_BODY_BYTES,
             parse_embed_request, raw, endpoint, state.settings, state.model_ids,
         )
-        result = await state.service.embed(
+        check_dimensions(parsed.dimensions, state.service.dense_width())
+        result = await unless_disconnected(request, state.service.embed(
             parsed.inputs, parsed.options, request_id=state.request_id
-        )
+        ))
         body = await _maybe_offload(
             len(result) > OFFLOAD_ITEMS or "colbert" in parsed.outputs,
             render_embeddings, endpoint, parsed, result, state.service.model_name,

@@ -20,7 +20,6 @@ from ..results import EmbedOptions
 from .errors import ModelNotFound
 
 VOCAB_SIZE = 250_002  # bge-m3 (XLM-R) vocabulary; the service checks the loaded tokenizer too
-HIDDEN = 1024
 OUTPUTS = ("dense", "sparse", "colbert")
 _INPUT_SHAPES = (
     "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
@@ -109,17 +108,24 @@ def _weight(name: str, value: Any) -> float:
 
 
 def _dimensions(name: str, value: Any) -> int:
-    if _as_int(value) is None:
+    number = _as_int(value)
+    if number is None:
         raise InvalidInput(f"{name} must be an integer", param=name)
-    if value != HIDDEN:
+    return number
+
+
+def check_dimensions(requested: int | None, width: int) -> None:
+    """``dimensions`` may only repeat the model's own width (1,024 for bge-m3): it is not
+    trained for truncated vectors. Checked against the loaded model, so a smaller test model
+    with bge-m3's layout is held to its own width."""
+    if requested is not None and requested != width:
         raise InvalidInput(
-            f"dimensions={value} is not supported: bge-m3 returns {HIDDEN}-dimensional vectors "
-            "and is not trained for truncated (Matryoshka) vectors; omit dimensions or pass "
-            f"{HIDDEN}",
-            param=name,
+            f"dimensions={requested} is not supported: this model returns {width}-dimensional "
+            "vectors and bge-m3 is not trained for truncated (Matryoshka) vectors; omit "
+            f"dimensions or pass {width}",
+            param="dimensions",
             code="unsupported_dimensions",
         )
-    return HIDDEN
 
 
 def _outputs(name: str, value: Any) -> frozenset[str]:
