@@ -33,6 +33,7 @@ class Job:
     remaining: int = 0
     done: bool = False
     submitted: float = 0.0
+    served: int = 0  # the queue's turn when a chunk last took its texts (0: never)
 
     def __post_init__(self) -> None:
         n = len(self.ids)

@@ -1,8 +1,13 @@
-"""The queue of texts waiting for a session: oldest first, across every caller.
+"""The queue of texts waiting for a session, across every caller, served in turns.
 
 Not thread-safe by itself: the scheduler holds its lock around every call. Pure bookkeeping
-(no threads, no model), so its rules are testable on their own: the oldest text always goes in
-the next chunk (nobody starves), packed with the waiting texts nearest to it in length.
+(no threads, no model), so its rules are testable on their own.
+
+Each chunk is built around one *anchor* text, packed with the waiting texts nearest to it in
+length: the first waiting text of the request served longest ago (a request never served
+yet comes first, oldest first). So requests take turns: a one-text query that arrives behind
+a 256-text ingestion batch waits for one chunk, not for the whole batch, and nobody starves
+(every request with texts waiting gets a chunk within as many chunks as there are requests).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ class PendingQueue:
     def __init__(self) -> None:
         self._pieces: collections.deque[Piece] = collections.deque()
         self.tokens = 0
+        self._turn = 0  # chunks taken so far: a job's ``served`` is the turn it last had
 
     def __len__(self) -> int:
         return len(self._pieces)
@@ -57,19 +63,43 @@ class PendingQueue:
         self._pieces = keep
         return dropped
 
+    def _anchor(self) -> Piece:
+        """The first waiting piece of the job whose last turn is oldest (ties: oldest job)."""
+        best: Piece | None = None
+        seen: set[int] = set()
+        for p in self._pieces:
+            if id(p.job) in seen:
+                continue
+            seen.add(id(p.job))
+            if best is None or p.job.served < best.job.served:
+                best = p
+                if best.job.served == 0:  # never served: nobody comes before it
+                    break
+        assert best is not None, "take() on an empty queue"
+        return best
+
     def take(self, pack: Pack, cross_request: bool = True) -> list[Piece]:
-        """Remove and return the chunk holding the oldest piece, as ``pack`` groups the first
-        ``WINDOW`` pieces (only the oldest job's, unless ``cross_request``)."""
+        """Remove and return the chunk holding the anchor (see the module doc), as ``pack``
+        groups the anchor with the first ``WINDOW`` pieces (only the anchor job's, unless
+        ``cross_request``)."""
+        anchor = self._anchor()
+        head = itertools.islice(self._pieces, WINDOW)
         if cross_request:
-            window = list(itertools.islice(self._pieces, WINDOW))
-        else:  # batching within the oldest request only (the baseline benchmarks compare with)
-            oldest = self._pieces[0].job
-            window = [p for p in itertools.islice(self._pieces, WINDOW) if p.job is oldest]
-        chosen = next(c for c in pack([p.length for p in window]) if 0 in c.indices)
+            window = list(head)
+        else:  # batching within one request only (the baseline benchmarks compare with)
+            window = [p for p in head if p.job is anchor.job]
+        at = next((i for i, p in enumerate(window) if p is anchor), None)
+        if at is None:  # the anchor lies past the window: it joins it
+            window.insert(0, anchor)
+            at = 0
+        chosen = next(c for c in pack([p.length for p in window]) if at in c.indices)
         picked = [window[i] for i in chosen.indices]
         ids = {id(p) for p in picked}
         self._pieces = collections.deque(p for p in self._pieces if id(p) not in ids)
         self.tokens -= sum(p.length for p in picked)
+        self._turn += 1
+        for p in picked:
+            p.job.served = self._turn
         return picked
 
     def drain(self) -> list[Piece]:

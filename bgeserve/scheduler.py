@@ -1,9 +1,10 @@
 """Cross-request batching: one queue, N worker threads, each owning one session.
 
 The scheduler is the single owner of the queue of pending texts (guarded by one condition).
-An idle worker pulls the next chunk: the oldest pending text (so nobody starves) packed with
-the pending texts nearest to it in length, from any request, under the memory budget and the
-chunk caps (``binpack``). Results are written into each request's slots in input order and a
+An idle worker pulls the next chunk: the first waiting text of the request served longest ago
+(requests take turns, so a query is not stuck behind an ingestion batch and nobody starves;
+``pending``) packed with the pending texts nearest to it in length, from any request, under the
+memory budget and the chunk caps (``binpack``). Results are written into each request's slots in input order and a
 request's future resolves when its last text is done. Every job gets exactly one answer: a
 result, or the error of the chunk it was in, or DeadlineExceeded / NotReady.
 

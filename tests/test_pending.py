@@ -89,3 +89,18 @@ def test_drain_empties_the_queue():
     q.add(j, 0.0)
     assert [p.index for p in q.drain()] == [0, 1]
     assert len(q) == 0 and q.tokens == 0
+
+
+def test_requests_take_turns_and_the_anchor_joins_the_window_from_past_it(monkeypatch):
+    """A job served longer ago goes before one served since; a new job's text past the
+    packing window still anchors the next chunk."""
+    monkeypatch.setattr(pending, "WINDOW", 4)
+    q = PendingQueue()
+    bulk, query = job(*[5] * 10), job(7)
+    q.add(bulk, 0.0)
+    assert [p.job for p in q.take(pack(1))] == [bulk]  # bulk had its turn
+    q.add(query, 1.0)  # arrives behind nine bulk texts, outside the window of four
+    picked = q.take(pack(1))
+    assert [(p.job, p.length) for p in picked] == [(query, 7)]
+    assert [p.job for p in q.take(pack(1))] == [bulk]
+    assert len(q) == 8 and q.tokens == 40

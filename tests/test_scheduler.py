@@ -322,8 +322,9 @@ def test_without_cross_request_batching_jobs_never_share_a_chunk():
     assert all(len(c.rows) == 3 for c in factory.calls[1:])
 
 
-def test_texts_run_oldest_first_within_and_across_jobs():
-    """With one text per chunk, texts run in arrival order: job by job, text by text."""
+def test_requests_take_turns_text_by_text_in_input_order():
+    """With one text per chunk, the waiting requests alternate (the one served longest ago
+    goes next; never-served ones first, oldest first), each in its own input order."""
     factory = Factory()
     with scheduler(factory, max_chunk=1) as sched:
         with held(sched, factory):
@@ -334,8 +335,26 @@ def test_texts_run_oldest_first_within_and_across_jobs():
         assert_dense_right(first)
         assert_dense_right(second)
     order = [c.rows[0] for c in factory.calls[1:]]
-    expected = [tuple(int(t) for t in x) for x in first.ids + second.ids]
-    assert order == expected
+    a, b = ([tuple(int(t) for t in x) for x in job.ids] for job in (first, second))
+    assert order == [a[0], b[0], a[1], b[1], a[2]]
+
+
+def test_a_query_behind_a_big_batch_waits_for_one_chunk_not_the_batch():
+    """Ingestion and queries share the server: a one-text request that arrives behind 40
+    queued texts of another runs in the next chunk."""
+    factory = Factory(fail=lambda rows: time.sleep(0.02))  # 20 ms per chunk: 0.8 s of bulk
+    with scheduler(factory, max_chunk=1) as sched:
+        with held(sched, factory):
+            bulk = job_of(unique_texts(1, [8] * 40))
+            sched.submit(bulk)
+        assert wait_until(lambda: len(factory.calls) >= 3)  # the bulk is running
+        query = job_of(unique_texts(2, [3]))
+        sched.submit(query)
+        assert_dense_right(query)
+        ran_before = next(i for i, c in enumerate(factory.calls) if owner(c.rows[0]) == 2)
+        assert_dense_right(bulk)
+    assert ran_before <= 5, f"the query ran after {ran_before} chunks"
+    assert len(factory.calls) == 42
 
 
 def test_the_oldest_text_is_always_in_the_next_chunk():

@@ -171,6 +171,31 @@ def test_dimensions_must_be_the_models_own_width(server: ServerProc) -> None:
     assert f"{width}-dimensional" in bad.json()["error"]["message"]
 
 
+def test_responses_of_a_small_model_conform_to_openapi(server: ServerProc) -> None:
+    """The contract holds for any model with bge-m3's layout, not only 1,024-wide ones."""
+    import jsonschema_rs
+    import yaml
+
+    spec = yaml.safe_load((Path(__file__).resolve().parent.parent / "openapi.yaml").read_text())
+    cases = [
+        ("/v1/embeddings", {"input": ["a b c", "d"]}, "EmbeddingResponse"),
+        ("/v1/embeddings", {"input": "a", "encoding_format": "base64"}, "EmbeddingResponse"),
+        ("/v1/sparse-embeddings", {"input": ["a b c"], "sparse_format": "tokens"},
+         "SparseEmbeddingResponse"),
+        ("/v1/embeddings:both", {"input": ["a b", "c"], "outputs": ["dense", "sparse", "colbert"]},
+         "MultiEmbeddingResponse"),
+        ("/v1/embeddings:both", {"input": "a b", "outputs": ["colbert"], "encoding_format":
+                                 "base64", "colbert_dtype": "float16"}, "MultiEmbeddingResponse"),
+    ]
+    for path, body, schema in cases:
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        validator = jsonschema_rs.Draft202012Validator(
+            {"$ref": f"#/components/schemas/{schema}", "components": spec["components"]})
+        errors = [e.message for e in validator.iter_errors(r.json())]
+        assert not errors, (path, body, errors[:3])
+
+
 # -- disconnects -----------------------------------------------------------------------------
 def test_a_client_that_disconnects_has_its_texts_dropped(tiny_export: Path, tmp_path: Path) -> None:
     """Its texts leave the queue when it goes, not after they were computed for nobody."""
