@@ -82,13 +82,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _probe(args: argparse.Namespace) -> int:
     """Run the startup probe in the foreground and print what it measured."""
+    import dataclasses
     import os
 
     from . import backend, memory, probe
     from .artifacts import resolve, validate_cache_dir
     from .config import Settings
     from .costmodel import CostModel, conservative_coefficients
-    from .engine import model_dims
+    from .engine import clamp_max_seq, model_dims
     from .forward import forward_factory
     from .logs import setup_logging
     from .service import engine_config, probe_parts
@@ -104,6 +105,8 @@ def _probe(args: argparse.Namespace) -> int:
     memory.pin_mmap_threshold(PIN_THRESHOLD)  # measure each shape alone (see probe_child)
     artifacts = resolve(model_path=settings.model_path, variant=settings.variant,
                         cache_dir=validate_cache_dir(settings.cache_dir), offline=settings.offline)
+    settings = dataclasses.replace(settings, max_seq_length=clamp_max_seq(
+        settings.max_seq_length, artifacts))
     config = engine_config(settings)
     vocab = Tokenizer.load(artifacts.tokenizer_path, settings.max_seq_length).vocab_size
     before = memory.rss_bytes()

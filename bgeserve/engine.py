@@ -62,17 +62,38 @@ def normalize_inputs(inputs: Inputs) -> tuple[list[str] | None, list[list[int]] 
                        "list of lists of token ids", param="input")
 
 
-def model_dims(artifacts: ModelArtifacts) -> dict[str, int]:
-    """Encoder sizes for the conservative cost model (bge-m3's unless an export says else)."""
+def _manifest_model(artifacts: ModelArtifacts, keys: Sequence[str]) -> dict[str, int]:
+    """The export manifest's ``model`` sizes among ``keys`` (none for hub layouts)."""
     if artifacts.layout is Layout.BGESERVE:
         manifest = artifacts.onnx_path.parent.parent / "manifest.json"
         try:
             dims = json.loads(manifest.read_text()).get("model", {})
-            return {k: int(dims[k]) for k in ("hidden", "heads", "intermediate", "attention_block")
-                    if dims.get(k) is not None}
-        except (OSError, ValueError, TypeError):
+            return {k: int(dims[k]) for k in keys if dims.get(k) is not None}
+        except (OSError, ValueError, TypeError, AttributeError):
             return {}
     return {}
+
+
+def model_dims(artifacts: ModelArtifacts) -> dict[str, int]:
+    """Encoder sizes for the conservative cost model (bge-m3's unless an export says else)."""
+    return _manifest_model(artifacts, ("hidden", "heads", "intermediate", "attention_block"))
+
+
+def model_max_seq(artifacts: ModelArtifacts) -> int | None:
+    """Tokens per text the model's position embeddings hold (an export records it: 8,192
+    for bge-m3, 512 for a model left at XLM-R's 514 positions); None when not recorded."""
+    return _manifest_model(artifacts, ("max_positions",)).get("max_positions")
+
+
+def clamp_max_seq(requested: int, artifacts: ModelArtifacts) -> int:
+    """``requested`` tokens per text, but no more than the model holds: a longer text would
+    index past its position embeddings and fail the whole chunk."""
+    held = model_max_seq(artifacts)
+    if held is not None and 2 <= held < requested:
+        log.warning("max_seq %d is more than this model's %d positions hold: texts are "
+                    "truncated at %d tokens (BGE_M3_MAX_SEQ_LENGTH)", requested, held, held)
+        return held
+    return requested
 
 
 class Engine:
@@ -99,6 +120,7 @@ class Engine:
             config = replace(config, scheduler=replace(
                 config.scheduler, max_chunk_tokens=best_chunk_tokens(artifacts, config.session),
                 pad_multiple=best_pad_multiple(artifacts, config.session)))
+        config = replace(config, max_seq=clamp_max_seq(config.max_seq, artifacts))
         if config.scheduler.pad_cap is None:  # rounding never pads a chunk past max_seq
             config = replace(config, scheduler=replace(config.scheduler, pad_cap=config.max_seq))
         self.config = config

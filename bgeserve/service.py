@@ -12,12 +12,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from . import __version__, backend, memory, probe
 from .artifacts import ModelArtifacts, resolve, validate_cache_dir
 from .config import Settings
-from .engine import Engine, EngineConfig, Inputs, model_dims
+from .engine import Engine, EngineConfig, Inputs, clamp_max_seq, model_dims
 from .errors import BgeServeError, DeadlineExceeded, NotReady
 from .forward import weight_copies
 from .metrics import Metrics
@@ -116,6 +117,9 @@ class Service:
                                                  cache_dir=cache_dir, offline=s.offline)
             log.info("model: %s (%s layout, variant %s, %s)", artifacts.source,
                      artifacts.layout.value, artifacts.variant, runtime_version(artifacts))
+            # Everything below (engine, probe, /health) sees the tokens the model holds.
+            s = self.settings = replace(s, max_seq_length=clamp_max_seq(s.max_seq_length,
+                                                                        artifacts))
             engine = Engine(artifacts=artifacts, config=engine_config(s), start=False,
                             auto_budget=False,  # the Tuner owns the budget here
                             on_chunk=self.metrics_registry.observe_chunk)

@@ -20,6 +20,11 @@ MAX_TOKENS = 512
 _SENTENCES = 48  # sentences generated per round for one row (~1,000 words: past 512 tokens)
 
 
+def capped(limit: int | None) -> int:
+    """``MAX_TOKENS``, or less for a model with fewer positions (``limit``: tokens it holds)."""
+    return MAX_TOKENS if limit is None else max(MIN_TOKENS, min(MAX_TOKENS, limit))
+
+
 def token_rows(tokenizer: Path, seed: int, n: int, *, min_tokens: int = MIN_TOKENS,
                max_tokens: int = MAX_TOKENS) -> list[np.ndarray]:
     """``n`` id rows (``<s>`` … ``</s>``, int64) of lengths spread over [min_tokens, max_tokens].

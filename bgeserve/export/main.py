@@ -134,6 +134,9 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
         if (src / name).exists():
             shutil.copyfile(src / name, out / name)
     tokenizer = out / "tokenizer.json"
+    # Calibration and validation texts must fit the model's positions (514 in a config left
+    # at XLM-R's default holds 512 tokens; bge-m3's 8,194 hold 8,192).
+    limit = ["--max-tokens", str(config["max_position_embeddings"] - 2)]
     fp32 = out / "fp32" / "model.onnx"
     # fp16 and int8 are made from the blocked-attention fp32 graph; bf16 needs its own.
     blocked = any(v in variants for v in ("fp32", "fp16", "int8"))
@@ -158,7 +161,7 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
     if "int8" in variants:
         done += 1
         _run_step(["int8", str(fp32), str(out / "int8" / "model.onnx"),
-                   "--tokenizer", str(tokenizer)], f"{done}/{steps} int8")
+                   "--tokenizer", str(tokenizer), *limit], f"{done}/{steps} int8")
     if "bf16" in variants:
         done += 1
         _export_bf16(src, out, opset, f"{done}/{steps} bf16")
@@ -166,7 +169,7 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
         done += 1
         _run_step(["rowblock", *map(str, row_blocked), "--rows", str(rows)],
                   f"{done}/{steps} FFN row blocks")
-    agreement = _validate(out, validated, tokenizer, f"{steps}/{steps} validation") \
+    agreement = _validate(out, validated, tokenizer, f"{steps}/{steps} validation", limit) \
         if validated else {}
     if "fp32" not in variants and fp32.parent.exists():
         shutil.rmtree(fp32.parent)
@@ -204,12 +207,12 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
     return path
 
 
-def _validate(out: Path, variants: list[str], tokenizer: Path,
-              label: str) -> dict[str, dict[str, float]]:
+def _validate(out: Path, variants: list[str], tokenizer: Path, label: str,
+              limit: list[str]) -> dict[str, dict[str, float]]:
     """Each of ``variants`` against fp32, in a child step (it loads the graphs one by one)."""
     result = out / ".agreement.json.tmp"
     try:
-        _run_step(["validate", str(out), str(result), "--tokenizer", str(tokenizer),
+        _run_step(["validate", str(out), str(result), "--tokenizer", str(tokenizer), *limit,
                    *(arg for v in variants for arg in ("--variant", v))], label)
         return json.loads(result.read_text())
     finally:

@@ -66,6 +66,7 @@ def row_block_ffn(model: onnx.ModelProto, rows: int = FFN_ROWS) -> int:
     inside reads a value computed outside other than the input and constants, or a value
     computed inside is read outside other than the output): the graph is then not bge-m3's."""
     graph = model.graph
+    fold_initializer_identities(graph)
     regions = ffn_regions(graph)
     width, dtype = _hidden(graph)
     moved: set[int] = set()
@@ -88,6 +89,47 @@ def row_block_ffn(model: onnx.ModelProto, rows: int = FFN_ROWS) -> int:
     del graph.value_info[:]
     graph.value_info.extend(infos)
     return len(regions)
+
+
+def fold_initializer_identities(graph: onnx.GraphProto) -> int:
+    """Make readers of ``Identity(initializer)`` read the initializer itself; returns how many
+    Identity nodes went.
+
+    torch.onnx.export stores equal initializers once and feeds every further use through an
+    Identity: in a freshly initialised model (``XLMRobertaModel(config)``, every bias zero)
+    each layer's FFN biases then come from nodes outside the FFN, and the region would not be
+    closed. The values are unchanged.
+    """
+    initializers = {t.name for t in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    alias = {n.output[0]: n.input[0] for n in graph.node
+             if n.op_type == "Identity" and n.input[0] in initializers
+             and n.output[0] not in outputs}
+    if not alias:
+        return 0
+    _rename_inputs(graph, alias)
+    kept = [n for n in graph.node if not (n.op_type == "Identity" and n.output[0] in alias)]
+    del graph.node[:]
+    graph.node.extend(kept)
+    infos = [v for v in graph.value_info if v.name not in alias]
+    del graph.value_info[:]
+    graph.value_info.extend(infos)
+    return len(alias)
+
+
+def _rename_inputs(graph: onnx.GraphProto, alias: dict[str, str]) -> None:
+    """Rename node inputs in ``graph`` and in every subgraph (a Loop body may read the outer
+    names)."""
+    for node in graph.node:
+        for k, name in enumerate(node.input):
+            if name in alias:
+                node.input[k] = alias[name]
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                _rename_inputs(attr.g, alias)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    _rename_inputs(sub, alias)
 
 
 def _hidden(graph: onnx.GraphProto) -> tuple[int, int]:

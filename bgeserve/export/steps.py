@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import corpus
+
 # ONNX protobufs cannot exceed 2 GiB; bigger graphs keep their weights in one external file.
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
 HEAD_NODE_PREFIXES = ("/sparse_linear/", "/colbert_linear/")
@@ -116,7 +118,7 @@ CALIBRATION_TEXTS = 16
 
 
 def export_int8(fp32: Path, out: Path, tokenizer: Path | None = None,
-                recipe: str = "smoothquant") -> None:
+                recipe: str = "smoothquant", max_tokens: int | None = None) -> None:
     """int8 MatMul weights (dynamic quantization, per channel); heads stay fp32.
 
     ``smoothquant`` (the export's recipe) first smooths the fp32 graph with activation maxima
@@ -140,9 +142,10 @@ def export_int8(fp32: Path, out: Path, tokenizer: Path | None = None,
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         src = fp32
         if recipe == "smoothquant":
-            from . import corpus, smoothquant
+            from . import smoothquant
 
-            rows = corpus.token_rows(tokenizer, corpus.CALIBRATION_SEED, CALIBRATION_TEXTS)
+            rows = corpus.token_rows(tokenizer, corpus.CALIBRATION_SEED, CALIBRATION_TEXTS,
+                                     max_tokens=corpus.capped(max_tokens))
             _log(f"smoothing {fp32} (SmoothQuant, {len(rows)} calibration texts)", started)
             model, summary = smoothquant.smooth(fp32, rows, head_prefixes=HEAD_NODE_PREFIXES)
             # quantize_dynamic reads a path (given a proto, it would copy it twice more).
@@ -186,7 +189,8 @@ def row_block(graphs: list[Path], rows: int) -> None:
         _log(f"{path}: FFN of {layers} layers in blocks of {rows} tokens", started)
 
 
-def validate(export_dir: Path, variants: list[str], tokenizer: Path, result: Path) -> None:
+def validate(export_dir: Path, variants: list[str], tokenizer: Path, result: Path,
+             max_tokens: int | None = None) -> None:
     """Agreement of ``variants`` with the export's fp32 graph, as JSON in ``result``."""
     import json
 
@@ -194,7 +198,7 @@ def validate(export_dir: Path, variants: list[str], tokenizer: Path, result: Pat
 
     started = time.monotonic()
     _log(f"validating {', '.join(variants)} against fp32", started)
-    found = agreement(export_dir, variants, tokenizer)
+    found = agreement(export_dir, variants, tokenizer, max_tokens=corpus.capped(max_tokens))
     for variant, figures in found.items():
         _log(f"{variant}: {figures}", started)
     result.write_text(json.dumps(found, indent=1))
@@ -235,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", choices=INT8_RECIPES, default="smoothquant")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer.json for the calibration texts (smoothquant)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="longest calibration text (the model's positions)")
     p = sub.add_parser("rowblock")
     p.add_argument("graphs", type=Path, nargs="+")
     p.add_argument("--rows", type=int, required=True)
@@ -243,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("result", type=Path, help="JSON file written with the figures")
     p.add_argument("--tokenizer", type=Path, required=True)
     p.add_argument("--variant", action="append", required=True)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="longest validation text (the model's positions)")
     p = sub.add_parser("openvino")
     p.add_argument("fp32", type=Path)
     p.add_argument("out", type=Path)
@@ -256,9 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.step == "rowblock":
         row_block(args.graphs, args.rows)
     elif args.step == "validate":
-        validate(args.export_dir, args.variant, args.tokenizer, args.result)
+        validate(args.export_dir, args.variant, args.tokenizer, args.result, args.max_tokens)
     else:
-        export_int8(args.fp32, args.out, args.tokenizer, args.recipe)
+        export_int8(args.fp32, args.out, args.tokenizer, args.recipe, args.max_tokens)
     return 0
 
 

@@ -62,8 +62,9 @@ def compare(ref: tuple[np.ndarray, list[np.ndarray]],
 
 
 def agreement(export_dir: Path, variants: Sequence[str], tokenizer: Path,
-              n: int = VALIDATION_TEXTS) -> dict[str, dict[str, float | int]]:
+              n: int = VALIDATION_TEXTS, max_tokens: int = corpus.MAX_TOKENS,
+              ) -> dict[str, dict[str, float | int]]:
     """{variant: figures} for each of ``variants`` against the export's fp32 graph."""
-    rows = corpus.token_rows(tokenizer, corpus.VALIDATION_SEED, n)
+    rows = corpus.token_rows(tokenizer, corpus.VALIDATION_SEED, n, max_tokens=max_tokens)
     ref = _outputs(export_dir, "fp32", rows)
     return {v: compare(ref, _outputs(export_dir, v, rows)) for v in variants if v != "fp32"}
