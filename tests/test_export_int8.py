@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bgeserve.export import smoothquant
+from bgeserve.export import smoothquant, validate
 from bgeserve.export.smoothquant import scale_weight, smoothing_scales, weight_max
 from tests.oracle import FP16, INT8
 
@@ -74,9 +74,27 @@ def test_manifest_records_agreement_with_fp32(tiny_export: Path):
     for variant, tol in (("fp16", FP16), ("int8", INT8)):
         agreement = variants[variant]["agreement"]
         assert set(agreement) == {"dense_cos_min", "dense_cos_mean", "sparse_max_abs", "texts"}
-        assert agreement["texts"] == 8
+        assert agreement["texts"] == validate.VALIDATION_TEXTS + validate.SHORT_TEXTS == 12
         assert tol.dense_cos <= agreement["dense_cos_min"] <= agreement["dense_cos_mean"] <= 1.0
         assert 0.0 < agreement["sparse_max_abs"] < 0.1
+
+
+@slow
+def test_validation_batched_pass_drops_padding_and_keeps_order(tiny_export: Path):
+    """The batched pass pads neighbours together; on fp32 it gives the lone-text results back
+    (padding is masked), row for row in the caller's order."""
+    from bgeserve.export import corpus
+
+    rows = corpus.token_rows(tiny_export / "tokenizer.json", 99, 7, min_tokens=3, max_tokens=90)
+    rows = rows[::-1]  # not in length order: results must come back in this order
+    alone = validate._outputs(tiny_export, "fp32", rows)
+    batched = validate._outputs(tiny_export, "fp32", rows, batch=validate.BATCH)
+    np.testing.assert_allclose(batched[0], alone[0], atol=1e-5)
+    for a, b, r in zip(alone[1], batched[1], rows, strict=True):
+        assert len(a) == len(b) == len(r)
+        np.testing.assert_allclose(b, a, atol=1e-5)
+    assert validate.worse(validate.compare(alone, batched), validate.compare(alone, alone)) == \
+        validate.compare(alone, batched)
 
 
 @slow
