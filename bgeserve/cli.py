@@ -96,10 +96,16 @@ def _probe(args: argparse.Namespace) -> int:
     from .tokenizer import Tokenizer
     from .tuning import HEADROOM_BYTES, chunk_timing_run, probe_table, synthetic_run
 
-    settings = Settings.from_env(os.environ)
-    setup_logging("text", settings.log_level)
-    settings = backend.resolve(settings, model_explicit="BGE_M3_MODEL" in os.environ,
-                               ep_explicit="BGE_M3_EP" in os.environ)
+    from .errors import BgeServeError
+
+    try:
+        settings = Settings.from_env(os.environ)
+        setup_logging("text", settings.log_level)
+        settings = backend.resolve(settings, model_explicit="BGE_M3_MODEL" in os.environ,
+                                   ep_explicit="BGE_M3_EP" in os.environ)
+    except BgeServeError as exc:  # a bad variable: its message, not a traceback
+        print(f"bgeserve: {exc}", file=sys.stderr)
+        return 2
     from .probe_child import PIN_THRESHOLD
 
     memory.pin_mmap_threshold(PIN_THRESHOLD)  # measure each shape alone (see probe_child)

@@ -157,6 +157,8 @@ class Settings:
                                "request body limit")
     max_text_chars: int = _var("BGE_M3_MAX_TEXT_CHARS", _number(int, 1), 131_072,
                                "characters per text")
+    max_colbert_mb: int = _var("BGE_M3_MAX_COLBERT_MB", _number(int, 1), 512,
+                               "ColBERT output per request (float32 MiB) before 413")
     api_keys: tuple[str, ...] = _var("BGE_M3_API_KEY", _keys, (),
                                      "comma-separated bearer keys; empty = no auth")
     metrics_auth: bool = _var("BGE_M3_METRICS_AUTH", _bool, False,

@@ -42,6 +42,9 @@ class EngineConfig:
     session: SessionConfig = field(default_factory=SessionConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     request_timeout_s: float | None = None
+    # ColBERT vectors are (tokens - 1) x hidden float32 per text: 256 texts of 8,192 tokens are
+    # 8 GiB before any JSON, outside every memory budget. A request past this is refused.
+    max_colbert_bytes: int | None = 512 << 20
 
 
 def normalize_inputs(inputs: Inputs) -> tuple[list[str] | None, list[list[int]] | None]:
@@ -114,6 +117,7 @@ class Engine:
             artifacts = resolve(model_path=Path(model_path) if model_path else None,
                                 variant=variant, cache_dir=cache, offline=offline)
         self.artifacts = artifacts
+        self._width = model_dims(artifacts).get("hidden", 1024)  # dense / ColBERT floats
         if config is None:
             # No config given: chunk as the server does, by the runtime's measured best.
             config = EngineConfig()
@@ -133,12 +137,15 @@ class Engine:
         self._scheduler = Scheduler(self.open_forward, self._fits, self.config.scheduler,
                                     on_chunk=on_chunk)
         self._started = False
+        self._closed = False
         if start:
             self.start()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         """Load every worker's session and start the workers."""
+        if self._closed:  # its scheduler has stopped for good: no half-working restart
+            raise NotReady("this Engine was closed; create a new one")
         if not self._started:
             if self._auto_budget:
                 available = memory.detect_available_memory()
@@ -156,6 +163,7 @@ class Engine:
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish queued work (bounded by ``timeout``) and release the sessions."""
+        self._closed = True
         if self._started:
             self._scheduler.stop(timeout)
             self._started = False
@@ -200,13 +208,24 @@ class Engine:
         return self.tokenizer.encode(texts) if texts is not None else self.tokenizer.from_ids(
             ids or [])
 
-    def admit(self, encoded: Encoded, truncate: bool) -> None:
-        """Refuse texts over ``max_seq`` (when not truncating) or over the memory budget."""
+    def admit(self, encoded: Encoded, truncate: bool, colbert: bool = False) -> None:
+        """Refuse texts over ``max_seq`` (when not truncating) or over the memory budget, and
+        ColBERT output over ``max_colbert_bytes``."""
+        limit = self.config.max_colbert_bytes
+        if colbert and limit is not None:
+            rows = int(encoded.lengths.sum()) - len(encoded.ids)
+            size = rows * self._width * 4
+            if size > limit:
+                raise TooLarge(
+                    f"the ColBERT output of this request would be {size / 2**20:.0f} MiB "
+                    f"({rows} token vectors of {self._width} floats), over the "
+                    f"{limit / 2**20:.0f} MiB allowed (BGE_M3_MAX_COLBERT_MB); send fewer or "
+                    "shorter texts per request", param="outputs")
         if not truncate and encoded.truncated.any():
             i = int(np.argmax(encoded.truncated))
             raise TooLarge(
-                f"input[{i}] has {int(encoded.full_lengths[i])} tokens, more than the "
-                f"{self.config.max_seq} allowed (BGE_M3_MAX_SEQ_LENGTH); send truncate=true "
+                f"input[{i}] has more than the {self.config.max_seq} tokens allowed "
+                f"({int(encoded.full_lengths[i])}+; BGE_M3_MAX_SEQ_LENGTH); send truncate=true "
                 "or split the text", param=f"input[{i}]")
         cost = self._cost
         if cost is None:
@@ -232,12 +251,16 @@ class Engine:
                  else sum(min(len(x), self.tokenizer.max_seq) for x in ids or ()))
         self._scheduler.check_room(bound)
 
-    def make_job(self, inputs: Inputs, options: EmbedOptions, request_id: str = "") -> Job:
-        """Tokenize and admit ``inputs``; the returned job is ready to submit."""
+    def make_job(self, inputs: Inputs, options: EmbedOptions, request_id: str = "",
+                 arrived: float | None = None) -> Job:
+        """Tokenize and admit ``inputs``; the returned job is ready to submit. Its deadline
+        (``request_timeout_s``) counts from ``arrived`` (monotonic; default now), so the time
+        spent tokenizing counts too."""
+        start = time.monotonic() if arrived is None else arrived
         encoded = self.encode_inputs(inputs)
-        self.admit(encoded, options.truncate)
+        self.admit(encoded, options.truncate, options.colbert)
         timeout = self.config.request_timeout_s
-        deadline = time.monotonic() + timeout if timeout else None
+        deadline = start + timeout if timeout else None
         return Job(encoded.ids, encoded.truncated, options, deadline, request_id)
 
     def submit(self, job: Job):

@@ -43,7 +43,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_queue_tokens=s.max_queue_tokens,
         idle_timeout_s=s.idle_timeout_secs)
     return EngineConfig(max_seq=s.max_seq_length, session=session, scheduler=scheduler,
-                        request_timeout_s=s.request_timeout_secs or None)
+                        request_timeout_s=s.request_timeout_secs or None,
+                        max_colbert_bytes=s.max_colbert_mb << 20)
 
 
 def probe_source(engine: Engine, spec: dict[str, Any]) -> Any:
@@ -244,8 +245,9 @@ class Service:
         """Embed one request's inputs (texts or token ids) in input order."""
         engine = self._engine()
         started = time.perf_counter()
+        arrived = time.monotonic()  # the deadline counts tokenizing too
         engine.refuse_early(inputs)
-        job = await asyncio.to_thread(engine.make_job, inputs, options, request_id)
+        job = await asyncio.to_thread(engine.make_job, inputs, options, request_id, arrived)
         timeout = self.settings.request_timeout_secs or None
         remaining = None if timeout is None else max(0.0, job.deadline - time.monotonic()) \
             if job.deadline is not None else timeout

@@ -21,6 +21,10 @@ from .errors import InvalidInput, ModelUnavailable
 
 CLS_ID, PAD_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 SPECIAL_IDS = (CLS_ID, PAD_ID, EOS_ID, UNK_ID)
+# Encoding memory bounds (see Tokenizer.encode): characters per encode_batch call, and the
+# characters per max_seq token past which a text is cut before encoding (XLM-R averages ~3-4).
+GROUP_CHARS = 1 << 20
+CUT_CHARS_PER_TOKEN = 8
 _WORD_CHAR = re.compile(r"[^\W_]")  # a letter or digit: no normalizer maps it to nothing
 _WORD_SPLITTERS = {"WhitespaceSplit", "Whitespace", "BertPreTokenizer"}
 
@@ -42,7 +46,9 @@ class Encoded:
 
     ids: list[np.ndarray]
     truncated: np.ndarray
-    full_lengths: np.ndarray  # tokens before truncation
+    # Tokens before truncation; for a text cut before encoding (Tokenizer.encode), a lower
+    # bound (still more than max_seq).
+    full_lengths: np.ndarray
 
     @property
     def lengths(self) -> np.ndarray:
@@ -75,12 +81,57 @@ class Tokenizer:
             raise ModelUnavailable(f"cannot load tokenizer {path}: {exc}") from exc
 
     def encode(self, texts: Sequence[str]) -> Encoded:
-        """Tokenize ``texts`` (in parallel, in Rust) and truncate each to ``max_seq``."""
-        try:
-            encodings = self._tk.encode_batch(list(texts), add_special_tokens=True)
-        except Exception as exc:
-            raise InvalidInput(f"cannot tokenize input: {exc}", param="input") from exc
-        return self._truncate([np.asarray(e.ids, dtype=np.int64) for e in encodings])
+        """Tokenize ``texts`` (in parallel, in Rust) and truncate each to ``max_seq``.
+
+        Memory stays bounded whatever comes in: ``tokenizers`` keeps ~150 bytes per token of
+        a text (strings, offsets) until it is converted, so 250 texts of 131k characters held
+        2.6 GiB at once. So texts are encoded in groups of at most ``GROUP_CHARS`` characters,
+        each group's ids kept as int64 arrays before the next; and a text far longer than
+        ``max_seq`` tokens can hold is cut first (``_prefix``): its leading words, as long as
+        they give more than ``max_seq`` tokens, produce exactly the tokens that truncation of
+        the whole text keeps.
+        """
+        texts = list(texts)
+        if not all(isinstance(t, str) for t in texts):
+            raise InvalidInput("cannot tokenize input: every text must be a string",
+                               param="input")
+        prepared = [self._prefix(t) for t in texts]
+        ids = self._encode_grouped(prepared)
+        for i, (text, cut) in enumerate(zip(texts, prepared, strict=True)):
+            # A cut text must still be over max_seq (so truncation keeps only shared tokens)
+            # and end with </s> as the whole text would; else it is encoded whole.
+            if cut is not text and (len(ids[i]) <= self.max_seq or ids[i][-1] != EOS_ID):
+                ids[i] = self._encode_grouped([text])[0]
+        return self._truncate(ids)
+
+    def _prefix(self, text: str) -> str:
+        """``text``, or its leading words when it is far longer than ``max_seq`` tokens can
+        be: cut at a space (the pre-tokenizer splits there, so every word before the cut
+        tokenizes as it does in the whole text), trailing spaces dropped."""
+        limit = self.max_seq * CUT_CHARS_PER_TOKEN
+        if not self._word_bound or len(text) <= limit:
+            return text
+        at = text.rfind(" ", 0, limit)
+        head = text[:at].rstrip(" ") if at > 0 else ""
+        return head or text
+
+    def _encode_grouped(self, texts: Sequence[str]) -> list[np.ndarray]:
+        out: list[np.ndarray] = []
+        group: list[str] = []
+        chars = 0
+        for text in [*texts, None]:
+            if group and (text is None or chars + len(text) > GROUP_CHARS):
+                try:
+                    encodings = self._tk.encode_batch(group, add_special_tokens=True)
+                except Exception as exc:
+                    raise InvalidInput(f"cannot tokenize input: {exc}", param="input") from exc
+                out += [np.asarray(e.ids, dtype=np.int64) for e in encodings]
+                del encodings
+                group, chars = [], 0
+            if text is not None:
+                group.append(text)
+                chars += len(text)
+        return out
 
     def min_tokens(self, texts: Sequence[str]) -> int:
         """A lower bound on the tokens ``encode(texts)`` gives, far cheaper than encoding (for

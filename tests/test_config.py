@@ -103,6 +103,7 @@ PARSED = [
     ("BGE_M3_MAX_BATCH", "32", "max_batch", 32),
     ("BGE_M3_MAX_BODY_BYTES", "1024", "max_body_bytes", 1024),
     ("BGE_M3_MAX_TEXT_CHARS", "10", "max_text_chars", 10),
+    ("BGE_M3_MAX_COLBERT_MB", "64", "max_colbert_mb", 64),
     ("BGE_M3_API_KEY", "k1,k2", "api_keys", ("k1", "k2")),
     ("BGE_M3_API_KEY", "", "api_keys", ()),
     ("BGE_M3_METRICS_AUTH", "TRUE", "metrics_auth", True),
@@ -298,3 +299,14 @@ def test_every_variable_the_code_mentions_exists():
     for path in PACKAGE.rglob("*.py"):
         mentioned |= set(re.findall(r"BGE_M3_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
     assert mentioned - set(ENV) == set()
+
+
+@pytest.mark.parametrize("command", ["serve", "probe"])
+def test_a_bad_variable_stops_the_cli_with_its_message_not_a_traceback(
+        command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    from bgeserve.cli import main
+
+    monkeypatch.setenv("BGE_M3_WORKERS", "0")
+    assert main([command]) == 2
+    err = capsys.readouterr().err
+    assert "BGE_M3_WORKERS" in err and "Traceback" not in err

@@ -277,3 +277,63 @@ def test_load_of_a_missing_or_broken_file_is_model_unavailable(tmp_path: Path, c
         path.write_text(content)
     with pytest.raises(ModelUnavailable, match="tokenizer.json"):
         Tokenizer.load(path, 8)
+
+
+# ------------------------------------------------------------------ bounded encoding memory
+def _reference(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """Encode every text whole, then truncate as the server does (the definition)."""
+    out = []
+    for e in tok._tk.encode_batch(texts, add_special_tokens=True):
+        ids = list(e.ids)
+        out.append(ids if len(ids) <= tok.max_seq else ids[: tok.max_seq - 1] + ids[-1:])
+    return out
+
+
+def test_long_texts_cut_before_encoding_give_the_tokens_of_the_whole_text(monkeypatch):
+    """A text far past max_seq is encoded from its leading words only, with exactly the ids
+    and truncation flags of encoding it whole: spacing runs, unicode, unknown symbols, a
+    literal special token at the cut; texts without spaces, or whose leading words give too
+    few tokens, are encoded whole."""
+    tok = make(max_seq=16)  # texts over 16 * 8 = 128 characters are cut
+    rng = np.random.default_rng(3)
+    vocab = WORDS + ["zq", "日本", "a\u00a0b", "e\u0301", "<s>", "</s>", "☃☃☃", "x" * 40]
+    texts = []
+    for n in (5, 30, 60, 200):
+        for _ in range(5):
+            picked = rng.choice(vocab, n)
+            seps = rng.choice([" ", "  ", "   ", "\t", " \n "], n)
+            texts.append("".join(w + s for w, s in zip(picked, seps, strict=True)))
+    texts += ["x" * 500, ("☃" * 60 + " ") * 6, words(100) + "   ", "cat " * 100]
+    encoded: list[int] = []
+    real = tok._tk.encode_batch
+    monkeypatch.setattr(tok, "_tk", type("Spy", (), {
+        "encode_batch": lambda self, batch, **kw: encoded.extend(map(len, batch))
+        or real(batch, **kw)})())
+    enc = tok.encode(texts)
+    monkeypatch.undo()
+    want = _reference(tok, texts)
+    assert [x.tolist() for x in enc.ids] == want
+    full = [len(e.ids) for e in tok._tk.encode_batch(texts, add_special_tokens=True)]
+    assert enc.truncated.tolist() == [n > 16 for n in full]
+    assert all(16 < lo <= n or lo == n
+               for lo, n in zip(enc.full_lengths.tolist(), full, strict=True))
+    prepared = encoded[:len(texts)]  # the first call: every text as prepared, in one group
+    cut = [p < len(t) for p, t in zip(prepared, texts, strict=True)]
+    assert sum(cut) >= 10, "the long texts were not cut"
+    assert not cut[texts.index("x" * 500)]  # no space to cut at
+
+
+def test_encoding_runs_in_groups_of_bounded_characters(monkeypatch):
+    from bgeserve import tokenizer as module
+
+    monkeypatch.setattr(module, "GROUP_CHARS", 50)
+    tok = make()
+    groups: list[int] = []
+    real = tok._tk.encode_batch
+    monkeypatch.setattr(tok, "_tk", type("Spy", (), {
+        "encode_batch": lambda self, batch, **kw: groups.append(sum(map(len, batch)))
+        or real(batch, **kw)})())
+    texts = [words(3)] * 20  # 14-15 characters each
+    enc = tok.encode(texts)
+    assert len(groups) > 1 and max(groups) <= 50
+    assert [x.tolist() for x in enc.ids] == [enc.ids[0].tolist()] * 20
