@@ -4,11 +4,26 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import Settings
 
 SHUTDOWN_ANSWER_SECS = 2.0  # after the drain deadline: time to send the 503s
 
 
+def inflight_mb(settings: Settings) -> int:
+    """The default allowance of request bodies in progress: an eighth of the memory the
+    server may use (a body, its parsed texts and its ids take ~3-4x its size), at most 512
+    MiB, at least one largest body."""
+    from . import memory
+
+    available = memory.detect_available_memory(settings.available_memory_bytes).available_bytes
+    return max(settings.max_body_bytes >> 20, min(512, (available // 8) >> 20), 1)
+
+
 def _serve(args: argparse.Namespace) -> int:
+    import dataclasses
     import logging
     import os
     import signal
@@ -37,6 +52,8 @@ def _serve(args: argparse.Namespace) -> int:
     except BgeServeError as exc:
         print(f"bgeserve: {exc}", file=sys.stderr)
         return 2
+    if settings.max_inflight_mb is None:
+        settings = dataclasses.replace(settings, max_inflight_mb=inflight_mb(settings))
     log.info("bgeserve starting", extra={"settings": settings.redacted()})
     if settings.warmup_only:
         from .warmup import run as warmup
@@ -90,13 +107,12 @@ def _probe(args: argparse.Namespace) -> int:
     from .config import Settings
     from .costmodel import CostModel, conservative_coefficients
     from .engine import clamp_max_seq, model_dims
+    from .errors import BgeServeError
     from .forward import forward_factory
     from .logs import setup_logging
     from .service import engine_config, probe_parts
     from .tokenizer import Tokenizer
     from .tuning import HEADROOM_BYTES, chunk_timing_run, probe_table, synthetic_run
-
-    from .errors import BgeServeError
 
     try:
         settings = Settings.from_env(os.environ)

@@ -159,6 +159,9 @@ class Settings:
                                "characters per text")
     max_colbert_mb: int = _var("BGE_M3_MAX_COLBERT_MB", _number(int, 1), 512,
                                "ColBERT output per request (float32 MiB) before 413")
+    max_inflight_mb: int | None = _var(
+        "BGE_M3_MAX_INFLIGHT_MB", _number(int, 1), None,
+        "MiB of request bodies in progress before 429 (unset: 1/8 of the memory, <= 512)")
     api_keys: tuple[str, ...] = _var("BGE_M3_API_KEY", _keys, (),
                                      "comma-separated bearer keys; empty = no auth")
     metrics_auth: bool = _var("BGE_M3_METRICS_AUTH", _bool, False,

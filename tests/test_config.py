@@ -104,6 +104,7 @@ PARSED = [
     ("BGE_M3_MAX_BODY_BYTES", "1024", "max_body_bytes", 1024),
     ("BGE_M3_MAX_TEXT_CHARS", "10", "max_text_chars", 10),
     ("BGE_M3_MAX_COLBERT_MB", "64", "max_colbert_mb", 64),
+    ("BGE_M3_MAX_INFLIGHT_MB", "100", "max_inflight_mb", 100),
     ("BGE_M3_API_KEY", "k1,k2", "api_keys", ("k1", "k2")),
     ("BGE_M3_API_KEY", "", "api_keys", ()),
     ("BGE_M3_METRICS_AUTH", "TRUE", "metrics_auth", True),
@@ -310,3 +311,11 @@ def test_a_bad_variable_stops_the_cli_with_its_message_not_a_traceback(
     assert main([command]) == 2
     err = capsys.readouterr().err
     assert "BGE_M3_WORKERS" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("available_mib, expected", [(600, 75), (24 * 1024, 512), (100, 32)])
+def test_the_inflight_allowance_follows_the_memory(available_mib: int, expected: int) -> None:
+    """An eighth of the memory, at most 512 MiB, at least one largest body (32 MiB)."""
+    from bgeserve.cli import inflight_mb
+
+    assert inflight_mb(Settings(available_memory_bytes=available_mib << 20)) == expected

@@ -708,3 +708,72 @@ def test_a_stalled_body_is_408_after_the_idle_timeout(monkeypatch: pytest.Monkey
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert orjson.loads(body)["error"]["code"] == "request_timeout"
     assert fake.calls == []
+
+
+def test_bodies_in_progress_past_the_allowance_are_429_at_once() -> None:
+    """InflightLimit: while one request holds its body, a second that would pass the
+    allowance is refused before its body is read; a lone request of any size goes in; the
+    allowance comes back when a response is done; chunked bodies count as they arrive."""
+    from bgeserve.errors import BgeServeError
+    from bgeserve.http.errors import error_response
+
+    release: list[anyio.Event] = []
+    entered: list[str] = []
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        try:  # as the real handler: a refusal raised by receive becomes its response
+            while (await receive()).get("more_body"):
+                pass
+        except BgeServeError as exc:
+            await error_response(exc)(scope, receive, send)
+            return
+        entered.append(scope["path"])
+        if scope["path"] == "/hold":
+            await release[0].wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    guard = guards.InflightLimit(app, max_bytes=150)
+
+    def scope(path: str, length: int | None) -> dict:
+        headers = [] if length is None else [(b"content-length", str(length).encode())]
+        return {**_scope(headers, FakeService(), Settings()), "path": path}
+
+    async def call(path: str, length: int | None, chunks: list[bytes]) -> int:
+        sent: list[dict] = []
+        parts = iter(chunks)
+
+        async def receive() -> dict:
+            chunk = next(parts, None)
+            return {"type": "http.request", "body": chunk or b"", "more_body": chunk is not None}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await guard(scope(path, length), receive, send)
+        return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+    async def main() -> list[int]:
+        release.append(anyio.Event())
+        statuses: list[int] = []
+        with anyio.fail_after(10):
+            return await steps(statuses)
+
+    async def steps(statuses: list[int]) -> list[int]:
+        async with anyio.create_task_group() as tg:
+            async def hold() -> None:
+                statuses.append(await call("/hold", 1000, [b"x" * 1000]))  # alone: let in
+
+            tg.start_soon(hold)
+            while guard.held == 0:
+                await anyio.sleep(0.001)
+            statuses.append(await call("/small", 10, [b"x" * 10]))  # 1010 > 150: refused
+            statuses.append(await call("/chunked", None, [b"x" * 10]))  # streamed: refused
+            release[0].set()
+        statuses.append(await call("/after", 100, [b"x" * 100]))
+        return statuses
+
+    statuses = anyio.run(main)
+    assert statuses == [429, 429, 200, 200], statuses
+    assert entered == ["/hold", "/after"]
+    assert guard.held == 0

@@ -18,7 +18,7 @@ from ..config import Settings
 from . import guards, handlers
 from .context import RequestContext
 from .errors import EXCEPTION_HANDLERS
-from .guards import BearerAuth, BodyLimit
+from .guards import BearerAuth, BodyLimit, InflightLimit
 from .schemas import BOTH, DENSE, SPARSE
 
 if TYPE_CHECKING:
@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 ServiceFactory = Callable[[Settings], "Service"]
 
 BUILTIN_MODEL_IDS = ("bge-m3", "BAAI/bge-m3")
+# Request bodies in progress when BGE_M3_MAX_INFLIGHT_MB is unset; `bgeserve serve` sets it
+# from the memory it has (cli.py).
+DEFAULT_INFLIGHT_MB = 256
 
 routes = [
     Route("/v1/embeddings", handlers.embed_endpoint(DENSE), methods=["POST"], name="dense"),
@@ -75,6 +78,7 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
         Middleware(BearerAuth, keys=settings.api_keys, open_paths=frozenset(open_paths)),
         Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                    idle_timeout=guards.BODY_IDLE_TIMEOUT_S),
+        Middleware(InflightLimit, max_bytes=(settings.max_inflight_mb or DEFAULT_INFLIGHT_MB) << 20),
     ]
     app = Starlette(
         routes=routes,
