@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -90,6 +91,9 @@ class Service:
         self._loader: threading.Thread | None = None
         self._dense_width = 0  # the loaded model's, from its first embedding
         self._abort_timer: asyncio.TimerHandle | None = None
+        # Requests tokenizing at once: more than the cores only adds memory (each holds its
+        # encodings), never speed. Created here, used on the server's one event loop.
+        self._tokenizing = asyncio.Semaphore(max(2, os.cpu_count() or 2))
         self.started_at = time.time()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -247,7 +251,8 @@ class Service:
         started = time.perf_counter()
         arrived = time.monotonic()  # the deadline counts tokenizing too
         engine.refuse_early(inputs)
-        job = await asyncio.to_thread(engine.make_job, inputs, options, request_id, arrived)
+        async with self._tokenizing:
+            job = await asyncio.to_thread(engine.make_job, inputs, options, request_id, arrived)
         timeout = self.settings.request_timeout_secs or None
         remaining = None if timeout is None else max(0.0, job.deadline - time.monotonic()) \
             if job.deadline is not None else timeout

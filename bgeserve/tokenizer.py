@@ -23,7 +23,7 @@ CLS_ID, PAD_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 SPECIAL_IDS = (CLS_ID, PAD_ID, EOS_ID, UNK_ID)
 # Encoding memory bounds (see Tokenizer.encode): characters per encode_batch call, and the
 # characters per max_seq token past which a text is cut before encoding (XLM-R averages ~3-4).
-GROUP_CHARS = 1 << 20
+GROUP_CHARS = 1 << 18
 CUT_CHARS_PER_TOKEN = 8
 _WORD_CHAR = re.compile(r"[^\W_]")  # a letter or digit: no normalizer maps it to nothing
 _WORD_SPLITTERS = {"WhitespaceSplit", "Whitespace", "BertPreTokenizer"}
