@@ -71,7 +71,8 @@ def _serve(args: argparse.Namespace) -> int:
     # uvicorn cancels the requests still running when its grace ends, answering a bare 500;
     # the service answers them 503 at BGE_M3_SHUTDOWN_TIMEOUT_SECS, so uvicorn's grace is a
     # little longer (the time to render and send those answers).
-    grace = settings.shutdown_timeout_secs + SHUTDOWN_ANSWER_SECS
+    grace = (settings.shutdown_timeout_secs + SHUTDOWN_ANSWER_SECS
+             if settings.shutdown_timeout_secs else None)  # 0: no bound
     config = uvicorn.Config(app, host=host.strip("[]"), port=int(port), log_config=None,
                             timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
                             lifespan="on")

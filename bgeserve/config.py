@@ -177,7 +177,7 @@ class Settings:
                                     "unload sessions after this idle time; 0 = never")
     shutdown_timeout_secs: float = _var("BGE_M3_SHUTDOWN_TIMEOUT_SECS", _number(float, 0.0),
                                         30.0, "SIGTERM: in-flight work gets this long, then what "
-                                        "is left is answered 503")
+                                        "is left is answered 503; 0 = no bound")
     # operations
     log_format: str = _var("BGE_M3_LOG_FORMAT", _choice(*LOG_FORMATS), "auto", "json|text|auto")
     log_level: str = _var("BGE_M3_LOG_LEVEL", _choice("debug", "info", "warning", "error"),

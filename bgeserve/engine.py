@@ -83,9 +83,16 @@ def model_dims(artifacts: ModelArtifacts) -> dict[str, int]:
 
 
 def model_max_seq(artifacts: ModelArtifacts) -> int | None:
-    """Tokens per text the model's position embeddings hold (an export records it: 8,192
-    for bge-m3, 512 for a model left at XLM-R's 514 positions); None when not recorded."""
-    return _manifest_model(artifacts, ("max_positions",)).get("max_positions")
+    """Tokens per text the model's position embeddings hold (8,192 for bge-m3, 512 for a
+    model left at XLM-R's 514 positions): an export's manifest records it, a hub snapshot's
+    config.json has ``max_position_embeddings`` (2 more); None when neither says."""
+    if artifacts.layout is Layout.BGESERVE:
+        return _manifest_model(artifacts, ("max_positions",)).get("max_positions")
+    try:
+        config = json.loads((artifacts.tokenizer_path.parent / "config.json").read_text())
+        return int(config["max_position_embeddings"]) - 2
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 def clamp_max_seq(requested: int, artifacts: ModelArtifacts) -> int:
@@ -161,8 +168,9 @@ class Engine:
                 a, b = conservative_coefficients(**model_dims(self.artifacts))
                 self._cost = CostModel(a, b, budget)
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Finish queued work (bounded by ``timeout``) and release the sessions."""
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Finish queued work (bounded by ``timeout``; None: all of it) and release the
+        sessions."""
         self._closed = True
         if self._started:
             self._scheduler.stop(timeout)
@@ -225,7 +233,7 @@ class Engine:
             i = int(np.argmax(encoded.truncated))
             raise TooLarge(
                 f"input[{i}] has more than the {self.config.max_seq} tokens allowed "
-                f"({int(encoded.full_lengths[i])}+; BGE_M3_MAX_SEQ_LENGTH); send truncate=true "
+                f"(BGE_M3_MAX_SEQ_LENGTH); send truncate=true "
                 "or split the text", param=f"input[{i}]")
         cost = self._cost
         if cost is None:
@@ -239,15 +247,20 @@ class Engine:
                     f"{cost.max_seq()} tokens). Lower BGE_M3_MAX_SEQ_LENGTH, reduce "
                     "BGE_M3_WORKERS, or give the server more memory", param=f"input[{i}]")
 
+    def queue_nearly_full(self) -> bool:
+        """Less than half the queue's room is left: ``refuse_early`` is worth its walk."""
+        return self._scheduler.room() <= self._scheduler.config.max_queue_tokens // 2
+
     def refuse_early(self, inputs: Inputs) -> None:
         """Raise Overloaded before tokenizing ``inputs`` when even a lower bound of their
         tokens would overflow the queue. Only worth it near the limit (the bound walks the
         texts), so a caller with room to spare skips it: under a flood, refusals then cost no
         tokenizing, which competes with the sessions for the CPU."""
-        if self._scheduler.room() > self._scheduler.config.max_queue_tokens // 2:
+        if not self.queue_nearly_full():
             return
+        room = self._scheduler.room()
         texts, ids = normalize_inputs(inputs)
-        bound = (self.tokenizer.min_tokens(texts) if texts is not None
+        bound = (self.tokenizer.min_tokens(texts, stop_above=room) if texts is not None
                  else sum(min(len(x), self.tokenizer.max_seq) for x in ids or ()))
         self._scheduler.check_room(bound)
 

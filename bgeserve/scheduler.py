@@ -111,19 +111,20 @@ class Scheduler:
         for w in range(self.config.workers):
             self._spawn(w, delay=0.0)
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop accepting, finish what is queued within ``timeout``, fail the rest, unload."""
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop accepting, finish what is queued within ``timeout`` (None: all of it), fail
+        the rest, unload."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        deadline = time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         # Read under the lock each time: a worker that died just before ``_stopping`` was set
         # may have been replaced, and the replacement is the thread to wait for.
         for w in range(self.config.workers):
             with self._cond:
                 t = self._threads[w]
             if t is not None:
-                t.join(max(0.0, deadline - time.monotonic()))
+                t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._fail_pending(NotReady("the server is shutting down"))
         for w, t in enumerate(self._threads):
             if t is None or not t.is_alive():
@@ -278,7 +279,8 @@ class Scheduler:
                     return "unload"
 
     def _take_chunk(self) -> list[Piece]:
-        """The chunk holding the oldest pending text (called with the lock held)."""
+        """The next chunk: the anchor text of the request served longest ago, with its
+        length neighbours (``PendingQueue.take``; called with the lock held)."""
         return self._pending.take(self._pack, self.config.cross_request)
 
     def _pack(self, lengths: Sequence[int]) -> list[Chunk]:

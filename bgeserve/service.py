@@ -92,8 +92,8 @@ class Service:
         self._dense_width = 0  # the loaded model's, from its first embedding
         self._abort_timer: asyncio.TimerHandle | None = None
         # Requests tokenizing at once: more than the cores only adds memory (each holds its
-        # encodings), never speed. Created here, used on the server's one event loop.
-        self._tokenizing = asyncio.Semaphore(max(2, os.cpu_count() or 2))
+        # encodings), never speed. Made on first use, on the loop that serves.
+        self._tokenizing: asyncio.Semaphore | None = None
         self.started_at = time.time()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -212,9 +212,10 @@ class Service:
         """
         if self.engine is not None:
             self.engine.flush()
-        loop = asyncio.get_running_loop()
-        self._abort_timer = loop.call_later(self.settings.shutdown_timeout_secs,
-                                            self._abort_waiting)
+        if self.settings.shutdown_timeout_secs:  # 0: no bound, everything is finished
+            loop = asyncio.get_running_loop()
+            self._abort_timer = loop.call_later(self.settings.shutdown_timeout_secs,
+                                                self._abort_waiting)
 
     def _abort_waiting(self) -> None:
         if self.engine is None:
@@ -234,7 +235,8 @@ class Service:
         if self.tuner is not None:
             self.tuner.stop()
         if self.engine is not None:
-            await asyncio.to_thread(self.engine.close, self.settings.shutdown_timeout_secs)
+            await asyncio.to_thread(self.engine.close,
+                                    self.settings.shutdown_timeout_secs or None)
 
     # -- use-cases -------------------------------------------------------------------------
     def _engine(self) -> Engine:
@@ -250,9 +252,26 @@ class Service:
         engine = self._engine()
         started = time.perf_counter()
         arrived = time.monotonic()  # the deadline counts tokenizing too
-        engine.refuse_early(inputs)
+        # Near a full queue, a lower bound of the tokens may refuse the request before it is
+        # tokenized: on a thread (it walks the texts), before the tokenizing slot (so a
+        # refusal never waits behind other requests' tokenizing).
+        if engine.queue_nearly_full():
+            await asyncio.to_thread(engine.refuse_early, inputs)
+        if self._tokenizing is None:
+            self._tokenizing = asyncio.Semaphore(max(2, len(os.sched_getaffinity(0))))
         async with self._tokenizing:
-            job = await asyncio.to_thread(engine.make_job, inputs, options, request_id, arrived)
+            work = asyncio.ensure_future(asyncio.to_thread(
+                engine.make_job, inputs, options, request_id, arrived))
+            try:
+                job = await asyncio.shield(work)
+            except asyncio.CancelledError:
+                # The caller left (client gone), but the thread tokenizes on: its slot, and
+                # the body allowance the HTTP layer holds until this returns, stay taken
+                # until it ends.
+                await asyncio.wait({work})
+                if not work.cancelled():
+                    work.exception()  # retrieved: its error has no one to go to
+                raise
         timeout = self.settings.request_timeout_secs or None
         remaining = None if timeout is None else max(0.0, job.deadline - time.monotonic()) \
             if job.deadline is not None else timeout

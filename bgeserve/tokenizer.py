@@ -29,6 +29,39 @@ _WORD_CHAR = re.compile(r"[^\W_]")  # a letter or digit: no normalizer maps it t
 _WORD_SPLITTERS = {"WhitespaceSplit", "Whitespace", "BertPreTokenizer"}
 
 
+# Normalizers that act on each character alone (or only at the start, or on runs of spaces
+# that a cut never splits), so the leading words of a text normalize as in the whole text.
+_LOCAL_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "StripAccents", "Precompiled",
+                      "Prepend", "BertNormalizer"}
+
+
+def _local_normalizer(normalizer: dict | None) -> bool:
+    if not normalizer:
+        return True
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return all(_local_normalizer(n) for n in normalizer.get("normalizers", []))
+    if kind == "Replace":  # XLM-R's: runs of spaces to one
+        pattern = normalizer.get("pattern") or {}
+        return pattern.get("Regex", pattern.get("String")) in (" {2,}", "  ")
+    if kind == "Strip":  # only stripping the start: the end of a cut text is not the text's
+        return not normalizer.get("strip_right", True)
+    return kind in _LOCAL_NORMALIZERS
+
+
+def _cut_is_exact(tokenizer: tokenizers.Tokenizer) -> bool:
+    """Whether a text's leading words (cut at a space) tokenize as they do in the whole text:
+    its pre-tokenizer splits at spaces (checked by the caller), its normalizer is local, and
+    no added token spans a space (one could straddle the cut)."""
+    try:
+        spec = json.loads(tokenizer.to_str())
+    except (ValueError, AttributeError):
+        return False
+    added = spec.get("added_tokens") or []
+    return _local_normalizer(spec.get("normalizer")) and not any(
+        any(c.isspace() for c in a.get("content", "")) for a in added)
+
+
 def _splits_on_spaces(pre_tokenizer: dict | None) -> bool:
     """Whether a pre-tokenizer (tokenizer.json's) cuts text at spaces, so no token spans two
     space-separated words (XLM-R's: Metaspace with split, or WhitespaceSplit)."""
@@ -71,6 +104,7 @@ class Tokenizer:
         except (ValueError, AttributeError):
             pre = None
         self._word_bound = _splits_on_spaces(pre)
+        self._cut_exact = self._word_bound and _cut_is_exact(tokenizer)
 
     @classmethod
     def load(cls, path: Path, max_seq: int) -> Tokenizer:
@@ -109,7 +143,7 @@ class Tokenizer:
         be: cut at a space (the pre-tokenizer splits there, so every word before the cut
         tokenizes as it does in the whole text), trailing spaces dropped."""
         limit = self.max_seq * CUT_CHARS_PER_TOKEN
-        if not self._word_bound or len(text) <= limit:
+        if not self._cut_exact or len(text) <= limit:
             return text
         at = text.rfind(" ", 0, limit)
         head = text[:at].rstrip(" ") if at > 0 else ""
@@ -133,7 +167,7 @@ class Tokenizer:
                 chars += len(text)
         return out
 
-    def min_tokens(self, texts: Sequence[str]) -> int:
+    def min_tokens(self, texts: Sequence[str], stop_above: int | None = None) -> int:
         """A lower bound on the tokens ``encode(texts)`` gives, far cheaper than encoding (for
         refusing work before tokenizing it when the queue is full).
 
@@ -143,8 +177,15 @@ class Tokenizer:
         """
         if not self._word_bound:
             return 2 * len(texts)
-        return sum(min(self.max_seq, 2 + sum(1 for w in t.split(" ") if _WORD_CHAR.search(w)))
-                   for t in texts)
+        total = 0
+        for t in texts:
+            # At most max_seq words of a text are looked at (its bound is capped there), and
+            # none once the total passes ``stop_above`` (the caller only asks "more than?").
+            words = t.split(" ", self.max_seq)[:self.max_seq]
+            total += min(self.max_seq, 2 + sum(1 for w in words if _WORD_CHAR.search(w)))
+            if stop_above is not None and total > stop_above:
+                break
+        return total
 
     def from_ids(self, sequences: Sequence[Sequence[int]]) -> Encoded:
         """Accept pre-tokenized input in bge-m3's vocabulary.

@@ -45,7 +45,7 @@ def test_refuse_early_rejects_without_tokenizing_near_a_full_queue(
         walked: list[int] = []
         real_bound = engine.tokenizer.min_tokens
         monkeypatch.setattr(engine.tokenizer, "min_tokens",
-                            lambda texts: walked.append(len(texts)) or real_bound(texts))
+                            lambda texts, **kw: walked.append(len(texts)) or real_bound(texts, **kw))
         engine.refuse_early(["word " * 500])
         assert walked == []  # the queue is empty: no bound computed
         queued = engine.make_job(["word " * 30], EmbedOptions())

@@ -349,11 +349,14 @@ def test_a_query_behind_a_big_batch_waits_for_one_chunk_not_the_batch():
             sched.submit(bulk)
         assert wait_until(lambda: len(factory.calls) >= 3)  # the bulk is running
         query = job_of(unique_texts(2, [3]))
+        before = len(factory.calls)
         sched.submit(query)
         assert_dense_right(query)
         ran_before = next(i for i, c in enumerate(factory.calls) if owner(c.rows[0]) == 2)
         assert_dense_right(bulk)
-    assert ran_before <= 5, f"the query ran after {ran_before} chunks"
+    # The chunk running at submit ends, then the query's: at most one more chunk of the bulk
+    # (its run may have started while the query was being submitted).
+    assert ran_before <= before + 1, f"submitted after {before} chunks, ran at {ran_before}"
     assert len(factory.calls) == 42
 
 

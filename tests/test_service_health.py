@@ -130,3 +130,67 @@ def test_health_reports_a_worker_waiting_to_restart(monkeypatch: pytest.MonkeyPa
         assert kills == [0]
     finally:
         sched.stop(timeout=TIMEOUT)
+
+
+def test_a_cancelled_request_holds_its_tokenizing_slot_until_its_thread_ends() -> None:
+    """A client that leaves mid-tokenizing cancels its request, but the tokenizer thread runs
+    on: the request returns (and so gives back its slot, and the HTTP layer its body
+    allowance) only once the thread is done; it never submits the job."""
+    import asyncio
+    import threading
+    import time
+
+    from bgeserve.results import EmbedOptions
+
+    events: list[str] = []
+    release = threading.Event()
+
+    def make_job(*args: Any) -> Any:
+        events.append("tokenizing")
+        release.wait(5)
+        time.sleep(0.05)
+        events.append("tokenized")
+        return SimpleNamespace(deadline=None)
+
+    service = ready_service(dict)
+    service.engine = SimpleNamespace(  # type: ignore[assignment]
+        queue_nearly_full=lambda: False, make_job=make_job,
+        await_job=lambda job: pytest.fail("a cancelled request submitted its job"))
+
+    async def main() -> None:
+        task = asyncio.ensure_future(service.embed(["x"], EmbedOptions()))
+        while not events:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        assert not task.done()  # still waiting for its thread
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        events.append("returned")
+        assert service._tokenizing is not None and not service._tokenizing.locked()
+
+    asyncio.run(main())
+    assert events == ["tokenizing", "tokenized", "returned"]
+
+
+@pytest.mark.parametrize("bound", [0.0, 5.0])
+def test_sigterm_answers_503_only_past_a_nonzero_bound(bound: float) -> None:
+    """BGE_M3_SHUTDOWN_TIMEOUT_SECS: queued texts run at once either way; past a bound what
+    waits is aborted with 503; 0 means no bound (as 0 means none for the other timeouts)."""
+    import asyncio
+    import dataclasses
+
+    flushed: list[bool] = []
+    service = ready_service(dict)
+    service.settings = dataclasses.replace(service.settings, shutdown_timeout_secs=bound)
+    service.engine = SimpleNamespace(flush=lambda: flushed.append(True))  # type: ignore[assignment]
+
+    async def main() -> None:
+        service.begin_shutdown()
+        assert (service._abort_timer is None) == (bound == 0)
+        if service._abort_timer is not None:
+            service._abort_timer.cancel()
+
+    asyncio.run(main())
+    assert flushed == [True]

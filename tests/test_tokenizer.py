@@ -337,3 +337,36 @@ def test_encoding_runs_in_groups_of_bounded_characters(monkeypatch):
     enc = tok.encode(texts)
     assert len(groups) > 1 and max(groups) <= 50
     assert [x.tolist() for x in enc.ids] == [enc.ids[0].tolist()] * 20
+
+
+def test_no_cut_where_it_could_change_the_ids():
+    """An added token spanning a space could straddle the cut, and a normalizer that strips
+    the end of a text sees the cut's end: such tokenizers encode long texts whole."""
+    spanning = hf_tokenizer()
+    spanning.add_tokens([AddedToken("cat sat", normalized=False)])
+    tok = Tokenizer(spanning, 16)
+    text = "the cat sat on the mat " * 40
+    assert tok._prefix(text) is text
+    assert [x.tolist() for x in tok.encode([text]).ids] == _reference(tok, [text])
+    from tokenizers import normalizers
+
+    stripping = hf_tokenizer()
+    stripping.normalizer = normalizers.Strip(left=False, right=True)
+    assert Tokenizer(stripping, 16)._prefix(text) is text
+    local = hf_tokenizer()
+    local.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    assert Tokenizer(local, 16)._prefix(text) is not text
+
+
+@pytest.mark.slow
+def test_the_cut_is_exact_with_the_models_own_tokenizer(tiny_model: Path):
+    """bge-m3's tokenizer layout (WhitespaceSplit + Metaspace, as randmodel trains it): long
+    multilingual texts give the ids of encoding them whole."""
+    from bgeserve.testing.randmodel import random_texts
+
+    tok = Tokenizer.load(tiny_model / "tokenizer.json", 64)  # cut past 512 characters
+    assert tok._cut_exact
+    texts = [" ".join(random_texts(seed, 30, 5, 40)) for seed in range(12)]
+    texts += [" " + texts[0], texts[1] + "   ", texts[2].replace(" ", "  ")]
+    assert sum(tok._prefix(t) is not t for t in texts) == len(texts)
+    assert [x.tolist() for x in tok.encode(texts).ids] == _reference(tok, texts)

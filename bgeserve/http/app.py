@@ -78,7 +78,9 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
         Middleware(BearerAuth, keys=settings.api_keys, open_paths=frozenset(open_paths)),
         Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                    idle_timeout=guards.BODY_IDLE_TIMEOUT_S),
-        Middleware(InflightLimit, max_bytes=(settings.max_inflight_mb or DEFAULT_INFLIGHT_MB) << 20),
+        # Never below one largest body: a lone one goes in anyway, and would then fill it.
+        Middleware(InflightLimit, max_bytes=max(
+            (settings.max_inflight_mb or DEFAULT_INFLIGHT_MB) << 20, settings.max_body_bytes)),
     ]
     app = Starlette(
         routes=routes,

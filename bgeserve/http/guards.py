@@ -147,8 +147,8 @@ class InflightLimit:
             "(BGE_M3_MAX_INFLIGHT_MB); retry shortly", retry_after=1.0)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)  # no body: /health always answers
             return
         declared = _header(scope, b"content-length")
         size = int(declared) if declared is not None and declared.strip().isdigit() else 0
