@@ -187,7 +187,12 @@ class Tuner:
             f"{cost.max_workspace_bytes / 2**20:.0f} MiB ({self.state.available_bytes / 2**30:.1f}"
             f" GiB available from {self.state.memory_source}, {model_cost / 2**30:.2f} GiB per "
             f"model copy). Lower BGE_M3_MAX_SEQ_LENGTH (longest that fits: {cost.max_seq()}), "
-            "reduce BGE_M3_WORKERS, or raise the memory limit / BGE_M3_MEMORY_SAFETY_FACTOR",
+            "reduce BGE_M3_WORKERS, or raise the memory limit / BGE_M3_MEMORY_SAFETY_FACTOR"
+            + ("" if self.state.probe_status != "running" else
+               ". This is the conservative estimate (no probe measurement is cached yet); the "
+               "measured cost is usually far lower: run `bgeserve probe` once with the same "
+               "model, variant and BGE_M3_CACHE_DIR where memory allows, and its cached fit "
+               "is used here"),
             param="BGE_M3_MAX_SEQ_LENGTH")
 
     def _publish(self, cost: CostModel) -> None:

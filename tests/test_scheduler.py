@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+import bgeserve.scheduler as scheduler_module
 from bgeserve.errors import (
     BgeServeError,
     DeadlineExceeded,
@@ -743,8 +744,11 @@ def test_abort_answers_queued_and_running_jobs_at_once_and_takes_no_more():
     assert len(factory.calls) == 1  # the queued texts never ran
 
 
-def test_idle_sessions_are_unloaded_and_reloaded_on_demand():
-    """After idle_timeout_s the session is closed; the next job opens a new one and succeeds."""
+def test_idle_sessions_are_unloaded_and_reloaded_on_demand(monkeypatch):
+    """After idle_timeout_s the session is closed and the heap trimmed (the freed weights go
+    back to the OS); the next job opens a new one and succeeds."""
+    trims: list[bool] = []
+    monkeypatch.setattr(scheduler_module.memory, "trim_heap", lambda: trims.append(True))
     factory = Factory()
     with scheduler(factory, idle_timeout_s=0.05) as sched:
         first = job_of(unique_texts(1, [2]))
@@ -753,6 +757,7 @@ def test_idle_sessions_are_unloaded_and_reloaded_on_demand():
         # Polled: the session may also have gone idle before the first job came.
         assert wait_until(lambda: sched.stats()["loaded"] == 0
                           and all(f.closed for f in factory.forwards))
+        assert trims
         opened = len(factory.forwards)
         second = job_of(unique_texts(2, [3]))
         sched.submit(second)

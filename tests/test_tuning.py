@@ -326,6 +326,9 @@ def test_tiny_memory_refuses_to_start(tiny_export: Path, tmp_path: Path) -> None
     assert isinstance(service.fatal_error, ConfigError)
     assert "BGE_M3_MAX_SEQ_LENGTH" in str(info.value)
     assert info.value.param == "BGE_M3_MAX_SEQ_LENGTH"
+    # No measurement cached yet: the refusal says how to get one (the conservative model is
+    # far above what the probe measures).
+    assert "`bgeserve probe`" in str(info.value)
     health = service.health()
     assert health["status"] == "fail" and "BGE_M3_MAX_SEQ_LENGTH" in health["error"]
     assert service.engine is None
