@@ -3,7 +3,10 @@
 # tokens at it, concurrently. Pass: the server is never OOM-killed, every request gets 200 or
 # a clear 413, and the cgroup's peak usage stays under its limit.
 #
-#   sudo [VARIANT=int8] [REQUESTS=12] scripts/cgroup-check.sh EXPORT_DIR [LIMIT_BYTES]
+#   sudo [VARIANT=int8] [REQUESTS=12] [IDLE=SECS] scripts/cgroup-check.sh EXPORT_DIR [LIMIT_BYTES]
+#
+# IDLE: unload the session after SECS idle and send the requests only after that, so they run
+# on a reloaded session (a reload once needed more memory than the first load).
 #
 # Needs a writable cgroup v1 memory controller or cgroup v2 (the process's own cgroup subtree).
 set -euo pipefail
@@ -31,7 +34,8 @@ trap cleanup EXIT
 
 env_vars=(BGE_M3_MODEL_PATH="$export_dir" BGE_M3_MODEL="${VARIANT:-fp32}" BGE_M3_CACHE_DIR="$work/cache" HF_HUB_OFFLINE=1
           BGE_M3_BIND=127.0.0.1:$port BGE_M3_LOG_FORMAT=json BGE_M3_WORKERS=1
-          BGE_M3_REQUEST_TIMEOUT_SECS=0)  # long texts queue behind each other on 2 cores
+          BGE_M3_REQUEST_TIMEOUT_SECS=0  # long texts queue behind each other on 2 cores
+          BGE_M3_IDLE_TIMEOUT_SECS="${IDLE:-300}")
 # The probe (in its own process, inside the same cgroup) fits this model's cost; the server then
 # starts from the cached fit instead of the upward-biased conservative model.
 echo "== probe inside the cgroup (limit $((limit >> 20)) MiB)"
@@ -45,6 +49,10 @@ for _ in $(seq 600); do
   sleep 1
 done
 curl -s "http://127.0.0.1:$port/health" | "$py" -c 'import json,sys; t=json.load(sys.stdin)["tuning"]; print("tuning:", {k: t[k] for k in ("probe_status","max_workspace_bytes","max_seq_that_fits","memory_source")})'
+if [ -n "${IDLE:-}" ]; then
+  sleep $((IDLE + 3))
+  echo "after the idle unload: $(curl -s "http://127.0.0.1:$port/health" | "$py" -c 'import json,sys; print(json.load(sys.stdin)["status"])')"
+fi
 set +e
 "$py" - "$port" "${REQUESTS:-12}" <<'PY'
 import concurrent.futures as cf, random, sys, time
