@@ -176,6 +176,11 @@ class Engine:
             self._scheduler.stop(timeout)
             self._started = False
 
+    def unload(self) -> None:
+        """Release every worker's session now (their memory back to the OS); the next chunk
+        opens them again, as after an idle unload."""
+        self._scheduler.unload()
+
     def flush(self) -> None:
         """Run what is queued at once, without waiting out the batch window."""
         self._scheduler.flush()

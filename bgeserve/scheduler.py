@@ -131,6 +131,11 @@ class Scheduler:
             if t is None or not t.is_alive():
                 self._drop_session(w)
 
+    def unload(self) -> None:
+        """Close every worker's session (the next chunk reopens it)."""
+        for w in range(self.config.workers):
+            self._drop_session(w)
+
     def flush(self) -> None:
         """Run what is queued without waiting out the batch window (a shutdown has begun)."""
         with self._cond:

@@ -27,7 +27,7 @@ from .results import Embeddings, EmbedOptions
 from .runtime import gpu
 from .runtime import onnx as ort_adapter
 from .scheduler import SchedulerConfig
-from .tuning import Tuner, TuningConfig, measure_model_cost
+from .tuning import Tuner, TuningConfig, UnmeasuredFloor, measure_model_cost
 
 log = logging.getLogger("bgeserve.service")
 
@@ -164,17 +164,28 @@ class Service:
                 copies=weight_copies(artifacts, engine.config.session, s.workers))
             parts = probe_parts(s, artifacts)
             fingerprint = probe.fingerprint(parts)
-            cost = tuner.initial(model_cost, fingerprint)
+            spec = {"model_path": str(s.model_path) if s.model_path else None,
+                    "variant": s.variant, "cache_dir": str(cache_dir),
+                    "provider": s.execution_provider, "threads": s.threads_per_worker,
+                    "max_seq": s.max_seq_length}
+            try:
+                cost = tuner.initial(model_cost, fingerprint)
+            except UnmeasuredFloor as exc:
+                # The conservative estimate is far above what shapes really cost (2.5x for
+                # bge-m3 int8 at 8,192 tokens): measure before refusing. The probe loads its
+                # own copy of the model, so the server's sessions make room meanwhile.
+                log.warning("%s. Measuring with the probe before deciding (the server's "
+                            "sessions are unloaded meanwhile)", exc.message.split(". ")[0])
+                engine.unload()
+                tuner.measure_first(probe_source(engine, spec), model_cost, fingerprint, parts)
+                cost = tuner.initial(model_cost, fingerprint)  # refuses if still too short
+                load()
             self.engine = engine
             self._ready.set()
             log.info("ready: probe %s, a=%.0f b=%.2f, %d MiB workspace per worker, texts up to "
                      "%d tokens fit", tuner.state.probe_status, cost.a, cost.b,
                      cost.max_workspace_bytes >> 20, cost.max_seq())
             if tuner.state.probe_status == "running":
-                spec = {"model_path": str(s.model_path) if s.model_path else None,
-                        "variant": s.variant, "cache_dir": str(cache_dir),
-                        "provider": s.execution_provider, "threads": s.threads_per_worker,
-                        "max_seq": s.max_seq_length}
                 tuner.start_probe(probe_source(engine, spec), model_cost, fingerprint, parts)
         except BaseException as exc:  # start-up failures are reported, not raised on a thread
             log.error("start-up failed: %s", exc, exc_info=not isinstance(exc, BgeServeError))

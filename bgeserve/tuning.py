@@ -87,6 +87,11 @@ class TuningState:
         return out
 
 
+class UnmeasuredFloor(ConfigError):
+    """One ``max_seq`` text does not fit by the conservative estimate, and nothing measured
+    says otherwise yet: the caller may measure first (``Tuner.measure_first``)."""
+
+
 class Tuner:
     """Chooses and maintains the engine's cost model."""
 
@@ -100,6 +105,7 @@ class Tuner:
                                  else "default")
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._measured: tuple[Any, dict[int, float]] | None = None  # measure_first's fit
 
     # -- measurement -----------------------------------------------------------------------
     def budget(self, model_cost: int, extra_sessions: int = 0) -> int:
@@ -147,12 +153,16 @@ class Tuner:
             s.probe_status = "disabled"
         else:
             cached = None
-            if fingerprint and c.cache_dir and not c.disable_probe_cache:
+            if self._measured is not None:  # measured before serving (measure_first)
+                fit, rates = self._measured
+                a, b, c_fixed, s.probe_status = fit.a, fit.b, fit.c, "complete"
+                self._choose_chunks(rates)
+            elif fingerprint and c.cache_dir and not c.disable_probe_cache:
                 cached = probe.ProbeCache(self.cache_path).load(fingerprint)
             if cached is not None:
                 a, b, c_fixed, s.probe_status = cached.a, cached.b, cached.c, "cache_hit"
                 self._choose_chunks(probe.ProbeCache(self.cache_path).chunk_rates(fingerprint))
-            else:
+            elif self._measured is None:
                 s.probe_status = "running"
         cost = CostModel(a, b, self.budget(model_cost), c_fixed)
         self._check_floor(cost, model_cost)
@@ -181,7 +191,8 @@ class Tuner:
         c = self.config
         if cost.fits(1, c.max_seq):
             return
-        raise ConfigError(
+        unmeasured = self.state.probe_status == "running"
+        raise (UnmeasuredFloor if unmeasured else ConfigError)(
             f"one {c.max_seq}-token text needs ~{cost.cost(1, c.max_seq) / 2**20:.0f} MiB of "
             f"workspace but each of the {c.workers} worker(s) gets "
             f"{cost.max_workspace_bytes / 2**20:.0f} MiB ({self.state.available_bytes / 2**30:.1f}"
@@ -243,11 +254,20 @@ class Tuner:
                 "chunk_candidates": list(candidates)}
         return run_child(spec, self._stop)
 
+    def measure_first(self, run: Callable[[int, int], None] | dict[str, Any], model_cost: int,
+                      fingerprint: str | None, parts: dict[str, Any]) -> bool:
+        """Run the probe now, in the foreground, with the server's sessions unloaded (so its
+        own copy of the model has the memory they had); ``initial`` then uses its fit, cached
+        or not. For when the conservative estimate alone would refuse to start. True when a
+        fit came out."""
+        self._probe(run, model_cost, fingerprint, parts, extra_sessions=0)
+        return self._measured is not None
+
     def _probe(self, run: Callable[[int, int], None] | dict[str, Any], model_cost: int,
-               fingerprint: str | None, parts: dict[str, Any]) -> None:
+               fingerprint: str | None, parts: dict[str, Any], extra_sessions: int = 1) -> None:
         c = self.config
         a, b = self.conservative()
-        guard = CostModel(a, b, self.budget(model_cost, extra_sessions=1))
+        guard = CostModel(a, b, self.budget(model_cost, extra_sessions=extra_sessions))
         result = self._measure(run, guard)
         self.state.probe_seconds = round(result.seconds, 2)
         if result.fit is None:
@@ -263,6 +283,7 @@ class Tuner:
             log.warning("the fitted cost model fits texts of at most %d tokens, below "
                         "BGE_M3_MAX_SEQ_LENGTH=%d", fitted.max_seq(), c.max_seq)
         self.state.probe_status = "complete"
+        self._measured = (result.fit, result.chunk_rates)
         self._publish(fitted)
         self._choose_chunks(result.chunk_rates)
         log.info("probe complete in %.1fs: c=%.0f a=%.0f b=%.2f, budget %d MiB per worker, "

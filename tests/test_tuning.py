@@ -335,6 +335,32 @@ def test_tiny_memory_refuses_to_start(tiny_export: Path, tmp_path: Path) -> None
     asyncio.run(service.stop())
 
 
+def test_a_refusal_by_the_conservative_estimate_is_measured_first(
+        tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """When the upward-biased estimate alone says one max_seq text cannot fit, the server
+    unloads its sessions, runs the probe in the foreground and decides on the measurement:
+    here the estimate is made 20x too high, and the measured model starts the server."""
+    from bgeserve import tuning
+
+    real = tuning.conservative_coefficients
+    monkeypatch.setattr(tuning, "conservative_coefficients",
+                        lambda **dims: tuple(20 * x for x in real(**dims)))
+    env = env_for(tiny_export, tmp_path, BGE_M3_MAX_SEQ_LENGTH="8192",
+                  BGE_M3_AVAILABLE_MEMORY_BYTES=str(2 << 30))
+    caplog.set_level(logging.INFO)
+    with loaded(env) as service:
+        assert service.tuner is not None and service.engine is not None
+        state = service.tuner.state
+        assert state.probe_status == "complete"
+        assert state.max_seq_that_fits >= 8192
+        assert state.a < 20 * real(**service.tuner.config.dims)[0] / 4  # measured, not estimated
+        assert any("Measuring with the probe before deciding" in r.getMessage()
+                   for r in caplog.records)
+        assert service.engine.embed("served after measuring").dense.shape[0] == 1
+        assert service.health()["status"] == "ok"
+
+
 # -- the Tuner directly, with synthetic_run over the engine's sessions --------------------------
 @pytest.fixture(scope="module")
 def engine(tiny_export: Path) -> Iterator[Engine]:
