@@ -254,16 +254,19 @@ class Engine:
 
     def queue_nearly_full(self) -> bool:
         """Less than half the queue's room is left: ``refuse_early`` is worth its walk."""
-        return self._scheduler.room() <= self._scheduler.config.max_queue_tokens // 2
+        return self._nearly_full(self._scheduler.room())
+
+    def _nearly_full(self, room: int) -> bool:
+        return room <= self._scheduler.config.max_queue_tokens // 2
 
     def refuse_early(self, inputs: Inputs) -> None:
         """Raise Overloaded before tokenizing ``inputs`` when even a lower bound of their
         tokens would overflow the queue. Only worth it near the limit (the bound walks the
         texts), so a caller with room to spare skips it: under a flood, refusals then cost no
         tokenizing, which competes with the sessions for the CPU."""
-        if not self.queue_nearly_full():
-            return
         room = self._scheduler.room()
+        if not self._nearly_full(room):
+            return
         texts, ids = normalize_inputs(inputs)
         bound = (self.tokenizer.min_tokens(texts, stop_above=room) if texts is not None
                  else sum(min(len(x), self.tokenizer.max_seq) for x in ids or ()))

@@ -49,14 +49,11 @@ def _local_normalizer(normalizer: dict | None) -> bool:
     return kind in _LOCAL_NORMALIZERS
 
 
-def _cut_is_exact(tokenizer: tokenizers.Tokenizer) -> bool:
-    """Whether a text's leading words (cut at a space) tokenize as they do in the whole text:
-    its pre-tokenizer splits at spaces (checked by the caller), its normalizer is local, and
-    no added token spans a space (one could straddle the cut)."""
-    try:
-        spec = json.loads(tokenizer.to_str())
-    except (ValueError, AttributeError):
-        return False
+def _cut_is_exact(spec: dict) -> bool:
+    """Whether a text's leading words (cut at a space) tokenize as they do in the whole text,
+    from the tokenizer's tokenizer.json ``spec``: its pre-tokenizer splits at spaces (checked
+    by the caller), its normalizer is local, and no added token spans a space (one could
+    straddle the cut)."""
     added = spec.get("added_tokens") or []
     return _local_normalizer(spec.get("normalizer")) and not any(
         any(c.isspace() for c in a.get("content", "")) for a in added)
@@ -100,11 +97,11 @@ class Tokenizer:
         self.max_seq = max_seq
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         try:
-            pre = json.loads(tokenizer.to_str()).get("pre_tokenizer")
+            spec = json.loads(tokenizer.to_str())
         except (ValueError, AttributeError):
-            pre = None
-        self._word_bound = _splits_on_spaces(pre)
-        self._cut_exact = self._word_bound and _cut_is_exact(tokenizer)
+            spec = {}
+        self._word_bound = _splits_on_spaces(spec.get("pre_tokenizer"))
+        self._cut_exact = self._word_bound and _cut_is_exact(spec)
 
     @classmethod
     def load(cls, path: Path, max_seq: int) -> Tokenizer:
