@@ -8,23 +8,23 @@ __version__ = "0.1.0"
 __all__ = ["Engine", "Settings", "__version__", "create_app"]
 
 if TYPE_CHECKING:
-    from .config import Settings
-    from .engine import Engine
-    from .http.app import create_app
+    from bgeserve.config import Settings
+    from bgeserve.engine import Engine
+    from bgeserve.http.app import create_app
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: `import bgeserve` must stay cheap (the CLI's export path never loads the server stack).
     if name == "Engine":
-        from .engine import Engine
+        from bgeserve.engine import Engine
 
         return Engine
     if name == "Settings":
-        from .config import Settings
+        from bgeserve.config import Settings
 
         return Settings
     if name == "create_app":
-        from .http.app import create_app
+        from bgeserve.http.app import create_app
 
         return create_app
     raise AttributeError(name)

@@ -7,7 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .config import Settings
+    from bgeserve.config import Settings
 
 SHUTDOWN_ANSWER_SECS = 2.0  # after the drain deadline: time to send the 503s
 
@@ -16,7 +16,7 @@ def inflight_mb(settings: Settings) -> int:
     """The default allowance of request bodies in progress: an eighth of the memory the
     server may use (a body, its parsed texts and its ids take ~3-4x its size), at most 512
     MiB, at least one largest body."""
-    from . import memory
+    from bgeserve.tuning import memory
 
     available = memory.detect_available_memory(settings.available_memory_bytes).available_bytes
     return max(settings.max_body_bytes >> 20, min(512, (available // 8) >> 20), 1)
@@ -30,12 +30,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from . import backend
-    from .config import Settings
-    from .errors import BgeServeError
-    from .http.app import create_app
-    from .logs import setup_logging
-    from .service import Service
+    from bgeserve.config import Settings
+    from bgeserve.errors import BgeServeError
+    from bgeserve.http.app import create_app
+    from bgeserve.logs import setup_logging
+    from bgeserve.runtime import select as backend
+    from bgeserve.service import Service
 
     try:
         settings = Settings.from_env(os.environ)
@@ -56,7 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
         settings = dataclasses.replace(settings, max_inflight_mb=inflight_mb(settings))
     log.info("bgeserve starting", extra={"settings": settings.redacted()})
     if settings.warmup_only:
-        from .warmup import run as warmup
+        from bgeserve.service.warmup import run as warmup
 
         return warmup(settings)
     host, _, port = settings.bind.rpartition(":")
@@ -103,17 +103,18 @@ def _probe(args: argparse.Namespace) -> int:
     import dataclasses
     import os
 
-    from . import backend, memory, probe
-    from .artifacts import resolve, validate_cache_dir
-    from .config import Settings
-    from .costmodel import CostModel, conservative_coefficients
-    from .engine import clamp_max_seq, model_dims
-    from .errors import BgeServeError
-    from .forward import forward_factory
-    from .logs import setup_logging
-    from .service import engine_config, probe_parts
-    from .tokenizer import Tokenizer
-    from .tuning import HEADROOM_BYTES, chunk_timing_run, probe_table, synthetic_run
+    from bgeserve.config import Settings
+    from bgeserve.engine import clamp_max_seq, model_dims
+    from bgeserve.engine.forward import forward_factory
+    from bgeserve.engine.tokenizer import Tokenizer
+    from bgeserve.errors import BgeServeError
+    from bgeserve.logs import setup_logging
+    from bgeserve.model.artifacts import resolve, validate_cache_dir
+    from bgeserve.runtime import select as backend
+    from bgeserve.service import engine_config, probe_parts
+    from bgeserve.tuning import memory, probe
+    from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
+    from bgeserve.tuning.tuner import HEADROOM_BYTES, chunk_timing_run, probe_table, synthetic_run
 
     try:
         settings = Settings.from_env(os.environ)
@@ -123,7 +124,7 @@ def _probe(args: argparse.Namespace) -> int:
     except BgeServeError as exc:  # a bad variable: its message, not a traceback
         print(f"bgeserve: {exc}", file=sys.stderr)
         return 2
-    from .probe_child import PIN_THRESHOLD
+    from bgeserve.service.probe_child import PIN_THRESHOLD
 
     memory.pin_mmap_threshold(PIN_THRESHOLD)  # measure each shape alone (see probe_child)
     artifacts = resolve(model_path=settings.model_path, variant=settings.variant,
@@ -177,7 +178,7 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .config import Settings
+    from bgeserve.config import Settings
 
     parser = argparse.ArgumentParser(prog="bgeserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                                "(same environment variables as serve)")
     probe_cmd.add_argument("--shapes", help="BxS,BxS to measure instead of the default shapes")
     export = sub.add_parser("export", help="PyTorch bge-m3 → ONNX with in-graph heads")
-    from .export.main import add_arguments
+    from bgeserve.export.main import add_arguments
 
     add_arguments(export)
     rand = sub.add_parser("build-random-model",
@@ -205,10 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "probe":
         return _probe(args)
     if args.command == "export":
-        from .export.main import run
+        from bgeserve.export.main import run
 
         return run(args)
-    from .testing.randmodel import main as build
+    from bgeserve.testing.randmodel import main as build
 
     rest = ["--size", args.size, "--seed", str(args.seed), "--out", args.out]
     if args.vocab_size:

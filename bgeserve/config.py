@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .errors import ConfigError
+from bgeserve.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -42,7 +42,7 @@ class TextFormatter(logging.Formatter):
 
 def setup_logging(fmt: str = "auto", level: str = "info") -> None:
     """Configure the root logger once (``fmt``: auto | json | text | pretty)."""
-    from .http.context import RequestIdFilter
+    from bgeserve.http.context import RequestIdFilter
 
     use_json = fmt == "json" or (fmt == "auto" and not sys.stdout.isatty())
     handler = logging.StreamHandler(sys.stdout)

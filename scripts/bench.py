@@ -18,7 +18,7 @@ Modes (each per variant, except ``flag`` and ``ort1``, which are fp32 baselines)
               stock ORT export gets. Skipped without ``--plain-graph``.
 - ``raw``:    the variant's runtime called directly (``InferenceSession.run``, or OpenVINO's
               ``compile_model`` + ``infer`` for bf16), texts packed exactly as bgeserve packs
-              them (``bgeserve.binpack.plan`` + ``bgeserve.forward.pad_chunk``).
+              them (``bgeserve.engine.binpack.plan`` + ``bgeserve.engine.forward.pad_chunk``).
 - ``raw1``:   the same session, each text alone (batch 1): the "raw runtime at batch 1" baseline.
 - ``engine``: ``bgeserve.Engine`` in-process, one ``embed(all texts, dense, sparse)`` call,
               then a per-text latency pass.
@@ -401,11 +401,11 @@ def child_flag(spec: dict[str, Any], corpus: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_raw(spec: dict[str, Any], corpus: dict[str, Any], batch1: bool) -> dict[str, Any]:
-    from bgeserve.binpack import plan
-    from bgeserve.forward import pad_chunk
-    from bgeserve.heads import sparse_vector
-    from bgeserve.scheduler import SchedulerConfig
-    from bgeserve.tokenizer import Tokenizer
+    from bgeserve.engine.binpack import plan
+    from bgeserve.engine.forward import pad_chunk
+    from bgeserve.engine.heads import sparse_vector
+    from bgeserve.engine.scheduler import SchedulerConfig
+    from bgeserve.engine.tokenizer import Tokenizer
 
     export_dir = Path(spec["export_dir"])
     variant = spec["variant"]
@@ -472,11 +472,11 @@ def _open_engine(spec: dict[str, Any], on_chunk=None):
     """An Engine as ``bgeserve serve`` would run it: ``workers`` sharing the threads, chunks of
     the backend's best padded-token count."""
     from bgeserve import Engine
-    from bgeserve.artifacts import resolve
     from bgeserve.engine import EngineConfig
-    from bgeserve.forward import best_chunk_tokens
+    from bgeserve.engine.forward import best_chunk_tokens
+    from bgeserve.engine.scheduler import SchedulerConfig
+    from bgeserve.model.artifacts import resolve
     from bgeserve.runtime.onnx import SessionConfig
-    from bgeserve.scheduler import SchedulerConfig
 
     workers = spec.get("workers", 1)
     if spec.get("ep", "cpu") != "cpu":
@@ -494,8 +494,8 @@ def _open_gpu_engine(spec: dict[str, Any], on_chunk=None):
     """An Engine on a GPU execution provider, configured exactly as ``bgeserve serve`` would
     configure it from the same environment (provider options, device pinning, chunk size)."""
     from bgeserve import Engine
-    from bgeserve.artifacts import resolve
     from bgeserve.config import Settings
+    from bgeserve.model.artifacts import resolve
     from bgeserve.runtime import gpu
     from bgeserve.service import engine_config
 
@@ -784,7 +784,7 @@ def child_load(spec: dict[str, Any], corpus: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_rss(spec: dict[str, Any], corpus: dict[str, Any]) -> dict[str, Any]:
-    from bgeserve.memory import trim_heap
+    from bgeserve.tuning.memory import trim_heap
 
     engine = _open_engine(spec)
     try:

@@ -5,7 +5,7 @@ import time
 import numpy as np
 import onnxruntime as ort
 
-from bgeserve import memory
+from bgeserve.tuning import memory
 
 n = int(sys.argv[1]); paths = sys.argv[2:]
 sess = []

@@ -59,7 +59,7 @@ helper() {
 import sys, time
 import numpy as np
 
-from bgeserve.artifacts import resolve
+from bgeserve.model.artifacts import resolve
 from bgeserve.config import Settings
 from bgeserve.engine import Engine
 from bgeserve.runtime import gpu

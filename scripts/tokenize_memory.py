@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(args.repo))
     import psutil
 
+    from bgeserve.engine.tokenizer import Tokenizer
     from bgeserve.testing.randmodel import random_texts
-    from bgeserve.tokenizer import Tokenizer
 
     base = " ".join(random_texts(1, 3000, 8, 16))[:args.chars]
     texts = [base[i:] + base[:i] for i in range(0, args.texts * 7, 7)]  # distinct rotations

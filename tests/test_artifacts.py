@@ -24,7 +24,8 @@ from urllib.parse import unquote
 import numpy as np
 import pytest
 
-from bgeserve.artifacts import (
+from bgeserve.errors import ConfigError, ModelUnavailable
+from bgeserve.model.artifacts import (
     BAAI_REPO,
     BAAI_REVISION,
     HUB_SOURCES,
@@ -35,7 +36,6 @@ from bgeserve.artifacts import (
     resolve,
     validate_cache_dir,
 )
-from bgeserve.errors import ConfigError, ModelUnavailable
 
 HIDDEN = 8
 
@@ -327,7 +327,7 @@ def test_local_resolution_imports_neither_torch_nor_the_hub_client(
     """Resolving a local BAAI snapshot (heads included) imports no torch, transformers, huggingface_hub."""
     root = _baai(tmp_path / "baai", heads)
     script = (
-        "import sys\nfrom pathlib import Path\nfrom bgeserve.artifacts import resolve\n"
+        "import sys\nfrom pathlib import Path\nfrom bgeserve.model.artifacts import resolve\n"
         f"art = resolve(model_path=Path({str(root)!r}), variant='fp32', cache_dir=Path({str(tmp_path / 'c')!r}))\n"
         "assert art.heads is not None\n"
         "bad = [m for m in ('torch', 'transformers', 'huggingface_hub') if m in sys.modules]\n"
@@ -671,7 +671,7 @@ def test_hub_error_answers_are_explained(
 
 def test_transport_errors_of_the_installed_client_are_explained() -> None:
     """A connection error escaping from requests (hub < 1.0) or httpx/httpx2 (1.0+) says so."""
-    from bgeserve.hubfetch import _explain
+    from bgeserve.model.hubfetch import _explain
 
     errors: list[Exception] = []
     if "requests" in sys.modules:

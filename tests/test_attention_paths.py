@@ -9,8 +9,8 @@ import numpy as np
 import onnx
 import pytest
 
+from bgeserve.engine.forward import pad_chunk
 from bgeserve.export import ATTENTION_BLOCK
-from bgeserve.forward import pad_chunk
 from bgeserve.runtime.onnx import OnnxSession, SessionConfig
 
 

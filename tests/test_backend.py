@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from bgeserve.backend import Machine, resolve
 from bgeserve.config import Settings
 from bgeserve.errors import ConfigError
+from bgeserve.runtime.select import Machine, resolve
 
 BF16_CPU = Machine(openvino=lambda: True, native_bf16=lambda: True, amx=lambda: False)
 AMX_CPU = Machine(openvino=lambda: True, native_bf16=lambda: True, amx=lambda: True)
@@ -61,7 +61,7 @@ def test_fastest_variant_that_keeps_the_bar(tmp_path, machine, int8_cos, want):
 
 
 def test_amx_flag_is_read_from_cpuinfo(tmp_path):
-    from bgeserve.backend import cpu_has_amx
+    from bgeserve.runtime.select import cpu_has_amx
 
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile\n")
@@ -127,7 +127,7 @@ def test_environment_pairs_openvino_with_bf16():
 
 
 def test_chunk_tokens_default_per_backend_and_explicit_wins():
-    from bgeserve.backend import chunk_tokens
+    from bgeserve.runtime.select import chunk_tokens
 
     assert chunk_tokens(Settings()) == 256  # ONNX Runtime CPU
     assert chunk_tokens(Settings(execution_provider="openvino", variant="bf16")) == 1024
@@ -137,7 +137,7 @@ def test_chunk_tokens_default_per_backend_and_explicit_wins():
 
 
 def test_pad_multiple_rounds_on_gpus_only_and_explicit_wins():
-    from bgeserve.backend import pad_multiple
+    from bgeserve.runtime.select import pad_multiple
 
     assert pad_multiple(Settings()) == 1
     assert pad_multiple(Settings(execution_provider="openvino", variant="bf16")) == 1

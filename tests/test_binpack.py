@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bgeserve.binpack import Chunk, chunk_fits, chunk_length, plan, rounded_length
+from bgeserve.engine.binpack import Chunk, chunk_fits, chunk_length, plan, rounded_length
 
 # Reproducible in CI, and no example database written into the working tree.
 PROPERTY = settings(max_examples=200, deadline=None, derandomize=True, database=None)

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from bgeserve.costmodel import (
+from bgeserve.errors import ConfigError
+from bgeserve.tuning.costmodel import (
     CostModel,
     Fit,
     FitError,
@@ -18,7 +19,6 @@ from bgeserve.costmodel import (
     fit,
     rel_error,
 )
-from bgeserve.errors import ConfigError
 
 GiB = 1 << 30
 SHAPES = [

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from bgeserve.costmodel import CostModel
 from bgeserve.engine import Engine, EngineConfig
+from bgeserve.engine.scheduler import SchedulerConfig
 from bgeserve.errors import NotReady, Overloaded, TooLarge
 from bgeserve.results import EmbedOptions
-from bgeserve.scheduler import SchedulerConfig
+from bgeserve.tuning.costmodel import CostModel
 
 
 def test_plain_engine_budgets_memory_by_itself(tiny_export: Path, tmp_path: Path) -> None:

@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bgeserve.heads import ChunkOutputs, HiddenHeads, colbert_rows, l2_normalize, sparse_vector
+from bgeserve.engine.heads import (
+    ChunkOutputs,
+    HiddenHeads,
+    colbert_rows,
+    l2_normalize,
+    sparse_vector,
+)
 
 PROPERTY = settings(max_examples=200, deadline=None, derandomize=True, database=None)
 

@@ -665,10 +665,11 @@ def test_http_imports_only_leaves_and_service() -> None:
     package = Path(__file__).resolve().parent.parent / "bgeserve" / "http"
     for path in package.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 2:
-                assert f"bgeserve.{node.module}" in allowed, (path.name, node.module)
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                assert not node.module.startswith("bgeserve"), (path.name, node.module)
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                    node.module.startswith("bgeserve") and \
+                    not node.module.startswith("bgeserve.http"):
+                assert node.module in allowed, (path.name, node.module)
+            assert not (isinstance(node, ast.ImportFrom) and node.level > 1), path.name
 
 
 def test_a_trailing_slash_is_an_unknown_route_not_a_redirect(client: TestClient) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "bgeserve"
-LEAVES = ("bgeserve.config", "bgeserve.errors", "bgeserve.costmodel")
+LEAVES = ("bgeserve.config", "bgeserve.errors", "bgeserve.tuning.costmodel")
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -85,7 +85,7 @@ def in_package(module: str, *packages: str) -> bool:
 # ----------------------------------------------------------------------------- the walker
 def test_the_walker_sees_every_module_and_lazy_imports():
     """The scan covers all of bgeserve, resolves relative imports and finds function-level ones."""
-    assert {"bgeserve.config", "bgeserve.scheduler", "bgeserve.http.app",
+    assert {"bgeserve.config", "bgeserve.engine.scheduler", "bgeserve.http.app",
             "bgeserve.runtime.onnx", "bgeserve.export.graph"} <= set(MODULES)
     assert "bgeserve.errors" in internal_imports("bgeserve.config")
     assert "bgeserve.service" in internal_imports("bgeserve.http.app")  # imported in a function
@@ -123,8 +123,8 @@ def test_only_the_tokenizer_module_imports_tokenizers():
     """`tokenizers` is imported by bgeserve/tokenizer.py alone (and the offline builder of test
     models in bgeserve/testing/, which trains one)."""
     importers = importers_of("tokenizers")
-    assert "bgeserve.tokenizer" in importers
-    strays = {m for m in importers if not in_package(m, "bgeserve.tokenizer", "bgeserve.testing")}
+    assert "bgeserve.engine.tokenizer" in importers
+    strays = {m for m in importers if not in_package(m, "bgeserve.engine.tokenizer", "bgeserve.testing")}
     assert strays == set()
 
 
@@ -138,8 +138,8 @@ def test_only_export_and_testing_import_torch_or_transformers(top):
 
 def test_http_never_reaches_below_the_service():
     """bgeserve/http/* imports no engine, scheduler, runtime, tokenizer (nor their helpers)."""
-    forbidden = ("bgeserve.engine", "bgeserve.scheduler", "bgeserve.runtime",
-                 "bgeserve.tokenizer", "bgeserve.forward", "bgeserve.binpack", "bgeserve.heads")
+    forbidden = ("bgeserve.engine", "bgeserve.engine.scheduler", "bgeserve.runtime",
+                 "bgeserve.engine.tokenizer", "bgeserve.engine.forward", "bgeserve.engine.binpack", "bgeserve.engine.heads")
     for module in MODULES:
         if in_package(module, "bgeserve.http"):
             bad = {i for i in internal_imports(module) if in_package(i, *forbidden)}
@@ -174,8 +174,8 @@ def test_only_config_reads_the_environment():
 
 def test_nothing_imports_the_http_layer_or_the_service_from_below():
     """engine, scheduler, runtime, tokenizer, heads, binpack never import service or http."""
-    below = ("bgeserve.engine", "bgeserve.scheduler", "bgeserve.runtime", "bgeserve.tokenizer",
-             "bgeserve.heads", "bgeserve.binpack", "bgeserve.forward", "bgeserve.costmodel")
+    below = ("bgeserve.engine", "bgeserve.engine.scheduler", "bgeserve.runtime", "bgeserve.engine.tokenizer",
+             "bgeserve.engine.heads", "bgeserve.engine.binpack", "bgeserve.engine.forward", "bgeserve.tuning.costmodel")
     for module in MODULES:
         if in_package(module, *below):
             bad = {i for i in internal_imports(module)

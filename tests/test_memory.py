@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bgeserve import memory
 from bgeserve.errors import ConfigError
-from bgeserve.memory import (
+from bgeserve.tuning import memory
+from bgeserve.tuning.memory import (
     MemoryInfo,
     detect_available_memory,
     parse_cgroup_v1_path,

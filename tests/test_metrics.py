@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bgeserve.errors import EngineFailed
-from bgeserve.metrics import Metrics
+from bgeserve.service.metrics import Metrics
 from tests.test_scheduler import POISON, TIMEOUT, Factory, fail_on_poison, job_of, scheduler, text
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bgeserve.artifacts import resolve
 from bgeserve.engine import Engine, EngineConfig
+from bgeserve.engine.scheduler import SchedulerConfig
+from bgeserve.model.artifacts import resolve
 from bgeserve.runtime.onnx import SessionConfig
-from bgeserve.scheduler import SchedulerConfig
 from tests.oracle import BF16, _cos, dense_rows
 from tests.test_service import TEXTS, base_env, serving, wait_health
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from bgeserve.engine import Engine, EngineConfig
-from bgeserve.scheduler import SchedulerConfig
+from bgeserve.engine.scheduler import SchedulerConfig
 from bgeserve.testing.randmodel import random_texts
 from tests.oracle import BF16, FP16, FP32, INT8, Tolerance, assert_matches, reference
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from bgeserve import pending
-from bgeserve.binpack import plan
-from bgeserve.jobs import Job
-from bgeserve.pending import PendingQueue
+from bgeserve.engine import queue as pending
+from bgeserve.engine.binpack import plan
+from bgeserve.engine.jobs import Job
+from bgeserve.engine.queue import PendingQueue
 from bgeserve.results import EmbedOptions
 
 

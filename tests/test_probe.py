@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bgeserve import probe
-from bgeserve.costmodel import CostModel, Fit, MiB, Sample
-from bgeserve.probe import (
+from bgeserve.tuning import probe
+from bgeserve.tuning.costmodel import CostModel, Fit, MiB, Sample
+from bgeserve.tuning.probe import (
     PROBE_SCHEMA,
     ProbeCache,
     ProbeResult,

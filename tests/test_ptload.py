@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bgeserve.errors import ModelUnavailable
-from bgeserve.ptload import HeadWeights, load_heads, load_state_dict
+from bgeserve.model.ptload import HeadWeights, load_heads, load_state_dict
 
 
 def _expected(tensor: torch.Tensor) -> np.ndarray:
@@ -357,7 +357,7 @@ def test_loading_never_imports_torch(tmp_path: Path) -> None:
     sparse_path, colbert_path = _heads(tmp_path)
     script = (
         "import sys\n"
-        "import bgeserve.ptload as p\n"
+        "import bgeserve.model.ptload as p\n"
         f"h = p.load_heads({str(sparse_path)!r}, {str(colbert_path)!r})\n"
         "assert h.hidden_size == 16\n"
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"

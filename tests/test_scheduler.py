@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-import bgeserve.scheduler as scheduler_module
+import bgeserve.engine.scheduler as scheduler_module
+from bgeserve.engine.heads import ChunkOutputs, sparse_vector
+from bgeserve.engine.jobs import Job
+from bgeserve.engine.scheduler import ChunkStats, Scheduler, SchedulerConfig
 from bgeserve.errors import (
     BgeServeError,
     DeadlineExceeded,
@@ -28,10 +31,7 @@ from bgeserve.errors import (
     Overloaded,
     TooLarge,
 )
-from bgeserve.heads import ChunkOutputs, sparse_vector
-from bgeserve.jobs import Job
 from bgeserve.results import EmbedOptions
-from bgeserve.scheduler import ChunkStats, Scheduler, SchedulerConfig
 
 HIDDEN = 8
 TIMEOUT = 5.0  # no wait in this file may block longer: a hang fails, never stalls the suite

@@ -21,12 +21,12 @@ from starlette.testclient import TestClient
 
 import bgeserve.service as service_module
 from bgeserve import Engine
-from bgeserve.artifacts import resolve
 from bgeserve.config import Settings
-from bgeserve.costmodel import CostModel, conservative_coefficients
 from bgeserve.engine import EngineConfig
 from bgeserve.http.app import create_app
+from bgeserve.model.artifacts import resolve
 from bgeserve.service import Service, model_dims
+from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
 from tests.oracle import dense_rows
 
 pytestmark = pytest.mark.slow

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-import bgeserve.scheduler as scheduler_module
+import bgeserve.engine.scheduler as scheduler_module
 from bgeserve.config import Settings
+from bgeserve.engine.scheduler import Scheduler
 from bgeserve.errors import ModelUnavailable
-from bgeserve.scheduler import Scheduler
 from bgeserve.service import Service
 from tests.test_scheduler import (
     TIMEOUT,

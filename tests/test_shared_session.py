@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from bgeserve import Engine
-from bgeserve.artifacts import resolve
 from bgeserve.engine import EngineConfig
-from bgeserve.forward import forward_factory, weight_copies
+from bgeserve.engine.forward import forward_factory, weight_copies
+from bgeserve.engine.scheduler import SchedulerConfig
+from bgeserve.model.artifacts import resolve
 from bgeserve.runtime.common import Shared
 from bgeserve.runtime.onnx import SessionConfig
-from bgeserve.scheduler import SchedulerConfig
-from bgeserve.tuning import measure_model_cost
+from bgeserve.tuning.tuner import measure_model_cost
 
 TEXTS = ["short", "a somewhat longer text about the weather in spring", "x " * 300,
          "second short one", "tokens " * 40]

@@ -11,8 +11,8 @@ from tokenizers import AddedToken, pre_tokenizers, processors
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers.models import Unigram
 
+from bgeserve.engine.tokenizer import CLS_ID, EOS_ID, PAD_ID, SPECIAL_IDS, UNK_ID, Tokenizer
 from bgeserve.errors import InvalidInput, ModelUnavailable
-from bgeserve.tokenizer import CLS_ID, EOS_ID, PAD_ID, SPECIAL_IDS, UNK_ID, Tokenizer
 
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
 WORDS = ["hello", "world", "the", "cat", "sat", "on", "mat"]
@@ -324,7 +324,7 @@ def test_long_texts_cut_before_encoding_give_the_tokens_of_the_whole_text(monkey
 
 
 def test_encoding_runs_in_groups_of_bounded_characters(monkeypatch):
-    from bgeserve import tokenizer as module
+    from bgeserve.engine import tokenizer as module
 
     monkeypatch.setattr(module, "GROUP_CHARS", 50)
     tok = make()

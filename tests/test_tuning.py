@@ -25,12 +25,12 @@ import pytest
 
 import bgeserve.service as service_module
 from bgeserve import Engine
-from bgeserve.artifacts import resolve
 from bgeserve.config import Settings
-from bgeserve.costmodel import CostModel, conservative_coefficients
 from bgeserve.errors import ConfigError
+from bgeserve.model.artifacts import resolve
 from bgeserve.service import Service, model_dims
-from bgeserve.tuning import LEGACY_BATCH_SEQ, Tuner, TuningConfig, synthetic_run
+from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
+from bgeserve.tuning.tuner import LEGACY_BATCH_SEQ, Tuner, TuningConfig, synthetic_run
 
 pytestmark = pytest.mark.slow
 
@@ -341,7 +341,7 @@ def test_a_refusal_by_the_conservative_estimate_is_measured_first(
     """When the upward-biased estimate alone says one max_seq text cannot fit, the server
     unloads its sessions, runs the probe in the foreground and decides on the measurement:
     here the estimate is made 20x too high, and the measured model starts the server."""
-    from bgeserve import tuning
+    from bgeserve.tuning import tuner as tuning
 
     real = tuning.conservative_coefficients
     monkeypatch.setattr(tuning, "conservative_coefficients",

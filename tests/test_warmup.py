@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bgeserve import warmup
 from bgeserve.config import Settings
 from bgeserve.errors import EngineFailed, ModelUnavailable
 from bgeserve.runtime import gpu, trt
+from bgeserve.service import warmup
 from tests.serverproc import ServerProc
 
 

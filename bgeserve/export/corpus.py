@@ -32,8 +32,8 @@ def token_rows(tokenizer: Path, seed: int, n: int, *, min_tokens: int = MIN_TOKE
     Row ``i`` joins sentences from ``random_texts`` under its own seed until it has enough
     tokens, then keeps ``<s>``, the first content tokens and ``</s>`` (as the server truncates).
     """
-    from ..testing.randmodel import random_texts
-    from ..tokenizer import Tokenizer
+    from bgeserve.engine.tokenizer import Tokenizer
+    from bgeserve.testing.randmodel import random_texts
 
     tk = Tokenizer.load(tokenizer, max_seq=1 << 30)  # no truncation here: done per row below
     targets = np.linspace(min_tokens, max_tokens, n).round().astype(int) if n > 1 \

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import ATTENTION_BLOCK
+from bgeserve.export import ATTENTION_BLOCK
 
 PAD_ID = 1
 OUTPUTS = ("dense", "sparse_weights", "colbert")

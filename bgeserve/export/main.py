@@ -23,9 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-from .. import __version__
-from ..errors import ModelUnavailable
-from . import ATTENTION_BLOCK, FFN_ROWS
+from bgeserve import __version__
+from bgeserve.errors import ModelUnavailable
+from bgeserve.export import ATTENTION_BLOCK, FFN_ROWS
 
 VARIANTS = ("fp32", "fp16", "int8", "bf16")
 CPU_VARIANTS = ("fp32", "int8", "bf16")  # bf16 only where openvino is installed
@@ -82,14 +82,14 @@ def _files_of(graph: Path) -> list[Path]:
 
 
 def _openvino_available() -> bool:
-    from ..runtime import openvino
+    from bgeserve.runtime import openvino
 
     return openvino.available()
 
 
 def default_variants() -> tuple[str, ...]:
     """Every CPU variant this machine can write (bf16 needs the openvino package)."""
-    from ..runtime import openvino
+    from bgeserve.runtime import openvino
 
     if openvino.available():
         return CPU_VARIANTS

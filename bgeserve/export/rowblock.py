@@ -19,7 +19,7 @@ from collections import defaultdict
 import onnx
 from onnx import TensorProto, helper
 
-from . import FFN_ROWS
+from bgeserve.export import FFN_ROWS
 
 
 def ffn_regions(graph: onnx.GraphProto) -> list[tuple[str, str, list[int]]]:

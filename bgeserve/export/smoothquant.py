@@ -114,7 +114,7 @@ def activation_max(fp32: Path, model: Any, tensors: Sequence[str],
     """
     import onnx
 
-    from ..runtime.onnx import OnnxSession, SessionConfig
+    from bgeserve.runtime.onnx import OnnxSession, SessionConfig
 
     stub = onnx.ModelProto()
     stub.CopyFrom(model)

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from . import corpus
-from .main import GRAPH_PATHS, RUNTIMES
+from bgeserve.export import corpus
+from bgeserve.export.main import GRAPH_PATHS, RUNTIMES
 
 VALIDATION_TEXTS = 8
 SHORT_TEXTS = 4  # of 3-8 tokens, besides the VALIDATION_TEXTS spread over 16..max_tokens
@@ -32,10 +32,10 @@ def _open(export_dir: Path, variant: str) -> Any:
     """A session over the variant's graph with bgeserve's runtime options (threads: auto)."""
     path = export_dir / GRAPH_PATHS[variant]
     if RUNTIMES.get(variant) == "openvino":
-        from ..runtime.openvino import SharedModel
+        from bgeserve.runtime.openvino import SharedModel
 
         return SharedModel(path, precision="bf16", threads=0, streams=1).session()
-    from ..runtime.onnx import OnnxSession, SessionConfig
+    from bgeserve.runtime.onnx import OnnxSession, SessionConfig
 
     return OnnxSession(path, SessionConfig())
 
@@ -50,7 +50,7 @@ def _outputs(export_dir: Path, variant: str, rows: Sequence[np.ndarray],
              batch: int = 1) -> tuple[np.ndarray, list[np.ndarray]]:
     """Dense vectors [n, hidden] and per-token sparse weights (one array per text), with the
     texts run ``batch`` at a time (right-padded with ``<pad>``, as the server pads)."""
-    from ..forward import pad_chunk
+    from bgeserve.engine.forward import pad_chunk
 
     session = _open(export_dir, variant)
     dense: list[np.ndarray] = [np.empty(0)] * len(rows)

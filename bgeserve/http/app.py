@@ -14,15 +14,15 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from ..config import Settings
-from . import guards, handlers
-from .context import RequestContext
-from .errors import EXCEPTION_HANDLERS
-from .guards import BearerAuth, BodyLimit, InflightLimit
-from .schemas import BOTH, DENSE, SPARSE
+from bgeserve.config import Settings
+from bgeserve.http import guards, handlers
+from bgeserve.http.context import RequestContext
+from bgeserve.http.errors import EXCEPTION_HANDLERS
+from bgeserve.http.guards import BearerAuth, BodyLimit, InflightLimit
+from bgeserve.http.schemas import BOTH, DENSE, SPARSE
 
 if TYPE_CHECKING:
-    from ..service import Service
+    from bgeserve.service import Service
 
 ServiceFactory = Callable[[Settings], "Service"]
 
@@ -44,7 +44,7 @@ routes = [
 
 def _default_factory(settings: Settings) -> Service:
     # Imported lazily so that the HTTP layer can be built (and tested) without the engine stack.
-    from ..service import build_service
+    from bgeserve.service import build_service
 
     return build_service(settings)
 

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..errors import (
+from bgeserve.errors import (
     BgeServeError,
     DeadlineExceeded,
     EngineFailed,
@@ -28,7 +28,7 @@ from ..errors import (
     Overloaded,
     TooLarge,
 )
-from .context import request_id_of
+from bgeserve.http.context import request_id_of
 
 log = logging.getLogger("bgeserve.http")
 

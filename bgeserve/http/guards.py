@@ -13,9 +13,9 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import BgeServeError, InvalidInput, Overloaded, TooLarge
-from .context import request_id_of
-from .errors import BodyTimeout, Unauthorized, error_response
+from bgeserve.errors import BgeServeError, InvalidInput, Overloaded, TooLarge
+from bgeserve.http.context import request_id_of
+from bgeserve.http.errors import BodyTimeout, Unauthorized, error_response
 
 # nginx's client_body_timeout: a client may be slow, but not silent for longer than this.
 BODY_IDLE_TIMEOUT_S = 60.0

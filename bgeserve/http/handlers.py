@@ -16,9 +16,9 @@ import anyio.to_thread
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from .errors import ClientGone, UnsupportedMediaType
-from .render import render_embeddings, render_json
-from .schemas import Endpoint, check_dimensions, parse_embed_request
+from bgeserve.http.errors import ClientGone, UnsupportedMediaType
+from bgeserve.http.render import render_embeddings, render_json
+from bgeserve.http.schemas import Endpoint, check_dimensions, parse_embed_request
 
 T = TypeVar("T")
 

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from ..results import Embeddings
-from .schemas import EmbedRequest, Endpoint
+from bgeserve.http.schemas import EmbedRequest, Endpoint
+from bgeserve.results import Embeddings
 
 TokenStrings = Callable[[Sequence[int]], list[str]]
 

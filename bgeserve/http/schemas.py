@@ -14,10 +14,10 @@ from typing import Any
 
 import orjson
 
-from ..config import Settings
-from ..errors import InvalidInput, TooLarge
-from ..results import EmbedOptions
-from .errors import ModelNotFound
+from bgeserve.config import Settings
+from bgeserve.errors import InvalidInput, TooLarge
+from bgeserve.http.errors import ModelNotFound
+from bgeserve.results import EmbedOptions
 
 VOCAB_SIZE = 250_002  # bge-m3 (XLM-R) vocabulary; the service checks the loaded tokenizer too
 OUTPUTS = ("dense", "sparse", "colbert")

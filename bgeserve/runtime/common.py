@@ -13,7 +13,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from ..errors import BgeServeError, EngineFailed, OutOfMemory
+from bgeserve.errors import BgeServeError, EngineFailed, OutOfMemory
 
 # Lower-cased fragments of allocation-failure messages: ORT's CPU and CUDA allocators,
 # std::bad_alloc, OpenVINO's CPU plugin.

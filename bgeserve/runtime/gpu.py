@@ -15,10 +15,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..config import Settings
-from ..errors import ConfigError, ModelUnavailable
-from .onnx import OnnxSession, SessionConfig, available_providers
-from .trt import announce_trt_cache, engine_dir, fsync_tree, timing_dir, trt_options, trt_profile
+from bgeserve.config import Settings
+from bgeserve.errors import ConfigError, ModelUnavailable
+from bgeserve.runtime.onnx import OnnxSession, SessionConfig, available_providers
+from bgeserve.runtime.trt import (
+    announce_trt_cache,
+    engine_dir,
+    fsync_tree,
+    timing_dir,
+    trt_options,
+    trt_profile,
+)
 
 log = logging.getLogger("bgeserve.gpu")
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from ..errors import ModelUnavailable
-from .common import Shared, feeds, run_failure
+from bgeserve.errors import ModelUnavailable
+from bgeserve.runtime.common import Shared, feeds, run_failure
 
 _PROVIDERS = {
     "cpu": "CPUExecutionProvider",

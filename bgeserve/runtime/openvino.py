@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ModelUnavailable
-from .common import Shared, feeds, run_failure
+from bgeserve.errors import ModelUnavailable
+from bgeserve.runtime.common import Shared, feeds, run_failure
 
 INSTALL_HINT = "install it with `pip install 'bgeserve[openvino]'`"
 

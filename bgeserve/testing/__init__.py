@@ -12,12 +12,17 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["SIZES", "build_random_model", "cached_random_model", "random_texts"]
 
 if TYPE_CHECKING:
-    from .randmodel import SIZES, build_random_model, cached_random_model, random_texts
+    from bgeserve.testing.randmodel import (
+        SIZES,
+        build_random_model,
+        cached_random_model,
+        random_texts,
+    )
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from . import randmodel
+        from bgeserve.testing import randmodel
 
         return getattr(randmodel, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .heads import ChunkOutputs, colbert_rows, sparse_vector
-from .results import Embeddings, EmbedOptions
+from bgeserve.engine.heads import ChunkOutputs, colbert_rows, sparse_vector
+from bgeserve.results import Embeddings, EmbedOptions
 
 
 @dataclass(eq=False)

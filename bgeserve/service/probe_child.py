@@ -1,4 +1,4 @@
-"""The probe's own process: ``python -m bgeserve.probe_child SPEC_JSON`` → result JSON on stdout.
+"""The probe's own process: ``python -m bgeserve.service.probe_child SPEC_JSON`` → result JSON on stdout.
 
 Measuring peak RSS inside the serving process is unreliable: serving threads allocate at the
 same time, and glibc keeps freed blocks in per-thread heaps, so a shape that reuses them reads
@@ -15,12 +15,12 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from . import memory, probe
-from .artifacts import resolve
-from .costmodel import CostModel
-from .forward import forward_factory
-from .runtime.onnx import SessionConfig
-from .tokenizer import Tokenizer
+from bgeserve.engine.forward import forward_factory
+from bgeserve.engine.tokenizer import Tokenizer
+from bgeserve.model.artifacts import resolve
+from bgeserve.runtime.onnx import SessionConfig
+from bgeserve.tuning import memory, probe
+from bgeserve.tuning.costmodel import CostModel
 
 PIN_THRESHOLD = 1 << 20  # blocks ≥ 1 MiB are returned to the OS on free
 
@@ -32,7 +32,7 @@ def run(spec: dict) -> dict:
                         variant=spec["variant"], cache_dir=Path(spec["cache_dir"]),
                         offline=True, progress=False)
     vocab = Tokenizer.load(artifacts.tokenizer_path, spec["max_seq"]).vocab_size
-    from .tuning import chunk_timing_run, synthetic_run
+    from bgeserve.tuning.tuner import chunk_timing_run, synthetic_run
 
     config = SessionConfig(provider=spec["provider"], threads=spec["threads"])
     run_shape, close = synthetic_run(forward_factory(artifacts, config), vocab)

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from bgeserve.errors import ConfigError, ModelUnavailable
-from bgeserve.hubfetch import Fetcher
-from bgeserve.ptload import HeadWeights, load_heads
+from bgeserve.model.hubfetch import Fetcher
+from bgeserve.model.ptload import HeadWeights, load_heads
 
 __all__ = [
     "HUB_SOURCES",

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from bgeserve.errors import ConfigError
 
 MiB = 1 << 20
 

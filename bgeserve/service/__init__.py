@@ -16,18 +16,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from . import __version__, backend, memory, probe
-from .artifacts import ModelArtifacts, resolve, validate_cache_dir
-from .config import Settings
-from .engine import Engine, EngineConfig, Inputs, clamp_max_seq, model_dims
-from .errors import BgeServeError, DeadlineExceeded, NotReady
-from .forward import weight_copies
-from .metrics import Metrics
-from .results import Embeddings, EmbedOptions
-from .runtime import gpu
-from .runtime import onnx as ort_adapter
-from .scheduler import SchedulerConfig
-from .tuning import Tuner, TuningConfig, UnmeasuredFloor, measure_model_cost
+from bgeserve import __version__
+from bgeserve.config import Settings
+from bgeserve.engine import Engine, EngineConfig, Inputs, clamp_max_seq, model_dims
+from bgeserve.engine.forward import weight_copies
+from bgeserve.engine.scheduler import SchedulerConfig
+from bgeserve.errors import BgeServeError, DeadlineExceeded, NotReady
+from bgeserve.model.artifacts import ModelArtifacts, resolve, validate_cache_dir
+from bgeserve.results import Embeddings, EmbedOptions
+from bgeserve.runtime import gpu
+from bgeserve.runtime import onnx as ort_adapter
+from bgeserve.runtime import select as backend
+from bgeserve.service.metrics import Metrics
+from bgeserve.tuning import memory, probe
+from bgeserve.tuning.tuner import Tuner, TuningConfig, UnmeasuredFloor, measure_model_cost
 
 log = logging.getLogger("bgeserve.service")
 
@@ -67,7 +69,7 @@ def probe_parts(settings: Settings, artifacts: ModelArtifacts) -> dict[str, Any]
 def runtime_version(artifacts: ModelArtifacts) -> str:
     """The runtime that reads the graph, with its version (health, logs, probe fingerprint)."""
     if artifacts.runtime == "openvino":
-        from .runtime import openvino
+        from bgeserve.runtime import openvino
 
         return f"openvino {openvino.version()}"
     return f"onnxruntime {ort_adapter.version()}"

@@ -11,12 +11,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .artifacts import Layout, ModelArtifacts
-from .errors import ModelUnavailable
-from .heads import ChunkOutputs, HiddenHeads, l2_normalize
-from .runtime.gpu import open_pinned
-from .runtime.onnx import OnnxSession, SessionConfig, SharedSession
-from .tokenizer import PAD_ID
+from bgeserve.engine.heads import ChunkOutputs, HiddenHeads, l2_normalize
+from bgeserve.engine.tokenizer import PAD_ID
+from bgeserve.errors import ModelUnavailable
+from bgeserve.model.artifacts import Layout, ModelArtifacts
+from bgeserve.runtime.gpu import open_pinned
+from bgeserve.runtime.onnx import OnnxSession, SessionConfig, SharedSession
 
 # Padded tokens per session.run() that gave the most tokens/s on the mixed corpus
 # (docs/benchmarks.md, chunk sweep): ORT on the CPU runs small chunks best (its GEMMs gain
@@ -112,7 +112,7 @@ def forward_factory(artifacts: ModelArtifacts,
                             h.colbert_weight.astype(np.float32), h.colbert_bias.astype(np.float32))
 
     if artifacts.runtime == "openvino":
-        from .runtime import openvino
+        from bgeserve.runtime import openvino
 
         # One compiled model, one stream per worker: the weights are resident once.
         shared = openvino.SharedModel(artifacts.onnx_path, precision=artifacts.variant,

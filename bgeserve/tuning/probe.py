@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Self
 
-from .costmodel import CostModel, Fit, FitError, MiB, Sample, fit
-from .memory import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_heap
+from bgeserve.tuning.costmodel import CostModel, Fit, FitError, MiB, Sample, fit
+from bgeserve.tuning.memory import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_heap
 
 logger = logging.getLogger("bgeserve.probe")
 

@@ -19,16 +19,16 @@ from typing import Self
 
 import numpy as np
 
-from . import memory
-from .artifacts import Layout, ModelArtifacts, resolve
-from .costmodel import CostModel, conservative_coefficients
-from .errors import BgeServeError, InvalidInput, NotReady, TooLarge
-from .forward import best_chunk_tokens, best_pad_multiple, forward_factory
-from .jobs import Job
-from .results import Embeddings, EmbedOptions
-from .runtime.onnx import SessionConfig
-from .scheduler import ChunkStats, Scheduler, SchedulerConfig
-from .tokenizer import Encoded, Tokenizer
+from bgeserve.engine.forward import best_chunk_tokens, best_pad_multiple, forward_factory
+from bgeserve.engine.jobs import Job
+from bgeserve.engine.scheduler import ChunkStats, Scheduler, SchedulerConfig
+from bgeserve.engine.tokenizer import Encoded, Tokenizer
+from bgeserve.errors import BgeServeError, InvalidInput, NotReady, TooLarge
+from bgeserve.model.artifacts import Layout, ModelArtifacts, resolve
+from bgeserve.results import Embeddings, EmbedOptions
+from bgeserve.runtime.onnx import SessionConfig
+from bgeserve.tuning import memory
+from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
 
 log = logging.getLogger("bgeserve.engine")
 Inputs = str | Sequence[str] | Sequence[Sequence[int]]

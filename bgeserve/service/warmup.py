@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from .artifacts import resolve, validate_cache_dir
-from .config import Settings
-from .errors import BgeServeError
-from .forward import forward_factory
-from .runtime import gpu, trt
+from bgeserve.config import Settings
+from bgeserve.engine.forward import forward_factory
+from bgeserve.errors import BgeServeError
+from bgeserve.model.artifacts import resolve, validate_cache_dir
+from bgeserve.runtime import gpu, trt
 
 log = logging.getLogger("bgeserve.warmup")
 

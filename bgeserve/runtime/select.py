@@ -26,12 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .artifacts import export_variants
-from .config import Settings
-from .errors import ConfigError
-from .forward import CHUNK_TOKENS, DEFAULT_CHUNK_TOKENS, PAD_MULTIPLE
-from .runtime import gpu
-from .runtime import openvino as ov_runtime
+from bgeserve.config import Settings
+from bgeserve.engine.forward import CHUNK_TOKENS, DEFAULT_CHUNK_TOKENS, PAD_MULTIPLE
+from bgeserve.errors import ConfigError
+from bgeserve.model.artifacts import export_variants
+from bgeserve.runtime import gpu
+from bgeserve.runtime import openvino as ov_runtime
 
 log = logging.getLogger("bgeserve.backend")
 

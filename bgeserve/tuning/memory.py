@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError
+from bgeserve.errors import ConfigError
 
 logger = logging.getLogger("bgeserve.memory")
 

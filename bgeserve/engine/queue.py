@@ -16,8 +16,8 @@ import collections
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 
-from .binpack import Chunk
-from .jobs import Job, Piece
+from bgeserve.engine.binpack import Chunk
+from bgeserve.engine.jobs import Job, Piece
 
 WINDOW = 1024  # pending texts considered per dispatch: bounds the packing work
 Pack = Callable[[Sequence[int]], list[Chunk]]

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
-from .errors import InvalidInput, ModelUnavailable
+from bgeserve.errors import InvalidInput, ModelUnavailable
 
 CLS_ID, PAD_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 SPECIAL_IDS = (CLS_ID, PAD_ID, EOS_ID, UNK_ID)

@@ -17,11 +17,11 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from . import memory
+from bgeserve.tuning import memory
 
 if TYPE_CHECKING:
-    from .results import Embeddings
-    from .scheduler import ChunkStats
+    from bgeserve.engine.scheduler import ChunkStats
+    from bgeserve.results import Embeddings
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _PROBE_STATES = ("disabled", "running", "complete", "failed", "cache_hit")

@@ -25,9 +25,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
-from . import memory
-from .binpack import Chunk, Fits, chunk_length, plan
-from .errors import (
+from bgeserve.engine.binpack import Chunk, Fits, chunk_length, plan
+from bgeserve.engine.forward import Forward, pad_chunk
+from bgeserve.engine.heads import ChunkOutputs
+from bgeserve.engine.jobs import Job, Piece, answer
+from bgeserve.engine.queue import PendingQueue
+from bgeserve.errors import (
     BgeServeError,
     DeadlineExceeded,
     EngineFailed,
@@ -36,10 +39,7 @@ from .errors import (
     Overloaded,
     TooLarge,
 )
-from .forward import Forward, pad_chunk
-from .heads import ChunkOutputs
-from .jobs import Job, Piece, answer
-from .pending import PendingQueue
+from bgeserve.tuning import memory
 
 log = logging.getLogger("bgeserve.scheduler")
 # Delay before a dead worker's replacement starts, doubling per consecutive death: a worker that

@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from . import memory, probe
-from .costmodel import CostModel, conservative_coefficients
-from .errors import ConfigError
-from .tokenizer import PAD_ID
+from bgeserve.engine.tokenizer import PAD_ID
+from bgeserve.errors import ConfigError
+from bgeserve.tuning import memory, probe
+from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
 
 log = logging.getLogger("bgeserve.tuning")
 HEADROOM_BYTES = 256 << 20
@@ -219,7 +219,7 @@ class Tuner:
         """Run the probe on a background thread (only when ``probe_status`` is running).
 
         ``run`` is either ``run(batch, seq)`` executed in this process (tests, tools), or a
-        spec dict for ``bgeserve.probe_child``, which measures in a process of its own (the
+        spec dict for ``bgeserve.service.probe_child``, which measures in a process of its own (the
         server's way: see that module for why).
         """
         if self.state.probe_status != "running":
@@ -421,14 +421,14 @@ def probe_table(result: probe.ProbeResult) -> str:
 
 
 def run_child(spec: dict[str, Any], stop: threading.Event) -> probe.ProbeResult:
-    """Run ``bgeserve.probe_child`` with ``spec``; its death is a failed probe, not ours."""
+    """Run ``bgeserve.service.probe_child`` with ``spec``; its death is a failed probe, not ours."""
     import json
     import subprocess
     import sys
 
-    from .costmodel import Fit, Sample
+    from bgeserve.tuning.costmodel import Fit, Sample
 
-    proc = subprocess.Popen([sys.executable, "-m", "bgeserve.probe_child", json.dumps(spec)],
+    proc = subprocess.Popen([sys.executable, "-m", "bgeserve.service.probe_child", json.dumps(spec)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def relay() -> None:
