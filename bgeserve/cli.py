@@ -34,8 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
     from bgeserve.errors import BgeServeError
     from bgeserve.http.app import create_app
     from bgeserve.logs import setup_logging
-    from bgeserve.runtime import select as backend
-    from bgeserve.service import Service
+    from bgeserve.service import Service, plan
 
     try:
         settings = Settings.from_env(os.environ)
@@ -47,8 +46,7 @@ def _serve(args: argparse.Namespace) -> int:
     setup_logging(settings.log_format, settings.log_level)
     log = logging.getLogger("bgeserve")
     try:  # before any port is bound: a missing GPU EP fails fast, naming BGE_M3_EP
-        settings = backend.resolve(settings, model_explicit="BGE_M3_MODEL" in os.environ,
-                                   ep_explicit="BGE_M3_EP" in os.environ)
+        settings = plan.resolve(settings)
     except BgeServeError as exc:
         print(f"bgeserve: {exc}", file=sys.stderr)
         return 2
@@ -74,11 +72,12 @@ def _serve(args: argparse.Namespace) -> int:
     grace = (settings.shutdown_timeout_secs + SHUTDOWN_ANSWER_SECS
              if settings.shutdown_timeout_secs else None)  # 0: no bound
     config = uvicorn.Config(app, host=host.strip("[]"), port=int(port), log_config=None,
+                            # uvicorn types it int | None; it waits a float as well.
                             timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
                             lifespan="on")
 
     class Server(uvicorn.Server):
-        async def shutdown(self, sockets=None) -> None:  # type: ignore[no-untyped-def]
+        async def shutdown(self, sockets=None) -> None:
             service.begin_shutdown()
             await super().shutdown(sockets)
 
@@ -100,81 +99,22 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _probe(args: argparse.Namespace) -> int:
     """Run the startup probe in the foreground and print what it measured."""
-    import dataclasses
     import os
 
     from bgeserve.config import Settings
-    from bgeserve.engine import clamp_max_seq, model_dims
-    from bgeserve.engine.forward import forward_factory
-    from bgeserve.engine.tokenizer import Tokenizer
     from bgeserve.errors import BgeServeError
     from bgeserve.logs import setup_logging
-    from bgeserve.model.artifacts import resolve, validate_cache_dir
-    from bgeserve.runtime import select as backend
-    from bgeserve.service import engine_config, probe_parts
-    from bgeserve.tuning import memory, probe
-    from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
-    from bgeserve.tuning.tuner import HEADROOM_BYTES, chunk_timing_run, probe_table, synthetic_run
+    from bgeserve.service import foreground_probe, plan
 
     try:
         settings = Settings.from_env(os.environ)
         setup_logging("text", settings.log_level)
-        settings = backend.resolve(settings, model_explicit="BGE_M3_MODEL" in os.environ,
-                                   ep_explicit="BGE_M3_EP" in os.environ)
+        settings = plan.resolve(settings)
+        shapes = foreground_probe.parse_shapes(args.shapes) if args.shapes else None
     except BgeServeError as exc:  # a bad variable: its message, not a traceback
         print(f"bgeserve: {exc}", file=sys.stderr)
         return 2
-    from bgeserve.service.probe_child import PIN_THRESHOLD
-
-    memory.pin_mmap_threshold(PIN_THRESHOLD)  # measure each shape alone (see probe_child)
-    artifacts = resolve(model_path=settings.model_path, variant=settings.variant,
-                        cache_dir=validate_cache_dir(settings.cache_dir), offline=settings.offline)
-    settings = dataclasses.replace(settings, max_seq_length=clamp_max_seq(
-        settings.max_seq_length, artifacts))
-    config = engine_config(settings)
-    vocab = Tokenizer.load(artifacts.tokenizer_path, settings.max_seq_length).vocab_size
-    before = memory.rss_bytes()
-    run, close = synthetic_run(forward_factory(artifacts, config.session), vocab)
-    run(1, 8)
-    model_cost = memory.rss_bytes() - before
-    available = memory.detect_available_memory(settings.available_memory_bytes)
-    budget = memory.worker_budget(available.available_bytes, 1, model_cost,
-                                  headroom=HEADROOM_BYTES, safety_factor=settings.memory_safety_factor)
-    guard = CostModel(*conservative_coefficients(**model_dims(artifacts)), budget)
-    print(f"model {artifacts.source}, {model_cost / 2**30:.2f} GiB loaded, "
-          f"{available.available_bytes / 2**30:.1f} GiB available ({available.source}), "
-          f"probe budget {budget / 2**30:.1f} GiB, threads {settings.threads_per_worker}")
-    shapes = probe.default_shapes(settings.max_seq_length)
-    if args.shapes:
-        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    # Chunk budgets are timed as the server's probe times them (unless the budget is pinned).
-    timed = settings.max_chunk_tokens is None and config.scheduler.max_chunk_tokens is not None
-    result = probe.run_probe(run, shapes=shapes,  # type: ignore[arg-type]
-                             held_out=probe.default_held_out(settings.max_seq_length),
-                             guard=guard, log=print,
-                             chunk_candidates=probe.CHUNK_CANDIDATES if timed else (),
-                             chunk_run=chunk_timing_run(run))
-    close()
-    print(probe_table(result))
-    if result.fit is not None:
-        print(f"fit: c={result.fit.c:.0f} B/run, a={result.fit.a:.0f} B/token, "
-              f"b={result.fit.b:.2f} B/token^2, "
-              f"held-out error {result.fit.held_out_rel_error}")
-    else:
-        print(f"no fit: {result.error}")
-    if result.chunk_rates:
-        default = config.scheduler.max_chunk_tokens
-        chosen = probe.choose_chunk_tokens(default, result.chunk_rates)  # type: ignore[arg-type]
-        print("chunk budgets (padded tokens: tokens/s): "
-              + ", ".join(f"{k}: {v:.0f}" for k, v in sorted(result.chunk_rates.items()))
-              + f"; the server will use {chosen} (default {default})")
-    if result.fit is not None and not settings.disable_probe_cache:
-        parts = probe_parts(settings, artifacts)
-        cache = probe.ProbeCache(settings.cache_dir / "probe-coefficients.json")
-        cache.save(probe.fingerprint(parts), result.fit, parts, result.samples,
-                   result.chunk_rates)
-        print(f"cached in {cache.path}")
-    return 0 if result.fit is not None else 1
+    return foreground_probe.run(settings, shapes)
 
 
 def main(argv: list[str] | None = None) -> int:

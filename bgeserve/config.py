@@ -48,6 +48,7 @@ def _number(cast: Callable[[str], T], lo: float | None = None, hi: float | None 
         # nan slips through every range check; inf crashes later (int(inf), Condition.wait(inf)).
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{name}={raw!r} is not a finite number", param=name)
+        # T is int or float here (the casts _number is used with); mypy cannot see that.
         if (lo is not None and value < lo) or (hi is not None and value > hi):  # type: ignore[operator]
             bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
             raise ConfigError(f"{name}={raw!r} is out of range {bounds}", param=name)
@@ -101,7 +102,7 @@ class Settings:
         "local model directory: a `bgeserve export` or a Hugging Face snapshot")
     variant: str = _var("BGE_M3_MODEL", _choice(*VARIANTS), "fp32",
                         "model variant: fp32|fp16|int8|bf16 (bf16: OpenVINO; unset: the fastest "
-                        "keeping dense cos >= 0.999 here, see backend.py)")
+                        "keeping dense cos >= 0.999 here, see runtime/select.py)")
     cache_dir: Path = _var("BGE_M3_CACHE_DIR", _path, Path("/cache"),
                            "downloads, probe coefficients and TensorRT engines")
     offline: bool = _var("HF_HUB_OFFLINE", _bool, False, "never contact the Hugging Face hub")
@@ -196,24 +197,29 @@ class Settings:
     allow_cpu_fallback: bool = _var("BGE_M3_ALLOW_CPU_FALLBACK", _bool, False,
                                     "use the CPU when the requested GPU EP is unavailable")
 
+    # Not variables: which ones the environment set (None: the fields were given in code, and
+    # count as set), and how the variant was decided (``service.plan.resolve`` fills it in).
+    explicit: frozenset[str] | None = field(default=None, compare=False, repr=False)
+    variant_choice: str = field(default="", compare=False)
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """Parse every known variable from ``environ`` (default ``os.environ``)."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
+        given = set()
+        for f in _env_fields(cls):
             raw = environ.get(f.metadata["env"])
             if raw is not None and (raw.strip() or f.type in ("str", "tuple[str, ...]")):
                 values[f.name] = f.metadata["parse"](f.metadata["env"], raw)
-        if "variant" not in values and values.get("execution_provider") in ("cuda", "tensorrt"):
-            values["variant"] = "fp16"  # the GPU default; an explicit BGE_M3_MODEL wins
-        if "variant" not in values and values.get("execution_provider") == "openvino":
-            values["variant"] = "bf16"  # the only variant OpenVINO runs (backend.py)
-        if values.get("variant") == "bf16" and "execution_provider" not in values:
-            values["execution_provider"] = "openvino"
-        settings = cls(**values)
+                given.add(f.metadata["env"])
+        settings = cls(**values, explicit=frozenset(given))
         settings.validate()
         return settings
+
+    def is_explicit(self, variable: str) -> bool:
+        """Whether ``variable`` (``BGE_M3_*``) was set, rather than left at its default."""
+        return self.explicit is None or variable in self.explicit
 
     def validate(self) -> None:
         """Check rules that involve more than one field."""
@@ -239,7 +245,7 @@ class Settings:
 
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict for logging, API keys replaced by their count."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out = {f.name: getattr(self, f.name) for f in _env_fields(self)}
         out["api_keys"] = f"<{len(self.api_keys)} key(s)>"
         return {k: str(v) if isinstance(v, Path) else v for k, v in out.items()}
 
@@ -247,6 +253,11 @@ class Settings:
     def help_text(cls) -> str:
         """One line per variable, for ``bgeserve serve --help``."""
         lines = []
-        for f in dataclasses.fields(cls):
+        for f in _env_fields(cls):
             lines.append(f"  {f.metadata['env']:<34} {f.metadata['doc']} (default: {f.default})")
         return "\n".join(lines)
+
+
+def _env_fields(cls: Any) -> list[dataclasses.Field]:
+    """The fields bound to an environment variable (not ``explicit``, ``variant_choice``)."""
+    return [f for f in dataclasses.fields(cls) if "env" in f.metadata]

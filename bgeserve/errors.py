@@ -49,7 +49,7 @@ class Overloaded(BgeServeError):
     code = "overloaded"
 
     def __init__(self, message: str, *, retry_after: float = 1.0, **kwargs: str | None):
-        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        super().__init__(message, **kwargs)
         self.retry_after = retry_after
 
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from contextvars import ContextVar
 
 import orjson
+
+# The current request's id (set by the HTTP layer's RequestContext), stamped on every record.
+request_id_var: ContextVar[str | None] = ContextVar("bgeserve_request_id", default=None)
 
 _STD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
@@ -40,10 +44,17 @@ class TextFormatter(logging.Formatter):
         return f"{text} [{rid}]" if rid else text
 
 
+class RequestIdFilter(logging.Filter):
+    """Stamp ``record.request_id`` from the current request (``None`` outside one)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "request_id", None) is None:
+            record.request_id = request_id_var.get()
+        return True
+
+
 def setup_logging(fmt: str = "auto", level: str = "info") -> None:
     """Configure the root logger once (``fmt``: auto | json | text | pretty)."""
-    from bgeserve.http.context import RequestIdFilter
-
     use_json = fmt == "json" or (fmt == "auto" and not sys.stdout.isatty())
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(JsonFormatter() if use_json else TextFormatter())

@@ -249,7 +249,7 @@ def _exact_text(tk, pool: list[str], start: int, target: int) -> str:
 
 def build_corpus(tokenizer_path: Path, kind: str, n: int) -> dict[str, Any]:
     """The fixed corpus: deterministic texts with a spread of exact token lengths."""
-    from bgeserve.testing.randmodel import random_texts
+    from bgeserve.export.texts import random_texts
 
     if kind == "mixed":
         lo, hi = MIXED_RANGE
@@ -301,7 +301,8 @@ def corpus_file(work: Path, tokenizer_path: Path, kind: str, n: int) -> Path:
 def _session_options(threads: int):
     """The session and run options bgeserve uses (runtime/onnx.py), so raw differs only in
     packing."""
-    from bgeserve.runtime.onnx import SessionConfig, run_options, session_options
+    from bgeserve.runtime import SessionConfig
+    from bgeserve.runtime.onnx import run_options, session_options
 
     config = SessionConfig(threads=threads)
     return session_options(config), run_options(config)
@@ -471,12 +472,11 @@ def child_raw(spec: dict[str, Any], corpus: dict[str, Any], batch1: bool) -> dic
 def _open_engine(spec: dict[str, Any], on_chunk=None):
     """An Engine as ``bgeserve serve`` would run it: ``workers`` sharing the threads, chunks of
     the backend's best padded-token count."""
-    from bgeserve import Engine
+    from bgeserve import Engine, runtime
     from bgeserve.engine import EngineConfig
-    from bgeserve.engine.forward import best_chunk_tokens
     from bgeserve.engine.scheduler import SchedulerConfig
     from bgeserve.model.artifacts import resolve
-    from bgeserve.runtime.onnx import SessionConfig
+    from bgeserve.runtime import SessionConfig
 
     workers = spec.get("workers", 1)
     if spec.get("ep", "cpu") != "cpu":
@@ -484,8 +484,8 @@ def _open_engine(spec: dict[str, Any], on_chunk=None):
     session = SessionConfig(threads=max(1, spec["threads"] // workers), streams=workers)
     artifacts = resolve(model_path=Path(spec["export_dir"]), variant=spec["variant"],
                         cache_dir=Path(spec["work_dir"]) / "cache", offline=True)
-    scheduler = SchedulerConfig(workers=workers,
-                                max_chunk_tokens=best_chunk_tokens(artifacts, session))
+    scheduler = SchedulerConfig(workers=workers, max_chunk_tokens=runtime.get(
+        runtime.kind_of(artifacts, session.provider)).chunk_tokens)
     return Engine(artifacts=artifacts, on_chunk=on_chunk,
                   config=EngineConfig(max_seq=MAX_SEQ, session=session, scheduler=scheduler))
 
@@ -496,15 +496,14 @@ def _open_gpu_engine(spec: dict[str, Any], on_chunk=None):
     from bgeserve import Engine
     from bgeserve.config import Settings
     from bgeserve.model.artifacts import resolve
-    from bgeserve.runtime import gpu
-    from bgeserve.service import engine_config
+    from bgeserve.service.plan import engine_config, resolve_gpu
 
     env = {"BGE_M3_EP": spec["ep"], "BGE_M3_MODEL": spec["variant"],
            "BGE_M3_MODEL_PATH": spec["export_dir"], "BGE_M3_WORKERS": str(spec.get("workers", 1)),
            "BGE_M3_CACHE_DIR": str(Path(spec["work_dir"]) / "cache"),
            "BGE_M3_MAX_SEQ_LENGTH": str(spec.get("max_seq") or MAX_SEQ), "HF_HUB_OFFLINE": "1"}
     env.update(spec.get("http_env") or {})
-    s = gpu.resolve(Settings.from_env(env))
+    s = resolve_gpu(Settings.from_env(env))
     artifacts = resolve(model_path=s.model_path, variant=s.variant, cache_dir=s.cache_dir,
                         offline=True)
     return Engine(artifacts=artifacts, on_chunk=on_chunk, config=engine_config(s))

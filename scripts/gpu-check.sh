@@ -63,13 +63,14 @@ from bgeserve.model.artifacts import resolve
 from bgeserve.config import Settings
 from bgeserve.engine import Engine
 from bgeserve.runtime import gpu
-from bgeserve.service import engine_config
+from bgeserve.runtime.onnx import available_providers
+from bgeserve.service.plan import engine_config, resolve_gpu
 
 def settings(ep, variant, export, cache, max_seq, max_chunk):
     env = {"BGE_M3_EP": ep, "BGE_M3_MODEL": variant, "BGE_M3_MODEL_PATH": export,
            "BGE_M3_CACHE_DIR": cache, "BGE_M3_MAX_SEQ_LENGTH": max_seq,
            "BGE_M3_MAX_CHUNK": max_chunk, "HF_HUB_OFFLINE": "1"}
-    return gpu.resolve(Settings.from_env(env))
+    return resolve_gpu(Settings.from_env(env))
 
 def engine(s):
     art = resolve(model_path=s.model_path, variant=s.variant, cache_dir=s.cache_dir, offline=True)
@@ -86,7 +87,7 @@ def cos(a, b):
 
 cmd, args = sys.argv[1], sys.argv[2:]
 if cmd == "providers":
-    have = gpu.available_providers()
+    have = available_providers()
     if "tensorrt" in have:
         # onnxruntime-gpu lists TensorRT whenever its provider library is present; the TensorRT
         # runtime itself (libnvinfer) is a separate install. Without it, it is a SKIP.

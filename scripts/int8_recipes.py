@@ -192,7 +192,8 @@ def session(path: Path, threads: int) -> Any:
     """An ORT CPU session configured as bgeserve's (sequential, no arena, ORT_ENABLE_ALL)."""
     import onnxruntime as ort
 
-    from bgeserve.runtime.onnx import SessionConfig, session_options
+    from bgeserve.runtime import SessionConfig
+    from bgeserve.runtime.onnx import session_options
 
     return ort.InferenceSession(str(path), session_options(SessionConfig(threads=threads)),
                                 providers=["CPUExecutionProvider"])

@@ -39,7 +39,7 @@ def free_port() -> int:
 
 def bulk_texts(n: int) -> list[str]:
     sys.path.insert(0, str(REPO))
-    from bgeserve.testing.randmodel import random_texts
+    from bgeserve.export.texts import random_texts
 
     # ~12 words per sentence, ~1.5 tokens per word: 1-28 sentences is ~16-512 tokens.
     return [" ".join(random_texts(1000 + i, 1 + (i * 7) % 28, 8, 16)) for i in range(n)]

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     import psutil
 
     from bgeserve.engine.tokenizer import Tokenizer
-    from bgeserve.testing.randmodel import random_texts
+    from bgeserve.export.texts import random_texts
 
     base = " ".join(random_texts(1, 3000, 8, 16))[:args.chars]
     texts = [base[i:] + base[:i] for i in range(0, args.texts * 7, 7)]  # distinct rotations

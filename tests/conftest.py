@@ -92,10 +92,12 @@ def hub_layouts(tiny_model: Path, models_root: Path) -> dict[str, Path]:
         step("int8", str(hidden), str(xenova / "onnx" / "model_quantized.onnx"),
              "--recipe", "dynamic")
         hidden.unlink()
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                     "sparse_linear.pt", "colbert_linear.pt"):
-            shutil.copyfile(tiny_model / name, baai / name)
-            shutil.copyfile(tiny_model / name, xenova / name)
+    # As on the hub, each snapshot has the model's config.json (its sizes) beside the tokenizer.
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "sparse_linear.pt", "colbert_linear.pt", "config.json"):
+        for root in (baai, xenova):
+            if not (root / name).exists():
+                shutil.copyfile(tiny_model / name, root / name)
     return {"baai": baai, "xenova": xenova}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,3 +152,10 @@ class FakeService:
 def failing(error: BgeServeError | BaseException, settings: Settings | None = None) -> FakeService:
     """A FakeService whose ``embed`` raises ``error``."""
     return FakeService(settings=settings or Settings(), fail_with=error)
+
+
+class FitsCost:
+    """A cost model stand-in for the scheduler: ``fits(batch, seq)`` as the given function."""
+
+    def __init__(self, fits: Callable[[int, int], bool]):
+        self.fits = fits

@@ -11,7 +11,8 @@ import pytest
 
 from bgeserve.engine.forward import pad_chunk
 from bgeserve.export import ATTENTION_BLOCK
-from bgeserve.runtime.onnx import OnnxSession, SessionConfig
+from bgeserve.runtime import SessionConfig
+from bgeserve.runtime.onnx import OnnxSession
 
 
 def _ids(n: int, seed: int) -> np.ndarray:

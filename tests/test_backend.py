@@ -9,7 +9,8 @@ import pytest
 
 from bgeserve.config import Settings
 from bgeserve.errors import ConfigError
-from bgeserve.runtime.select import Machine, resolve
+from bgeserve.runtime.select import Machine
+from bgeserve.service.plan import resolve
 
 BF16_CPU = Machine(openvino=lambda: True, native_bf16=lambda: True, amx=lambda: False)
 AMX_CPU = Machine(openvino=lambda: True, native_bf16=lambda: True, amx=lambda: True)
@@ -120,14 +121,17 @@ def test_resolving_is_idempotent(tmp_path):
 def test_environment_pairs_openvino_with_bf16():
     """Like the GPU EPs' fp16 default: each of BGE_M3_EP=openvino / BGE_M3_MODEL=bf16 implies
     the other when the other is not given."""
-    assert Settings.from_env({"BGE_M3_EP": "openvino"}).variant == "bf16"
-    assert Settings.from_env({"BGE_M3_MODEL": "bf16"}).execution_provider == "openvino"
+    assert resolve(Settings.from_env({"BGE_M3_EP": "openvino"}), machine=BF16_CPU).variant == "bf16"
+    assert resolve(Settings.from_env({"BGE_M3_MODEL": "bf16"}),
+                   machine=BF16_CPU).execution_provider == "openvino"
     both = Settings.from_env({"BGE_M3_MODEL": "bf16", "BGE_M3_EP": "cpu"})
-    assert (both.execution_provider, both.variant) == ("cpu", "bf16")  # backend.resolve refuses
+    assert (both.execution_provider, both.variant) == ("cpu", "bf16")
+    with pytest.raises(ConfigError, match="BGE_M3_EP=openvino"):  # both given: refused
+        resolve(both, machine=BF16_CPU)
 
 
 def test_chunk_tokens_default_per_backend_and_explicit_wins():
-    from bgeserve.runtime.select import chunk_tokens
+    from bgeserve.service.plan import chunk_tokens
 
     assert chunk_tokens(Settings()) == 256  # ONNX Runtime CPU
     assert chunk_tokens(Settings(execution_provider="openvino", variant="bf16")) == 1024
@@ -137,7 +141,7 @@ def test_chunk_tokens_default_per_backend_and_explicit_wins():
 
 
 def test_pad_multiple_rounds_on_gpus_only_and_explicit_wins():
-    from bgeserve.runtime.select import pad_multiple
+    from bgeserve.service.plan import pad_multiple
 
     assert pad_multiple(Settings()) == 1
     assert pad_multiple(Settings(execution_provider="openvino", variant="bf16")) == 1

@@ -13,7 +13,10 @@ from bgeserve.config import Settings
 from bgeserve.errors import ConfigError
 
 PACKAGE = Path(__file__).resolve().parents[1] / "bgeserve"
-ENV = {f.metadata["env"]: f for f in dataclasses.fields(Settings)}
+RECORDS = {"explicit", "variant_choice"}
+# The fields bound to a variable; ``explicit`` and ``variant_choice`` record how they were set.
+VARIABLE_FIELDS = [f for f in dataclasses.fields(Settings) if f.name not in RECORDS]
+ENV = {f.metadata["env"]: f for f in VARIABLE_FIELDS}
 
 
 def parse(**env: str) -> Settings:
@@ -68,7 +71,7 @@ def test_settings_are_frozen():
 
 def test_every_field_is_bound_to_a_documented_variable():
     """Each field names its variable, a parser and a help line; no variable is used twice."""
-    fields = dataclasses.fields(Settings)
+    fields = VARIABLE_FIELDS
     assert len(ENV) == len(fields)
     for f in fields:
         assert re.fullmatch(r"BGE_M3_[A-Z0-9_]+|HF_HUB_OFFLINE", f.metadata["env"])
@@ -281,7 +284,7 @@ def test_redacted_hides_the_api_keys():
     assert out["api_keys"] == "<2 key(s)>"
     assert "sk-secret" not in repr(out)
     assert out["model_path"] == "/m" and out["workers"] == 1
-    assert set(out) == {f.name for f in dataclasses.fields(Settings)}
+    assert set(out) == {f.name for f in VARIABLE_FIELDS}
 
 
 def test_help_text_lists_every_variable_with_its_default():
@@ -319,3 +322,15 @@ def test_the_inflight_allowance_follows_the_memory(available_mib: int, expected:
     from bgeserve.cli import inflight_mb
 
     assert inflight_mb(Settings(available_memory_bytes=available_mib << 20)) == expected
+
+
+def test_the_environment_records_which_variables_it_set():
+    """from_env remembers the variables given (the plan tells a default from a choice), and
+    fields given in code count as set; neither changes equality."""
+    s = Settings.from_env({"BGE_M3_MODEL": "int8", "BGE_M3_WORKERS": "2", "PATH": "/bin"})
+    assert s.explicit == {"BGE_M3_MODEL", "BGE_M3_WORKERS"}
+    assert s.is_explicit("BGE_M3_MODEL") and not s.is_explicit("BGE_M3_EP")
+    assert Settings(variant="int8").is_explicit("BGE_M3_EP")
+    assert Settings.from_env({}) == Settings() and Settings.from_env({}).explicit == frozenset()
+    assert {f.name for f in dataclasses.fields(Settings)} - {f.name for f in VARIABLE_FIELDS} \
+        == RECORDS

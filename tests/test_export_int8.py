@@ -50,7 +50,8 @@ slow = pytest.mark.slow
 
 
 def _dense(path: Path, rows: list[np.ndarray]) -> np.ndarray:
-    from bgeserve.runtime.onnx import OnnxSession, SessionConfig
+    from bgeserve.runtime import SessionConfig
+    from bgeserve.runtime.onnx import OnnxSession
 
     session = OnnxSession(path, SessionConfig(threads=1))
     try:

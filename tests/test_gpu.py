@@ -10,9 +10,10 @@ import pytest
 
 from bgeserve.config import Settings
 from bgeserve.errors import ConfigError
-from bgeserve.runtime import gpu, trt
-from bgeserve.runtime.onnx import SessionConfig, _providers
-from bgeserve.service import engine_config
+from bgeserve.runtime import SessionConfig, gpu, trt
+from bgeserve.runtime.onnx import _providers
+from bgeserve.service import plan
+from bgeserve.service.plan import engine_config
 
 ALL_EPS = ["cpu", "cuda", "tensorrt"]
 
@@ -64,23 +65,23 @@ def test_resolve_counts_gpus_and_clamps_workers(tmp_path: Path, caplog):
     """BGE_M3_WORKERS above the GPU count is clamped to it, with a warning naming both."""
     proc = fake_proc(tmp_path, 2)
     with caplog.at_level(logging.WARNING, "bgeserve.gpu"):
-        s = gpu.resolve(Settings(execution_provider="cuda", workers=5), proc=proc,
+        s = plan.resolve_gpu(Settings(execution_provider="cuda", workers=5), proc=proc,
                         available=ALL_EPS)
     assert (s.gpu_count, s.workers) == (2, 2)
     assert "BGE_M3_WORKERS=5 clamped to 2" in caplog.text
-    assert gpu.resolve(s, proc=proc, available=ALL_EPS) == s  # idempotent
+    assert plan.resolve_gpu(s, proc=proc, available=ALL_EPS) == s  # idempotent
 
 
 def test_explicit_gpu_count_wins_over_detection(tmp_path: Path):
     """BGE_M3_GPU_COUNT is trusted even where /proc shows no device (e.g. a masked /proc)."""
-    s = gpu.resolve(Settings(execution_provider="tensorrt", gpu_count=4, workers=4),
+    s = plan.resolve_gpu(Settings(execution_provider="tensorrt", gpu_count=4, workers=4),
                     proc=tmp_path, available=ALL_EPS, nvml=FakeNvml([]))
     assert (s.gpu_count, s.workers) == (4, 4)
 
 
 def test_nvml_counts_devices_when_proc_shows_none(tmp_path: Path):
     """Without /proc entries, NVML's device count is used."""
-    s = gpu.resolve(Settings(execution_provider="cuda"), proc=tmp_path, available=ALL_EPS,
+    s = plan.resolve_gpu(Settings(execution_provider="cuda"), proc=tmp_path, available=ALL_EPS,
                     nvml=FakeNvml([1 << 30] * 3))
     assert s.gpu_count == 3
 
@@ -94,7 +95,7 @@ def test_nvml_counts_devices_when_proc_shows_none(tmp_path: Path):
 def test_an_unusable_ep_fails_fast_naming_bge_m3_ep(tmp_path: Path, ep, available, why):
     """A provider missing from the build, or no GPU, is a ConfigError about BGE_M3_EP."""
     with pytest.raises(ConfigError) as info:
-        gpu.resolve(Settings(execution_provider=ep), proc=tmp_path, available=available,
+        plan.resolve_gpu(Settings(execution_provider=ep), proc=tmp_path, available=available,
                     nvml=FakeNvml([]))
     assert info.value.param == "BGE_M3_EP"
     assert f"BGE_M3_EP={ep}" in info.value.message and why in info.value.message
@@ -104,7 +105,7 @@ def test_an_unusable_ep_fails_fast_naming_bge_m3_ep(tmp_path: Path, ep, availabl
 def test_cpu_fallback_warns_and_uses_the_cpu(tmp_path: Path, caplog):
     """With BGE_M3_ALLOW_CPU_FALLBACK=1 the same situation is a warning and the CPU EP."""
     with caplog.at_level(logging.WARNING, "bgeserve.gpu"):
-        s = gpu.resolve(Settings(execution_provider="tensorrt", allow_cpu_fallback=True,
+        s = plan.resolve_gpu(Settings(execution_provider="tensorrt", allow_cpu_fallback=True,
                                  workers=3), proc=tmp_path, available=["cpu"])
     assert (s.execution_provider, s.workers, s.variant) == ("cpu", 3, "fp32")
     assert "running on the CPU instead" in caplog.text
@@ -113,11 +114,11 @@ def test_cpu_fallback_warns_and_uses_the_cpu(tmp_path: Path, caplog):
 def test_fp16_is_the_gpu_default_unless_bge_m3_model_is_set(tmp_path: Path):
     """On cuda/tensorrt the variant becomes fp16 when BGE_M3_MODEL was not given."""
     proc = fake_proc(tmp_path, 1)
-    implicit = gpu.resolve(Settings(execution_provider="cuda"), model_explicit=False, proc=proc,
+    implicit = plan.resolve_gpu(Settings(execution_provider="cuda"), model_explicit=False, proc=proc,
                            available=ALL_EPS)
-    explicit = gpu.resolve(Settings(execution_provider="cuda"), model_explicit=True, proc=proc,
+    explicit = plan.resolve_gpu(Settings(execution_provider="cuda"), model_explicit=True, proc=proc,
                            available=ALL_EPS)
-    cpu = gpu.resolve(Settings(), model_explicit=False, available=["cpu"])
+    cpu = plan.resolve_gpu(Settings(), model_explicit=False, available=["cpu"])
     assert (implicit.variant, explicit.variant, cpu.variant) == ("fp16", "fp32", "fp32")
 
 
@@ -133,7 +134,7 @@ def test_worker_i_runs_on_device_i_mod_n():
 def test_the_device_reaches_every_gpu_provider_in_the_chain(tmp_path: Path):
     """TensorRT is registered with CUDA under it, both on the worker's device, then the CPU."""
     s = Settings(execution_provider="tensorrt", gpu_count=2, workers=2, cache_dir=tmp_path)
-    chain = _providers(gpu.pin(gpu.session_config(s), 1))
+    chain = _providers(gpu.pin(plan.session_config(s), 1))
     assert [p[0] if isinstance(p, tuple) else p for p in chain] == [
         "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
     assert chain[0][1]["device_id"] == chain[1][1]["device_id"] == "1"
@@ -148,7 +149,7 @@ def test_open_pinned_opens_on_the_workers_device_and_syncs_trt_caches(tmp_path: 
     monkeypatch.setattr(gpu, "OnnxSession", lambda path, config: opened.append(config) or config)
     monkeypatch.setattr(gpu, "fsync_tree", lambda folder: synced.append(folder) or 0)
     s = Settings(execution_provider="tensorrt", gpu_count=2, workers=2, cache_dir=tmp_path)
-    gpu.open_pinned(tmp_path / "model.onnx", gpu.session_config(s), worker=3)
+    gpu.open_pinned(tmp_path / "model.onnx", plan.session_config(s), worker=3)
     assert opened[0].device_id == 1
     assert synced == [tmp_path / "trt-engines", tmp_path / "trt-timing"]
     gpu.open_pinned(tmp_path / "model.onnx", SessionConfig(), worker=3)
@@ -171,17 +172,17 @@ def test_the_profile_covers_every_chunk_the_scheduler_can_form(tmp_path: Path):
     assert opts["trt_profile_max_shapes"] == "input_ids:16x1024,attention_mask:16x1024"
     legacy = Settings(execution_provider="tensorrt", gpu_count=1, cache_dir=tmp_path,
                       onnx_batch_size=5, max_seq_length=1024)
-    assert gpu.profile_max_batch(legacy) == 5
+    assert plan.profile_max_batch(legacy) == 5
 
 
 def test_session_config_per_provider(tmp_path: Path, caplog):
     """cpu: plain; cuda: CUDA options and device count; tensorrt: creates and reports caches."""
-    assert gpu.session_config(Settings(intra_threads=2)) == SessionConfig(threads=2)
-    cuda = gpu.session_config(Settings(execution_provider="cuda", gpu_count=2, workers=2),
+    assert plan.session_config(Settings(intra_threads=2)) == SessionConfig(threads=2)
+    cuda = plan.session_config(Settings(execution_provider="cuda", gpu_count=2, workers=2),
                               gpu_mem_limit=1 << 30)
     assert (cuda.device_count, cuda.provider_options["gpu_mem_limit"]) == (2, str(1 << 30))
     with caplog.at_level(logging.INFO, "bgeserve.gpu"):
-        gpu.session_config(Settings(execution_provider="tensorrt", gpu_count=1,
+        plan.session_config(Settings(execution_provider="tensorrt", gpu_count=1,
                                     cache_dir=tmp_path))
     assert (tmp_path / "trt-engines").is_dir() and (tmp_path / "trt-timing").is_dir()
     assert "trt cache: empty (will compile)" in caplog.text
@@ -217,7 +218,7 @@ def test_vram_budget_prefers_the_setting_then_measures(tmp_path: Path):
     nvml = FakeNvml([10 << 30, 8 << 30])
     pinned = Settings(execution_provider="cuda", gpu_count=2, workers=2,
                       gpu_vram_budget_bytes=5 << 30)
-    assert gpu.vram_budget(pinned, [model], nvml) == 5 << 30
+    assert plan.vram_budget(pinned, [model], nvml) == 5 << 30
     s = Settings(execution_provider="cuda", gpu_count=2, workers=2, memory_safety_factor=0.5)
-    assert gpu.vram_budget(s, [model], nvml) == int(((8 << 30) - (1 << 20)) * 0.5)
-    assert gpu.vram_budget(Settings(), [model], nvml) is None
+    assert plan.vram_budget(s, [model], nvml) == int(((8 << 30) - (1 << 20)) * 0.5)
+    assert plan.vram_budget(Settings(), [model], nvml) is None

@@ -29,7 +29,8 @@ from bgeserve.errors import (
 )
 from bgeserve.http import guards
 from bgeserve.http.app import create_app, model_ids
-from bgeserve.http.context import RequestIdFilter, request_id_var, sanitize_request_id
+from bgeserve.http.context import sanitize_request_id
+from bgeserve.logs import RequestIdFilter, request_id_var
 from tests.fakes import FakeService, fake_tokens
 
 JSON = {"content-type": "application/json"}
@@ -661,7 +662,8 @@ def test_create_app_without_factory_is_lazy() -> None:
 
 def test_http_imports_only_leaves_and_service() -> None:
     """bgeserve.http depends on config, errors, results (and service, lazily) — nothing deeper."""
-    allowed = {"bgeserve.config", "bgeserve.errors", "bgeserve.results", "bgeserve.service"}
+    allowed = {"bgeserve.config", "bgeserve.errors", "bgeserve.results", "bgeserve.service",
+               "bgeserve.logs", "bgeserve.vocab"}
     package = Path(__file__).resolve().parent.parent / "bgeserve" / "http"
     for path in package.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

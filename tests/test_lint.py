@@ -1,7 +1,9 @@
-"""``ruff check`` over the package, the scripts and the tests is clean (STYLE.md, tooling).
+"""The strict, boring tooling (STYLE.md rule 10): ruff over the package, the scripts and the
+tests; the layer contracts (import-linter, ``[tool.importlinter]`` in pyproject.toml); mypy
+over the package.
 
-ruff comes with the dev extra (pinned, so its default rules do not move under the code); every
-ignore in pyproject.toml or a ``# noqa`` carries its reason.
+All three come with the dev extra, pinned, so their rules do not move under the code; every
+ignore in pyproject.toml, a ``# noqa`` or a ``# type: ignore`` carries its reason.
 """
 
 from __future__ import annotations
@@ -29,4 +31,26 @@ def test_ruff_finds_nothing():
     result = subprocess.run([*_ruff(), "check", "--output-format", "concise", "--no-cache",
                              "bgeserve", "scripts", "tests"], cwd=ROOT, capture_output=True,
                             text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _tool(name: str) -> str:
+    exe = Path(sys.executable).parent / name
+    assert exe.exists(), f"{name} is missing: pip install -e '.[dev]'"
+    return str(exe)
+
+
+def test_the_layer_contracts_hold():
+    """http → service → engine → tuning → runtime → model, leaves importing no layer, serving
+    never reaching torch or the build tools: ``lint-imports`` keeps every contract."""
+    result = subprocess.run([_tool("lint-imports"), "--no-cache"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+def test_mypy_finds_nothing():
+    """``mypy`` (configured in pyproject.toml) type-checks bgeserve/ clean."""
+    result = subprocess.run([_tool("mypy")], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600, check=False)
     assert result.returncode == 0, result.stdout + result.stderr

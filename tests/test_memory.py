@@ -13,6 +13,7 @@ import pytest
 
 from bgeserve.errors import ConfigError
 from bgeserve.tuning import memory
+from bgeserve.tuning.budget import worker_budget
 from bgeserve.tuning.memory import (
     MemoryInfo,
     detect_available_memory,
@@ -25,7 +26,6 @@ from bgeserve.tuning.memory import (
     peak_rss_bytes,
     reset_peak_rss,
     rss_bytes,
-    worker_budget,
 )
 
 GiB = 1 << 30

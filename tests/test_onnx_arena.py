@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bgeserve.runtime.onnx import OnnxSession, SessionConfig, run_options, session_options
+from bgeserve.runtime import SessionConfig
+from bgeserve.runtime.onnx import OnnxSession, run_options, session_options
 
 SHRINK = "memory.enable_memory_arena_shrinkage"
 

@@ -15,7 +15,7 @@ import pytest
 from bgeserve.engine import Engine, EngineConfig
 from bgeserve.engine.scheduler import SchedulerConfig
 from bgeserve.model.artifacts import resolve
-from bgeserve.runtime.onnx import SessionConfig
+from bgeserve.runtime import SessionConfig
 from tests.oracle import BF16, _cos, dense_rows
 from tests.test_service import TEXTS, base_env, serving, wait_health
 

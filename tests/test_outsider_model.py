@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from bgeserve.engine import Engine
-from bgeserve.testing.randmodel import random_texts
+from bgeserve.export.texts import random_texts
 from tests.oracle import FP32, INT8, assert_matches, reference
 
 pytestmark = pytest.mark.slow

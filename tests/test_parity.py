@@ -9,7 +9,7 @@ import pytest
 
 from bgeserve.engine import Engine, EngineConfig
 from bgeserve.engine.scheduler import SchedulerConfig
-from bgeserve.testing.randmodel import random_texts
+from bgeserve.export.texts import random_texts
 from tests.oracle import BF16, FP16, FP32, INT8, Tolerance, assert_matches, reference
 
 pytestmark = pytest.mark.slow

@@ -12,16 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bgeserve.tuning import cache as probe_cache
 from bgeserve.tuning import probe
+from bgeserve.tuning.cache import PROBE_SCHEMA, ProbeCache, fingerprint
 from bgeserve.tuning.costmodel import CostModel, Fit, MiB, Sample
 from bgeserve.tuning.probe import (
-    PROBE_SCHEMA,
-    ProbeCache,
     ProbeResult,
     choose_chunk_tokens,
     default_held_out,
     default_shapes,
-    fingerprint,
     run_probe,
     time_chunk_budgets,
 )
@@ -193,7 +192,7 @@ def test_fingerprint_changes_with_every_part(key):
 def test_fingerprint_includes_the_probe_schema(monkeypatch):
     """A new probe schema invalidates every cache, whatever the caller passes."""
     before = fingerprint({"x": 1})
-    monkeypatch.setattr(probe, "PROBE_SCHEMA", PROBE_SCHEMA + 1)
+    monkeypatch.setattr(probe_cache, "PROBE_SCHEMA", PROBE_SCHEMA + 1)
     assert fingerprint({"x": 1}) != before
 
 

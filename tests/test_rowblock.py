@@ -13,7 +13,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bgeserve.export import FFN_ROWS
 from bgeserve.export.rowblock import ffn_regions, row_block_ffn
-from bgeserve.runtime.onnx import OnnxSession, SessionConfig
+from bgeserve.runtime import SessionConfig
+from bgeserve.runtime.onnx import OnnxSession
 
 H, F = 8, 24
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-import bgeserve.engine.scheduler as scheduler_module
+import bgeserve.engine.workers as workers_module
 from bgeserve.engine.heads import ChunkOutputs, sparse_vector
 from bgeserve.engine.jobs import Job
 from bgeserve.engine.scheduler import ChunkStats, Scheduler, SchedulerConfig
@@ -32,6 +32,7 @@ from bgeserve.errors import (
     TooLarge,
 )
 from bgeserve.results import EmbedOptions
+from tests.fakes import FitsCost
 
 HIDDEN = 8
 TIMEOUT = 5.0  # no wait in this file may block longer: a hang fails, never stalls the suite
@@ -188,7 +189,7 @@ def scheduler(factory: Factory | None = None, fits=lambda b, s: True, preload: b
               on_chunk=None, **kw) -> Iterator[Scheduler]:
     """A started scheduler over ``factory``; stopped (briefly) on exit, the gate released."""
     factory = factory or Factory()
-    sched = Scheduler(factory, fits, config(**kw), on_chunk)
+    sched = Scheduler(factory, FitsCost(fits), config(**kw), on_chunk)
     sched.start(preload=preload)
     try:
         yield sched
@@ -748,7 +749,7 @@ def test_idle_sessions_are_unloaded_and_reloaded_on_demand(monkeypatch):
     """After idle_timeout_s the session is closed and the heap trimmed (the freed weights go
     back to the OS); the next job opens a new one and succeeds."""
     trims: list[bool] = []
-    monkeypatch.setattr(scheduler_module.memory, "trim_heap", lambda: trims.append(True))
+    monkeypatch.setattr(workers_module.memory, "trim_heap", lambda: trims.append(True))
     factory = Factory()
     with scheduler(factory, idle_timeout_s=0.05) as sched:
         first = job_of(unique_texts(1, [2]))
@@ -781,7 +782,7 @@ def test_without_preload_the_first_job_loads_the_session():
 def test_stop_finishes_queued_work_then_refuses_new_jobs():
     """stop() drains the queue, closes the session, and later submits raise NotReady."""
     factory = Factory()
-    sched = Scheduler(factory, lambda b, s: True, config(max_chunk=1))
+    sched = Scheduler(factory, None, config(max_chunk=1))
     sched.start()
     with held(sched, factory):
         jobs = [job_of(unique_texts(tag, [2, 3])) for tag in (1, 2)]
@@ -801,7 +802,7 @@ def test_stop_finishes_queued_work_then_refuses_new_jobs():
 def test_stop_fails_what_it_could_not_finish_in_time():
     """Work still queued when stop's timeout runs out gets NotReady; the running chunk finishes."""
     factory = Factory()
-    sched = Scheduler(factory, lambda b, s: True, config())
+    sched = Scheduler(factory, None, config())
     sched.start()
     with held(sched, factory) as blocker:
         queued = job_of(unique_texts(1, [2]))
@@ -910,7 +911,7 @@ def kill_next_chunk(sched: Scheduler, times: int = 1, take: bool = True) -> list
 def started(factory: Factory, patch: Callable[[Scheduler], object] = lambda s: None,
             **kw) -> Scheduler:
     """A scheduler patched by ``patch`` before its worker threads start."""
-    sched = Scheduler(factory, lambda b, s: True, config(**kw))
+    sched = Scheduler(factory, None, config(**kw))
     patch(sched)
     sched.start()
     return sched

@@ -25,7 +25,8 @@ from bgeserve.config import Settings
 from bgeserve.engine import EngineConfig
 from bgeserve.http.app import create_app
 from bgeserve.model.artifacts import resolve
-from bgeserve.service import Service, model_dims
+from bgeserve.model.dims import model_dims
+from bgeserve.service import Service
 from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
 from tests.oracle import dense_rows
 

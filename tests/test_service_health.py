@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-import bgeserve.engine.scheduler as scheduler_module
+import bgeserve.engine.workers as workers_module
 from bgeserve.config import Settings
 from bgeserve.engine.scheduler import Scheduler
 from bgeserve.errors import ModelUnavailable
@@ -78,7 +78,7 @@ def test_health_warns_then_fails_as_sessions_stop_opening_and_recovers() -> None
     """Real scheduler, two workers: one session cannot open → warn; none → fail (jobs are
     still answered); the model back → ok."""
     factory = Factory()
-    sched = Scheduler(factory, lambda b, s: True, config(workers=2, max_chunk=1))
+    sched = Scheduler(factory, None, config(workers=2, max_chunk=1))
     sched.start(preload=False)
     service = ready_service(sched.stats)
     try:
@@ -107,9 +107,9 @@ def test_health_warns_then_fails_as_sessions_stop_opening_and_recovers() -> None
 def test_health_reports_a_worker_waiting_to_restart(monkeypatch: pytest.MonkeyPatch) -> None:
     """While the only worker's replacement waits out its backoff, /health says fail; once it
     runs again, the status comes back."""
-    monkeypatch.setattr(scheduler_module, "MIN_RESTART_DELAY_S", 0.5)  # a window to look in
+    monkeypatch.setattr(workers_module, "MIN_RESTART_DELAY_S", 0.5)  # a window to look in
     factory = Factory()
-    sched = Scheduler(factory, lambda b, s: True, config())
+    sched = Scheduler(factory, None, config())
     real = sched._next_chunk
     kills: list[int] = []
 

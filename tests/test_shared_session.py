@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bgeserve import Engine
+from bgeserve import Engine, runtime
 from bgeserve.engine import EngineConfig
-from bgeserve.engine.forward import forward_factory, weight_copies
+from bgeserve.engine.forward import forward_factory
 from bgeserve.engine.scheduler import SchedulerConfig
 from bgeserve.model.artifacts import resolve
+from bgeserve.runtime import SessionConfig
 from bgeserve.runtime.common import Shared
-from bgeserve.runtime.onnx import SessionConfig
-from bgeserve.tuning.tuner import measure_model_cost
+from bgeserve.tuning.budget import measure_model_cost
 
 TEXTS = ["short", "a somewhat longer text about the weather in spring", "x " * 300,
          "second short one", "tokens " * 40]
@@ -90,9 +90,9 @@ def test_two_workers_on_one_session_give_one_worker_results(tiny_export: Path,
 
 def test_weight_copies(tiny_export: Path, tmp_path: Path) -> None:
     artifacts = resolve(model_path=tiny_export, variant="fp32", cache_dir=tmp_path)
-    assert weight_copies(artifacts, SessionConfig(provider="cpu"), 4) == 1
-    assert weight_copies(artifacts, SessionConfig(provider="cuda"), 4) == 4
-    assert weight_copies(artifacts, SessionConfig(provider="cuda"), 0) == 1
+    assert runtime.weight_copies(runtime.kind_of(artifacts, "cpu"), 4) == 1
+    assert runtime.weight_copies(runtime.kind_of(artifacts, "cuda"), 4) == 4
+    assert runtime.weight_copies(runtime.kind_of(artifacts, "cuda"), 0) == 1
 
 
 def test_model_cost_floor_counts_each_copy_once() -> None:

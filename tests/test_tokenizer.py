@@ -11,8 +11,9 @@ from tokenizers import AddedToken, pre_tokenizers, processors
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers.models import Unigram
 
-from bgeserve.engine.tokenizer import CLS_ID, EOS_ID, PAD_ID, SPECIAL_IDS, UNK_ID, Tokenizer
+from bgeserve.engine.tokenizer import Tokenizer
 from bgeserve.errors import InvalidInput, ModelUnavailable
+from bgeserve.vocab import CLS_ID, EOS_ID, PAD_ID, SPECIAL_IDS, UNK_ID
 
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
 WORDS = ["hello", "world", "the", "cat", "sat", "on", "mat"]
@@ -362,7 +363,7 @@ def test_no_cut_where_it_could_change_the_ids():
 def test_the_cut_is_exact_with_the_models_own_tokenizer(tiny_model: Path):
     """bge-m3's tokenizer layout (WhitespaceSplit + Metaspace, as randmodel trains it): long
     multilingual texts give the ids of encoding them whole."""
-    from bgeserve.testing.randmodel import random_texts
+    from bgeserve.export.texts import random_texts
 
     tok = Tokenizer.load(tiny_model / "tokenizer.json", 64)  # cut past 512 characters
     assert tok._cut_exact

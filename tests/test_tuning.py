@@ -28,9 +28,11 @@ from bgeserve import Engine
 from bgeserve.config import Settings
 from bgeserve.errors import ConfigError
 from bgeserve.model.artifacts import resolve
-from bgeserve.service import Service, model_dims
+from bgeserve.model.dims import model_dims
+from bgeserve.service import Service
 from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
-from bgeserve.tuning.tuner import LEGACY_BATCH_SEQ, Tuner, TuningConfig, synthetic_run
+from bgeserve.tuning.synthetic import synthetic_run
+from bgeserve.tuning.tuner import LEGACY_BATCH_SEQ, Tuner, TuningConfig
 
 pytestmark = pytest.mark.slow
 

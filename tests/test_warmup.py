@@ -14,6 +14,7 @@ import pytest
 from bgeserve.config import Settings
 from bgeserve.errors import EngineFailed, ModelUnavailable
 from bgeserve.runtime import gpu, trt
+from bgeserve.runtime.onnx import available_providers
 from bgeserve.service import warmup
 from tests.serverproc import ServerProc
 
@@ -55,7 +56,7 @@ def test_warmup_only_with_cpu_warns_and_exits_0_without_a_port(tiny_export: Path
 
 def test_warmup_only_with_tensorrt_and_no_gpu_fails_clearly(tmp_path: Path):
     """tensorrt where there is none (this onnxruntime, no GPU): an error naming BGE_M3_EP, rc≠0."""
-    if "tensorrt" in gpu.available_providers() and gpu.detect_gpu_count():
+    if "tensorrt" in available_providers() and gpu.detect_gpu_count():
         pytest.skip("this machine has TensorRT and a GPU")
     rc, out, bound = run_to_exit({"BGE_M3_WARMUP_ONLY": "1", "BGE_M3_EP": "tensorrt",
                                   "BGE_M3_CACHE_DIR": str(tmp_path / "cache")})

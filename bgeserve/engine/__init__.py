@@ -9,29 +9,33 @@ queue, so concurrent callers are batched together.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Self
 
 import numpy as np
 
-from bgeserve.engine.forward import best_chunk_tokens, best_pad_multiple, forward_factory
+from bgeserve import runtime
+from bgeserve.engine.forward import forward_factory
+from bgeserve.engine.inputs import Inputs, normalize_inputs
 from bgeserve.engine.jobs import Job
 from bgeserve.engine.scheduler import ChunkStats, Scheduler, SchedulerConfig
 from bgeserve.engine.tokenizer import Encoded, Tokenizer
-from bgeserve.errors import BgeServeError, InvalidInput, NotReady, TooLarge
-from bgeserve.model.artifacts import Layout, ModelArtifacts, resolve
+from bgeserve.errors import BgeServeError, NotReady, TooLarge
+from bgeserve.model import dims
+from bgeserve.model.artifacts import ModelArtifacts, resolve
 from bgeserve.results import Embeddings, EmbedOptions
-from bgeserve.runtime.onnx import SessionConfig
+from bgeserve.runtime.session import SessionConfig
 from bgeserve.tuning import memory
+from bgeserve.tuning.budget import budget
 from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
 
+__all__ = ["Engine", "EngineConfig", "Inputs", "normalize_inputs"]
 log = logging.getLogger("bgeserve.engine")
-Inputs = str | Sequence[str] | Sequence[Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -45,65 +49,6 @@ class EngineConfig:
     # ColBERT vectors are (tokens - 1) x hidden float32 per text: 256 texts of 8,192 tokens are
     # 8 GiB before any JSON, outside every memory budget. A request past this is refused.
     max_colbert_bytes: int | None = 512 << 20
-
-
-def normalize_inputs(inputs: Inputs) -> tuple[list[str] | None, list[list[int]] | None]:
-    """Split the accepted input shapes into (texts, None) or (None, token id lists)."""
-    if isinstance(inputs, str):
-        return [inputs], None
-    items = list(inputs)
-    if items and all(isinstance(x, str) for x in items):
-        return items, None  # type: ignore[return-value]
-    if items and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in items):
-        return None, [list(items)]  # type: ignore[arg-type]
-    if items and all(not isinstance(x, (str, bytes)) and isinstance(x, Sequence | np.ndarray)
-                     for x in items):
-        return None, [list(x) for x in items]  # type: ignore[arg-type]
-    if not items:
-        return [], None
-    raise InvalidInput("input must be a string, a list of strings, a list of token ids or a "
-                       "list of lists of token ids", param="input")
-
-
-def _manifest_model(artifacts: ModelArtifacts, keys: Sequence[str]) -> dict[str, int]:
-    """The export manifest's ``model`` sizes among ``keys`` (none for hub layouts)."""
-    if artifacts.layout is Layout.BGESERVE:
-        manifest = artifacts.onnx_path.parent.parent / "manifest.json"
-        try:
-            dims = json.loads(manifest.read_text()).get("model", {})
-            return {k: int(dims[k]) for k in keys if dims.get(k) is not None}
-        except (OSError, ValueError, TypeError, AttributeError):
-            return {}
-    return {}
-
-
-def model_dims(artifacts: ModelArtifacts) -> dict[str, int]:
-    """Encoder sizes for the conservative cost model (bge-m3's unless an export says else)."""
-    return _manifest_model(artifacts, ("hidden", "heads", "intermediate", "attention_block"))
-
-
-def model_max_seq(artifacts: ModelArtifacts) -> int | None:
-    """Tokens per text the model's position embeddings hold (8,192 for bge-m3, 512 for a
-    model left at XLM-R's 514 positions): an export's manifest records it, a hub snapshot's
-    config.json has ``max_position_embeddings`` (2 more); None when neither says."""
-    if artifacts.layout is Layout.BGESERVE:
-        return _manifest_model(artifacts, ("max_positions",)).get("max_positions")
-    try:
-        config = json.loads((artifacts.tokenizer_path.parent / "config.json").read_text())
-        return int(config["max_position_embeddings"]) - 2
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return None
-
-
-def clamp_max_seq(requested: int, artifacts: ModelArtifacts) -> int:
-    """``requested`` tokens per text, but no more than the model holds: a longer text would
-    index past its position embeddings and fail the whole chunk."""
-    held = model_max_seq(artifacts)
-    if held is not None and 2 <= held < requested:
-        log.warning("max_seq %d is more than this model's %d positions hold: texts are "
-                    "truncated at %d tokens (BGE_M3_MAX_SEQ_LENGTH)", requested, held, held)
-        return held
-    return requested
 
 
 class Engine:
@@ -124,24 +69,23 @@ class Engine:
             artifacts = resolve(model_path=Path(model_path) if model_path else None,
                                 variant=variant, cache_dir=cache, offline=offline)
         self.artifacts = artifacts
-        self._width = model_dims(artifacts).get("hidden", 1024)  # dense / ColBERT floats
+        self.width = dims.width(artifacts)  # dense and ColBERT vectors' floats
         if config is None:
             # No config given: chunk as the server does, by the runtime's measured best.
             config = EngineConfig()
+            rt = runtime.get(runtime.kind_of(artifacts, config.session.provider))
             config = replace(config, scheduler=replace(
-                config.scheduler, max_chunk_tokens=best_chunk_tokens(artifacts, config.session),
-                pad_multiple=best_pad_multiple(artifacts, config.session)))
-        config = replace(config, max_seq=clamp_max_seq(config.max_seq, artifacts))
+                config.scheduler, max_chunk_tokens=rt.chunk_tokens, pad_multiple=rt.pad_multiple))
+        config = replace(config, max_seq=dims.clamp_max_seq(config.max_seq, artifacts))
         if config.scheduler.pad_cap is None:  # rounding never pads a chunk past max_seq
             config = replace(config, scheduler=replace(config.scheduler, pad_cap=config.max_seq))
         self.config = config
         self.tokenizer = Tokenizer.load(artifacts.tokenizer_path, self.config.max_seq)
         self.open_forward = forward_factory(artifacts, self.config.session)
-        self._cost = cost_model
         # A plain Engine (no server, no probe) still never runs a chunk past the memory it has:
         # conservative coefficients under a budget measured at start (see tuning / the probe).
         self._auto_budget = auto_budget and cost_model is None
-        self._scheduler = Scheduler(self.open_forward, self._fits, self.config.scheduler,
+        self._scheduler = Scheduler(self.open_forward, cost_model, self.config.scheduler,
                                     on_chunk=on_chunk)
         self._started = False
         self._closed = False
@@ -163,10 +107,9 @@ class Engine:
                 self._auto_budget = False
                 workers = self.config.scheduler.workers
                 model_cost = max(0, memory.rss_bytes() - before) // workers
-                budget = memory.worker_budget(available.available_bytes, workers, model_cost,
-                                              headroom=256 << 20, safety_factor=0.7)
-                a, b = conservative_coefficients(**model_dims(self.artifacts))
-                self._cost = CostModel(a, b, budget)
+                a, b = conservative_coefficients(**dims.model_dims(self.artifacts))
+                self.set_cost_model(CostModel(a, b, budget(available.available_bytes, workers,
+                                                           model_cost)))
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Finish queued work (bounded by ``timeout``; None: all of it) and release the
@@ -199,20 +142,21 @@ class Engine:
     @property
     def cost_model(self) -> CostModel | None:
         """The cost model chunks are packed under (None: no memory limit is applied)."""
-        return self._cost
+        cost = self._scheduler.packer.cost
+        return cost if isinstance(cost, CostModel) or cost is None else None
 
     def set_cost_model(self, cost: CostModel | None) -> None:
         """Swap the cost model (atomic: the next chunk uses it)."""
-        self._cost = cost
+        self._scheduler.packer.set_cost(cost)
 
     def set_max_chunk_tokens(self, tokens: int) -> None:
         """Change the padded tokens per run (the probe's timing may choose another budget)."""
-        self._scheduler.set_max_chunk_tokens(tokens)
-        self.config = replace(self.config, scheduler=self._scheduler.config)
+        self._scheduler.packer.set_chunk_tokens(tokens)
 
-    def _fits(self, batch: int, seq: int) -> bool:
-        cost = self._cost
-        return True if cost is None else cost.fits(batch, seq)
+    @property
+    def max_chunk_tokens(self) -> int | None:
+        """Padded tokens per run now (the configured value until the tuner chooses another)."""
+        return self._scheduler.packer.rules.max_tokens
 
     # -- embedding -------------------------------------------------------------------------
     def encode_inputs(self, inputs: Inputs) -> Encoded:
@@ -227,11 +171,11 @@ class Engine:
         limit = self.config.max_colbert_bytes
         if colbert and limit is not None:
             rows = int(encoded.lengths.sum()) - len(encoded.ids)
-            size = rows * self._width * 4
+            size = rows * self.width * 4
             if size > limit:
                 raise TooLarge(
                     f"the ColBERT output of this request would be {size / 2**20:.0f} MiB "
-                    f"({rows} token vectors of {self._width} floats), over the "
+                    f"({rows} token vectors of {self.width} floats), over the "
                     f"{limit / 2**20:.0f} MiB allowed (BGE_M3_MAX_COLBERT_MB); send fewer or "
                     "shorter texts per request", param="outputs")
         if not truncate and encoded.truncated.any():
@@ -240,7 +184,7 @@ class Engine:
                 f"input[{i}] has more than the {self.config.max_seq} tokens allowed "
                 f"(BGE_M3_MAX_SEQ_LENGTH); send truncate=true "
                 "or split the text", param=f"input[{i}]")
-        cost = self._cost
+        cost = self.cost_model
         if cost is None:
             return
         for i, n in enumerate(encoded.lengths):
@@ -284,7 +228,7 @@ class Engine:
         deadline = start + timeout if timeout else None
         return Job(encoded.ids, encoded.truncated, options, deadline, request_id)
 
-    def submit(self, job: Job):
+    def submit(self, job: Job) -> Future:
         """Queue a job; returns its concurrent future."""
         if not self._started:
             raise NotReady("the engine is not started")
@@ -316,8 +260,6 @@ class Engine:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             self._scheduler.cancel(job)
-            raise
-        except BgeServeError:
             raise
 
     # -- state -----------------------------------------------------------------------------

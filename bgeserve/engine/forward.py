@@ -11,41 +11,14 @@ from collections.abc import Callable
 
 import numpy as np
 
+from bgeserve import runtime
 from bgeserve.engine.heads import ChunkOutputs, HiddenHeads, l2_normalize
-from bgeserve.engine.tokenizer import PAD_ID
 from bgeserve.errors import ModelUnavailable
 from bgeserve.model.artifacts import Layout, ModelArtifacts
-from bgeserve.runtime.gpu import open_pinned
-from bgeserve.runtime.onnx import OnnxSession, SessionConfig, SharedSession
+from bgeserve.runtime import Session, SessionConfig
+from bgeserve.vocab import PAD_ID
 
-# Padded tokens per session.run() that gave the most tokens/s on the mixed corpus
-# (docs/benchmarks.md, chunk sweep): ORT on the CPU runs small chunks best (its GEMMs gain
-# little from batching and padding costs), OpenVINO bf16 ~1,024. GPUs want big chunks: on an
-# H200 (CUDA fp16, one run per shape) 1,024 tokens run in ~9 ms (~110k tokens/s), 8,192 in
-# ~16 ms (4x2048: 515k tokens/s), 16,384 in 26 ms (32x512: 642k); 8,192 takes most of that
-# gain at a run's latency of ~16 ms. (The memory budget still bounds every chunk.)
-CHUNK_TOKENS = {"cpu": 256, "openvino": 1024, "cuda": 8192, "tensorrt": 8192}
-DEFAULT_CHUNK_TOKENS = 1024
-
-
-# Chunk lengths rounded up to a multiple of this. On an H200 (CUDA, fp16; docs/benchmarks.md)
-# a warm run costs ~9 ms from 1x16 to 8x512 tokens, but a shape's first run costs ~30-50 ms
-# more (1 client: p50 7 ms, p99 55 ms over ~25 distinct lengths; a mixed corpus, every chunk a
-# new shape, ran at 37-43 ms per chunk): 32 bounds the shapes texts of up to 512 tokens make at
-# 16 lengths, for padding the GPU runs nearly for free. CPUs pay for every padded token and
-# nothing per shape: no rounding. (The end-to-end gain on a GPU is not measured yet.)
-PAD_MULTIPLE = {"cuda": 32, "tensorrt": 32}
-
-
-def best_chunk_tokens(artifacts: ModelArtifacts, config: SessionConfig) -> int:
-    """The measured best padded tokens per chunk for the runtime and EP that will run."""
-    key = "openvino" if artifacts.runtime == "openvino" else config.provider
-    return CHUNK_TOKENS.get(key, DEFAULT_CHUNK_TOKENS)
-
-
-def best_pad_multiple(artifacts: ModelArtifacts, config: SessionConfig) -> int:
-    """What chunk lengths are rounded up to a multiple of, for the runtime and EP that will run."""
-    return 1 if artifacts.runtime == "openvino" else PAD_MULTIPLE.get(config.provider, 1)
+OpenForward = Callable[..., "Forward"]  # open_forward(worker=0) -> Forward
 
 
 def pad_chunk(ids: list[np.ndarray], pad_to: int) -> tuple[np.ndarray, np.ndarray]:
@@ -61,7 +34,7 @@ def pad_chunk(ids: list[np.ndarray], pad_to: int) -> tuple[np.ndarray, np.ndarra
 class Forward:
     """A session plus its layout: ``run(ids, mask, dense, sparse, colbert)`` → ChunkOutputs."""
 
-    def __init__(self, session: OnnxSession, layout: Layout, heads: HiddenHeads | None):
+    def __init__(self, session: Session, layout: Layout, heads: HiddenHeads | None):
         if layout is not Layout.BGESERVE and heads is None:
             raise ModelUnavailable(f"the {layout.value} graph layout needs the sparse and "
                                    "ColBERT head weights (sparse_linear.pt, colbert_linear.pt)")
@@ -88,6 +61,9 @@ class Forward:
                 "last_hidden_state"].astype(np.float32, copy=False)
             dense_out = l2_normalize(hidden[:, 0]) if dense else None
         assert self.heads is not None
+        if not (sparse or colbert):
+            return ChunkOutputs(dense_out, None, None)
+        assert hidden is not None  # the hidden states were asked for above
         return ChunkOutputs(
             dense_out,
             self.heads.sparse(hidden) if sparse else None,
@@ -98,49 +74,21 @@ class Forward:
         self.session.close()
 
 
-def forward_factory(artifacts: ModelArtifacts,
-                    config: SessionConfig) -> Callable[..., Forward]:
+def forward_factory(artifacts: ModelArtifacts, config: SessionConfig) -> OpenForward:
     """A callable ``open_forward(worker=0)`` that opens a fresh ``Forward`` for that worker.
 
-    Workers call it to load and reload; on a GPU EP worker ``i`` runs on device
-    ``i % gpu_count``.
+    Workers call it to load and reload; the runtime registry decides how sessions are shared
+    (one for every worker on the CPU and OpenVINO, one per device on GPUs).
     """
     heads = None
     if artifacts.heads is not None:
         h = artifacts.heads
         heads = HiddenHeads(h.sparse_weight.astype(np.float32), float(h.sparse_bias),
                             h.colbert_weight.astype(np.float32), h.colbert_bias.astype(np.float32))
-
-    if artifacts.runtime == "openvino":
-        from bgeserve.runtime import openvino
-
-        # One compiled model, one stream per worker: the weights are resident once.
-        shared = openvino.SharedModel(artifacts.onnx_path, precision=artifacts.variant,
-                                      threads=config.threads, streams=config.streams)
-
-        def open_openvino(worker: int = 0) -> Forward:
-            return Forward(shared.session(), artifacts.layout, heads)  # type: ignore[arg-type]
-
-        return open_openvino
-
-    if config.provider == "cpu":
-        # One session, one copy of the weights, however many workers (runtime.onnx.SharedSession).
-        session = SharedSession(artifacts.onnx_path, config)
-
-        def open_shared(worker: int = 0) -> Forward:
-            return Forward(session.session(), artifacts.layout, heads)  # type: ignore[arg-type]
-
-        return open_shared
+    open_session = runtime.get(runtime.kind_of(artifacts, config.provider)).opener(artifacts,
+                                                                                   config)
 
     def open_forward(worker: int = 0) -> Forward:
-        return Forward(open_pinned(artifacts.onnx_path, config, worker), artifacts.layout, heads)
+        return Forward(open_session(worker), artifacts.layout, heads)
 
     return open_forward
-
-
-def weight_copies(artifacts: ModelArtifacts, config: SessionConfig, workers: int) -> int:
-    """How many copies of the weights ``workers`` workers keep resident: one where they share
-    a session or compiled model (CPU, OpenVINO), else one per worker (GPU sessions)."""
-    if artifacts.runtime == "openvino" or config.provider == "cpu":
-        return 1
-    return max(1, workers)

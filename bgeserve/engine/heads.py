@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bgeserve.engine.tokenizer import SPECIAL_IDS
+from bgeserve.vocab import SPECIAL_IDS
 
 _EPS = 1e-12  # torch.nn.functional.normalize's default
 

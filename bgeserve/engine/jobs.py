@@ -50,15 +50,18 @@ class Job:
         """Store text ``index``'s results from row ``row`` of a chunk's outputs (the caller
         counts it done)."""
         n = len(self.ids[index])
+        # The chunk ran every output some job in it asked for, so this job's are there.
         if self.options.dense:
+            assert out.dense is not None
             if self.dense is None:
                 self.dense = np.empty((len(self.ids), out.dense.shape[1]), dtype=np.float32)
             self.dense[index] = out.dense[row]
-        if self.options.sparse:
-            self.sparse[index] = sparse_vector(self.ids[index],  # type: ignore[index]
-                                               out.sparse_weights[row, :n])
-        if self.options.colbert:
-            self.colbert[index] = colbert_rows(out.colbert[row], n)  # type: ignore[index]
+        if self.sparse is not None:
+            assert out.sparse_weights is not None
+            self.sparse[index] = sparse_vector(self.ids[index], out.sparse_weights[row, :n])
+        if self.colbert is not None:
+            assert out.colbert is not None
+            self.colbert[index] = colbert_rows(out.colbert[row], n)
 
 
 @dataclass(eq=False)

@@ -23,6 +23,15 @@ WINDOW = 1024  # pending texts considered per dispatch: bounds the packing work
 Pack = Callable[[Sequence[int]], list[Chunk]]
 
 
+class Taken(list[Piece]):
+    """A chunk taken off the queue: its pieces, and ``pad_to``, the length ``pack`` padded
+    the chunk to (so the run pads it as it was packed, under the same cost model)."""
+
+    def __init__(self, pieces: list[Piece], pad_to: int):
+        super().__init__(pieces)
+        self.pad_to = pad_to
+
+
 class PendingQueue:
     """Pieces in arrival order, and how many tokens they hold."""
 
@@ -78,7 +87,7 @@ class PendingQueue:
         assert best is not None, "take() on an empty queue"
         return best
 
-    def take(self, pack: Pack, cross_request: bool = True) -> list[Piece]:
+    def take(self, pack: Pack, cross_request: bool = True) -> Taken:
         """Remove and return the chunk holding the anchor (see the module doc), as ``pack``
         groups the anchor with the first ``WINDOW`` pieces (only the anchor job's, unless
         ``cross_request``)."""
@@ -100,7 +109,7 @@ class PendingQueue:
         self._turn += 1
         for p in picked:
             p.job.served = self._turn
-        return picked
+        return Taken(picked, chosen.pad_to)
 
     def drain(self) -> list[Piece]:
         """Remove and return every piece."""

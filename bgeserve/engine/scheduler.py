@@ -3,16 +3,11 @@
 The scheduler is the single owner of the queue of pending texts (guarded by one condition).
 An idle worker pulls the next chunk: the first waiting text of the request served longest ago
 (requests take turns, so a query is not stuck behind an ingestion batch and nobody starves;
-``pending``) packed with the pending texts nearest to it in length, from any request, under the
-memory budget and the chunk caps (``binpack``). Results are written into each request's slots in input order and a
-request's future resolves when its last text is done. Every job gets exactly one answer: a
-result, or the error of the chunk it was in, or DeadlineExceeded / NotReady.
-
-Workers are supervised: a worker thread that dies (a bug outside a chunk's own error handling)
-has the texts it held failed with EngineFailed and is replaced by a new thread after a backoff
-that grows while it keeps dying; a session whose run fails with a runtime error is closed and
-reopened on the next chunk, since it may be left unusable. A worker whose session cannot be
-opened, or that is waiting out its backoff, is not counted as live, so ``/health`` shows it.
+``queue``) packed with the pending texts nearest to it in length, from any request, under the
+memory budget and the chunk caps (the ``Packer``). Results are written into each request's
+slots in input order and a request's future resolves when its last text is done. Every job
+gets exactly one answer: a result, or the error of the chunk it was in, or DeadlineExceeded /
+NotReady. The worker threads and their supervision are in ``workers``.
 """
 
 from __future__ import annotations
@@ -21,15 +16,16 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from bgeserve.engine.binpack import Chunk, Fits, chunk_length, plan
 from bgeserve.engine.forward import Forward, pad_chunk
 from bgeserve.engine.heads import ChunkOutputs
 from bgeserve.engine.jobs import Job, Piece, answer
-from bgeserve.engine.queue import PendingQueue
+from bgeserve.engine.packing import Cost, Packer, Rules
+from bgeserve.engine.queue import PendingQueue, Taken
+from bgeserve.engine.workers import Workers
 from bgeserve.errors import (
     BgeServeError,
     DeadlineExceeded,
@@ -39,18 +35,14 @@ from bgeserve.errors import (
     Overloaded,
     TooLarge,
 )
-from bgeserve.tuning import memory
 
 log = logging.getLogger("bgeserve.scheduler")
-# Delay before a dead worker's replacement starts, doubling per consecutive death: a worker that
-# dies at once every time must not spin a core or flood the log.
-MIN_RESTART_DELAY_S = 0.1
-MAX_RESTART_DELAY_S = 5.0
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Plain values the scheduler needs (the service derives them from Settings)."""
+    """Plain values the scheduler needs (the service derives them from Settings); the chunk
+    caps are the packer's starting rules (``rules``)."""
 
     workers: int = 1
     max_chunk: int = 64
@@ -67,6 +59,11 @@ class SchedulerConfig:
     max_queue_tokens: int = 1_000_000
     idle_timeout_s: float = 0.0
 
+    @property
+    def rules(self) -> Rules:
+        return Rules(self.max_chunk, self.max_chunk_tokens, self.min_fill, self.pad_multiple,
+                     self.pad_cap)
+
 
 @dataclass
 class ChunkStats:
@@ -79,13 +76,18 @@ class ChunkStats:
     seconds: float
 
 
-class Scheduler:
-    """Owns the pending queue and the worker threads."""
+class Scheduler(Workers):
+    """Owns the pending queue and the worker threads.
 
-    def __init__(self, open_forward: Callable[[int], Forward], fits: Fits, config: SchedulerConfig,
+    ``cost``: the memory cost model chunks are packed under (None: no limit); the engine swaps
+    it, and the chunk budget, through ``packer``.
+    """
+
+    def __init__(self, open_forward: Callable[[int], Forward], cost: Cost | None,
+                 config: SchedulerConfig,
                  on_chunk: Callable[[ChunkStats], None] | None = None):
         self._open_forward = open_forward
-        self._fits = fits
+        self.packer = Packer(config.rules, cost)
         self.config = config
         self._on_chunk = on_chunk or (lambda stats: None)
         self._cond = threading.Condition(threading.RLock())
@@ -93,14 +95,13 @@ class Scheduler:
         self._stopping = False
         self._flushing = False  # no batch window: no more work is coming (shutdown began)
         n = config.workers
-        self._threads: list[threading.Thread | None] = [None] * n
-        self._forwards: list[Forward | None] = [None] * n
+        self._threads = [None] * n
+        self._forwards = [None] * n
         self._busy = [False] * n
-        # Pieces a worker has taken off the queue and not yet answered: failed if it dies.
-        self._holding: list[list[Piece]] = [[] for _ in range(n)]
-        self._restarting = [False] * n  # a replacement thread is waiting out its backoff
-        self._open_failed = [False] * n  # the last attempt to open the session failed
-        self._deaths = [0] * n  # consecutive deaths: sets the restart backoff
+        self._holding = [[] for _ in range(n)]
+        self._restarting = [False] * n
+        self._open_failed = [False] * n
+        self._deaths = [0] * n
         self.counters = collections.Counter()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -212,11 +213,6 @@ class Scheduler:
         else:
             job.future.cancel()
 
-    def set_max_chunk_tokens(self, tokens: int) -> None:
-        """Padded tokens per run from the next chunk on (chunks already taken keep theirs)."""
-        with self._cond:
-            self.config = replace(self.config, max_chunk_tokens=tokens)
-
     # -- state -----------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Workers and queue. ``live``: workers able to take work — thread running, not waiting
@@ -230,18 +226,6 @@ class Scheduler:
                 "queue_texts": len(self._pending),
                 "queue_tokens": self._pending.tokens,
             }
-
-    def _live(self, w: int) -> bool:
-        t = self._threads[w]
-        return (t is not None and t.is_alive() and not self._restarting[w]
-                and not self._open_failed[w])
-
-    def _no_worker_left(self) -> bool:
-        """Started, and every worker thread but the caller's has ended (a replacement failed
-        to start): nothing would ever take work off the queue."""
-        threads = [t for t in self._threads if t is not None]
-        me = threading.current_thread()
-        return bool(threads) and not any(t.is_alive() and t is not me for t in threads)
 
     # -- internals -------------------------------------------------------------------------
     def _purge(self) -> int:
@@ -257,7 +241,7 @@ class Scheduler:
         self._fail(job, DeadlineExceeded(
             "the request did not finish within BGE_M3_REQUEST_TIMEOUT_SECS"))
 
-    def _next_chunk(self, worker: int) -> list[Piece] | None | str:
+    def _next_chunk(self, worker: int) -> Taken | None | str:
         """Block until there is a chunk for this worker; None = stop; "unload" = idle too long."""
         idle = self.config.idle_timeout_s or None
         with self._cond:
@@ -284,153 +268,10 @@ class Scheduler:
                 if not self._cond.wait(idle) and self._forwards[worker] is not None:
                     return "unload"
 
-    def _take_chunk(self) -> list[Piece]:
+    def _take_chunk(self) -> Taken:
         """The next chunk: the anchor text of the request served longest ago, with its
         length neighbours (``PendingQueue.take``; called with the lock held)."""
-        return self._pending.take(self._pack, self.config.cross_request)
-
-    def _pack(self, lengths: Sequence[int]) -> list[Chunk]:
-        c = self.config
-        return plan(lengths, fits=self._fits, max_chunk=c.max_chunk,
-                    max_tokens=c.max_chunk_tokens, min_fill=c.min_fill,
-                    pad_multiple=c.pad_multiple, pad_cap=c.pad_cap)
-
-    # -- worker threads and supervision -----------------------------------------------------
-    def _spawn(self, w: int, delay: float) -> None:
-        """Start worker ``w``'s thread (called with the lock held, or before any thread runs)."""
-        t = threading.Thread(target=self._supervised, args=(w, delay),
-                             name=f"bgeserve-worker-{w}", daemon=True)
-        self._threads[w] = t
-        t.start()
-
-    def _supervised(self, w: int, delay: float) -> None:
-        """A worker thread's body: the worker loop, and whatever ends it gets cleaned up."""
-        try:
-            if delay:
-                with self._cond:  # woken early by stop(), which then needs this thread to drain
-                    self._cond.wait_for(lambda: self._stopping, delay)
-            with self._cond:
-                self._restarting[w] = False
-            self._worker(w)
-        except BaseException:  # whatever killed the loop, its callers must still get an answer
-            log.exception("worker %d died", w)
-        finally:
-            self._after_exit(w)
-
-    def _after_exit(self, w: int) -> None:
-        """Unless the scheduler is stopping, replace the exiting worker; fail what it held."""
-        with self._cond:
-            held, self._holding[w] = self._holding[w], []
-            self._busy[w] = False
-            died = not self._stopping  # the loop only returns by itself when stopping
-        try:
-            if died:  # first: whoever gets the error below sees the worker already replaced
-                self._restart(w)
-        finally:
-            for p in held:
-                self._fail(p.job, EngineFailed(f"worker {w} died while running this text; "
-                                               "retry"))
-
-    def _restart(self, w: int) -> None:
-        """Replace dead worker ``w`` with a new thread, after a backoff; its session reopens on
-        the next chunk (the death may have left it in any state)."""
-        self._drop_session(w)
-        with self._cond:
-            if self._stopping:
-                return
-            self._deaths[w] += 1
-            delay = min(MAX_RESTART_DELAY_S,
-                        MIN_RESTART_DELAY_S * 2 ** min(self._deaths[w] - 1, 16))
-            self.counters["worker_restarts"] += 1
-            self._restarting[w] = True
-            try:
-                self._spawn(w, delay)
-            except Exception:  # e.g. "can't start new thread": stats and /health show it
-                log.exception("worker %d could not be restarted", w)
-                self._restarting[w] = False
-            else:
-                log.warning("worker %d died; restarting it in %.1fs", w, delay)
-                return
-            gone = self._no_worker_left()
-        if gone:  # nobody is left to run what waits: answer it now rather than at its deadline
-            self._fail_pending(NotReady("no worker is left to run the model (see /health)"))
-
-    def _worker(self, w: int) -> None:
-        while True:
-            chunk = self._next_chunk(w)
-            if chunk is None:
-                return
-            if chunk == "unload":
-                if self._drop_session(w):
-                    log.info("worker %d idle for %.0fs: session unloaded", w,
-                             self.config.idle_timeout_s)
-                continue
-            self._busy[w] = True
-            try:
-                self._execute(w, chunk)  # type: ignore[arg-type]
-            except Exception as exc:  # a bug must fail the chunk, never hang its callers
-                log.exception("worker %d crashed on a chunk", w)
-                self._reopen_later(w, f"unexpected error {exc!r}")
-                for p in chunk:  # type: ignore[union-attr]
-                    self._fail(p.job, EngineFailed(f"internal error: {exc!r}"))
-            # Not in a ``finally``: if the thread dies here, _after_exit fails what it held.
-            with self._cond:
-                self._busy[w] = False
-                self._holding[w] = []
-
-    def _execute(self, w: int, pieces: list[Piece]) -> None:
-        self._run(w, [p for p in pieces if not p.job.done])
-
-    def _session(self, w: int, pieces: list[Piece]) -> Forward | None:
-        """Worker ``w``'s session, opened if it is not; None (``pieces`` failed) if it cannot
-        be. A failed open marks the worker not live until an open succeeds."""
-        fwd = self._forwards[w]
-        if fwd is not None:
-            return fwd
-        try:
-            fwd = self._open_forward(w)
-        except Exception as exc:
-            log.error("worker %d: the session failed to open: %s", w, exc,
-                      exc_info=not isinstance(exc, BgeServeError))
-            with self._cond:
-                self._open_failed[w] = True
-            error = exc if isinstance(exc, BgeServeError) else EngineFailed(
-                f"could not open the session: {exc!r}")
-            for p in pieces:
-                self._fail(p.job, error)
-            return None
-        with self._cond:
-            self._forwards[w] = fwd
-            self._open_failed[w] = False
-        log.info("worker %d: session loaded", w)
-        return fwd
-
-    def _drop_session(self, w: int) -> bool:
-        """Close worker ``w``'s session if it has one. A failing close is logged, not raised:
-        it must not take the worker down, and the session is dropped either way."""
-        with self._cond:
-            fwd, self._forwards[w] = self._forwards[w], None
-        if fwd is None:
-            return False
-        try:
-            fwd.close()
-        except Exception:
-            log.exception("worker %d: closing its session failed", w)
-        # Hand the freed weights and arena back to the OS: glibc keeps them in the heap of the
-        # thread that loaded them, where the next load (often on another thread) cannot reuse
-        # them. Measured, full-size int8: 570 MiB left after an idle unload, and the reload
-        # peaked 354 MiB above the first load, past what the budget counted (a 2.75 GiB
-        # container was OOM-killed); trimmed, 214 MiB left and the reload matches the first.
-        memory.trim_heap()
-        return True
-
-    def _reopen_later(self, w: int, why: str) -> None:
-        """Drop a session that failed at run time (it may stay broken: a poisoned CUDA context,
-        a corrupted arena); the next chunk opens a fresh one. Counted as a restart."""
-        log.warning("worker %d: %s; its session will be reopened", w, why)
-        self._drop_session(w)
-        with self._cond:
-            self.counters["worker_restarts"] += 1
+        return self._pending.take(self.packer.plan, self.config.cross_request)
 
     def _fail_pending(self, error: BgeServeError) -> None:
         with self._cond:
@@ -439,14 +280,16 @@ class Scheduler:
             self._fail(piece.job, error)
 
     # -- running chunks ----------------------------------------------------------------------
-    def _run(self, w: int, pieces: list[Piece]) -> None:
+    def _run(self, w: int, pieces: list[Piece], pad_to: int | None = None) -> None:
+        """Run ``pieces`` as one chunk padded to ``pad_to`` (None: as the packer pads them),
+        and deliver or fail them; halves after running out of memory."""
         if not pieces:
             return
         fwd = self._session(w, pieces)  # per call: an OOM split's halves may need a fresh one
         if fwd is None:
             return
-        pad_to = chunk_length(len(pieces), max(p.length for p in pieces), fits=self._fits,
-                              multiple=self.config.pad_multiple, cap=self.config.pad_cap)
+        if pad_to is None:
+            pad_to = self.packer.pad_length(len(pieces), max(p.length for p in pieces))
         ids, mask = pad_chunk([p.job.ids[p.index] for p in pieces], pad_to)
         opts = [p.job.options for p in pieces]
         started = time.perf_counter()

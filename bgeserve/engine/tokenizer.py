@@ -18,9 +18,8 @@ import numpy as np
 import tokenizers
 
 from bgeserve.errors import InvalidInput, ModelUnavailable
+from bgeserve.vocab import CLS_ID, EOS_ID
 
-CLS_ID, PAD_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
-SPECIAL_IDS = (CLS_ID, PAD_ID, EOS_ID, UNK_ID)
 # Encoding memory bounds (see Tokenizer.encode): characters per encode_batch call, and the
 # characters per max_seq token past which a text is cut before encoding (XLM-R averages ~3-4).
 GROUP_CHARS = 1 << 18

@@ -1,6 +1,6 @@
 """Deterministic texts, as token ids, for the export's int8 calibration and its validation.
 
-They are made with the export's own tokenizer from ``bgeserve.testing.randmodel.random_texts``
+They are made with the export's own tokenizer from ``bgeserve.export.texts.random_texts``
 (multilingual-looking words in five scripts, numbers, emoji, punctuation): for a real model this
 exercises the activations much as real text does, where uniformly random ids would not. The
 lengths are spread evenly from ``MIN_TOKENS`` to ``MAX_TOKENS`` so that position-dependent
@@ -33,7 +33,7 @@ def token_rows(tokenizer: Path, seed: int, n: int, *, min_tokens: int = MIN_TOKE
     tokens, then keeps ``<s>``, the first content tokens and ``</s>`` (as the server truncates).
     """
     from bgeserve.engine.tokenizer import Tokenizer
-    from bgeserve.testing.randmodel import random_texts
+    from bgeserve.export.texts import random_texts
 
     tk = Tokenizer.load(tokenizer, max_seq=1 << 30)  # no truncation here: done per row below
     targets = np.linspace(min_tokens, max_tokens, n).round().astype(int) if n > 1 \

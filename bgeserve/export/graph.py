@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -103,7 +104,9 @@ class M3Graph(nn.Module):
                  attention_block: int = ATTENTION_BLOCK):
         super().__init__()
         self.attention_block = attention_block
-        self.encoder_model = encoder
+        # transformers' submodules by attribute (embeddings, encoder.layer[i]...): torch types
+        # Module attributes as Tensor | Module, so the model is used untyped.
+        self.encoder_model: Any = encoder
         self.sparse_linear = sparse
         self.colbert_linear = colbert
         self.heads = config.num_attention_heads
@@ -120,7 +123,7 @@ class M3Graph(nn.Module):
              + emb.token_type_embeddings.weight[0])
         return emb.LayerNorm(x)
 
-    def _attention(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor,
+    def _attention(self, layer: Any, x: torch.Tensor, bias: torch.Tensor,
                    unpadded: torch.Tensor) -> torch.Tensor:
         att = layer.attention.self
         b, n, _ = x.shape

@@ -206,7 +206,7 @@ def _blocked(graph: onnx.GraphProto, layer: int, start: str, end: str, nodes: li
         body_nodes.append(inner)
     # A typed, shaped block lets ONNX Runtime's fusions (bias + GELU, skip + LayerNorm) match
     # inside the body as they do in the main graph.
-    block = [1, "block_rows", width]
+    block: list[str | int | None] = [1, "block_rows", width]
     body = helper.make_graph(
         body_nodes, f"ffn_layer_{layer}",
         [helper.make_tensor_value_info(body_in, dtype, block)],

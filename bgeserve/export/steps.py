@@ -64,7 +64,8 @@ def export_fp32(model_dir: Path, out: Path, opset: int, layout: str = "bgeserve"
     block = ATTENTION_BLOCK if attention_block is None else attention_block
     # The hub layouts reproduce the reference graphs: plain attention.
     graph = load_graph(model_dir, block if layout == "bgeserve" else 0)
-    module, outputs = graph, list(OUTPUTS)
+    module: torch.nn.Module = graph
+    outputs = list(OUTPUTS)
     dynamic = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
                "dense": {0: "batch"}, "sparse_weights": {0: "batch", 1: "seq"},
                "colbert": {0: "batch", 1: "seq_minus_1"}}
@@ -144,6 +145,7 @@ def export_int8(fp32: Path, out: Path, tokenizer: Path | None = None,
         if recipe == "smoothquant":
             from bgeserve.export import smoothquant
 
+            assert tokenizer is not None  # checked above
             rows = corpus.token_rows(tokenizer, corpus.CALIBRATION_SEED, CALIBRATION_TEXTS,
                                      max_tokens=corpus.capped(max_tokens))
             _log(f"smoothing {fp32} (SmoothQuant, {len(rows)} calibration texts)", started)

@@ -85,7 +85,7 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
     app = Starlette(
         routes=routes,
         middleware=middleware,
-        exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
+        exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
     # `/v1/embeddings/` is an unknown route (404 in the envelope), not a 307 to a URL built

@@ -3,7 +3,7 @@
 ``RequestContext`` is the outermost of our middleware: it settles the id before anything can
 fail, stores it in ``scope["state"]["request_id"]`` and in a context variable, adds the
 ``X-Request-ID`` header to every response that passes through it, and writes one access-log
-line per request. ``RequestIdFilter`` lets the logging setup stamp the id on every record.
+line per request; ``bgeserve.logs`` stamps the id on every log record.
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ import logging
 import re
 import time
 import uuid
-from contextvars import ContextVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-log = logging.getLogger("bgeserve.http")
+from bgeserve.logs import request_id_var
 
-request_id_var: ContextVar[str | None] = ContextVar("bgeserve_request_id", default=None)
+log = logging.getLogger("bgeserve.http")
 
 _HEADER = b"x-request-id"
 _VALID_ID = re.compile(r"[\x20-\x7e]{1,128}")
@@ -37,15 +36,6 @@ def sanitize_request_id(raw: bytes | None) -> str:
 def request_id_of(scope: Scope) -> str | None:
     """The id ``RequestContext`` settled for this request (None before it ran)."""
     return scope.get("state", {}).get("request_id")
-
-
-class RequestIdFilter(logging.Filter):
-    """Stamp ``record.request_id`` from the current request (``None`` outside one)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if getattr(record, "request_id", None) is None:
-            record.request_id = request_id_var.get()
-        return True
 
 
 class RequestContext:

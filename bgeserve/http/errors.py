@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -98,7 +99,7 @@ def status_for(exc: BgeServeError) -> int:
     """The HTTP status for ``exc`` (500 for a class the table does not know)."""
     for cls in type(exc).__mro__:
         if cls in ERROR_STATUS:
-            return ERROR_STATUS[cls]  # type: ignore[index]
+            return ERROR_STATUS[cls]
     return 500
 
 
@@ -109,7 +110,7 @@ def envelope(status: int, message: str, code: str, param: str | None = None) -> 
 
 
 def json_error(
-    status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+    status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None
 ) -> Response:
     """An error response with an orjson-encoded envelope."""
     return Response(orjson.dumps(body), status, headers, media_type="application/json")

@@ -18,8 +18,8 @@ from bgeserve.config import Settings
 from bgeserve.errors import InvalidInput, TooLarge
 from bgeserve.http.errors import ModelNotFound
 from bgeserve.results import EmbedOptions
+from bgeserve.vocab import VOCAB_SIZE  # bge-m3's; the engine checks the loaded tokenizer's
 
-VOCAB_SIZE = 250_002  # bge-m3 (XLM-R) vocabulary; the service checks the loaded tokenizer too
 OUTPUTS = ("dense", "sparse", "colbert")
 _INPUT_SHAPES = (
     "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
@@ -83,7 +83,7 @@ def _choice(*allowed: str) -> Callable[[str, Any], str]:
     def parse(name: str, value: Any) -> str:
         if value not in allowed:
             raise InvalidInput(f"{name} must be one of {', '.join(map(repr, allowed))}", param=name)
-        return value  # type: ignore[no-any-return]
+        return value
 
     return parse
 

@@ -15,9 +15,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from bgeserve.config import Settings
-from bgeserve.errors import ConfigError, ModelUnavailable
-from bgeserve.runtime.onnx import OnnxSession, SessionConfig, available_providers
+from bgeserve.errors import ModelUnavailable
+from bgeserve.runtime import GPU_PROVIDERS
+from bgeserve.runtime.onnx import OnnxSession
+from bgeserve.runtime.session import SessionConfig
 from bgeserve.runtime.trt import (
     announce_trt_cache,
     engine_dir,
@@ -29,7 +30,6 @@ from bgeserve.runtime.trt import (
 
 log = logging.getLogger("bgeserve.gpu")
 
-GPU_EPS = ("cuda", "tensorrt")
 _INSTALL_HINT = {
     "cuda": "install onnxruntime-gpu in place of onnxruntime, built for the host's CUDA (PyPI: "
             "<1.27 for CUDA 12, >=1.27 for CUDA 13); the Dockerfile.cuda image has it",
@@ -55,7 +55,7 @@ def device_for_worker(worker: int, gpu_count: int) -> int:
 
 def pin(config: SessionConfig, worker: int) -> SessionConfig:
     """``config`` for one worker: on a GPU EP, pinned to its device; otherwise unchanged."""
-    if config.provider not in GPU_EPS:
+    if config.provider not in GPU_PROVIDERS:
         return config
     return dataclasses.replace(config, device_id=device_for_worker(worker, config.device_count))
 
@@ -70,84 +70,48 @@ def open_pinned(path: Path, config: SessionConfig, worker: int = 0) -> OnnxSessi
     return session
 
 
-# -- settings --------------------------------------------------------------------------------
-def resolve(settings: Settings, *, model_explicit: bool = True, proc: Path = Path("/proc"),
-            available: Iterable[str] | None = None, nvml: Any = None) -> Settings:
-    """Settings with the execution provider checked, GPUs counted and workers clamped.
-
-    A provider this onnxruntime build lacks, or a GPU EP with no GPU found, is a ``ConfigError``
-    naming BGE_M3_EP, unless BGE_M3_ALLOW_CPU_FALLBACK=1 (then a warning and the CPU). On a GPU
-    EP, ``gpu_count`` is filled in (BGE_M3_GPU_COUNT, else /proc, else NVML), workers are
-    clamped to it, and fp16 becomes the variant unless BGE_M3_MODEL was given
-    (``model_explicit``). Idempotent: resolving resolved settings changes nothing.
-    """
-    ep = settings.execution_provider
-    if ep == "cpu":
-        return settings
-    have = available_providers() if available is None else list(available)
-    count = 0
+# -- providers and sessions ----------------------------------------------------------------
+def provider_problem(ep: str, have: Iterable[str], gpu_count: int,
+                     proc: Path = Path("/proc")) -> str:
+    """Why ``ep`` cannot run here ("" when it can): a provider this onnxruntime build lacks, or
+    a GPU provider with no GPU found (``gpu_count``: the setting, /proc or NVML)."""
+    have = list(have)
     if ep not in have:
-        problem = (f"BGE_M3_EP={ep}, but this onnxruntime build has no {ep} execution provider "
-                   f"(it has: {', '.join(have)}); "
-                   + _INSTALL_HINT.get(ep, f"{ep} needs a platform and build that offer it"))
-    elif ep in GPU_EPS:
-        count = settings.gpu_count or detect_gpu_count(proc) or nvml_device_count(nvml)
-        problem = "" if count else (
-            f"BGE_M3_EP={ep}, but no NVIDIA GPU was found (nothing under "
-            f"{proc}/driver/nvidia/gpus, no device from NVML); run with the GPU visible to the "
-            "process (docker --gpus all, a Kubernetes nvidia.com/gpu limit) or set "
-            "BGE_M3_GPU_COUNT")
-    else:
-        problem = ""
-    if problem:
-        if not settings.allow_cpu_fallback:
-            raise ConfigError(f"{problem}; or set BGE_M3_EP=cpu, or BGE_M3_ALLOW_CPU_FALLBACK=1 "
-                              "to run on the CPU instead", param="BGE_M3_EP")
-        log.warning("%s. BGE_M3_ALLOW_CPU_FALLBACK=1: running on the CPU instead", problem)
-        return dataclasses.replace(settings, execution_provider="cpu")
-    if ep not in GPU_EPS:
-        return settings
-    changes: dict[str, Any] = {"gpu_count": count}
-    if settings.workers > count:
-        log.warning("BGE_M3_WORKERS=%d clamped to %d: on %s each worker owns one GPU and "
-                    "there are %d (BGE_M3_GPU_COUNT or detected)", settings.workers, count, ep,
-                    count)
-        changes["workers"] = count
-    if not model_explicit and settings.variant != "fp16":
-        log.info("BGE_M3_MODEL not set: using the fp16 variant on %s", ep)
-        changes["variant"] = "fp16"
-    return dataclasses.replace(settings, **changes)
+        return (f"BGE_M3_EP={ep}, but this onnxruntime build has no {ep} execution provider "
+                f"(it has: {', '.join(have)}); "
+                + _INSTALL_HINT.get(ep, f"{ep} needs a platform and build that offer it"))
+    if ep in GPU_PROVIDERS and not gpu_count:
+        return (f"BGE_M3_EP={ep}, but no NVIDIA GPU was found (nothing under "
+                f"{proc}/driver/nvidia/gpus, no device from NVML); run with the GPU visible to "
+                "the process (docker --gpus all, a Kubernetes nvidia.com/gpu limit) or set "
+                "BGE_M3_GPU_COUNT")
+    return ""
 
 
-def profile_max_batch(settings: Settings) -> int:
-    """Most texts one ``session.run`` may hold (the scheduler's chunk cap)."""
-    return settings.max_chunk if settings.onnx_batch_size is None else settings.onnx_batch_size
-
-
-def session_config(settings: Settings, *, gpu_mem_limit: int | None = None) -> SessionConfig:
-    """The session options for ``settings``' provider (resolve the settings first).
+def session_config(provider: str, *, threads: int, workers: int, gpu_count: int | None,
+                   cache_dir: Path, max_batch: int, max_seq: int,
+                   gpu_mem_limit: int | None = None) -> SessionConfig:
+    """The session options for ``provider``.
 
     For TensorRT this also creates the engine and timing cache folders and logs what the engine
     folder holds (``trt cache: found N cached engines at PATH`` / ``trt cache: empty``).
     """
-    s = settings
-    base = SessionConfig(provider=s.execution_provider, threads=s.threads_per_worker,
-                         streams=s.workers)
-    if s.execution_provider not in GPU_EPS:
+    base = SessionConfig(provider=provider, threads=threads, streams=workers)
+    if provider not in GPU_PROVIDERS:
         return base
     cuda = cuda_options(gpu_mem_limit)
-    base = dataclasses.replace(base, device_count=s.gpu_count or 1)
-    if s.execution_provider == "cuda":
+    base = dataclasses.replace(base, device_count=gpu_count or 1)
+    if provider == "cuda":
         return dataclasses.replace(base, provider_options=cuda)
-    for folder in (engine_dir(s.cache_dir), timing_dir(s.cache_dir)):
+    for folder in (engine_dir(cache_dir), timing_dir(cache_dir)):
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ModelUnavailable(f"cannot create the TensorRT cache folder {folder}: "
                                    f"{exc.strerror or exc}", param="BGE_M3_CACHE_DIR") from exc
-    announce_trt_cache(engine_dir(s.cache_dir))
-    profile = trt_profile(profile_max_batch(s), s.max_seq_length)
-    return dataclasses.replace(base, provider_options=trt_options(s.cache_dir, profile),
+    announce_trt_cache(engine_dir(cache_dir))
+    profile = trt_profile(max_batch, max_seq)
+    return dataclasses.replace(base, provider_options=trt_options(cache_dir, profile),
                                cuda_options=cuda)
 
 
@@ -197,23 +161,19 @@ def free_vram_bytes(devices: Iterable[int], nvml: Any = None) -> int | None:
     return min(free) if free else None
 
 
-def vram_budget(settings: Settings, model_files: Iterable[Path] = (),
-                nvml: Any = None) -> int | None:
-    """Workspace VRAM for the tuner: BGE_M3_GPU_VRAM_BUDGET_BYTES, else measured with NVML.
+def workspace_vram(devices: int, model_files: Iterable[Path], safety_factor: float,
+                   nvml: Any = None) -> int | None:
+    """Workspace VRAM per device, measured: (free VRAM of the fullest of the first ``devices``
+    devices − the model's size) × ``safety_factor``; None without NVML.
 
     Per worker, i.e. per device (each worker has a GPU of its own), as the reference server
-    meant it. Measured: (free VRAM of the fullest device in use − the model's size) × the
-    safety factor. None when neither is available (the tuner then assumes its default).
+    meant its VRAM budget.
     """
-    s = settings
-    if s.gpu_vram_budget_bytes is not None or s.execution_provider not in GPU_EPS:
-        return s.gpu_vram_budget_bytes
-    devices = min(s.workers, s.gpu_count or 1)
-    free = free_vram_bytes(range(devices), nvml)
+    free = free_vram_bytes(range(max(1, devices)), nvml)
     if free is None:
         return None
     model = sum(p.stat().st_size for p in model_files if p.is_file())
-    per_device = max(int((free - model) * s.memory_safety_factor), 1)
+    per_device = max(int((free - model) * safety_factor), 1)
     log.info("gpu: %d MiB free VRAM on the fullest device, %d MiB for workspace per device",
              free >> 20, per_device >> 20)
     return per_device

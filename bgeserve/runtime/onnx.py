@@ -9,14 +9,15 @@ from __future__ import annotations
 import platform
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
 from bgeserve.errors import ModelUnavailable
+from bgeserve.runtime import GPU_PROVIDERS
 from bgeserve.runtime.common import Shared, feeds, run_failure
+from bgeserve.runtime.session import SessionConfig
 
 _PROVIDERS = {
     "cpu": "CPUExecutionProvider",
@@ -35,34 +36,6 @@ def available_providers() -> list[str]:
     """Execution providers this onnxruntime build offers, by bgeserve's short names."""
     have = set(ort.get_available_providers())
     return [short for short, name in _PROVIDERS.items() if name in have]
-
-
-@dataclass(frozen=True)
-class SessionConfig:
-    """How to open one session."""
-
-    provider: str = "cpu"
-    threads: int = 0  # 0: ONNX Runtime picks (one per physical core)
-    # CPU workspace from ONNX Runtime's arena, grown by exactly what a run asks for and shrunk
-    # back at the end of every run (``run_options``), so a chunk's workspace goes back
-    # after it, as the cost model assumes. Off, glibc's heap serves it and fragments: one
-    # 2,048–4,096-token text left 0.4–1.2 GiB behind on the row-blocked graphs (measured).
-    cpu_arena: bool = True
-    device_id: int = 0
-    # GPU EPs: worker i runs on device ``i % device_count`` (``runtime.gpu.pin``).
-    device_count: int = 1
-    provider_options: dict[str, str] = field(default_factory=dict)
-    # Options of the CUDA EP registered under TensorRT for the nodes TensorRT rejects.
-    cuda_options: dict[str, str] = field(default_factory=dict)
-    optimization: str = "all"
-    # OpenVINO: inference streams of the one compiled model the workers share (= workers).
-    streams: int = 1
-
-    @property
-    def shrinking_arena(self) -> bool:
-        """The CPU arena is on, and shrunk after every run (CPU sessions only: GPU sessions keep
-        it off, since nothing there would shrink it between runs)."""
-        return self.cpu_arena and self.provider == "cpu"
 
 
 _ARENA_LOCK = threading.Lock()
@@ -118,7 +91,7 @@ def _providers(config: SessionConfig) -> list[str | tuple[str, dict[str, str]]]:
     name = _PROVIDERS[config.provider]
     if config.provider == "cpu":
         return [name]
-    if config.provider not in ("cuda", "tensorrt"):
+    if config.provider not in GPU_PROVIDERS:
         return [(name, dict(config.provider_options)), "CPUExecutionProvider"]
     device = {"device_id": str(config.device_id)}
     chain: list[str | tuple[str, dict[str, str]]] = [(name, {**config.provider_options, **device})]
@@ -176,7 +149,7 @@ class OnnxSession:
 
     def close(self) -> None:
         """Release the session (its memory is freed once no reference remains)."""
-        self._session = None  # type: ignore[assignment]
+        self._session = None
 
 
 class SharedSession:

@@ -1,54 +1,27 @@
-"""Which runtime and variant serve: the settings plus this machine → a concrete EP and variant.
+"""Which runtime and variant serve by default on this machine: pure rules over plain facts.
 
-- ``BGE_M3_EP=openvino`` runs the ``bf16`` variant (an OpenVINO IR made by ``bgeserve export``)
-  on the native OpenVINO runtime; ``BGE_M3_MODEL=bf16`` alone implies it.
-- With neither ``BGE_M3_EP`` nor ``BGE_M3_MODEL`` set, the CPU default is the fastest variant
-  that keeps dense cosine ≥ 0.999 against fp32 on this machine, among those the export holds
-  (measured in docs/benchmarks.md):
+With neither ``BGE_M3_EP`` nor ``BGE_M3_MODEL`` set, the CPU default is the fastest variant that
+keeps dense cosine ≥ ``MIN_DENSE_COS`` against fp32 on this machine, among those the model
+holds. This module is the rule (the prior, from docs/benchmarks.md); the service may replace
+it by timing the candidates (``service.plan``):
 
-  1. ``bf16`` on OpenVINO where the CPU has AMX (bf16 matrix tiles: fastest there);
-  2. ``int8`` on ONNX Runtime when ``bgeserve export`` measured its dense cosine vs fp32 at
-     ≥ 0.999 (the manifest's ``agreement``; SmoothQuant made that reachable);
-  3. ``bf16`` on OpenVINO where the CPU has native bf16 without AMX (AVX512_BF16);
-  4. exact ``fp32`` on ONNX Runtime.
+1. ``bf16`` on OpenVINO where the CPU has AMX (bf16 matrix tiles: fastest there);
+2. ``int8`` on ONNX Runtime when ``bgeserve export`` measured its dense cosine vs fp32 at
+   ≥ 0.999 (the manifest's ``agreement``; SmoothQuant made that reachable);
+3. ``bf16`` on OpenVINO where the CPU has native bf16 without AMX (AVX512_BF16);
+4. exact ``fp32`` on ONNX Runtime.
 
-  A hub download has only fp32 among these (its int8 is not validated), so it serves fp32.
-- GPU EPs are then checked by ``runtime.gpu.resolve`` (fp16 default, GPUs counted).
-
-Idempotent: resolving resolved settings changes nothing.
+A hub download has only fp32 among these (its int8 is not validated), so it serves fp32.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from bgeserve.config import Settings
-from bgeserve.engine.forward import CHUNK_TOKENS, DEFAULT_CHUNK_TOKENS, PAD_MULTIPLE
-from bgeserve.errors import ConfigError
-from bgeserve.model.artifacts import export_variants
-from bgeserve.runtime import gpu
 from bgeserve.runtime import openvino as ov_runtime
-
-log = logging.getLogger("bgeserve.backend")
-
-
-def chunk_tokens(settings: Settings) -> int:
-    """BGE_M3_MAX_CHUNK_TOKENS, else the measured best for the settings' backend."""
-    if settings.max_chunk_tokens is not None:
-        return settings.max_chunk_tokens
-    return CHUNK_TOKENS.get(settings.execution_provider, DEFAULT_CHUNK_TOKENS)
-
-
-def pad_multiple(settings: Settings) -> int:
-    """BGE_M3_PAD_MULTIPLE, else the backend's default (rounding pays on GPUs only)."""
-    if settings.pad_multiple is not None:
-        return settings.pad_multiple
-    return PAD_MULTIPLE.get(settings.execution_provider, 1)
-
 
 MIN_DENSE_COS = 0.999  # the bar a variant must keep to be chosen without being asked for
 
@@ -71,51 +44,36 @@ class Machine:
     amx: Callable[[], bool] = cpu_has_amx
 
 
-def resolve(settings: Settings, *, model_explicit: bool = True, ep_explicit: bool = True,
-            machine: Machine = Machine()) -> Settings:
-    """Settings with a concrete runtime and variant (``ConfigError`` naming what to change)."""
-    s = settings
-    if s.execution_provider == "cpu" and s.variant == "bf16":
-        if ep_explicit:
-            raise ConfigError("BGE_M3_MODEL=bf16 runs on OpenVINO, not ONNX Runtime: set "
-                              "BGE_M3_EP=openvino (or unset BGE_M3_EP)", param="BGE_M3_MODEL")
-        s = dataclasses.replace(s, execution_provider="openvino")
-    if s.execution_provider == "openvino":
-        return _openvino(s, model_explicit, machine)
-    if s.execution_provider == "cpu" and not model_explicit and not ep_explicit:
-        return _cpu_default(s, machine)
-    return gpu.resolve(s, model_explicit=model_explicit)
+THIS_MACHINE = Machine()
 
 
-def _openvino(s: Settings, model_explicit: bool, machine: Machine) -> Settings:
-    if not machine.openvino():
-        problem = ("BGE_M3_EP=openvino, but the openvino package is missing: "
-                   + ov_runtime.INSTALL_HINT)
-        if not s.allow_cpu_fallback:
-            raise ConfigError(f"{problem}; or set BGE_M3_EP=cpu, or BGE_M3_ALLOW_CPU_FALLBACK=1",
-                              param="BGE_M3_EP")
-        log.warning("%s. BGE_M3_ALLOW_CPU_FALLBACK=1: running fp32 on ONNX Runtime instead",
-                    problem)
-        return dataclasses.replace(s, execution_provider="cpu", variant="fp32")
-    if s.variant != "bf16":
-        if model_explicit:
-            raise ConfigError(f"BGE_M3_EP=openvino runs the bf16 variant, not {s.variant}: set "
-                              "BGE_M3_MODEL=bf16 (or unset it), or BGE_M3_EP=cpu for "
-                              f"{s.variant} on ONNX Runtime", param="BGE_M3_MODEL")
-        s = dataclasses.replace(s, variant="bf16")
-    return s
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """A default the rule picked: the provider and variant, why, and what was ruled out."""
+
+    provider: str
+    variant: str
+    why: str
+    notes: tuple[str, ...] = ()
 
 
-def _validated(entry: dict[str, Any]) -> float | None:
+def validated_cos(entry: Mapping[str, Any]) -> float | None:
     """The dense cosine vs fp32 that ``bgeserve export`` measured for a variant, if any."""
     agreement = entry.get("agreement")
     value = agreement.get("dense_cos_min") if isinstance(agreement, dict) else None
     return float(value) if isinstance(value, (int, float)) else None
 
 
-def _cpu_default(s: Settings, machine: Machine) -> Settings:
-    """Neither BGE_M3_EP nor BGE_M3_MODEL given: the fastest variant keeping cos ≥ 0.999."""
-    variants = export_variants(s.model_path)
+def meets_bar(variant: str, entry: Mapping[str, Any]) -> bool:
+    """fp32 is exact; any other variant must have been measured at ≥ ``MIN_DENSE_COS``."""
+    if variant == "fp32":
+        return True
+    cos = validated_cos(entry)
+    return cos is not None and cos >= MIN_DENSE_COS
+
+
+def cpu_default(variants: Mapping[str, Mapping[str, Any]], machine: Machine) -> Choice:
+    """The rule's choice among the ``variants`` a local export holds (``{}`` for others)."""
     notes = []
     bf16 = False
     if "bf16" not in variants:
@@ -127,7 +85,7 @@ def _cpu_default(s: Settings, machine: Machine) -> Settings:
         notes.append("bf16: this CPU has no native bf16 (AVX512_BF16 / AMX)")
     else:
         bf16 = True
-    int8_cos = _validated(variants["int8"]) if "int8" in variants else None
+    int8_cos = validated_cos(variants["int8"]) if "int8" in variants else None
     int8 = int8_cos is not None and int8_cos >= MIN_DENSE_COS
     if "int8" not in variants:
         notes.append("int8: not in the model")
@@ -136,19 +94,11 @@ def _cpu_default(s: Settings, machine: Machine) -> Settings:
     elif not int8:
         notes.append(f"int8: dense cosine vs fp32 {int8_cos:.4f} < {MIN_DENSE_COS}")
     if bf16 and machine.amx():
-        return _choose(s, "openvino", "bf16", "AMX bf16 on OpenVINO is the fastest path")
+        return Choice("openvino", "bf16", "AMX bf16 on OpenVINO is the fastest path",
+                      tuple(notes))
     if int8:
-        return _choose(s, "cpu", "int8", f"the export measured dense cosine {int8_cos:.4f} vs "
-                                         "fp32")
+        return Choice("cpu", "int8", f"the export measured dense cosine {int8_cos:.4f} vs fp32",
+                      tuple(notes))
     if bf16:
-        return _choose(s, "openvino", "bf16", "native bf16 on this CPU")
-    log.info("BGE_M3_EP and BGE_M3_MODEL not set: serving exact %s on ONNX Runtime (%s)",
-             s.variant, "; ".join(notes))
-    return s
-
-
-def _choose(s: Settings, ep: str, variant: str, why: str) -> Settings:
-    log.info("BGE_M3_EP and BGE_M3_MODEL not set: serving %s on %s (%s; dense cosine vs fp32 "
-             ">= %s)", variant, "OpenVINO" if ep == "openvino" else "ONNX Runtime", why,
-             MIN_DENSE_COS)
-    return dataclasses.replace(s, execution_provider=ep, variant=variant)
+        return Choice("openvino", "bf16", "native bf16 on this CPU", tuple(notes))
+    return Choice("cpu", "fp32", "exact", tuple(notes))

@@ -13,66 +13,27 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
-from bgeserve import __version__
+from bgeserve import __version__, runtime
 from bgeserve.config import Settings
-from bgeserve.engine import Engine, EngineConfig, Inputs, clamp_max_seq, model_dims
-from bgeserve.engine.forward import weight_copies
-from bgeserve.engine.scheduler import SchedulerConfig
+from bgeserve.engine import Engine, Inputs
 from bgeserve.errors import BgeServeError, DeadlineExceeded, NotReady
 from bgeserve.model.artifacts import ModelArtifacts, resolve, validate_cache_dir
 from bgeserve.results import Embeddings, EmbedOptions
 from bgeserve.runtime import gpu
-from bgeserve.runtime import onnx as ort_adapter
-from bgeserve.runtime import select as backend
+from bgeserve.service import plan
 from bgeserve.service.metrics import Metrics
-from bgeserve.tuning import memory, probe
-from bgeserve.tuning.tuner import Tuner, TuningConfig, UnmeasuredFloor, measure_model_cost
+from bgeserve.tuning import cache, memory
+from bgeserve.tuning.budget import measure_model_cost
+from bgeserve.tuning.tuner import Tuner, UnmeasuredFloor
 
 log = logging.getLogger("bgeserve.service")
-
-
-def engine_config(settings: Settings) -> EngineConfig:
-    """The engine's plain-value configuration, from Settings."""
-    s = settings
-    session = gpu.session_config(s)  # provider options, device count, TensorRT profile/caches
-    max_chunk = s.max_chunk if s.onnx_batch_size is None else s.onnx_batch_size
-    scheduler = SchedulerConfig(
-        workers=s.workers, max_chunk=max_chunk, max_chunk_tokens=backend.chunk_tokens(s),
-        pad_multiple=backend.pad_multiple(s),
-        batch_delay_s=s.batch_delay_ms / 1000.0, cross_request=s.cross_request_batching,
-        max_queue_tokens=s.max_queue_tokens,
-        idle_timeout_s=s.idle_timeout_secs)
-    return EngineConfig(max_seq=s.max_seq_length, session=session, scheduler=scheduler,
-                        request_timeout_s=s.request_timeout_secs or None,
-                        max_colbert_bytes=s.max_colbert_mb << 20)
 
 
 def probe_source(engine: Engine, spec: dict[str, Any]) -> Any:
     """What the probe measures: the child-process spec (a seam tests replace)."""
     return spec
-
-
-def probe_parts(settings: Settings, artifacts: ModelArtifacts) -> dict[str, Any]:
-    """Everything that changes a session's memory use: the probe cache's fingerprint parts."""
-    return {
-        "model": artifacts.identity(), "layout": artifacts.layout.value,
-        "variant": artifacts.variant, "provider": settings.execution_provider,
-        "runtime": runtime_version(artifacts), "threads": settings.threads_per_worker,
-        "workers": settings.workers,
-        "cpu": ort_adapter.cpu_description(), "max_seq": settings.max_seq_length,
-    }
-
-
-def runtime_version(artifacts: ModelArtifacts) -> str:
-    """The runtime that reads the graph, with its version (health, logs, probe fingerprint)."""
-    if artifacts.runtime == "openvino":
-        from bgeserve.runtime import openvino
-
-        return f"openvino {openvino.version()}"
-    return f"onnxruntime {ort_adapter.version()}"
 
 
 class Service:
@@ -91,12 +52,10 @@ class Service:
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._loader: threading.Thread | None = None
-        self._dense_width = 0  # the loaded model's, from its first embedding
         self._abort_timer: asyncio.TimerHandle | None = None
         # Requests tokenizing at once: more than the cores only adds memory (each holds its
         # encodings), never speed. Made on first use, on the loop that serves.
         self._tokenizing: asyncio.Semaphore | None = None
-        self.started_at = time.time()
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -114,42 +73,28 @@ class Service:
             raise self.fatal_error
 
     def _load(self) -> None:
-        s = self.settings
         engine: Engine | None = None
         try:
-            # EP present, GPUs counted, workers clamped (a no-op if the CLI resolved already).
-            s = self.settings = backend.resolve(s)
+            # Runtime, provider and variant decided, GPUs counted (a no-op if the CLI did it).
+            s = self.settings = plan.resolve(self.settings)
             cache_dir = validate_cache_dir(s.cache_dir)
             self.artifacts = artifacts = resolve(model_path=s.model_path, variant=s.variant,
                                                  cache_dir=cache_dir, offline=s.offline)
-            log.info("model: %s (%s layout, variant %s, %s)", artifacts.source,
-                     artifacts.layout.value, artifacts.variant, runtime_version(artifacts))
+            serving = plan.for_model(s, artifacts, cache_dir)
             # Everything below (engine, probe, /health) sees the tokens the model holds.
-            s = self.settings = replace(s, max_seq_length=clamp_max_seq(s.max_seq_length,
-                                                                        artifacts))
-            engine = Engine(artifacts=artifacts, config=engine_config(s), start=False,
+            s = self.settings = serving.settings
+            log.info("model: %s (%s layout, variant %s, %s)", artifacts.source,
+                     artifacts.layout.value, artifacts.variant,
+                     runtime.get(serving.runtime).version())
+            engine = Engine(artifacts=artifacts, config=serving.engine, start=False,
                             auto_budget=False,  # the Tuner owns the budget here
                             on_chunk=self.metrics_registry.observe_chunk)
-            chunks = engine.config.scheduler
+            chunks = serving.engine.scheduler
             log.info("chunks: up to %d texts and %s padded tokens per run, lengths rounded up "
                      "to a multiple of %d, cross-request batching %s", chunks.max_chunk,
                      chunks.max_chunk_tokens or "unlimited", chunks.pad_multiple,
                      "on" if chunks.cross_request else "off")
-            tuning = TuningConfig(
-                workers=s.workers, max_seq=s.max_seq_length, safety_factor=s.memory_safety_factor,
-                available_override=s.available_memory_bytes, token_budget=s.token_budget,
-                cost_a=s.cost_model_a, cost_b=s.cost_model_b,
-                disable_auto_budget=s.disable_auto_budget,
-                disable_probe_cache=s.disable_probe_cache,
-                legacy_batch_size=s.onnx_batch_size,
-                gpu=s.execution_provider in ("cuda", "tensorrt"),
-                gpu_vram_budget=gpu.vram_budget(s, (artifacts.onnx_path,
-                                                    *artifacts.external_data)),
-                cache_dir=cache_dir,
-                dims=model_dims(artifacts),
-                chunk_tokens=engine.config.scheduler.max_chunk_tokens,
-                chunk_pinned=s.max_chunk_tokens is not None)
-            self.tuner = tuner = Tuner(tuning, apply=engine.set_cost_model,
+            self.tuner = tuner = Tuner(serving.tuning, apply=engine.set_cost_model,
                                        apply_chunk_tokens=engine.set_max_chunk_tokens)
             tuner.detect_memory()
 
@@ -157,15 +102,15 @@ class Service:
                 engine.start()
                 ready = engine.embed("ready", dense=True, sparse=True, colbert=True)
                 assert ready.dense is not None
-                self._dense_width = int(ready.dense.shape[1])
+                engine.width = int(ready.dense.shape[1])  # what the graph gives is the truth
 
             model_bytes = sum(p.stat().st_size for p in (artifacts.onnx_path,
                                                           *artifacts.external_data))
             model_cost = measure_model_cost(
                 load, s.workers, model_bytes,
-                copies=weight_copies(artifacts, engine.config.session, s.workers))
-            parts = probe_parts(s, artifacts)
-            fingerprint = probe.fingerprint(parts)
+                copies=runtime.weight_copies(serving.runtime, s.workers))
+            parts = plan.probe_parts(s, artifacts)
+            fingerprint = cache.fingerprint(parts)
             spec = {"model_path": str(s.model_path) if s.model_path else None,
                     "variant": s.variant, "cache_dir": str(cache_dir),
                     "provider": s.execution_provider, "threads": s.threads_per_worker,
@@ -211,7 +156,7 @@ class Service:
                               queue_tokens=stats["queue_tokens"])
             if self.tuner is not None:
                 fields["probe_status"] = self.tuner.state.probe_status
-            if self.settings.execution_provider in ("cuda", "tensorrt"):
+            if runtime.on_gpu(self.settings.execution_provider):
                 fields["gpus"] = gpu.heartbeat_fields()
             log.info("heartbeat", extra=fields)
 
@@ -300,8 +245,7 @@ class Service:
 
     def dense_width(self) -> int:
         """The loaded model's vector width (1,024 for bge-m3)."""
-        self._engine()
-        return self._dense_width
+        return self._engine().width
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Vocabulary strings for token ids (sparse_format=tokens)."""
@@ -335,7 +279,7 @@ class Service:
             queue={"texts": stats["queue_texts"], "tokens": stats["queue_tokens"]},
             model={"name": self.model_name, "variant": self.artifacts.variant,
                    "layout": self.artifacts.layout.value, "source": self.artifacts.source,
-                   "backend": runtime_version(self.artifacts),
+                   "backend": plan.runtime_version(self.artifacts, s.execution_provider),
                    "execution_provider": s.execution_provider,
                    "threads_per_worker": s.threads_per_worker},
             tuning=self.tuner.state.as_dict(),

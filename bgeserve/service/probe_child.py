@@ -12,49 +12,39 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from bgeserve.engine.forward import forward_factory
 from bgeserve.engine.tokenizer import Tokenizer
 from bgeserve.model.artifacts import resolve
-from bgeserve.runtime.onnx import SessionConfig
+from bgeserve.runtime.session import SessionConfig
 from bgeserve.tuning import memory, probe
 from bgeserve.tuning.costmodel import CostModel
+from bgeserve.tuning.synthetic import chunk_timing_run, synthetic_run
 
 PIN_THRESHOLD = 1 << 20  # blocks ≥ 1 MiB are returned to the OS on free
 
 
-def run(spec: dict) -> dict:
+def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Load the model as ``spec`` says, probe, and return the result as plain data."""
     memory.pin_mmap_threshold(PIN_THRESHOLD)
     artifacts = resolve(model_path=Path(spec["model_path"]) if spec["model_path"] else None,
                         variant=spec["variant"], cache_dir=Path(spec["cache_dir"]),
                         offline=True, progress=False)
     vocab = Tokenizer.load(artifacts.tokenizer_path, spec["max_seq"]).vocab_size
-    from bgeserve.tuning.tuner import chunk_timing_run, synthetic_run
-
     config = SessionConfig(provider=spec["provider"], threads=spec["threads"])
     run_shape, close = synthetic_run(forward_factory(artifacts, config), vocab)
     run_shape(1, 8)
     guard = CostModel(spec["guard_a"], spec["guard_b"], spec["guard_budget"])
-    lines: list[str] = []
-    result = probe.run_probe(run_shape, shapes=[tuple(s) for s in spec["shapes"]],
-                             held_out=tuple(spec["held_out"]) if spec["held_out"] else None,
-                             guard=guard, log=lambda line: print(line, file=sys.stderr,
-                                                                 flush=True) or lines.append(line),
+    held_out = spec["held_out"]
+    result = probe.run_probe(run_shape, shapes=[(int(b), int(s)) for b, s in spec["shapes"]],
+                             held_out=(int(held_out[0]), int(held_out[1])) if held_out else None,
+                             guard=guard, log=lambda line: print(line, file=sys.stderr, flush=True),
                              chunk_candidates=spec.get("chunk_candidates", ()),
                              chunk_run=chunk_timing_run(run_shape))
     close()
-    return {
-        "samples": [asdict(s) for s in result.samples],
-        "skipped": [list(s) for s in result.skipped],
-        "held_out": asdict(result.held_out) if result.held_out else None,
-        "fit": asdict(result.fit) if result.fit else None,
-        "error": result.error,
-        "seconds": result.seconds,
-        "chunk_rates": {str(k): v for k, v in result.chunk_rates.items()},
-    }
+    return result.to_json()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ from bgeserve.engine.forward import forward_factory
 from bgeserve.errors import BgeServeError
 from bgeserve.model.artifacts import resolve, validate_cache_dir
 from bgeserve.runtime import gpu, trt
+from bgeserve.service import plan
 
 log = logging.getLogger("bgeserve.warmup")
 
@@ -118,9 +119,9 @@ def run(settings: Settings) -> int:
         return 0
     engines = trt.engine_dir(cache_dir)
     try:
-        session = gpu.session_config(s)
+        session = plan.session_config(s)
         shapes = trt.parse_warmup_shapes(s.trt_warmup_shapes, s.max_seq_length,
-                                         max_batch=gpu.profile_max_batch(s))
+                                         max_batch=plan.profile_max_batch(s))
         results = warm(forward_factory(artifacts, session), shapes, s.workers, engines,
                        session.device_count)
         synced = trt.fsync_tree(engines) + trt.fsync_tree(trt.timing_dir(cache_dir))

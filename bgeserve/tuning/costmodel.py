@@ -31,6 +31,11 @@ _FFN_COPIES = 3
 _SCORE_COPIES = 3
 
 
+def workspace(c: float, a: float, b: float, batch: int, seq: int) -> float:
+    """The cost formula: ``c + a·batch·seq + b·batch·seq²`` bytes (the one place it is written)."""
+    return c + a * batch * seq + b * batch * seq * seq
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Predicts a chunk's workspace in bytes and whether it fits ``max_workspace_bytes``.
@@ -67,7 +72,7 @@ class CostModel:
 
     def cost(self, batch: int, seq: int) -> float:
         """Predicted workspace bytes of ``batch`` texts padded to ``seq`` tokens."""
-        return self.c + self.a * batch * seq + self.b * batch * seq * seq
+        return workspace(self.c, self.a, self.b, batch, seq)
 
     def fits(self, batch: int, seq: int) -> bool:
         """True when ``cost(batch, seq)`` is within the budget."""
@@ -161,6 +166,10 @@ class Fit:
     held_out_rel_error: float | None
     c: float = 0.0
 
+    def predict(self, batch: int, seq: int) -> float:
+        """The fitted workspace bytes of ``batch`` texts padded to ``seq`` tokens."""
+        return workspace(self.c, self.a, self.b, batch, seq)
+
 
 class FitError(Exception):
     """The samples do not support a trustworthy fit; the message says why."""
@@ -172,7 +181,7 @@ class ShapeSetError(FitError):
 
 def rel_error(a: float, b: float, sample: Sample, floor: float, c: float = 0.0) -> float:
     """``|predicted − measured| / max(measured, floor)`` for one sample."""
-    predicted = c + a * sample.batch * sample.seq + b * sample.batch * sample.seq**2
+    predicted = workspace(c, a, b, sample.batch, sample.seq)
     return abs(predicted - sample.workspace_bytes) / max(sample.workspace_bytes, floor)
 
 

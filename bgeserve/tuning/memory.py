@@ -237,20 +237,3 @@ def trim_heap() -> bool:
         return False
     malloc_trim(0)
     return True
-
-
-def worker_budget(
-    available: int, workers: int, model_cost: int, *, headroom: int, safety_factor: float
-) -> int:
-    """Workspace bytes each worker may use: ``(available − workers·model − headroom)·safety / workers``.
-
-    Floored at 0; the caller refuses to start when that cannot hold one ``max_seq`` text.
-    """
-    if workers < 1:
-        raise ValueError(f"workers={workers} must be >= 1 (this is a bug in the caller)")
-    if not 0 < safety_factor <= 1:
-        raise ValueError(
-            f"safety_factor={safety_factor} must be in (0, 1]; check BGE_M3_MEMORY_SAFETY_FACTOR"
-        )
-    free = available - workers * model_cost - headroom
-    return max(0, int(free * safety_factor / workers))

@@ -11,26 +11,18 @@ a fingerprint of everything that changes memory use. Never imports onnxruntime.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import logging
-import math
-import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from bgeserve.tuning.costmodel import CostModel, Fit, FitError, MiB, Sample, fit
 from bgeserve.tuning.memory import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_heap
 
 logger = logging.getLogger("bgeserve.probe")
 
-PROBE_SCHEMA = 2  # 2: the fit may carry a fixed per-run term c
 # Fitting shapes: batch varies at equal batch·seq so a (∝ B·S) and b (∝ B·S²) separate.
 _BASE_SHAPES = [
     (1, 64),
@@ -101,6 +93,34 @@ class ProbeResult:
     error: str | None
     seconds: float
     chunk_rates: dict[int, float] = field(default_factory=dict)  # padded tokens → tokens/s
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data (the probe process's answer to the server)."""
+        return {
+            "samples": [asdict(s) for s in self.samples],
+            "skipped": [list(s) for s in self.skipped],
+            "held_out": asdict(self.held_out) if self.held_out else None,
+            "fit": asdict(self.fit) if self.fit else None,
+            "error": self.error,
+            "seconds": self.seconds,
+            "chunk_rates": {str(k): v for k, v in self.chunk_rates.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ProbeResult:
+        """The result ``to_json`` wrote."""
+        return cls(
+            [Sample(**s) for s in data["samples"]],
+            [(int(b), int(q), str(r)) for b, q, r in data["skipped"]],
+            Sample(**data["held_out"]) if data["held_out"] else None,
+            Fit(**data["fit"]) if data["fit"] else None,
+            data["error"], data["seconds"],
+            {int(k): float(v) for k, v in (data.get("chunk_rates") or {}).items()})
+
+    @classmethod
+    def failed(cls, error: str) -> ProbeResult:
+        """No measurement at all (the probe process died, say)."""
+        return cls([], [], None, None, error, 0.0)
 
 
 class _PeakSampler:
@@ -289,108 +309,24 @@ def choose_chunk_tokens(default: int, rates: Mapping[int, float],
     return best if rates[best] / rates[default] >= 1 + margin - 1e-9 else default
 
 
-def fingerprint(parts: Mapping[str, str | int | float]) -> str:
-    """A stable hex digest of ``parts`` and the probe schema: changes when any part changes."""
-    payload = json.dumps(
-        {"probe_schema": PROBE_SCHEMA, "parts": dict(parts)}, sort_keys=True, separators=(",", ":")
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()
-
-
-def _coefficient(value: object) -> float | None:
-    """``value`` as a finite float, or None for anything else (bools and strings included)."""
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
-
-
-def _parse_record(text: str, fingerprint: str) -> Fit | str:
-    """The fit stored in a cache file's text, or why it cannot be used."""
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        return f"is corrupt or truncated ({exc})"
-    if not isinstance(data, dict):
-        return "is not a JSON object"
-    if data.get("schema") != PROBE_SCHEMA:
-        return f"has probe schema {data.get('schema')!r}, expected {PROBE_SCHEMA}"
-    if data.get("fingerprint") != fingerprint:
-        return "was made for another model, runtime or configuration"
-    a, b = _coefficient(data.get("a")), _coefficient(data.get("b"))
-    if a is None or b is None or a < 0 or b < 0 or a + b == 0:
-        return f"has unusable coefficients a={data.get('a')!r}, b={data.get('b')!r}"
-    residual, held = _coefficient(data.get("max_rel_residual")), data.get("held_out_rel_error")
-    if residual is None or (held is not None and _coefficient(held) is None):
-        return "is missing its fit-quality fields"
-    c = _coefficient(data.get("c", 0.0))
-    if c is None or c < 0:
-        return f"has an unusable fixed term c={data.get('c')!r}"
-    return Fit(a, b, residual, _coefficient(held), c)
-
-
-class ProbeCache:
-    """A fitted (a, b) on disk, valid only for the fingerprint it was saved under."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def load(self, fingerprint: str) -> Fit | None:
-        """The cached fit for ``fingerprint``, or None (with a logged reason if unusable)."""
-        try:
-            text = self.path.read_text()
-        except FileNotFoundError:
-            return None
-        except (OSError, UnicodeDecodeError) as exc:
-            reason: Fit | str = f"cannot be read ({exc})"
+def probe_table(result: ProbeResult) -> str:
+    """A markdown table of a probe: measured vs fitted workspace per shape, held-out marked."""
+    rows = ["| batch | seq | measured MiB | fitted MiB | error | seconds |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    f = result.fit
+    shapes = [(s, "") for s in result.samples]
+    if result.held_out is not None:
+        shapes.append((result.held_out, " (held out)"))
+    for sample, note in shapes:
+        measured = sample.workspace_bytes / 2**20
+        if f is not None:
+            fitted = f.predict(sample.batch, sample.seq) / 2**20
+            err = f"{(fitted - measured) / max(measured, 1e-9):+.0%}"
+            fitted_s = f"{fitted:.0f}"
         else:
-            reason = _parse_record(text, fingerprint)
-        if isinstance(reason, Fit):
-            return reason
-        logger.warning("probe cache %s %s; ignoring it and probing again", self.path, reason)
-        return None
-
-    def chunk_rates(self, fingerprint: str) -> dict[int, float]:
-        """The chunk budgets' tokens/s saved with ``fingerprint``'s fit; {} if none."""
-        try:
-            record = json.loads(self.path.read_text())
-            if record.get("fingerprint") != fingerprint:
-                return {}
-            rates = {int(k): float(v) for k, v in (record.get("chunk_rates") or {}).items()}
-            return {k: v for k, v in rates.items() if k > 0 and math.isfinite(v) and v > 0}
-        except (OSError, ValueError, TypeError, AttributeError):
-            return {}
-
-    def save(
-        self, fingerprint: str, fit: Fit, parts: Mapping[str, object], samples: Sequence[Sample],
-        chunk_rates: Mapping[int, float] | None = None,
-    ) -> None:
-        """Write the fit atomically (temp file, fsync, rename); a failure only logs a warning."""
-        record = {
-            "schema": PROBE_SCHEMA,
-            "fingerprint": fingerprint,
-            **asdict(fit),
-            "fitted_at_unix": int(time.time()),
-            "parts": dict(parts),
-            "samples": [asdict(s) for s in samples],
-            "chunk_rates": {str(k): v for k, v in (chunk_rates or {}).items()},
-        }
-        tmp: str | None = None
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(
-                dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp"
-            )
-            with os.fdopen(fd, "w") as f:
-                json.dump(record, f, indent=2, default=str)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            tmp = None
-        except (OSError, TypeError, ValueError) as exc:
-            logger.warning(
-                "cannot save probe cache %s (%s); the next start will probe again", self.path, exc
-            )
-        finally:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+            fitted_s, err = "—", "—"
+        rows.append(f"| {sample.batch} | {sample.seq}{note} | {measured:.0f} | {fitted_s} | {err} "
+                    f"| {sample.seconds:.2f} |")
+    for batch, seq, reason in result.skipped:
+        rows.append(f"| {batch} | {seq} | skipped: {reason} | | | |")
+    return "\n".join(rows)

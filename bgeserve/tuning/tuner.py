@@ -15,22 +15,18 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from bgeserve.engine.tokenizer import PAD_ID
 from bgeserve.errors import ConfigError
-from bgeserve.tuning import memory, probe
+from bgeserve.tuning import cache, memory, probe
+from bgeserve.tuning.budget import budget
+from bgeserve.tuning.child import run_child
 from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
 
 log = logging.getLogger("bgeserve.tuning")
-HEADROOM_BYTES = 256 << 20
-SYNTHETIC_IDS = 260  # probe token ids are drawn from [4, 260): a few pages of embedding rows
 LEGACY_BATCH_SEQ = 512  # what BGE_M3_ONNX_BATCH_SIZE texts were assumed to be long
 GPU_DEFAULT_VRAM = 10 << 30
 
@@ -116,8 +112,8 @@ class Tuner:
         workers = c.workers + extra_sessions
         if c.gpu:  # one worker per device: the VRAM budget is each worker's own
             return c.gpu_vram_budget or GPU_DEFAULT_VRAM
-        return memory.worker_budget(self.state.available_bytes, workers, model_cost,
-                                    headroom=HEADROOM_BYTES, safety_factor=c.safety_factor)
+        return budget(self.state.available_bytes, workers, model_cost,
+                      safety_factor=c.safety_factor)
 
     def conservative(self) -> tuple[float, float]:
         return conservative_coefficients(**self.config.dims)
@@ -158,10 +154,10 @@ class Tuner:
                 a, b, c_fixed, s.probe_status = fit.a, fit.b, fit.c, "complete"
                 self._choose_chunks(rates)
             elif fingerprint and c.cache_dir and not c.disable_probe_cache:
-                cached = probe.ProbeCache(self.cache_path).load(fingerprint)
-            if cached is not None:
+                cached = cache.ProbeCache(self.cache_path).load(fingerprint)
+            if cached is not None and fingerprint:
                 a, b, c_fixed, s.probe_status = cached.a, cached.b, cached.c, "cache_hit"
-                self._choose_chunks(probe.ProbeCache(self.cache_path).chunk_rates(fingerprint))
+                self._choose_chunks(cache.ProbeCache(self.cache_path).chunk_rates(fingerprint))
             elif self._measured is None:
                 s.probe_status = "running"
         cost = CostModel(a, b, self.budget(model_cost), c_fixed)
@@ -185,7 +181,7 @@ class Tuner:
     @property
     def cache_path(self) -> Path:
         assert self.config.cache_dir is not None
-        return self.config.cache_dir / "probe-coefficients.json"
+        return cache.ProbeCache.at(self.config.cache_dir).path
 
     def _check_floor(self, cost: CostModel, model_cost: int) -> None:
         c = self.config
@@ -290,7 +286,7 @@ class Tuner:
                  "longest text that fits %d tokens", result.seconds, fitted.c, fitted.a, fitted.b,
                  fitted.max_workspace_bytes >> 20, fitted.max_seq())
         if fingerprint and c.cache_dir and not c.disable_probe_cache:
-            probe.ProbeCache(self.cache_path).save(fingerprint, result.fit, parts,
+            cache.ProbeCache(self.cache_path).save(fingerprint, result.fit, parts,
                                                    result.samples, result.chunk_rates)
 
     def _choose_chunks(self, rates: dict[int, float]) -> None:
@@ -317,140 +313,3 @@ class Tuner:
             self._thread.join(timeout)
             return not self._thread.is_alive()
         return True
-
-
-def synthetic_run(open_forward: Callable[[], Any],
-                  vocab_size: int) -> tuple[Callable[..., None], Callable[[], None]]:
-    """A ``run(batch, seq, padded=True)`` over a dedicated session with exact-length synthetic
-    ids (``padded=False``: no padding token, the unmasked path; the chunk timing uses it).
-
-    The ids come from a small fixed set (compute does not depend on their values): random ids
-    over the whole vocabulary would fault new rows of a memory-mapped embedding table into RSS
-    on every run (with readahead, ~1 MiB per token measured), which is model memory growing,
-    not workspace.
-    """
-    forward = open_forward()
-    rng = np.random.default_rng(0)
-    top = min(max(vocab_size, 5), SYNTHETIC_IDS)
-
-    def run(batch: int, seq: int, padded: bool = True) -> None:
-        ids = rng.integers(4, top, size=(batch, seq), dtype=np.int64)
-        ids[:, 0], ids[:, -1] = 0, 2
-        mask = np.ones((batch, seq), dtype=np.int64)
-        if padded and seq > 2:
-            # One padding token sends the chunk down the exported graph's masked path (blocked
-            # attention) rather than the fused kernel an unpadded chunk gets. The masked path
-            # needs more workspace, so every shape measures it: one model then bounds both
-            # paths (a lone text's cost is over-, never under-estimated). Measuring lone texts
-            # fused and padded batches masked mixed two regimes no single fit describes once
-            # the FFN is row-blocked (held-out errors over 30 %).
-            ids[-1, -2:] = (2, PAD_ID)
-            mask[-1, -1] = 0
-        forward.run(ids, mask, dense=True, sparse=True, colbert=True)
-
-    return run, forward.close
-
-
-# glibc's own mmap threshold in a long-running process (it rises to this after large frees):
-# the serving process's allocator state, which chunk timing must reproduce.
-SERVING_MMAP_THRESHOLD = 32 << 20
-
-
-def chunk_timing_run(run: Callable[..., None]) -> Callable[[int, int], None]:
-    """``run`` as the probe's chunk timing needs it: unpadded, and under the serving process's
-    allocator. The memory probe pins glibc's mmap threshold at 1 MiB so each shape's workspace
-    is mapped and unmapped per run; timed that way, every run pays its page faults anew and
-    small chunks look up to ~25 % slower than they serve (full-size int8, 2x128 vs 8x128)."""
-    state = {"set": False}
-
-    def timed(batch: int, seq: int) -> None:
-        if not state["set"]:
-            memory.pin_mmap_threshold(SERVING_MMAP_THRESHOLD)
-            state["set"] = True
-        run(batch, seq, padded=False)
-
-    return timed
-
-
-def measure_model_cost(load: Callable[[], None], workers: int, model_bytes: int = 0,
-                       copies: int | None = None) -> int:
-    """Memory per worker: RSS growth while ``load`` opens every session and primes it.
-
-    Never less than ``copies`` × ``model_bytes`` (the ONNX files) shared among the workers:
-    ONNX Runtime maps external weight data, so a primed session is not yet fully resident
-    (full-size fp32: 1.35 GiB of 2.27 GB) and grows as texts touch new rows of the embedding
-    table. The budget must hold the end state. ``copies``: weight copies the workers keep
-    (1 where they share one session, as on the CPU; default one per worker).
-    """
-    workers = max(workers, 1)
-    copies = workers if copies is None else max(1, copies)
-    memory.trim_heap()
-    before = memory.rss_bytes()
-    started = time.monotonic()
-    load()
-    measured = max(0, memory.rss_bytes() - before) // workers
-    cost = max(measured, model_bytes * copies // workers)
-    log.info("model loaded in %.1fs: %d MiB RSS per worker (counted as %d MiB; %d worker%s, "
-             "%d cop%s of the weights)", time.monotonic() - started, measured >> 20, cost >> 20,
-             workers, "s" if workers > 1 else "", copies, "ies" if copies > 1 else "y")
-    return cost
-
-
-def probe_table(result: probe.ProbeResult) -> str:
-    """A markdown table of a probe: measured vs fitted workspace per shape, held-out marked."""
-    rows = ["| batch | seq | measured MiB | fitted MiB | error | seconds |",
-            "|---:|---:|---:|---:|---:|---:|"]
-    f = result.fit
-    shapes = [(s, "") for s in result.samples]
-    if result.held_out is not None:
-        shapes.append((result.held_out, " (held out)"))
-    for sample, note in shapes:
-        measured = sample.workspace_bytes / 2**20
-        if f is not None:
-            fitted = (f.c + f.a * sample.batch * sample.seq
-                      + f.b * sample.batch * sample.seq ** 2) / 2**20
-            err = f"{(fitted - measured) / max(measured, 1e-9):+.0%}"
-            fitted_s = f"{fitted:.0f}"
-        else:
-            fitted_s, err = "—", "—"
-        rows.append(f"| {sample.batch} | {sample.seq}{note} | {measured:.0f} | {fitted_s} | {err} "
-                    f"| {sample.seconds:.2f} |")
-    for batch, seq, reason in result.skipped:
-        rows.append(f"| {batch} | {seq} | skipped: {reason} | | | |")
-    return "\n".join(rows)
-
-
-def run_child(spec: dict[str, Any], stop: threading.Event) -> probe.ProbeResult:
-    """Run ``bgeserve.service.probe_child`` with ``spec``; its death is a failed probe, not ours."""
-    import json
-    import subprocess
-    import sys
-
-    from bgeserve.tuning.costmodel import Fit, Sample
-
-    proc = subprocess.Popen([sys.executable, "-m", "bgeserve.service.probe_child", json.dumps(spec)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def relay() -> None:
-        for line in proc.stderr:  # type: ignore[union-attr]
-            log.info("%s", line.rstrip())
-
-    reader = threading.Thread(target=relay, daemon=True)
-    reader.start()
-    while proc.poll() is None:
-        if stop.wait(0.5):
-            proc.kill()
-    out = proc.stdout.read() if proc.stdout else ""
-    reader.join(1.0)
-    if proc.returncode != 0:
-        reason = (f"killed by signal {-proc.returncode} (out of memory?)"
-                  if proc.returncode < 0 else f"exit code {proc.returncode}")
-        return probe.ProbeResult([], [], None, None, f"probe process {reason}", 0.0)
-    data = json.loads(out.strip().splitlines()[-1])
-    return probe.ProbeResult(
-        [Sample(**s) for s in data["samples"]],
-        [(int(b), int(q), str(r)) for b, q, r in data["skipped"]],
-        Sample(**data["held_out"]) if data["held_out"] else None,
-        Fit(**data["fit"]) if data["fit"] else None,
-        data["error"], data["seconds"],
-        {int(k): float(v) for k, v in (data.get("chunk_rates") or {}).items()})

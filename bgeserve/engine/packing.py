@@ -1,0 +1,66 @@
+"""What a chunk may hold, now: the packing caps and the cost model, in one object.
+
+The scheduler packs every chunk through its ``Packer``; the tuner changes what the packer holds
+(a fitted cost model, a timed chunk budget) through the engine, and the next chunk sees it.
+Each value lives here alone: nothing else keeps a copy to re-sync. Reads and swaps are single
+attribute assignments of frozen values, so a chunk being packed sees either the old or the new
+rules, never a mix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from bgeserve.engine.binpack import Chunk, chunk_length, plan
+
+
+class Cost(Protocol):
+    """A memory cost model: whether ``batch`` texts padded to ``seq`` tokens fit the budget."""
+
+    def fits(self, batch: int, seq: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The caps a chunk obeys besides memory (``binpack.plan``'s arguments)."""
+
+    max_chunk: int = 64
+    max_tokens: int | None = 1024
+    min_fill: float = 0.75
+    pad_multiple: int = 1
+    pad_cap: int | None = None
+
+
+class Packer:
+    """Packs pending texts into chunks under the current rules and cost model."""
+
+    def __init__(self, rules: Rules, cost: Cost | None = None):
+        self.rules = rules
+        self.cost = cost  # None: no memory limit (tests, or a caller that budgets elsewhere)
+
+    def set_cost(self, cost: Cost | None) -> None:
+        """Pack under ``cost`` from the next chunk on."""
+        self.cost = cost
+
+    def set_chunk_tokens(self, tokens: int | None) -> None:
+        """Padded tokens per run from the next chunk on (chunks already taken keep theirs)."""
+        self.rules = replace(self.rules, max_tokens=tokens)
+
+    def fits(self, batch: int, seq: int) -> bool:
+        cost = self.cost
+        return True if cost is None else cost.fits(batch, seq)
+
+    def plan(self, lengths: Sequence[int]) -> list[Chunk]:
+        """Chunks of the texts of these lengths, each with the length it is padded to."""
+        r = self.rules
+        return plan(lengths, fits=self.fits, max_chunk=r.max_chunk, max_tokens=r.max_tokens,
+                    min_fill=r.min_fill, pad_multiple=r.pad_multiple, pad_cap=r.pad_cap)
+
+    def pad_length(self, count: int, longest: int) -> int:
+        """What ``count`` texts whose longest has ``longest`` tokens are padded to (the halves
+        of a chunk split after running out of memory are padded afresh)."""
+        r = self.rules
+        return chunk_length(count, longest, fits=self.fits, multiple=r.pad_multiple,
+                            cap=r.pad_cap)
