@@ -1,4 +1,4 @@
-"""``bgeserve``: serve | export | build-random-model."""
+"""``bgeserve``: serve | probe | bulk | export | build-random-model."""
 
 from __future__ import annotations
 
@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     probe_cmd = sub.add_parser("probe", help="run the memory probe now and print its table "
                                "(same environment variables as serve)")
     probe_cmd.add_argument("--shapes", help="BxS,BxS to measure instead of the default shapes")
+    from bgeserve.bulk.main import add_arguments as bulk_arguments
+
+    bulk_arguments(sub.add_parser("bulk", help="embed JSONL / Parquet / CSV files into "
+                                  "Parquet shards (resumable; --ray for a cluster)"))
     export = sub.add_parser("export", help="PyTorch bge-m3 → ONNX with in-graph heads")
     from bgeserve.export.main import add_arguments
 
@@ -145,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "probe":
         return _probe(args)
+    if args.command == "bulk":
+        from bgeserve.bulk.main import run as bulk
+
+        return bulk(args)
     if args.command == "export":
         from bgeserve.export.main import run
 

@@ -194,3 +194,25 @@ def test_sigterm_answers_503_only_past_a_nonzero_bound(bound: float) -> None:
 
     asyncio.run(main())
     assert flushed == [True]
+
+
+def test_health_says_draining_with_503_once_sigterm_came() -> None:
+    """After SIGTERM (begin_shutdown) /health reports ``draining``, which the HTTP layer
+    answers 503: a readiness probe takes the replica out while its requests finish."""
+    import asyncio
+
+    from bgeserve.http.handlers import HEALTHY
+
+    service = ready_service(lambda: {"live": 1, "loaded": 1, "total": 1, "busy": 0,
+                                     "queue_texts": 0, "queue_tokens": 0})
+    assert service.health()["status"] == "ok"
+    service.engine.flush = lambda: None  # type: ignore[union-attr]
+
+    async def main() -> None:
+        service.begin_shutdown()
+        if service._abort_timer is not None:
+            service._abort_timer.cancel()
+
+    asyncio.run(main())
+    assert service.health()["status"] == "draining"
+    assert "draining" not in HEALTHY

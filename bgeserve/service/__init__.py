@@ -51,6 +51,7 @@ class Service:
         self.on_fatal = on_fatal
         self._ready = threading.Event()
         self._stopping = threading.Event()
+        self._draining = False  # SIGTERM came: /health says draining (503)
         self._loader: threading.Thread | None = None
         self._abort_timer: asyncio.TimerHandle | None = None
         # Requests tokenizing at once: more than the cores only adds memory (each holds its
@@ -168,6 +169,7 @@ class Service:
         request gets an answer in the envelope, never a connection cut by the server's own
         grace timeout.
         """
+        self._draining = True
         if self.engine is not None:
             self.engine.flush()
         if self.settings.shutdown_timeout_secs:  # 0: no bound, everything is finished
@@ -272,6 +274,8 @@ class Service:
             status = "idle"
         else:
             status = "ok"
+        if self._draining:  # out of the load balancer while in-flight requests finish
+            status = "draining"
         assert self.artifacts is not None and self.tuner is not None
         body.update(
             status=status,

@@ -12,6 +12,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -54,6 +55,10 @@ class Metrics:
         self.truncated = Counter("bgeserve_truncated_texts", "Texts cut to max_seq", registry=r)
         self.timeouts = Counter("bgeserve_deadline_exceeded_requests",
                                 "Requests answered 504", registry=r)
+        # What an autoscaler reads beside the queue gauges: requests being read, tokenized,
+        # queued or run (HTTP middleware counts them; /health and /metrics excluded).
+        self.in_flight = Gauge("bgeserve_requests_in_flight", "Requests in progress",
+                               registry=r)
         self._service: Any = None
         r.register(_StateCollector(self))
 
