@@ -43,6 +43,24 @@ def job_settings(settings: Settings) -> Settings:
                                max_colbert_mb=UNBOUNDED >> 20)
 
 
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The ``BGE_M3_*`` variables that give ``settings`` again (those off their defaults):
+    what a Ray actor on another node is handed to build the same engine."""
+    env = {}
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if value == f.default or value is None or f.name == "api_keys":  # no secrets
+            continue
+        if isinstance(value, bool):
+            text = "1" if value else "0"
+        elif isinstance(value, tuple):
+            text = ",".join(value)
+        else:
+            text = str(value)
+        env[f.metadata["env"]] = text
+    return env
+
+
 def model_spec(settings: Settings) -> dict[str, object]:
     """What decides the vectors (the manifest keeps it: a rerun must not mix models)."""
     return {"path": str(settings.model_path) if settings.model_path else "hub",

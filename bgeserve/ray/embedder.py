@@ -60,13 +60,22 @@ def actor_environ(env: Mapping[str, str] | None, cpus: float | None,
     return environ
 
 
-def to_table(batch: Any) -> pa.Table:
-    """A Ray Data batch (Arrow table, pandas DataFrame or dict of numpy arrays) as Arrow."""
+def split_batch(batch: Any, text_column: str) -> tuple[list[Any], pa.Table]:
+    """A Ray Data batch (Arrow table, pandas DataFrame or dict of numpy arrays) as (its texts,
+    as given, and the other columns as Arrow). The texts are taken out first: a column
+    mixing strings with other values has no Arrow type."""
     if isinstance(batch, pa.Table):
-        return batch
+        return (batch.column(text_column).to_pylist(), batch.drop_columns([text_column]))
     if isinstance(batch, Mapping):
-        return pa.table({name: _array(col) for name, col in batch.items()})
-    return pa.Table.from_pandas(batch, preserve_index=False)
+        rest = {name: _array(col) for name, col in batch.items() if name != text_column}
+        return list(batch[text_column]), pa.table(rest) if rest else _empty(batch[text_column])
+    texts = batch[text_column].tolist()
+    return texts, pa.Table.from_pandas(batch.drop(columns=[text_column]), preserve_index=False)
+
+
+def _empty(col: Any) -> pa.Table:
+    """A table of no columns and ``len(col)`` rows."""
+    return pa.table({"_": pa.nulls(len(col))}).drop_columns(["_"])
 
 
 def _array(col: Any) -> pa.Array:
@@ -84,7 +93,8 @@ class Embedder:
 
     Args:
         outputs: any of ``"dense"``, ``"sparse"``, ``"colbert"`` (a sequence or ``"a,b"``).
-        text_column: the column of texts (dropped from the output unless ``keep_text``).
+        text_column: the column of texts (dropped from the output unless ``keep_text``;
+            kept, a text that was not a string is null).
         env: ``BGE_M3_*`` variables for the model (over the actor's own environment).
     """
 
@@ -99,10 +109,9 @@ class Embedder:
         self.model = BulkModel(resolve_settings(actor_environ(env, _ray_cpus())))
 
     def __call__(self, batch: Any) -> pa.Table:
-        table = to_table(batch)
-        n = table.num_rows
-        texts = [t if isinstance(t, str) else None
-                 for t in table.column(self.text_column).to_pylist()]
+        given_texts, table = split_batch(batch, self.text_column)
+        n = len(given_texts)
+        texts = [t if isinstance(t, str) else None for t in given_texts]
         # bgeserve bulk's reader says why a row has no text (_error); a user's batch does not.
         given = (table.column("_error").to_pylist() if "_error" in table.column_names
                  else [None] * n)
@@ -118,7 +127,9 @@ class Embedder:
         if len(good) < n:
             data = columns.scatter(data, good, n)
             self._warn(table, [i for i in range(n) if errors[i] is not None], errors)
-        out = table if self.keep_text else table.drop_columns([self.text_column])
+        out = table
+        if self.keep_text:
+            out = out.append_column(self.text_column, pa.array(texts, pa.string()))
         for name, array in data.items():
             if name in out.column_names:
                 out = out.drop_columns([name])

@@ -18,7 +18,7 @@ import os
 
 from bgeserve.bulk.job import BulkJob
 from bgeserve.bulk.local import MAX_BAD_EXAMPLES
-from bgeserve.bulk.model import model_spec
+from bgeserve.bulk.model import model_spec, settings_env
 from bgeserve.bulk.output import OutputDir
 from bgeserve.bulk.progress import Progress, Summary
 from bgeserve.bulk.sources import check_columns, discover
@@ -49,10 +49,11 @@ def actor_pool(node_cpus: list[int], cpus_per_actor: float | None) -> tuple[floa
 
 
 def actor_env(settings: Settings) -> dict[str, str]:
-    """The driver's ``BGE_M3_*`` variables for the actors, with the variant and runtime the
-    driver resolved pinned: nodes left to choose by their own CPUs could mix variants in
-    one output."""
-    env = {k: v for k, v in os.environ.items() if k.startswith("BGE_M3_") or k in PASSED_ENV}
+    """The driver's settings as ``BGE_M3_*`` variables for the actors, the variant and runtime
+    the driver resolved pinned: nodes left to choose by their own CPUs could mix variants in
+    one output. Hub variables of the driver's environment go along."""
+    env = {k: v for k, v in os.environ.items() if k in PASSED_ENV}
+    env.update(settings_env(settings))
     env["BGE_M3_MODEL"] = settings.variant
     env["BGE_M3_EP"] = settings.execution_provider
     return env
