@@ -32,3 +32,34 @@ def test_worker_restarts_are_exported_as_a_counter() -> None:
         assert samples(metrics)["bgeserve_worker_restarts_total"] == 2
     body, _ = metrics.render()
     assert b"# TYPE bgeserve_worker_restarts_total counter" in body
+
+
+def test_requests_in_flight_counts_requests_being_served_not_probes() -> None:
+    """bgeserve_requests_in_flight is 1 while an embedding request is served, 0 after it;
+    /health and /metrics are not counted (scrapes and probes would hold it above 0)."""
+    from dataclasses import dataclass, field
+
+    from starlette.testclient import TestClient
+
+    from bgeserve.config import Settings
+    from bgeserve.http.app import create_app
+    from tests.fakes import FakeService
+
+    @dataclass
+    class Counted(FakeService):
+        metrics_registry: Metrics = field(default_factory=Metrics)
+        seen: list[float] = field(default_factory=list)
+
+        async def embed(self, inputs, options, *, request_id):  # type: ignore[override]
+            self.seen.append(self.metrics_registry.in_flight._value.get())
+            return await super().embed(inputs, options, request_id=request_id)
+
+        def metrics(self) -> tuple[bytes, str]:
+            return self.metrics_registry.render()
+
+    service = Counted()
+    with TestClient(create_app(Settings(), lambda _: service)) as client:
+        assert client.post("/v1/embeddings", json={"input": "x"}).status_code == 200
+        assert client.get("/health").status_code == 200
+        assert samples(service.metrics_registry)["bgeserve_requests_in_flight"] == 0
+    assert service.seen == [1.0]
