@@ -59,7 +59,7 @@ def finish(p: _Pending, job: BulkJob, out: OutputDir, width: int, progress: Prog
         emb = p.future.result()
         data = {"id": pa.array([rows.ids[i] for i in p.good], pa.string()),
                 **columns.arrays(emb, job.outputs, width)}
-        table = pa.table(data, schema=schema)
+        table = pa.Table.from_arrays([data[name] for name in schema.names], schema=schema)
         tokens = emb.prompt_tokens
     else:
         table, tokens = schema.empty_table(), 0
@@ -89,6 +89,9 @@ def run(job: BulkJob, settings: Settings, bar: bool | None = None) -> Summary:
                  total if total is not None else "?", skipped, out.path)
         options = EmbedOptions(dense="dense" in job.outputs, sparse="sparse" in job.outputs,
                                colbert="colbert" in job.outputs, truncate=True)
+        # pyarrow imports pandas (when installed) at its first conversion of Python values:
+        # seconds on a small machine, paid here with the model's load, not in the first shard.
+        pa.array(["start"])
         with BulkModel(settings) as model:
             progress = Progress(None if total is None else total - skipped, skipped, bar=bar)
             pending: deque[_Pending] = deque()
