@@ -53,12 +53,14 @@ def run(args: argparse.Namespace) -> int:
     from bgeserve.bulk.columns import parse_outputs
     from bgeserve.bulk.job import BulkJob
     from bgeserve.bulk.model import resolve_settings
+    from bgeserve.config import Settings
     from bgeserve.errors import BgeServeError
     from bgeserve.logs import setup_logging
 
     try:
+        logs = Settings.from_env(os.environ)  # logging first: resolving logs its choice
+        setup_logging(logs.log_format, logs.log_level)
         settings = resolve_settings(os.environ)
-        setup_logging(settings.log_format, settings.log_level)
         if args.shard_rows is not None and args.shard_rows < 1:
             raise ValueError("--shard-rows must be at least 1")
         job = BulkJob(inputs=tuple(args.inputs), output=Path(args.output),

@@ -14,7 +14,6 @@ sizes its budget with the probe on its own node (``Embedder``).
 from __future__ import annotations
 
 import logging
-import os
 
 from bgeserve.bulk.job import BulkJob
 from bgeserve.bulk.local import MAX_BAD_EXAMPLES
@@ -30,7 +29,6 @@ from bgeserve.ray.embedder import Embedder
 
 log = logging.getLogger("bgeserve.bulk")
 IO_CPUS = 0.5  # each read and write task: two fit in the CPU an actor leaves free
-PASSED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "HF_ENDPOINT")
 
 
 def actor_pool(node_cpus: list[int], cpus_per_actor: float | None) -> tuple[float, int]:
@@ -51,9 +49,8 @@ def actor_pool(node_cpus: list[int], cpus_per_actor: float | None) -> tuple[floa
 def actor_env(settings: Settings) -> dict[str, str]:
     """The driver's settings as ``BGE_M3_*`` variables for the actors, the variant and runtime
     the driver resolved pinned: nodes left to choose by their own CPUs could mix variants in
-    one output. Hub variables of the driver's environment go along."""
-    env = {k: v for k, v in os.environ.items() if k in PASSED_ENV}
-    env.update(settings_env(settings))
+    one output."""
+    env = settings_env(settings)
     env["BGE_M3_MODEL"] = settings.variant
     env["BGE_M3_EP"] = settings.execution_provider
     return env
