@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from bgeserve.errors import InvalidInput
-from bgeserve.results import Embeddings
+from bgeserve.results import Embeddings, EmbedOptions
 
 OUTPUTS = ("dense", "sparse", "colbert")
 
@@ -36,6 +36,12 @@ def parse_outputs(text: str | Sequence[str]) -> tuple[str, ...]:
         raise InvalidInput(f"--outputs {','.join(names) or '(empty)'}: choose one or more of "
                            f"{', '.join(OUTPUTS)}", param="--outputs")
     return tuple(n for n in OUTPUTS if n in names)
+
+
+def embed_options(outputs: Sequence[str]) -> EmbedOptions:
+    """What to ask the engine for ``outputs`` (texts past max_seq truncated and flagged)."""
+    return EmbedOptions(dense="dense" in outputs, sparse="sparse" in outputs,
+                        colbert="colbert" in outputs, truncate=True)
 
 
 def schema(outputs: Sequence[str], width: int, with_id: bool = True) -> pa.Schema:

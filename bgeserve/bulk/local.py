@@ -26,7 +26,6 @@ from bgeserve.bulk.shards import write_shard
 from bgeserve.bulk.sources import Rows, check_columns, discover
 from bgeserve.config import Settings
 from bgeserve.errors import NotReady
-from bgeserve.results import EmbedOptions
 
 log = logging.getLogger("bgeserve.bulk")
 IN_FLIGHT = 3  # blocks submitted to the engine at once
@@ -87,8 +86,7 @@ def run(job: BulkJob, settings: Settings, bar: bool | None = None) -> Summary:
         skipped = sum(coverage.rows(s.key) for s in sources)
         log.info("bulk: %d input files, %s rows, %d already in %s", len(sources),
                  total if total is not None else "?", skipped, out.path)
-        options = EmbedOptions(dense="dense" in job.outputs, sparse="sparse" in job.outputs,
-                               colbert="colbert" in job.outputs, truncate=True)
+        options = columns.embed_options(job.outputs)
         # pyarrow imports pandas (when installed) at its first conversion of Python values:
         # seconds on a small machine, paid here with the model's load, not in the first shard.
         pa.array(["start"])

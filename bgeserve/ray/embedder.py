@@ -29,7 +29,6 @@ import pyarrow as pa
 
 from bgeserve.bulk import columns
 from bgeserve.bulk.model import BulkModel, resolve_settings
-from bgeserve.results import EmbedOptions
 from bgeserve.tuning import memory
 
 log = logging.getLogger("bgeserve.ray")
@@ -104,8 +103,7 @@ class Embedder:
         self.outputs = columns.parse_outputs(outputs)
         self.text_column = text_column
         self.keep_text = keep_text
-        self.options = EmbedOptions(dense="dense" in self.outputs, sparse="sparse" in self.outputs,
-                                    colbert="colbert" in self.outputs, truncate=True)
+        self.options = columns.embed_options(self.outputs)
         self.model = BulkModel(resolve_settings(actor_environ(env, _ray_cpus())))
 
     def __call__(self, batch: Any) -> pa.Table:
