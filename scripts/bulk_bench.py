@@ -33,10 +33,11 @@ WORDS = ("data", "model", "vector", "search", "index", "query", "token", "memory
          "dense", "sparse", "embedding", "retrieval", "ranking", "passage", "document", "batch")
 
 
-def corpus(n: int, seed: int) -> list[str]:
-    """``n`` texts of 8 to 400 words (mixed lengths, as an ingestion corpus has)."""
+def corpus(n: int, seed: int, max_words: int = 400) -> list[str]:
+    """``n`` texts of 8 to ``max_words`` words (mixed lengths, as an ingestion corpus has)."""
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 400))) for _ in range(n)]
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, max_words)))
+            for _ in range(n)]
 
 
 def child(mode: str, texts_file: Path, shard_rows: int) -> dict:
@@ -71,6 +72,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--shard-rows", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-words", type=int, default=400)
     parser.add_argument("--child", choices=("engine", "bulk"), help=argparse.SUPPRESS)
     parser.add_argument("--texts-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -87,7 +89,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         texts_file = Path(tmp) / "texts.jsonl"
         texts_file.write_text("".join(json.dumps({"id": i, "text": t}) + "\n"
-                                      for i, t in enumerate(corpus(args.texts, args.seed))))
+                                      for i, t in enumerate(corpus(args.texts, args.seed,
+                                                                       args.max_words))))
         for r in range(args.rounds):
             order = ("engine", "bulk") if r % 2 == 0 else ("bulk", "engine")
             for mode in order:

@@ -42,8 +42,6 @@ REPLICAS = (
             "run 20261130-003812 engine (HTTP 515)"),
     Replica("CPU 2 cores, Zen 4 (VNNI, AVX512_BF16)", "fp32", 276.1, 1667,
             "run 20261130-040814 engine (HTTP 284); RSS run 20261130-003812"),
-    Replica("CPU 2 cores, Zen 3 (AVX2, no VNNI)", "int8", 411.4, 2420,
-            "bulk vs engine, 2026-12-01 (engine row)"),
     Replica("GPU 1x H200, CUDA", "fp16", 20413.0, None,
             "GPU section: engine, 1,024 mixed texts (HTTP 16 clients 27,641)"),
 )
@@ -98,7 +96,8 @@ def main() -> int:
     p.add_argument("--utilization", type=float, default=0.7)
     p.add_argument("--target-backlog-s", type=float, default=2.0)
     p.add_argument("--simulate", action="store_true")
-    p.add_argument("--replica", type=int, default=4, help="REPLICAS row for --simulate")
+    p.add_argument("--replica", type=int, default=len(REPLICAS) - 1,
+                   help="REPLICAS row for --simulate (default: the GPU)")
     p.add_argument("--burst-tokens", type=float, default=2e6)
     p.add_argument("--arrival", type=float, default=0.0, help="tokens/s arriving steadily")
     p.add_argument("--poll-s", type=int, default=15)
@@ -117,7 +116,7 @@ def main() -> int:
         trace = simulate(r.rate, threshold, args.burst_tokens, args.arrival, args.seconds,
                          args.poll_s, args.startup_s, 1, args.max_replicas)
         for t, q, n in trace:
-            if t % args.poll_s == 0 or q == 0:
+            if t % 5 == 0 or q == 0:
                 print(f"| {t} | {q:,.0f} | {q / (n * r.rate):.1f} | {n} |")
             if q == 0:
                 print(f"\nqueue empty after {t} s (one replica alone: "
