@@ -13,14 +13,13 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import Self
+from typing import Self, cast
 
-from bgeserve.config import Settings
+from bgeserve.config import Settings, _env_fields
 from bgeserve.engine import Engine
 from bgeserve.errors import BgeServeError
 from bgeserve.results import EmbedOptions
-from bgeserve.runtime import select as backend
-from bgeserve.service import Service
+from bgeserve.service import Service, plan
 
 log = logging.getLogger("bgeserve.bulk")
 UNBOUNDED = 1 << 62
@@ -29,9 +28,7 @@ UNBOUNDED = 1 << 62
 def resolve_settings(environ: Mapping[str, str]) -> Settings:
     """``Settings`` from ``environ`` with the runtime and variant decided as ``serve`` decides
     them (ConfigError naming the variable when they cannot be)."""
-    settings = Settings.from_env(environ)
-    return backend.resolve(settings, model_explicit="BGE_M3_MODEL" in environ,
-                           ep_explicit="BGE_M3_EP" in environ)
+    return plan.resolve(Settings.from_env(environ))
 
 
 def job_settings(settings: Settings) -> Settings:
@@ -47,7 +44,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
     """The ``BGE_M3_*`` variables that give ``settings`` again (those off their defaults):
     what a Ray actor on another node is handed to build the same engine."""
     env = {}
-    for f in dataclasses.fields(settings):
+    for f in _env_fields(Settings):
         value = getattr(settings, f.name)
         if value == f.default or value is None or f.name == "api_keys":  # no secrets
             continue
@@ -91,16 +88,20 @@ class BulkModel:
         says why and its ``texts[i]`` becomes None."""
         engine = self.engine
         good = [i for i, e in enumerate(errors) if e is None]
+
+        def strings(positions: list[int]) -> list[str]:  # good rows' texts are strings
+            return cast(list[str], [texts[i] for i in positions])
+
         try:
-            job = engine.make_job([texts[i] for i in good], options) if good else None
+            job = engine.make_job(strings(good), options) if good else None
         except BgeServeError:
             for i in good:
                 try:
-                    engine.make_job([texts[i]], options)
+                    engine.make_job(strings([i]), options)
                 except BgeServeError as exc:
                     errors[i], texts[i] = f"refused: {exc}", None
             good = [i for i, e in enumerate(errors) if e is None]
-            job = engine.make_job([texts[i] for i in good], options) if good else None
+            job = engine.make_job(strings(good), options) if good else None
         return good, (engine.submit(job) if job is not None else None)
 
     def close(self) -> None:

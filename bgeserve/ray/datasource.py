@@ -10,6 +10,7 @@ shards hold, and yields one Arrow block per shard-sized block of rows, with the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import pyarrow as pa
@@ -53,9 +54,8 @@ class BulkSource(Datasource):
         for s in self._sources:
             meta = BlockMetadata(num_rows=None, size_bytes=s.path.stat().st_size,
                                  exec_stats=None, input_files=(str(s.path),))
-            coverage, job = self._coverage[s.key], self._job
-            tasks.append(ReadTask(lambda s=s, c=coverage, j=job: _read(s, j, c), meta,
-                                  schema=BLOCK_SCHEMA))
+            read = functools.partial(_read, s, self._job, self._coverage[s.key])
+            tasks.append(ReadTask(read, meta, schema=BLOCK_SCHEMA))
         return tasks
 
     def get_name(self) -> str:
