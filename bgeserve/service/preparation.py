@@ -1,0 +1,233 @@
+"""The prepare step of a start: a hub snapshot becomes bgeserve's own export, once, cached.
+
+``Preparation.apply(settings, cache_dir)`` runs before the model loads (``Service._load``): for a
+hub snapshot (downloaded, or ``BGE_M3_MODEL_PATH`` pointing at one) served on the CPU it finds
+the prepared export for the snapshot's content in ``{cache_dir}/prepared`` or makes it
+(``export/prepare.py``, in child processes), and returns settings that serve it; with neither
+``BGE_M3_MODEL`` nor ``BGE_M3_EP`` given, the variant is then chosen from the prepared export's
+measured agreement (runtime/select.py), as for a ``bgeserve export``. Whenever it cannot
+(``BGE_M3_PREPARE=0``, too little memory for a step, a graph it cannot rewrite) the snapshot is
+served as it is and ``status`` says why (``/health`` shows it, the log too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from bgeserve.config import Settings
+from bgeserve.errors import ModelUnavailable
+from bgeserve.export import prepare as recipe
+from bgeserve.export.prepcache import PreparedStore, file_digests, source_key
+from bgeserve.model.artifacts import export_variants, resolve
+from bgeserve.progress import Progress
+from bgeserve.runtime import openvino
+from bgeserve.runtime import select as backend
+from bgeserve.tuning import memory
+
+log = logging.getLogger("bgeserve.prepare")
+
+GiB = 1 << 30
+# Peak memory of each step against the fp32 weights' size W (measured, full-size bge-m3,
+# W = 2.27 GB; docs/benchmarks.md): int8 holds the weights twice while quantizing, the
+# OpenVINO conversion about twice, validation one session at a time.
+PEAK = {"int8": (3.0, 1 * GiB), "bf16": (2.5, 1 * GiB), "fp32": (1.5, 1 * GiB)}
+
+
+# Disk each variant takes against W (full-size: fp32 a copy of the weights, int8 1.37 GB,
+# the bf16 IR 1.14 GB for W = 2.27 GB).
+DISK = {"fp32": 1.02, "int8": 0.62, "bf16": 0.52}
+
+
+def peak_bytes(step: str, weights: int) -> int:
+    """The memory ``step`` is expected to need for fp32 weights of ``weights`` bytes."""
+    factor, extra = PEAK[step]
+    return int(factor * weights + extra)
+
+
+class Preparation:
+    """One start's prepare step: decides, finds or makes the export, says what happened."""
+
+    def __init__(self, progress: Progress | None = None, *, choose_variant: bool = False):
+        self.progress = progress or Progress()
+        self.choose_variant = choose_variant  # neither BGE_M3_MODEL nor BGE_M3_EP was given
+        self.status: dict[str, Any] = {"status": "not_run"}
+
+    def apply(self, s: Settings, cache_dir: Path) -> Settings:
+        """Settings serving the prepared export of ``s``'s snapshot, or ``s`` unchanged."""
+        reason = _not_needed(s)
+        if reason is not None:
+            self.status = {"status": "disabled" if not s.prepare else "not_needed",
+                           "reason": reason}
+            return s
+        if s.model_path is None:
+            self.progress.step("download")
+        try:
+            art = resolve(model_path=s.model_path, variant="fp32", cache_dir=cache_dir,
+                          offline=s.offline, progress=self.progress.bars,
+                          report=self.progress.transfer)
+        except ModelUnavailable as exc:
+            if s.model_path is None:
+                raise  # the hub: serving the stock graph would need the same download
+            self.status = {"status": "not_needed", "reason": f"no fp32 hub graph to prepare "
+                           f"from: {exc.message}"}
+            return s
+        try:
+            prepared, outcome = self.find_or_make(s, cache_dir, recipe.PrepareSource
+                                                  .from_artifacts(art), _wanted(s))
+        except _Skip as exc:
+            self._fallback("skipped", str(exc))
+            return s
+        except Exception as exc:  # noqa: BLE001 - any failure: serve the stock graph, say why
+            self._fallback("failed", str(exc), error=exc)
+            return s
+        variants = export_variants(prepared)
+        if not self.choose_variant and s.variant not in variants:
+            why = outcome.get("skipped", {}).get(s.variant, "not made")
+            self._fallback("skipped", f"BGE_M3_MODEL={s.variant} was not prepared ({why})")
+            return s
+        self.status.update(path=str(prepared), variants=sorted(variants))
+        chosen = dataclasses.replace(s, model_path=prepared)
+        if self.choose_variant:
+            chosen = backend.resolve(chosen, model_explicit=False, ep_explicit=False)
+        return chosen
+
+    def find_or_make(self, s: Settings, cache_dir: Path, source: recipe.PrepareSource,
+                     wanted: list[str], *, force: bool = False,
+                     ) -> tuple[Path, dict[str, Any]]:
+        """The prepared export of ``source`` in the cache (made if missing or lacking one of
+        ``wanted``); returns its directory and its manifest's ``prepared`` record."""
+        store = PreparedStore(cache_dir)
+        self.progress.step("hashing the model files")
+        digests = file_digests(source.files(), store.digests)
+        bits = recipe.int8_weight_bits()
+        key = source_key(digests, source.heads, recipe.PREPARE_SCHEMA, int8_weight_bits=bits)
+        with store.lock(key, on_wait=lambda: log.info(
+                "another bgeserve is preparing %s: waiting for it", source.description)):
+            manifest = store.manifest(key)
+            if manifest is not None and not force and _covers(manifest, wanted):
+                self.status = {"status": "cached", "key": key}
+                log.info("prepared export found: %s (variants %s)", store.path(key),
+                         ", ".join(sorted(manifest["variants"])))
+                return store.path(key), manifest.get("prepared", {})
+            weights = sum(p.stat().st_size for p in (source.graph, *source.external_data))
+            available = memory.detect_available_memory(s.available_memory_bytes).available_bytes
+            need = peak_bytes("fp32", weights)
+            if available < need:
+                raise _Skip(f"preparing needs ~{need / GiB:.1f} GiB and {available / GiB:.1f} "
+                            "GiB are available: serving the snapshot's own graph (plain "
+                            "attention)")
+            skip = {v: f"needs ~{peak_bytes(v, weights) / GiB:.1f} GiB, "
+                       f"{available / GiB:.1f} GiB available"
+                    for v in wanted if v != "fp32" and available < peak_bytes(v, weights)}
+            skip.update(_disk_skips(store.root, weights, [v for v in wanted if v not in skip]))
+            log.info("preparing %s (variants %s%s) into %s", source.description,
+                     ", ".join(wanted), f"; skipping {skip}" if skip else "", store.path(key))
+            staged = store.staging(key)
+            try:
+                outcome = recipe.prepare(
+                    source, staged, wanted, skip=skip, source_hashes=digests,
+                    on_step=lambda name, i, n: self.progress.step(f"prepare: {name}", i, n),
+                    on_line=self.progress.note, weight_bits=bits)
+            except BaseException:
+                shutil.rmtree(staged, ignore_errors=True)
+                raise
+            final = store.commit(key, staged)
+        self.status = {"status": "prepared", "key": key, "seconds": outcome.seconds,
+                       **({"skipped": outcome.skipped} if outcome.skipped else {})}
+        log.info("prepared %s in %.0fs: %s", source.description, outcome.seconds,
+                 ", ".join(outcome.variants), extra={"skipped": outcome.skipped or None})
+        return final, {"skipped": outcome.skipped}
+
+    def _fallback(self, status: str, reason: str, error: BaseException | None = None) -> None:
+        self.status = {"status": status, "reason": reason}
+        log.warning("not serving a prepared graph: %s. Serving the snapshot as it is (stock "
+                    "graph: plain attention, exact fp32); BGE_M3_PREPARE=0 skips this step",
+                    reason, exc_info=error is not None and not isinstance(
+                        error, (recipe.PrepareFailed, ModelUnavailable)))
+
+
+def _disk_skips(root: Path, weights: int, wanted: list[str]) -> dict[str, str]:
+    """Variants left out because the cache's file system cannot hold them (bf16, then int8);
+    _Skip when not even fp32 fits."""
+    free = shutil.disk_usage(root).free
+    need = {v: int(DISK[v] * weights) for v in wanted}
+    if free < need["fp32"]:
+        raise _Skip(f"the prepared graphs need ~{need['fp32'] / GiB:.1f} GiB on "
+                    f"BGE_M3_CACHE_DIR ({root}), {free / GiB:.1f} GiB are free")
+    skips = {}
+    for variant in ("bf16", "int8"):
+        if variant in need and sum(need.values()) > free:
+            skips[variant] = (f"needs ~{need.pop(variant) / GiB:.1f} GiB of disk in "
+                              f"BGE_M3_CACHE_DIR, {free / GiB:.1f} GiB free")
+    return skips
+
+
+class _Skip(Exception):
+    """Preparing is not attempted (the reason is the message)."""
+
+
+def _not_needed(s: Settings) -> str | None:
+    """Why this start serves without preparing, or None if it prepares."""
+    if not s.prepare:
+        return "BGE_M3_PREPARE=0"
+    if s.execution_provider not in ("cpu", "openvino"):
+        return f"BGE_M3_EP={s.execution_provider} serves the hub's fp16 graph"
+    if s.variant == "fp16":
+        return "BGE_M3_MODEL=fp16 is the hub's own graph"
+    if s.model_path is not None and export_variants(s.model_path):
+        return "BGE_M3_MODEL_PATH is a `bgeserve export` already"
+    return None
+
+
+def _wanted(s: Settings) -> list[str]:
+    """fp32 and int8 always; bf16 where OpenVINO is installed and this CPU computes in bf16
+    (or bf16 is asked for)."""
+    wanted = ["fp32", "int8"]
+    asked = s.variant == "bf16" or s.execution_provider == "openvino"
+    if openvino.available() and (asked or openvino.native_bf16()):
+        wanted.append("bf16")
+    return wanted
+
+
+def _covers(manifest: dict[str, Any], wanted: list[str]) -> bool:
+    """Whether an export made every variant of ``wanted`` (or recorded why it could not)."""
+    made = manifest.get("variants") or {}
+    prepared = manifest.get("prepared") or {}
+    skipped = prepared.get("skipped") or {}
+    return all(v in made or v in skipped for v in wanted)
+
+
+def prepare_command(s: Settings, cache_dir: Path, variants: list[str] | None, *,
+                    force: bool, out: Path | None, progress: Progress) -> Path:
+    """``bgeserve prepare``: the prepared export of the configured snapshot (made now if
+    needed); with ``out``, copied there as a standalone export. Raises on failure."""
+    started = time.monotonic()
+    if s.model_path is not None and export_variants(s.model_path):
+        raise ModelUnavailable(f"{s.model_path} is a `bgeserve export` already",
+                               param="BGE_M3_MODEL_PATH")
+    if s.model_path is None:
+        progress.step("download")
+    art = resolve(model_path=s.model_path, variant="fp32", cache_dir=cache_dir,
+                  offline=s.offline, progress=progress.bars, report=progress.transfer)
+    prep = Preparation(progress)
+    path, _ = prep.find_or_make(s, cache_dir, recipe.PrepareSource.from_artifacts(art),
+                                variants or _wanted(s), force=force)
+    progress.done()
+    if out is not None:
+        shutil.copytree(path, out, dirs_exist_ok=True, copy_function=_link_or_copy)
+        path = out
+    log.info("prepared export ready in %.0fs: %s", time.monotonic() - started, path)
+    return path
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
