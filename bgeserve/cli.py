@@ -124,11 +124,10 @@ def _prepare(args: argparse.Namespace) -> int:
 
     from bgeserve.config import Settings
     from bgeserve.errors import BgeServeError
-    from bgeserve.export.prepare import PrepareFailed
     from bgeserve.logs import setup_logging
     from bgeserve.model.artifacts import validate_cache_dir
     from bgeserve.progress import Progress
-    from bgeserve.service.preparation import prepare_command
+    from bgeserve.service.preparation import PrepareFailed, prepare_command
 
     try:
         settings = Settings.from_env(os.environ)

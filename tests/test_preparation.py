@@ -16,9 +16,9 @@ import pytest
 
 from bgeserve.config import Settings
 from bgeserve.engine import Engine
-from bgeserve.export import prepare as recipe
 from bgeserve.model.artifacts import BAAI_REPO, BAAI_REVISION, HUB_SOURCES
 from bgeserve.model.layout import Layout
+from bgeserve.model.prepared import PrepareSource
 from bgeserve.model.ptload import HeadWeights
 from bgeserve.progress import Progress
 from bgeserve.service import preparation
@@ -80,7 +80,7 @@ def test_a_graph_that_cannot_be_rewritten_falls_back_to_it(tiny_model, tmp_path)
     assert list((tmp_path / "cache" / "prepared").glob(".*.tmp")) == []  # staging cleaned up
 
 
-def _source(root: Path) -> recipe.PrepareSource:
+def _source(root: Path) -> PrepareSource:
     root.mkdir(parents=True, exist_ok=True)
     for name, content in (("model.onnx", b"g"), ("model.onnx_data", b"w" * 64),
                           ("tokenizer.json", b"{}")):
@@ -89,8 +89,8 @@ def _source(root: Path) -> recipe.PrepareSource:
 
     heads = HeadWeights(np.ones(4, np.float32), 0.0, np.eye(4, dtype=np.float32),
                         np.zeros(4, np.float32))
-    return recipe.PrepareSource(root / "model.onnx", Layout.BAAI, root / "tokenizer.json",
-                                heads, "test source", (root / "model.onnx_data",))
+    return PrepareSource(root / "model.onnx", Layout.BAAI, root / "tokenizer.json", heads,
+                         "test source", (root / "model.onnx_data",))
 
 
 def test_the_cache_is_keyed_by_the_sources_content(tmp_path, monkeypatch) -> None:
@@ -98,14 +98,14 @@ def test_the_cache_is_keyed_by_the_sources_content(tmp_path, monkeypatch) -> Non
     content changes; asking for a variant the cached export lacks prepares again too."""
     calls: list[Path] = []
 
-    def fake_prepare(source, out, variants, **kwargs):
+    def fake_recipe(source, out, variants, **kwargs):
         calls.append(out)
         (out / "manifest.json").write_text(json.dumps(
             {"format": "bgeserve-export", "variants": {v: {} for v in variants},
              "prepared": {"skipped": {}}}))
-        return recipe.Outcome(list(variants))
+        return {"variants": list(variants), "skipped": {}, "seconds": 0.0}
 
-    monkeypatch.setattr(recipe, "prepare", fake_prepare)
+    monkeypatch.setattr(preparation, "run_recipe", fake_recipe)
     source = _source(tmp_path / "src")
     s = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": str(64 << 30)})
     prep = Preparation()
@@ -135,7 +135,7 @@ def test_a_variant_that_does_not_fit_is_skipped_and_fp32_still_served(
     room = (peak_bytes("fp32", weights) + peak_bytes("int8", weights)) // 2
     s = Settings.from_env({"BGE_M3_MODEL_PATH": str(snapshot),
                            "BGE_M3_AVAILABLE_MEMORY_BYTES": str(room)})
-    prep = Preparation(Progress(), choose_variant=True)
+    prep = Preparation(Progress())
 
     served = prep.apply(s, tmp_path / "cache")
 

@@ -19,8 +19,8 @@ import pytest
 
 from bgeserve.engine import Engine, EngineConfig
 from bgeserve.engine.scheduler import SchedulerConfig
+from bgeserve.export.texts import random_texts
 from bgeserve.runtime import openvino
-from bgeserve.testing.randmodel import random_texts
 from tests.oracle import BF16, FP32, INT8, assert_matches, reference
 
 pytestmark = pytest.mark.slow
@@ -150,19 +150,3 @@ def test_a_xenova_snapshot_is_prepared_from_its_fp32_graph(hub_snapshots, tmp_pa
     assert (out / "fp32" / "model.onnx").is_file() and (out / "tokenizer.json").is_file()
     assert manifest["variants"]["fp32"]["agreement"]["dense_cos_min"] >= 0.99999
 
-
-@pytest.mark.parametrize(("flags", "bits"), [
-    ("fpu sse2 avx2 fma", 7),  # AVX2 only (Zen 3): 8-bit weights saturate MLAS's kernel
-    ("fpu avx2 avx512f avx512_vnni", 8),
-    ("fpu avx2 avx_vnni", 8),
-    ("fpu avx2 amx_bf16 amx_int8 amx_tile", 8),
-])
-def test_int8_keeps_its_eighth_bit_only_where_the_cpu_sums_in_int32(flags, bits,
-                                                                     tmp_path) -> None:
-    """int8 weights get 8 bits on CPUs with VNNI or AMX, 7 elsewhere (and when unknown)."""
-    from bgeserve.export.prepare import int8_weight_bits
-
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-    assert int8_weight_bits(cpuinfo) == bits
-    assert int8_weight_bits(tmp_path / "missing") == 7

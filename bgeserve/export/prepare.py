@@ -1,20 +1,21 @@
-"""``bgeserve prepare``: a hub snapshot's ONNX graph + head files → a local ``bgeserve export``.
+"""``python -m bgeserve.export.prepare``: a hub snapshot's ONNX graph → a local bgeserve export.
 
 No torch, no transformers: the hub's fp32 graph is rewritten with ``onnx`` (heads inside, the
 export's bounded attention and FFN row blocks) and the fast variants are made from it with ONNX
 Runtime's quantizer (int8: SmoothQuant calibrated on the fp32 graph's own activations) and
 OpenVINO (bf16). Every variant, fp32 included, is validated against the hub graph itself and the
 figures go into the manifest's ``agreement``, so the server's default choice (runtime/select.py)
-reads them as it reads an export's. Each heavy step runs in a child process, one at a time, so
-the peak memory is that of one step.
+reads them as it reads an export's. Each heavy step runs in a process of its own, one at a time,
+so the peak memory is that of one step.
 
-The output directory is a ``bgeserve export`` (manifest ``format: bgeserve-export``): the server
-serves it like any other (``cache.py`` keeps it under the cache directory, keyed by the source
-files' hashes).
+The server runs this module as a child (service/preparation.py decides, keeps the cache and
+reads the progress this prints: one JSON object per line on stdout, ``{"event": "step" |
+"line" | "done" | "failed", ...}``); serving code never imports the build tools.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -23,18 +24,17 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bgeserve import __version__
 from bgeserve.export import corpus, prepare_steps
 from bgeserve.export.main import GRAPH_PATHS, MANIFEST_SCHEMA, OUTPUTS, RUNTIMES, sha256
-from bgeserve.model.artifacts import ModelArtifacts
+from bgeserve.model import prepared
 from bgeserve.model.layout import Layout
-from bgeserve.model.ptload import HeadWeights
+from bgeserve.model.prepared import PrepareSource
 
-PREPARE_SCHEMA = 1  # bump when the recipe changes what a prepared graph holds: re-prepares
 VARIANTS = ("fp32", "int8", "bf16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # The prepared fp32 graph must compute what the hub graph computes: fp32 tolerances of
@@ -44,54 +44,12 @@ FP32_MAX_SPARSE_ABS = 1e-4
 WORK = ".work"
 
 
-def int8_weight_bits(cpuinfo: Path = Path("/proc/cpuinfo")) -> int:
-    """8 where this CPU multiplies u8 x s8 into int32 (VNNI, AMX), else 7 (steps.py: MLAS's
-    AVX2 kernel saturates its int16 pair sums with 8-bit weights). A prepared graph serves on
-    the machine that made it, so it can use the 8th bit where that is safe: ~0.0003 of dense
-    cosine on the full-size model."""
-    try:
-        flags = next((line.split(":", 1)[1].split() for line in
-                      cpuinfo.read_text(errors="replace").splitlines()
-                      if line.startswith("flags")), [])
-    except OSError:
-        return 7
-    return 8 if {"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags) else 7
-
-
 class PrepareFailed(Exception):
     """A step failed; ``step`` names it, the message says why (the child's last lines)."""
 
     def __init__(self, step: str, message: str):
         super().__init__(f"prepare step {step!r} failed: {message}")
         self.step = step
-
-
-@dataclass(frozen=True)
-class PrepareSource:
-    """What a prepared export is made from: a hub-layout fp32 graph and its companions."""
-
-    graph: Path
-    layout: Layout
-    tokenizer: Path
-    heads: HeadWeights
-    description: str
-    external_data: tuple[Path, ...] = ()
-    config: Path | None = None  # config.json, when the snapshot has one
-
-    @classmethod
-    def from_artifacts(cls, art: ModelArtifacts) -> PrepareSource:
-        """The source behind resolved hub-layout artifacts (BAAI's or a hidden-state graph)."""
-        if art.layout is Layout.BGESERVE or art.heads is None:
-            raise ValueError(f"{art.source} is already in bgeserve's layout")
-        config = next((p for p in (art.tokenizer_path.parent / "config.json",
-                                   art.onnx_path.parent / "config.json") if p.is_file()), None)
-        return cls(art.onnx_path, art.layout, art.tokenizer_path, art.heads, art.source,
-                   art.external_data, config)
-
-    def files(self) -> list[Path]:
-        """The files whose content decides the result (the cache key hashes them)."""
-        extra = [self.config] if self.config is not None else []
-        return [self.graph, *self.external_data, self.tokenizer, *extra]
 
 
 @dataclass
@@ -116,7 +74,7 @@ def prepare(source: PrepareSource, out: Path, variants: Sequence[str] = VARIANTS
             weight_bits: int = 7) -> Outcome:
     """Write a ``bgeserve export`` of ``variants`` (fp32 always) made from ``source`` into
     ``out``; ``skip`` lists variants not to make, with the reason recorded in the manifest;
-    ``weight_bits`` are int8's weight bits (``int8_weight_bits()`` for this CPU).
+    ``weight_bits`` are int8's weight bits (``prepared.int8_weight_bits()`` for this CPU).
     Raises PrepareFailed when fp32 cannot be made or disagrees with the hub graph; an int8 or
     bf16 step that fails is skipped, with its reason."""
     started = time.monotonic()
@@ -131,7 +89,7 @@ def prepare(source: PrepareSource, out: Path, variants: Sequence[str] = VARIANTS
     if source.config is not None:
         shutil.copyfile(source.config, out / "config.json")
     tokenizer = out / "tokenizer.json"
-    prepare_steps.write_heads(source.heads, work / prepare_steps.HEADS_FILE)
+    prepared.write_heads(source.heads, work / prepared.HEADS_FILE)
     steps = ["graphs", *(v for v in wanted if v != "fp32"), "FFN row blocks", "validation"]
     run = _Runner(steps, on_step, on_line)
 
@@ -271,7 +229,7 @@ def _write_manifest(out: Path, source: PrepareSource, dims: dict[str, Any],
         "tokenizer": "tokenizer.json",
         "source": {"model": source.description, "layout": source.layout.value,
                    "files": hashes},
-        "prepared": {"schema": PREPARE_SCHEMA, "seconds": outcome.seconds,
+        "prepared": {"schema": prepared.RECIPE["schema"], "seconds": outcome.seconds,
                      "skipped": outcome.skipped, "steps": outcome.steps,
                      "int8_weight_bits": outcome.weight_bits},
     }
@@ -279,3 +237,49 @@ def _write_manifest(out: Path, source: PrepareSource, dims: dict[str, Any],
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+def _event(kind: str, **fields: object) -> None:
+    """One progress event for the parent, on stdout."""
+    print(json.dumps({"event": kind, **fields}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prepare as the arguments say, reporting on stdout; 0 on success, 1 on failure."""
+    parser = argparse.ArgumentParser(prog="python -m bgeserve.export.prepare")
+    parser.add_argument("--graph", type=Path, required=True, help="the hub's fp32 graph")
+    parser.add_argument("--external-data", type=Path, action="append", default=[])
+    parser.add_argument("--layout", choices=[Layout.BAAI.value, Layout.HIDDEN.value],
+                        required=True)
+    parser.add_argument("--tokenizer", type=Path, required=True)
+    parser.add_argument("--config", type=Path, default=None)
+    parser.add_argument("--heads", type=Path, required=True, help="prepared.write_heads' npz")
+    parser.add_argument("--description", default="hub snapshot")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--variant", action="append", choices=VARIANTS, default=[])
+    parser.add_argument("--skip", action="append", default=[], metavar="VARIANT=REASON")
+    parser.add_argument("--weight-bits", type=int, choices=[7, 8], default=7)
+    parser.add_argument("--hashes", type=Path, default=None, help="JSON {file: sha256}")
+    args = parser.parse_args(argv)
+    source = PrepareSource(args.graph, Layout(args.layout), args.tokenizer,
+                           prepared.read_heads(args.heads), args.description,
+                           tuple(args.external_data), args.config)
+    skip = dict(item.split("=", 1) for item in args.skip)
+    hashes = json.loads(args.hashes.read_text()) if args.hashes else {}
+    try:
+        outcome = prepare(source, args.out, args.variant or VARIANTS, skip=skip,
+                          source_hashes=hashes, weight_bits=args.weight_bits,
+                          on_step=lambda name, i, n: _event("step", name=name, index=i, of=n),
+                          on_line=lambda text: _event("line", text=text))
+    except PrepareFailed as exc:
+        _event("failed", step=exc.step, message=str(exc))
+        return 1
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which serves the stock graph
+        _event("failed", step="prepare", message=f"{type(exc).__name__}: {exc}")
+        return 1
+    _event("done", outcome=asdict(outcome))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,11 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from bgeserve.export import ATTENTION_BLOCK, FFN_ROWS
-
-HEADS_FILE = "heads.npz"
+from bgeserve.model import prepared
 
 
 def _log(msg: str, started: float) -> None:
@@ -85,20 +82,6 @@ def link_data(source_dir: Path, target_dir: Path, locations: set[str], *,
         shutil.copyfile(src, dst)  # copy_file_range: a reflink where the file system has them
 
 
-def write_heads(heads, path: Path) -> None:
-    """Save ``HeadWeights`` for the ``graphs`` step (it runs in another process)."""
-    np.savez(path, sparse_weight=heads.sparse_weight, sparse_bias=np.float32(heads.sparse_bias),
-             colbert_weight=heads.colbert_weight, colbert_bias=heads.colbert_bias)
-
-
-def read_heads(path: Path):
-    from bgeserve.model.ptload import HeadWeights
-
-    with np.load(path) as z:
-        return HeadWeights(z["sparse_weight"], float(z["sparse_bias"]), z["colbert_weight"],
-                           z["colbert_bias"])
-
-
 def build_graphs(source: Path, hidden_output: str, work: Path, config: Path | None = None,
                  block: int = ATTENTION_BLOCK) -> dict[str, object]:
     """Write ``plain/`` and ``fp32/`` graphs and ``dims.json`` into ``work``; returns the dims."""
@@ -108,15 +91,16 @@ def build_graphs(source: Path, hidden_output: str, work: Path, config: Path | No
     from bgeserve.export.headgraph import add_heads
 
     started = time.monotonic()
-    heads = read_heads(work / HEADS_FILE)
+    heads = prepared.read_heads(work / prepared.HEADS_FILE)
     model = onnx.load(str(source), load_external_data=False)
     locations = external_locations(model)
     settings = json.loads(config.read_text()) if config is not None else None
-    dims: dict[str, object] = dict(encoder.dims(model, settings))
+    sizes = encoder.dims(model, settings)
+    dims: dict[str, object] = dict(sizes)
     _log(f"read {source}: {dims}", started)
-    if heads.hidden_size != dims["hidden"]:
+    if heads.hidden_size != sizes["hidden"]:
         raise ValueError(f"the heads are for hidden size {heads.hidden_size}, the graph has "
-                         f"{dims['hidden']}")
+                         f"{sizes['hidden']}")
 
     plain = onnx.ModelProto()
     plain.CopyFrom(model)
@@ -126,7 +110,7 @@ def build_graphs(source: Path, hidden_output: str, work: Path, config: Path | No
 
     fused = encoder.fuse_layernorms(model)
     add_heads(model, hidden_output, heads)
-    layers = attention.bound_attention(model, int(dims["heads"]), int(dims["hidden"]), block)
+    layers = attention.bound_attention(model, sizes["heads"], sizes["hidden"], block)
     norms = sum(n.op_type == "LayerNormalization" for n in model.graph.node)
     # The FFN row blocks find each layer between its LayerNorms (rowblock.py).
     dims.update(attention_block=block,

@@ -26,10 +26,10 @@ from bgeserve.results import Embeddings, EmbedOptions
 from bgeserve.runtime import gpu
 from bgeserve.service import plan
 from bgeserve.service.metrics import Metrics
+from bgeserve.service.preparation import Preparation
 from bgeserve.tuning import cache, memory
 from bgeserve.tuning.budget import measure_model_cost
 from bgeserve.tuning.tuner import Tuner, UnmeasuredFloor
-from bgeserve.service.preparation import Preparation
 
 log = logging.getLogger("bgeserve.service")
 

@@ -3,7 +3,8 @@
 ``Preparation.apply(settings, cache_dir)`` runs before the model loads (``Service._load``): for a
 hub snapshot (downloaded, or ``BGE_M3_MODEL_PATH`` pointing at one) served on the CPU it finds
 the prepared export for the snapshot's content in ``{cache_dir}/prepared`` or makes it
-(``export/prepare.py``, in child processes), and returns settings that serve it; with neither
+(``python -m bgeserve.export.prepare``, a child process, which runs each step in its own), and
+returns settings that serve it; with neither
 ``BGE_M3_MODEL`` nor ``BGE_M3_EP`` given, the variant is then chosen from the prepared export's
 measured agreement (runtime/select.py), as for a ``bgeserve export``. Whenever it cannot
 (``BGE_M3_PREPARE=0``, too little memory for a step, a graph it cannot rewrite) the snapshot is
@@ -13,21 +14,32 @@ served as it is and ``status`` says why (``/health`` shows it, the log too).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
-import os
 import shutil
+import subprocess
+import sys
+import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 from bgeserve.config import Settings
 from bgeserve.errors import ModelUnavailable
-from bgeserve.export import prepare as recipe
-from bgeserve.export.prepcache import PreparedStore, file_digests, source_key
 from bgeserve.model.artifacts import export_variants, resolve
+from bgeserve.model.prepared import (
+    HEADS_FILE,
+    PreparedStore,
+    PrepareSource,
+    file_digests,
+    int8_weight_bits,
+    source_key,
+    write_heads,
+)
 from bgeserve.progress import Progress
 from bgeserve.runtime import openvino
-from bgeserve.runtime import select as backend
+from bgeserve.service import plan
 from bgeserve.tuning import memory
 
 log = logging.getLogger("bgeserve.prepare")
@@ -50,16 +62,26 @@ def peak_bytes(step: str, weights: int) -> int:
     return int(factor * weights + extra)
 
 
+class PrepareFailed(Exception):
+    """The prepare child failed; ``step`` names the step, the message says why."""
+
+    def __init__(self, step: str, message: str):
+        super().__init__(message)
+        self.step = step
+
+
 class Preparation:
     """One start's prepare step: decides, finds or makes the export, says what happened."""
 
-    def __init__(self, progress: Progress | None = None, *, choose_variant: bool = False):
+    def __init__(self, progress: Progress | None = None):
         self.progress = progress or Progress()
-        self.choose_variant = choose_variant  # neither BGE_M3_MODEL nor BGE_M3_EP was given
         self.status: dict[str, Any] = {"status": "not_run"}
 
     def apply(self, s: Settings, cache_dir: Path) -> Settings:
         """Settings serving the prepared export of ``s``'s snapshot, or ``s`` unchanged."""
+        # Neither BGE_M3_MODEL nor BGE_M3_EP given: the variant is chosen again, from what the
+        # prepared export measured.
+        choose = not s.is_explicit("BGE_M3_MODEL") and not s.is_explicit("BGE_M3_EP")
         reason = _not_needed(s)
         if reason is not None:
             self.status = {"status": "disabled" if not s.prepare else "not_needed",
@@ -78,8 +100,8 @@ class Preparation:
                            f"from: {exc.message}"}
             return s
         try:
-            prepared, outcome = self.find_or_make(s, cache_dir, recipe.PrepareSource
-                                                  .from_artifacts(art), _wanted(s))
+            prepared, outcome = self.find_or_make(s, cache_dir,
+                                                  PrepareSource.from_artifacts(art), _wanted(s))
         except _Skip as exc:
             self._fallback("skipped", str(exc))
             return s
@@ -87,17 +109,17 @@ class Preparation:
             self._fallback("failed", str(exc), error=exc)
             return s
         variants = export_variants(prepared)
-        if not self.choose_variant and s.variant not in variants:
+        if not choose and s.variant not in variants:
             why = outcome.get("skipped", {}).get(s.variant, "not made")
             self._fallback("skipped", f"BGE_M3_MODEL={s.variant} was not prepared ({why})")
             return s
         self.status.update(path=str(prepared), variants=sorted(variants))
         chosen = dataclasses.replace(s, model_path=prepared)
-        if self.choose_variant:
-            chosen = backend.resolve(chosen, model_explicit=False, ep_explicit=False)
+        if choose:  # the rule again, now over the prepared export's variants
+            chosen = plan.resolve(dataclasses.replace(chosen, variant_choice=""))
         return chosen
 
-    def find_or_make(self, s: Settings, cache_dir: Path, source: recipe.PrepareSource,
+    def find_or_make(self, s: Settings, cache_dir: Path, source: PrepareSource,
                      wanted: list[str], *, force: bool = False,
                      ) -> tuple[Path, dict[str, Any]]:
         """The prepared export of ``source`` in the cache (made if missing or lacking one of
@@ -105,8 +127,8 @@ class Preparation:
         store = PreparedStore(cache_dir)
         self.progress.step("hashing the model files")
         digests = file_digests(source.files(), store.digests)
-        bits = recipe.int8_weight_bits()
-        key = source_key(digests, source.heads, recipe.PREPARE_SCHEMA, int8_weight_bits=bits)
+        bits = int8_weight_bits()
+        key = source_key(digests, source.heads, int8_weight_bits=bits)
         with store.lock(key, on_wait=lambda: log.info(
                 "another bgeserve is preparing %s: waiting for it", source.description)):
             manifest = store.manifest(key)
@@ -115,7 +137,7 @@ class Preparation:
                 log.info("prepared export found: %s (variants %s)", store.path(key),
                          ", ".join(sorted(manifest["variants"])))
                 return store.path(key), manifest.get("prepared", {})
-            weights = sum(p.stat().st_size for p in (source.graph, *source.external_data))
+            weights = source.weight_bytes
             available = memory.detect_available_memory(s.available_memory_bytes).available_bytes
             need = peak_bytes("fp32", weights)
             if available < need:
@@ -130,26 +152,26 @@ class Preparation:
                      ", ".join(wanted), f"; skipping {skip}" if skip else "", store.path(key))
             staged = store.staging(key)
             try:
-                outcome = recipe.prepare(
-                    source, staged, wanted, skip=skip, source_hashes=digests,
-                    on_step=lambda name, i, n: self.progress.step(f"prepare: {name}", i, n),
-                    on_line=self.progress.note, weight_bits=bits)
+                outcome = run_recipe(source, staged, wanted, skip=skip, hashes=digests,
+                                     weight_bits=bits, progress=self.progress)
             except BaseException:
                 shutil.rmtree(staged, ignore_errors=True)
                 raise
             final = store.commit(key, staged)
-        self.status = {"status": "prepared", "key": key, "seconds": outcome.seconds,
-                       **({"skipped": outcome.skipped} if outcome.skipped else {})}
-        log.info("prepared %s in %.0fs: %s", source.description, outcome.seconds,
-                 ", ".join(outcome.variants), extra={"skipped": outcome.skipped or None})
-        return final, {"skipped": outcome.skipped}
+        skipped = outcome.get("skipped") or {}
+        self.status = {"status": "prepared", "key": key, "seconds": outcome.get("seconds"),
+                       **({"skipped": skipped} if skipped else {})}
+        log.info("prepared %s in %.0fs: %s", source.description, outcome.get("seconds", 0),
+                 ", ".join(outcome.get("variants", [])), extra={"skipped": skipped or None,
+                                                               "steps": outcome.get("steps")})
+        return final, {"skipped": skipped}
 
     def _fallback(self, status: str, reason: str, error: BaseException | None = None) -> None:
         self.status = {"status": status, "reason": reason}
         log.warning("not serving a prepared graph: %s. Serving the snapshot as it is (stock "
                     "graph: plain attention, exact fp32); BGE_M3_PREPARE=0 skips this step",
                     reason, exc_info=error is not None and not isinstance(
-                        error, (recipe.PrepareFailed, ModelUnavailable)))
+                        error, (PrepareFailed, ModelUnavailable)))
 
 
 def _disk_skips(root: Path, weights: int, wanted: list[str]) -> dict[str, str]:
@@ -160,12 +182,69 @@ def _disk_skips(root: Path, weights: int, wanted: list[str]) -> dict[str, str]:
     if free < need["fp32"]:
         raise _Skip(f"the prepared graphs need ~{need['fp32'] / GiB:.1f} GiB on "
                     f"BGE_M3_CACHE_DIR ({root}), {free / GiB:.1f} GiB are free")
-    skips = {}
+    skips: dict[str, str] = {}
     for variant in ("bf16", "int8"):
         if variant in need and sum(need.values()) > free:
             skips[variant] = (f"needs ~{need.pop(variant) / GiB:.1f} GiB of disk in "
                               f"BGE_M3_CACHE_DIR, {free / GiB:.1f} GiB free")
     return skips
+
+
+def run_recipe(source: PrepareSource, out: Path, wanted: list[str], *, skip: dict[str, str],
+               hashes: dict[str, str], weight_bits: int, progress: Progress) -> dict[str, Any]:
+    """Make the export in ``out`` with ``python -m bgeserve.export.prepare`` (a child: the
+    build tools never load into the server), relaying its steps and lines to ``progress``;
+    returns its outcome (variants, skipped, seconds, steps). Raises PrepareFailed."""
+    inputs = out / ".inputs"
+    inputs.mkdir(parents=True, exist_ok=True)
+    write_heads(source.heads, inputs / HEADS_FILE)
+    (inputs / "hashes.json").write_text(json.dumps(hashes))
+    argv = [sys.executable, "-m", "bgeserve.export.prepare", "--graph", str(source.graph),
+            "--layout", source.layout.value, "--tokenizer", str(source.tokenizer),
+            "--heads", str(inputs / HEADS_FILE), "--hashes", str(inputs / "hashes.json"),
+            "--description", source.description, "--out", str(out),
+            "--weight-bits", str(weight_bits)]
+    argv += [x for p in source.external_data for x in ("--external-data", str(p))]
+    argv += ["--config", str(source.config)] if source.config is not None else []
+    argv += [x for v in wanted for x in ("--variant", v)]
+    argv += [x for v, why in skip.items() for x in ("--skip", f"{v}={why}")]
+    tail: deque[str] = deque(maxlen=8)
+    outcome: dict[str, Any] | None = None
+    failed: dict[str, Any] | None = None
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          errors="replace") as child:
+        assert child.stdout is not None and child.stderr is not None
+        errors = child.stderr
+
+        def keep_tail() -> None:  # the child's own stderr: only its last lines, for the error
+            tail.extend(line.rstrip() for line in errors)
+
+        drain = threading.Thread(target=keep_tail, daemon=True)
+        drain.start()
+        for line in child.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # a stray print: not a progress event
+            kind = event.get("event")
+            if kind == "step":
+                progress.step(f"prepare: {event['name']}", event["index"], event["of"])
+            elif kind == "line":
+                progress.note(event["text"])
+            elif kind == "done":
+                outcome = event["outcome"]
+            elif kind == "failed":
+                failed = event
+        drain.join(5)
+    shutil.rmtree(inputs, ignore_errors=True)
+    if failed is not None:
+        raise PrepareFailed(failed.get("step", "prepare"), failed.get("message", ""))
+    if child.returncode != 0 or outcome is None:
+        reason = ("killed (SIGKILL: most likely out of memory)" if child.returncode in (-9, 137)
+                  else f"exit code {child.returncode}")
+        raise PrepareFailed("prepare", f"the prepare process ended: {reason}"
+                            + (f": {' | '.join(tail)}" if tail else ""))
+    return outcome
 
 
 class _Skip(Exception):
@@ -216,18 +295,15 @@ def prepare_command(s: Settings, cache_dir: Path, variants: list[str] | None, *,
     art = resolve(model_path=s.model_path, variant="fp32", cache_dir=cache_dir,
                   offline=s.offline, progress=progress.bars, report=progress.transfer)
     prep = Preparation(progress)
-    path, _ = prep.find_or_make(s, cache_dir, recipe.PrepareSource.from_artifacts(art),
-                                variants or _wanted(s), force=force)
+    try:
+        path, _ = prep.find_or_make(s, cache_dir, PrepareSource.from_artifacts(art),
+                                    variants or _wanted(s), force=force)
+    except _Skip as exc:
+        raise PrepareFailed("prepare", str(exc)) from None
     progress.done()
     if out is not None:
-        shutil.copytree(path, out, dirs_exist_ok=True, copy_function=_link_or_copy)
+        shutil.copytree(path, out, dirs_exist_ok=True)
         path = out
     log.info("prepared export ready in %.0fs: %s", time.monotonic() - started, path)
     return path
 
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)

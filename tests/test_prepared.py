@@ -1,4 +1,4 @@
-"""Tests for bgeserve.export.prepcache: keys from content, digests remembered, atomic builds."""
+"""Tests for bgeserve.model.prepared: keys from content, digests remembered, atomic builds."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bgeserve.export import prepcache
-from bgeserve.export.prepcache import PreparedStore, file_digests, source_key
+from bgeserve.model import prepared
+from bgeserve.model.prepared import PreparedStore, file_digests, int8_weight_bits, source_key
 from bgeserve.model.ptload import HeadWeights
 
 
@@ -29,18 +29,17 @@ def _files(root: Path) -> list[Path]:
 
 
 def test_the_key_follows_file_contents_heads_and_recipe(tmp_path: Path) -> None:
-    """Same content → same key; one byte of a source file, the heads, the schema or a
-    machine-dependent recipe choice changed → another key."""
+    """Same content → same key; one byte of a source file, the heads or a machine-dependent
+    recipe choice changed → another key."""
     files = _files(tmp_path / "src")
     memo = tmp_path / "digests.json"
-    key = source_key(file_digests(files, memo), _heads(), 1)
+    key = source_key(file_digests(files, memo), _heads())
 
-    assert source_key(file_digests(files, memo), _heads(), 1) == key
-    assert source_key(file_digests(files, memo), _heads(0.25), 1) != key
-    assert source_key(file_digests(files, memo), _heads(), 2) != key
-    assert source_key(file_digests(files, memo), _heads(), 1, int8_weight_bits=8) != key
+    assert source_key(file_digests(files, memo), _heads()) == key
+    assert source_key(file_digests(files, memo), _heads(0.25)) != key
+    assert source_key(file_digests(files, memo), _heads(), int8_weight_bits=8) != key
     files[1].write_bytes(b"\0" * 999 + b"\1")
-    assert source_key(file_digests(files, memo), _heads(), 1) != key
+    assert source_key(file_digests(files, memo), _heads()) != key
 
 
 def test_digests_are_remembered_until_a_file_changes(tmp_path: Path,
@@ -49,8 +48,8 @@ def test_digests_are_remembered_until_a_file_changes(tmp_path: Path,
     files = _files(tmp_path / "src")
     memo = tmp_path / "digests.json"
     hashed: list[str] = []
-    real = prepcache.sha256
-    monkeypatch.setattr(prepcache, "sha256", lambda p: hashed.append(Path(p).name) or real(p))
+    real = prepared.sha256
+    monkeypatch.setattr(prepared, "sha256", lambda p: hashed.append(Path(p).name) or real(p))
 
     first = file_digests(files, memo)
     assert sorted(hashed) == sorted(p.name for p in files)
@@ -117,3 +116,26 @@ def test_a_second_builder_waits_for_the_first(tmp_path: Path) -> None:
         events.append("second in")
     thread.join()
     assert events == ["first in", "waiting", "first out", "second in"]
+
+
+def test_the_recipe_in_the_key_is_the_one_the_export_writes() -> None:
+    """RECIPE's block sizes are export/'s: a change there changes every key (re-prepares)."""
+    from bgeserve.export import ATTENTION_BLOCK, FFN_ROWS
+
+    assert (prepared.RECIPE["attention_block"], prepared.RECIPE["ffn_rows"]) == (
+        ATTENTION_BLOCK, FFN_ROWS)
+
+
+@pytest.mark.parametrize(("flags", "bits"), [
+    ("fpu sse2 avx2 fma", 7),  # AVX2 only (Zen 3): 8-bit weights saturate MLAS's kernel
+    ("fpu avx2 avx512f avx512_vnni", 8),
+    ("fpu avx2 avx_vnni", 8),
+    ("fpu avx2 amx_bf16 amx_int8 amx_tile", 8),
+])
+def test_int8_keeps_its_eighth_bit_only_where_the_cpu_sums_in_int32(flags, bits,
+                                                                     tmp_path) -> None:
+    """int8 weights get 8 bits on CPUs with VNNI or AMX, 7 elsewhere (and when unknown)."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert int8_weight_bits(cpuinfo) == bits
+    assert int8_weight_bits(tmp_path / "missing") == 7
