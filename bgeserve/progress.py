@@ -51,12 +51,18 @@ class Progress:
         now = time.monotonic()
         finished = total is not None and done >= total
         with self._lock:
+            # A transfer is the download step (only files that are not cached report one).
+            entering = self._step != "download"
+            if entering:
+                self._step = "download"
             if total:
                 self._fraction = min(1.0, done / total)
             self._detail = {"file": name, "bytes_done": done, "bytes_total": total}
             due = now - self._logged.get(name, 0.0) >= self.period or finished
             if due:
                 self._logged[name] = now
+        if entering:
+            self._log.info("start-up step: download", extra={"step": "download"})
         if due:
             pct = f" ({100 * done / total:.0f}%)" if total else ""
             self._log.info("download %s: %d of %s MiB%s", name, done >> 20,

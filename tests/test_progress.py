@@ -37,17 +37,20 @@ def test_steps_are_logged_with_their_names_and_counts(caplog: pytest.LogCaptureF
 
 def test_transfers_log_bytes_at_most_once_a_period_and_at_the_end(
         caplog: pytest.LogCaptureFixture) -> None:
-    """Bytes done / total are logged for the first report, then no more often than the period,
-    and always when the file completes; the snapshot follows every report."""
+    """A transfer enters the download step; bytes done / total are logged for the first
+    report, then no more often than the period, and always when the file completes; the
+    snapshot follows every report."""
     progress = Progress(period=3600)
     with caplog.at_level(logging.INFO, "bgeserve.progress"):
-        progress.step("download")
+        progress.step("hashing the model files")
         for done in (1 << 20, 2 << 20, 3 << 20):
             progress.transfer("onnx/model.onnx_data", done, 4 << 20)
         middle = progress.snapshot()
         progress.transfer("onnx/model.onnx_data", 4 << 20, 4 << 20)
 
-    lines = [line for line in _json_lines(caplog) if "bytes_done" in line]
+    records = _json_lines(caplog)
+    lines = [line for line in records if "bytes_done" in line]
+    assert [r["msg"] for r in records].count("start-up step: download") == 1
     assert [(x["bytes_done"], x["bytes_total"]) for x in lines] == [(1 << 20, 4 << 20),
                                                                    (4 << 20, 4 << 20)]
     assert lines[0]["file"] == "onnx/model.onnx_data" and "(25%)" in lines[0]["msg"]
@@ -60,5 +63,5 @@ def test_an_unknown_total_is_logged_as_such(caplog: pytest.LogCaptureFixture) ->
     progress = Progress()
     with caplog.at_level(logging.INFO, "bgeserve.progress"):
         progress.transfer("x.bin", 5 << 20, None)
-    (line,) = _json_lines(caplog)
+    (line,) = [r for r in _json_lines(caplog) if "bytes_done" in r]
     assert line["bytes_done"] == 5 << 20 and "bytes_total" not in line and "of ? MiB" in line["msg"]

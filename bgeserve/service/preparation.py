@@ -87,8 +87,6 @@ class Preparation:
             self.status = {"status": "disabled" if not s.prepare else "not_needed",
                            "reason": reason}
             return s
-        if s.model_path is None:
-            self.progress.step("download")
         try:
             art = resolve(model_path=s.model_path, variant="fp32", cache_dir=cache_dir,
                           offline=s.offline, progress=self.progress.bars,
@@ -290,8 +288,6 @@ def prepare_command(s: Settings, cache_dir: Path, variants: list[str] | None, *,
     if s.model_path is not None and export_variants(s.model_path):
         raise ModelUnavailable(f"{s.model_path} is a `bgeserve export` already",
                                param="BGE_M3_MODEL_PATH")
-    if s.model_path is None:
-        progress.step("download")
     art = resolve(model_path=s.model_path, variant="fp32", cache_dir=cache_dir,
                   offline=s.offline, progress=progress.bars, report=progress.transfer)
     prep = Preparation(progress)
