@@ -87,6 +87,15 @@ def _bind(name: str, raw: str) -> str:
     return raw.strip()
 
 
+def default_cache_dir(environ: Mapping[str, str]) -> Path:
+    """``$XDG_CACHE_HOME/bgeserve`` (an absolute XDG_CACHE_HOME), else ``~/.cache/bgeserve``:
+    somewhere any user can write, unlike the reference server's ``/cache``."""
+    xdg = environ.get("XDG_CACHE_HOME", "").strip()
+    if xdg and Path(xdg).is_absolute():
+        return Path(xdg) / "bgeserve"
+    return Path("~/.cache/bgeserve")  # expanded when Settings is made (__post_init__)
+
+
 def _var(env: str, parse: Callable[[str, str], Any], default: Any, doc: str) -> Any:
     """A settings field bound to one environment variable (kept in the field metadata)."""
     return field(default=default, metadata={"env": env, "parse": parse, "doc": doc})
@@ -103,8 +112,13 @@ class Settings:
     variant: str = _var("BGE_M3_MODEL", _choice(*VARIANTS), "fp32",
                         "model variant: fp32|fp16|int8|bf16 (bf16: OpenVINO; unset: the fastest "
                         "keeping dense cos >= 0.999 here, see runtime/select.py)")
-    cache_dir: Path = _var("BGE_M3_CACHE_DIR", _path, Path("/cache"),
-                           "downloads, probe coefficients and TensorRT engines")
+    cache_dir: Path = _var("BGE_M3_CACHE_DIR", _path, Path("~/.cache/bgeserve"),
+                           "prepared graphs, probe coefficients and TensorRT engines "
+                           "(default $XDG_CACHE_HOME/bgeserve, else ~/.cache/bgeserve; hub "
+                           "downloads go to the Hugging Face cache: HF_HUB_CACHE / HF_HOME)")
+    prepare: bool = _var("BGE_M3_PREPARE", _bool, True,
+                         "build bgeserve's fast graphs (in-graph heads, bounded attention, "
+                         "int8, bf16) from a hub snapshot once, cached; 0 = serve it as it is")
     offline: bool = _var("HF_HUB_OFFLINE", _bool, False, "never contact the Hugging Face hub")
     max_seq_length: int = _var("BGE_M3_MAX_SEQ_LENGTH", _number(int, 2, MAX_POSITIONS),
                                MAX_POSITIONS, "tokens per text, special tokens included")
@@ -213,6 +227,8 @@ class Settings:
             if raw is not None and (raw.strip() or f.type in ("str", "tuple[str, ...]")):
                 values[f.name] = f.metadata["parse"](f.metadata["env"], raw)
                 given.add(f.metadata["env"])
+        if "cache_dir" not in values:
+            values["cache_dir"] = default_cache_dir(environ)
         settings = cls(**values, explicit=frozenset(given))
         settings.validate()
         return settings
@@ -220,6 +236,11 @@ class Settings:
     def is_explicit(self, variable: str) -> bool:
         """Whether ``variable`` (``BGE_M3_*``) was set, rather than left at its default."""
         return self.explicit is None or variable in self.explicit
+
+    def __post_init__(self) -> None:
+        # "~" is expanded when the settings are made (not at import): the default, or a path
+        # given to the constructor, is then the same Path wherever it is used.
+        object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
 
     def validate(self) -> None:
         """Check rules that involve more than one field."""

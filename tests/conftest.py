@@ -107,3 +107,35 @@ def flag_model(tiny_model: Path):
     from FlagEmbedding import BGEM3FlagModel
 
     return BGEM3FlagModel(str(tiny_model), use_fp16=False, devices="cpu")
+
+
+@pytest.fixture(scope="session")
+def hub_snapshots(tiny_model: Path, models_root: Path) -> dict[str, Path]:
+    """Hub-layout snapshots of the tiny model made by transformers' own encoder traced with
+    torch.onnx (bgeserve.testing.hubsnap), as the hub's exporters write them: ``baai``
+    (sentence_embedding + token_embeddings, opset 17, one external weights file) and
+    ``optimum`` (last_hidden_state, opset 14: LayerNorm spelled out), both with the head files."""
+    import subprocess
+    import sys
+
+    out = {}
+    for layout in ("baai", "optimum"):
+        path = models_root / f"snapshot-{layout}"
+        if not (path / "onnx" / "model.onnx").exists():
+            # A child, as for hub_layouts: torch's tracer must not run under pytest's warnings.
+            subprocess.run([sys.executable, "-m", "bgeserve.testing.hubsnap", str(tiny_model),
+                            str(path), "--layout", layout], check=True,
+                           stdout=subprocess.DEVNULL)
+        out[layout] = path
+    return out
+
+
+@pytest.fixture(scope="session")
+def no_torch_path(tmp_path_factory) -> str:
+    """A PYTHONPATH on which ``import torch`` / ``import transformers`` raise ImportError."""
+    root = tmp_path_factory.mktemp("no-torch")
+    for name in ("torch", "transformers"):
+        (root / name).mkdir()
+        (root / name / "__init__.py").write_text(
+            f"raise ImportError('{name} is not installed here (serving-only install)')\n")
+    return f"{root}{os.pathsep}{Path(__file__).resolve().parent.parent}"

@@ -119,7 +119,8 @@ CALIBRATION_TEXTS = 16
 
 
 def export_int8(fp32: Path, out: Path, tokenizer: Path | None = None,
-                recipe: str = "smoothquant", max_tokens: int | None = None) -> None:
+                recipe: str = "smoothquant", max_tokens: int | None = None,
+                weight_bits: int = 7) -> None:
     """int8 MatMul weights (dynamic quantization, per channel); heads stay fp32.
 
     ``smoothquant`` (the export's recipe) first smooths the fp32 graph with activation maxima
@@ -164,8 +165,10 @@ def export_int8(fp32: Path, out: Path, tokenizer: Path | None = None,
         # 0.99 int8 bar it meets with 7 bits. An export may be served on any CPU, so it must
         # not overflow on any;
         # on VNNI CPUs 7 bits cost ~0.0003 of the cosine (docs/benchmarks.md, recipe f2).
+        # `prepare` makes its graph on the machine that serves it: there, with VNNI (whose
+        # u8 x s8 instructions sum into int32), it asks for 8 bits (weight_bits=8).
         quantize_dynamic(str(src), str(raw), weight_type=QuantType.QInt8, per_channel=True,
-                         reduce_range=True,
+                         reduce_range=weight_bits < 8,
                          op_types_to_quantize=["MatMul", "Gemm"], nodes_to_exclude=exclude,
                          use_external_data_format=big,
                          # Shape inference cannot see through the com.microsoft attention op;
@@ -250,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokenizer.json for the calibration texts (smoothquant)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="longest calibration text (the model's positions)")
+    p.add_argument("--weight-bits", type=int, choices=[7, 8], default=7,
+                   help="7 (reduce_range: safe on every CPU) or 8 (CPUs with VNNI)")
     p = sub.add_parser("rowblock")
     p.add_argument("graphs", type=Path, nargs="+")
     p.add_argument("--rows", type=int, required=True)
@@ -275,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.step == "validate":
         validate(args.export_dir, args.variant, args.tokenizer, args.result, args.max_tokens)
     else:
-        export_int8(args.fp32, args.out, args.tokenizer, args.recipe, args.max_tokens)
+        export_int8(args.fp32, args.out, args.tokenizer, args.recipe, args.max_tokens,
+                    args.weight_bits)
     return 0
 
 

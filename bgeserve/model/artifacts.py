@@ -11,16 +11,17 @@ only when a download is needed.
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bgeserve.errors import ConfigError, ModelUnavailable
 from bgeserve.model.hubfetch import Fetcher
+from bgeserve.model.layout import Layout, graph_layout
 from bgeserve.model.ptload import HeadWeights, load_heads
 
 __all__ = [
@@ -32,28 +33,6 @@ __all__ = [
     "resolve",
     "validate_cache_dir",
 ]
-
-
-class Layout(str, enum.Enum):
-    """The outputs a graph has, which decides where the heads are computed."""
-
-    BGESERVE = (
-        "bgeserve"  # dense [B,H], sparse_weights [B,L], colbert [B,L-1,H]: heads in the graph
-    )
-    BAAI = "baai"  # sentence_embedding [B,H], token_embeddings [B,L,H]; heads from .pt
-    HIDDEN = "hidden"  # last_hidden_state [B,L,H]; heads from .pt
-
-    @property
-    def outputs(self) -> tuple[str, ...]:
-        """The graph output names this layout promises (for the runtime to check)."""
-        return _OUTPUTS[self]
-
-
-_OUTPUTS = {
-    Layout.BGESERVE: ("dense", "sparse_weights", "colbert"),
-    Layout.BAAI: ("sentence_embedding", "token_embeddings"),
-    Layout.HIDDEN: ("last_hidden_state",),
-}
 
 
 @dataclass(frozen=True)
@@ -167,11 +146,17 @@ def resolve(
     offline: bool = False,
     endpoint: str | None = None,
     progress: bool = True,
+    hub_cache: Path | None = None,
+    report: Callable[[str, int, int | None], None] | None = None,
 ) -> ModelArtifacts:
     """Find (downloading if needed) the files for ``variant``: from ``model_path`` or the hub.
 
-    The cache directory is validated first, before any network call. ``offline`` uses only what
-    is already cached; ``endpoint`` overrides the hub URL (None: huggingface_hub's default).
+    The cache directory (bgeserve's own) is validated first, before any network call. Hub files
+    go to the Hugging Face cache ``hub_cache`` (None: huggingface_hub's default, honouring
+    HF_HUB_CACHE / HF_HOME); files an earlier bgeserve downloaded into ``cache_dir`` are used
+    from there. ``offline`` uses only what is already cached; ``endpoint`` overrides the hub
+    URL (None: huggingface_hub's default); ``progress`` draws huggingface_hub's bars and
+    ``report`` gets (file, bytes done, bytes total) while a file downloads.
     """
     if variant not in (*HUB_SOURCES, *EXPORT_ONLY_VARIANTS):
         raise ConfigError(
@@ -179,7 +164,8 @@ def resolve(
             f"{', '.join((*HUB_SOURCES, *EXPORT_ONLY_VARIANTS))}",
             param="BGE_M3_MODEL",
         )
-    fetch = Fetcher(validate_cache_dir(cache_dir), offline, endpoint, progress)
+    fetch = Fetcher(hub_cache, offline, endpoint, progress,
+                    legacy_cache=validate_cache_dir(cache_dir), report=report)
     if model_path is not None:
         return _resolve_local(Path(model_path).expanduser(), variant, fetch)
     if variant in EXPORT_ONLY_VARIANTS:
@@ -213,11 +199,15 @@ def _resolve_local(root: Path, variant: str, fetch: Fetcher) -> ModelArtifacts:
     graphs = {v: root / s.onnx for v, s in HUB_SOURCES.items() if (root / s.onnx).is_file()}
     if variant in graphs:
         onnx = graphs[variant]
-        layout = HUB_SOURCES[variant].layout
-        has_heads = any((root / name).is_file() for name in HEAD_FILES)
-        if layout is Layout.BAAI and len(graphs) > 1 and not has_heads:
-            layout = Layout.HIDDEN  # Xenova's snapshot also has onnx/model.onnx (last_hidden_state)
-        kind = "BAAI/bge-m3" if layout is Layout.BAAI else "Xenova/bge-m3"
+        # The graph's own outputs decide: BAAI's and Xenova's snapshots and an optimum export
+        # all name their fp32 graph onnx/model.onnx.
+        layout = graph_layout(onnx)
+        if layout is Layout.BGESERVE:
+            raise ModelUnavailable(
+                f"{onnx} has bgeserve's in-graph heads but {root} has no manifest.json: point "
+                "BGE_M3_MODEL_PATH at the whole `bgeserve export` directory",
+                param="BGE_M3_MODEL_PATH")
+        kind = {Layout.BAAI: "BAAI/bge-m3", Layout.HIDDEN: "hidden-state"}[layout]
         tokenizer = next(
             (p for p in (root / "tokenizer.json", onnx.parent / "tokenizer.json") if p.is_file()),
             None,

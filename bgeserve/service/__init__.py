@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,10 +21,12 @@ from bgeserve.config import Settings
 from bgeserve.engine import Engine, Inputs
 from bgeserve.errors import BgeServeError, DeadlineExceeded, NotReady
 from bgeserve.model.artifacts import ModelArtifacts, resolve, validate_cache_dir
+from bgeserve.progress import Progress
 from bgeserve.results import Embeddings, EmbedOptions
 from bgeserve.runtime import gpu
 from bgeserve.service import plan
 from bgeserve.service.metrics import Metrics
+from bgeserve.service.preparation import Preparation
 from bgeserve.tuning import cache, memory
 from bgeserve.tuning.budget import measure_model_cost
 from bgeserve.tuning.tuner import Tuner, UnmeasuredFloor
@@ -43,6 +46,9 @@ class Service:
 
     def __init__(self, settings: Settings, on_fatal: Callable[[BaseException], None] | None = None):
         self.settings = settings
+        # Start-up steps (download, prepare, load) for the log and /health.
+        self.progress = Progress(bars=sys.stderr.isatty())
+        self.preparation = Preparation(self.progress)
         self.metrics_registry = Metrics()
         self.engine: Engine | None = None
         self.tuner: Tuner | None = None
@@ -79,8 +85,12 @@ class Service:
             # Runtime, provider and variant decided, GPUs counted (a no-op if the CLI did it).
             s = self.settings = plan.resolve(self.settings)
             cache_dir = validate_cache_dir(s.cache_dir)
+            s = self.settings = self.preparation.apply(s, cache_dir)
+            self.progress.step("loading the model")
             self.artifacts = artifacts = resolve(model_path=s.model_path, variant=s.variant,
-                                                 cache_dir=cache_dir, offline=s.offline)
+                                                 cache_dir=cache_dir, offline=s.offline,
+                                                 progress=self.progress.bars,
+                                                 report=self.progress.transfer)
             serving = plan.for_model(s, artifacts, cache_dir)
             # Everything below (engine, probe, /health) sees the tokens the model holds.
             s = self.settings = serving.settings
@@ -129,6 +139,7 @@ class Service:
                 cost = tuner.initial(model_cost, fingerprint)  # refuses if still too short
                 load()
             self.engine = engine
+            self.progress.done()
             self._ready.set()
             log.info("ready: probe %s, a=%.0f b=%.2f, %d MiB workspace per worker, texts up to "
                      "%d tokens fit", tuner.state.probe_status, cost.a, cost.b,
@@ -259,9 +270,11 @@ class Service:
         body: dict[str, Any] = {"status": "loading", "version": __version__,
                                 "max_seq_length": s.max_seq_length}
         if self.fatal_error is not None:
-            body.update(status="fail", error=str(self.fatal_error))
+            body.update(status="fail", error=str(self.fatal_error),
+                        prepare=self.preparation.status)
             return body
         if self.engine is None or not self._ready.is_set():
+            body.update(self.progress.snapshot())  # step, progress
             return body
         stats = self.engine.stats()
         # A worker that is dead, restarting or cannot open its session is not live: that is
@@ -285,7 +298,8 @@ class Service:
                    "layout": self.artifacts.layout.value, "source": self.artifacts.source,
                    "backend": plan.runtime_version(self.artifacts, s.execution_provider),
                    "execution_provider": s.execution_provider,
-                   "threads_per_worker": s.threads_per_worker},
+                   "threads_per_worker": s.threads_per_worker,
+                   "prepare": self.preparation.status},
             tuning=self.tuner.state.as_dict(),
         )
         return body

@@ -13,6 +13,7 @@ from bgeserve.errors import ConfigError
 from bgeserve.model import dims
 from bgeserve.model.artifacts import resolve, validate_cache_dir
 from bgeserve.service import plan
+from bgeserve.service.preparation import Preparation
 from bgeserve.service.probe_child import PIN_THRESHOLD
 from bgeserve.tuning import cache, memory, probe
 from bgeserve.tuning.budget import budget
@@ -36,6 +37,8 @@ def run(settings: Settings, shapes: list[tuple[int, int]] | None = None) -> int:
     """Probe the model ``settings`` (resolved) name; 0 when a fit came out."""
     memory.pin_mmap_threshold(PIN_THRESHOLD)  # measure each shape alone (see probe_child)
     cache_dir = validate_cache_dir(settings.cache_dir)
+    # What serve would serve: a hub snapshot's prepared export (made now if it is not cached).
+    settings = Preparation().apply(settings, cache_dir)
     artifacts = resolve(model_path=settings.model_path, variant=settings.variant,
                         cache_dir=cache_dir, offline=settings.offline)
     serving = plan.for_model(settings, artifacts, cache_dir)
