@@ -159,6 +159,7 @@ def test_left_truncation_embeds_the_texts_last_tokens() -> None:
     ({"inputs": "x", "dimensions": 0}, "dimensions"),
     ({"inputs": "x", "dimensions": 512}, "dimensions"),
     ({"inputs": "x", "truncation_direction": "up"}, "truncation_direction"),
+    ({"inputs": "x", "truncation_direction": {}}, "truncation_direction"),
     ({"inputs": "x", "truncate": "yes"}, "truncate"),
     ({"inputs": 3}, "inputs"),
     ({"inputs": ["a", 1]}, "inputs[1]"),

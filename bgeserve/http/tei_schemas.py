@@ -77,7 +77,7 @@ def embed_fields(body: dict[str, Any], settings: Settings, *, dense: bool = Fals
     _no_prompt(body)
     inputs = parse_input(_required(body, "inputs"), settings, "inputs")
     direction = body.get("truncation_direction")
-    if direction is not None and direction not in DIRECTIONS:
+    if direction is not None and (not isinstance(direction, str) or direction not in DIRECTIONS):
         raise InvalidInput("truncation_direction must be one of Left, left, Right, right",
                            param="truncation_direction")
     left = DIRECTIONS.get(direction, False)  # type: ignore[arg-type]
