@@ -136,7 +136,7 @@ def tei_status(exc: BgeServeError) -> tuple[int, str]:
         return TEI_CODES[exc.code]
     for cls in type(exc).__mro__:
         if cls in TEI_ERRORS:
-            return TEI_ERRORS[cls]  # type: ignore[index]
+            return TEI_ERRORS[cls]
     status = status_for(exc)
     return status, "Backend" if status >= 500 else "Validation"
 
@@ -184,7 +184,7 @@ def error_response(exc: BgeServeError, request_id: str | None = None,
 
 def style_of(scope: Scope) -> str:
     """The error style ``ErrorStyle`` chose for this request (OpenAI's before it ran)."""
-    return scope.get("state", {}).get("error_style", OPENAI_STYLE)  # type: ignore[no-any-return]
+    return scope.get("state", {}).get("error_style", OPENAI_STYLE)
 
 
 def respond(exc: BgeServeError, scope: Scope) -> Response:

@@ -53,7 +53,7 @@ async def _embed(request: Request, parsed: TeiEmbedRequest, options: EmbedOption
     inputs: Any = parsed.inputs
     if parsed.left and parsed.truncate:
         inputs = await service.truncate_left(inputs)
-    return await unless_disconnected(request, service.embed(  # type: ignore[no-any-return]
+    return await unless_disconnected(request, service.embed(
         inputs, options, request_id=state.request_id))
 
 

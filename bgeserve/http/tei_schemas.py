@@ -80,7 +80,7 @@ def embed_fields(body: dict[str, Any], settings: Settings, *, dense: bool = Fals
     if direction is not None and (not isinstance(direction, str) or direction not in DIRECTIONS):
         raise InvalidInput("truncation_direction must be one of Left, left, Right, right",
                            param="truncation_direction")
-    left = DIRECTIONS.get(direction, False)  # type: ignore[arg-type]
+    left = direction is not None and DIRECTIONS[direction]
     if left and inputs and not isinstance(inputs[0], str):
         raise InvalidInput("truncation_direction left needs texts; token-id inputs are cut "
                            "from the right", param="truncation_direction")
@@ -148,8 +148,8 @@ def parse_tokenize(raw: bytes, settings: Settings) -> TokenizeRequest:
     texts = [value] if isinstance(value, str) else value
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise InvalidInput("inputs must be a string or an array of strings", param="inputs")
-    inputs = parse_input(texts, settings, "inputs")
-    return TokenizeRequest(inputs, _flag(body, "add_special_tokens", True))  # type: ignore[arg-type]
+    parse_input(texts, settings, "inputs")  # the batch and length limits
+    return TokenizeRequest(texts, _flag(body, "add_special_tokens", True))
 
 
 def parse_decode(raw: bytes, settings: Settings) -> DecodeRequest:
