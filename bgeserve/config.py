@@ -167,7 +167,11 @@ class Settings:
                                        "deprecated: translated to BGE_M3_TOKEN_BUDGET")
     # http
     bind: str = _var("BGE_M3_BIND", _bind, "0.0.0.0:8081", "HOST:PORT to listen on")
-    max_batch: int = _var("BGE_M3_MAX_BATCH", _number(int, 1, 100_000), 256, "texts per request")
+    max_batch: int = _var("BGE_M3_MAX_BATCH", _number(int, 1, 100_000), 2048,
+                          "texts per request (OpenAI's own limit; LangChain sends 1,000)")
+    accept_token_ids: bool = _var("BGE_M3_ACCEPT_TOKEN_IDS", _bool, False,
+                                  "accept token-id input (bge-m3 ids); off: 400, as clients "
+                                  "such as LangChain send ids of another tokenizer")
     max_body_bytes: int = _var("BGE_M3_MAX_BODY_BYTES", _number(int, 1024), 32 * 1024 * 1024,
                                "request body limit")
     max_text_chars: int = _var("BGE_M3_MAX_TEXT_CHARS", _number(int, 1), 131_072,

@@ -47,8 +47,8 @@ def test_an_empty_environment_gives_the_defaults():
     assert (s.cost_model_a, s.cost_model_b, s.onnx_batch_size) == (None, None, None)
     assert (s.disable_auto_budget, s.disable_probe_cache) == (False, False)
     assert (s.bind, s.max_batch, s.max_body_bytes, s.max_text_chars) == (
-        "0.0.0.0:8081", 256, 32 * 1024 * 1024, 131_072)
-    assert (s.api_keys, s.metrics_auth) == ((), False)
+        "0.0.0.0:8081", 2048, 32 * 1024 * 1024, 131_072)
+    assert (s.api_keys, s.metrics_auth, s.accept_token_ids) == ((), False, False)
     assert (s.batch_delay_ms, s.max_queue_tokens, s.request_timeout_secs) == (0.0, 1_000_000,
                                                                               300.0)
     assert (s.idle_timeout_secs, s.shutdown_timeout_secs, s.heartbeat_secs) == (300.0, 30.0,
@@ -116,6 +116,7 @@ PARSED = [
     ("BGE_M3_BIND", "127.0.0.1:9000", "bind", "127.0.0.1:9000"),
     ("BGE_M3_BIND", "[::1]:80", "bind", "[::1]:80"),
     ("BGE_M3_MAX_BATCH", "32", "max_batch", 32),
+    ("BGE_M3_ACCEPT_TOKEN_IDS", "1", "accept_token_ids", True),
     ("BGE_M3_MAX_BODY_BYTES", "1024", "max_body_bytes", 1024),
     ("BGE_M3_MAX_TEXT_CHARS", "10", "max_text_chars", 10),
     ("BGE_M3_MAX_COLBERT_MB", "64", "max_colbert_mb", 64),

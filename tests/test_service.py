@@ -92,7 +92,9 @@ def short_engine(tiny_export: Path) -> Iterator[Engine]:
 @pytest.fixture(scope="module")
 def client(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     """``create_app(settings)`` with its default factory (the real Service), ready."""
-    env = base_env(tiny_export, tmp_path_factory.mktemp("svc-cache"))
+    # Token ids accepted: the token-id tests below send the tiny model's own ids.
+    env = base_env(tiny_export, tmp_path_factory.mktemp("svc-cache"),
+                   BGE_M3_ACCEPT_TOKEN_IDS="1")
     with TestClient(create_app(Settings.from_env(env))) as c:
         wait_health(c)
         yield c

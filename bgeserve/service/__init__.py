@@ -22,9 +22,10 @@ from bgeserve.engine import Engine, Inputs
 from bgeserve.errors import BgeServeError, DeadlineExceeded, NotReady
 from bgeserve.model.artifacts import ModelArtifacts, resolve, validate_cache_dir
 from bgeserve.progress import Progress
-from bgeserve.results import Embeddings, EmbedOptions
+from bgeserve.results import Embeddings, EmbedOptions, ModelInfo, Token
 from bgeserve.runtime import gpu
-from bgeserve.service import plan
+from bgeserve.service import info as service_info
+from bgeserve.service import plan, tokens
 from bgeserve.service.metrics import Metrics
 from bgeserve.service.preparation import Preparation
 from bgeserve.tuning import cache, memory
@@ -263,6 +264,25 @@ class Service:
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Vocabulary strings for token ids (sparse_format=tokens)."""
         return self._engine().tokenizer.id_to_token(ids)
+
+    # -- TEI's text tools: bgeserve/service/tokens.py and info.py -------------------------------
+    async def tokenize(self, texts: Sequence[str],
+                       add_special_tokens: bool = True) -> list[list[Token]]:
+        """Every token of each text with UTF-8 byte offsets (TEI's ``/tokenize``)."""
+        return await tokens.tokenize(self._engine(), texts, add_special_tokens)
+
+    async def decode(self, sequences: Sequence[Sequence[int]],
+                     skip_special_tokens: bool = True) -> list[str]:
+        """The text of each id sequence (TEI's ``/decode``)."""
+        return await tokens.decode(self._engine(), sequences, skip_special_tokens)
+
+    async def truncate_left(self, texts: Sequence[str]) -> list[Any]:
+        """Token ids of each text cut from the left past max_seq (then ``embed`` them)."""
+        return await tokens.truncate_left(self._engine(), texts)
+
+    def info(self) -> ModelInfo:
+        """The served model and its limits (TEI's ``GET /info``)."""
+        return service_info.model_info(self)
 
     def health(self) -> dict[str, Any]:
         """Readiness and the facts operators look for."""
