@@ -107,3 +107,32 @@ def flag_model(tiny_model: Path):
     from FlagEmbedding import BGEM3FlagModel
 
     return BGEM3FlagModel(str(tiny_model), use_fp16=False, devices="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker(models_root: Path) -> Path:
+    """A tiny random-weight bge-reranker-v2-m3 (XLMRobertaForSequenceClassification, one
+    label) with the tiny bge-m3's tokenizer."""
+    from bgeserve.testing.randreranker import cached_random_reranker
+
+    return cached_random_reranker(models_root, "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker_export(tiny_reranker: Path, models_root: Path) -> Path:
+    """``bgeserve export`` of the tiny reranker: fp32 and int8, and bf16 (an OpenVINO IR)
+    where the openvino package is installed; validated against fp32 in the manifest."""
+    from bgeserve.export.main import export
+
+    out = models_root / "tiny-reranker-export"
+    if not (out / "manifest.json").exists():
+        export(str(tiny_reranker), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def flag_reranker(tiny_reranker: Path):
+    """FlagEmbedding's FlagReranker on the tiny reranker, fp32 on CPU: the oracle."""
+    from FlagEmbedding import FlagReranker
+
+    return FlagReranker(str(tiny_reranker), use_fp16=False, devices="cpu")

@@ -28,7 +28,7 @@ SHORT_TEXTS = 4  # of 3-8 tokens, besides the VALIDATION_TEXTS spread over 16..m
 BATCH = 4  # texts per padded batch in the batched pass
 
 
-def _open(export_dir: Path, variant: str) -> Any:
+def open_session(export_dir: Path, variant: str) -> Any:
     """A session over the variant's graph with bgeserve's runtime options (threads: auto)."""
     path = export_dir / GRAPH_PATHS[variant]
     if RUNTIMES.get(variant) == "openvino":
@@ -40,7 +40,7 @@ def _open(export_dir: Path, variant: str) -> Any:
     return OnnxSession(path, SessionConfig())
 
 
-def _batches(rows: Sequence[np.ndarray], size: int) -> list[list[int]]:
+def batches(rows: Sequence[np.ndarray], size: int) -> list[list[int]]:
     """Row indices grouped as the packer would: sorted by length, ``size`` at a time."""
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
     return [order[i:i + size] for i in range(0, len(order), size)]
@@ -52,11 +52,11 @@ def _outputs(export_dir: Path, variant: str, rows: Sequence[np.ndarray],
     texts run ``batch`` at a time (right-padded with ``<pad>``, as the server pads)."""
     from bgeserve.engine.forward import pad_chunk
 
-    session = _open(export_dir, variant)
+    session = open_session(export_dir, variant)
     dense: list[np.ndarray] = [np.empty(0)] * len(rows)
     sparse: list[np.ndarray] = [np.empty(0)] * len(rows)
     try:
-        for group in _batches(rows, batch):
+        for group in batches(rows, batch):
             members = [rows[i] for i in group]
             ids, mask = pad_chunk(members, max(len(r) for r in members))
             out = session.run(ids, mask, outputs=["dense", "sparse_weights"])
