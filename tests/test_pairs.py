@@ -130,3 +130,21 @@ def test_window_starts_cover_every_token_with_full_windows(length, width, overla
         assert starts[-1] == length - width
         shared = min(overlap, width - 1)
         assert all(b - a <= width - shared for a, b in itertools.pairwise(starts))
+
+
+def test_truncate_left_keeps_the_documents_end() -> None:
+    """``truncation_direction`` left (TEI's): the one window is the document's last tokens."""
+    plan = build_pairs(ids(6), [ids(100, 200)], PairConfig(max_length=32), "truncate", "left")
+    assert plan.rows[0].tolist() == pair_ids(ids(6), ids(22, 278)).tolist()
+    assert plan.truncated.tolist() == [True]
+
+
+def test_document_windows_for_single_texts() -> None:
+    """The same window policy serves bge-m3's own windows (no query): first / last / all."""
+    from bgeserve.engine.pairs import document_windows
+
+    assert document_windows(10, 4, 1) == ([0, 3, 6], False)
+    assert document_windows(10, 4, 1, "truncate") == ([0], True)
+    assert document_windows(10, 4, 1, "truncate", "left") == ([6], True)
+    assert document_windows(3, 4, 1, "truncate", "left") == ([0], False)
+    assert document_windows(10, 4, 1, max_windows=2) == ([0, 3], True)

@@ -107,14 +107,32 @@ def pair_ids(query: np.ndarray, document: np.ndarray) -> np.ndarray:
                           ).astype(np.int64)
 
 
-def build_pairs(query: np.ndarray, documents: Sequence[np.ndarray], config: PairConfig,
-                long_documents: str = "max") -> PairPlan:
-    """The rows scoring ``query`` against each of ``documents`` (content ids, no specials).
+def document_windows(length: int, width: int, overlap: int, long_documents: str = "max",
+                     direction: str = "right", max_windows: int | None = None
+                     ) -> tuple[list[int], bool]:
+    """Window starts for a document of ``length`` tokens, and whether tokens are left out.
 
-    ``long_documents``: ``max`` (windows, best kept) or ``truncate`` (window 0 only).
+    ``max``: ``window_starts`` (at most ``max_windows``); ``truncate``: one window, the
+    document's first ``width`` tokens, or its last with ``direction`` ``left``.
     """
     if long_documents not in LONG_DOCUMENTS:
         raise ValueError(f"long_documents must be one of {LONG_DOCUMENTS}")
+    if long_documents == "truncate":
+        start = max(0, length - width) if direction == "left" else 0
+        return [start], length > width
+    starts = window_starts(length, width, overlap)
+    if max_windows is not None and len(starts) > max_windows:
+        starts = starts[:max_windows]
+    return starts, starts[-1] + width < length
+
+
+def build_pairs(query: np.ndarray, documents: Sequence[np.ndarray], config: PairConfig,
+                long_documents: str = "max", direction: str = "right") -> PairPlan:
+    """The rows scoring ``query`` against each of ``documents`` (content ids, no specials).
+
+    ``long_documents``: ``max`` (windows, best kept) or ``truncate`` (one window: the start,
+    or the end with ``direction`` ``left``).
+    """
     limit = config.query_limit
     q = np.asarray(query, dtype=np.int64)[:limit]
     width = config.max_length - len(q) - SPECIALS
@@ -125,10 +143,8 @@ def build_pairs(query: np.ndarray, documents: Sequence[np.ndarray], config: Pair
     truncated = np.zeros(len(documents), dtype=bool)
     for i, doc in enumerate(documents):
         d = np.asarray(doc, dtype=np.int64)
-        starts = [0] if long_documents == "truncate" else window_starts(len(d), width, overlap)
-        if config.max_windows is not None and len(starts) > config.max_windows:
-            starts = starts[:config.max_windows]
-        truncated[i] = starts[-1] + width < len(d)
+        starts, truncated[i] = document_windows(len(d), width, overlap, long_documents,
+                                                direction, config.max_windows)
         windows[i] = len(starts)
         for start in starts:
             rows.append(pair_ids(q, d[start:start + width]))
