@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 from bgeserve.engine.forward import pad_chunk
-from bgeserve.engine.pairs import PairConfig, build_pairs, content_ids
+from bgeserve.engine.crossencoder import finish_pairs, plan_pairs
+from bgeserve.engine.pairs import PairConfig
 from bgeserve.engine.tokenizer import Tokenizer
 from bgeserve.export.rerank_validate import kendall_tau
+from bgeserve.results import RerankOptions
 from bgeserve.testing.randmodel import random_texts
 
 pytestmark = pytest.mark.slow
@@ -36,18 +38,16 @@ def pairs() -> list[list[str]]:
 
 def score(export: Path, variant: str, pairs, config: PairConfig, long_documents: str = "max",
           batch: int = 4) -> tuple[np.ndarray, list]:
-    """Scores of ``pairs`` from the export's ``variant`` graph, the rows packed ``batch`` at a
-    time sorted by length (padded, as the server packs them); and each query's plan."""
+    """Raw scores of ``pairs`` from the export's ``variant`` graph (``crossencoder``'s plan
+    and finish), the rows packed ``batch`` at a time sorted by length (padded, as the server
+    packs them); and each query's plan."""
     from bgeserve.export.validate import batches, open_session
 
     tk = Tokenizer.load(export / "tokenizer.json", max_seq=1 << 30)
+    options = RerankOptions(long_documents=long_documents)
     queries = list(dict.fromkeys(q for q, _ in pairs))
-    plans = []
-    for q in queries:
-        docs = [d for qq, d in pairs if qq == q]
-        q_ids = content_ids(tk.encode([q]).ids[0])
-        plans.append(build_pairs(q_ids, [content_ids(x) for x in tk.encode(docs).ids], config,
-                                 long_documents))
+    plans = [plan_pairs(tk, q, [d for qq, d in pairs if qq == q], config, options)
+             for q in queries]
     rows = [r for p in plans for r in p.rows]
     logits = np.zeros(len(rows))
     session = open_session(export, variant)
@@ -60,7 +60,7 @@ def score(export: Path, variant: str, pairs, config: PairConfig, long_documents:
         session.close()
     out, at = [], 0
     for plan in plans:
-        out.append(plan.reduce(logits[at:at + len(plan.rows)]))
+        out.append(finish_pairs(plan, logits[at:at + len(plan.rows)], options, "rr").scores)
         at += len(plan.rows)
     return np.concatenate(out), plans
 
