@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bgeserve.engine.forward import pad_chunk
 from bgeserve.engine.crossencoder import finish_pairs, plan_pairs
+from bgeserve.engine.forward import pad_chunk
 from bgeserve.engine.pairs import PairConfig
 from bgeserve.engine.tokenizer import Tokenizer
 from bgeserve.export.rerank_validate import kendall_tau

@@ -66,7 +66,7 @@ def check_weights(weights: Sequence[float], mode: str) -> tuple[float, float, fl
     used = {"sparse+dense": values[0] + values[1], "colbert+sparse+dense": sum(values)}
     if used.get(mode, 1.0) <= 0:
         raise ValueError(f"the weights mode {mode!r} combines sum to 0")
-    return values  # type: ignore[return-value]
+    return values[0], values[1], values[2]
 
 
 def needs(mode: str) -> tuple[bool, bool, bool]:
@@ -118,15 +118,17 @@ class M3Scores:
         mode = canonical_mode(mode)
         w_dense, w_sparse, w_colbert = check_weights(weights, mode)
         parts = {"dense": self.dense, "sparse": self.sparse, "colbert": self.colbert}
+        zero = np.zeros(0)
         for name, want in zip(SINGLE_MODES, _NEEDS[mode], strict=True):
             if want and parts[name] is None:
                 raise ValueError(f"mode {mode!r} needs the {name} scores, not computed")
+        dense, sparse, colbert = (zero if x is None else x for x in parts.values())
         if mode in SINGLE_MODES:
-            return parts[mode]  # type: ignore[return-value]
+            return {"dense": dense, "sparse": sparse, "colbert": colbert}[mode]
         if mode == "sparse+dense":
-            return (w_sparse * self.sparse + w_dense * self.dense) / (w_sparse + w_dense)
-        return ((w_colbert * self.colbert + w_sparse * self.sparse + w_dense * self.dense)
-                / (w_dense + w_sparse + w_colbert))
+            return np.asarray((w_sparse * sparse + w_dense * dense) / (w_sparse + w_dense))
+        return np.asarray((w_colbert * colbert + w_sparse * sparse + w_dense * dense)
+                          / (w_dense + w_sparse + w_colbert))
 
 
 def m3_scores(query: Embeddings, documents: Embeddings) -> M3Scores:

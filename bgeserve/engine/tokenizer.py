@@ -8,6 +8,7 @@ what FlagEmbedding's ``tokenizer(..., truncation=True, max_length=max_seq)`` pro
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -225,3 +226,10 @@ class Tokenizer:
     def id_to_token(self, ids: Sequence[int]) -> list[str]:
         """Token strings for ids (``<unk>`` for an id the vocabulary lacks)."""
         return [self._tk.id_to_token(int(i)) or "<unk>" for i in ids]
+
+
+@functools.lru_cache(maxsize=8)
+def untruncated(path: Path) -> Tokenizer:
+    """``path``'s tokenizer without truncation, loaded once per file: rerank windows need every
+    token of a document (its length is bounded by BGE_M3_MAX_TEXT_CHARS upstream)."""
+    return Tokenizer.load(path, 1 << 30)

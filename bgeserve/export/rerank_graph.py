@@ -27,7 +27,7 @@ class RerankGraph(M3Graph):
 
     def __init__(self, encoder: nn.Module, classifier: nn.Module, config,
                  attention_block: int = ATTENTION_BLOCK):
-        super().__init__(encoder, None, None, config, attention_block)  # type: ignore[arg-type]
+        super().__init__(encoder, None, None, config, attention_block)
         self.classifier = classifier
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):

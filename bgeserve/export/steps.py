@@ -238,10 +238,10 @@ def validate(export_dir: Path, variants: list[str], tokenizer: Path, result: Pat
     (embeddings: vectors; a reranker: scores and rankings)."""
     import json
 
-    if kind == RERANKER:
-        from bgeserve.export.rerank_validate import agreement
-    else:
-        from bgeserve.export.validate import agreement
+    from bgeserve.export import rerank_validate
+    from bgeserve.export import validate as embedding_validate
+
+    agreement = rerank_validate.agreement if kind == RERANKER else embedding_validate.agreement
 
     started = time.monotonic()
     _log(f"validating {', '.join(variants)} against fp32", started)

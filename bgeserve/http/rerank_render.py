@@ -33,7 +33,7 @@ def render_rerank(request: RerankRequest, result: RerankResult, request_id: str 
         if request.return_documents:
             item["document"] = {"text": request.documents[i]}
         results.append(_flags(item, result, i))
-    body = {"id": request_id, "model": result.model, "results": results,
+    body: dict[str, Any] = {"id": request_id, "model": result.model, "results": results,
             "usage": {"total_tokens": result.tokens},
             "meta": {"billed_units": {"search_units": 1}}}
     if result.query_truncated:

@@ -42,17 +42,33 @@ class Layout(str, enum.Enum):
     )
     BAAI = "baai"  # sentence_embedding [B,H], token_embeddings [B,L,H]; heads from .pt
     HIDDEN = "hidden"  # last_hidden_state [B,L,H]; heads from .pt
+    # Rerankers (a (query, document) pair per row): a bgeserve export's ``score`` [B], a
+    # stock hub / optimum export's ``logits`` [B, 1].
+    SCORE = "score"
+    LOGITS = "logits"
 
     @property
     def outputs(self) -> tuple[str, ...]:
         """The graph output names this layout promises (for the runtime to check)."""
         return _OUTPUTS[self]
 
+    @property
+    def exported(self) -> bool:
+        """A ``bgeserve export`` graph: its manifest records the model's sizes."""
+        return self in (Layout.BGESERVE, Layout.SCORE)
+
+    @property
+    def reranker(self) -> bool:
+        """A cross-encoder's graph: one relevance logit per row."""
+        return self in (Layout.SCORE, Layout.LOGITS)
+
 
 _OUTPUTS = {
     Layout.BGESERVE: ("dense", "sparse_weights", "colbert"),
     Layout.BAAI: ("sentence_embedding", "token_embeddings"),
     Layout.HIDDEN: ("last_hidden_state",),
+    Layout.SCORE: ("score",),
+    Layout.LOGITS: ("logits",),
 }
 
 
@@ -167,11 +183,13 @@ def resolve(
     offline: bool = False,
     endpoint: str | None = None,
     progress: bool = True,
+    reranker: bool = False,
 ) -> ModelArtifacts:
     """Find (downloading if needed) the files for ``variant``: from ``model_path`` or the hub.
 
     The cache directory is validated first, before any network call. ``offline`` uses only what
     is already cached; ``endpoint`` overrides the hub URL (None: huggingface_hub's default).
+    ``reranker``: the export at ``model_path`` must be a reranker's (else bge-m3's).
     """
     if variant not in (*HUB_SOURCES, *EXPORT_ONLY_VARIANTS):
         raise ConfigError(
@@ -181,7 +199,14 @@ def resolve(
         )
     fetch = Fetcher(validate_cache_dir(cache_dir), offline, endpoint, progress)
     if model_path is not None:
-        return _resolve_local(Path(model_path).expanduser(), variant, fetch)
+        found = _resolve_local(Path(model_path).expanduser(), variant, fetch)
+        if found.layout.reranker != reranker:
+            what = "a reranker (bge-reranker-v2-m3)" if found.layout.reranker else "bge-m3"
+            raise ModelUnavailable(
+                f"{model_path} holds {what}'s export: point "
+                f"{'BGE_M3_RERANK_MODEL_PATH' if found.layout.reranker else 'BGE_M3_MODEL_PATH'}"
+                " at it", param="BGE_M3_RERANK_MODEL_PATH" if reranker else "BGE_M3_MODEL_PATH")
+        return found
     if variant in EXPORT_ONLY_VARIANTS:
         raise ModelUnavailable(
             f"the {variant} variant exists only in a `bgeserve export` (the hub has no such "
@@ -315,7 +340,7 @@ def _resolve_export(root: Path, manifest: dict[str, Any], variant: str) -> Model
     return ModelArtifacts(
         onnx,
         tokenizer,
-        Layout.BGESERVE,
+        Layout.SCORE if manifest.get("kind") == "reranker" else Layout.BGESERVE,
         variant,
         None,
         f"local export {root} ({variant}, {runtime})",
