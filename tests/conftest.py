@@ -136,3 +136,19 @@ def flag_reranker(tiny_reranker: Path):
     from FlagEmbedding import FlagReranker
 
     return FlagReranker(str(tiny_reranker), use_fp16=False, devices="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker_stock(tiny_reranker: Path, models_root: Path) -> Path:
+    """The tiny reranker as the hub ships one: config, tokenizer, weights and a
+    plain-attention ``onnx/model.onnx`` whose output is ``logits`` [B, 1]."""
+    import shutil
+    import subprocess
+    import sys
+
+    out = models_root / "reranker-stock"
+    if not (out / "onnx" / "model.onnx").exists():
+        shutil.copytree(tiny_reranker, out, dirs_exist_ok=True)
+        subprocess.run([sys.executable, "-m", "bgeserve.export.steps", "fp32", str(tiny_reranker),
+                        str(out / "onnx" / "model.onnx"), "--layout", "logits"], check=True)
+    return out
