@@ -15,7 +15,7 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from bgeserve.config import Settings
-from bgeserve.http import guards, handlers
+from bgeserve.http import guards, handlers, rerank
 from bgeserve.http.context import RequestContext
 from bgeserve.http.errors import EXCEPTION_HANDLERS
 from bgeserve.http.guards import BearerAuth, BodyLimit, InflightLimit
@@ -36,6 +36,9 @@ routes = [
     Route("/v1/sparse-embeddings", handlers.embed_endpoint(SPARSE), methods=["POST"],
           name="sparse"),
     Route("/v1/embeddings:both", handlers.embed_endpoint(BOTH), methods=["POST"], name="both"),
+    Route("/v1/rerank", rerank.rerank, methods=["POST"], name="rerank"),
+    Route("/v2/rerank", rerank.rerank, methods=["POST"], name="rerank_v2"),
+    Route("/rerank", rerank.tei_rerank, methods=["POST"], name="tei_rerank"),
     Route("/v1/models", handlers.models, methods=["GET"]),
     Route("/health", handlers.health, methods=["GET"]),
     Route("/metrics", handlers.metrics, methods=["GET"]),

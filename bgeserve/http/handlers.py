@@ -108,9 +108,10 @@ def embed_endpoint(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response
 
 
 async def models(request: Request) -> Response:
-    """``GET /v1/models``: bge-m3 and every accepted alias."""
+    """``GET /v1/models``: bge-m3, every accepted alias, and the reranker when loaded."""
     entry = {"object": "model", "owned_by": "BAAI", "created": 0}
-    data = [{"id": name, **entry} for name in request.state.model_ids]
+    names = (*request.state.model_ids, *request.state.service.rerank_model_ids())
+    data = [{"id": name, **entry} for name in names]
     return Response(render_json({"object": "list", "data": data}), media_type="application/json")
 
 
