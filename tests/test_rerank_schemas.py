@@ -111,3 +111,12 @@ def test_tei_body() -> None:
     assert info.value.param == "texts[0]"
     with pytest.raises(InvalidInput):
         tei({"query": "q", "texts": ["a"], "truncation_direction": "up"})
+
+
+def test_a_non_string_direction_is_a_400() -> None:
+    """truncation_direction of another JSON type is refused, not a crash (found by
+    schemathesis: a dict is unhashable)."""
+    for bad in ({}, [], 1):
+        with pytest.raises(InvalidInput) as info:
+            tei({"query": "q", "texts": ["a"], "truncation_direction": bad})
+        assert info.value.param == "truncation_direction"

@@ -155,7 +155,7 @@ def parse_tei_rerank_request(raw: bytes, settings: Settings) -> RerankRequest:
     the right, or the left with ``truncation_direction``), else long texts are windowed."""
     body = load_object(raw)
     direction = body.get("truncation_direction")
-    if direction is not None and direction not in DIRECTIONS:
+    if direction is not None and (not isinstance(direction, str) or direction not in DIRECTIONS):
         raise InvalidInput("truncation_direction must be one of Left, left, Right, right",
                            param="truncation_direction")
     options = RerankOptions(
