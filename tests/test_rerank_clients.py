@@ -129,3 +129,34 @@ def test_bge_m3_scores_through_the_same_route(server: ServerProc, flag_model, ca
     assert [x["index"] for x in body["results"]] == np.argsort(-ref).tolist()
     np.testing.assert_allclose([x["relevance_score"] for x in body["results"]],
                                np.sort(ref)[::-1], atol=1e-4)
+
+
+def test_metrics_count_pairs_windows_and_latency(server: ServerProc, case) -> None:
+    """/metrics counts rerank requests, pairs, windows, tokens and latency per scorer, and the
+    reranker's own workers."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    query, docs, _ = case
+    httpx.post(f"{server.url}/v1/rerank", json={"query": query, "documents": docs}, timeout=60)
+    samples = {(s.name, s.labels.get("scorer", s.labels.get("state"))): s.value
+               for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+               for s in f.samples}
+    scorer = "bge-reranker-v2-m3"
+    assert samples[("bgeserve_rerank_requests_total", scorer)] >= 1
+    assert samples[("bgeserve_rerank_pairs_total", scorer)] >= len(docs)
+    assert samples[("bgeserve_rerank_windows_total", scorer)] >= len(docs)
+    assert samples[("bgeserve_rerank_tokens_total", scorer)] > 0
+    assert samples[("bgeserve_rerank_duration_seconds_count", scorer)] >= 1
+    assert samples[("bgeserve_reranker_workers", "total")] == 1
+
+
+def test_the_probe_child_measures_a_reranker(tiny_reranker_export: Path, tmp_path: Path) -> None:
+    """The probe's process opens the reranker when its spec says so, and fits its cost."""
+    from bgeserve.service import probe_child
+
+    result = probe_child.run({
+        "model_path": str(tiny_reranker_export), "reranker": True, "variant": "fp32",
+        "cache_dir": str(tmp_path), "provider": "cpu", "threads": 1, "max_seq": 512,
+        "shapes": [[1, 64], [2, 64], [1, 128], [2, 128], [1, 256], [4, 128]],
+        "held_out": [2, 256], "guard_a": 1e5, "guard_b": 10.0, "guard_budget": 1 << 32})
+    assert result["samples"], result
