@@ -35,6 +35,7 @@ from bgeserve.tuning.tuner import Tuner, UnmeasuredFloor
 
 log = logging.getLogger("bgeserve.rerank")
 PRIMING_PAIR = [0, 5, 2, 2, 6, 2]  # <s> a </s></s> b </s>: one tiny row primes the sessions
+PROBE_CACHE_DIR = "reranker"  # under BGE_M3_CACHE_DIR
 
 
 def configured(settings: Settings) -> bool:
@@ -91,7 +92,10 @@ class Reranking:
                  runtime.get(serving.runtime).version(), s.max_seq_length)
         engine = Engine(artifacts=artifacts, config=serving.engine, start=False,
                         auto_budget=False)
-        self.tuner = Tuner(serving.tuning, apply=engine.set_cost_model,
+        # Its fit in a cache file of its own: the cache keeps one fit per file (bge-m3's).
+        (cache_dir / PROBE_CACHE_DIR).mkdir(exist_ok=True)
+        tuning = dataclasses.replace(serving.tuning, cache_dir=cache_dir / PROBE_CACHE_DIR)
+        self.tuner = Tuner(tuning, apply=engine.set_cost_model,
                            apply_chunk_tokens=engine.set_max_chunk_tokens)
         self.reranker = Reranker(engine=engine, model_id=RERANK_MODEL_ID)
 
