@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(export)
     rand = sub.add_parser("build-random-model",
-                          help="build a random-weight bge-m3 (tests, benchmarks)")
+                          help="build a random-weight bge-m3 or reranker (tests, benchmarks)")
+    rand.add_argument("--kind", choices=["embedding", "reranker"], default="embedding")
     rand.add_argument("--size", choices=["tiny", "full"], default="tiny")
     rand.add_argument("--seed", type=int, default=0)
     rand.add_argument("--vocab-size", type=int, default=None)
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     from bgeserve.testing.randmodel import main as build
 
-    rest = ["--size", args.size, "--seed", str(args.seed), "--out", args.out]
+    rest = ["--kind", args.kind, "--size", args.size, "--seed", str(args.seed), "--out", args.out]
     if args.vocab_size:
         rest += ["--vocab-size", str(args.vocab_size)]
     return build(rest)

@@ -197,6 +197,25 @@ class Settings:
     shutdown_timeout_secs: float = _var("BGE_M3_SHUTDOWN_TIMEOUT_SECS", _number(float, 0.0),
                                         30.0, "SIGTERM: in-flight work gets this long, then what "
                                         "is left is answered 503; 0 = no bound")
+    # rerank (docs/rerank.md)
+    rerank_model_path: Path | None = _var(
+        "BGE_M3_RERANK_MODEL_PATH", _path, None,
+        "a reranker beside bge-m3: a `bgeserve export` of bge-reranker-v2-m3, or a snapshot "
+        "with onnx/model.onnx")
+    rerank: bool = _var("BGE_M3_RERANK", _bool, False,
+                        "load BAAI/bge-reranker-v2-m3 (pinned commit, its hub ONNX graph) beside "
+                        "bge-m3 when BGE_M3_RERANK_MODEL_PATH is unset")
+    rerank_variant: str = _var("BGE_M3_RERANK_VARIANT", _choice(*VARIANTS), "fp32",
+                               "the reranker's variant: fp32|fp16|int8|bf16 (int8 moves "
+                               "rankings: docs/rerank.md)")
+    rerank_max_length: int = _var("BGE_M3_RERANK_MAX_LENGTH", _number(int, 16, MAX_POSITIONS),
+                                  MAX_POSITIONS, "tokens per (query, document) pair or window, "
+                                  "special tokens included")
+    rerank_workers: int | None = _var("BGE_M3_RERANK_WORKERS", _number(int, 1, 256), None,
+                                      "the reranker's sessions (default: BGE_M3_WORKERS)")
+    rerank_memory_share: float = _var("BGE_M3_RERANK_MEMORY_SHARE", _number(float, 0.05, 0.95),
+                                      0.5, "the reranker's share of the memory both models "
+                                      "leave free (workspace for its windows)")
     # operations
     log_format: str = _var("BGE_M3_LOG_FORMAT", _choice(*LOG_FORMATS), "auto", "json|text|auto")
     log_level: str = _var("BGE_M3_LOG_LEVEL", _choice("debug", "info", "warning", "error"),

@@ -131,6 +131,27 @@ def hub_snapshots(tiny_model: Path, models_root: Path) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_reranker(models_root: Path) -> Path:
+    """A tiny random-weight bge-reranker-v2-m3 (XLMRobertaForSequenceClassification, one
+    label) with the tiny bge-m3's tokenizer."""
+    from bgeserve.testing.randreranker import cached_random_reranker
+
+    return cached_random_reranker(models_root, "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker_export(tiny_reranker: Path, models_root: Path) -> Path:
+    """``bgeserve export`` of the tiny reranker: fp32 and int8, and bf16 (an OpenVINO IR)
+    where the openvino package is installed; validated against fp32 in the manifest."""
+    from bgeserve.export.main import export
+
+    out = models_root / "tiny-reranker-export"
+    if not (out / "manifest.json").exists():
+        export(str(tiny_reranker), out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def no_torch_path(tmp_path_factory) -> str:
     """A PYTHONPATH on which ``import torch`` / ``import transformers`` raise ImportError."""
     root = tmp_path_factory.mktemp("no-torch")
@@ -139,3 +160,27 @@ def no_torch_path(tmp_path_factory) -> str:
         (root / name / "__init__.py").write_text(
             f"raise ImportError('{name} is not installed here (serving-only install)')\n")
     return f"{root}{os.pathsep}{Path(__file__).resolve().parent.parent}"
+
+
+@pytest.fixture(scope="session")
+def flag_reranker(tiny_reranker: Path):
+    """FlagEmbedding's FlagReranker on the tiny reranker, fp32 on CPU: the oracle."""
+    from FlagEmbedding import FlagReranker
+
+    return FlagReranker(str(tiny_reranker), use_fp16=False, devices="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker_stock(tiny_reranker: Path, models_root: Path) -> Path:
+    """The tiny reranker as the hub ships one: config, tokenizer, weights and a
+    plain-attention ``onnx/model.onnx`` whose output is ``logits`` [B, 1]."""
+    import shutil
+    import subprocess
+    import sys
+
+    out = models_root / "reranker-stock"
+    if not (out / "onnx" / "model.onnx").exists():
+        shutil.copytree(tiny_reranker, out, dirs_exist_ok=True)
+        subprocess.run([sys.executable, "-m", "bgeserve.export.steps", "fp32", str(tiny_reranker),
+                        str(out / "onnx" / "model.onnx"), "--layout", "logits"], check=True)
+    return out

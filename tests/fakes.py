@@ -16,7 +16,8 @@ import numpy as np
 
 from bgeserve.config import Settings
 from bgeserve.errors import BgeServeError, InvalidInput, TooLarge
-from bgeserve.results import Embeddings, EmbedOptions, ModelInfo, Token
+from bgeserve.results import (Embeddings, EmbedOptions, ModelInfo, RerankOptions, RerankResult,
+                              Token)
 
 HIDDEN = 1024
 VOCAB = 250_002
@@ -59,6 +60,8 @@ class FakeService:
     calls: list[Call] = field(default_factory=list)
     started: bool = False
     stopped: bool = False
+    rerank_ids: tuple[str, ...] = ()  # a reranker's ids when one is "loaded"
+    rerank_calls: list[tuple[str, list[str], RerankOptions]] = field(default_factory=list)
 
     async def start(self) -> None:
         """Mark started."""
@@ -120,6 +123,27 @@ class FakeService:
             n_tokens=np.array(n_tokens, dtype=np.int64),
             truncated=np.array(truncated, dtype=bool),
         )
+
+    async def rerank(self, query: str, documents: list[str], options: RerankOptions, *,
+                     request_id: str) -> RerankResult:
+        """Scores: the dot product of the fake dense vectors (the query's and each document's);
+        a document with a word "long" counts as cut when ``long_documents`` is truncate, else
+        as 3 windows. The model echoed is the reranker's when asked for or by default."""
+        self.rerank_calls.append((query, list(documents), options))
+        if self.fail_with is not None:
+            raise self.fail_with
+        q = self.expected_dense(query)
+        scores = np.array([float(q @ self.expected_dense(d)) for d in documents])
+        long = np.array(["long" in d.split() for d in documents], dtype=bool)
+        cut = options.long_documents == "truncate"
+        reranker = bool(self.rerank_ids) and options.model in (None, *self.rerank_ids)
+        return RerankResult(scores, long & cut, np.where(long & ~cut, 3, 1),
+                            sum(len(fake_tokens(d)) + 4 for d in documents),
+                            self.rerank_ids[0] if reranker else "bge-m3")
+
+    def rerank_model_ids(self) -> tuple[str, ...]:
+        """The reranker's ids (none unless ``rerank_ids`` is set)."""
+        return self.rerank_ids
 
     def dense_width(self) -> int:
         """bge-m3's width."""

@@ -137,6 +137,12 @@ PARSED = [
     ("BGE_M3_TRT_WARMUP_SHAPES", " 1x512,8x128 ", "trt_warmup_shapes", "1x512,8x128"),
     ("BGE_M3_WARMUP_ONLY", "1", "warmup_only", True),
     ("BGE_M3_ALLOW_CPU_FALLBACK", "1", "allow_cpu_fallback", True),
+    ("BGE_M3_RERANK_MODEL_PATH", "/m/rr", "rerank_model_path", Path("/m/rr")),
+    ("BGE_M3_RERANK", "1", "rerank", True),
+    ("BGE_M3_RERANK_VARIANT", "INT8", "rerank_variant", "int8"),
+    ("BGE_M3_RERANK_MAX_LENGTH", "512", "rerank_max_length", 512),
+    ("BGE_M3_RERANK_WORKERS", "2", "rerank_workers", 2),
+    ("BGE_M3_RERANK_MEMORY_SHARE", "0.25", "rerank_memory_share", 0.25),
 ]
 
 

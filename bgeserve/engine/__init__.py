@@ -28,7 +28,7 @@ from bgeserve.engine.tokenizer import Encoded, Tokenizer
 from bgeserve.errors import BgeServeError, NotReady, TooLarge
 from bgeserve.model import dims
 from bgeserve.model.artifacts import ModelArtifacts, resolve
-from bgeserve.results import Embeddings, EmbedOptions
+from bgeserve.results import Embeddings, EmbedOptions, RerankOptions, RerankResult
 from bgeserve.runtime.session import SessionConfig
 from bgeserve.tuning import memory
 from bgeserve.tuning.budget import budget
@@ -252,6 +252,31 @@ class Engine:
         options = EmbedOptions(dense, sparse, colbert, truncate)
         job = await asyncio.to_thread(self.make_job, inputs, options, request_id)
         return await self.await_job(job)
+
+    def cancel(self, job: Job) -> None:
+        """Drop a job's texts that have not started (its caller gave up)."""
+        self._scheduler.cancel(job)
+
+    def rerank(self, query: str, documents: list[str], *, mode: str = "hybrid",
+               weights: tuple[float, float, float] = (0.4, 0.2, 0.4),
+               long_documents: str = "max") -> RerankResult:
+        """bge-m3's own relevance scores of ``documents`` for ``query`` (blocking): ``mode``
+        dense | sparse | colbert | sparse+dense | hybrid, combined with ``weights`` [dense,
+        sparse, colbert] as FlagEmbedding's compute_score does, the query embedded once
+        (``engine/m3rerank.py``). A cross-encoder is ``bgeserve.Reranker``."""
+        from bgeserve.engine.m3rerank import rerank_m3
+
+        return rerank_m3(self, query, documents, RerankOptions(
+            mode=mode, weights=weights, long_documents=long_documents))
+
+    async def arerank(self, query: str, documents: list[str], *, mode: str = "hybrid",
+                      weights: tuple[float, float, float] = (0.4, 0.2, 0.4),
+                      long_documents: str = "max") -> RerankResult:
+        """Async ``rerank``."""
+        from bgeserve.engine.m3rerank import arerank_m3
+
+        return await arerank_m3(self, query, documents, RerankOptions(
+            mode=mode, weights=weights, long_documents=long_documents))
 
     async def await_job(self, job: Job) -> Embeddings:
         """Submit ``job`` and wait for it; a cancelled waiter drops the job's pending texts."""

@@ -8,6 +8,7 @@ what FlagEmbedding's ``tokenizer(..., truncation=True, max_length=max_seq)`` pro
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -298,3 +299,8 @@ def _tokens(text: str, encoding: tokenizers.Encoding) -> list[Token]:
         else:
             out.append(Token(tid, text[lo:hi], False, int(starts[lo]), int(starts[hi])))
     return out
+@functools.lru_cache(maxsize=8)
+def untruncated(path: Path) -> Tokenizer:
+    """``path``'s tokenizer without truncation, loaded once per file: rerank windows need every
+    token of a document (its length is bounded by BGE_M3_MAX_TEXT_CHARS upstream)."""
+    return Tokenizer.load(path, 1 << 30)

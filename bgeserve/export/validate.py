@@ -28,6 +28,11 @@ SHORT_TEXTS = 4  # of 3-8 tokens, besides the VALIDATION_TEXTS spread over 16..m
 BATCH = 4  # texts per padded batch in the batched pass
 
 
+def open_session(export_dir: Path, variant: str) -> Any:
+    """A session over the variant's graph with bgeserve's runtime options (threads: auto)."""
+    return _open(export_dir / GRAPH_PATHS[variant], RUNTIMES.get(variant, "onnxruntime"))
+
+
 def _open(path: Path, runtime: str) -> Any:
     """A session over the graph at ``path`` with bgeserve's runtime options (threads: auto)."""
     if runtime == "openvino":
@@ -39,7 +44,7 @@ def _open(path: Path, runtime: str) -> Any:
     return OnnxSession(path, SessionConfig())
 
 
-def _batches(rows: Sequence[np.ndarray], size: int) -> list[list[int]]:
+def batches(rows: Sequence[np.ndarray], size: int) -> list[list[int]]:
     """Row indices grouped as the packer would: sorted by length, ``size`` at a time."""
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
     return [order[i:i + size] for i in range(0, len(order), size)]
@@ -63,7 +68,7 @@ def outputs_of(path: Path, runtime: str, rows: Sequence[np.ndarray],
     dense: list[np.ndarray] = [np.empty(0)] * len(rows)
     sparse: list[np.ndarray] = [np.empty(0)] * len(rows)
     try:
-        for group in _batches(rows, batch):
+        for group in batches(rows, batch):
             members = [rows[i] for i in group]
             ids, mask = pad_chunk(members, max(len(r) for r in members))
             out = session.run(ids, mask, outputs=["dense", "sparse_weights"])

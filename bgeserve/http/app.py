@@ -15,7 +15,7 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from bgeserve.config import Settings
-from bgeserve.http import guards, handlers, tei
+from bgeserve.http import guards, handlers, rerank, tei
 from bgeserve.http.context import RequestContext
 from bgeserve.http.errors import EXCEPTION_HANDLERS, ErrorStyle
 from bgeserve.http.guards import BearerAuth, BodyLimit, InflightLimit
@@ -38,6 +38,8 @@ openai_routes = [
     Route("/v1/sparse-embeddings", handlers.embed_endpoint(SPARSE), methods=["POST"],
           name="sparse"),
     Route("/v1/embeddings:both", handlers.embed_endpoint(BOTH), methods=["POST"], name="both"),
+    Route("/v1/rerank", rerank.rerank, methods=["POST"], name="rerank"),
+    Route("/v2/rerank", rerank.rerank, methods=["POST"], name="rerank_v2"),
     Route("/v1/models", handlers.models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", handlers.model, methods=["GET"]),
     Route("/health", handlers.health, methods=["GET"]),
@@ -54,6 +56,7 @@ tei_routes = [
     Route("/tokenize", tei.tokenize, methods=["POST"]),
     Route("/decode", tei.decode, methods=["POST"]),
     Route("/info", tei.info, methods=["GET"]),
+    Route("/rerank", rerank.tei_rerank, methods=["POST"], name="tei_rerank"),
 ]
 routes = [*openai_routes, *tei_routes]
 TEI_PATHS = frozenset(route.path for route in tei_routes)

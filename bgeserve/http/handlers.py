@@ -113,8 +113,9 @@ def _model_entry(name: str) -> dict[str, Any]:
 
 
 async def models(request: Request) -> Response:
-    """``GET /v1/models``: bge-m3 and every accepted alias."""
-    data = [_model_entry(name) for name in request.state.model_ids]
+    """``GET /v1/models``: bge-m3, every accepted alias, and the reranker when loaded."""
+    names = (*request.state.model_ids, *request.state.service.rerank_model_ids())
+    data = [_model_entry(name) for name in names]
     return Response(render_json({"object": "list", "data": data}), media_type="application/json")
 
 

@@ -146,6 +146,7 @@ def resolve(
     offline: bool = False,
     endpoint: str | None = None,
     progress: bool = True,
+    reranker: bool = False,
     hub_cache: Path | None = None,
     report: Callable[[str, int, int | None], None] | None = None,
 ) -> ModelArtifacts:
@@ -156,7 +157,8 @@ def resolve(
     HF_HUB_CACHE / HF_HOME); files an earlier bgeserve downloaded into ``cache_dir`` are used
     from there. ``offline`` uses only what is already cached; ``endpoint`` overrides the hub
     URL (None: huggingface_hub's default); ``progress`` draws huggingface_hub's bars and
-    ``report`` gets (file, bytes done, bytes total) while a file downloads.
+    ``report`` gets (file, bytes done, bytes total) while a file downloads. ``reranker``: the
+    export at ``model_path`` must be a reranker's (else bge-m3's).
     """
     if variant not in (*HUB_SOURCES, *EXPORT_ONLY_VARIANTS):
         raise ConfigError(
@@ -167,7 +169,14 @@ def resolve(
     fetch = Fetcher(hub_cache, offline, endpoint, progress,
                     legacy_cache=validate_cache_dir(cache_dir), report=report)
     if model_path is not None:
-        return _resolve_local(Path(model_path).expanduser(), variant, fetch)
+        found = _resolve_local(Path(model_path).expanduser(), variant, fetch)
+        if found.layout.reranker != reranker:
+            what = "a reranker (bge-reranker-v2-m3)" if found.layout.reranker else "bge-m3"
+            raise ModelUnavailable(
+                f"{model_path} holds {what}'s export: point "
+                f"{'BGE_M3_RERANK_MODEL_PATH' if found.layout.reranker else 'BGE_M3_MODEL_PATH'}"
+                " at it", param="BGE_M3_RERANK_MODEL_PATH" if reranker else "BGE_M3_MODEL_PATH")
+        return found
     if variant in EXPORT_ONLY_VARIANTS:
         raise ModelUnavailable(
             f"the {variant} variant exists only in a `bgeserve export` (the hub has no such "
@@ -206,6 +215,11 @@ def _resolve_local(root: Path, variant: str, fetch: Fetcher) -> ModelArtifacts:
             raise ModelUnavailable(
                 f"{onnx} has bgeserve's in-graph heads but {root} has no manifest.json: point "
                 "BGE_M3_MODEL_PATH at the whole `bgeserve export` directory",
+                param="BGE_M3_MODEL_PATH")
+        if layout.reranker:
+            raise ModelUnavailable(
+                f"{onnx} is a reranker's graph (one relevance logit per row): point "
+                "BGE_M3_RERANK_MODEL_PATH at it, and BGE_M3_MODEL_PATH at bge-m3",
                 param="BGE_M3_MODEL_PATH")
         kind = {Layout.BAAI: "BAAI/bge-m3", Layout.HIDDEN: "hidden-state"}[layout]
         tokenizer = next(
@@ -305,7 +319,7 @@ def _resolve_export(root: Path, manifest: dict[str, Any], variant: str) -> Model
     return ModelArtifacts(
         onnx,
         tokenizer,
-        Layout.BGESERVE,
+        Layout.SCORE if manifest.get("kind") == "reranker" else Layout.BGESERVE,
         variant,
         None,
         f"local export {root} ({variant}, {runtime})",

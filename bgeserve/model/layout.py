@@ -27,11 +27,25 @@ class Layout(str, enum.Enum):
     )
     BAAI = "baai"  # sentence_embedding [B,H], token_embeddings [B,L,H]; heads from .pt
     HIDDEN = "hidden"  # last_hidden_state [B,L,H]; heads from .pt
+    # Rerankers (a (query, document) pair per row): a bgeserve export's ``score`` [B], a
+    # stock hub / optimum export's ``logits`` [B, 1].
+    SCORE = "score"
+    LOGITS = "logits"
 
     @property
     def outputs(self) -> tuple[str, ...]:
         """The graph output names this layout promises (for the runtime to check)."""
         return _OUTPUTS[self]
+
+    @property
+    def exported(self) -> bool:
+        """A ``bgeserve export`` graph: its manifest records the model's sizes."""
+        return self in (Layout.BGESERVE, Layout.SCORE)
+
+    @property
+    def reranker(self) -> bool:
+        """A cross-encoder's graph: one relevance logit per row."""
+        return self in (Layout.SCORE, Layout.LOGITS)
 
     @property
     def hidden_output(self) -> str | None:
@@ -43,13 +57,15 @@ _OUTPUTS = {
     Layout.BGESERVE: ("dense", "sparse_weights", "colbert"),
     Layout.BAAI: ("sentence_embedding", "token_embeddings"),
     Layout.HIDDEN: ("last_hidden_state",),
+    Layout.SCORE: ("score",),
+    Layout.LOGITS: ("logits",),
 }
 
 
 def layout_of(outputs: Sequence[str]) -> Layout | None:
     """The layout whose outputs ``outputs`` has (the most specific one), or None."""
     have = set(outputs)
-    for layout in (Layout.BGESERVE, Layout.BAAI, Layout.HIDDEN):
+    for layout in (Layout.BGESERVE, Layout.BAAI, Layout.HIDDEN, Layout.SCORE, Layout.LOGITS):
         if have.issuperset(layout.outputs):
             return layout
     return None

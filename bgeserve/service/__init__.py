@@ -22,14 +22,15 @@ from bgeserve.engine import Engine, Inputs
 from bgeserve.errors import BgeServeError, DeadlineExceeded, NotReady
 from bgeserve.model.artifacts import ModelArtifacts, resolve, validate_cache_dir
 from bgeserve.progress import Progress
-from bgeserve.results import Embeddings, EmbedOptions, ModelInfo, Token
+from bgeserve.results import (Embeddings, EmbedOptions, ModelInfo, RerankOptions, RerankResult,
+                              Token)
 from bgeserve.runtime import gpu
 from bgeserve.service import info as service_info
-from bgeserve.service import plan, tokens
+from bgeserve.service import plan, reranking, tokens
 from bgeserve.service.metrics import Metrics
 from bgeserve.service.preparation import Preparation
 from bgeserve.tuning import cache, memory
-from bgeserve.tuning.budget import measure_model_cost
+from bgeserve.tuning.budget import measure_model_cost, split_available
 from bgeserve.tuning.tuner import Tuner, UnmeasuredFloor
 
 log = logging.getLogger("bgeserve.service")
@@ -53,6 +54,7 @@ class Service:
         self.metrics_registry = Metrics()
         self.engine: Engine | None = None
         self.tuner: Tuner | None = None
+        self.reranking = reranking.Reranking(self.metrics_registry)
         self.artifacts: ModelArtifacts | None = None
         self.fatal_error: BaseException | None = None
         self.on_fatal = on_fatal
@@ -121,6 +123,14 @@ class Service:
             model_cost = measure_model_cost(
                 load, s.workers, model_bytes,
                 copies=runtime.weight_copies(serving.runtime, s.workers))
+            if reranking.configured(s):  # beside bge-m3: the free memory is split first
+                resident = self.reranking.load(s, cache_dir)
+                source = tuner.state.memory_source
+                ours, theirs = split_available(tuner.state.available_bytes,
+                                               (model_cost * s.workers, resident),
+                                               s.rerank_memory_share)
+                tuner.share(ours, f"{source}, shared with the reranker")
+                self.reranking.tune(theirs, f"{source}, shared with bge-m3")
             parts = plan.probe_parts(s, artifacts)
             fingerprint = cache.fingerprint(parts)
             spec = {"model_path": str(s.model_path) if s.model_path else None,
@@ -145,8 +155,11 @@ class Service:
             log.info("ready: probe %s, a=%.0f b=%.2f, %d MiB workspace per worker, texts up to "
                      "%d tokens fit", tuner.state.probe_status, cost.a, cost.b,
                      cost.max_workspace_bytes >> 20, cost.max_seq())
-            if tuner.state.probe_status == "running":
-                tuner.start_probe(probe_source(engine, spec), model_cost, fingerprint, parts)
+            if tuner.state.probe_status == "running":  # then the reranker's: one at a time
+                tuner.start_probe(probe_source(engine, spec), model_cost, fingerprint, parts,
+                                  on_done=self.reranking.start_probe)
+            else:
+                self.reranking.start_probe()
         except BaseException as exc:  # start-up failures are reported, not raised on a thread
             log.error("start-up failed: %s", exc, exc_info=not isinstance(exc, BgeServeError))
             self.fatal_error = exc
@@ -206,6 +219,7 @@ class Service:
         self._stopping.set()
         if self.tuner is not None:
             self.tuner.stop()
+        await asyncio.to_thread(self.reranking.close, self.settings.shutdown_timeout_secs or None)
         if self.engine is not None:
             await asyncio.to_thread(self.engine.close,
                                     self.settings.shutdown_timeout_secs or None)
@@ -256,6 +270,17 @@ class Service:
             ) from None
         self.metrics_registry.observe_request(result, time.perf_counter() - started)
         return result
+
+    async def rerank(self, query: str, documents: list[str], options: RerankOptions, *,
+                     request_id: str = "") -> RerankResult:
+        """Score ``documents`` against ``query``: the reranker's, or bge-m3's own scores."""
+        return await self.reranking.rerank(self._engine(), query, documents, options,
+                                           self.settings.request_timeout_secs or None,
+                                           request_id)
+
+    def rerank_model_ids(self) -> tuple[str, ...]:
+        """The ids ``model`` may name for the reranker (none when none is loaded)."""
+        return self.reranking.model_ids
 
     def dense_width(self) -> int:
         """The loaded model's vector width (1,024 for bge-m3)."""
@@ -322,6 +347,11 @@ class Service:
                    "prepare": self.preparation.status},
             tuning=self.tuner.state.as_dict(),
         )
+        rerank = self.reranking.health()
+        if rerank is not None:
+            body["reranker"] = rerank
+            if status == "ok" and rerank["status"] in ("warn", "fail"):
+                body["status"] = "warn"
         return body
 
     def metrics(self) -> tuple[bytes, str]:

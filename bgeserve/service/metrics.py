@@ -22,7 +22,7 @@ from bgeserve.tuning import memory
 
 if TYPE_CHECKING:
     from bgeserve.engine.scheduler import ChunkStats
-    from bgeserve.results import Embeddings
+    from bgeserve.results import Embeddings, RerankResult
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _PROBE_STATES = ("disabled", "running", "complete", "failed", "cache_hit")
@@ -59,6 +59,7 @@ class Metrics:
         # queued or run (HTTP middleware counts them; /health and /metrics excluded).
         self.in_flight = Gauge("bgeserve_requests_in_flight", "Requests in progress",
                                registry=r)
+        self.rerank = RerankMetrics(r)
         self._service: Any = None
         r.register(_StateCollector(self))
 
@@ -74,6 +75,9 @@ class Metrics:
         self.texts.inc(len(result))
         self.truncated.inc(int(result.truncated.sum()))
 
+    def observe_rerank(self, result: RerankResult, seconds: float) -> None:
+        self.rerank.observe(result, seconds)
+
     def observe_http(self, route: str, status: int, seconds: float) -> None:
         self.http_requests.labels(route, str(status)).inc()
         self.http_latency.labels(route).observe(seconds)
@@ -86,6 +90,37 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RerankMetrics:
+    """Rerank requests by scorer (the reranker's id, or ``bge-m3``): documents (pairs), the
+    model inputs they took (windows), cut documents, tokens and latency."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.requests = Counter("bgeserve_rerank_requests", "Rerank requests answered",
+                                ["scorer"], registry=r)
+        self.pairs = Counter("bgeserve_rerank_pairs", "(query, document) pairs scored",
+                             ["scorer"], registry=r)
+        self.windows = Counter("bgeserve_rerank_windows",
+                               "Model inputs scored (a long document takes several windows)",
+                               ["scorer"], registry=r)
+        self.truncated = Counter("bgeserve_rerank_truncated_documents",
+                                 "Documents not scored whole (cut, or past the windows' cap)",
+                                 ["scorer"], registry=r)
+        self.tokens = Counter("bgeserve_rerank_tokens", "Tokens fed to the scorer",
+                              ["scorer"], registry=r)
+        self.latency = Histogram("bgeserve_rerank_duration_seconds",
+                                 "Rerank latency inside the service (tokenize, queue, inference)",
+                                 ["scorer"], buckets=_LATENCY, registry=r)
+
+    def observe(self, result: RerankResult, seconds: float) -> None:
+        scorer = result.model
+        self.requests.labels(scorer).inc()
+        self.pairs.labels(scorer).inc(len(result))
+        self.windows.labels(scorer).inc(int(result.windows.sum()))
+        self.truncated.labels(scorer).inc(int(result.truncated.sum()))
+        self.tokens.labels(scorer).inc(result.tokens)
+        self.latency.labels(scorer).observe(seconds)
 
 
 class _StateCollector:
@@ -123,6 +158,16 @@ class _StateCollector:
                   "error")),
             ):
                 yield CounterMetricFamily(name, doc, value=counters.get(key, 0))
+        reranker = getattr(getattr(service, "reranking", None), "engine", None)
+        if reranker is not None:
+            stats = reranker.stats()
+            workers = GaugeMetricFamily("bgeserve_reranker_workers", "Reranker workers by state",
+                                        labels=["state"])
+            for state in ("total", "live", "loaded", "busy"):
+                workers.add_metric([state], stats[state])
+            yield workers
+            yield GaugeMetricFamily("bgeserve_reranker_queue_tokens", "Reranker tokens waiting",
+                                    value=stats["queue_tokens"])
         tuner = getattr(service, "tuner", None)
         if tuner is not None:
             s = tuner.state

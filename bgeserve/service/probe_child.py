@@ -18,6 +18,7 @@ from typing import Any
 from bgeserve.engine.forward import forward_factory
 from bgeserve.engine.tokenizer import Tokenizer
 from bgeserve.model.artifacts import resolve
+from bgeserve.model.rerank_artifacts import resolve_reranker
 from bgeserve.runtime.session import SessionConfig
 from bgeserve.tuning import memory, probe
 from bgeserve.tuning.costmodel import CostModel
@@ -29,9 +30,10 @@ PIN_THRESHOLD = 1 << 20  # blocks ≥ 1 MiB are returned to the OS on free
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Load the model as ``spec`` says, probe, and return the result as plain data."""
     memory.pin_mmap_threshold(PIN_THRESHOLD)
-    artifacts = resolve(model_path=Path(spec["model_path"]) if spec["model_path"] else None,
-                        variant=spec["variant"], cache_dir=Path(spec["cache_dir"]),
-                        offline=True, progress=False)
+    find = resolve_reranker if spec.get("reranker") else resolve
+    artifacts = find(model_path=Path(spec["model_path"]) if spec["model_path"] else None,
+                     variant=spec["variant"], cache_dir=Path(spec["cache_dir"]),
+                     offline=True, progress=False)
     vocab = Tokenizer.load(artifacts.tokenizer_path, spec["max_seq"]).vocab_size
     config = SessionConfig(provider=spec["provider"], threads=spec["threads"])
     run_shape, close = synthetic_run(forward_factory(artifacts, config), vocab)

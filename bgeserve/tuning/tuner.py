@@ -128,6 +128,12 @@ class Tuner:
         info = memory.detect_available_memory(self.config.available_override)
         self.state.memory_source, self.state.available_bytes = info.source, info.available_bytes
 
+    def share(self, available: int, source: str) -> None:
+        """Tune with ``available`` bytes (described as ``source``) instead of what
+        ``detect_memory`` found: another model in this process holds the rest
+        (``budget.split_available``)."""
+        self.state.available_bytes, self.state.memory_source = available, source
+
     def initial(self, model_cost: int, fingerprint: str | None) -> CostModel:
         """The cost model to serve with from the start; sets ``probe_status``."""
         c, s = self.config, self.state
