@@ -16,8 +16,7 @@ import numpy as np
 
 from bgeserve.config import Settings
 from bgeserve.errors import BgeServeError, InvalidInput, TooLarge
-from bgeserve.results import (Embeddings, EmbedOptions, ModelInfo, RerankOptions, RerankResult,
-                              Token)
+from bgeserve.results import Embeddings, EmbedOptions, ModelInfo, RerankOptions, RerankResult, Token
 
 HIDDEN = 1024
 VOCAB = 250_002

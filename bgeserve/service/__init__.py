@@ -22,8 +22,7 @@ from bgeserve.engine import Engine, Inputs
 from bgeserve.errors import BgeServeError, DeadlineExceeded, NotReady
 from bgeserve.model.artifacts import ModelArtifacts, resolve, validate_cache_dir
 from bgeserve.progress import Progress
-from bgeserve.results import (Embeddings, EmbedOptions, ModelInfo, RerankOptions, RerankResult,
-                              Token)
+from bgeserve.results import Embeddings, EmbedOptions, ModelInfo, RerankOptions, RerankResult, Token
 from bgeserve.runtime import gpu
 from bgeserve.service import info as service_info
 from bgeserve.service import plan, reranking, tokens
