@@ -118,6 +118,7 @@ class OpenVinoSession:
         self._owner = owner
         self._compiled = compiled
         self._request = compiled.create_infer_request()
+        self._tensor = _ov().Tensor
         self.path = owner.path
         self.input_names = [i.get_any_name() for i in compiled.inputs]
         self.output_names = [o.get_any_name() for o in compiled.outputs]
@@ -126,8 +127,18 @@ class OpenVinoSession:
             outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run one padded chunk; returns the requested outputs (copies) by name."""
         names = list(outputs) if outputs else self.output_names
+        request = self._request
         try:
-            result = self._request.infer(feeds(self.input_names, input_ids, attention_mask))
+            # The inputs are bound as tensors over the caller's own arrays (no copy; they
+            # outlive the run), and infer() gets no inputs. Handing infer() the arrays instead
+            # sends them through openvino's Python data dispatcher, which reshapes the
+            # request's own input tensors in place for every new shape: two workers doing that
+            # on one compiled model were once both found stuck there for good (the full test
+            # suite, a 2-core Zen 3, openvino 2026.4; docs/architecture.md, OpenVINO).
+            for name, value in feeds(self.input_names, input_ids, attention_mask).items():
+                request.set_tensor(name, self._tensor(np.ascontiguousarray(value),
+                                                      shared_memory=True))
+            result = request.infer()
         except Exception as exc:
             raise run_failure(exc, tuple(input_ids.shape), "OpenVINO") from exc
         # infer() copies its outputs (share_outputs=False): they outlive the next run.
