@@ -57,16 +57,19 @@ def test_served_ov_int8_agrees_with_fp32_and_keeps_fused_attention(
         want = engine.embed(TEXTS, dense=True, sparse=True)
     with Engine(tiny_export_ov_int8, "ov-int8", cache_dir=tmp_path) as engine:
         got = engine.embed(TEXTS, dense=True, sparse=True)
-        owner = next(c.cell_contents for c in engine.open_forward.__closure__
-                     if hasattr(c.cell_contents, "streams"))
-        compiled = owner._shared.acquire()
-        try:
-            layers = {op.get_rt_info()["layerType"].astype(str)
-                      for op in compiled.get_runtime_model().get_ops()}
-        finally:
-            owner._shared.release()
+    from bgeserve.runtime.openvino import SharedModel
+
+    # What the registry compiles for the variant: its precision, and the compiled graph.
+    owner = SharedModel(tiny_export_ov_int8 / "ov-int8" / "model.xml", precision="ov-int8",
+                        threads=1, streams=1)
+    compiled = owner._shared.acquire()
+    try:
+        layers = {op.get_rt_info()["layerType"].astype(str)
+                  for op in compiled.get_runtime_model().get_ops()}
+    finally:
+        owner._shared.release()
     assert owner.precision == "bf16"  # the rest of the graph: bf16 where native, else fp32
-    assert "Softmax" not in layers
+    assert "Softmax" not in layers and "FullyConnected" in layers
     assert _cos(got.dense, want.dense).min() >= INT8.dense_cos
     for (gi, gv), (wi, wv) in zip(got.sparse, want.sparse):
         g, w = dict(zip(gi.tolist(), gv.tolist())), dict(zip(wi.tolist(), wv.tolist()))
