@@ -20,7 +20,8 @@ from bgeserve.errors import ConfigError
 
 T = TypeVar("T")
 
-VARIANTS = ("fp32", "fp16", "int8", "bf16")
+VARIANTS = ("fp32", "fp16", "int8", "bf16", "ov-int8")
+OPENVINO_VARIANTS = ("bf16", "ov-int8")  # OpenVINO IRs of a `bgeserve export`
 EXECUTION_PROVIDERS = ("cpu", "cuda", "tensorrt", "coreml", "openvino")
 LOG_FORMATS = ("auto", "json", "text", "pretty")
 MAX_POSITIONS = 8192  # bge-m3: 8194 position embeddings minus the padding offset of 2
@@ -110,8 +111,9 @@ class Settings:
         "BGE_M3_MODEL_PATH", _path, None,
         "local model directory: a `bgeserve export` or a Hugging Face snapshot")
     variant: str = _var("BGE_M3_MODEL", _choice(*VARIANTS), "fp32",
-                        "model variant: fp32|fp16|int8|bf16 (bf16: OpenVINO; unset: the fastest "
-                        "keeping dense cos >= 0.999 here, see runtime/select.py)")
+                        "model variant: fp32|fp16|int8|bf16|ov-int8 (bf16, ov-int8: OpenVINO; "
+                        "unset: the fastest keeping dense cos >= 0.999 here, see "
+                        "runtime/select.py)")
     cache_dir: Path = _var("BGE_M3_CACHE_DIR", _path, Path("~/.cache/bgeserve"),
                            "prepared graphs, probe coefficients and TensorRT engines "
                            "(default $XDG_CACHE_HOME/bgeserve, else ~/.cache/bgeserve; hub "

@@ -64,6 +64,23 @@ def tiny_export_bf16(tiny_model: Path, models_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_export_ov_int8(tiny_model: Path, models_root: Path) -> Path:
+    """``bgeserve export --variant fp32 --variant ov-int8`` of the tiny model (NNCF's int8 IR,
+    validated against the fp32 graph); skips without openvino or nncf (the dev extra has
+    both)."""
+    from bgeserve.export import ovint8
+    from bgeserve.export.main import export
+    from bgeserve.runtime import openvino
+
+    if not (openvino.available() and ovint8.available()):
+        pytest.skip("ov-int8 needs openvino and nncf: pip install 'bgeserve[export]'")
+    out = models_root / "tiny-export-ov-int8"
+    if not (out / "manifest.json").exists():
+        export(str(tiny_model), out, ("fp32", "ov-int8"))
+    return out
+
+
+@pytest.fixture(scope="session")
 def hub_layouts(tiny_model: Path, models_root: Path) -> dict[str, Path]:
     """Fake hub snapshots of the tiny model in the reference server's layouts.
 

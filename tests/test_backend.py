@@ -149,3 +149,23 @@ def test_pad_multiple_rounds_on_gpus_only_and_explicit_wins():
     assert pad_multiple(Settings(execution_provider="tensorrt")) == 32
     assert pad_multiple(Settings(execution_provider="cuda", pad_multiple=1)) == 1
     assert pad_multiple(Settings(pad_multiple=16)) == 16
+
+
+def test_ov_int8_runs_on_openvino_when_asked_for():
+    """BGE_M3_MODEL=ov-int8 alone implies OpenVINO, with BGE_M3_EP=openvino it is kept, and
+    with BGE_M3_EP=cpu it is a contradiction naming both ways out."""
+    s = resolve(Settings.from_env({"BGE_M3_MODEL": "ov-int8"}), machine=NO_BF16)
+    assert (s.execution_provider, s.variant) == ("openvino", "ov-int8")
+    s = resolve(Settings(execution_provider="openvino", variant="ov-int8"), machine=NO_BF16)
+    assert s.variant == "ov-int8"
+    with pytest.raises(ConfigError) as err:
+        resolve(Settings(variant="ov-int8"), machine=BF16_CPU)  # BGE_M3_EP=cpu given explicitly
+    assert err.value.param == "BGE_M3_MODEL" and "BGE_M3_EP=openvino" in err.value.message
+
+
+def test_the_default_does_not_pick_ov_int8_by_itself(tmp_path):
+    """ov-int8 is chosen by measurement (the tuned default), never by a rule that calls it
+    the fastest: with only the rules, an export that has it still serves what it served."""
+    root = export_dir(tmp_path, "fp32", "int8", "bf16", "ov-int8", int8_cos=0.9994)
+    for machine in (AMX_CPU, BF16_CPU, NO_BF16):
+        assert auto(Settings(model_path=root), machine).variant != "ov-int8"

@@ -268,6 +268,20 @@ def export_openvino(plain_fp32: Path, out: Path) -> None:
     _log(f"wrote {out}", started)
 
 
+def export_ov_int8(plain_fp32: Path, out: Path, tokenizer: Path, report: Path,
+                   max_tokens: int | None = None) -> None:
+    """The ov-int8 variant: NNCF int8 quantization of the plain-attention graph (ovint8.py)."""
+    import json
+
+    from bgeserve.export import ovint8
+
+    started = time.monotonic()
+    _log(f"quantizing {plain_fp32} for OpenVINO (NNCF int8)", started)
+    done = ovint8.quantize(plain_fp32, out, tokenizer, max_tokens=max_tokens)
+    report.write_text(json.dumps(done))
+    _log(f"wrote {out}: {done}", started)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bgeserve.export.steps")
     sub = parser.add_subparsers(dest="step", required=True)
@@ -309,6 +323,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("openvino")
     p.add_argument("fp32", type=Path)
     p.add_argument("out", type=Path)
+    p = sub.add_parser("ov-int8")
+    p.add_argument("fp32", type=Path, help="a plain-attention fp32 graph")
+    p.add_argument("out", type=Path)
+    p.add_argument("--tokenizer", type=Path, required=True)
+    p.add_argument("--report", type=Path, required=True,
+                   help="JSON file written with what was quantized (for the manifest)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="longest calibration text (the model's positions)")
     args = parser.parse_args(argv)
     if args.step == "fp32":
         export_fp32(args.model_dir, args.out, args.opset, args.layout, args.attention_block)
@@ -316,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         export_fp16(args.fp32, args.out, args.heads, args.hidden)
     elif args.step == "openvino":
         export_openvino(args.fp32, args.out)
+    elif args.step == "ov-int8":
+        export_ov_int8(args.fp32, args.out, args.tokenizer, args.report, args.max_tokens)
     elif args.step == "rowblock":
         row_block(args.graphs, args.rows)
     elif args.step == "validate":

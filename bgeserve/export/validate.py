@@ -1,7 +1,7 @@
 """Export-time validation: how closely each reduced-precision variant agrees with fp32.
 
 The figures go into the variant's manifest entry (``"agreement"``), so an export says what its
-fp16, int8 and bf16 graphs cost in accuracy on the model actually exported, not only on the
+fp16, int8, bf16 and ov-int8 graphs cost in accuracy on the model actually exported, not only on the
 random model the docs measured. The texts run through the fp32 graph alone (batch 1, no
 padding), then through each variant's own runtime twice: alone, and in padded batches of
 neighbouring lengths as the server packs them (int8's dynamic activation scale is per tensor, so
@@ -38,7 +38,8 @@ def _open(path: Path, runtime: str) -> Any:
     if runtime == "openvino":
         from bgeserve.runtime.openvino import SharedModel
 
-        return SharedModel(path, precision="bf16", threads=0, streams=1).session()
+        # the variant's own precision (runtime/openvino.py INFERENCE_PRECISION), as served
+        return SharedModel(path, precision=variant, threads=0, streams=1).session()
     from bgeserve.runtime.onnx import OnnxSession, SessionConfig
 
     return OnnxSession(path, SessionConfig())

@@ -61,8 +61,9 @@ HUB_SOURCES: dict[str, HubSource] = {
     "fp16": HubSource(Layout.HIDDEN, XENOVA_REPO, XENOVA_REVISION, "onnx/model_fp16.onnx"),
     "int8": HubSource(Layout.HIDDEN, XENOVA_REPO, XENOVA_REVISION, "onnx/model_quantized.onnx"),
 }
-# Variants only `bgeserve export` makes (bf16: an OpenVINO IR run by runtime/openvino.py).
-EXPORT_ONLY_VARIANTS = ("bf16",)
+# Variants only `bgeserve export` makes (OpenVINO IRs run by runtime/openvino.py: bf16, and
+# ov-int8, NNCF's int8 quantization of it).
+EXPORT_ONLY_VARIANTS = ("bf16", "ov-int8")
 RUNTIMES = ("onnxruntime", "openvino")
 _MANIFEST_FORMAT = "bgeserve-export"
 # Sibling files that are never a graph's external data (tokenizer files, configs, weights).
@@ -91,7 +92,7 @@ class ModelArtifacts:
     source: str  # human-readable, for logs and /health
     external_data: tuple[Path, ...] = ()
     # Which runtime reads the graph: "onnxruntime" (an .onnx file), or "openvino" (the bf16
-    # variant of an export: an OpenVINO IR, ``onnx_path`` is its model.xml).
+    # and ov-int8 variants of an export: OpenVINO IRs, ``onnx_path`` is its model.xml).
     runtime: str = "onnxruntime"
 
     def identity(self) -> str:
@@ -280,7 +281,8 @@ def _resolve_export(root: Path, manifest: dict[str, Any], variant: str) -> Model
     entry = variants.get(variant)
     if not isinstance(entry, dict):
         if variant in EXPORT_ONLY_VARIANTS:
-            hint = "(it needs `pip install 'bgeserve[openvino]'` when exporting)"
+            hint = ("(it needs `pip install 'bgeserve[export]'`, which has openvino and nncf, "
+                    "when exporting)")
         else:
             hint = ""
         source = manifest.get("source")

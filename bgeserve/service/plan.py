@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bgeserve import runtime
-from bgeserve.config import Settings
+from bgeserve.config import OPENVINO_VARIANTS, Settings
 from bgeserve.engine import EngineConfig
 from bgeserve.engine.scheduler import SchedulerConfig
 from bgeserve.errors import ConfigError
@@ -50,10 +50,10 @@ def resolve(settings: Settings, *, model_explicit: bool | None = None,
         ep_explicit = settings.is_explicit("BGE_M3_EP")
     s = settings
     if not model_explicit and s.execution_provider == "openvino":
-        s = dataclasses.replace(s, variant="bf16")  # the only variant OpenVINO runs
-    if s.execution_provider == "cpu" and s.variant == "bf16":
+        s = dataclasses.replace(s, variant="bf16")  # OpenVINO's default (ov-int8 when asked)
+    if s.execution_provider == "cpu" and s.variant in OPENVINO_VARIANTS:
         if ep_explicit:
-            raise ConfigError("BGE_M3_MODEL=bf16 runs on OpenVINO, not ONNX Runtime: set "
+            raise ConfigError(f"BGE_M3_MODEL={s.variant} runs on OpenVINO, not ONNX Runtime: set "
                               "BGE_M3_EP=openvino (or unset BGE_M3_EP)", param="BGE_M3_MODEL")
         s = dataclasses.replace(s, execution_provider="openvino")
     if s.execution_provider == "openvino":
@@ -79,10 +79,11 @@ def _openvino(s: Settings, model_explicit: bool, machine: Machine) -> Settings:
         log.warning("%s. BGE_M3_ALLOW_CPU_FALLBACK=1: running fp32 on ONNX Runtime instead",
                     problem)
         return dataclasses.replace(s, execution_provider="cpu", variant="fp32")
-    if s.variant != "bf16":
+    if s.variant not in OPENVINO_VARIANTS:
         if model_explicit:
-            raise ConfigError(f"BGE_M3_EP=openvino runs the bf16 variant, not {s.variant}: set "
-                              "BGE_M3_MODEL=bf16 (or unset it), or BGE_M3_EP=cpu for "
+            raise ConfigError(f"BGE_M3_EP=openvino runs the bf16 or ov-int8 variant, not "
+                              f"{s.variant}: set BGE_M3_MODEL=bf16 or ov-int8 (or unset it), "
+                              "or BGE_M3_EP=cpu for "
                               f"{s.variant} on ONNX Runtime", param="BGE_M3_MODEL")
         s = dataclasses.replace(s, variant="bf16")
     return s
