@@ -30,11 +30,13 @@ BATCH = 4  # texts per padded batch in the batched pass
 
 def open_session(export_dir: Path, variant: str) -> Any:
     """A session over the variant's graph with bgeserve's runtime options (threads: auto)."""
-    return _open(export_dir / GRAPH_PATHS[variant], RUNTIMES.get(variant, "onnxruntime"))
+    return _open(export_dir / GRAPH_PATHS[variant], RUNTIMES.get(variant, "onnxruntime"),
+                 variant)
 
 
-def _open(path: Path, runtime: str) -> Any:
-    """A session over the graph at ``path`` with bgeserve's runtime options (threads: auto)."""
+def _open(path: Path, runtime: str, variant: str = "bf16") -> Any:
+    """A session over the graph at ``path`` with bgeserve's runtime options (threads: auto);
+    ``variant`` names an OpenVINO graph's precision (bf16 or ov-int8)."""
     if runtime == "openvino":
         from bgeserve.runtime.openvino import SharedModel
 
@@ -55,17 +57,17 @@ def _outputs(export_dir: Path, variant: str, rows: Sequence[np.ndarray],
              batch: int = 1) -> tuple[np.ndarray, list[np.ndarray]]:
     """``outputs_of`` the export's graph of ``variant``."""
     return outputs_of(export_dir / GRAPH_PATHS[variant], RUNTIMES.get(variant, "onnxruntime"),
-                      rows, batch)
+                      rows, batch, variant)
 
 
-def outputs_of(path: Path, runtime: str, rows: Sequence[np.ndarray],
-               batch: int = 1) -> tuple[np.ndarray, list[np.ndarray]]:
+def outputs_of(path: Path, runtime: str, rows: Sequence[np.ndarray], batch: int = 1,
+               variant: str = "bf16") -> tuple[np.ndarray, list[np.ndarray]]:
     """Dense vectors [n, hidden] and per-token sparse weights (one array per text) of the
     bgeserve-layout graph at ``path``, with the texts run ``batch`` at a time (right-padded
     with ``<pad>``, as the server pads)."""
     from bgeserve.engine.forward import pad_chunk
 
-    session = _open(path, runtime)
+    session = _open(path, runtime, variant)
     dense: list[np.ndarray] = [np.empty(0)] * len(rows)
     sparse: list[np.ndarray] = [np.empty(0)] * len(rows)
     try:
