@@ -197,7 +197,7 @@ class FakeService:
             "workers": {"live": 1, "loaded": 1, "total": 1},
             "max_seq_length": self.settings.max_seq_length,
             "model": {"name": self.model_name, "variant": "fake"},
-            "tuning": {"probe_status": "fake"},
+            "tuning": {"probe_status": "disabled"},
         }
 
     def metrics(self) -> tuple[bytes, str]:

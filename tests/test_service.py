@@ -267,6 +267,8 @@ def test_health_ok(client: TestClient) -> None:
     model = body["model"]
     assert model["variant"] == "fp32" and model["layout"] == "bgeserve"
     assert model["backend"].startswith("onnxruntime ")
+    # BGE_M3_DISABLE_AUTO_BUDGET=1: nothing measured, the rule's default serves
+    assert model["choice"] == "rule" and model["candidates"] == {}
 
 
 def test_health_loading_then_ok(tiny_export: Path, tmp_path: Path,

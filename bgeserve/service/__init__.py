@@ -24,20 +24,30 @@ from bgeserve.model.artifacts import ModelArtifacts, resolve, validate_cache_dir
 from bgeserve.progress import Progress
 from bgeserve.results import Embeddings, EmbedOptions, ModelInfo, RerankOptions, RerankResult, Token
 from bgeserve.runtime import gpu
+from bgeserve.service import choice, plan, reranking, tokens
 from bgeserve.service import info as service_info
-from bgeserve.service import plan, reranking, tokens
 from bgeserve.service.metrics import Metrics
 from bgeserve.service.preparation import Preparation
 from bgeserve.tuning import cache, memory
 from bgeserve.tuning.budget import measure_model_cost, split_available
+from bgeserve.tuning.child import ChildProbe
+from bgeserve.tuning.probe import LocalProbe, ProbeSource
+from bgeserve.tuning.synthetic import chunk_timing_run, synthetic_run
 from bgeserve.tuning.tuner import Tuner, UnmeasuredFloor
 
 log = logging.getLogger("bgeserve.service")
 
 
-def probe_source(engine: Engine, spec: dict[str, Any]) -> Any:
-    """What the probe measures: the child-process spec (a seam tests replace)."""
-    return spec
+def probe_source(engine: Engine, spec: dict[str, Any], *, in_process: bool) -> ProbeSource:
+    """Where the probe measures (``Tuner.state.probe_mode``): a child process that loads its
+    own copy of the model as ``spec`` says (beside the serving server), or, ``in_process``,
+    the serving engine's own session before it serves (where a second copy does not fit: no
+    extra weights, and the workers' own workspace budget, since nothing else runs)."""
+    if not in_process:
+        return ChildProbe(spec)
+    run, close = synthetic_run(engine.open_forward, engine.tokenizer.vocab_size)
+    return LocalProbe(run, chunk_run=chunk_timing_run(run), close=close,
+                      pin_heap=memory.PROBE_MMAP_THRESHOLD)
 
 
 class Service:
@@ -55,6 +65,7 @@ class Service:
         self.tuner: Tuner | None = None
         self.reranking = reranking.Reranking(self.metrics_registry)
         self.artifacts: ModelArtifacts | None = None
+        self.choice = choice.Decision(settings)
         self.fatal_error: BaseException | None = None
         self.on_fatal = on_fatal
         self._ready = threading.Event()
@@ -88,6 +99,9 @@ class Service:
             s = self.settings = plan.resolve(self.settings)
             cache_dir = validate_cache_dir(s.cache_dir)
             s = self.settings = self.preparation.apply(s, cache_dir)
+            # Neither BGE_M3_EP nor BGE_M3_MODEL set: the fastest variant measured here (cached).
+            self.choice = choice.decide(s, cache_dir, stop=self._stopping)
+            s = self.settings = self.choice.settings
             self.progress.step("loading the model")
             self.artifacts = artifacts = resolve(model_path=s.model_path, variant=s.variant,
                                                  cache_dir=cache_dir, offline=s.offline,
@@ -138,25 +152,26 @@ class Service:
                     "max_seq": s.max_seq_length}
             try:
                 cost = tuner.initial(model_cost, fingerprint)
+                first = tuner.state.probe_mode == "in_process"
             except UnmeasuredFloor as exc:
                 # The conservative estimate is far above what shapes really cost (2.5x for
-                # bge-m3 int8 at 8,192 tokens): measure before refusing. The probe loads its
-                # own copy of the model, so the server's sessions make room meanwhile.
-                log.warning("%s. Measuring with the probe before deciding (the server's "
-                            "sessions are unloaded meanwhile)", exc.message.split(". ")[0])
-                engine.unload()
-                tuner.measure_first(probe_source(engine, spec), model_cost, fingerprint, parts)
+                # bge-m3 int8 at 8,192 tokens): measure before refusing.
+                log.warning("%s. Measuring with the probe before deciding", exc.message.split(
+                    ". ")[0])
+                first = True
+            if first:  # on the serving session, before anything is served
+                tuner.measure_first(probe_source(engine, spec, in_process=True), model_cost,
+                                    fingerprint, parts)
                 cost = tuner.initial(model_cost, fingerprint)  # refuses if still too short
-                load()
             self.engine = engine
             self.progress.done()
             self._ready.set()
-            log.info("ready: probe %s, a=%.0f b=%.2f, %d MiB workspace per worker, texts up to "
-                     "%d tokens fit", tuner.state.probe_status, cost.a, cost.b,
+            log.info("ready: probe %s, c=%.0f a=%.0f b=%.2f, %d MiB workspace per worker, texts "
+                     "up to %d tokens fit", tuner.state.probe_status, cost.c, cost.a, cost.b,
                      cost.max_workspace_bytes >> 20, cost.max_seq())
             if tuner.state.probe_status == "running":  # then the reranker's: one at a time
-                tuner.start_probe(probe_source(engine, spec), model_cost, fingerprint, parts,
-                                  on_done=self.reranking.start_probe)
+                tuner.start_probe(probe_source(engine, spec, in_process=False), model_cost,
+                                  fingerprint, parts, on_done=self.reranking.start_probe)
             else:
                 self.reranking.start_probe()
         except BaseException as exc:  # start-up failures are reported, not raised on a thread
@@ -339,6 +354,8 @@ class Service:
             workers={k: stats[k] for k in ("live", "loaded", "total", "busy")},
             queue={"texts": stats["queue_texts"], "tokens": stats["queue_tokens"]},
             model={"name": self.model_name, "variant": self.artifacts.variant,
+                   "choice": s.variant_choice, "candidates": {
+                       v: round(r, 1) for v, r in self.choice.candidates.items()},
                    "layout": self.artifacts.layout.value, "source": self.artifacts.source,
                    "backend": plan.runtime_version(self.artifacts, s.execution_provider),
                    "execution_provider": s.execution_provider,

@@ -221,6 +221,7 @@ def for_model(settings: Settings, artifacts: ModelArtifacts, cache_dir: Path) ->
     s = dataclasses.replace(settings, max_seq_length=clamp_max_seq(settings.max_seq_length,
                                                                    artifacts))
     engine = engine_config(s)
+    kind = runtime.kind_of(artifacts, s.execution_provider)
     tuning = TuningConfig(
         workers=s.workers, max_seq=s.max_seq_length, safety_factor=s.memory_safety_factor,
         available_override=s.available_memory_bytes, token_budget=s.token_budget,
@@ -233,8 +234,9 @@ def for_model(settings: Settings, artifacts: ModelArtifacts, cache_dir: Path) ->
         cache_dir=cache_dir,
         dims=model_dims(artifacts),
         chunk_tokens=engine.scheduler.max_chunk_tokens,
-        chunk_pinned=s.max_chunk_tokens is not None)
-    return Plan(s, artifacts, engine, tuning, runtime.kind_of(artifacts, s.execution_provider))
+        chunk_pinned=s.max_chunk_tokens is not None,
+        retains_workspace=runtime.get(kind).retains_workspace)
+    return Plan(s, artifacts, engine, tuning, kind)
 
 
 def probe_parts(settings: Settings, artifacts: ModelArtifacts) -> dict[str, Any]:
