@@ -181,7 +181,7 @@ class Scheduler(Workers):
 
     def submit(self, job: Job) -> Future:
         """Queue a job's texts; raises Overloaded when the queue is full, NotReady if stopping."""
-        tokens = sum(len(x) for x in job.ids)
+        tokens = sum(len(job.ids[i]) for i in job.pending())
         now = time.monotonic()
         with self._cond:
             if self._stopping:
@@ -190,7 +190,7 @@ class Scheduler(Workers):
                 raise NotReady("no worker is left to run the model (see /health)")
             self._check_room(tokens)
             job.submitted = now
-            if not job.ids:
+            if job.remaining == 0:  # no texts, or every one answered by the cache
                 job.done = True
                 answer(job.future, result=job.result())
                 return job.future
