@@ -3,6 +3,8 @@ forward of test_scheduler: repeats computed once, cached texts never queued (no 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from bgeserve.engine.cache import EmbeddingCache
@@ -13,6 +15,7 @@ from tests.test_scheduler import (
     Factory,
     colbert_of,
     dense_of,
+    held,
     job_of,
     scheduler,
     text,
@@ -115,3 +118,39 @@ def test_without_reuse_every_text_runs() -> None:
         assert job.pending() == [0, 1, 2]
         sched.submit(job).result(timeout=TIMEOUT)
     assert sum(len(call.rows) for call in factory.calls) == 3
+
+
+def test_a_text_sent_by_two_requests_into_one_chunk_runs_once() -> None:
+    """Two jobs queued together with the same text (neither could hit: it was not cached yet)
+    share one row of their chunk; both are answered with it, and it counts as one run."""
+    a, other = text(5, 6), text(8)
+    factory = Factory()
+    cache = EmbeddingCache(1 << 20)
+    with scheduler(factory) as sched, held(sched, factory):
+        factory.calls.clear()
+        first = sched.submit(reused([a], cache, ALL))
+        second = sched.submit(reused([other, a], cache, EmbedOptions(dense=True)))
+    results = first.result(timeout=TIMEOUT), second.result(timeout=TIMEOUT)
+    assert [len(call.rows) for call in factory.calls] == [2]
+    assert factory.calls[0].flags == (True, True, True)
+    assert_all_right(results[0], [a])
+    np.testing.assert_array_equal(results[1].dense[1], results[0].dense[0])
+    assert cache.stats()["misses"] == 2 and cache.stats()["hits"] == 1
+
+
+def test_a_text_cached_while_it_waited_is_answered_without_running() -> None:
+    """A job queued while the same text runs for another job (a miss then) finds it cached
+    when its own chunk comes up: it is answered without a second run."""
+    a = text(5, 6)
+    factory = Factory(gate=threading.Event())
+    cache = EmbeddingCache(1 << 20)
+    with scheduler(factory) as sched:
+        first = sched.submit(reused([a], cache, ALL))
+        assert factory.entered.wait(TIMEOUT)
+        second = sched.submit(reused([a], cache, ALL))
+        factory.gate.set()
+        results = first.result(timeout=TIMEOUT), second.result(timeout=TIMEOUT)
+    assert len(factory.calls) == 1
+    assert_all_right(results[1], [a])
+    assert np.array_equal(results[1].colbert[0], results[0].colbert[0])
+    assert cache.stats()["misses"] == 1 and cache.stats()["hits"] == 1

@@ -104,18 +104,28 @@ class EmbeddingCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, ids: np.ndarray, options: EmbedOptions) -> Entry | None:
+    def get(self, ids: np.ndarray, options: EmbedOptions, late: bool = False) -> Entry | None:
         """The entry for ``ids`` if it holds every output ``options`` asks for (a hit: it
-        becomes the most recently used), else None (a miss)."""
+        becomes the most recently used), else None (a miss). ``late``: a second look for a
+        text that missed when it was queued (a hit then turns that miss into a hit; a miss
+        counts nothing more), so ``misses`` counts the texts that ran."""
         key = self.key(ids)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or not entry.has(options):
-                self.misses += 1
+                self.misses += not late
                 return None
             self._entries.move_to_end(key)
             self.hits += 1
+            self.misses -= late
             return entry
+
+    def count_late_hits(self, n: int) -> None:
+        """``n`` texts that missed when queued were answered without running after all (they
+        repeated a text of the same chunk)."""
+        with self._lock:
+            self.hits += n
+            self.misses -= n
 
     def put(self, ids: np.ndarray, *, dense: np.ndarray | None = None,
             sparse: Sparse | None = None, colbert: np.ndarray | None = None) -> None:

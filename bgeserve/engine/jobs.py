@@ -91,6 +91,13 @@ class Job:
             self.dense = np.empty((len(self.ids), width), dtype=np.float32)
         return self.dense
 
+    def answer_from(self, index: int, entry: Entry) -> None:
+        """Text ``index`` (and its repeats) answered by a cache entry after it was queued (the
+        caller counts it done)."""
+        self.fill(index, entry)
+        for i in self.repeats.get(index, ()):
+            self._copy(index, i)
+
     def fill(self, index: int, entry: Entry) -> None:
         """Store text ``index``'s results from a cache entry (copies: callers own theirs)."""
         if self.options.dense:
@@ -145,6 +152,45 @@ class Piece:
     index: int
     length: int
     arrived: float
+
+
+@dataclass
+class Folded:
+    """A chunk as it runs once the cache had its say (``fold``): the pieces to run, the pieces
+    repeating one of them (by row), and the pieces the cache now answers."""
+
+    run: list[Piece]
+    twins: dict[int, list[Piece]]
+    cached: list[tuple[Piece, Entry]]
+
+
+def fold(pieces: list[Piece]) -> Folded:
+    """Just before a chunk runs, for pieces of jobs with a cache: a text cached since it was
+    queued (its first copy ran in an earlier chunk) is answered from the cache, and a text
+    that repeats another piece of this chunk (another request sent it too) runs once."""
+    run: list[Piece] = []
+    twins: dict[int, list[Piece]] = {}
+    cached: list[tuple[Piece, Entry]] = []
+    rows: dict[bytes, int] = {}
+    for p in pieces:
+        cache = p.job.cache
+        if cache is None:
+            run.append(p)
+            continue
+        ids = p.job.ids[p.index]
+        entry = cache.get(ids, p.job.options, late=True)
+        if entry is not None:
+            cached.append((p, entry))
+            continue
+        key = ids.tobytes()
+        row = rows.get(key)
+        if row is None:
+            rows[key] = len(run)
+            run.append(p)
+        else:
+            twins.setdefault(row, []).append(p)
+            cache.count_late_hits(1)
+    return Folded(run, twins, cached)
 
 
 def answer(future: Future, result: Embeddings | None = None,
