@@ -126,6 +126,8 @@ PARSED = [
     ("BGE_M3_METRICS_AUTH", "TRUE", "metrics_auth", True),
     ("BGE_M3_BATCH_DELAY_MS", "2.5", "batch_delay_ms", 2.5),
     ("BGE_M3_MAX_QUEUE_TOKENS", "100", "max_queue_tokens", 100),
+    ("BGE_M3_CACHE_MB", "0", "cache_mb", 0),
+    ("BGE_M3_CACHE_MB", "512", "cache_mb", 512),
     ("BGE_M3_REQUEST_TIMEOUT_SECS", "0", "request_timeout_secs", 0.0),
     ("BGE_M3_IDLE_TIMEOUT_SECS", "10", "idle_timeout_secs", 10.0),
     ("BGE_M3_SHUTDOWN_TIMEOUT_SECS", "5", "shutdown_timeout_secs", 5.0),

@@ -697,3 +697,34 @@ def test_a_pinned_chunk_budget_is_neither_timed_nor_moved(tiny_export: Path,
     assert moved == [] and tuner.state.chunk_rates == {}
     assert (tuner.state.chunk_tokens, tuner.state.chunk_tokens_source) == (256, "setting")
     assert (2, 128) not in runs and (8, 128) not in runs
+
+
+def test_the_embedding_cache_is_held_outside_the_workspace_budget() -> None:
+    """The tuner's budget subtracts reserved bytes (the cache's limit) from the memory
+    available, as the model's cost is subtracted."""
+    def tuner(reserved: int) -> Tuner:
+        t = Tuner(TuningConfig(workers=2, safety_factor=0.5, reserved_bytes=reserved),
+                  apply=lambda cost: None)
+        t.state.available_bytes = 8 << 30
+        return t
+
+    assert tuner(0).budget(1 << 30) - tuner(256 << 20).budget(1 << 30) == (256 << 20) // 4
+
+
+@pytest.mark.parametrize(("extra", "reserved"), [
+    ({}, 128 << 20), ({"BGE_M3_CACHE_MB": "0"}, 0), ({"BGE_M3_CACHE_MB": "64"}, 64 << 20),
+    ({"BGE_M3_MODEL": "int8"}, 0), ({"BGE_M3_MODEL": "int8", "BGE_M3_MAX_CHUNK": "1"}, 128 << 20),
+])
+def test_the_plan_reserves_the_cache_where_the_engine_keeps_one(
+        extra: dict[str, str], reserved: int, tiny_export: Path, tmp_path: Path) -> None:
+    """BGE_M3_CACHE_MB is reserved from the budget exactly when the engine builds a cache."""
+    from bgeserve.service import plan
+
+    extra = {"BGE_M3_MODEL": "fp32", **extra}
+    settings = plan.resolve(Settings.from_env(env_for(tiny_export, tmp_path, **extra)))
+    artifacts = resolve(model_path=tiny_export, variant=settings.variant, cache_dir=tmp_path,
+                        offline=True)
+    serving = plan.for_model(settings, artifacts, tmp_path)
+    assert serving.tuning.reserved_bytes == reserved
+    engine = Engine(artifacts=artifacts, config=serving.engine, start=False, auto_budget=False)
+    assert engine.reserved_bytes == reserved

@@ -108,7 +108,10 @@ class BodyLimit:
             if complete:  # after the body only http.disconnect comes, whenever it does
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), self.idle_timeout)
+                # asyncio.timeout, not wait_for: no task per message (a query's whole body is
+                # one message), and receive() runs in the handler's own task.
+                async with asyncio.timeout(self.idle_timeout):
+                    message = await receive()
             except TimeoutError:
                 raise BodyTimeout(f"no byte of the request body arrived for "
                                   f"{self.idle_timeout:g}s; send the whole body at once") from None

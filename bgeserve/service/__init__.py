@@ -19,6 +19,7 @@ from typing import Any
 from bgeserve import __version__, runtime
 from bgeserve.config import Settings
 from bgeserve.engine import Engine, Inputs
+from bgeserve.engine.jobs import Job
 from bgeserve.errors import BgeServeError, DeadlineExceeded, NotReady
 from bgeserve.model.artifacts import ModelArtifacts, resolve, validate_cache_dir
 from bgeserve.progress import Progress
@@ -257,13 +258,37 @@ class Service:
         # refusal never waits behind other requests' tokenizing).
         if engine.queue_nearly_full():
             await asyncio.to_thread(engine.refuse_early, inputs)
+        if small(inputs):
+            # A query or two: tokenizing it here costs less than handing it to a thread and
+            # waiting to be woken (measured in docs/benchmarks.md, "Short-query latency").
+            job = engine.make_job(inputs, options, request_id, arrived)
+        else:
+            job = await self._make_job(engine, inputs, options, request_id, arrived)
+        timeout = self.settings.request_timeout_secs or None
+        remaining = None if timeout is None else max(0.0, job.deadline - time.monotonic()) \
+            if job.deadline is not None else timeout
+        try:
+            # Not wait_for: its task would submit the job one loop iteration later.
+            async with asyncio.timeout(remaining):
+                result = await engine.await_job(job)
+        except TimeoutError:
+            self.metrics_registry.deadline_exceeded()
+            raise DeadlineExceeded(
+                f"the request did not finish within BGE_M3_REQUEST_TIMEOUT_SECS={timeout:g}s"
+            ) from None
+        self.metrics_registry.observe_request(result, time.perf_counter() - started)
+        return result
+
+    async def _make_job(self, engine: Engine, inputs: Inputs, options: EmbedOptions,
+                        request_id: str, arrived: float) -> Job:
+        """``engine.make_job`` on a thread, holding one of the tokenizing slots."""
         if self._tokenizing is None:
             self._tokenizing = asyncio.Semaphore(max(2, len(os.sched_getaffinity(0))))
         async with self._tokenizing:
             work = asyncio.ensure_future(asyncio.to_thread(
                 engine.make_job, inputs, options, request_id, arrived))
             try:
-                job = await asyncio.shield(work)
+                return await asyncio.shield(work)
             except asyncio.CancelledError:
                 # The caller left (client gone), but the thread tokenizes on: its slot, and
                 # the body allowance the HTTP layer holds until this returns, stay taken
@@ -272,18 +297,6 @@ class Service:
                 if not work.cancelled():
                     work.exception()  # retrieved: its error has no one to go to
                 raise
-        timeout = self.settings.request_timeout_secs or None
-        remaining = None if timeout is None else max(0.0, job.deadline - time.monotonic()) \
-            if job.deadline is not None else timeout
-        try:
-            result = await asyncio.wait_for(engine.await_job(job), remaining)
-        except TimeoutError:
-            self.metrics_registry.deadline_exceeded()
-            raise DeadlineExceeded(
-                f"the request did not finish within BGE_M3_REQUEST_TIMEOUT_SECS={timeout:g}s"
-            ) from None
-        self.metrics_registry.observe_request(result, time.perf_counter() - started)
-        return result
 
     async def rerank(self, query: str, documents: list[str], options: RerankOptions, *,
                      request_id: str = "") -> RerankResult:
@@ -374,6 +387,24 @@ class Service:
         """Prometheus exposition of the server's metrics."""
         self.metrics_registry.update_state(self)
         return self.metrics_registry.render()
+
+
+# Requests up to this many characters (or token ids) are tokenized on the event loop: at
+# ~5-10 us per token (bge-m3's tokenizer here) that blocks it for well under a millisecond,
+# less than a round trip through a thread costs a query on a busy machine.
+INLINE_TOKENIZE_CHARS = 512
+
+
+def small(inputs: Inputs, limit: int = INLINE_TOKENIZE_CHARS) -> bool:
+    """Whether ``inputs`` hold at most ``limit`` characters (token ids: ids) in all."""
+    if isinstance(inputs, str):
+        return len(inputs) <= limit
+    total = 0
+    for item in inputs:
+        total += len(item) if isinstance(item, (str, list, tuple)) else 1
+        if total > limit:
+            return False
+    return True
 
 
 def build_service(settings: Settings) -> Service:

@@ -158,6 +158,7 @@ class _StateCollector:
                   "error")),
             ):
                 yield CounterMetricFamily(name, doc, value=counters.get(key, 0))
+            yield from _cache_metrics(engine.cache_stats())
         reranker = getattr(getattr(service, "reranking", None), "engine", None)
         if reranker is not None:
             stats = reranker.stats()
@@ -185,3 +186,24 @@ class _StateCollector:
             yield GaugeMetricFamily("bgeserve_model_rss_bytes_per_worker",
                                     "Measured RSS per loaded session",
                                     value=s.model_rss_bytes_per_worker)
+
+
+def _cache_metrics(stats: dict[str, int] | None):
+    """The embedding cache's families (only its capacity, 0, when it is off)."""
+    yield GaugeMetricFamily("bgeserve_cache_capacity_bytes",
+                            "Embedding cache limit (BGE_M3_CACHE_MB; 0: off)",
+                            value=stats["max_bytes"] if stats else 0)
+    if stats is None:
+        return
+    for name, key, doc in (
+        ("bgeserve_cache_hits", "hits", "Texts answered from the embedding cache"),
+        ("bgeserve_cache_misses", "misses", "Texts looked up in the embedding cache and run"),
+        ("bgeserve_cache_repeats", "repeats",
+         "Texts repeating another text of the same request, computed once"),
+        ("bgeserve_cache_evictions", "evictions", "Entries evicted to stay within the limit"),
+    ):
+        yield CounterMetricFamily(name, doc, value=stats[key])
+    yield GaugeMetricFamily("bgeserve_cache_bytes", "Bytes held by the embedding cache",
+                            value=stats["bytes"])
+    yield GaugeMetricFamily("bgeserve_cache_entries", "Texts held by the embedding cache",
+                            value=stats["entries"])

@@ -66,6 +66,8 @@ class TuningConfig:
     # The runtime keeps its workspace at the high-water mark between runs (OpenVINO): the
     # probe's readings are cumulative (``probe.PeakMeter``).
     retains_workspace: bool = False
+    # Host memory held outside the workspace budget (the embedding cache's limit).
+    reserved_bytes: int = 0
 
 
 @dataclass
@@ -142,7 +144,7 @@ class Tuner:
         workers = c.workers + extra_sessions
         if c.gpu:  # one worker per device: the VRAM budget is each worker's own
             return c.gpu_vram_budget or GPU_DEFAULT_VRAM
-        return budget(self.state.available_bytes, workers, model_cost,
+        return budget(self.state.available_bytes - c.reserved_bytes, workers, model_cost,
                       safety_factor=c.safety_factor)
 
     def conservative(self) -> tuple[float, float]:
