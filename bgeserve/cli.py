@@ -93,9 +93,25 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.run()
-    if service.fatal_error is not None:
-        return 3
-    return 0
+    code = 3 if service.fatal_error is not None else 0
+    _leave_if_runs_remain(code)
+    return code
+
+
+def _leave_if_runs_remain(code: int) -> None:
+    """Exit at once when threads outlive the drain: a worker still inside ``session.run``
+    past BGE_M3_SHUTDOWN_TIMEOUT_SECS (its requests were already answered 503) must not meet
+    the interpreter's finalization, where ONNX Runtime's thread pools abort the process
+    ("terminate called without an active exception", exit -6 instead of 0)."""
+    import logging
+    import os
+    import threading
+
+    if any(t.is_alive() for t in threading.enumerate() if t is not threading.main_thread()):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _probe(args: argparse.Namespace) -> int:
