@@ -1,5 +1,6 @@
 """Every script in ``examples/`` against a live ``bgeserve serve`` (tiny random bge-m3), with
-the real client packages: their vectors equal the engine's, hybrid queries in Qdrant (local
+the real client packages: their vectors equal the engine's (which, for every text sent here,
+are FlagEmbedding's: the first test), hybrid queries in Qdrant (local
 mode) and Milvus Lite find the expected documents, and LangChain's *default* settings get the
 clear 400 instead of silently wrong vectors.
 
@@ -23,6 +24,7 @@ import openai
 import pytest
 
 from bgeserve import Engine
+from tests.oracle import FP32, assert_matches, reference
 from tests.serverproc import REPO, ServerProc
 
 pytestmark = pytest.mark.slow
@@ -95,6 +97,17 @@ def sparse_scores(vectors: list[tuple[np.ndarray, np.ndarray]], i: int) -> np.nd
     return np.array([sum(query.get(t, 0.0) * w for t, w in zip(ids.tolist(), ws.tolist(),
                                                                strict=True))
                      for ids, ws in vectors])
+
+
+# -- the reference ----------------------------------------------------------------------------------
+def test_the_engine_compared_with_is_flagembedding(url: str, engine: Engine, flag_model) -> None:
+    """The vectors every client test compares with are the reference's: for each text the
+    tests and examples send, the engine's dense, sparse and ColBERT outputs equal
+    FlagEmbedding's BGEM3FlagModel (fp32, SPEC §2 tolerances)."""
+    docs = example("qdrant_hybrid", url).DOCS + example("milvus_hybrid", url).DOCS
+    texts = [*TEXTS, *docs, "a b", "text number 0", "text number 999"]
+    ours = engine.embed(texts, dense=True, sparse=True, colbert=True)
+    assert_matches(ours, reference(flag_model, texts), FP32)
 
 
 # -- LangChain ------------------------------------------------------------------------------------
@@ -274,10 +287,10 @@ def test_every_example_main_runs(url: str, name: str, capsys: pytest.CaptureFixt
 
 
 def test_an_example_runs_as_a_script(server: ServerProc) -> None:
-    """``BGESERVE_URL=... python examples/openai_client.py`` as a user runs it."""
+    """``BGESERVE_URL=... python examples/tei_client.py`` as a user runs it (the example with
+    the lightest imports: a fresh interpreter importing openai or qdrant costs seconds)."""
     env = {**os.environ, "BGESERVE_URL": server.url}
-    done = subprocess.run([sys.executable, str(EXAMPLES / "openai_client.py")], env=env,
+    done = subprocess.run([sys.executable, str(EXAMPLES / "tei_client.py")], env=env,
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, f"{done.stderr}\n{server.health().text}\n{server.output()}"
-    assert "model: bge-m3" in done.stdout
-
+    assert "feature_extraction: (2, " in done.stdout and "similarity: [" in done.stdout

@@ -113,10 +113,11 @@ def tei_error(r: Any, status: int, error_type: str) -> str:
 
 
 # -- /embed -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("path", ["/embed", "/"])
+@pytest.mark.parametrize("path", ["/embed", "/", "/invocations"])
 def test_embed_is_a_list_of_vectors_even_for_one_text(client: TestClient, path: str) -> None:
     """``inputs`` as one string or a list gives ``[[f32]]``, the service's vectors in order;
-    ``POST /`` (huggingface_hub's ``InferenceClient(base_url)``) is ``/embed``."""
+    ``POST /`` (huggingface_hub's ``InferenceClient(base_url)``) and ``/invocations`` (its
+    SageMaker name) are ``/embed``."""
     for inputs in ("one text", ["a b", "c", "d e f"]):
         r = client.post(path, json={"inputs": inputs})
         assert r.status_code == 200, r.text
@@ -209,7 +210,7 @@ def test_embed_all_is_the_colbert_vectors(client: TestClient) -> None:
         np.testing.assert_array_equal(np.array(rows, np.float32), want)
 
 
-@pytest.mark.parametrize("path", ["/similarity", "/"])
+@pytest.mark.parametrize("path", ["/similarity", "/", "/invocations"])
 def test_similarity_is_the_cosine_with_the_source(client: TestClient, path: str) -> None:
     """``/similarity`` (and ``POST /`` with that body, as huggingface_hub sends it, with its
     empty ``parameters``): one cosine per sentence, from one batch."""
@@ -301,12 +302,14 @@ def test_info_has_every_field_tei_documents(client: TestClient) -> None:
 
 # -- errors: TEI's shape on every TEI path -------------------------------------------------------
 def test_tei_paths_are_the_tei_routes() -> None:
-    """The paths answered in TEI's error style are exactly TEI's routes (plus ``POST /``)."""
-    assert TEI_PATHS == {"/", "/embed", "/embed_sparse", "/embed_all", "/similarity",
-                         "/tokenize", "/decode", "/info"}
+    """The paths answered in TEI's error style are exactly TEI's routes (``POST /`` and its
+    SageMaker name ``/invocations`` included)."""
+    assert TEI_PATHS == {"/", "/invocations", "/embed", "/embed_sparse", "/embed_all",
+                         "/similarity", "/tokenize", "/decode", "/info"}
 
 
-@pytest.mark.parametrize("path", ["/embed", "/embed_sparse", "/embed_all", "/"])
+@pytest.mark.parametrize("path", ["/embed", "/embed_sparse", "/embed_all", "/",
+                                  "/invocations"])
 def test_empty_inputs_is_400_empty(client: TestClient, path: str) -> None:
     """``inputs: []`` is TEI's 400 ``Empty``."""
     tei_error(client.post(path, json={"inputs": []}), 400, "Empty")
@@ -371,6 +374,16 @@ def test_framework_errors_use_tei_shape(client: TestClient) -> None:
               "Validation")
     assert set(client.get("/v1/embeddings").json()) == {"error"}
     assert client.get("/v1/embeddings").json()["error"]["code"] == "method_not_allowed"
+
+
+def test_tei_routes_not_served_are_404_in_tei_shape(client: TestClient) -> None:
+    """TEI's ``/predict`` and ``/vertex`` are not served: a 404 in TEI's shape pointing at
+    docs/tei.md; an unknown non-TEI path keeps bgeserve's envelope."""
+    for path in ("/predict", "/vertex"):
+        assert "docs/tei.md" in tei_error(client.post(path, json={"inputs": "x"}), 404,
+                                          "Validation")
+    r = client.post("/nothing", json={"inputs": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
 def test_body_over_the_limit_is_413_in_tei_shape() -> None:

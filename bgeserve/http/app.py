@@ -49,6 +49,7 @@ openai_routes = [
 # error on these paths (errors.ErrorStyle). A TEI-style route is added here.
 tei_routes = [
     Route("/", tei.root, methods=["POST"]),
+    Route("/invocations", tei.root, methods=["POST"]),  # TEI's (SageMaker's) name for POST /
     Route("/embed", tei.embed, methods=["POST"]),
     Route("/embed_sparse", tei.embed_sparse, methods=["POST"]),
     Route("/embed_all", tei.embed_all, methods=["POST"]),
@@ -60,6 +61,9 @@ tei_routes = [
 ]
 routes = [*openai_routes, *tei_routes]
 TEI_PATHS = frozenset(route.path for route in tei_routes)
+# TEI routes bgeserve does not serve (a classifier's /predict, Vertex AI's /vertex): their 404
+# is in TEI's shape too, so that a TEI client can read it.
+TEI_UNSERVED = frozenset({"/predict", "/vertex"})
 
 
 def _default_factory(settings: Settings) -> Service:
@@ -95,7 +99,7 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
     open_paths = {"/health"} if settings.metrics_auth else {"/health", "/metrics"}
     middleware = [
         Middleware(RequestContext),
-        Middleware(ErrorStyle, tei_paths=TEI_PATHS),
+        Middleware(ErrorStyle, tei_paths=TEI_PATHS | TEI_UNSERVED),
         Middleware(BearerAuth, keys=settings.api_keys, open_paths=frozenset(open_paths)),
         Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                    idle_timeout=guards.BODY_IDLE_TIMEOUT_S),

@@ -227,6 +227,8 @@ async def on_http_exception(request: Request, exc: Exception) -> Response:
         allowed = (exc.headers or {}).get("Allow", "")
         message = f"method {request.method} is not allowed on {request.url.path}; use {allowed}"
     if style_of(request.scope) == TEI_STYLE:
+        if exc.status_code == 404:
+            message += " (TEI's routes that bgeserve serves: docs/tei.md)"
         return json_error(exc.status_code, tei_body(message, "Validation"), exc.headers)
     return json_error(exc.status_code, envelope(exc.status_code, message, code), exc.headers)
 
