@@ -303,9 +303,9 @@ def test_info_has_every_field_tei_documents(client: TestClient) -> None:
 # -- errors: TEI's shape on every TEI path -------------------------------------------------------
 def test_tei_paths_are_the_tei_routes() -> None:
     """The paths answered in TEI's error style are exactly TEI's routes (``POST /`` and its
-    SageMaker name ``/invocations`` included)."""
+    SageMaker name ``/invocations`` and TEI's ``/rerank`` included)."""
     assert TEI_PATHS == {"/", "/invocations", "/embed", "/embed_sparse", "/embed_all",
-                         "/similarity", "/tokenize", "/decode", "/info"}
+                         "/similarity", "/tokenize", "/decode", "/info", "/rerank"}
 
 
 @pytest.mark.parametrize("path", ["/embed", "/embed_sparse", "/embed_all", "/",
