@@ -10,6 +10,13 @@ import pytest
 # The oracle and the exporter import torch; keep them from oversubscribing the 2 CI cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Fake hubs serve files at bge-m3's and the reranker's pinned revisions: a test that forgets
+# its own cache must not leave them in the user's Hugging Face cache (a later real start
+# would take them for the hub's).
+if "HF_HUB_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="bgeserve-tests-hf-")
 
 
 @pytest.fixture(scope="session")

@@ -76,7 +76,7 @@ def test_the_hub_model_comes_at_the_pinned_commit(tiny_reranker_stock, tmp_path,
     hub = FakeHub(files)
     try:
         art = resolve_reranker(model_path=None, variant="fp32", cache_dir=tmp_path,
-                               endpoint=hub.url, progress=False)
+                               endpoint=hub.url, progress=False, hub_cache=tmp_path / "hub")
     finally:
         hub.stop()
     assert art.layout is Layout.LOGITS and RERANK_REVISION in art.source

@@ -36,8 +36,9 @@ PARAM = "BGE_M3_RERANK_MODEL_PATH"
 
 def resolve_reranker(*, model_path: Path | None, variant: str, cache_dir: Path,
                      offline: bool = False, endpoint: str | None = None,
-                     progress: bool = True) -> ModelArtifacts:
-    """The reranker's files for ``variant``: from ``model_path``, else the pinned hub model.
+                     progress: bool = True, hub_cache: Path | None = None) -> ModelArtifacts:
+    """The reranker's files for ``variant``: from ``model_path``, else the pinned hub model
+    (into the Hugging Face cache ``hub_cache``; None: huggingface_hub's own).
 
     Raises:
         ModelUnavailable: the directory holds no reranker bgeserve can serve (the message says
@@ -47,7 +48,7 @@ def resolve_reranker(*, model_path: Path | None, variant: str, cache_dir: Path,
     if model_path is None:
         # The Hugging Face cache, as for bge-m3 (model/artifacts.py): files downloaded into
         # bgeserve's cache directory by an earlier version are still found there.
-        return _hub(variant, Fetcher(None, offline, endpoint, progress,
+        return _hub(variant, Fetcher(hub_cache, offline, endpoint, progress,
                                      legacy_cache=validate_cache_dir(cache_dir)))
     root = Path(model_path).expanduser()
     kind = directory_kind(root) if root.is_dir() else None
