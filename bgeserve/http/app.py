@@ -15,10 +15,11 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from bgeserve.config import Settings
-from bgeserve.http import guards, handlers
+from bgeserve.http import guards, handlers, linger
 from bgeserve.http.context import RequestContext
 from bgeserve.http.errors import EXCEPTION_HANDLERS
 from bgeserve.http.guards import BearerAuth, BodyLimit, InflightLimit
+from bgeserve.http.linger import LingeringClose
 from bgeserve.http.schemas import BOTH, DENSE, SPARSE
 
 if TYPE_CHECKING:
@@ -75,6 +76,10 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
     open_paths = {"/health"} if settings.metrics_auth else {"/health", "/metrics"}
     middleware = [
         Middleware(RequestContext),
+        # Outside the guards: an answer they send before the body is read still reaches
+        # clients that write the whole body first (linger.py).
+        Middleware(LingeringClose, max_bytes=linger.LINGER_BODY_FACTOR * settings.max_body_bytes,
+                   max_seconds=linger.LINGER_SECONDS),
         Middleware(BearerAuth, keys=settings.api_keys, open_paths=frozenset(open_paths)),
         Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                    idle_timeout=guards.BODY_IDLE_TIMEOUT_S),
