@@ -125,6 +125,10 @@ class FakeService:
         """bge-m3's width."""
         return HIDDEN
 
+    def vocab_size(self) -> int:
+        """bge-m3's vocabulary size."""
+        return VOCAB
+
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """``"w<id mod 1000>"``: distinct ids can collide, as sub-word strings do."""
         return [f"w{int(i) % 1000}" for i in ids]

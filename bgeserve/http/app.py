@@ -40,6 +40,7 @@ routes = [
     Route("/v1/models", handlers.models, methods=["GET"]),
     Route("/health", handlers.health, methods=["GET"]),
     Route("/metrics", handlers.metrics, methods=["GET"]),
+    Route("/openapi.json", handlers.openapi, methods=["GET"]),
 ]
 
 

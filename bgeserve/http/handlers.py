@@ -16,6 +16,7 @@ import anyio.to_thread
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from bgeserve.http import contract
 from bgeserve.http.errors import ClientGone, UnsupportedMediaType
 from bgeserve.http.render import render_embeddings, render_json
 from bgeserve.http.schemas import Endpoint, check_dimensions, parse_embed_request
@@ -125,3 +126,10 @@ async def metrics(request: Request) -> Response:
     """``GET /metrics``: the Prometheus exposition from the service."""
     body, content_type = request.state.service.metrics()
     return Response(body, media_type=content_type)
+
+
+async def openapi(request: Request) -> Response:
+    """``GET /openapi.json``: the contract with this server's real bounds (503 while loading)."""
+    state = request.state
+    bounds = contract.bounds_of(state.service, state.settings, state.model_ids)
+    return Response(contract.served(bounds), media_type="application/json")

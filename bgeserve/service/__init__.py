@@ -247,6 +247,10 @@ class Service:
         """The loaded model's vector width (1,024 for bge-m3)."""
         return self._engine().width
 
+    def vocab_size(self) -> int:
+        """The loaded tokenizer's vocabulary size: token ids are below it."""
+        return self._engine().tokenizer.vocab_size
+
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Vocabulary strings for token ids (sparse_format=tokens)."""
         return self._engine().tokenizer.id_to_token(ids)
