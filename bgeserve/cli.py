@@ -32,6 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from bgeserve.config import Settings
     from bgeserve.errors import BgeServeError
+    from bgeserve.http import tls
     from bgeserve.http.app import create_app
     from bgeserve.logs import setup_logging
     from bgeserve.service import Service, plan
@@ -52,6 +53,11 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     if settings.max_inflight_mb is None:
         settings = dataclasses.replace(settings, max_inflight_mb=inflight_mb(settings))
+    try:
+        ssl_options = tls.uvicorn_options(settings)  # HTTPS when BGE_M3_TLS_CERT_FILE is set
+    except BgeServeError as exc:
+        print(f"bgeserve: {exc}", file=sys.stderr)
+        return 2
     log.info("bgeserve starting", extra={"settings": settings.redacted()})
     if settings.warmup_only:
         from bgeserve.service.warmup import run as warmup
@@ -74,7 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=host.strip("[]"), port=int(port), log_config=None,
                             # uvicorn types it int | None; it waits a float as well.
                             timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
-                            lifespan="on")
+                            lifespan="on", **ssl_options)
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
