@@ -77,7 +77,8 @@ class Service:
         try:
             # Runtime, provider and variant decided, GPUs counted (a no-op if the CLI did it).
             s = self.settings = plan.resolve(self.settings)
-            cache_dir = validate_cache_dir(s.cache_dir)
+            cache_dir = validate_cache_dir(  # a local model runs without a cache (warning)
+                s.cache_dir, required=s.model_path is None or s.execution_provider == "tensorrt")
             self.artifacts = artifacts = resolve(model_path=s.model_path, variant=s.variant,
                                                  cache_dir=cache_dir, offline=s.offline)
             serving = plan.for_model(s, artifacts, cache_dir)
