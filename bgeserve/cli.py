@@ -95,8 +95,17 @@ def _serve(args: argparse.Namespace) -> int:
         # would die of it (exit -15) after a clean drain. Here it only asks for the exit.
         server.should_exit = True
 
+    def on_hangup(sig: int, frame: object) -> None:
+        # Settings are read once, so there is nothing to reload in place; SIGHUP's default
+        # action would kill the process mid-request. It drains and exits 0 like SIGTERM, for
+        # a supervisor to start bgeserve again with the new environment.
+        log.warning("SIGHUP: settings are read once at start; draining and exiting (exit 0) "
+                    "so that the supervisor starts bgeserve again with the new ones")
+        server.should_exit = True
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
     server.run()
     if service.fatal_error is not None:
         return 3
