@@ -23,7 +23,8 @@ import pytest
 from bgeserve.config import Settings
 from bgeserve.errors import ModelUnavailable
 from bgeserve.service import Service
-from bgeserve.tuning.probe import Fit, ProbeCache
+from bgeserve.tuning.cache import ProbeCache
+from bgeserve.tuning.costmodel import Fit
 
 pytestmark = pytest.mark.slow
 

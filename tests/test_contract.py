@@ -46,6 +46,13 @@ def test_the_package_ships_the_root_contract() -> None:
     assert contract.CONTRACT_PATH.read_bytes() == (ROOT / "openapi.yaml").read_bytes()
 
 
+def test_the_contract_version_is_the_package_version() -> None:
+    """openapi.yaml's info.version follows bgeserve's (the served copy keeps it)."""
+    from bgeserve import __version__
+
+    assert contract.generic()["info"]["version"] == __version__
+
+
 def test_every_component_is_referenced() -> None:
     """No response, schema or header component is dead text that no operation uses."""
     doc = contract.generic()

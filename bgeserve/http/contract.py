@@ -21,7 +21,6 @@ from typing import Any
 import orjson
 import yaml
 
-from bgeserve import __version__
 from bgeserve.config import Settings
 
 CONTRACT_PATH = Path(__file__).resolve().parent / "openapi.yaml"
@@ -45,7 +44,7 @@ class Bounds:
 @functools.cache
 def generic() -> dict[str, Any]:
     """``openapi.yaml`` as parsed (shared: never mutate it; ``served`` copies)."""
-    return yaml.safe_load(CONTRACT_PATH.read_text(encoding="utf-8"))  # type: ignore[no-any-return]
+    return yaml.safe_load(CONTRACT_PATH.read_text(encoding="utf-8"))
 
 
 def _base64_length(n_bytes: int) -> int:
@@ -58,7 +57,6 @@ def overlay(b: Bounds) -> list[tuple[str, Any]]:
     schemas = "/components/schemas"
     vector = _base64_length(4 * b.dense_width)
     return [
-        ("/info/version", __version__),
         ("/info/x-bgeserve-bounds", asdict(b) | {"model_ids": list(b.model_ids)}),
         (f"{schemas}/TokenIds/items/maximum", ids),
         (f"{schemas}/TokenIds/description",
