@@ -40,7 +40,8 @@ def test_ratios_fill_a_cumulative_histogram_and_the_summary() -> None:
     assert as_dict["3.0"] == 3 and as_dict["+Inf"] == 4
     assert [le for le, _ in buckets] == [*map(str, RATIO_BUCKETS), "+Inf"]
     assert total == pytest.approx(0.5 + 1.0 + 1.2 + 4.0)
-    assert audit.summary() == {"samples": 4, "breaches": 1, "last_ratio": 4.0, "max_ratio": 4.0}
+    assert audit.summary() == {"samples": 4, "discarded": 0, "breaches": 1, "last_ratio": 4.0,
+                               "max_ratio": 4.0}
 
 
 def test_a_breach_warns_and_calls_back_once_per_interval(caplog: pytest.LogCaptureFixture):
@@ -61,3 +62,61 @@ def test_a_breach_warns_and_calls_back_once_per_interval(caplog: pytest.LogCaptu
     clock.t = 61
     audit.record(AuditSample(1, 8192, 100 * MiB, 300 * MiB))
     assert len(seen) == 2
+
+
+class FakeMemory:
+    """tuning.memory's RSS and peak, driven by the test."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.rss = 500 * MiB
+        self.peak = self.rss
+        self.resets = 0
+        from bgeserve.tuning import audit as module
+
+        monkeypatch.setattr(module.memory, "rss_bytes", lambda: self.rss)
+        monkeypatch.setattr(module.memory, "peak_rss_bytes", lambda: self.peak)
+        monkeypatch.setattr(module.memory, "reset_peak_rss", self._reset)
+
+    def _reset(self) -> bool:
+        self.resets += 1
+        self.peak = self.rss
+        return True
+
+    def run(self, workspace: int, keep: int = 0) -> None:
+        """A session.run that peaks ``workspace`` above RSS and keeps ``keep`` afterwards."""
+        self.peak = max(self.peak, self.rss + workspace)
+        self.rss += keep
+
+
+def test_a_lone_chunk_is_measured_around_its_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """begin resets the peak; end records peak - RSS before against the prediction."""
+    mem = FakeMemory(monkeypatch)
+    audit = WorkspaceAudit(lambda b, s: 100 * MiB)
+    m = audit.begin(4, 256)
+    assert m is not None and mem.resets == 1
+    mem.run(80 * MiB)
+    audit.end(m)
+    assert audit.last == AuditSample(4, 256, 100 * MiB, 80 * MiB)
+    assert audit.begin(4, 256) is None  # not due again within the interval
+    audit.end(None)
+
+
+def test_overlapping_or_polluted_measurements_are_discarded(monkeypatch):
+    """A chunk that starts while one is measured spoils it; RSS that stays up after the run
+    (another thread allocated) spoils it; no cost model, no measurement."""
+    mem = FakeMemory(monkeypatch)
+    clock = Clock()
+    audit = WorkspaceAudit(lambda b, s: 100 * MiB, clock=clock)
+    first = audit.begin(1, 128)
+    second = audit.begin(1, 128)  # a second worker starts meanwhile
+    assert first is not None and second is None
+    mem.run(60 * MiB)
+    audit.end(second)
+    audit.end(first)
+    clock.t = 2
+    third = audit.begin(2, 64)
+    mem.run(30 * MiB, keep=20 * MiB)  # a big request body parsed meanwhile
+    audit.end(third)
+    assert audit.count == 0 and audit.discarded == 2
+    clock.t = 4
+    assert WorkspaceAudit(lambda b, s: None, clock=clock).begin(1, 8) is None

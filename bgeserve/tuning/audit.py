@@ -2,14 +2,17 @@
 
 The probe fits ``workspace(batch, seq)`` once; nothing said afterwards whether serving chunks
 stay inside it (another allocator behaviour, a runtime upgrade, shapes the probe never saw).
-``WorkspaceAudit`` takes, at most once per ``interval_s``, one chunk that runs alone (so the
-process's peak is its own): the caller resets the peak RSS before ``session.run`` and reads it
-after (``tuning.memory``; two small /proc accesses), and ``record``s the growth next to the
-cost model's prediction for that shape. It keeps the ratio measured / predicted as a
-histogram (for /metrics) and a summary (for the heartbeat). A chunk over its prediction by
-more than the probe's own validation tolerance (25 %, the held-out limit), and over the
-probe's noise floor, is logged as a warning and handed to ``on_breach`` (the service starts a
-re-probe in the background), at most once per ``breach_interval_s``.
+The scheduler calls ``begin`` before and ``end`` after every ``session.run``. At most once per
+``interval_s``, a chunk that starts while no other runs is measured: the peak RSS is reset
+before it (``tuning.memory``: a write to /proc/self/clear_refs, a read of statm) and read after
+(/proc/self/status), and the growth is recorded next to the cost model's prediction for that
+shape. Another chunk starting meanwhile spoils the sample (the peak would be both of theirs),
+and so does RSS that stays up after the run by more than half the noise floor (another thread
+allocated meanwhile): discarded, never guessed at. Recorded: the ratio measured / predicted as
+a histogram (for /metrics) and a summary (for the heartbeat). A chunk over its prediction by
+more than the probe's own validation tolerance (25 %, the held-out limit) and over the probe's
+noise floor is logged as a warning and handed to ``on_breach`` (the service re-probes in the
+background), at most once per ``breach_interval_s``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from bgeserve.tuning import memory
 
 log = logging.getLogger("bgeserve.tuning")
 
@@ -42,10 +47,26 @@ class AuditSample:
         return self.measured_bytes / max(1, self.predicted_bytes)
 
 
-class WorkspaceAudit:
-    """Sampled measured-vs-predicted workspace of chunks (thread-safe)."""
+@dataclass
+class Measurement:
+    """A chunk being measured (``begin``'s token for ``end``)."""
 
-    def __init__(self, *, interval_s: float = 1.0, tolerance: float = TOLERANCE,
+    batch: int
+    seq: int
+    predicted: int
+    baseline: int = 0
+    spoiled: bool = False
+
+
+class WorkspaceAudit:
+    """Sampled measured-vs-predicted workspace of chunks (thread-safe).
+
+    ``predict(batch, seq)`` gives the live cost model's workspace bytes (None: no model, so
+    nothing to check).
+    """
+
+    def __init__(self, predict: Callable[[int, int], float | None] = lambda b, s: None, *,
+                 interval_s: float = 1.0, tolerance: float = TOLERANCE,
                  floor_bytes: int = NOISE_FLOOR, breach_interval_s: float = 300.0,
                  on_breach: Callable[[AuditSample], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -55,7 +76,11 @@ class WorkspaceAudit:
         self.breach_interval_s = breach_interval_s
         self.on_breach = on_breach
         self.clock = clock
+        self.predict = predict
         self._lock = threading.Lock()
+        self._running = 0  # chunks in session.run now
+        self._measuring: Measurement | None = None
+        self.discarded = 0
         self._next_due = float("-inf")
         self._next_breach = float("-inf")
         self.buckets = [0] * (len(RATIO_BUCKETS) + 1)  # the last one is +Inf
@@ -66,14 +91,49 @@ class WorkspaceAudit:
         self.worst: AuditSample | None = None
 
     def due(self) -> bool:
-        """Whether to measure the chunk about to run (claims the slot: True once per
-        interval). Call it only for a chunk that will run alone."""
+        """Whether a measurement is due (claims the slot: True once per interval)."""
         with self._lock:
-            now = self.clock()
-            if now < self._next_due:
-                return False
-            self._next_due = now + self.interval_s
-            return True
+            return self._claim()
+
+    def _claim(self) -> bool:
+        now = self.clock()
+        if now < self._next_due:
+            return False
+        self._next_due = now + self.interval_s
+        return True
+
+    def begin(self, batch: int, seq: int) -> Measurement | None:
+        """Before a chunk of ``batch`` texts padded to ``seq`` runs: its measurement, when it
+        runs alone and one is due (else None). Pair every call with ``end``."""
+        with self._lock:
+            self._running += 1
+            if self._measuring is not None:
+                self._measuring.spoiled = True  # two chunks share the peak now
+            if self._running != 1 or self.clock() < self._next_due:
+                return None
+            predicted = self.predict(batch, seq)
+            if predicted is None or not self._claim():
+                return None
+            m = self._measuring = Measurement(batch, seq, int(predicted))
+        m.baseline = memory.rss_bytes()
+        if not memory.reset_peak_rss():  # no clear_refs here: the peak cannot be isolated
+            m.spoiled = True
+        return m
+
+    def end(self, m: Measurement | None) -> None:
+        """After the chunk ran (or failed): record its measurement if it is clean."""
+        with self._lock:
+            self._running -= 1
+            if m is not None and self._measuring is m:
+                self._measuring = None
+        if m is None:
+            return
+        peak, after = memory.peak_rss_bytes(), memory.rss_bytes()
+        if m.spoiled or after - m.baseline > self.floor_bytes // 2:
+            with self._lock:
+                self.discarded += 1
+            return
+        self.record(AuditSample(m.batch, m.seq, m.predicted, max(0, peak - m.baseline)))
 
     def record(self, sample: AuditSample) -> None:
         """Count one measured chunk; warn and call ``on_breach`` when it broke the model."""
@@ -115,6 +175,6 @@ class WorkspaceAudit:
     def summary(self) -> dict[str, object]:
         """For the heartbeat and /health: samples, breaches, the last and the worst ratio."""
         with self._lock:
-            return {"samples": self.count, "breaches": self.breaches,
+            return {"samples": self.count, "discarded": self.discarded, "breaches": self.breaches,
                     "last_ratio": None if self.last is None else round(self.last.ratio, 3),
                     "max_ratio": None if self.worst is None else round(self.worst.ratio, 3)}
