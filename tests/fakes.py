@@ -143,6 +143,17 @@ class FakeService:
             "tuning": {"probe_status": "fake"},
         }
 
+    def refuse_now(self) -> None:
+        """Never full."""
+        return
+
+    async def deep_health(self, deadline_s: float | None = None) -> tuple[int, dict[str, Any]]:
+        """The deep check in the real shape: 200 ok, or 503 unless ``status`` is healthy."""
+        if self.status in ("ok", "warn", "idle"):
+            return 200, {"status": "ok", "ms": 0.5, "compared": "bitwise",
+                         "deadline_ms": round(1000 * (deadline_s or 5))}
+        return 503, {"status": "fail", "reason": f"the service is {self.status}"}
+
     def metrics(self) -> tuple[bytes, str]:
         """A minimal Prometheus exposition."""
         return (

@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from bgeserve.errors import EngineFailed
+from bgeserve.errors import EngineFailed, Overloaded
 from bgeserve.results import Embeddings
 from bgeserve.service.canary import DeepHealth, difference
 
@@ -59,7 +59,7 @@ def test_the_deep_check_answers_200_with_timings_or_503_with_the_reason() -> Non
     assert status == 200 and body["compared"] == "bitwise" and body["ms"] >= 0
     outputs[0] = _out([0.6, 0.800005])
     assert _check(health, solo=True)[0] == 503
-    assert _check(health)[0] == 200  # packed with others: fp32's tolerance
+    assert _check(health, solo=False)[0] == 200  # packed with others: fp32's tolerance
 
     async def failing() -> Embeddings:
         raise EngineFailed("session.run failed")
@@ -75,6 +75,25 @@ def test_the_deep_check_answers_200_with_timings_or_503_with_the_reason() -> Non
     health.embed = hanging
     status, body = _check(health)
     assert status == 503 and "longer than 0.2s" in body["reason"]
+    status, body = _check(health, deadline_s=0.05)
+    assert status == 503 and "longer than 0.05s" in body["reason"]
+
+
+def test_a_full_queue_is_busy_while_it_drains_and_dead_when_it_does_not() -> None:
+    """The canary refused by a full queue: 200 "busy" while chunks finish, 503 when none
+    finished lately (nothing takes work off the queue)."""
+    draining = [True]
+
+    async def refused() -> Embeddings:
+        raise Overloaded("queue full", retry_after=3)
+
+    health = DeepHealth(refused, fp32=True, busy=lambda: draining[0])
+    health.record(REF)
+    status, body = _check(health)
+    assert status == 200 and body["status"] == "busy"
+    draining[0] = False
+    status, body = _check(health)
+    assert status == 503 and "no chunk finished" in body["reason"]
 
 
 @pytest.mark.parametrize("fp32", [True, False])

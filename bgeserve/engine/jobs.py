@@ -34,6 +34,7 @@ class Job:
     done: bool = False
     submitted: float = 0.0
     served: int = 0  # the queue's turn when a chunk last took its texts (0: never)
+    solo: bool = False  # runs in chunks of its own, never packed with another job's texts
 
     def __post_init__(self) -> None:
         n = len(self.ids)

@@ -39,6 +39,7 @@ routes = [
     Route("/v1/embeddings:both", handlers.embed_endpoint(BOTH), methods=["POST"], name="both"),
     Route("/v1/models", handlers.models, methods=["GET"]),
     Route("/health", handlers.health, methods=["GET"]),
+    Route("/health/deep", handlers.deep_health, methods=["GET"]),
     Route("/metrics", handlers.metrics, methods=["GET"]),
     Route("/openapi.json", handlers.openapi, methods=["GET"]),
 ]
@@ -74,7 +75,9 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
         finally:
             await service.stop()
 
-    open_paths = {"/health"} if settings.metrics_auth else {"/health", "/metrics"}
+    open_paths = {"/health", "/health/deep"}  # probes, which carry no key
+    if not settings.metrics_auth:
+        open_paths.add("/metrics")
     middleware = [
         Middleware(RequestContext),
         # Outside the guards: an answer they send before the body is read still reaches

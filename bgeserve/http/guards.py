@@ -109,7 +109,8 @@ class BodyLimit:
             if complete:  # after the body only http.disconnect comes, whenever it does
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), self.idle_timeout)
+                async with asyncio.timeout(self.idle_timeout):  # no task per chunk (wait_for)
+                    message = await receive()
             except TimeoutError:
                 raise BodyTimeout(f"no byte of the request body arrived for "
                                   f"{self.idle_timeout:g}s; send the whole body at once") from None

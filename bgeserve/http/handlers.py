@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -16,6 +17,7 @@ import anyio.to_thread
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from bgeserve.errors import InvalidInput
 from bgeserve.http import contract
 from bgeserve.http.errors import ClientGone, UnsupportedMediaType
 from bgeserve.http.render import render_embeddings, render_json
@@ -89,6 +91,11 @@ def embed_endpoint(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response
 
     async def handle(request: Request) -> Response:
         state = request.state
+        # No room in the queue at all: 429 from the headers, before the body is read (the
+        # lingering close then drops it, linger.py).
+        refusal = state.service.refuse_now()
+        if refusal is not None:
+            raise refusal
         raw = await read_json_body(request)
         parsed = await _maybe_offload(
             len(raw) > OFFLOAD_BODY_BYTES,
@@ -120,6 +127,27 @@ async def health(request: Request) -> Response:
     report = request.state.service.health()
     status = 200 if report.get("status") in HEALTHY else 503
     return Response(render_json(report), status, media_type="application/json")
+
+
+DEEP_TIMEOUT_RANGE = (1.0, 60.0)  # seconds a caller may give the canary (?timeout=)
+
+
+async def deep_health(request: Request) -> Response:
+    """``GET /health/deep``: the canary through queue, session and heads; 200 with timings,
+    503 with the reason. ``?timeout=SECS`` (1-60) bounds it instead of the default 5 s."""
+    raw = request.query_params.get("timeout")
+    deadline = None
+    if raw is not None:
+        lo, hi = DEEP_TIMEOUT_RANGE
+        try:
+            deadline = float(raw)
+        except ValueError:
+            deadline = math.nan
+        if not lo <= deadline <= hi:  # nan fails too
+            raise InvalidInput(f"timeout must be a number of seconds in [{lo:g}, {hi:g}]",
+                               param="timeout")
+    status, body = await request.state.service.deep_health(deadline)
+    return Response(render_json(body), status, media_type="application/json")
 
 
 async def metrics(request: Request) -> Response:

@@ -25,7 +25,8 @@ def _check_readable(name: str, path: Any) -> None:
 
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """``ssl_*`` arguments for uvicorn; ``{}`` when no certificate is configured."""
-    cert, key, client_ca = settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file
+    cert, key = settings.tls_cert_file, settings.tls_key_file
+    client_ca = settings.tls_client_ca_file
     if cert is None:
         return {}
     _check_readable("BGE_M3_TLS_CERT_FILE", cert)

@@ -15,15 +15,27 @@ gone) cost nothing. The queue's own exact check still follows tokenizing.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
+from bgeserve.engine import normalize_inputs
 from bgeserve.errors import Overloaded
 
+if TYPE_CHECKING:
+    from bgeserve.engine import Engine, Inputs
+    from bgeserve.engine.jobs import Job
+    from bgeserve.results import EmbedOptions
+
+# The bound walks the texts (~2-3 ms for 96k characters, stopping once past the room): past
+# this many characters it runs on a thread of its own (never behind the tokenizing threads),
+# else on the event loop, where the next request already sees its reservation.
+BOUND_ON_LOOP_CHARS = 256 * 1024
 DRAIN_WINDOW_S = 10.0  # finished chunks younger than this measure the rate
 MIN_SPAN_S = 1.0  # a burst of chunks in 50 ms is not a rate of 20x their tokens per second
 MAX_RETRY_AFTER_S = 60.0
@@ -52,6 +64,12 @@ class DrainMeter:
     def _expire(self, now: float) -> None:
         while self._events and self._events[0][0] < now - self.window:
             self._total -= self._events.popleft()[1]
+
+    def recent(self) -> bool:
+        """Whether a chunk finished within the window (the queue is draining)."""
+        with self._lock:
+            self._expire(self.clock())
+            return bool(self._events)
 
     def rate(self) -> float:
         """Tokens per second; the last measured rate when nothing finished lately (0.0 until
@@ -107,17 +125,121 @@ class AdmissionGate:
             room, busy = self.room(), self.reserved or self.queued()
         return self.refusal(1, room) if busy and room <= 0 else None
 
-    @contextmanager
-    def reserve(self, bound: int) -> Iterator[None]:
-        """Hold ``bound`` tokens of room while the block runs (tokenizing, submitting);
-        raises ``Overloaded`` if they are not there."""
+    def reserve(self, bound: int) -> None:
+        """Hold ``bound`` tokens of room (while tokenizing, until the exact tokens are
+        queued; ``release`` them then); raises ``Overloaded`` if they are not there."""
         with self._lock:
             room, busy = self.room(), self.reserved or self.queued()
             if busy and bound > room:
                 raise self.refusal(bound, room)
             self.reserved += bound
+
+    def release(self, bound: int) -> None:
+        with self._lock:
+            self.reserved -= bound
+
+
+class Admission:
+    """A request's way into the engine's queue: the gate, a tokenizing slot, the submission.
+
+    ``slots`` requests tokenize at once (more than the cores only adds memory, each holding its
+    encodings, never speed). ``refused`` counts the 429s decided here (the scheduler counts
+    its own).
+    """
+
+    def __init__(self, engine: Engine, max_queue_tokens: int, drain: DrainMeter,
+                 slots: int) -> None:
+        self.engine = engine
+        self.gate = AdmissionGate(max_queue_tokens, engine.queued_tokens, drain)
+        self.refused = 0
+        self._lock = threading.Lock()
+        self._slots = slots
+        self._tokenizing: asyncio.Semaphore | None = None  # made on the loop that serves
+        self._bounds = ThreadPoolExecutor(1, thread_name_prefix="bgeserve-admission")
+
+    def lower_bound(self, inputs: Inputs, stop_above: int) -> int:
+        """Tokens ``inputs`` give at least (words, capped at max_seq per text; token ids
+        count as they are), counted until past ``stop_above``."""
+        texts, ids = normalize_inputs(inputs)
+        tokenizer = self.engine.tokenizer
+        if texts is not None:
+            return tokenizer.min_tokens(texts, stop_above=stop_above)
+        return sum(min(len(x) + 2, tokenizer.max_seq) for x in ids or ())
+
+    def refuse_now(self) -> Overloaded | None:
+        """The refusal when no request can be admitted now, whatever its size (counted)."""
+        refusal = self.gate.full()
+        return None if refusal is None else self._refuse(refusal)
+
+    def _admit(self, inputs: Inputs) -> int:
+        """Reserve a lower bound of ``inputs``' tokens against the room as it is now; the
+        bound, or Overloaded. Requests larger than BOUND_ON_LOOP_CHARS run this one after
+        another on the admission thread, so each sees the reservations of those before it
+        (and, refused, costs a text's walk at most: the bound stops past the room)."""
+        refusal = self.gate.full()
+        if refusal is not None:
+            raise self._refuse(refusal)
+        bound = self.lower_bound(inputs, max(0, self.gate.room()))
         try:
-            yield
+            self.gate.reserve(bound)
+        except Overloaded as exc:
+            raise self._refuse(exc) from None
+        return bound
+
+    async def _reserve(self, inputs: Inputs) -> int:
+        texts, _ = normalize_inputs(inputs)
+        if texts is None or sum(map(len, texts)) <= BOUND_ON_LOOP_CHARS:
+            return self._admit(inputs)
+        refusal = self.gate.full()  # no need to wait for the thread to know that
+        if refusal is not None:
+            raise self._refuse(refusal)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._bounds, self._admit, inputs)
+
+    def _refuse(self, refusal: Overloaded) -> Overloaded:
+        with self._lock:
+            self.refused += 1
+        return refusal
+
+    async def submit(self, inputs: Inputs, options: EmbedOptions, request_id: str,
+                     arrived: float) -> tuple[Job, Future]:
+        """Admit, tokenize and queue a request; its job and the future of its result.
+
+        Raises Overloaded (a 429, its Retry-After from the drain rate) at once when a lower
+        bound of its tokens does not fit beside what is queued and being tokenized, or after
+        tokenizing when its exact tokens do not fit the queue.
+        """
+        bound = await self._reserve(inputs)
+        try:
+            job = await self._tokenize(inputs, options, request_id, arrived)
+            try:
+                future = self.engine.submit(job)
+            except Overloaded as exc:  # the exact check: the retry comes from the drain rate
+                tokens = sum(len(x) for x in job.ids)
+                needed = tokens - self.gate.room() - bound  # this request's own reservation
+                raise Overloaded(exc.message,  # counted by the scheduler
+                                 retry_after=self.gate.retry_after(needed)) from None
         finally:
-            with self._lock:
-                self.reserved -= bound
+            self.gate.release(bound)
+        return job, future
+
+    async def _tokenize(self, inputs: Inputs, options: EmbedOptions, request_id: str,
+                        arrived: float) -> Job:
+        if self._tokenizing is None:
+            self._tokenizing = asyncio.Semaphore(self._slots)
+        async with self._tokenizing:
+            work = asyncio.ensure_future(asyncio.to_thread(
+                self.engine.make_job, inputs, options, request_id, arrived))
+            try:
+                return await asyncio.shield(work)
+            except asyncio.CancelledError:
+                # The caller left (client gone), but the thread tokenizes on: its slot, its
+                # reservation and the body allowance the HTTP layer holds until this returns
+                # stay taken until it ends.
+                await asyncio.wait({work})
+                if not work.cancelled():
+                    work.exception()  # retrieved: its error has no one to go to
+                raise
+
+    def close(self) -> None:
+        self._bounds.shutdown(wait=False)

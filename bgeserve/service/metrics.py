@@ -15,7 +15,11 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
 from bgeserve.tuning import memory
 
@@ -108,6 +112,8 @@ class _StateCollector:
             yield GaugeMetricFamily("bgeserve_queue_tokens", "Tokens waiting",
                                     value=stats["queue_tokens"])
             counters = engine.counters
+            # 429s decided before tokenizing are the admission's, not the scheduler's.
+            extra = {"rejected": getattr(service, "rejected_at_admission", 0)}
             for name, key, doc in (
                 ("bgeserve_rejected_requests", "rejected", "Requests answered 429 (queue full)"),
                 ("bgeserve_cancelled_texts", "cancelled_texts",
@@ -117,7 +123,10 @@ class _StateCollector:
                  ("Worker threads restarted after dying, or sessions reopened after a runtime "
                   "error")),
             ):
-                yield CounterMetricFamily(name, doc, value=counters.get(key, 0))
+                yield CounterMetricFamily(name, doc, value=counters.get(key, 0) + extra.get(key, 0))
+        audit = getattr(service, "audit", None)
+        if audit is not None:
+            yield from _audit_families(audit)
         tuner = getattr(service, "tuner", None)
         if tuner is not None:
             s = tuner.state
@@ -135,3 +144,21 @@ class _StateCollector:
             yield GaugeMetricFamily("bgeserve_model_rss_bytes_per_worker",
                                     "Measured RSS per loaded session",
                                     value=s.model_rss_bytes_per_worker)
+
+
+def _audit_families(audit: Any) -> Any:
+    """Sampled chunks' measured workspace against the cost model (``tuning.audit``)."""
+    buckets, total = audit.histogram()
+    yield HistogramMetricFamily(
+        "bgeserve_workspace_ratio", "Measured / predicted workspace of sampled chunks",
+        buckets=buckets, sum_value=total)
+    last = audit.last
+    yield GaugeMetricFamily("bgeserve_workspace_predicted_bytes",
+                            "The cost model's workspace for the last sampled chunk",
+                            value=0 if last is None else last.predicted_bytes)
+    yield GaugeMetricFamily("bgeserve_workspace_measured_bytes",
+                            "Measured peak RSS growth of the last sampled chunk",
+                            value=0 if last is None else last.measured_bytes)
+    yield CounterMetricFamily("bgeserve_workspace_breaches",
+                              "Sampled chunks over their prediction past the tolerance",
+                              value=audit.breaches)
