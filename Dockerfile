@@ -13,6 +13,7 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY openapi.yaml ./
 COPY bgeserve ./bgeserve
 # The README's install, without -e: the serving dependencies only (no torch, no extras).
 RUN pip install .

@@ -33,6 +33,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from bgeserve.config import Settings
     from bgeserve.errors import BgeServeError
+    from bgeserve.http import tls
     from bgeserve.http.app import create_app
     from bgeserve.logs import setup_logging
     from bgeserve.service import Service, plan
@@ -53,6 +54,11 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     if settings.max_inflight_mb is None:
         settings = dataclasses.replace(settings, max_inflight_mb=inflight_mb(settings))
+    try:
+        ssl_options = tls.uvicorn_options(settings)  # HTTPS when BGE_M3_TLS_CERT_FILE is set
+    except BgeServeError as exc:
+        print(f"bgeserve: {exc}", file=sys.stderr)
+        return 2
     log.info("bgeserve starting", extra={"settings": settings.redacted()})
     if settings.warmup_only:
         from bgeserve.service.warmup import run as warmup
@@ -75,7 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=host.strip("[]"), port=int(port), log_config=None,
                             # uvicorn types it int | None; it waits a float as well.
                             timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
-                            lifespan="on")
+                            lifespan="on", **ssl_options)
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
@@ -90,8 +96,17 @@ def _serve(args: argparse.Namespace) -> int:
         # would die of it (exit -15) after a clean drain. Here it only asks for the exit.
         server.should_exit = True
 
+    def on_hangup(sig: int, frame: object) -> None:
+        # Settings are read once, so there is nothing to reload in place; SIGHUP's default
+        # action would kill the process mid-request. It drains and exits 0 like SIGTERM, for
+        # a supervisor to start bgeserve again with the new environment.
+        log.warning("SIGHUP: settings are read once at start; draining and exiting (exit 0) "
+                    "so that the supervisor starts bgeserve again with the new ones")
+        server.should_exit = True
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
     server.run()
     code = 3 if service.fatal_error is not None else 0
     _leave_if_runs_remain(code)

@@ -187,6 +187,13 @@ class Settings:
                                      "comma-separated bearer keys; empty = no auth")
     metrics_auth: bool = _var("BGE_M3_METRICS_AUTH", _bool, False,
                               "require the API key on /metrics too")
+    tls_cert_file: Path | None = _var("BGE_M3_TLS_CERT_FILE", _path, None,
+                                      "PEM certificate (chain): serve HTTPS")
+    tls_key_file: Path | None = _var("BGE_M3_TLS_KEY_FILE", _path, None,
+                                     "PEM private key of the certificate (unset: in that file)")
+    tls_client_ca_file: Path | None = _var("BGE_M3_TLS_CLIENT_CA_FILE", _path, None,
+                                           "PEM CA certificates: require client certificates "
+                                           "they signed (mutual TLS)")
     # serving
     batch_delay_ms: float = _var("BGE_M3_BATCH_DELAY_MS", _number(float, 0.0, 10_000.0), 0.0,
                                  "coalescing window after the first arrival")
@@ -278,6 +285,11 @@ class Settings:
                 "BGE_M3_COST_MODEL_A and BGE_M3_COST_MODEL_B must be set together",
                 param="BGE_M3_COST_MODEL_A" if self.cost_model_a is None else "BGE_M3_COST_MODEL_B",
             )
+        for path, name in ((self.tls_key_file, "BGE_M3_TLS_KEY_FILE"),
+                           (self.tls_client_ca_file, "BGE_M3_TLS_CLIENT_CA_FILE")):
+            if path is not None and self.tls_cert_file is None:
+                raise ConfigError(f"{name} needs BGE_M3_TLS_CERT_FILE (the server's certificate)",
+                                  param=name)
         if self.onnx_batch_size is not None:
             warnings.warn(
                 "BGE_M3_ONNX_BATCH_SIZE is deprecated; it is translated to BGE_M3_TOKEN_BUDGET "

@@ -148,6 +148,10 @@ class FakeService:
         """bge-m3's width."""
         return HIDDEN
 
+    def vocab_size(self) -> int:
+        """bge-m3's vocabulary size."""
+        return VOCAB
+
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """``"w<id mod 1000>"``: distinct ids can collide, as sub-word strings do."""
         return [f"w{int(i) % 1000}" for i in ids]
@@ -199,6 +203,17 @@ class FakeService:
             "model": {"name": self.model_name, "variant": "fake"},
             "tuning": {"probe_status": "disabled"},
         }
+
+    def refuse_now(self) -> None:
+        """Never full."""
+        return
+
+    async def deep_health(self, deadline_s: float | None = None) -> tuple[int, dict[str, Any]]:
+        """The deep check in the real shape: 200 ok, or 503 unless ``status`` is healthy."""
+        if self.status in ("ok", "warn", "idle"):
+            return 200, {"status": "ok", "ms": 0.5, "compared": "bitwise",
+                         "deadline_ms": round(1000 * (deadline_s or 5))}
+        return 503, {"status": "fail", "reason": f"the service is {self.status}"}
 
     def metrics(self) -> tuple[bytes, str]:
         """A minimal Prometheus exposition."""

@@ -124,6 +124,9 @@ PARSED = [
     ("BGE_M3_API_KEY", "k1,k2", "api_keys", ("k1", "k2")),
     ("BGE_M3_API_KEY", "", "api_keys", ()),
     ("BGE_M3_METRICS_AUTH", "TRUE", "metrics_auth", True),
+    ("BGE_M3_TLS_CERT_FILE", "/tls/cert.pem", "tls_cert_file", Path("/tls/cert.pem")),
+    ("BGE_M3_TLS_KEY_FILE", "/tls/key.pem", "tls_key_file", Path("/tls/key.pem")),
+    ("BGE_M3_TLS_CLIENT_CA_FILE", "/tls/ca.pem", "tls_client_ca_file", Path("/tls/ca.pem")),
     ("BGE_M3_BATCH_DELAY_MS", "2.5", "batch_delay_ms", 2.5),
     ("BGE_M3_MAX_QUEUE_TOKENS", "100", "max_queue_tokens", 100),
     ("BGE_M3_CACHE_MB", "0", "cache_mb", 0),
@@ -148,10 +151,15 @@ PARSED = [
 ]
 
 
+# Variables that are only valid beside another one.
+COMPANIONS = {"BGE_M3_TLS_KEY_FILE": {"BGE_M3_TLS_CERT_FILE": "/tls/cert.pem"},
+              "BGE_M3_TLS_CLIENT_CA_FILE": {"BGE_M3_TLS_CERT_FILE": "/tls/cert.pem"}}
+
+
 @pytest.mark.parametrize("var, raw, name, value", PARSED)
 def test_each_variable_is_parsed(var, raw, name, value):
     """Each variable is read, stripped, cast and stored on its field."""
-    assert getattr(Settings.from_env({var: raw}), name) == value
+    assert getattr(Settings.from_env({var: raw, **COMPANIONS.get(var, {})}), name) == value
 
 
 def test_the_parsing_table_covers_every_variable():

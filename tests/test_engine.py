@@ -11,7 +11,7 @@ import pytest
 
 from bgeserve.engine import Engine, EngineConfig
 from bgeserve.engine.scheduler import SchedulerConfig
-from bgeserve.errors import NotReady, Overloaded, TooLarge
+from bgeserve.errors import NotReady, TooLarge
 from bgeserve.results import EmbedOptions
 from bgeserve.tuning.costmodel import CostModel
 
@@ -33,33 +33,6 @@ def test_explicit_cost_model_refuses_what_cannot_fit(tiny_export: Path, tmp_path
         with pytest.raises(TooLarge, match="BGE_M3_MAX_SEQ_LENGTH") as info:
             engine.embed(["ok", "word " * 200])
         assert info.value.param == "input[1]"
-
-
-def test_refuse_early_rejects_without_tokenizing_near_a_full_queue(
-        tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under a flood, a request whose token lower bound cannot fit is refused before it is
-    tokenized; one that may fit goes on to the exact check; with room to spare nothing is
-    walked at all."""
-    config = EngineConfig(max_seq=512, scheduler=SchedulerConfig(
-        max_queue_tokens=100, batch_delay_s=30.0))  # the queued job waits out the window
-    with Engine(tiny_export, "fp32", cache_dir=tmp_path, config=config) as engine:
-        walked: list[int] = []
-        real_bound = engine.tokenizer.min_tokens
-        monkeypatch.setattr(engine.tokenizer, "min_tokens",
-                            lambda texts, **kw: walked.append(len(texts)) or real_bound(texts, **kw))
-        engine.refuse_early(["word " * 500])
-        assert walked == []  # the queue is empty: no bound computed
-        queued = engine.make_job(["word " * 30], EmbedOptions())
-        engine.submit(queued)
-        waiting = engine.stats()["queue_tokens"]
-        assert 50 <= waiting <= 100  # under half the queue left: the bound is worth walking
-        monkeypatch.setattr(engine.tokenizer, "encode", lambda texts: pytest.fail("tokenized"))
-        with pytest.raises(Overloaded, match="BGE_M3_MAX_QUEUE_TOKENS"):
-            engine.refuse_early(["word " * 200])
-        with pytest.raises(Overloaded):
-            engine.refuse_early([[5] * 200])  # token ids: their count is the bound
-        engine.refuse_early(["a b"])  # fits: left to the exact check after tokenizing
-        assert walked == [1, 1]
 
 
 def test_colbert_output_over_the_cap_is_refused_before_running(tiny_export: Path,

@@ -486,9 +486,11 @@ def _scope(headers: list[tuple[bytes, bytes]], fake: FakeService, settings: Sett
     }
 
 
-def _drive(app: Any, scope: dict, chunks: Iterator[bytes]) -> tuple[int, dict, int]:
-    """Run one request through the ASGI app; returns status, body and chunks pulled."""
+def _drive(app: Any, scope: dict, chunks: Iterator[bytes]) -> tuple[int, dict, int, int]:
+    """Run one request through the ASGI app; returns status, body, the chunks pulled when
+    the answer started and the chunks pulled in all (lingering close reads on, linger.py)."""
     pulled = 0
+    answered_at = -1
     sent: list[dict] = []
 
     async def receive() -> dict:
@@ -501,17 +503,22 @@ def _drive(app: Any, scope: dict, chunks: Iterator[bytes]) -> tuple[int, dict, i
         return {"type": "http.request", "body": chunk, "more_body": True}
 
     async def send(message: dict) -> None:
+        nonlocal answered_at
+        if message["type"] == "http.response.start":
+            answered_at = pulled
         sent.append(message)
 
     anyio.run(app, scope, receive, send)
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return status, orjson.loads(body), pulled
+    return status, orjson.loads(body), answered_at, pulled
 
 
 @pytest.mark.parametrize("declared", [False, True])
 def test_body_limit_while_streaming(declared: bool) -> None:
-    """A 40 MiB body is cut off as soon as the running total passes the limit."""
+    """A 40 MiB body is answered 413 as soon as the running total passes the limit (from the
+    declared length, before a byte is read); the rest is then read and dropped, up to twice
+    the limit, so that a client writing it all before reading gets the answer."""
     settings = Settings()
     fake = FakeService(settings=settings)
     app = create_app(settings, lambda _: fake)
@@ -519,10 +526,13 @@ def test_body_limit_while_streaming(declared: bool) -> None:
     headers = [(b"content-type", b"application/json")]
     if declared:
         headers.append((b"content-length", str(40 * mib).encode()))
+    else:
+        headers.append((b"transfer-encoding", b"chunked"))
     scope = _scope(headers, fake, settings)
-    status, body, pulled = _drive(app, scope, (b" " * mib for _ in range(40)))
+    status, body, answered_at, pulled = _drive(app, scope, (b" " * mib for _ in range(40)))
     assert status == 413 and body["error"]["code"] == "payload_too_large"
-    assert pulled == (0 if declared else settings.max_body_bytes // mib + 1)
+    assert answered_at == (0 if declared else settings.max_body_bytes // mib + 1)
+    assert pulled == 40  # within the 64 MiB lingering bound: read to its end
     assert fake.calls == []
 
 

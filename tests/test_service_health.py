@@ -134,8 +134,9 @@ def test_health_reports_a_worker_waiting_to_restart(monkeypatch: pytest.MonkeyPa
 
 def test_a_cancelled_request_holds_its_tokenizing_slot_until_its_thread_ends() -> None:
     """A client that leaves mid-tokenizing cancels its request, but the tokenizer thread runs
-    on: the request returns (and so gives back its slot, and the HTTP layer its body
-    allowance) only once the thread is done; it never submits the job."""
+    on: the request returns (and so gives back its slot, its reserved room in the queue, and
+    the HTTP layer its body allowance) only once the thread is done; it never submits the
+    job."""
     import asyncio
     import threading
     import time
@@ -152,16 +153,23 @@ def test_a_cancelled_request_holds_its_tokenizing_slot_until_its_thread_ends() -
         events.append("tokenized")
         return SimpleNamespace(deadline=None)
 
+    from bgeserve.service.admission import Admission, DrainMeter
+
     service = ready_service(dict)
     service.engine = SimpleNamespace(  # type: ignore[assignment]
-        queue_nearly_full=lambda: False, make_job=make_job,
-        await_job=lambda job: pytest.fail("a cancelled request submitted its job"))
+        queued_tokens=lambda: 0, make_job=make_job,
+        tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 3, max_seq=512),
+        submit=lambda job: pytest.fail("a cancelled request submitted its job"))
+    service.admission = admission = Admission(service.engine, 1000,  # type: ignore[arg-type]
+                                              DrainMeter(), slots=2)
 
     async def main() -> None:
         # Past INLINE_TOKENIZE_CHARS: a request small enough is tokenized on the loop.
         task = asyncio.ensure_future(service.embed(["x" * 1000], EmbedOptions()))
         while not events:
+            assert not task.done(), task  # it must reach the tokenizer, not fail before
             await asyncio.sleep(0.01)
+        assert admission.gate.reserved == 3  # its lower bound holds room meanwhile
         task.cancel()
         await asyncio.sleep(0.05)
         assert not task.done()  # still waiting for its thread
@@ -169,7 +177,8 @@ def test_a_cancelled_request_holds_its_tokenizing_slot_until_its_thread_ends() -
         with pytest.raises(asyncio.CancelledError):
             await task
         events.append("returned")
-        assert service._tokenizing is not None and not service._tokenizing.locked()
+        assert admission._tokenizing is not None and not admission._tokenizing.locked()
+        assert admission.gate.reserved == 0
 
     asyncio.run(main())
     assert events == ["tokenizing", "tokenized", "returned"]

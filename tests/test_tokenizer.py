@@ -169,7 +169,8 @@ def test_min_tokens_is_a_lower_bound_of_encode():
     """The cheap bound the overload check uses never exceeds the real count: words the
     vocabulary lacks, punctuation-only words, spacing, unicode, truncation."""
     texts = ["hello world", "the  cat sat", "zzzz qqq", "!!! ... hello", "", "   ",
-             "日本語 text", "a\u200bb c", "tab\tseparated words", words(40)]
+             "日本語 text", "a\u200bb c", "tab\tseparated words", words(40),
+             "cat. sat.. on... mat", "the cat.", " hello ", "_ _ cat_", "héllo wörld ñ"]
     for max_seq in (4, 16, 512):
         tok = make(max_seq)
         for text in texts:
@@ -432,3 +433,30 @@ def test_encode_left_keeps_the_last_tokens():
     short, long = tok.encode_left([words(3), words(9)])
     assert short.tolist() == [CLS_ID, *content_ids(3), EOS_ID]
     assert long.tolist() == [CLS_ID, *content_ids(9)[-3:], EOS_ID]
+
+
+def test_min_tokens_stops_once_past_the_question():
+    """With ``stop_above`` the word walk looks at no more words than could pass it (the caller
+    only asks "more than?"), and what it returns is still a lower bound."""
+    tok = make(512)
+    long = " ".join(["wörldö"] * 400)  # no word ends in ASCII: the quick bound cannot answer
+    real = int(tok.encode([long]).lengths[0])
+    for stop in (0, 5, 50, 1000):
+        bound = tok.min_tokens([long, long], stop_above=stop)
+        assert bound <= 2 * real
+        assert bound > stop or bound == tok.min_tokens([long, long])
+    assert tok.min_tokens([long], stop_above=5) <= 8  # six words looked at, plus <s> </s>
+
+
+def test_the_quick_bound_answers_without_walking_the_words(monkeypatch: pytest.MonkeyPatch):
+    """Words ending in an ASCII letter or digit (or in one and one more character) are
+    counted in one pass in C: enough to say "more than stop_above" for a flood's texts without
+    the word walk, and never more than the walk's count."""
+    tok = make(512)
+    texts = [words(300), "the cat. sat, on the mat!", "日本語 text"]
+    walked = tok.min_tokens(texts)
+    monkeypatch.setattr(tok, "_walk_bound", lambda *a: pytest.fail("walked the words"))
+    assert tok.min_tokens(texts, stop_above=250) == 302  # the first text decides it
+    assert tok._quick_bound(texts, None) == walked - 1 == 302 + 8 + 3  # not 日本語
+    monkeypatch.undo()
+    assert tok._quick_bound(["ñö ñú"], None) == 2 < tok.min_tokens(["ñö ñú"]) == 4

@@ -33,6 +33,7 @@ from bgeserve.model.artifacts import ModelArtifacts, resolve
 from bgeserve.results import Embeddings, EmbedOptions, RerankOptions, RerankResult
 from bgeserve.runtime.session import SessionConfig
 from bgeserve.tuning import memory
+from bgeserve.tuning.audit import WorkspaceAudit
 from bgeserve.tuning.budget import budget
 from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
 
@@ -173,6 +174,10 @@ class Engine:
         """Swap the cost model (atomic: the next chunk uses it)."""
         self._scheduler.packer.set_cost(cost)
 
+    def set_audit(self, audit: WorkspaceAudit | None) -> None:
+        """Measure sampled chunks against the cost model (``tuning.audit``) from now on."""
+        self._scheduler.audit = audit
+
     def set_max_chunk_tokens(self, tokens: int) -> None:
         """Change the padded tokens per run (the probe's timing may choose another budget)."""
         self._scheduler.packer.set_chunk_tokens(tokens)
@@ -220,38 +225,20 @@ class Engine:
                     f"{cost.max_seq()} tokens). Lower BGE_M3_MAX_SEQ_LENGTH, reduce "
                     "BGE_M3_WORKERS, or give the server more memory", param=f"input[{i}]")
 
-    def queue_nearly_full(self) -> bool:
-        """Less than half the queue's room is left: ``refuse_early`` is worth its walk."""
-        return self._nearly_full(self._scheduler.room())
-
-    def _nearly_full(self, room: int) -> bool:
-        return room <= self._scheduler.config.max_queue_tokens // 2
-
-    def refuse_early(self, inputs: Inputs) -> None:
-        """Raise Overloaded before tokenizing ``inputs`` when even a lower bound of their
-        tokens would overflow the queue. Only worth it near the limit (the bound walks the
-        texts), so a caller with room to spare skips it: under a flood, refusals then cost no
-        tokenizing, which competes with the sessions for the CPU."""
-        room = self._scheduler.room()
-        if not self._nearly_full(room):
-            return
-        texts, ids = normalize_inputs(inputs)
-        bound = (self.tokenizer.min_tokens(texts, stop_above=room) if texts is not None
-                 else sum(min(len(x), self.tokenizer.max_seq) for x in ids or ()))
-        self._scheduler.check_room(bound)
-
     def make_job(self, inputs: Inputs, options: EmbedOptions, request_id: str = "",
-                 arrived: float | None = None) -> Job:
+                 arrived: float | None = None, *, solo: bool = False,
+                 timed: bool = True) -> Job:
         """Tokenize and admit ``inputs``; the returned job is ready to submit. Its deadline
         (``request_timeout_s``) counts from ``arrived`` (monotonic; default now), so the time
-        spent tokenizing counts too."""
+        spent tokenizing counts too; ``timed=False``: none (the server's own start-up and
+        canary jobs). ``solo``: its texts run in chunks of their own."""
         start = time.monotonic() if arrived is None else arrived
         encoded = self.encode_inputs(inputs)
         self.admit(encoded, options.truncate, options.colbert)
-        timeout = self.config.request_timeout_s
+        timeout = self.config.request_timeout_s if timed else None
         deadline = start + timeout if timeout else None
-        job = Job(encoded.ids, encoded.truncated, options, deadline, request_id)
-        if self.cache is not None:
+        job = Job(encoded.ids, encoded.truncated, options, deadline, request_id, solo=solo)
+        if self.cache is not None and not solo:  # a canary (solo) must run, never be a hit
             job.reuse(self.cache)
         return job
 
@@ -310,9 +297,10 @@ class Engine:
         return await arerank_m3(self, query, documents, RerankOptions(
             mode=mode, weights=weights, long_documents=long_documents))
 
-    async def await_job(self, job: Job) -> Embeddings:
-        """Submit ``job`` and wait for it; a cancelled waiter drops the job's pending texts."""
-        future = self.submit(job)
+    async def await_job(self, job: Job, future: Future | None = None) -> Embeddings:
+        """Submit ``job`` (unless ``future``, its submission, is given) and wait for it; a
+        cancelled waiter drops the job's pending texts."""
+        future = self.submit(job) if future is None else future
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -320,6 +308,10 @@ class Engine:
             raise
 
     # -- state -----------------------------------------------------------------------------
+    def queued_tokens(self) -> int:
+        """Tokens waiting in the queue now (cheap: no lock, no other counts)."""
+        return self._scheduler.queued_tokens()
+
     def stats(self) -> dict[str, int]:
         """Workers (total / live / loaded / busy) and the queue (texts, tokens)."""
         return self._scheduler.stats()

@@ -41,6 +41,7 @@ class Job:
     todo: list[int] | None = None
     repeats: dict[int, list[int]] = field(default_factory=dict)  # index -> its later copies
     cache: EmbeddingCache | None = None  # where each computed text is stored
+    solo: bool = False  # runs in chunks of its own, never packed with another job's texts
 
     def __post_init__(self) -> None:
         n = len(self.ids)

@@ -35,6 +35,7 @@ from bgeserve.errors import (
     Overloaded,
     TooLarge,
 )
+from bgeserve.tuning.audit import WorkspaceAudit
 
 log = logging.getLogger("bgeserve.scheduler")
 
@@ -103,6 +104,7 @@ class Scheduler(Workers):
         self._open_failed = [False] * n
         self._deaths = [0] * n
         self.counters = collections.Counter()
+        self.audit: WorkspaceAudit | None = None  # sampled chunks against the cost model
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self, preload: bool = True) -> None:
@@ -163,6 +165,10 @@ class Scheduler(Workers):
         """Tokens the queue may still take."""
         with self._cond:
             return self.config.max_queue_tokens - self._pending.tokens
+
+    def queued_tokens(self) -> int:
+        """Tokens waiting now (one int read, no lock: admission asks it for every request)."""
+        return self._pending.tokens
 
     def check_room(self, tokens: int) -> None:
         """Raise Overloaded now if ``tokens`` more would not fit the queue (a caller with a
@@ -299,6 +305,8 @@ class Scheduler(Workers):
             pad_to = self.packer.pad_length(len(pieces), max(p.length for p in pieces))
         ids, mask = pad_chunk([p.job.ids[p.index] for p in pieces], pad_to)
         opts = [p.job.options for p in taking]  # a twin's outputs are computed for it too
+        audit = self.audit
+        measure = None if audit is None else audit.begin(len(pieces), pad_to)
         started = time.perf_counter()
         try:
             out = fwd.run(ids, mask, dense=any(o.dense for o in opts),
@@ -324,6 +332,9 @@ class Scheduler(Workers):
             for p in taking:
                 self._fail(p.job, exc)
             return
+        finally:
+            if audit is not None:
+                audit.end(measure)
         seconds = time.perf_counter() - started
         self._deaths[w] = 0  # it works again: the next death starts the backoff afresh
         self._on_chunk(ChunkStats(w, len(pieces), pad_to, sum(p.length for p in pieces),

@@ -9,6 +9,7 @@ what FlagEmbedding's ``tokenizer(..., truncation=True, max_length=max_seq)`` pro
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import re
 from collections.abc import Sequence
@@ -27,6 +28,10 @@ from bgeserve.vocab import CLS_ID, EOS_ID
 GROUP_CHARS = 1 << 18
 CUT_CHARS_PER_TOKEN = 8
 _WORD_CHAR = re.compile(r"[^\W_]")  # a letter or digit: no normalizer maps it to nothing
+# UTF-8 bytes to classes for the quick bound: "a" an ASCII letter or digit, " " a space, "."
+# anything else (non-ASCII bytes included: the quick bound never counts what it cannot tell).
+_CLASSES = bytes(0x61 if b < 0x80 and chr(b).isalnum() else 0x20 if b == 0x20 else 0x2E
+                 for b in range(256))
 _WORD_SPLITTERS = {"WhitespaceSplit", "Whitespace", "BertPreTokenizer"}
 
 
@@ -175,12 +180,40 @@ class Tokenizer:
         """
         if not self._word_bound:
             return 2 * len(texts)
+        # The quick bound first (a pass in C per text: ~50 us for 12k characters); the word
+        # walk (~1 ms) only when the quick one cannot say "more than stop_above" by itself.
+        quick = self._quick_bound(texts, stop_above)
+        if stop_above is not None and quick > stop_above:
+            return quick
+        return max(quick, self._walk_bound(texts, stop_above))
+
+    def _quick_bound(self, texts: Sequence[str], stop_above: int | None) -> int:
+        """Words ending in an ASCII letter or digit, or in one and one other character (each
+        holds a letter or digit, so each is a word ``_walk_bound`` counts too), per text."""
         total = 0
         for t in texts:
-            # At most max_seq words of a text are looked at (its bound is capped there), and
-            # none once the total passes ``stop_above`` (the caller only asks "more than?").
-            words = t.split(" ", self.max_seq)[:self.max_seq]
-            total += min(self.max_seq, 2 + sum(1 for w in words if _WORD_CHAR.search(w)))
+            b = t.encode("utf-8", "surrogatepass").translate(_CLASSES)
+            # "a " ends one word, "a. " another: neither can overlap the other or itself.
+            n = b.count(b"a ") + b.count(b"a. ") + b.endswith((b"a", b"a."))
+            total += min(self.max_seq, 2 + n)
+            if stop_above is not None and total > stop_above:
+                break
+        return total
+
+    def _walk_bound(self, texts: Sequence[str], stop_above: int | None) -> int:
+        """Space-separated words holding a letter or digit (any script), per text."""
+        total = 0
+        for t in texts:
+            # At most max_seq words of a text are looked at (its bound is capped there), no
+            # more than could take the total past ``stop_above`` (the caller only asks "more
+            # than?"; a prefix's count is still a lower bound), and none once it is past.
+            limit = self.max_seq if stop_above is None else \
+                max(1, min(self.max_seq, stop_above - total + 1))
+            words = t.split(" ", limit)[:limit]
+            # str.isalnum (all letters or digits) in C first; the regex only for the rest.
+            rest = list(itertools.filterfalse(str.isalnum, words))
+            counted = len(words) - len(rest) + len(list(filter(_WORD_CHAR.search, rest)))
+            total += min(self.max_seq, 2 + counted)
             if stop_above is not None and total > stop_above:
                 break
         return total

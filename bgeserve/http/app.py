@@ -15,10 +15,11 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from bgeserve.config import Settings
-from bgeserve.http import guards, handlers, rerank, tei
+from bgeserve.http import guards, handlers, linger, rerank, tei
 from bgeserve.http.context import RequestContext
 from bgeserve.http.errors import EXCEPTION_HANDLERS, ErrorStyle
 from bgeserve.http.guards import BearerAuth, BodyLimit, InflightLimit
+from bgeserve.http.linger import LingeringClose
 from bgeserve.http.schemas import BOTH, DENSE, SPARSE
 
 if TYPE_CHECKING:
@@ -43,7 +44,9 @@ openai_routes = [
     Route("/v1/models", handlers.models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", handlers.model, methods=["GET"]),
     Route("/health", handlers.health, methods=["GET"]),
+    Route("/health/deep", handlers.deep_health, methods=["GET"]),
     Route("/metrics", handlers.metrics, methods=["GET"]),
+    Route("/openapi.json", handlers.openapi, methods=["GET"]),
 ]
 # text-embeddings-inference's API: TEI's shapes, and TEI's error shape and statuses for every
 # error on these paths (errors.ErrorStyle). A TEI-style route is added here.
@@ -96,9 +99,15 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
         finally:
             await service.stop()
 
-    open_paths = {"/health"} if settings.metrics_auth else {"/health", "/metrics"}
+    open_paths = {"/health", "/health/deep"}  # probes, which carry no key
+    if not settings.metrics_auth:
+        open_paths.add("/metrics")
     middleware = [
         Middleware(RequestContext),
+        # Outside the guards: an answer they send before the body is read still reaches
+        # clients that write the whole body first (linger.py).
+        Middleware(LingeringClose, max_bytes=linger.LINGER_BODY_FACTOR * settings.max_body_bytes,
+                   max_seconds=linger.LINGER_SECONDS),
         Middleware(ErrorStyle, tei_paths=TEI_PATHS | TEI_UNSERVED),
         Middleware(BearerAuth, keys=settings.api_keys, open_paths=frozenset(open_paths)),
         Middleware(BodyLimit, max_bytes=settings.max_body_bytes,

@@ -12,6 +12,7 @@ only when a download is needed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from bgeserve.errors import ConfigError, ModelUnavailable
 from bgeserve.model.hubfetch import Fetcher
 from bgeserve.model.layout import Layout, graph_layout
 from bgeserve.model.ptload import HeadWeights, load_heads
+
+log = logging.getLogger("bgeserve.model")
 
 __all__ = [
     "HUB_SOURCES",
@@ -107,10 +110,24 @@ class ModelArtifacts:
         return ";".join(parts)
 
 
-def validate_cache_dir(path: Path) -> Path:
-    """Create ``path`` if needed and prove it writable with a real write; else ModelUnavailable."""
-    path = Path(path).expanduser()
+def validate_cache_dir(path: Path, *, required: bool = True) -> Path:
+    """Create ``path`` if needed and prove it writable with a real write; else ModelUnavailable.
 
+    ``required=False`` (a local model: nothing has to be downloaded) turns the refusal into a
+    warning: the server runs, and only what it would cache there (the probe's fit) is lost.
+    """
+    path = Path(path).expanduser()
+    if required:
+        return _check_cache_dir(path)
+    try:
+        return _check_cache_dir(path)
+    except ModelUnavailable as exc:
+        log.warning("%s. Serving anyway: the model is local, but the probe's fit will not be "
+                    "cached (every start probes again)", exc.message)
+        return path
+
+
+def _check_cache_dir(path: Path) -> Path:
     def refuse(cause: str) -> ModelUnavailable:
         return ModelUnavailable(
             f"cache directory {path} cannot be used: {cause}; set BGE_M3_CACHE_DIR to a writable "
@@ -153,7 +170,8 @@ def resolve(
 ) -> ModelArtifacts:
     """Find (downloading if needed) the files for ``variant``: from ``model_path`` or the hub.
 
-    The cache directory (bgeserve's own) is validated first, before any network call. Hub files
+    For a hub model the cache directory (bgeserve's own) is validated first, before any
+    network call (a local model needs none). Hub files
     go to the Hugging Face cache ``hub_cache`` (None: huggingface_hub's default, honouring
     HF_HUB_CACHE / HF_HOME); files an earlier bgeserve downloaded into ``cache_dir`` are used
     from there. ``offline`` uses only what is already cached; ``endpoint`` overrides the hub
@@ -167,8 +185,10 @@ def resolve(
             f"{', '.join((*HUB_SOURCES, *EXPORT_ONLY_VARIANTS))}",
             param="BGE_M3_MODEL",
         )
-    fetch = Fetcher(hub_cache, offline, endpoint, progress,
-                    legacy_cache=validate_cache_dir(cache_dir), report=report)
+    # A local model downloads nothing, or only missing head files (a failure then names the
+    # cache): its cache directory need not be writable (the service warns if it is not).
+    legacy = validate_cache_dir(cache_dir) if model_path is None else Path(cache_dir).expanduser()
+    fetch = Fetcher(hub_cache, offline, endpoint, progress, legacy_cache=legacy, report=report)
     if model_path is not None:
         found = _resolve_local(Path(model_path).expanduser(), variant, fetch)
         if found.layout.reranker != reranker:

@@ -18,18 +18,19 @@ from typing import Any
 
 from bgeserve import __version__, runtime
 from bgeserve.config import Settings
-from bgeserve.engine import Engine, Inputs
-from bgeserve.engine.jobs import Job
-from bgeserve.errors import BgeServeError, DeadlineExceeded, NotReady
+from bgeserve.engine import ChunkStats, Engine, Inputs
+from bgeserve.errors import BgeServeError, DeadlineExceeded, NotReady, Overloaded
 from bgeserve.model.artifacts import ModelArtifacts, resolve, validate_cache_dir
 from bgeserve.progress import Progress
 from bgeserve.results import Embeddings, EmbedOptions, ModelInfo, RerankOptions, RerankResult, Token
 from bgeserve.runtime import gpu
-from bgeserve.service import choice, plan, reranking, tokens
+from bgeserve.service import canary, choice, plan, reranking, tokens
 from bgeserve.service import info as service_info
+from bgeserve.service.admission import Admission, DrainMeter
 from bgeserve.service.metrics import Metrics
 from bgeserve.service.preparation import Preparation
 from bgeserve.tuning import cache, memory
+from bgeserve.tuning.audit import AuditSample, WorkspaceAudit
 from bgeserve.tuning.budget import measure_model_cost, split_available
 from bgeserve.tuning.child import ChildProbe
 from bgeserve.tuning.probe import LocalProbe, ProbeSource
@@ -74,9 +75,14 @@ class Service:
         self._draining = False  # SIGTERM came: /health says draining (503)
         self._loader: threading.Thread | None = None
         self._abort_timer: asyncio.TimerHandle | None = None
-        # Requests tokenizing at once: more than the cores only adds memory (each holds its
-        # encodings), never speed. Made on first use, on the loop that serves.
-        self._tokenizing: asyncio.Semaphore | None = None
+        # Reliability (issue 22): admission before tokenizing with Retry-After from the drain
+        # rate (admission.py), chunks measured against the cost model (tuning/audit.py), the
+        # canary of /health/deep (canary.py). Wired in _load once the engine exists.
+        self.drain = DrainMeter()
+        self.audit = WorkspaceAudit()
+        self.admission: Admission | None = None
+        self.deep: canary.DeepHealth | None = None
+        self._reprobe: Callable[[], bool] = lambda: False
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -98,7 +104,8 @@ class Service:
         try:
             # Runtime, provider and variant decided, GPUs counted (a no-op if the CLI did it).
             s = self.settings = plan.resolve(self.settings)
-            cache_dir = validate_cache_dir(s.cache_dir)
+            cache_dir = validate_cache_dir(  # a local model runs without a cache (warning)
+                s.cache_dir, required=s.model_path is None or s.execution_provider == "tensorrt")
             s = self.settings = self.preparation.apply(s, cache_dir)
             # Neither BGE_M3_EP nor BGE_M3_MODEL set: the fastest variant measured here (cached).
             self.choice = choice.decide(s, cache_dir, stop=self._stopping)
@@ -116,7 +123,7 @@ class Service:
                      runtime.get(serving.runtime).version())
             engine = Engine(artifacts=artifacts, config=serving.engine, start=False,
                             auto_budget=False,  # the Tuner owns the budget here
-                            on_chunk=self.metrics_registry.observe_chunk)
+                            on_chunk=self._on_chunk)
             chunks = serving.engine.scheduler
             log.info("chunks: up to %d texts and %s padded tokens per run, lengths rounded up "
                      "to a multiple of %d, cross-request batching %s", chunks.max_chunk,
@@ -126,11 +133,17 @@ class Service:
                                        apply_chunk_tokens=engine.set_max_chunk_tokens)
             tuner.detect_memory()
 
+            deep = canary.DeepHealth(lambda: engine.await_job(canary.canary_job(
+                engine, "health-deep")), fp32=artifacts.variant == "fp32", busy=self.drain.recent)
+
             def load() -> None:
                 engine.start()
-                ready = engine.embed("ready", dense=True, sparse=True, colbert=True)
+                # The canary primes every output (no request deadline, no batch window to
+                # wait past it) and is what /health/deep compares with.
+                ready = canary.prime(engine)
                 assert ready.dense is not None
                 engine.width = int(ready.dense.shape[1])  # what the graph gives is the truth
+                deep.record(ready)
 
             model_bytes = sum(p.stat().st_size for p in (artifacts.onnx_path,
                                                           *artifacts.external_data))
@@ -164,6 +177,13 @@ class Service:
                 tuner.measure_first(probe_source(engine, spec, in_process=True), model_cost,
                                     fingerprint, parts)
                 cost = tuner.initial(model_cost, fingerprint)  # refuses if still too short
+            self.audit = WorkspaceAudit(self._predict, on_breach=self._on_breach)
+            engine.set_audit(self.audit)
+            self._reprobe = lambda: tuner.reprobe(probe_source(engine, spec, in_process=False),
+                                                  model_cost, fingerprint, parts)
+            self.admission = Admission(engine, s.max_queue_tokens, self.drain,
+                                       slots=max(2, len(os.sched_getaffinity(0))))
+            self.deep = deep
             self.engine = engine
             self.progress.done()
             self._ready.set()
@@ -197,6 +217,7 @@ class Service:
                               queue_tokens=stats["queue_tokens"])
             if self.tuner is not None:
                 fields["probe_status"] = self.tuner.state.probe_status
+            fields["workspace_audit"] = self.audit.summary()
             if runtime.on_gpu(self.settings.execution_provider):
                 fields["gpus"] = gpu.heartbeat_fields()
             log.info("heartbeat", extra=fields)
@@ -235,6 +256,8 @@ class Service:
         if self.tuner is not None:
             self.tuner.stop()
         await asyncio.to_thread(self.reranking.close, self.settings.shutdown_timeout_secs or None)
+        if self.admission is not None:
+            self.admission.close()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.close,
                                     self.settings.shutdown_timeout_secs or None)
@@ -251,52 +274,24 @@ class Service:
                     request_id: str = "") -> Embeddings:
         """Embed one request's inputs (texts or token ids) in input order."""
         engine = self._engine()
+        assert self.admission is not None
         started = time.perf_counter()
         arrived = time.monotonic()  # the deadline counts tokenizing too
-        # Near a full queue, a lower bound of the tokens may refuse the request before it is
-        # tokenized: on a thread (it walks the texts), before the tokenizing slot (so a
-        # refusal never waits behind other requests' tokenizing).
-        if engine.queue_nearly_full():
-            await asyncio.to_thread(engine.refuse_early, inputs)
-        if small(inputs):
-            # A query or two: tokenizing it here costs less than handing it to a thread and
-            # waiting to be woken (measured in docs/benchmarks.md, "Short-query latency").
-            job = engine.make_job(inputs, options, request_id, arrived)
-        else:
-            job = await self._make_job(engine, inputs, options, request_id, arrived)
+        job, future = await self.admission.submit(inputs, options, request_id, arrived)
         timeout = self.settings.request_timeout_secs or None
         remaining = None if timeout is None else max(0.0, job.deadline - time.monotonic()) \
             if job.deadline is not None else timeout
         try:
             # Not wait_for: its task would submit the job one loop iteration later.
             async with asyncio.timeout(remaining):
-                result = await engine.await_job(job)
-        except TimeoutError:
+                result = await engine.await_job(job, future)
+        except (TimeoutError, DeadlineExceeded):  # our timer, or the scheduler's expiry
             self.metrics_registry.deadline_exceeded()
             raise DeadlineExceeded(
                 f"the request did not finish within BGE_M3_REQUEST_TIMEOUT_SECS={timeout:g}s"
             ) from None
         self.metrics_registry.observe_request(result, time.perf_counter() - started)
         return result
-
-    async def _make_job(self, engine: Engine, inputs: Inputs, options: EmbedOptions,
-                        request_id: str, arrived: float) -> Job:
-        """``engine.make_job`` on a thread, holding one of the tokenizing slots."""
-        if self._tokenizing is None:
-            self._tokenizing = asyncio.Semaphore(max(2, len(os.sched_getaffinity(0))))
-        async with self._tokenizing:
-            work = asyncio.ensure_future(asyncio.to_thread(
-                engine.make_job, inputs, options, request_id, arrived))
-            try:
-                return await asyncio.shield(work)
-            except asyncio.CancelledError:
-                # The caller left (client gone), but the thread tokenizes on: its slot, and
-                # the body allowance the HTTP layer holds until this returns, stay taken
-                # until it ends.
-                await asyncio.wait({work})
-                if not work.cancelled():
-                    work.exception()  # retrieved: its error has no one to go to
-                raise
 
     async def rerank(self, query: str, documents: list[str], options: RerankOptions, *,
                      request_id: str = "") -> RerankResult:
@@ -309,9 +304,42 @@ class Service:
         """The ids ``model`` may name for the reranker (none when none is loaded)."""
         return self.reranking.model_ids
 
+    async def deep_health(self, deadline_s: float | None = None) -> tuple[int, dict[str, Any]]:
+        """``GET /health/deep``: the canary through queue, session and heads (canary.py)."""
+        if self.deep is None or not self._ready.is_set():
+            return 503, {"status": "fail" if self.fatal_error else "loading",
+                         "reason": str(self.fatal_error or "the model is still loading")}
+        return await self.deep.check(deadline_s=deadline_s)
+
+    def refuse_now(self) -> Overloaded | None:
+        """The 429 when the queue has no room whatever a request holds (O(1): the HTTP layer
+        asks before reading the body); None otherwise, and before the model is loaded."""
+        return None if self.admission is None else self.admission.refuse_now()
+
+    @property
+    def rejected_at_admission(self) -> int:
+        """429s decided before tokenizing (the scheduler counts the others)."""
+        return 0 if self.admission is None else self.admission.refused
+
+    def _on_chunk(self, stats: ChunkStats) -> None:
+        self.metrics_registry.observe_chunk(stats)
+        self.drain.record(stats.real_tokens)
+
+    def _predict(self, batch: int, seq: int) -> float | None:
+        cost = None if self.engine is None else self.engine.cost_model
+        return None if cost is None else cost.cost(batch, seq)
+
+    def _on_breach(self, sample: AuditSample) -> None:
+        if not self._reprobe():
+            log.info("no re-probe: the cost model is pinned, or a probe is running already")
+
     def dense_width(self) -> int:
         """The loaded model's vector width (1,024 for bge-m3)."""
         return self._engine().width
+
+    def vocab_size(self) -> int:
+        """The loaded tokenizer's vocabulary size: token ids are below it."""
+        return self._engine().tokenizer.vocab_size
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Vocabulary strings for token ids (sparse_format=tokens)."""
@@ -387,24 +415,6 @@ class Service:
         """Prometheus exposition of the server's metrics."""
         self.metrics_registry.update_state(self)
         return self.metrics_registry.render()
-
-
-# Requests up to this many characters (or token ids) are tokenized on the event loop: at
-# ~5-10 us per token (bge-m3's tokenizer here) that blocks it for well under a millisecond,
-# less than a round trip through a thread costs a query on a busy machine.
-INLINE_TOKENIZE_CHARS = 512
-
-
-def small(inputs: Inputs, limit: int = INLINE_TOKENIZE_CHARS) -> bool:
-    """Whether ``inputs`` hold at most ``limit`` characters (token ids: ids) in all."""
-    if isinstance(inputs, str):
-        return len(inputs) <= limit
-    total = 0
-    for item in inputs:
-        total += len(item) if isinstance(item, (str, list, tuple)) else 1
-        if total > limit:
-            return False
-    return True
 
 
 def build_service(settings: Settings) -> Service:

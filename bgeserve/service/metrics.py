@@ -16,7 +16,11 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
 from bgeserve.tuning import memory
 
@@ -148,6 +152,8 @@ class _StateCollector:
             yield GaugeMetricFamily("bgeserve_queue_tokens", "Tokens waiting",
                                     value=stats["queue_tokens"])
             counters = engine.counters
+            # 429s decided before tokenizing are the admission's, not the scheduler's.
+            extra = {"rejected": getattr(service, "rejected_at_admission", 0)}
             for name, key, doc in (
                 ("bgeserve_rejected_requests", "rejected", "Requests answered 429 (queue full)"),
                 ("bgeserve_cancelled_texts", "cancelled_texts",
@@ -157,7 +163,7 @@ class _StateCollector:
                  ("Worker threads restarted after dying, or sessions reopened after a runtime "
                   "error")),
             ):
-                yield CounterMetricFamily(name, doc, value=counters.get(key, 0))
+                yield CounterMetricFamily(name, doc, value=counters.get(key, 0) + extra.get(key, 0))
             yield from _cache_metrics(engine.cache_stats())
         reranker = getattr(getattr(service, "reranking", None), "engine", None)
         if reranker is not None:
@@ -169,6 +175,9 @@ class _StateCollector:
             yield workers
             yield GaugeMetricFamily("bgeserve_reranker_queue_tokens", "Reranker tokens waiting",
                                     value=stats["queue_tokens"])
+        audit = getattr(service, "audit", None)
+        if audit is not None:
+            yield from _audit_families(audit)
         tuner = getattr(service, "tuner", None)
         if tuner is not None:
             s = tuner.state
@@ -207,3 +216,21 @@ def _cache_metrics(stats: dict[str, int] | None):
                             value=stats["bytes"])
     yield GaugeMetricFamily("bgeserve_cache_entries", "Texts held by the embedding cache",
                             value=stats["entries"])
+
+
+def _audit_families(audit: Any) -> Any:
+    """Sampled chunks' measured workspace against the cost model (``tuning.audit``)."""
+    buckets, total = audit.histogram()
+    yield HistogramMetricFamily(
+        "bgeserve_workspace_ratio", "Measured / predicted workspace of sampled chunks",
+        buckets=buckets, sum_value=total)
+    last = audit.last
+    yield GaugeMetricFamily("bgeserve_workspace_predicted_bytes",
+                            "The cost model's workspace for the last sampled chunk",
+                            value=0 if last is None else last.predicted_bytes)
+    yield GaugeMetricFamily("bgeserve_workspace_measured_bytes",
+                            "Measured peak RSS growth of the last sampled chunk",
+                            value=0 if last is None else last.measured_bytes)
+    yield CounterMetricFamily("bgeserve_workspace_breaches",
+                              "Sampled chunks over their prediction past the tolerance",
+                              value=audit.breaches)

@@ -294,6 +294,26 @@ class Tuner:
         self._thread = threading.Thread(target=work, name="bgeserve-probe", daemon=True)
         self._thread.start()
 
+    def reprobe(self, source: Source, model_cost: int, fingerprint: str | None,
+                parts: dict[str, Any]) -> bool:
+        """Probe again in the background (a served chunk broke the fit: ``tuning.audit``); the
+        cost model in use stays until the new fit replaces it and the cache. Only where a
+        probe ran before (not over an override) and none runs now; True when it started."""
+        s = self.state
+        if s.probe_status not in ("complete", "cache_hit", "failed") or not self.wait(0):
+            return False
+        # As at start: while the probe's own copy of the model is loaded, the workers share
+        # what is left, or the probe waits for another day.
+        sharing = CostModel(s.a, s.b, self.budget(model_cost, extra_sessions=1), s.c)
+        if not sharing.fits(1, self.config.max_seq):
+            log.warning("re-probe skipped: not enough memory to probe beside the server")
+            return False
+        self._publish(sharing)
+        s.probe_status, s.probe_error = "running", None
+        self._measured = None
+        self.start_probe(source, model_cost, fingerprint, parts)
+        return True
+
     def _measure(self, source: Source, guard: CostModel) -> ProbeResult:
         c = self.config
         timed = c.chunk_tokens is not None and not c.chunk_pinned
