@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,10 @@ def test_the_overlay_fills_in_every_bound() -> None:
     assert doc["paths"]["/metrics"]["get"]["security"] == []
     assert doc["paths"]["/health"]["get"]["security"] == []
     assert doc["info"]["x-bgeserve-bounds"]["vocab_size"] == 3000
+    assert schemas["TokenIds"]["not"] == {}  # token ids refused: no token-id input is valid
+    assert schemas["RerankRequest"]["properties"]["documents"]["maxItems"] == 8
+    accepting = contract.specialise(contract.generic(), replace(BOUNDS, token_ids=True))
+    assert "not" not in accepting["components"]["schemas"]["TokenIds"]
     # the generic document is left as it was
     assert "maximum" in contract.generic()["components"]["schemas"]["TokenIds"]["items"]
     assert contract.generic()["components"]["schemas"]["TokenIds"]["items"]["maximum"] == 250001
@@ -130,7 +135,7 @@ def test_the_route_serves_the_service_bounds() -> None:
                       "max_text_chars": 999, "max_seq_length": settings.max_seq_length,
                       "max_body_bytes": settings.max_body_bytes,
                       "model_ids": ["bge-m3", "BAAI/bge-m3", "alias"], "auth": True,
-                      "metrics_auth": False}
+                      "metrics_auth": False, "token_ids": False}
 
 
 def test_while_loading_the_route_answers_503() -> None:

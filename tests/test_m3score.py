@@ -72,6 +72,18 @@ def test_sparse_without_shared_ids_is_zero() -> None:
     assert sparse_scores(sp({1: 1.0}), [sp({2: 1.0}), empty]).tolist() == [0.0, 0.0]
 
 
+def test_huge_weights_count_by_their_ratios() -> None:
+    """Only the weights' ratios count: past 1 they are scaled so the largest is 1, so weights
+    near the float maximum (schema-valid) give the same finite scores as their ratios, where
+    the weighted sum overflowed (an HTTP answer's score was null)."""
+    scores = M3Scores(np.array([0.5, 0.1]), np.array([6.25, 0.0]), np.array([0.75, 0.2]))
+    huge = scores.combined("hybrid", (4e16, 6e307, 2e16))
+    assert np.isfinite(huge).all()
+    np.testing.assert_allclose(huge, scores.combined("hybrid", (4e16 / 6e307, 1, 2e16 / 6e307)))
+    assert check_weights((0.4, 0.2, 0.4), "hybrid") == (0.4, 0.2, 0.4)  # within 1: as given
+    assert check_weights((2, 1, 4), "hybrid") == (0.5, 0.25, 1.0)
+
+
 def test_modes_weights_and_needs_are_checked() -> None:
     """Unknown modes and bad weights raise with the accepted values; each mode says which
     outputs it needs, and refuses scores that were not computed."""

@@ -203,12 +203,18 @@ def test_small_requests_are_tokenized_on_the_event_loop(inputs: Any, on_loop: bo
         threads.append(threading.current_thread())
         return SimpleNamespace(deadline=None)
 
-    async def await_job(job: Any) -> str:
+    async def await_job(job: Any, future: Any = None) -> str:
         return "result"
+
+    from bgeserve.service.admission import Admission, DrainMeter
 
     service = ready_service(dict)
     service.engine = SimpleNamespace(  # type: ignore[assignment]
-        queue_nearly_full=lambda: False, make_job=make_job, await_job=await_job)
+        queued_tokens=lambda: 0, make_job=make_job, await_job=await_job,
+        submit=lambda job: None,
+        tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 3, max_seq=512))
+    service.admission = Admission(service.engine, 1000,  # type: ignore[arg-type]
+                                  DrainMeter(), slots=2)
     service.metrics_registry = SimpleNamespace(  # type: ignore[assignment]
         observe_request=lambda *a: None)
 

@@ -66,6 +66,9 @@ def check_weights(weights: Sequence[float], mode: str) -> tuple[float, float, fl
     used = {"sparse+dense": values[0] + values[1], "colbert+sparse+dense": sum(values)}
     if used.get(mode, 1.0) <= 0:
         raise ValueError(f"the weights mode {mode!r} combines sum to 0")
+    top = max(values)
+    if top > 1:  # only their ratios count: scaled down, huge weights cannot overflow the sum
+        values = tuple(v / top for v in values)
     return values[0], values[1], values[2]
 
 

@@ -39,6 +39,7 @@ class Bounds:
     model_ids: tuple[str, ...]
     auth: bool  # BGE_M3_API_KEY is set
     metrics_auth: bool  # ... and /metrics needs it too
+    token_ids: bool = False  # BGE_M3_ACCEPT_TOKEN_IDS: token-id input is embedded
 
 
 @functools.cache
@@ -65,8 +66,20 @@ def overlay(b: Bounds) -> list[tuple[str, Any]]:
         (f"{schemas}/Input/oneOf/1/maxItems", b.max_batch),
         (f"{schemas}/Input/oneOf/1/items/maxLength", b.max_text_chars),
         (f"{schemas}/Input/oneOf/3/maxItems", b.max_batch),
+        (f"{schemas}/TeiInput/oneOf/1/maxItems", b.max_batch),
+        (f"{schemas}/TeiInput/oneOf/3/maxItems", b.max_batch),
+        (f"{schemas}/TeiTokenizeRequest/properties/inputs/oneOf/1/maxItems", b.max_batch),
+        (f"{schemas}/RerankRequest/properties/documents/maxItems", b.max_batch),
+        (f"{schemas}/TeiDecodeRequest/properties/ids/oneOf/1/maxItems", b.max_batch),
+        (f"{schemas}/TeiDecodeRequest/properties/ids/oneOf/0/items/maximum", ids),
+        (f"{schemas}/TeiDecodeRequest/properties/ids/oneOf/1/items/items/maximum", ids),
+        # the source sentence is one of the batch's inputs
+        (f"{schemas}/TeiSimilarityRequest/properties/inputs/properties/sentences/maxItems",
+         max(1, b.max_batch - 1)),
+        (f"{schemas}/TeiRerankRequest/properties/texts/maxItems", b.max_batch),
         (f"{schemas}/Model/enum", [*b.model_ids, None]),
         (f"{schemas}/Dimensions/enum", [b.dense_width, None]),
+        (f"{schemas}/TeiEmbedRequest/properties/dimensions/enum", [b.dense_width, None]),
         (f"{schemas}/Vector/oneOf/0/minItems", b.dense_width),
         (f"{schemas}/Vector/oneOf/0/maxItems", b.dense_width),
         (f"{schemas}/Vector/oneOf/1/minLength", vector),
@@ -78,6 +91,13 @@ def overlay(b: Bounds) -> list[tuple[str, Any]]:
         ("/security", [{"bearerAuth": []}] if b.auth else []),
         ("/paths/~1metrics/get/security",
          [{"bearerAuth": []}] if b.auth and b.metrics_auth else []),
+        # Token ids refused (the default): no token-id input is valid here (``not: {}``, so
+        # every input form built from them drops out of the served contract).
+        *([] if b.token_ids else [
+            (f"{schemas}/TokenIds/not", {}),
+            (f"{schemas}/TokenIds/description", "Token-id input is refused by this server "
+             "(400 token_ids_not_accepted; BGE_M3_ACCEPT_TOKEN_IDS=1 accepts it)."),
+        ]),
     ]
 
 
@@ -111,7 +131,8 @@ def bounds_of(service: Any, settings: Settings, model_ids: tuple[str, ...]) -> B
                   max_batch=settings.max_batch, max_text_chars=settings.max_text_chars,
                   max_seq_length=service.settings.max_seq_length,
                   max_body_bytes=settings.max_body_bytes, model_ids=tuple(model_ids),
-                  auth=bool(settings.api_keys), metrics_auth=settings.metrics_auth)
+                  auth=bool(settings.api_keys), metrics_auth=settings.metrics_auth,
+                  token_ids=settings.accept_token_ids)
 
 
 @functools.lru_cache(maxsize=8)

@@ -15,7 +15,7 @@ from typing import Any
 
 from bgeserve.config import Settings
 from bgeserve.errors import InvalidInput
-from bgeserve.http.schemas import OPTION_PARSERS, load_object, parse_input
+from bgeserve.http.schemas import OPTION_PARSERS, _as_int, load_object, parse_input
 
 DIRECTIONS = {"right": False, "Right": False, "left": True, "Left": True}
 
@@ -119,7 +119,8 @@ def similarity_inputs(body: dict[str, Any], settings: Settings) -> TeiEmbedReque
     if not isinstance(sentences, list) or not sentences:
         raise InvalidInput("inputs.sentences must be a non-empty array of strings",
                            param="inputs.sentences", code="empty_input")
-    parameters = body.get("parameters") or {}
+    parameters = body.get("parameters")
+    parameters = {} if parameters is None else parameters
     if not isinstance(parameters, dict):
         raise InvalidInput("parameters must be an object", param="parameters")
     return embed_fields({**parameters, "inputs": [inputs["source_sentence"], *sentences]},
@@ -163,8 +164,12 @@ def parse_decode(raw: bytes, settings: Settings) -> DecodeRequest:
         raise InvalidInput(f"batch of {len(sequences)} id sequences exceeds the maximum of "
                            f"{settings.max_batch} (BGE_M3_MAX_BATCH); split the request",
                            param="ids", code="batch_too_large")
+    out = []
     for i, seq in enumerate(sequences):
-        if not isinstance(seq, list) or not all(type(t) is int and t >= 0 for t in seq):
+        # JSON Schema's integers: 3.0 is one (as everywhere else in the API)
+        ints = [_as_int(t) for t in seq] if isinstance(seq, list) else [None]
+        if not all(t is not None and t >= 0 for t in ints):
             raise InvalidInput("ids must be an array of token ids (integers >= 0) or an array "
                                "of such arrays", param=f"ids[{i}]")
-    return DecodeRequest(sequences, _flag(body, "skip_special_tokens", True))
+        out.append(ints)
+    return DecodeRequest(out, _flag(body, "skip_special_tokens", True))
