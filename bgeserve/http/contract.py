@@ -95,8 +95,8 @@ def overlay(b: Bounds) -> list[tuple[str, Any]]:
         # every input form built from them drops out of the served contract).
         *([] if b.token_ids else [
             (f"{schemas}/TokenIds/not", {}),
-            (f"{schemas}/TokenIds/description", "Token-id input is refused by this server "
-             "(400 token_ids_not_accepted; BGE_M3_ACCEPT_TOKEN_IDS=1 accepts it)."),
+            (f"{schemas}/TokenIds/description", ("Token-id input is refused by this server "
+             "(400 token_ids_not_accepted; BGE_M3_ACCEPT_TOKEN_IDS=1 accepts it).")),
         ]),
     ]
 

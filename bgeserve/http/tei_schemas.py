@@ -164,12 +164,12 @@ def parse_decode(raw: bytes, settings: Settings) -> DecodeRequest:
         raise InvalidInput(f"batch of {len(sequences)} id sequences exceeds the maximum of "
                            f"{settings.max_batch} (BGE_M3_MAX_BATCH); split the request",
                            param="ids", code="batch_too_large")
-    out = []
+    out: list[list[int]] = []
     for i, seq in enumerate(sequences):
         # JSON Schema's integers: 3.0 is one (as everywhere else in the API)
         ints = [_as_int(t) for t in seq] if isinstance(seq, list) else [None]
         if not all(t is not None and t >= 0 for t in ints):
             raise InvalidInput("ids must be an array of token ids (integers >= 0) or an array "
                                "of such arrays", param=f"ids[{i}]")
-        out.append(ints)
+        out.append([t for t in ints if t is not None])
     return DecodeRequest(out, _flag(body, "skip_special_tokens", True))
