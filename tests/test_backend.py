@@ -169,3 +169,26 @@ def test_the_default_does_not_pick_ov_int8_by_itself(tmp_path):
     root = export_dir(tmp_path, "fp32", "int8", "bf16", "ov-int8", int8_cos=0.9994)
     for machine in (AMX_CPU, BF16_CPU, NO_BF16):
         assert auto(Settings(model_path=root), machine).variant != "ov-int8"
+
+
+def _entries(int8_cos=None, ov_int8_cos=None, bf16_cos=None):
+    out = {"fp32": {}}
+    for name, cos in (("int8", int8_cos), ("ov-int8", ov_int8_cos), ("bf16", bf16_cos)):
+        if cos is not None:
+            out[name] = {"agreement": {"dense_cos_min": cos}}
+    return out
+
+
+def test_candidates_offer_ov_int8_to_a_measured_choice():
+    """ov-int8 that keeps the bar is a candidate wherever OpenVINO runs, native bf16 or not
+    (the rule's choice stays first, and the rule alone does not pick ov-int8); a variant
+    under the bar, or on OpenVINO without the package, is not offered."""
+    from bgeserve.runtime.select import candidates
+
+    got = candidates(_entries(0.9994, 0.9995, 0.99999), NO_BF16)
+    assert [(c.provider, c.variant) for c in got] == [
+        ("cpu", "int8"), ("openvino", "ov-int8"), ("openvino", "bf16"), ("cpu", "fp32")]
+    got = candidates(_entries(0.9994, 0.9995, 0.99999), AMX_CPU)
+    assert [c.variant for c in got] == ["bf16", "int8", "ov-int8", "fp32"]
+    assert [c.variant for c in candidates(_entries(0.9994, 0.998), BF16_CPU)] == ["int8", "fp32"]
+    assert [c.variant for c in candidates(_entries(None, 0.9995), NO_OPENVINO)] == ["fp32"]

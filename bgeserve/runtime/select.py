@@ -102,3 +102,26 @@ def cpu_default(variants: Mapping[str, Mapping[str, Any]], machine: Machine) -> 
     if bf16:
         return Choice("openvino", "bf16", "native bf16 on this CPU", tuple(notes))
     return Choice("cpu", "fp32", "exact", tuple(notes))
+
+
+def candidates(variants: Mapping[str, Mapping[str, Any]], machine: Machine) -> list[Choice]:
+    """Every (provider, variant) a default may serve here, the rule's own choice first: those
+    the model holds, this machine runs, and that keep the bar (``meets_bar``). ``ov-int8`` and
+    ``bf16`` are among them wherever OpenVINO is installed, native bf16 or not (OpenVINO then
+    runs the float layers in fp32, which may still beat ONNX Runtime), so a step that times
+    the candidates can keep whichever wins on the machine at hand; the rule alone never picks
+    ``ov-int8`` (measured against int8 only on an AVX2-only Zen 3, docs/benchmarks.md)."""
+    first = cpu_default(variants, machine)
+    found = [first]
+    for variant in ("int8", "ov-int8", "bf16", "fp32"):
+        if variant != "fp32" and variant not in variants:
+            continue
+        provider = "openvino" if variant in ("bf16", "ov-int8") else "cpu"
+        if provider == "openvino" and not machine.openvino():
+            continue
+        if not meets_bar(variant, variants.get(variant, {})) or variant == first.variant:
+            continue
+        why = "exact" if variant == "fp32" else \
+            f"the export measured dense cosine {validated_cos(variants[variant]):.4f} vs fp32"
+        found.append(Choice(provider, variant, why))
+    return found
