@@ -167,3 +167,23 @@ def test_rss_of_another_process_is_read_with_the_projects_parser(bench):
     assert {"VmRSS", "VmHWM", "RssAnon", "RssFile"} <= set(by_pid)
     assert abs(by_pid["VmRSS"] - rss_now()) < 64 << 20
     assert proc_status(2**22 + 12345) == {}  # no such process: nothing, not an error
+
+
+def test_gemm_ceiling_is_the_fastest_call_not_the_mean():
+    """A ceiling is what the machine can do: one call slowed by a neighbour (here 50× the
+    others) must not lower it, so corpus rows never read more than 100 % of a disturbed
+    ceiling."""
+    spec = importlib.util.spec_from_file_location(
+        "gemm_ceiling_under_test", SCRIPT.with_name("gemm_ceiling.py"))
+    gemm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gemm)
+    import time
+
+    calls = []
+
+    def run():
+        calls.append(1)
+        time.sleep(0.1 if len(calls) == 5 else 0.002)
+
+    assert gemm._time(run, seconds=0.0) < 0.01
+    assert len(calls) == 3 + 5
