@@ -12,6 +12,8 @@ it by timing the candidates (``service.plan``):
 4. exact ``fp32`` on ONNX Runtime.
 
 A hub download has only fp32 among these (its int8 is not validated), so it serves fp32.
+``candidates`` lists every variant a default may serve here (``ov-int8`` included), the rule's
+choice first, for a step that times them.
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ def candidates(variants: Mapping[str, Mapping[str, Any]], machine: Machine) -> l
     ``bf16`` are among them wherever OpenVINO is installed, native bf16 or not (OpenVINO then
     runs the float layers in fp32, which may still beat ONNX Runtime), so a step that times
     the candidates can keep whichever wins on the machine at hand; the rule alone never picks
-    ``ov-int8`` (measured against int8 only on an AVX2-only Zen 3, docs/benchmarks.md)."""
+    ``ov-int8`` (on the one CPU measured, an AVX2-only Zen 3, it ran at 0.50× of int8, and on
+    the full-size random model its dense cosine was 0.9973: docs/benchmarks.md)."""
     first = cpu_default(variants, machine)
     found = [first]
     for variant in ("int8", "ov-int8", "bf16", "fp32"):
