@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "Settings", "__version__", "create_app"]
+__all__ = ["Engine", "Reranker", "Settings", "__version__", "create_app"]
 
 if TYPE_CHECKING:
     from bgeserve.config import Settings
     from bgeserve.engine import Engine
+    from bgeserve.engine.reranker import Reranker
     from bgeserve.http.app import create_app
 
 
@@ -19,6 +20,10 @@ def __getattr__(name: str) -> Any:
         from bgeserve.engine import Engine
 
         return Engine
+    if name == "Reranker":
+        from bgeserve.engine.reranker import Reranker
+
+        return Reranker
     if name == "Settings":
         from bgeserve.config import Settings
 

@@ -1,9 +1,10 @@
-"""``bgeserve``: serve | export | build-random-model."""
+"""``bgeserve``: serve | probe | prepare | bulk | export | build-random-model."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from bgeserve.config import Settings
     from bgeserve.errors import BgeServeError
+    from bgeserve.http import tls
     from bgeserve.http.app import create_app
     from bgeserve.logs import setup_logging
     from bgeserve.service import Service, plan
@@ -52,6 +54,11 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     if settings.max_inflight_mb is None:
         settings = dataclasses.replace(settings, max_inflight_mb=inflight_mb(settings))
+    try:
+        ssl_options = tls.uvicorn_options(settings)  # HTTPS when BGE_M3_TLS_CERT_FILE is set
+    except BgeServeError as exc:
+        print(f"bgeserve: {exc}", file=sys.stderr)
+        return 2
     log.info("bgeserve starting", extra={"settings": settings.redacted()})
     if settings.warmup_only:
         from bgeserve.service.warmup import run as warmup
@@ -74,7 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=host.strip("[]"), port=int(port), log_config=None,
                             # uvicorn types it int | None; it waits a float as well.
                             timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
-                            lifespan="on")
+                            lifespan="on", **ssl_options)
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
@@ -89,12 +96,37 @@ def _serve(args: argparse.Namespace) -> int:
         # would die of it (exit -15) after a clean drain. Here it only asks for the exit.
         server.should_exit = True
 
+    def on_hangup(sig: int, frame: object) -> None:
+        # Settings are read once, so there is nothing to reload in place; SIGHUP's default
+        # action would kill the process mid-request. It drains and exits 0 like SIGTERM, for
+        # a supervisor to start bgeserve again with the new environment.
+        log.warning("SIGHUP: settings are read once at start; draining and exiting (exit 0) "
+                    "so that the supervisor starts bgeserve again with the new ones")
+        server.should_exit = True
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
     server.run()
-    if service.fatal_error is not None:
-        return 3
-    return 0
+    code = 3 if service.fatal_error is not None else 0
+    _leave_if_runs_remain(code)
+    return code
+
+
+def _leave_if_runs_remain(code: int) -> None:
+    """Exit at once when threads outlive the drain: a worker still inside ``session.run``
+    past BGE_M3_SHUTDOWN_TIMEOUT_SECS (its requests were already answered 503) must not meet
+    the interpreter's finalization, where ONNX Runtime's thread pools abort the process
+    ("terminate called without an active exception", exit -6 instead of 0)."""
+    import logging
+    import os
+    import threading
+
+    if any(t.is_alive() for t in threading.enumerate() if t is not threading.main_thread()):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -117,6 +149,34 @@ def _probe(args: argparse.Namespace) -> int:
     return foreground_probe.run(settings, shapes)
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    """Make (or find) the prepared export of the configured snapshot; print its directory."""
+    import os
+
+    from bgeserve.config import Settings
+    from bgeserve.errors import BgeServeError
+    from bgeserve.logs import setup_logging
+    from bgeserve.model.artifacts import validate_cache_dir
+    from bgeserve.progress import Progress
+    from bgeserve.service.preparation import PrepareFailed, prepare_command
+
+    try:
+        settings = Settings.from_env(os.environ)
+    except BgeServeError as exc:
+        print(f"bgeserve: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_format, settings.log_level)
+    try:
+        path = prepare_command(settings, validate_cache_dir(settings.cache_dir), args.variant,
+                               force=args.force, out=args.out,
+                               progress=Progress(bars=sys.stderr.isatty()))
+    except (BgeServeError, PrepareFailed) as exc:
+        print(f"bgeserve: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from bgeserve.config import Settings
 
@@ -130,12 +190,28 @@ def main(argv: list[str] | None = None) -> int:
     probe_cmd = sub.add_parser("probe", help="run the memory probe now and print its table "
                                "(same environment variables as serve)")
     probe_cmd.add_argument("--shapes", help="BxS,BxS to measure instead of the default shapes")
+    prep = sub.add_parser(
+        "prepare", help="hub ONNX snapshot → bgeserve's fast graphs, cached (no torch; serve "
+        "does this on its first start)", description="Prepare bgeserve's own graphs (heads "
+        "inside, bounded attention, int8, bf16) from the snapshot serve would use "
+        "(BGE_M3_MODEL_PATH, else the hub download) into BGE_M3_CACHE_DIR/prepared, and print "
+        "the directory: a `bgeserve export` that serve picks up by itself.")
+    prep.add_argument("--variant", action="append", choices=["fp32", "int8", "bf16"],
+                      help="repeatable (default: fp32, int8, and bf16 where this CPU has it)")
+    prep.add_argument("--force", action="store_true", help="prepare again even if cached")
+    prep.add_argument("--out", type=Path, default=None,
+                      help="also write the export to this directory (for BGE_M3_MODEL_PATH)")
+    from bgeserve.bulk.main import add_arguments as bulk_arguments
+
+    bulk_arguments(sub.add_parser("bulk", help="embed JSONL / Parquet / CSV files into "
+                                  "Parquet shards (resumable; --ray for a cluster)"))
     export = sub.add_parser("export", help="PyTorch bge-m3 → ONNX with in-graph heads")
     from bgeserve.export.main import add_arguments
 
     add_arguments(export)
     rand = sub.add_parser("build-random-model",
-                          help="build a random-weight bge-m3 (tests, benchmarks)")
+                          help="build a random-weight bge-m3 or reranker (tests, benchmarks)")
+    rand.add_argument("--kind", choices=["embedding", "reranker"], default="embedding")
     rand.add_argument("--size", choices=["tiny", "full"], default="tiny")
     rand.add_argument("--seed", type=int, default=0)
     rand.add_argument("--vocab-size", type=int, default=None)
@@ -145,13 +221,19 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "probe":
         return _probe(args)
+    if args.command == "prepare":
+        return _prepare(args)
+    if args.command == "bulk":
+        from bgeserve.bulk.main import run as bulk
+
+        return bulk(args)
     if args.command == "export":
         from bgeserve.export.main import run
 
         return run(args)
     from bgeserve.testing.randmodel import main as build
 
-    rest = ["--size", args.size, "--seed", str(args.seed), "--out", args.out]
+    rest = ["--kind", args.kind, "--size", args.size, "--seed", str(args.seed), "--out", args.out]
     if args.vocab_size:
         rest += ["--vocab-size", str(args.vocab_size)]
     return build(rest)

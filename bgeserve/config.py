@@ -88,6 +88,15 @@ def _bind(name: str, raw: str) -> str:
     return raw.strip()
 
 
+def default_cache_dir(environ: Mapping[str, str]) -> Path:
+    """``$XDG_CACHE_HOME/bgeserve`` (an absolute XDG_CACHE_HOME), else ``~/.cache/bgeserve``:
+    somewhere any user can write, unlike the reference server's ``/cache``."""
+    xdg = environ.get("XDG_CACHE_HOME", "").strip()
+    if xdg and Path(xdg).is_absolute():
+        return Path(xdg) / "bgeserve"
+    return Path("~/.cache/bgeserve")  # expanded when Settings is made (__post_init__)
+
+
 def _var(env: str, parse: Callable[[str, str], Any], default: Any, doc: str) -> Any:
     """A settings field bound to one environment variable (kept in the field metadata)."""
     return field(default=default, metadata={"env": env, "parse": parse, "doc": doc})
@@ -105,8 +114,13 @@ class Settings:
                         "model variant: fp32|fp16|int8|bf16|ov-int8 (bf16, ov-int8: OpenVINO; "
                         "unset: the fastest keeping dense cos >= 0.999 here, see "
                         "runtime/select.py)")
-    cache_dir: Path = _var("BGE_M3_CACHE_DIR", _path, Path("/cache"),
-                           "downloads, probe coefficients and TensorRT engines")
+    cache_dir: Path = _var("BGE_M3_CACHE_DIR", _path, Path("~/.cache/bgeserve"),
+                           "prepared graphs, probe coefficients and TensorRT engines "
+                           "(default $XDG_CACHE_HOME/bgeserve, else ~/.cache/bgeserve; hub "
+                           "downloads go to the Hugging Face cache: HF_HUB_CACHE / HF_HOME)")
+    prepare: bool = _var("BGE_M3_PREPARE", _bool, True,
+                         "build bgeserve's fast graphs (in-graph heads, bounded attention, "
+                         "int8, bf16) from a hub snapshot once, cached; 0 = serve it as it is")
     offline: bool = _var("HF_HUB_OFFLINE", _bool, False, "never contact the Hugging Face hub")
     max_seq_length: int = _var("BGE_M3_MAX_SEQ_LENGTH", _number(int, 2, MAX_POSITIONS),
                                MAX_POSITIONS, "tokens per text, special tokens included")
@@ -155,7 +169,11 @@ class Settings:
                                        "deprecated: translated to BGE_M3_TOKEN_BUDGET")
     # http
     bind: str = _var("BGE_M3_BIND", _bind, "0.0.0.0:8081", "HOST:PORT to listen on")
-    max_batch: int = _var("BGE_M3_MAX_BATCH", _number(int, 1, 100_000), 256, "texts per request")
+    max_batch: int = _var("BGE_M3_MAX_BATCH", _number(int, 1, 100_000), 2048,
+                          "texts per request (OpenAI's own limit; LangChain sends 1,000)")
+    accept_token_ids: bool = _var("BGE_M3_ACCEPT_TOKEN_IDS", _bool, False,
+                                  "accept token-id input (bge-m3 ids); off: 400, as clients "
+                                  "such as LangChain send ids of another tokenizer")
     max_body_bytes: int = _var("BGE_M3_MAX_BODY_BYTES", _number(int, 1024), 32 * 1024 * 1024,
                                "request body limit")
     max_text_chars: int = _var("BGE_M3_MAX_TEXT_CHARS", _number(int, 1), 131_072,
@@ -169,11 +187,22 @@ class Settings:
                                      "comma-separated bearer keys; empty = no auth")
     metrics_auth: bool = _var("BGE_M3_METRICS_AUTH", _bool, False,
                               "require the API key on /metrics too")
+    tls_cert_file: Path | None = _var("BGE_M3_TLS_CERT_FILE", _path, None,
+                                      "PEM certificate (chain): serve HTTPS")
+    tls_key_file: Path | None = _var("BGE_M3_TLS_KEY_FILE", _path, None,
+                                     "PEM private key of the certificate (unset: in that file)")
+    tls_client_ca_file: Path | None = _var("BGE_M3_TLS_CLIENT_CA_FILE", _path, None,
+                                           "PEM CA certificates: require client certificates "
+                                           "they signed (mutual TLS)")
     # serving
     batch_delay_ms: float = _var("BGE_M3_BATCH_DELAY_MS", _number(float, 0.0, 10_000.0), 0.0,
                                  "coalescing window after the first arrival")
     max_queue_tokens: int = _var("BGE_M3_MAX_QUEUE_TOKENS", _number(int, 1), 1_000_000,
                                  "tokens waiting before 429")
+    cache_mb: int = _var("BGE_M3_CACHE_MB", _number(int, 0, 1 << 20), 128,
+                         "MiB of embeddings kept for repeated texts (answered without running "
+                         "the model); 0 = off. Off for int8 unless BGE_M3_MAX_CHUNK=1: its "
+                         "vectors move with their batch-mates")
     request_timeout_secs: float = _var("BGE_M3_REQUEST_TIMEOUT_SECS",
                                        _number(float, 0.0), 300.0, "per-request deadline; 0 = none")
     idle_timeout_secs: float = _var("BGE_M3_IDLE_TIMEOUT_SECS", _number(float, 0.0), 300.0,
@@ -181,6 +210,25 @@ class Settings:
     shutdown_timeout_secs: float = _var("BGE_M3_SHUTDOWN_TIMEOUT_SECS", _number(float, 0.0),
                                         30.0, "SIGTERM: in-flight work gets this long, then what "
                                         "is left is answered 503; 0 = no bound")
+    # rerank (docs/rerank.md)
+    rerank_model_path: Path | None = _var(
+        "BGE_M3_RERANK_MODEL_PATH", _path, None,
+        "a reranker beside bge-m3: a `bgeserve export` of bge-reranker-v2-m3, or a snapshot "
+        "with onnx/model.onnx")
+    rerank: bool = _var("BGE_M3_RERANK", _bool, False,
+                        "load BAAI/bge-reranker-v2-m3 (pinned commit, its hub ONNX graph) beside "
+                        "bge-m3 when BGE_M3_RERANK_MODEL_PATH is unset")
+    rerank_variant: str = _var("BGE_M3_RERANK_VARIANT", _choice(*VARIANTS), "fp32",
+                               "the reranker's variant: fp32|fp16|int8|bf16 (int8 moves "
+                               "rankings: docs/rerank.md)")
+    rerank_max_length: int = _var("BGE_M3_RERANK_MAX_LENGTH", _number(int, 16, MAX_POSITIONS),
+                                  MAX_POSITIONS, "tokens per (query, document) pair or window, "
+                                  "special tokens included")
+    rerank_workers: int | None = _var("BGE_M3_RERANK_WORKERS", _number(int, 1, 256), None,
+                                      "the reranker's sessions (default: BGE_M3_WORKERS)")
+    rerank_memory_share: float = _var("BGE_M3_RERANK_MEMORY_SHARE", _number(float, 0.05, 0.95),
+                                      0.5, "the reranker's share of the memory both models "
+                                      "leave free (workspace for its windows)")
     # operations
     log_format: str = _var("BGE_M3_LOG_FORMAT", _choice(*LOG_FORMATS), "auto", "json|text|auto")
     log_level: str = _var("BGE_M3_LOG_LEVEL", _choice("debug", "info", "warning", "error"),
@@ -215,6 +263,8 @@ class Settings:
             if raw is not None and (raw.strip() or f.type in ("str", "tuple[str, ...]")):
                 values[f.name] = f.metadata["parse"](f.metadata["env"], raw)
                 given.add(f.metadata["env"])
+        if "cache_dir" not in values:
+            values["cache_dir"] = default_cache_dir(environ)
         settings = cls(**values, explicit=frozenset(given))
         settings.validate()
         return settings
@@ -223,6 +273,11 @@ class Settings:
         """Whether ``variable`` (``BGE_M3_*``) was set, rather than left at its default."""
         return self.explicit is None or variable in self.explicit
 
+    def __post_init__(self) -> None:
+        # "~" is expanded when the settings are made (not at import): the default, or a path
+        # given to the constructor, is then the same Path wherever it is used.
+        object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
+
     def validate(self) -> None:
         """Check rules that involve more than one field."""
         if (self.cost_model_a is None) != (self.cost_model_b is None):
@@ -230,6 +285,11 @@ class Settings:
                 "BGE_M3_COST_MODEL_A and BGE_M3_COST_MODEL_B must be set together",
                 param="BGE_M3_COST_MODEL_A" if self.cost_model_a is None else "BGE_M3_COST_MODEL_B",
             )
+        for path, name in ((self.tls_key_file, "BGE_M3_TLS_KEY_FILE"),
+                           (self.tls_client_ca_file, "BGE_M3_TLS_CLIENT_CA_FILE")):
+            if path is not None and self.tls_cert_file is None:
+                raise ConfigError(f"{name} needs BGE_M3_TLS_CERT_FILE (the server's certificate)",
+                                  param=name)
         if self.onnx_batch_size is not None:
             warnings.warn(
                 "BGE_M3_ONNX_BATCH_SIZE is deprecated; it is translated to BGE_M3_TOKEN_BUDGET "

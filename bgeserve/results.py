@@ -46,3 +46,92 @@ class Embeddings:
     def prompt_tokens(self) -> int:
         """Real tokens processed (what ``usage`` reports)."""
         return int(self.n_tokens.sum())
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """One token of a tokenized text, as TEI's ``/tokenize`` gives it.
+
+    ``start``/``stop`` are UTF-8 *byte* offsets into the text (TEI's convention), ``None`` for
+    special tokens; ``text`` is the text's slice for a regular token, the token string for a
+    special one.
+    """
+
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the served model and its limits (what TEI's ``GET /info`` reports)."""
+
+    model_id: str
+    model_sha: str | None
+    dtype: str  # float32 | float16 | int8 | bfloat16
+    max_input_length: int  # tokens per text, special tokens included
+    max_batch_tokens: int  # padded tokens per session.run (a longer text runs alone)
+    max_batch_requests: int | None  # texts per session.run
+    max_client_batch_size: int  # inputs per request
+    max_concurrent_requests: int
+    auto_truncate: bool
+    tokenization_workers: int
+    version: str
+# --------------------------------------------------------------------------------- rerank
+LONG_DOCUMENTS = ("max", "truncate")
+M3_SCORER = "bge-m3"
+
+
+@dataclass(frozen=True)
+class RerankOptions:
+    """How a rerank request is scored.
+
+    ``model``: the scorer's id (None: the reranker when one is loaded, else bge-m3). The
+    cross-encoder reads ``normalize`` (sigmoid of the logit), ``long_documents`` (``max``:
+    overlapping windows, best kept; ``truncate``: the first window only, or the last with
+    ``truncation_direction`` ``left``) and ``max_tokens_per_doc`` (documents cut to that many
+    tokens first); bge-m3 reads ``mode`` and ``weights`` (``[dense, sparse, colbert]``) and
+    the same long-document policy over windows of its own length.
+    """
+
+    model: str | None = None
+    normalize: bool = False
+    long_documents: str = "max"
+    truncation_direction: str = "right"
+    max_tokens_per_doc: int | None = None
+    mode: str = "hybrid"
+    weights: tuple[float, float, float] = (0.4, 0.2, 0.4)
+
+    def __post_init__(self) -> None:
+        if self.long_documents not in LONG_DOCUMENTS:
+            raise ValueError(f"long_documents must be one of {LONG_DOCUMENTS}")
+        if self.truncation_direction not in ("left", "right"):
+            raise ValueError("truncation_direction must be left or right")
+
+
+@dataclass
+class RerankResult:
+    """One query's scores against its documents, in input order.
+
+    ``scores``: float64 per document (the cross-encoder's logit, or its sigmoid; bge-m3's
+    score of the mode). ``truncated``: part of the document was not scored (cut, or past the
+    windows' cap). ``windows``: model inputs scored per document. ``tokens``: tokens fed to
+    the model(s) (``usage``). ``model``: the scorer's id.
+    """
+
+    scores: np.ndarray
+    truncated: np.ndarray
+    windows: np.ndarray
+    tokens: int
+    model: str
+    query_truncated: bool = False
+
+    def __len__(self) -> int:
+        return len(self.scores)
+
+    def ranking(self, top_n: int | None = None) -> list[int]:
+        """Document indices by descending score (ties: lower index first), cut to ``top_n``."""
+        order = sorted(range(len(self.scores)), key=lambda i: (-float(self.scores[i]), i))
+        return order if not top_n else order[:top_n]

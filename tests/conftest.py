@@ -10,6 +10,13 @@ import pytest
 # The oracle and the exporter import torch; keep them from oversubscribing the 2 CI cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Fake hubs serve files at bge-m3's and the reranker's pinned revisions: a test that forgets
+# its own cache must not leave them in the user's Hugging Face cache (a later real start
+# would take them for the hub's).
+if "HF_HUB_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="bgeserve-tests-hf-")
 
 
 @pytest.fixture(scope="session")
@@ -124,3 +131,80 @@ def flag_model(tiny_model: Path):
     from FlagEmbedding import BGEM3FlagModel
 
     return BGEM3FlagModel(str(tiny_model), use_fp16=False, devices="cpu")
+
+
+@pytest.fixture(scope="session")
+def hub_snapshots(tiny_model: Path, models_root: Path) -> dict[str, Path]:
+    """Hub-layout snapshots of the tiny model made by transformers' own encoder traced with
+    torch.onnx (bgeserve.testing.hubsnap), as the hub's exporters write them: ``baai``
+    (sentence_embedding + token_embeddings, opset 17, one external weights file) and
+    ``optimum`` (last_hidden_state, opset 14: LayerNorm spelled out), both with the head files."""
+    import subprocess
+    import sys
+
+    out = {}
+    for layout in ("baai", "optimum"):
+        path = models_root / f"snapshot-{layout}"
+        if not (path / "onnx" / "model.onnx").exists():
+            # A child, as for hub_layouts: torch's tracer must not run under pytest's warnings.
+            subprocess.run([sys.executable, "-m", "bgeserve.testing.hubsnap", str(tiny_model),
+                            str(path), "--layout", layout], check=True,
+                           stdout=subprocess.DEVNULL)
+        out[layout] = path
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker(models_root: Path) -> Path:
+    """A tiny random-weight bge-reranker-v2-m3 (XLMRobertaForSequenceClassification, one
+    label) with the tiny bge-m3's tokenizer."""
+    from bgeserve.testing.randreranker import cached_random_reranker
+
+    return cached_random_reranker(models_root, "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker_export(tiny_reranker: Path, models_root: Path) -> Path:
+    """``bgeserve export`` of the tiny reranker: fp32 and int8, and bf16 (an OpenVINO IR)
+    where the openvino package is installed; validated against fp32 in the manifest."""
+    from bgeserve.export.main import export
+
+    out = models_root / "tiny-reranker-export"
+    if not (out / "manifest.json").exists():
+        export(str(tiny_reranker), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def no_torch_path(tmp_path_factory) -> str:
+    """A PYTHONPATH on which ``import torch`` / ``import transformers`` raise ImportError."""
+    root = tmp_path_factory.mktemp("no-torch")
+    for name in ("torch", "transformers"):
+        (root / name).mkdir()
+        (root / name / "__init__.py").write_text(
+            f"raise ImportError('{name} is not installed here (serving-only install)')\n")
+    return f"{root}{os.pathsep}{Path(__file__).resolve().parent.parent}"
+
+
+@pytest.fixture(scope="session")
+def flag_reranker(tiny_reranker: Path):
+    """FlagEmbedding's FlagReranker on the tiny reranker, fp32 on CPU: the oracle."""
+    from FlagEmbedding import FlagReranker
+
+    return FlagReranker(str(tiny_reranker), use_fp16=False, devices="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker_stock(tiny_reranker: Path, models_root: Path) -> Path:
+    """The tiny reranker as the hub ships one: config, tokenizer, weights and a
+    plain-attention ``onnx/model.onnx`` whose output is ``logits`` [B, 1]."""
+    import shutil
+    import subprocess
+    import sys
+
+    out = models_root / "reranker-stock"
+    if not (out / "onnx" / "model.onnx").exists():
+        shutil.copytree(tiny_reranker, out, dirs_exist_ok=True)
+        subprocess.run([sys.executable, "-m", "bgeserve.export.steps", "fp32", str(tiny_reranker),
+                        str(out / "onnx" / "model.onnx"), "--layout", "logits"], check=True)
+    return out

@@ -16,7 +16,7 @@ import numpy as np
 
 from bgeserve.config import Settings
 from bgeserve.errors import BgeServeError, InvalidInput, TooLarge
-from bgeserve.results import Embeddings, EmbedOptions
+from bgeserve.results import Embeddings, EmbedOptions, ModelInfo, RerankOptions, RerankResult, Token
 
 HIDDEN = 1024
 VOCAB = 250_002
@@ -59,6 +59,8 @@ class FakeService:
     calls: list[Call] = field(default_factory=list)
     started: bool = False
     stopped: bool = False
+    rerank_ids: tuple[str, ...] = ()  # a reranker's ids when one is "loaded"
+    rerank_calls: list[tuple[str, list[str], RerankOptions]] = field(default_factory=list)
 
     async def start(self) -> None:
         """Mark started."""
@@ -121,13 +123,76 @@ class FakeService:
             truncated=np.array(truncated, dtype=bool),
         )
 
+    async def rerank(self, query: str, documents: list[str], options: RerankOptions, *,
+                     request_id: str) -> RerankResult:
+        """Scores: the dot product of the fake dense vectors (the query's and each document's);
+        a document with a word "long" counts as cut when ``long_documents`` is truncate, else
+        as 3 windows. The model echoed is the reranker's when asked for or by default."""
+        self.rerank_calls.append((query, list(documents), options))
+        if self.fail_with is not None:
+            raise self.fail_with
+        q = self.expected_dense(query)
+        scores = np.array([float(q @ self.expected_dense(d)) for d in documents])
+        long = np.array(["long" in d.split() for d in documents], dtype=bool)
+        cut = options.long_documents == "truncate"
+        reranker = bool(self.rerank_ids) and options.model in (None, *self.rerank_ids)
+        return RerankResult(scores, long & cut, np.where(long & ~cut, 3, 1),
+                            sum(len(fake_tokens(d)) + 4 for d in documents),
+                            self.rerank_ids[0] if reranker else "bge-m3")
+
+    def rerank_model_ids(self) -> tuple[str, ...]:
+        """The reranker's ids (none unless ``rerank_ids`` is set)."""
+        return self.rerank_ids
+
     def dense_width(self) -> int:
         """bge-m3's width."""
         return HIDDEN
 
+    def vocab_size(self) -> int:
+        """bge-m3's vocabulary size."""
+        return VOCAB
+
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """``"w<id mod 1000>"``: distinct ids can collide, as sub-word strings do."""
         return [f"w{int(i) % 1000}" for i in ids]
+
+    async def tokenize(self, texts: Sequence[str],
+                       add_special_tokens: bool = True) -> list[list[Token]]:
+        """One token per whitespace word (``fake_tokens``' ids), UTF-8 byte offsets."""
+        out = []
+        for text in texts:
+            tokens, pos = [], 0
+            for word in text.split():
+                at = text.index(word, pos)
+                start = len(text[:at].encode())
+                stop = start + len(word.encode())
+                tokens.append(Token(fake_tokens(word)[0], word, False, start, stop))
+                pos = at + len(word)
+            if add_special_tokens:
+                tokens = [Token(0, "<s>", True, None, None), *tokens,
+                          Token(2, "</s>", True, None, None)]
+            out.append(tokens)
+        return out
+
+    async def decode(self, sequences: Sequence[Sequence[int]],
+                     skip_special_tokens: bool = True) -> list[str]:
+        """``"w<id>"`` per id, joined by spaces; ids 0-3 dropped when skipping specials."""
+        return [" ".join(f"w{t}" for t in seq if not (skip_special_tokens and t < 4))
+                for seq in sequences]
+
+    async def truncate_left(self, texts: Sequence[str]) -> list[list[int]]:
+        """``<s>``, the last words' ids and ``</s>``, at most ``max_seq_length`` of them."""
+        keep = self.settings.max_seq_length - 2
+        return [[0, *fake_tokens(t)[-keep:], 2] if keep else [0, 2] for t in texts]
+
+    def info(self) -> ModelInfo:
+        """Fixed facts, the limits from the settings."""
+        s = self.settings
+        return ModelInfo(model_id="BAAI/bge-m3", model_sha=None, dtype="float32",
+                         max_input_length=s.max_seq_length, max_batch_tokens=16384,
+                         max_batch_requests=64, max_client_batch_size=s.max_batch,
+                         max_concurrent_requests=500_000, auto_truncate=s.truncate,
+                         tokenization_workers=2, version="0.1.0")
 
     def health(self) -> dict[str, Any]:
         """A health report in the real shape, with the configured ``status``."""
@@ -136,8 +201,19 @@ class FakeService:
             "workers": {"live": 1, "loaded": 1, "total": 1},
             "max_seq_length": self.settings.max_seq_length,
             "model": {"name": self.model_name, "variant": "fake"},
-            "tuning": {"probe_status": "fake"},
+            "tuning": {"probe_status": "disabled"},
         }
+
+    def refuse_now(self) -> None:
+        """Never full."""
+        return
+
+    async def deep_health(self, deadline_s: float | None = None) -> tuple[int, dict[str, Any]]:
+        """The deep check in the real shape: 200 ok, or 503 unless ``status`` is healthy."""
+        if self.status in ("ok", "warn", "idle"):
+            return 200, {"status": "ok", "ms": 0.5, "compared": "bitwise",
+                         "deadline_ms": round(1000 * (deadline_s or 5))}
+        return 503, {"status": "fail", "reason": f"the service is {self.status}"}
 
     def metrics(self) -> tuple[bytes, str]:
         """A minimal Prometheus exposition."""

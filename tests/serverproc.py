@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -36,9 +37,12 @@ def free_port() -> int:
 class ServerProc:
     """One ``bgeserve serve`` process; ``url`` is its base URL."""
 
-    def __init__(self, env: Mapping[str, str], *, port: int | None = None) -> None:
+    def __init__(self, env: Mapping[str, str], *, port: int | None = None,
+                 verify: ssl.SSLContext | bool | None = None) -> None:
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        # verify: the server speaks HTTPS (BGE_M3_TLS_*); httpx's verify for polling it.
+        self.verify = True if verify is None else verify
+        self.url = f"{'http' if verify is None else 'https'}://127.0.0.1:{self.port}"
         base = {k: v for k, v in os.environ.items() if not k.startswith("BGE_M3_")}
         base.update({"HF_HUB_OFFLINE": "1", "BGE_M3_LOG_FORMAT": "json",
                      "BGE_M3_BIND": f"127.0.0.1:{self.port}", "PYTHONUNBUFFERED": "1",
@@ -111,7 +115,7 @@ class ServerProc:
 
     # -- readiness -------------------------------------------------------------------------
     def health(self, timeout: float = 5.0) -> httpx.Response:
-        return httpx.get(f"{self.url}/health", timeout=timeout)
+        return httpx.get(f"{self.url}/health", timeout=timeout, verify=self.verify)
 
     def wait_health(self, status: int | None = 200, timeout: float = 30.0,
                     body_status: str | None = None) -> dict[str, Any]:

@@ -171,24 +171,42 @@ def test_the_default_does_not_pick_ov_int8_by_itself(tmp_path):
         assert auto(Settings(model_path=root), machine).variant != "ov-int8"
 
 
-def _entries(int8_cos=None, ov_int8_cos=None, bf16_cos=None):
-    out = {"fp32": {}}
-    for name, cos in (("int8", int8_cos), ("ov-int8", ov_int8_cos), ("bf16", bf16_cos)):
-        if cos is not None:
-            out[name] = {"agreement": {"dense_cos_min": cos}}
-    return out
+# -- the measured default's candidates and pick (runtime/select.py) ------------------------------
+def test_candidates_are_every_variant_meeting_the_bar_on_a_runtime_this_machine_has():
+    """Read from the manifest: a new variant (an OpenVINO int8) is a candidate by its entry's
+    runtime alone; fp16 (GPU) and variants below the bar or unmeasured are not."""
+    from bgeserve.runtime.select import Candidate, cpu_candidates
+
+    good = {"agreement": {"dense_cos_min": 0.9993}}
+    variants = {"fp32": {}, "int8": good, "bf16": {"runtime": "openvino", **good},
+                "ov-int8": {"runtime": "openvino", **good}, "fp16": good,
+                "int4": {"agreement": {"dense_cos_min": 0.98}}, "odd": {"runtime": "tvm", **good},
+                "raw": {}}
+    found, left_out = cpu_candidates(variants, BF16_CPU)
+    assert found == [Candidate("fp32", "cpu"), Candidate("int8", "cpu"),
+                     Candidate("bf16", "openvino"), Candidate("ov-int8", "openvino")]
+    assert set(left_out) == {"fp16", "int4", "odd", "raw"}
+    assert "0.9800 < 0.999" in left_out["int4"] and "did not measure" in left_out["raw"]
+    found, left_out = cpu_candidates(variants, NO_OPENVINO)
+    assert [c.variant for c in found] == ["fp32", "int8"]
+    assert "openvino is not installed" in left_out["ov-int8"]
 
 
-def test_candidates_offer_ov_int8_to_a_measured_choice():
-    """ov-int8 that keeps the bar is a candidate wherever OpenVINO runs, native bf16 or not
-    (the rule's choice stays first, and the rule alone does not pick ov-int8); a variant
-    under the bar, or on OpenVINO without the package, is not offered."""
-    from bgeserve.runtime.select import candidates
+@pytest.mark.parametrize("rates,prior,chosen", [
+    ({"fp32": 250.0, "int8": 800.0}, "fp32", "int8"),
+    ({"int8": 800.0, "bf16": 830.0}, "int8", "int8"),  # within 5 %: the prior stays
+    ({"int8": 800.0, "bf16": 850.0}, "int8", "bf16"),
+    ({"int8": 800.0, "bf16": 830.0}, "fp32", "bf16"),  # the prior was not timed
+    ({"int8": 800.0}, None, "int8"),
+])
+def test_pick_is_the_fastest_unless_the_prior_is_within_the_margin(rates, prior, chosen):
+    from bgeserve.runtime.select import pick
 
-    got = candidates(_entries(0.9994, 0.9995, 0.99999), NO_BF16)
-    assert [(c.provider, c.variant) for c in got] == [
-        ("cpu", "int8"), ("openvino", "ov-int8"), ("openvino", "bf16"), ("cpu", "fp32")]
-    got = candidates(_entries(0.9994, 0.9995, 0.99999), AMX_CPU)
-    assert [c.variant for c in got] == ["bf16", "int8", "ov-int8", "fp32"]
-    assert [c.variant for c in candidates(_entries(0.9994, 0.998), BF16_CPU)] == ["int8", "fp32"]
-    assert [c.variant for c in candidates(_entries(None, 0.9995), NO_OPENVINO)] == ["fp32"]
+    assert pick(rates, prior) == chosen
+
+
+def test_pick_needs_a_timed_candidate():
+    from bgeserve.runtime.select import pick
+
+    with pytest.raises(ValueError):
+        pick({}, "fp32")

@@ -53,14 +53,25 @@ def test_missing_weights_file_is_a_clear_error(tiny_export_bf16: Path, tmp_path:
         resolve(model_path=copy, variant="bf16", cache_dir=tmp_path / "cache")
 
 
+def _closed_over(fn: object) -> list[object]:
+    """Every value ``fn``'s closures hold, nested closures included."""
+    out: list[object] = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        value = cell.cell_contents
+        out.append(value)
+        if callable(value):
+            out.extend(_closed_over(value))
+    return out
+
+
 def test_workers_share_one_compiled_model(tiny_export_bf16: Path, tmp_path: Path) -> None:
     """Two workers = two infer requests on one compiled model; it goes with the last session."""
     config = EngineConfig(session=SessionConfig(threads=1, streams=2),
                           scheduler=SchedulerConfig(workers=2))
     with Engine(tiny_export_bf16, "bf16", config=config, cache_dir=tmp_path) as engine:
         one = engine.embed(TEXTS, dense=True, sparse=True, colbert=True)
-        shared = engine.open_forward.__closure__  # the factory's SharedModel
-        owner = next(c.cell_contents for c in shared if hasattr(c.cell_contents, "streams"))
+        # The factory's SharedModel, held by the runtime's session opener inside it.
+        owner = next(v for v in _closed_over(engine.open_forward) if hasattr(v, "streams"))
         assert owner.streams == 2 and owner.users == 2
         again = engine.embed(list(reversed(TEXTS)), dense=True)
     assert owner.users == 0

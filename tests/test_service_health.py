@@ -134,8 +134,9 @@ def test_health_reports_a_worker_waiting_to_restart(monkeypatch: pytest.MonkeyPa
 
 def test_a_cancelled_request_holds_its_tokenizing_slot_until_its_thread_ends() -> None:
     """A client that leaves mid-tokenizing cancels its request, but the tokenizer thread runs
-    on: the request returns (and so gives back its slot, and the HTTP layer its body
-    allowance) only once the thread is done; it never submits the job."""
+    on: the request returns (and so gives back its slot, its reserved room in the queue, and
+    the HTTP layer its body allowance) only once the thread is done; it never submits the
+    job."""
     import asyncio
     import threading
     import time
@@ -152,15 +153,23 @@ def test_a_cancelled_request_holds_its_tokenizing_slot_until_its_thread_ends() -
         events.append("tokenized")
         return SimpleNamespace(deadline=None)
 
+    from bgeserve.service.admission import Admission, DrainMeter
+
     service = ready_service(dict)
     service.engine = SimpleNamespace(  # type: ignore[assignment]
-        queue_nearly_full=lambda: False, make_job=make_job,
-        await_job=lambda job: pytest.fail("a cancelled request submitted its job"))
+        queued_tokens=lambda: 0, make_job=make_job,
+        tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 3, max_seq=512),
+        submit=lambda job: pytest.fail("a cancelled request submitted its job"))
+    service.admission = admission = Admission(service.engine, 1000,  # type: ignore[arg-type]
+                                              DrainMeter(), slots=2)
 
     async def main() -> None:
-        task = asyncio.ensure_future(service.embed(["x"], EmbedOptions()))
+        # Past INLINE_TOKENIZE_CHARS: a request small enough is tokenized on the loop.
+        task = asyncio.ensure_future(service.embed(["x" * 1000], EmbedOptions()))
         while not events:
+            assert not task.done(), task  # it must reach the tokenizer, not fail before
             await asyncio.sleep(0.01)
+        assert admission.gate.reserved == 3  # its lower bound holds room meanwhile
         task.cancel()
         await asyncio.sleep(0.05)
         assert not task.done()  # still waiting for its thread
@@ -168,10 +177,46 @@ def test_a_cancelled_request_holds_its_tokenizing_slot_until_its_thread_ends() -
         with pytest.raises(asyncio.CancelledError):
             await task
         events.append("returned")
-        assert service._tokenizing is not None and not service._tokenizing.locked()
+        assert admission._tokenizing is not None and not admission._tokenizing.locked()
+        assert admission.gate.reserved == 0
 
     asyncio.run(main())
     assert events == ["tokenizing", "tokenized", "returned"]
+
+
+@pytest.mark.parametrize(("inputs", "on_loop"), [
+    ("a query", True), (["q1", "q2"], True), ([[5] * 100], True),
+    ("x" * 513, False), (["y" * 300, "z" * 300], False), ([[5] * 600], False),
+])
+def test_small_requests_are_tokenized_on_the_event_loop(inputs: Any, on_loop: bool) -> None:
+    """Up to INLINE_TOKENIZE_CHARS characters (or token ids) a request is tokenized on the
+    event loop's own thread, without the round trip through a tokenizer thread; past that, on
+    a thread."""
+    import asyncio
+    import threading
+
+    from bgeserve.results import EmbedOptions
+
+    threads: list[threading.Thread] = []
+
+    def make_job(*args: Any) -> Any:
+        threads.append(threading.current_thread())
+        return SimpleNamespace(deadline=None)
+
+    async def await_job(job: Any) -> str:
+        return "result"
+
+    service = ready_service(dict)
+    service.engine = SimpleNamespace(  # type: ignore[assignment]
+        queue_nearly_full=lambda: False, make_job=make_job, await_job=await_job)
+    service.metrics_registry = SimpleNamespace(  # type: ignore[assignment]
+        observe_request=lambda *a: None)
+
+    async def main() -> None:
+        assert await service.embed(inputs, EmbedOptions()) == "result"
+        assert (threads == [threading.current_thread()]) is on_loop
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("bound", [0.0, 5.0])
@@ -194,3 +239,25 @@ def test_sigterm_answers_503_only_past_a_nonzero_bound(bound: float) -> None:
 
     asyncio.run(main())
     assert flushed == [True]
+
+
+def test_health_says_draining_with_503_once_sigterm_came() -> None:
+    """After SIGTERM (begin_shutdown) /health reports ``draining``, which the HTTP layer
+    answers 503: a readiness probe takes the replica out while its requests finish."""
+    import asyncio
+
+    from bgeserve.http.handlers import HEALTHY
+
+    service = ready_service(lambda: {"live": 1, "loaded": 1, "total": 1, "busy": 0,
+                                     "queue_texts": 0, "queue_tokens": 0})
+    assert service.health()["status"] == "ok"
+    service.engine.flush = lambda: None  # type: ignore[union-attr]
+
+    async def main() -> None:
+        service.begin_shutdown()
+        if service._abort_timer is not None:
+            service._abort_timer.cancel()
+
+    asyncio.run(main())
+    assert service.health()["status"] == "draining"
+    assert "draining" not in HEALTHY

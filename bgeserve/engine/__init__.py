@@ -20,17 +20,20 @@ from typing import Self
 import numpy as np
 
 from bgeserve import runtime
+from bgeserve.engine import cache as cache_rules
+from bgeserve.engine.cache import EmbeddingCache
 from bgeserve.engine.forward import forward_factory
 from bgeserve.engine.inputs import Inputs, normalize_inputs
-from bgeserve.engine.jobs import Job
+from bgeserve.engine.jobs import Job, answer
 from bgeserve.engine.scheduler import ChunkStats, Scheduler, SchedulerConfig
 from bgeserve.engine.tokenizer import Encoded, Tokenizer
 from bgeserve.errors import BgeServeError, NotReady, TooLarge
 from bgeserve.model import dims
 from bgeserve.model.artifacts import ModelArtifacts, resolve
-from bgeserve.results import Embeddings, EmbedOptions
+from bgeserve.results import Embeddings, EmbedOptions, RerankOptions, RerankResult
 from bgeserve.runtime.session import SessionConfig
 from bgeserve.tuning import memory
+from bgeserve.tuning.audit import WorkspaceAudit
 from bgeserve.tuning.budget import budget
 from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
 
@@ -49,6 +52,9 @@ class EngineConfig:
     # ColBERT vectors are (tokens - 1) x hidden float32 per text: 256 texts of 8,192 tokens are
     # 8 GiB before any JSON, outside every memory budget. A request past this is refused.
     max_colbert_bytes: int | None = 512 << 20
+    # Embeddings of texts seen before (engine/cache.py; 0 = none). Used only where a cached
+    # vector equals a fresh one (``cache.applies``: not for int8 unless texts run alone).
+    cache_bytes: int = 128 << 20
 
 
 class Engine:
@@ -87,10 +93,29 @@ class Engine:
         self._auto_budget = auto_budget and cost_model is None
         self._scheduler = Scheduler(self.open_forward, cost_model, self.config.scheduler,
                                     on_chunk=on_chunk)
+        self.cache = self._make_cache(artifacts, self.config)
         self._started = False
         self._closed = False
         if start:
             self.start()
+
+    @staticmethod
+    def _make_cache(artifacts: ModelArtifacts, config: EngineConfig) -> EmbeddingCache | None:
+        sched = config.scheduler
+        if config.cache_bytes <= 0:
+            return None
+        if not cache_rules.applies(artifacts.variant, sched.max_chunk, sched.pad_multiple):
+            log.info("embedding cache off: %s results move with their batch-mates (set "
+                     "BGE_M3_MAX_CHUNK=1 to run texts alone and cache them)", artifacts.variant)
+            return None
+        # One cache never answers for another model: its files, variant and layout name it.
+        namespace = f"{artifacts.identity()}|{artifacts.variant}|{artifacts.layout.value}"
+        return EmbeddingCache(config.cache_bytes, namespace)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Memory held outside the workspace budget: the embedding cache's limit."""
+        return self.cache.max_bytes if self.cache is not None else 0
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -108,8 +133,8 @@ class Engine:
                 workers = self.config.scheduler.workers
                 model_cost = max(0, memory.rss_bytes() - before) // workers
                 a, b = conservative_coefficients(**dims.model_dims(self.artifacts))
-                self.set_cost_model(CostModel(a, b, budget(available.available_bytes, workers,
-                                                           model_cost)))
+                free = available.available_bytes - self.reserved_bytes
+                self.set_cost_model(CostModel(a, b, budget(free, workers, model_cost)))
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Finish queued work (bounded by ``timeout``; None: all of it) and release the
@@ -148,6 +173,10 @@ class Engine:
     def set_cost_model(self, cost: CostModel | None) -> None:
         """Swap the cost model (atomic: the next chunk uses it)."""
         self._scheduler.packer.set_cost(cost)
+
+    def set_audit(self, audit: WorkspaceAudit | None) -> None:
+        """Measure sampled chunks against the cost model (``tuning.audit``) from now on."""
+        self._scheduler.audit = audit
 
     def set_max_chunk_tokens(self, tokens: int) -> None:
         """Change the padded tokens per run (the probe's timing may choose another budget)."""
@@ -196,42 +225,32 @@ class Engine:
                     f"{cost.max_seq()} tokens). Lower BGE_M3_MAX_SEQ_LENGTH, reduce "
                     "BGE_M3_WORKERS, or give the server more memory", param=f"input[{i}]")
 
-    def queue_nearly_full(self) -> bool:
-        """Less than half the queue's room is left: ``refuse_early`` is worth its walk."""
-        return self._nearly_full(self._scheduler.room())
-
-    def _nearly_full(self, room: int) -> bool:
-        return room <= self._scheduler.config.max_queue_tokens // 2
-
-    def refuse_early(self, inputs: Inputs) -> None:
-        """Raise Overloaded before tokenizing ``inputs`` when even a lower bound of their
-        tokens would overflow the queue. Only worth it near the limit (the bound walks the
-        texts), so a caller with room to spare skips it: under a flood, refusals then cost no
-        tokenizing, which competes with the sessions for the CPU."""
-        room = self._scheduler.room()
-        if not self._nearly_full(room):
-            return
-        texts, ids = normalize_inputs(inputs)
-        bound = (self.tokenizer.min_tokens(texts, stop_above=room) if texts is not None
-                 else sum(min(len(x), self.tokenizer.max_seq) for x in ids or ()))
-        self._scheduler.check_room(bound)
-
     def make_job(self, inputs: Inputs, options: EmbedOptions, request_id: str = "",
-                 arrived: float | None = None) -> Job:
+                 arrived: float | None = None, *, solo: bool = False,
+                 timed: bool = True) -> Job:
         """Tokenize and admit ``inputs``; the returned job is ready to submit. Its deadline
         (``request_timeout_s``) counts from ``arrived`` (monotonic; default now), so the time
-        spent tokenizing counts too."""
+        spent tokenizing counts too; ``timed=False``: none (the server's own start-up and
+        canary jobs). ``solo``: its texts run in chunks of their own."""
         start = time.monotonic() if arrived is None else arrived
         encoded = self.encode_inputs(inputs)
         self.admit(encoded, options.truncate, options.colbert)
-        timeout = self.config.request_timeout_s
+        timeout = self.config.request_timeout_s if timed else None
         deadline = start + timeout if timeout else None
-        return Job(encoded.ids, encoded.truncated, options, deadline, request_id)
+        job = Job(encoded.ids, encoded.truncated, options, deadline, request_id, solo=solo)
+        if self.cache is not None and not solo:  # a canary (solo) must run, never be a hit
+            job.reuse(self.cache)
+        return job
 
     def submit(self, job: Job) -> Future:
-        """Queue a job; returns its concurrent future."""
+        """Queue a job; returns its concurrent future (already answered when the cache held
+        every text)."""
         if not self._started:
             raise NotReady("the engine is not started")
+        if job.ids and job.remaining == 0:  # nothing to run: never touches the queue
+            job.done = True
+            answer(job.future, result=job.result())
+            return job.future
         return self._scheduler.submit(job)
 
     def embed(self, inputs: Inputs, dense: bool = True, sparse: bool = False,
@@ -253,9 +272,35 @@ class Engine:
         job = await asyncio.to_thread(self.make_job, inputs, options, request_id)
         return await self.await_job(job)
 
-    async def await_job(self, job: Job) -> Embeddings:
-        """Submit ``job`` and wait for it; a cancelled waiter drops the job's pending texts."""
-        future = self.submit(job)
+    def cancel(self, job: Job) -> None:
+        """Drop a job's texts that have not started (its caller gave up)."""
+        self._scheduler.cancel(job)
+
+    def rerank(self, query: str, documents: list[str], *, mode: str = "hybrid",
+               weights: tuple[float, float, float] = (0.4, 0.2, 0.4),
+               long_documents: str = "max") -> RerankResult:
+        """bge-m3's own relevance scores of ``documents`` for ``query`` (blocking): ``mode``
+        dense | sparse | colbert | sparse+dense | hybrid, combined with ``weights`` [dense,
+        sparse, colbert] as FlagEmbedding's compute_score does, the query embedded once
+        (``engine/m3rerank.py``). A cross-encoder is ``bgeserve.Reranker``."""
+        from bgeserve.engine.m3rerank import rerank_m3
+
+        return rerank_m3(self, query, documents, RerankOptions(
+            mode=mode, weights=weights, long_documents=long_documents))
+
+    async def arerank(self, query: str, documents: list[str], *, mode: str = "hybrid",
+                      weights: tuple[float, float, float] = (0.4, 0.2, 0.4),
+                      long_documents: str = "max") -> RerankResult:
+        """Async ``rerank``."""
+        from bgeserve.engine.m3rerank import arerank_m3
+
+        return await arerank_m3(self, query, documents, RerankOptions(
+            mode=mode, weights=weights, long_documents=long_documents))
+
+    async def await_job(self, job: Job, future: Future | None = None) -> Embeddings:
+        """Submit ``job`` (unless ``future``, its submission, is given) and wait for it; a
+        cancelled waiter drops the job's pending texts."""
+        future = self.submit(job) if future is None else future
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -263,6 +308,10 @@ class Engine:
             raise
 
     # -- state -----------------------------------------------------------------------------
+    def queued_tokens(self) -> int:
+        """Tokens waiting in the queue now (cheap: no lock, no other counts)."""
+        return self._scheduler.queued_tokens()
+
     def stats(self) -> dict[str, int]:
         """Workers (total / live / loaded / busy) and the queue (texts, tokens)."""
         return self._scheduler.stats()
@@ -271,3 +320,8 @@ class Engine:
     def counters(self):
         """Scheduler counters: rejected, cancelled_texts, deadline_exceeded, oom_splits."""
         return self._scheduler.counters
+
+    def cache_stats(self) -> dict[str, int] | None:
+        """The embedding cache's counters and size (``EmbeddingCache.stats``); None when
+        there is no cache."""
+        return None if self.cache is None else self.cache.stats()

@@ -2,7 +2,9 @@
 
 A bgeserve export computes the heads in the graph; the hub graphs give hidden states and the
 heads are applied here in numpy (``HiddenHeads``). Either way the engine sees the same
-``ChunkOutputs``.
+``ChunkOutputs``. A reranker's graph (``Layout.SCORE`` / ``LOGITS``: one logit per row) fills
+the ``dense`` slot with that logit as a (B, 1) column, so the engine, the packer and the tuner
+serve it unchanged (``engine/reranker.py`` reads it back).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class Forward:
     """A session plus its layout: ``run(ids, mask, dense, sparse, colbert)`` → ChunkOutputs."""
 
     def __init__(self, session: Session, layout: Layout, heads: HiddenHeads | None):
-        if layout is not Layout.BGESERVE and heads is None:
+        if layout is not Layout.BGESERVE and not layout.reranker and heads is None:
             raise ModelUnavailable(f"the {layout.value} graph layout needs the sparse and "
                                    "ColBERT head weights (sparse_linear.pt, colbert_linear.pt)")
         self.session = session
@@ -44,6 +46,10 @@ class Forward:
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, *, dense: bool,
             sparse: bool, colbert: bool) -> ChunkOutputs:
+        if self.layout.reranker:  # whatever is asked, a reranker has its logit
+            name = self.layout.outputs[0]
+            logit = self.session.run(input_ids, attention_mask, [name])[name]
+            return ChunkOutputs(np.asarray(logit, dtype=np.float32).reshape(-1, 1), None, None)
         if self.layout is Layout.BGESERVE:
             names = [n for n, want in (("dense", dense), ("sparse_weights", sparse),
                                        ("colbert", colbert)) if want]

@@ -32,7 +32,7 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
 class ChunkOutputs:
     """Per-position outputs of one padded chunk (B texts padded to L tokens)."""
 
-    dense: np.ndarray | None  # (B, H), normalised
+    dense: np.ndarray | None  # (B, H), normalised; a reranker: (B, 1), its logits
     sparse_weights: np.ndarray | None  # (B, L), relu already applied
     colbert: np.ndarray | None  # (B, L - 1, H), normalised, padding rows zero
 

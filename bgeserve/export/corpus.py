@@ -1,4 +1,5 @@
-"""Deterministic texts, as token ids, for the export's int8 calibration and its validation.
+"""Deterministic texts, as token ids, for the export's int8 calibration and its validation
+(single texts for bge-m3, (query, document) pairs for a reranker).
 
 They are made with the export's own tokenizer from ``bgeserve.export.texts.random_texts``
 (multilingual-looking words in five scripts, numbers, emoji, punctuation): for a real model this
@@ -50,3 +51,20 @@ def token_rows(tokenizer: Path, seed: int, n: int, *, min_tokens: int = MIN_TOKE
         rows.append(np.concatenate((ids[:target - 1], ids[-1:])).astype(np.int64)
                     if len(ids) > target else ids)
     return rows
+
+
+def pair_row(query: np.ndarray, document: np.ndarray, max_tokens: int) -> np.ndarray:
+    """``<s> q </s></s> d </s>`` from two rows (``<s>`` … ``</s>`` each), as a cross-encoder
+    sees a (query, document) pair; the document is cut so the pair has at most ``max_tokens``."""
+    q, d = query[1:-1], document[1:-1]
+    room = max(0, max_tokens - len(q) - 4)
+    return np.concatenate(([0], q, [2, 2], d[:room], [2])).astype(np.int64)
+
+
+def pair_rows(tokenizer: Path, seed: int, n: int, *, max_tokens: int = MAX_TOKENS
+              ) -> list[np.ndarray]:
+    """``n`` (query, document) pair rows for a reranker's int8 calibration: queries of 3–24
+    content tokens, pairs of lengths spread over [MIN_TOKENS, max_tokens]."""
+    queries = token_rows(tokenizer, seed, n, min_tokens=5, max_tokens=26)
+    documents = token_rows(tokenizer, seed + 1, n, max_tokens=max_tokens)
+    return [pair_row(q, d, max_tokens) for q, d in zip(queries, documents, strict=True)]

@@ -11,6 +11,11 @@ export's tokenizer (``smoothquant.py``); ov-int8 is NNCF's static quantization o
 plain-attention graph for OpenVINO (``ovint8.py``). When fp32 is part of the export, a last step measures
 each other variant against it (``validate.py``) and the manifest records the figures in that
 variant's ``"agreement"``.
+
+A sequence-classification checkpoint (bge-reranker-v2-m3's layout) exports the same way as a
+reranker (``"kind": "reranker"`` in the manifest): one output, ``score`` [B], the pair's
+relevance logit; int8 calibrates on (query, document) pairs and validation records score and
+rank agreement (``rerank_validate.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pathlib import Path
 from bgeserve import __version__
 from bgeserve.errors import ModelUnavailable
 from bgeserve.export import ATTENTION_BLOCK, FFN_ROWS
+from bgeserve.model.kind import EMBEDDING, RERANKER, config_kind, num_labels
 
 VARIANTS = ("fp32", "fp16", "int8", "bf16", "ov-int8")
 # bf16 only where openvino is installed, ov-int8 where nncf is too
@@ -41,6 +47,7 @@ SOURCE_PATTERNS = ["config.json", "*.safetensors", "pytorch_model.bin", "sparse_
                    "colbert_linear.pt", *TOKENIZER_FILES]
 MANIFEST_SCHEMA = 1
 OUTPUTS = ["dense", "sparse_weights", "colbert"]
+RERANKER_OUTPUTS = ["score"]
 
 
 def sha256(path: Path) -> str:
@@ -60,8 +67,12 @@ def _source_dir(model: str, cache_dir: Path | None) -> Path:
         raise ModelUnavailable(f"--model {model}: not a directory")
     from huggingface_hub import snapshot_download
 
+    from bgeserve.model.rerank_artifacts import RERANK_REPO, RERANK_REVISION
+
+    # The reranker comes at its pinned commit (a moving main would change what is served).
+    revision = RERANK_REVISION if model == RERANK_REPO else None
     try:
-        return Path(snapshot_download(model, allow_patterns=SOURCE_PATTERNS,
+        return Path(snapshot_download(model, revision=revision, allow_patterns=SOURCE_PATTERNS,
                                       cache_dir=str(cache_dir) if cache_dir else None))
     except Exception as exc:
         raise ModelUnavailable(f"cannot download {model} from the Hugging Face hub: {exc}. "
@@ -136,7 +147,9 @@ def _export_openvino(src: Path, out: Path, opset: int, labels: dict[str, str],
 def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, opset: int = 18,
            cache_dir: Path | None = None, attention_block: int | None = None,
            ffn_rows: int | None = None) -> Path:
-    """Export ``model`` into ``out`` (default: ``default_variants()``); returns the manifest."""
+    """Export ``model`` (bge-m3, or a reranker) into ``out`` (default: ``default_variants()``);
+    returns the manifest's path."""
+    asked = variants
     variants = default_variants() if variants is None else variants
     # The CPU graphs (fp32, int8) run each layer's FFN over blocks of token rows (rowblock.py);
     # fp16 is the GPU variant and stays one piece for TensorRT. Plain attention means plain
@@ -144,8 +157,19 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
     rows = (FFN_ROWS if ffn_rows is None else ffn_rows) if attention_block != 0 else 0
     src = _source_dir(model, cache_dir)
     config = json.loads((src / "config.json").read_text())
+    kind = config_kind(config)
+    if kind == RERANKER and num_labels(config) != 1:
+        raise ModelUnavailable(f"{src} is a classifier with {num_labels(config)} labels; a "
+                               "reranker has exactly one (its relevance logit)")
+    if kind == RERANKER and "ov-int8" in variants:
+        # ov-int8's NNCF calibration and its validation are bge-m3's (single texts, dense and
+        # sparse outputs); a reranker's int8 is ONNX Runtime's, calibrated on pairs.
+        if asked is not None:
+            raise ModelUnavailable("ov-int8 is made for bge-m3 only; a reranker's variants are "
+                                   "fp32, int8 and bf16")
+        variants = tuple(v for v in variants if v != "ov-int8")
     for head in ("sparse_linear.pt", "colbert_linear.pt"):
-        if not (src / head).exists():
+        if kind == EMBEDDING and not (src / head).exists():
             raise ModelUnavailable(f"{src / head} is missing: bge-m3's heads are required")
     if not (src / "tokenizer.json").exists():
         raise ModelUnavailable(f"{src / 'tokenizer.json'} is missing: the export needs it "
@@ -184,8 +208,9 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
                    "--hidden", str(config["hidden_size"])], f"{done}/{steps} fp16")
     if "int8" in variants:
         done += 1
+        pairs = ["--pairs"] if kind == RERANKER else []
         _run_step(["int8", str(fp32), str(out / "int8" / "model.onnx"),
-                   "--tokenizer", str(tokenizer), *limit], f"{done}/{steps} int8")
+                   "--tokenizer", str(tokenizer), *limit, *pairs], f"{done}/{steps} int8")
     labels = {}
     for variant in (v for v in VARIANTS if RUNTIMES.get(v) == "openvino" and v in variants):
         done += 1
@@ -195,14 +220,15 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
         done += 1
         _run_step(["rowblock", *map(str, row_blocked), "--rows", str(rows)],
                   f"{done}/{steps} FFN row blocks")
-    agreement = _validate(out, validated, tokenizer, f"{steps}/{steps} validation", limit) \
-        if validated else {}
+    agreement = _validate(out, validated, tokenizer, f"{steps}/{steps} validation",
+                          [*limit, "--kind", kind]) if validated else {}
     if "fp32" not in variants and fp32.parent.exists():
         shutil.rmtree(fp32.parent)
     print("==> hashing", file=sys.stderr, flush=True)
     manifest = {
         "format": "bgeserve-export",
         "schema": MANIFEST_SCHEMA,
+        "kind": kind,
         "bgeserve_version": __version__,
         "opset": opset,
         "attention_block": attention_block,
@@ -216,7 +242,7 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
                   else attention_block,
                   # Token rows per FFN block in the fp32 and int8 graphs (0: not blocked).
                   "ffn_rows": rows},
-        "outputs": OUTPUTS,
+        "outputs": RERANKER_OUTPUTS if kind == RERANKER else OUTPUTS,
         "variants": {v: _variant_entry(out, v, agreement.get(v), quantization.get(v))
                      for v in VARIANTS if v in variants},
         "tokenizer": "tokenizer.json",
@@ -234,11 +260,11 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
 
 
 def _validate(out: Path, variants: list[str], tokenizer: Path, label: str,
-              limit: list[str]) -> dict[str, dict[str, float]]:
+              options: list[str]) -> dict[str, dict[str, float]]:
     """Each of ``variants`` against fp32, in a child step (it loads the graphs one by one)."""
     result = out / ".agreement.json.tmp"
     try:
-        _run_step(["validate", str(out), str(result), "--tokenizer", str(tokenizer), *limit,
+        _run_step(["validate", str(out), str(result), "--tokenizer", str(tokenizer), *options,
                    *(arg for v in variants for arg in ("--variant", v))], label)
         return json.loads(result.read_text())
     finally:
@@ -268,7 +294,8 @@ def _variant_entry(out: Path, variant: str, agreement: dict[str, float] | None =
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``bgeserve export`` arguments."""
     parser.add_argument("--model", required=True,
-                        help="PyTorch bge-m3: a local directory or a hub id (BAAI/bge-m3)")
+                        help="PyTorch bge-m3 or bge-reranker-v2-m3: a local directory or a hub "
+                             "id (BAAI/bge-m3, BAAI/bge-reranker-v2-m3)")
     parser.add_argument("--out", required=True, type=Path, help="export directory")
     parser.add_argument("--variant", action="append", choices=VARIANTS,
                         help="repeatable; default: every CPU variant (fp32, int8, and bf16 — "

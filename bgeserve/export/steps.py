@@ -16,10 +16,12 @@ import time
 from pathlib import Path
 
 from bgeserve.export import corpus
+from bgeserve.model.kind import RERANKER, directory_kind
 
 # ONNX protobufs cannot exceed 2 GiB; bigger graphs keep their weights in one external file.
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
-HEAD_NODE_PREFIXES = ("/sparse_linear/", "/colbert_linear/")
+# Head nodes (bge-m3's two heads, a reranker's classifier): the int8 step keeps them fp32.
+HEAD_NODE_PREFIXES = ("/sparse_linear/", "/colbert_linear/", "/classifier/")
 
 
 def _log(msg: str, started: float) -> None:
@@ -52,16 +54,59 @@ def _fits_protobuf(model) -> bool:
 
 def export_fp32(model_dir: Path, out: Path, opset: int, layout: str = "bgeserve",
                 attention_block: int | None = None) -> None:
-    """PyTorch bge-m3 → ONNX fp32 with the heads in the graph (or a hub-like layout)."""
+    """PyTorch bge-m3 → ONNX fp32 with the heads in the graph (or a hub-like layout); a
+    sequence-classification checkpoint (bge-reranker-v2-m3) → its ``score`` graph."""
     import onnx
     import torch
 
     from bgeserve.export import ATTENTION_BLOCK
-    from bgeserve.export.graph import OUTPUTS, HiddenGraph, load_graph
 
     started = time.monotonic()
     _log(f"loading {model_dir}", started)
     block = ATTENTION_BLOCK if attention_block is None else attention_block
+    if directory_kind(model_dir) == RERANKER:
+        module, outputs, dynamic = _reranker_module(model_dir, layout, block)
+    else:
+        module, outputs, dynamic = _embedding_module(model_dir, layout, block)
+    ids = torch.tensor([[0, 5, 6, 7, 2], [0, 8, 2, 1, 1]], dtype=torch.int64)
+    mask = (ids != 1).to(torch.int64)
+    with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
+        raw = Path(tmp) / "raw.onnx"
+        _log(f"tracing and exporting (opset {opset})", started)
+        with torch.no_grad():
+            torch.onnx.export(module, (ids, mask), str(raw), input_names=["input_ids",
+                              "attention_mask"], output_names=outputs, dynamic_axes=dynamic,
+                              opset_version=opset, do_constant_folding=True, dynamo=False,
+                              custom_opsets={"com.microsoft": 1})
+        del module
+        _log("consolidating weights", started)
+        model = onnx.load(str(raw), load_external_data=True)
+        _save(model, out)
+    _log(f"wrote {out}", started)
+
+
+_INPUT_AXES = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}
+
+
+def _reranker_module(model_dir: Path, layout: str, block: int):
+    """The reranker's module, output names and dynamic axes: ``score`` [B] (bgeserve), or
+    ``logits`` [B, 1] with plain attention (``logits``: the layout of a stock hub ONNX)."""
+    from bgeserve.export.rerank_graph import LogitsGraph, load_rerank_graph
+
+    if layout not in ("bgeserve", "logits"):
+        raise ValueError(f"a reranker exports as the bgeserve or logits layout, not {layout!r}")
+    if layout == "logits":
+        return (LogitsGraph(load_rerank_graph(model_dir, 0)), ["logits"],
+                {**_INPUT_AXES, "logits": {0: "batch"}})
+    return load_rerank_graph(model_dir, block), ["score"], {**_INPUT_AXES, "score": {0: "batch"}}
+
+
+def _embedding_module(model_dir: Path, layout: str, block: int):
+    """bge-m3's module, output names and dynamic axes for ``layout``."""
+    import torch
+
+    from bgeserve.export.graph import OUTPUTS, HiddenGraph, load_graph
+
     # The hub layouts reproduce the reference graphs: plain attention.
     graph = load_graph(model_dir, block if layout == "bgeserve" else 0)
     module: torch.nn.Module = graph
@@ -79,21 +124,7 @@ def export_fp32(model_dir: Path, out: Path, opset: int, layout: str = "bgeserve"
                    "last_hidden_state": {0: "batch", 1: "seq"}}
         dynamic = {k: v for k, v in dynamic.items() if k in outputs or k.startswith(("input",
                                                                                       "attention"))}
-    ids = torch.tensor([[0, 5, 6, 7, 2], [0, 8, 2, 1, 1]], dtype=torch.int64)
-    mask = (ids != 1).to(torch.int64)
-    with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
-        raw = Path(tmp) / "raw.onnx"
-        _log(f"tracing and exporting (opset {opset})", started)
-        with torch.no_grad():
-            torch.onnx.export(module, (ids, mask), str(raw), input_names=["input_ids",
-                              "attention_mask"], output_names=outputs, dynamic_axes=dynamic,
-                              opset_version=opset, do_constant_folding=True, dynamo=False,
-                              custom_opsets={"com.microsoft": 1})
-        del module, graph
-        _log("consolidating weights", started)
-        model = onnx.load(str(raw), load_external_data=True)
-        _save(model, out)
-    _log(f"wrote {out}", started)
+    return module, outputs, dynamic
 
 
 def export_fp16(fp32: Path, out: Path, heads: int = 0, hidden: int = 0) -> None:
@@ -119,13 +150,15 @@ CALIBRATION_TEXTS = 16
 
 
 def export_int8(fp32: Path, out: Path, tokenizer: Path | None = None,
-                recipe: str = "smoothquant", max_tokens: int | None = None) -> None:
+                recipe: str = "smoothquant", max_tokens: int | None = None,
+                weight_bits: int = 7, pairs: bool = False) -> None:
     """int8 MatMul weights (dynamic quantization, per channel); heads stay fp32.
 
     ``smoothquant`` (the export's recipe) first smooths the fp32 graph with activation maxima
     from CALIBRATION_TEXTS texts made with ``tokenizer`` (see smoothquant.py); ``dynamic``
     quantizes the graph as it is (the recipe before SmoothQuant; the tests' stand-in for
-    Xenova's hub graph uses it).
+    Xenova's hub graph uses it). ``pairs``: calibrate on (query, document) pairs, as a
+    reranker's graph sees them.
     """
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -146,8 +179,9 @@ def export_int8(fp32: Path, out: Path, tokenizer: Path | None = None,
             from bgeserve.export import smoothquant
 
             assert tokenizer is not None  # checked above
-            rows = corpus.token_rows(tokenizer, corpus.CALIBRATION_SEED, CALIBRATION_TEXTS,
-                                     max_tokens=corpus.capped(max_tokens))
+            make = corpus.pair_rows if pairs else corpus.token_rows
+            rows = make(tokenizer, corpus.CALIBRATION_SEED, CALIBRATION_TEXTS,
+                        max_tokens=corpus.capped(max_tokens))
             _log(f"smoothing {fp32} (SmoothQuant, {len(rows)} calibration texts)", started)
             model, summary = smoothquant.smooth(fp32, rows, head_prefixes=HEAD_NODE_PREFIXES)
             # quantize_dynamic reads a path (given a proto, it would copy it twice more).
@@ -164,8 +198,10 @@ def export_int8(fp32: Path, out: Path, tokenizer: Path | None = None,
         # 0.99 int8 bar it meets with 7 bits. An export may be served on any CPU, so it must
         # not overflow on any;
         # on VNNI CPUs 7 bits cost ~0.0003 of the cosine (docs/benchmarks.md, recipe f2).
+        # `prepare` makes its graph on the machine that serves it: there, with VNNI (whose
+        # u8 x s8 instructions sum into int32), it asks for 8 bits (weight_bits=8).
         quantize_dynamic(str(src), str(raw), weight_type=QuantType.QInt8, per_channel=True,
-                         reduce_range=True,
+                         reduce_range=weight_bits < 8,
                          op_types_to_quantize=["MatMul", "Gemm"], nodes_to_exclude=exclude,
                          use_external_data_format=big,
                          # Shape inference cannot see through the com.microsoft attention op;
@@ -199,11 +235,15 @@ def row_block(graphs: list[Path], rows: int) -> None:
 
 
 def validate(export_dir: Path, variants: list[str], tokenizer: Path, result: Path,
-             max_tokens: int | None = None) -> None:
-    """Agreement of ``variants`` with the export's fp32 graph, as JSON in ``result``."""
+             max_tokens: int | None = None, kind: str = "embedding") -> None:
+    """Agreement of ``variants`` with the export's fp32 graph, as JSON in ``result``
+    (embeddings: vectors; a reranker: scores and rankings)."""
     import json
 
-    from bgeserve.export.validate import agreement
+    from bgeserve.export import rerank_validate
+    from bgeserve.export import validate as embedding_validate
+
+    agreement = rerank_validate.agreement if kind == RERANKER else embedding_validate.agreement
 
     started = time.monotonic()
     _log(f"validating {', '.join(variants)} against fp32", started)
@@ -249,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model_dir", type=Path)
     p.add_argument("out", type=Path)
     p.add_argument("--opset", type=int, default=18)
-    p.add_argument("--layout", choices=["bgeserve", "baai", "xenova"], default="bgeserve")
+    p.add_argument("--layout", choices=["bgeserve", "baai", "xenova", "logits"],
+                   default="bgeserve")
     p.add_argument("--attention-block", type=int, default=None)
     p = sub.add_parser("fp16")
     p.add_argument("fp32", type=Path)
@@ -264,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokenizer.json for the calibration texts (smoothquant)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="longest calibration text (the model's positions)")
+    p.add_argument("--weight-bits", type=int, choices=[7, 8], default=7,
+                   help="7 (reduce_range: safe on every CPU) or 8 (CPUs with VNNI)")
+    p.add_argument("--pairs", action="store_true",
+                   help="calibrate on (query, document) pairs (a reranker)")
     p = sub.add_parser("rowblock")
     p.add_argument("graphs", type=Path, nargs="+")
     p.add_argument("--rows", type=int, required=True)
@@ -274,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", action="append", required=True)
     p.add_argument("--max-tokens", type=int, default=None,
                    help="longest validation text (the model's positions)")
+    p.add_argument("--kind", choices=["embedding", RERANKER], default="embedding")
     p = sub.add_parser("openvino")
     p.add_argument("fp32", type=Path)
     p.add_argument("out", type=Path)
@@ -297,9 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.step == "rowblock":
         row_block(args.graphs, args.rows)
     elif args.step == "validate":
-        validate(args.export_dir, args.variant, args.tokenizer, args.result, args.max_tokens)
+        validate(args.export_dir, args.variant, args.tokenizer, args.result, args.max_tokens,
+                 args.kind)
     else:
-        export_int8(args.fp32, args.out, args.tokenizer, args.recipe, args.max_tokens)
+        export_int8(args.fp32, args.out, args.tokenizer, args.recipe, args.max_tokens,
+                    args.weight_bits, args.pairs)
     return 0
 
 

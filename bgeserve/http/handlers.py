@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import anyio.to_thread
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from bgeserve.http.errors import ClientGone, UnsupportedMediaType
+from bgeserve.errors import InvalidInput
+from bgeserve.http import contract
+from bgeserve.http.errors import ClientGone, ModelNotFound, UnsupportedMediaType
 from bgeserve.http.render import render_embeddings, render_json
 from bgeserve.http.schemas import Endpoint, check_dimensions, parse_embed_request
 
@@ -88,6 +92,11 @@ def embed_endpoint(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response
 
     async def handle(request: Request) -> Response:
         state = request.state
+        # No room in the queue at all: 429 from the headers, before the body is read (the
+        # lingering close then drops it, linger.py).
+        refusal = state.service.refuse_now()
+        if refusal is not None:
+            raise refusal
         raw = await read_json_body(request)
         parsed = await _maybe_offload(
             len(raw) > OFFLOAD_BODY_BYTES,
@@ -107,11 +116,26 @@ def embed_endpoint(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response
     return handle
 
 
+def _model_entry(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "owned_by": "BAAI", "created": 0}
+
+
 async def models(request: Request) -> Response:
-    """``GET /v1/models``: bge-m3 and every accepted alias."""
-    entry = {"object": "model", "owned_by": "BAAI", "created": 0}
-    data = [{"id": name, **entry} for name in request.state.model_ids]
+    """``GET /v1/models``: bge-m3, every accepted alias, and the reranker when loaded."""
+    names = (*request.state.model_ids, *request.state.service.rerank_model_ids())
+    data = [_model_entry(name) for name in names]
     return Response(render_json({"object": "list", "data": data}), media_type="application/json")
+
+
+async def model(request: Request) -> Response:
+    """``GET /v1/models/{id}`` (``client.models.retrieve``): one accepted name, else 404."""
+    name = request.path_params["model_id"]
+    if not name:  # `/v1/models/`: an unknown route, as every trailing slash is
+        raise HTTPException(404)
+    if name not in request.state.model_ids:
+        raise ModelNotFound(f"the model {name!r} does not exist; this server serves "
+                            f"{', '.join(request.state.model_ids)}", param="model")
+    return Response(render_json(_model_entry(name)), media_type="application/json")
 
 
 async def health(request: Request) -> Response:
@@ -121,7 +145,35 @@ async def health(request: Request) -> Response:
     return Response(render_json(report), status, media_type="application/json")
 
 
+DEEP_TIMEOUT_RANGE = (1.0, 60.0)  # seconds a caller may give the canary (?timeout=)
+
+
+async def deep_health(request: Request) -> Response:
+    """``GET /health/deep``: the canary through queue, session and heads; 200 with timings,
+    503 with the reason. ``?timeout=SECS`` (1-60) bounds it instead of the default 5 s."""
+    raw = request.query_params.get("timeout")
+    deadline = None
+    if raw is not None:
+        lo, hi = DEEP_TIMEOUT_RANGE
+        try:
+            deadline = float(raw)
+        except ValueError:
+            deadline = math.nan
+        if not lo <= deadline <= hi:  # nan fails too
+            raise InvalidInput(f"timeout must be a number of seconds in [{lo:g}, {hi:g}]",
+                               param="timeout")
+    status, body = await request.state.service.deep_health(deadline)
+    return Response(render_json(body), status, media_type="application/json")
+
+
 async def metrics(request: Request) -> Response:
     """``GET /metrics``: the Prometheus exposition from the service."""
     body, content_type = request.state.service.metrics()
     return Response(body, media_type=content_type)
+
+
+async def openapi(request: Request) -> Response:
+    """``GET /openapi.json``: the contract with this server's real bounds (503 while loading)."""
+    state = request.state
+    bounds = contract.bounds_of(state.service, state.settings, state.model_ids)
+    return Response(contract.served(bounds), media_type="application/json")

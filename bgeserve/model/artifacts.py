@@ -11,17 +11,21 @@ only when a download is needed.
 
 from __future__ import annotations
 
-import enum
 import json
+import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bgeserve.errors import ConfigError, ModelUnavailable
 from bgeserve.model.hubfetch import Fetcher
+from bgeserve.model.layout import Layout, graph_layout
 from bgeserve.model.ptload import HeadWeights, load_heads
+
+log = logging.getLogger("bgeserve.model")
 
 __all__ = [
     "HUB_SOURCES",
@@ -32,28 +36,6 @@ __all__ = [
     "resolve",
     "validate_cache_dir",
 ]
-
-
-class Layout(str, enum.Enum):
-    """The outputs a graph has, which decides where the heads are computed."""
-
-    BGESERVE = (
-        "bgeserve"  # dense [B,H], sparse_weights [B,L], colbert [B,L-1,H]: heads in the graph
-    )
-    BAAI = "baai"  # sentence_embedding [B,H], token_embeddings [B,L,H]; heads from .pt
-    HIDDEN = "hidden"  # last_hidden_state [B,L,H]; heads from .pt
-
-    @property
-    def outputs(self) -> tuple[str, ...]:
-        """The graph output names this layout promises (for the runtime to check)."""
-        return _OUTPUTS[self]
-
-
-_OUTPUTS = {
-    Layout.BGESERVE: ("dense", "sparse_weights", "colbert"),
-    Layout.BAAI: ("sentence_embedding", "token_embeddings"),
-    Layout.HIDDEN: ("last_hidden_state",),
-}
 
 
 @dataclass(frozen=True)
@@ -128,10 +110,24 @@ class ModelArtifacts:
         return ";".join(parts)
 
 
-def validate_cache_dir(path: Path) -> Path:
-    """Create ``path`` if needed and prove it writable with a real write; else ModelUnavailable."""
-    path = Path(path).expanduser()
+def validate_cache_dir(path: Path, *, required: bool = True) -> Path:
+    """Create ``path`` if needed and prove it writable with a real write; else ModelUnavailable.
 
+    ``required=False`` (a local model: nothing has to be downloaded) turns the refusal into a
+    warning: the server runs, and only what it would cache there (the probe's fit) is lost.
+    """
+    path = Path(path).expanduser()
+    if required:
+        return _check_cache_dir(path)
+    try:
+        return _check_cache_dir(path)
+    except ModelUnavailable as exc:
+        log.warning("%s. Serving anyway: the model is local, but the probe's fit will not be "
+                    "cached (every start probes again)", exc.message)
+        return path
+
+
+def _check_cache_dir(path: Path) -> Path:
     def refuse(cause: str) -> ModelUnavailable:
         return ModelUnavailable(
             f"cache directory {path} cannot be used: {cause}; set BGE_M3_CACHE_DIR to a writable "
@@ -168,11 +164,20 @@ def resolve(
     offline: bool = False,
     endpoint: str | None = None,
     progress: bool = True,
+    reranker: bool = False,
+    hub_cache: Path | None = None,
+    report: Callable[[str, int, int | None], None] | None = None,
 ) -> ModelArtifacts:
     """Find (downloading if needed) the files for ``variant``: from ``model_path`` or the hub.
 
-    The cache directory is validated first, before any network call. ``offline`` uses only what
-    is already cached; ``endpoint`` overrides the hub URL (None: huggingface_hub's default).
+    For a hub model the cache directory (bgeserve's own) is validated first, before any
+    network call (a local model needs none). Hub files
+    go to the Hugging Face cache ``hub_cache`` (None: huggingface_hub's default, honouring
+    HF_HUB_CACHE / HF_HOME); files an earlier bgeserve downloaded into ``cache_dir`` are used
+    from there. ``offline`` uses only what is already cached; ``endpoint`` overrides the hub
+    URL (None: huggingface_hub's default); ``progress`` draws huggingface_hub's bars and
+    ``report`` gets (file, bytes done, bytes total) while a file downloads. ``reranker``: the
+    export at ``model_path`` must be a reranker's (else bge-m3's).
     """
     if variant not in (*HUB_SOURCES, *EXPORT_ONLY_VARIANTS):
         raise ConfigError(
@@ -180,9 +185,19 @@ def resolve(
             f"{', '.join((*HUB_SOURCES, *EXPORT_ONLY_VARIANTS))}",
             param="BGE_M3_MODEL",
         )
-    fetch = Fetcher(validate_cache_dir(cache_dir), offline, endpoint, progress)
+    # A local model downloads nothing, or only missing head files (a failure then names the
+    # cache): its cache directory need not be writable (the service warns if it is not).
+    legacy = validate_cache_dir(cache_dir) if model_path is None else Path(cache_dir).expanduser()
+    fetch = Fetcher(hub_cache, offline, endpoint, progress, legacy_cache=legacy, report=report)
     if model_path is not None:
-        return _resolve_local(Path(model_path).expanduser(), variant, fetch)
+        found = _resolve_local(Path(model_path).expanduser(), variant, fetch)
+        if found.layout.reranker != reranker:
+            what = "a reranker (bge-reranker-v2-m3)" if found.layout.reranker else "bge-m3"
+            raise ModelUnavailable(
+                f"{model_path} holds {what}'s export: point "
+                f"{'BGE_M3_RERANK_MODEL_PATH' if found.layout.reranker else 'BGE_M3_MODEL_PATH'}"
+                " at it", param="BGE_M3_RERANK_MODEL_PATH" if reranker else "BGE_M3_MODEL_PATH")
+        return found
     if variant in EXPORT_ONLY_VARIANTS:
         raise ModelUnavailable(
             f"the {variant} variant exists only in a `bgeserve export` (the hub has no such "
@@ -214,11 +229,20 @@ def _resolve_local(root: Path, variant: str, fetch: Fetcher) -> ModelArtifacts:
     graphs = {v: root / s.onnx for v, s in HUB_SOURCES.items() if (root / s.onnx).is_file()}
     if variant in graphs:
         onnx = graphs[variant]
-        layout = HUB_SOURCES[variant].layout
-        has_heads = any((root / name).is_file() for name in HEAD_FILES)
-        if layout is Layout.BAAI and len(graphs) > 1 and not has_heads:
-            layout = Layout.HIDDEN  # Xenova's snapshot also has onnx/model.onnx (last_hidden_state)
-        kind = "BAAI/bge-m3" if layout is Layout.BAAI else "Xenova/bge-m3"
+        # The graph's own outputs decide: BAAI's and Xenova's snapshots and an optimum export
+        # all name their fp32 graph onnx/model.onnx.
+        layout = graph_layout(onnx)
+        if layout is Layout.BGESERVE:
+            raise ModelUnavailable(
+                f"{onnx} has bgeserve's in-graph heads but {root} has no manifest.json: point "
+                "BGE_M3_MODEL_PATH at the whole `bgeserve export` directory",
+                param="BGE_M3_MODEL_PATH")
+        if layout.reranker:
+            raise ModelUnavailable(
+                f"{onnx} is a reranker's graph (one relevance logit per row): point "
+                "BGE_M3_RERANK_MODEL_PATH at it, and BGE_M3_MODEL_PATH at bge-m3",
+                param="BGE_M3_MODEL_PATH")
+        kind = {Layout.BAAI: "BAAI/bge-m3", Layout.HIDDEN: "hidden-state"}[layout]
         tokenizer = next(
             (p for p in (root / "tokenizer.json", onnx.parent / "tokenizer.json") if p.is_file()),
             None,
@@ -317,7 +341,7 @@ def _resolve_export(root: Path, manifest: dict[str, Any], variant: str) -> Model
     return ModelArtifacts(
         onnx,
         tokenizer,
-        Layout.BGESERVE,
+        Layout.SCORE if manifest.get("kind") == "reranker" else Layout.BGESERVE,
         variant,
         None,
         f"local export {root} ({variant}, {runtime})",

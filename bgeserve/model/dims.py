@@ -11,7 +11,7 @@ import json
 import logging
 from collections.abc import Sequence
 
-from bgeserve.model.artifacts import Layout, ModelArtifacts
+from bgeserve.model.artifacts import ModelArtifacts
 
 log = logging.getLogger("bgeserve.engine")
 DENSE_WIDTH = 1024  # BAAI/bge-m3's hidden size
@@ -19,7 +19,7 @@ DENSE_WIDTH = 1024  # BAAI/bge-m3's hidden size
 
 def _manifest_model(artifacts: ModelArtifacts, keys: Sequence[str]) -> dict[str, int]:
     """The export manifest's ``model`` sizes among ``keys`` (none for hub layouts)."""
-    if artifacts.layout is Layout.BGESERVE:
+    if artifacts.layout.exported:
         manifest = artifacts.onnx_path.parent.parent / "manifest.json"
         try:
             dims = json.loads(manifest.read_text()).get("model", {})
@@ -34,7 +34,7 @@ def model_dims(artifacts: ModelArtifacts) -> dict[str, int]:
     config.json (its graph has plain attention, so no ``attention_block``); bge-m3's for
     whatever neither says."""
     keys = ("hidden", "heads", "intermediate", "attention_block")
-    if artifacts.layout is Layout.BGESERVE:
+    if artifacts.layout.exported:
         return _manifest_model(artifacts, keys)
     config = _config_json(artifacts)
     names = {"hidden": "hidden_size", "heads": "num_attention_heads",
@@ -52,7 +52,7 @@ def model_max_seq(artifacts: ModelArtifacts) -> int | None:
     """Tokens per text the model's position embeddings hold (8,192 for bge-m3, 512 for a
     model left at XLM-R's 514 positions): an export's manifest records it, a hub snapshot's
     config.json has ``max_position_embeddings`` (2 more); None when neither says."""
-    if artifacts.layout is Layout.BGESERVE:
+    if artifacts.layout.exported:
         return _manifest_model(artifacts, ("max_positions",)).get("max_positions")
     try:
         return int(_config_json(artifacts)["max_position_embeddings"]) - 2
@@ -82,7 +82,7 @@ def _config_json(artifacts: ModelArtifacts) -> dict:
 def width(artifacts: ModelArtifacts) -> int:
     """The dense and ColBERT vector width (1,024 for bge-m3): the export's manifest or the
     snapshot's config.json (``hidden_size``) says; bge-m3's when neither does."""
-    if artifacts.layout is Layout.BGESERVE:
+    if artifacts.layout.exported:
         return _manifest_model(artifacts, ("hidden",)).get("hidden", DENSE_WIDTH)
     try:
         return int(_config_json(artifacts)["hidden_size"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -17,23 +18,38 @@ from typing import Any
 
 from bgeserve import __version__, runtime
 from bgeserve.config import Settings
-from bgeserve.engine import Engine, Inputs
-from bgeserve.errors import BgeServeError, DeadlineExceeded, NotReady
+from bgeserve.engine import ChunkStats, Engine, Inputs
+from bgeserve.errors import BgeServeError, DeadlineExceeded, NotReady, Overloaded
 from bgeserve.model.artifacts import ModelArtifacts, resolve, validate_cache_dir
-from bgeserve.results import Embeddings, EmbedOptions
+from bgeserve.progress import Progress
+from bgeserve.results import Embeddings, EmbedOptions, ModelInfo, RerankOptions, RerankResult, Token
 from bgeserve.runtime import gpu
-from bgeserve.service import plan
+from bgeserve.service import canary, choice, plan, reranking, tokens
+from bgeserve.service import info as service_info
+from bgeserve.service.admission import Admission, DrainMeter
 from bgeserve.service.metrics import Metrics
+from bgeserve.service.preparation import Preparation
 from bgeserve.tuning import cache, memory
-from bgeserve.tuning.budget import measure_model_cost
+from bgeserve.tuning.audit import AuditSample, WorkspaceAudit
+from bgeserve.tuning.budget import measure_model_cost, split_available
+from bgeserve.tuning.child import ChildProbe
+from bgeserve.tuning.probe import LocalProbe, ProbeSource
+from bgeserve.tuning.synthetic import chunk_timing_run, synthetic_run
 from bgeserve.tuning.tuner import Tuner, UnmeasuredFloor
 
 log = logging.getLogger("bgeserve.service")
 
 
-def probe_source(engine: Engine, spec: dict[str, Any]) -> Any:
-    """What the probe measures: the child-process spec (a seam tests replace)."""
-    return spec
+def probe_source(engine: Engine, spec: dict[str, Any], *, in_process: bool) -> ProbeSource:
+    """Where the probe measures (``Tuner.state.probe_mode``): a child process that loads its
+    own copy of the model as ``spec`` says (beside the serving server), or, ``in_process``,
+    the serving engine's own session before it serves (where a second copy does not fit: no
+    extra weights, and the workers' own workspace budget, since nothing else runs)."""
+    if not in_process:
+        return ChildProbe(spec)
+    run, close = synthetic_run(engine.open_forward, engine.tokenizer.vocab_size)
+    return LocalProbe(run, chunk_run=chunk_timing_run(run), close=close,
+                      pin_heap=memory.PROBE_MMAP_THRESHOLD)
 
 
 class Service:
@@ -43,19 +59,30 @@ class Service:
 
     def __init__(self, settings: Settings, on_fatal: Callable[[BaseException], None] | None = None):
         self.settings = settings
+        # Start-up steps (download, prepare, load) for the log and /health.
+        self.progress = Progress(bars=sys.stderr.isatty())
+        self.preparation = Preparation(self.progress)
         self.metrics_registry = Metrics()
         self.engine: Engine | None = None
         self.tuner: Tuner | None = None
+        self.reranking = reranking.Reranking(self.metrics_registry)
         self.artifacts: ModelArtifacts | None = None
+        self.choice = choice.Decision(settings)
         self.fatal_error: BaseException | None = None
         self.on_fatal = on_fatal
         self._ready = threading.Event()
         self._stopping = threading.Event()
+        self._draining = False  # SIGTERM came: /health says draining (503)
         self._loader: threading.Thread | None = None
         self._abort_timer: asyncio.TimerHandle | None = None
-        # Requests tokenizing at once: more than the cores only adds memory (each holds its
-        # encodings), never speed. Made on first use, on the loop that serves.
-        self._tokenizing: asyncio.Semaphore | None = None
+        # Reliability (issue 22): admission before tokenizing with Retry-After from the drain
+        # rate (admission.py), chunks measured against the cost model (tuning/audit.py), the
+        # canary of /health/deep (canary.py). Wired in _load once the engine exists.
+        self.drain = DrainMeter()
+        self.audit = WorkspaceAudit()
+        self.admission: Admission | None = None
+        self.deep: canary.DeepHealth | None = None
+        self._reprobe: Callable[[], bool] = lambda: False
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -77,9 +104,17 @@ class Service:
         try:
             # Runtime, provider and variant decided, GPUs counted (a no-op if the CLI did it).
             s = self.settings = plan.resolve(self.settings)
-            cache_dir = validate_cache_dir(s.cache_dir)
+            cache_dir = validate_cache_dir(  # a local model runs without a cache (warning)
+                s.cache_dir, required=s.model_path is None or s.execution_provider == "tensorrt")
+            s = self.settings = self.preparation.apply(s, cache_dir)
+            # Neither BGE_M3_EP nor BGE_M3_MODEL set: the fastest variant measured here (cached).
+            self.choice = choice.decide(s, cache_dir, stop=self._stopping)
+            s = self.settings = self.choice.settings
+            self.progress.step("loading the model")
             self.artifacts = artifacts = resolve(model_path=s.model_path, variant=s.variant,
-                                                 cache_dir=cache_dir, offline=s.offline)
+                                                 cache_dir=cache_dir, offline=s.offline,
+                                                 progress=self.progress.bars,
+                                                 report=self.progress.transfer)
             serving = plan.for_model(s, artifacts, cache_dir)
             # Everything below (engine, probe, /health) sees the tokens the model holds.
             s = self.settings = serving.settings
@@ -88,7 +123,7 @@ class Service:
                      runtime.get(serving.runtime).version())
             engine = Engine(artifacts=artifacts, config=serving.engine, start=False,
                             auto_budget=False,  # the Tuner owns the budget here
-                            on_chunk=self.metrics_registry.observe_chunk)
+                            on_chunk=self._on_chunk)
             chunks = serving.engine.scheduler
             log.info("chunks: up to %d texts and %s padded tokens per run, lengths rounded up "
                      "to a multiple of %d, cross-request batching %s", chunks.max_chunk,
@@ -98,17 +133,31 @@ class Service:
                                        apply_chunk_tokens=engine.set_max_chunk_tokens)
             tuner.detect_memory()
 
+            deep = canary.DeepHealth(lambda: engine.await_job(canary.canary_job(
+                engine, "health-deep")), fp32=artifacts.variant == "fp32", busy=self.drain.recent)
+
             def load() -> None:
                 engine.start()
-                ready = engine.embed("ready", dense=True, sparse=True, colbert=True)
+                # The canary primes every output (no request deadline, no batch window to
+                # wait past it) and is what /health/deep compares with.
+                ready = canary.prime(engine)
                 assert ready.dense is not None
                 engine.width = int(ready.dense.shape[1])  # what the graph gives is the truth
+                deep.record(ready)
 
             model_bytes = sum(p.stat().st_size for p in (artifacts.onnx_path,
                                                           *artifacts.external_data))
             model_cost = measure_model_cost(
                 load, s.workers, model_bytes,
                 copies=runtime.weight_copies(serving.runtime, s.workers))
+            if reranking.configured(s):  # beside bge-m3: the free memory is split first
+                resident = self.reranking.load(s, cache_dir)
+                source = tuner.state.memory_source
+                ours, theirs = split_available(tuner.state.available_bytes,
+                                               (model_cost * s.workers, resident),
+                                               s.rerank_memory_share)
+                tuner.share(ours, f"{source}, shared with the reranker")
+                self.reranking.tune(theirs, f"{source}, shared with bge-m3")
             parts = plan.probe_parts(s, artifacts)
             fingerprint = cache.fingerprint(parts)
             spec = {"model_path": str(s.model_path) if s.model_path else None,
@@ -117,23 +166,35 @@ class Service:
                     "max_seq": s.max_seq_length}
             try:
                 cost = tuner.initial(model_cost, fingerprint)
+                first = tuner.state.probe_mode == "in_process"
             except UnmeasuredFloor as exc:
                 # The conservative estimate is far above what shapes really cost (2.5x for
-                # bge-m3 int8 at 8,192 tokens): measure before refusing. The probe loads its
-                # own copy of the model, so the server's sessions make room meanwhile.
-                log.warning("%s. Measuring with the probe before deciding (the server's "
-                            "sessions are unloaded meanwhile)", exc.message.split(". ")[0])
-                engine.unload()
-                tuner.measure_first(probe_source(engine, spec), model_cost, fingerprint, parts)
+                # bge-m3 int8 at 8,192 tokens): measure before refusing.
+                log.warning("%s. Measuring with the probe before deciding", exc.message.split(
+                    ". ")[0])
+                first = True
+            if first:  # on the serving session, before anything is served
+                tuner.measure_first(probe_source(engine, spec, in_process=True), model_cost,
+                                    fingerprint, parts)
                 cost = tuner.initial(model_cost, fingerprint)  # refuses if still too short
-                load()
+            self.audit = WorkspaceAudit(self._predict, on_breach=self._on_breach)
+            engine.set_audit(self.audit)
+            self._reprobe = lambda: tuner.reprobe(probe_source(engine, spec, in_process=False),
+                                                  model_cost, fingerprint, parts)
+            self.admission = Admission(engine, s.max_queue_tokens, self.drain,
+                                       slots=max(2, len(os.sched_getaffinity(0))))
+            self.deep = deep
             self.engine = engine
+            self.progress.done()
             self._ready.set()
-            log.info("ready: probe %s, a=%.0f b=%.2f, %d MiB workspace per worker, texts up to "
-                     "%d tokens fit", tuner.state.probe_status, cost.a, cost.b,
+            log.info("ready: probe %s, c=%.0f a=%.0f b=%.2f, %d MiB workspace per worker, texts "
+                     "up to %d tokens fit", tuner.state.probe_status, cost.c, cost.a, cost.b,
                      cost.max_workspace_bytes >> 20, cost.max_seq())
-            if tuner.state.probe_status == "running":
-                tuner.start_probe(probe_source(engine, spec), model_cost, fingerprint, parts)
+            if tuner.state.probe_status == "running":  # then the reranker's: one at a time
+                tuner.start_probe(probe_source(engine, spec, in_process=False), model_cost,
+                                  fingerprint, parts, on_done=self.reranking.start_probe)
+            else:
+                self.reranking.start_probe()
         except BaseException as exc:  # start-up failures are reported, not raised on a thread
             log.error("start-up failed: %s", exc, exc_info=not isinstance(exc, BgeServeError))
             self.fatal_error = exc
@@ -156,6 +217,7 @@ class Service:
                               queue_tokens=stats["queue_tokens"])
             if self.tuner is not None:
                 fields["probe_status"] = self.tuner.state.probe_status
+            fields["workspace_audit"] = self.audit.summary()
             if runtime.on_gpu(self.settings.execution_provider):
                 fields["gpus"] = gpu.heartbeat_fields()
             log.info("heartbeat", extra=fields)
@@ -168,6 +230,7 @@ class Service:
         request gets an answer in the envelope, never a connection cut by the server's own
         grace timeout.
         """
+        self._draining = True
         if self.engine is not None:
             self.engine.flush()
         if self.settings.shutdown_timeout_secs:  # 0: no bound, everything is finished
@@ -192,6 +255,9 @@ class Service:
         self._stopping.set()
         if self.tuner is not None:
             self.tuner.stop()
+        await asyncio.to_thread(self.reranking.close, self.settings.shutdown_timeout_secs or None)
+        if self.admission is not None:
+            self.admission.close()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.close,
                                     self.settings.shutdown_timeout_secs or None)
@@ -208,34 +274,18 @@ class Service:
                     request_id: str = "") -> Embeddings:
         """Embed one request's inputs (texts or token ids) in input order."""
         engine = self._engine()
+        assert self.admission is not None
         started = time.perf_counter()
         arrived = time.monotonic()  # the deadline counts tokenizing too
-        # Near a full queue, a lower bound of the tokens may refuse the request before it is
-        # tokenized: on a thread (it walks the texts), before the tokenizing slot (so a
-        # refusal never waits behind other requests' tokenizing).
-        if engine.queue_nearly_full():
-            await asyncio.to_thread(engine.refuse_early, inputs)
-        if self._tokenizing is None:
-            self._tokenizing = asyncio.Semaphore(max(2, len(os.sched_getaffinity(0))))
-        async with self._tokenizing:
-            work = asyncio.ensure_future(asyncio.to_thread(
-                engine.make_job, inputs, options, request_id, arrived))
-            try:
-                job = await asyncio.shield(work)
-            except asyncio.CancelledError:
-                # The caller left (client gone), but the thread tokenizes on: its slot, and
-                # the body allowance the HTTP layer holds until this returns, stay taken
-                # until it ends.
-                await asyncio.wait({work})
-                if not work.cancelled():
-                    work.exception()  # retrieved: its error has no one to go to
-                raise
+        job, future = await self.admission.submit(inputs, options, request_id, arrived)
         timeout = self.settings.request_timeout_secs or None
         remaining = None if timeout is None else max(0.0, job.deadline - time.monotonic()) \
             if job.deadline is not None else timeout
         try:
-            result = await asyncio.wait_for(engine.await_job(job), remaining)
-        except TimeoutError:
+            # Not wait_for: its task would submit the job one loop iteration later.
+            async with asyncio.timeout(remaining):
+                result = await engine.await_job(job, future)
+        except (TimeoutError, DeadlineExceeded):  # our timer, or the scheduler's expiry
             self.metrics_registry.deadline_exceeded()
             raise DeadlineExceeded(
                 f"the request did not finish within BGE_M3_REQUEST_TIMEOUT_SECS={timeout:g}s"
@@ -243,13 +293,76 @@ class Service:
         self.metrics_registry.observe_request(result, time.perf_counter() - started)
         return result
 
+    async def rerank(self, query: str, documents: list[str], options: RerankOptions, *,
+                     request_id: str = "") -> RerankResult:
+        """Score ``documents`` against ``query``: the reranker's, or bge-m3's own scores."""
+        return await self.reranking.rerank(self._engine(), query, documents, options,
+                                           self.settings.request_timeout_secs or None,
+                                           request_id)
+
+    def rerank_model_ids(self) -> tuple[str, ...]:
+        """The ids ``model`` may name for the reranker (none when none is loaded)."""
+        return self.reranking.model_ids
+
+    async def deep_health(self, deadline_s: float | None = None) -> tuple[int, dict[str, Any]]:
+        """``GET /health/deep``: the canary through queue, session and heads (canary.py)."""
+        if self.deep is None or not self._ready.is_set():
+            return 503, {"status": "fail" if self.fatal_error else "loading",
+                         "reason": str(self.fatal_error or "the model is still loading")}
+        return await self.deep.check(deadline_s=deadline_s)
+
+    def refuse_now(self) -> Overloaded | None:
+        """The 429 when the queue has no room whatever a request holds (O(1): the HTTP layer
+        asks before reading the body); None otherwise, and before the model is loaded."""
+        return None if self.admission is None else self.admission.refuse_now()
+
+    @property
+    def rejected_at_admission(self) -> int:
+        """429s decided before tokenizing (the scheduler counts the others)."""
+        return 0 if self.admission is None else self.admission.refused
+
+    def _on_chunk(self, stats: ChunkStats) -> None:
+        self.metrics_registry.observe_chunk(stats)
+        self.drain.record(stats.real_tokens)
+
+    def _predict(self, batch: int, seq: int) -> float | None:
+        cost = None if self.engine is None else self.engine.cost_model
+        return None if cost is None else cost.cost(batch, seq)
+
+    def _on_breach(self, sample: AuditSample) -> None:
+        if not self._reprobe():
+            log.info("no re-probe: the cost model is pinned, or a probe is running already")
+
     def dense_width(self) -> int:
         """The loaded model's vector width (1,024 for bge-m3)."""
         return self._engine().width
 
+    def vocab_size(self) -> int:
+        """The loaded tokenizer's vocabulary size: token ids are below it."""
+        return self._engine().tokenizer.vocab_size
+
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Vocabulary strings for token ids (sparse_format=tokens)."""
         return self._engine().tokenizer.id_to_token(ids)
+
+    # -- TEI's text tools: bgeserve/service/tokens.py and info.py -------------------------------
+    async def tokenize(self, texts: Sequence[str],
+                       add_special_tokens: bool = True) -> list[list[Token]]:
+        """Every token of each text with UTF-8 byte offsets (TEI's ``/tokenize``)."""
+        return await tokens.tokenize(self._engine(), texts, add_special_tokens)
+
+    async def decode(self, sequences: Sequence[Sequence[int]],
+                     skip_special_tokens: bool = True) -> list[str]:
+        """The text of each id sequence (TEI's ``/decode``)."""
+        return await tokens.decode(self._engine(), sequences, skip_special_tokens)
+
+    async def truncate_left(self, texts: Sequence[str]) -> list[Any]:
+        """Token ids of each text cut from the left past max_seq (then ``embed`` them)."""
+        return await tokens.truncate_left(self._engine(), texts)
+
+    def info(self) -> ModelInfo:
+        """The served model and its limits (TEI's ``GET /info``)."""
+        return service_info.model_info(self)
 
     def health(self) -> dict[str, Any]:
         """Readiness and the facts operators look for."""
@@ -257,9 +370,11 @@ class Service:
         body: dict[str, Any] = {"status": "loading", "version": __version__,
                                 "max_seq_length": s.max_seq_length}
         if self.fatal_error is not None:
-            body.update(status="fail", error=str(self.fatal_error))
+            body.update(status="fail", error=str(self.fatal_error),
+                        prepare=self.preparation.status)
             return body
         if self.engine is None or not self._ready.is_set():
+            body.update(self.progress.snapshot())  # step, progress
             return body
         stats = self.engine.stats()
         # A worker that is dead, restarting or cannot open its session is not live: that is
@@ -272,18 +387,28 @@ class Service:
             status = "idle"
         else:
             status = "ok"
+        if self._draining:  # out of the load balancer while in-flight requests finish
+            status = "draining"
         assert self.artifacts is not None and self.tuner is not None
         body.update(
             status=status,
             workers={k: stats[k] for k in ("live", "loaded", "total", "busy")},
             queue={"texts": stats["queue_texts"], "tokens": stats["queue_tokens"]},
             model={"name": self.model_name, "variant": self.artifacts.variant,
+                   "choice": s.variant_choice, "candidates": {
+                       v: round(r, 1) for v, r in self.choice.candidates.items()},
                    "layout": self.artifacts.layout.value, "source": self.artifacts.source,
                    "backend": plan.runtime_version(self.artifacts, s.execution_provider),
                    "execution_provider": s.execution_provider,
-                   "threads_per_worker": s.threads_per_worker},
+                   "threads_per_worker": s.threads_per_worker,
+                   "prepare": self.preparation.status},
             tuning=self.tuner.state.as_dict(),
         )
+        rerank = self.reranking.health()
+        if rerank is not None:
+            body["reranker"] = rerank
+            if status == "ok" and rerank["status"] in ("warn", "fail"):
+                body["status"] = "warn"
         return body
 
     def metrics(self) -> tuple[bytes, str]:

@@ -12,16 +12,21 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
 from bgeserve.tuning import memory
 
 if TYPE_CHECKING:
     from bgeserve.engine.scheduler import ChunkStats
-    from bgeserve.results import Embeddings
+    from bgeserve.results import Embeddings, RerankResult
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _PROBE_STATES = ("disabled", "running", "complete", "failed", "cache_hit")
@@ -54,6 +59,11 @@ class Metrics:
         self.truncated = Counter("bgeserve_truncated_texts", "Texts cut to max_seq", registry=r)
         self.timeouts = Counter("bgeserve_deadline_exceeded_requests",
                                 "Requests answered 504", registry=r)
+        # What an autoscaler reads beside the queue gauges: requests being read, tokenized,
+        # queued or run (HTTP middleware counts them; /health and /metrics excluded).
+        self.in_flight = Gauge("bgeserve_requests_in_flight", "Requests in progress",
+                               registry=r)
+        self.rerank = RerankMetrics(r)
         self._service: Any = None
         r.register(_StateCollector(self))
 
@@ -69,6 +79,9 @@ class Metrics:
         self.texts.inc(len(result))
         self.truncated.inc(int(result.truncated.sum()))
 
+    def observe_rerank(self, result: RerankResult, seconds: float) -> None:
+        self.rerank.observe(result, seconds)
+
     def observe_http(self, route: str, status: int, seconds: float) -> None:
         self.http_requests.labels(route, str(status)).inc()
         self.http_latency.labels(route).observe(seconds)
@@ -81,6 +94,37 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RerankMetrics:
+    """Rerank requests by scorer (the reranker's id, or ``bge-m3``): documents (pairs), the
+    model inputs they took (windows), cut documents, tokens and latency."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.requests = Counter("bgeserve_rerank_requests", "Rerank requests answered",
+                                ["scorer"], registry=r)
+        self.pairs = Counter("bgeserve_rerank_pairs", "(query, document) pairs scored",
+                             ["scorer"], registry=r)
+        self.windows = Counter("bgeserve_rerank_windows",
+                               "Model inputs scored (a long document takes several windows)",
+                               ["scorer"], registry=r)
+        self.truncated = Counter("bgeserve_rerank_truncated_documents",
+                                 "Documents not scored whole (cut, or past the windows' cap)",
+                                 ["scorer"], registry=r)
+        self.tokens = Counter("bgeserve_rerank_tokens", "Tokens fed to the scorer",
+                              ["scorer"], registry=r)
+        self.latency = Histogram("bgeserve_rerank_duration_seconds",
+                                 "Rerank latency inside the service (tokenize, queue, inference)",
+                                 ["scorer"], buckets=_LATENCY, registry=r)
+
+    def observe(self, result: RerankResult, seconds: float) -> None:
+        scorer = result.model
+        self.requests.labels(scorer).inc()
+        self.pairs.labels(scorer).inc(len(result))
+        self.windows.labels(scorer).inc(int(result.windows.sum()))
+        self.truncated.labels(scorer).inc(int(result.truncated.sum()))
+        self.tokens.labels(scorer).inc(result.tokens)
+        self.latency.labels(scorer).observe(seconds)
 
 
 class _StateCollector:
@@ -108,6 +152,8 @@ class _StateCollector:
             yield GaugeMetricFamily("bgeserve_queue_tokens", "Tokens waiting",
                                     value=stats["queue_tokens"])
             counters = engine.counters
+            # 429s decided before tokenizing are the admission's, not the scheduler's.
+            extra = {"rejected": getattr(service, "rejected_at_admission", 0)}
             for name, key, doc in (
                 ("bgeserve_rejected_requests", "rejected", "Requests answered 429 (queue full)"),
                 ("bgeserve_cancelled_texts", "cancelled_texts",
@@ -117,7 +163,21 @@ class _StateCollector:
                  ("Worker threads restarted after dying, or sessions reopened after a runtime "
                   "error")),
             ):
-                yield CounterMetricFamily(name, doc, value=counters.get(key, 0))
+                yield CounterMetricFamily(name, doc, value=counters.get(key, 0) + extra.get(key, 0))
+            yield from _cache_metrics(engine.cache_stats())
+        reranker = getattr(getattr(service, "reranking", None), "engine", None)
+        if reranker is not None:
+            stats = reranker.stats()
+            workers = GaugeMetricFamily("bgeserve_reranker_workers", "Reranker workers by state",
+                                        labels=["state"])
+            for state in ("total", "live", "loaded", "busy"):
+                workers.add_metric([state], stats[state])
+            yield workers
+            yield GaugeMetricFamily("bgeserve_reranker_queue_tokens", "Reranker tokens waiting",
+                                    value=stats["queue_tokens"])
+        audit = getattr(service, "audit", None)
+        if audit is not None:
+            yield from _audit_families(audit)
         tuner = getattr(service, "tuner", None)
         if tuner is not None:
             s = tuner.state
@@ -135,3 +195,42 @@ class _StateCollector:
             yield GaugeMetricFamily("bgeserve_model_rss_bytes_per_worker",
                                     "Measured RSS per loaded session",
                                     value=s.model_rss_bytes_per_worker)
+
+
+def _cache_metrics(stats: dict[str, int] | None):
+    """The embedding cache's families (only its capacity, 0, when it is off)."""
+    yield GaugeMetricFamily("bgeserve_cache_capacity_bytes",
+                            "Embedding cache limit (BGE_M3_CACHE_MB; 0: off)",
+                            value=stats["max_bytes"] if stats else 0)
+    if stats is None:
+        return
+    for name, key, doc in (
+        ("bgeserve_cache_hits", "hits", "Texts answered from the embedding cache"),
+        ("bgeserve_cache_misses", "misses", "Texts looked up in the embedding cache and run"),
+        ("bgeserve_cache_repeats", "repeats",
+         "Texts repeating another text of the same request, computed once"),
+        ("bgeserve_cache_evictions", "evictions", "Entries evicted to stay within the limit"),
+    ):
+        yield CounterMetricFamily(name, doc, value=stats[key])
+    yield GaugeMetricFamily("bgeserve_cache_bytes", "Bytes held by the embedding cache",
+                            value=stats["bytes"])
+    yield GaugeMetricFamily("bgeserve_cache_entries", "Texts held by the embedding cache",
+                            value=stats["entries"])
+
+
+def _audit_families(audit: Any) -> Any:
+    """Sampled chunks' measured workspace against the cost model (``tuning.audit``)."""
+    buckets, total = audit.histogram()
+    yield HistogramMetricFamily(
+        "bgeserve_workspace_ratio", "Measured / predicted workspace of sampled chunks",
+        buckets=buckets, sum_value=total)
+    last = audit.last
+    yield GaugeMetricFamily("bgeserve_workspace_predicted_bytes",
+                            "The cost model's workspace for the last sampled chunk",
+                            value=0 if last is None else last.predicted_bytes)
+    yield GaugeMetricFamily("bgeserve_workspace_measured_bytes",
+                            "Measured peak RSS growth of the last sampled chunk",
+                            value=0 if last is None else last.measured_bytes)
+    yield CounterMetricFamily("bgeserve_workspace_breaches",
+                              "Sampled chunks over their prediction past the tolerance",
+                              value=audit.breaches)

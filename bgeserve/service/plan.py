@@ -20,6 +20,7 @@ from typing import Any
 from bgeserve import runtime
 from bgeserve.config import OPENVINO_VARIANTS, Settings
 from bgeserve.engine import EngineConfig
+from bgeserve.engine import cache as embedding_cache
 from bgeserve.engine.scheduler import SchedulerConfig
 from bgeserve.errors import ConfigError
 from bgeserve.model.artifacts import ModelArtifacts, export_variants
@@ -197,7 +198,15 @@ def engine_config(settings: Settings) -> EngineConfig:
         idle_timeout_s=s.idle_timeout_secs)
     return EngineConfig(max_seq=s.max_seq_length, session=session_config(s), scheduler=scheduler,
                         request_timeout_s=s.request_timeout_secs or None,
-                        max_colbert_bytes=s.max_colbert_mb << 20)
+                        max_colbert_bytes=s.max_colbert_mb << 20, cache_bytes=s.cache_mb << 20)
+
+
+def cache_bytes(settings: Settings) -> int:
+    """The memory the engine's embedding cache may hold (0 where it is off for the variant)."""
+    s = settings
+    if not embedding_cache.applies(s.variant, profile_max_batch(s), pad_multiple(s)):
+        return 0
+    return s.cache_mb << 20
 
 
 @dataclass(frozen=True)
@@ -221,6 +230,7 @@ def for_model(settings: Settings, artifacts: ModelArtifacts, cache_dir: Path) ->
     s = dataclasses.replace(settings, max_seq_length=clamp_max_seq(settings.max_seq_length,
                                                                    artifacts))
     engine = engine_config(s)
+    kind = runtime.kind_of(artifacts, s.execution_provider)
     tuning = TuningConfig(
         workers=s.workers, max_seq=s.max_seq_length, safety_factor=s.memory_safety_factor,
         available_override=s.available_memory_bytes, token_budget=s.token_budget,
@@ -233,8 +243,10 @@ def for_model(settings: Settings, artifacts: ModelArtifacts, cache_dir: Path) ->
         cache_dir=cache_dir,
         dims=model_dims(artifacts),
         chunk_tokens=engine.scheduler.max_chunk_tokens,
-        chunk_pinned=s.max_chunk_tokens is not None)
-    return Plan(s, artifacts, engine, tuning, runtime.kind_of(artifacts, s.execution_provider))
+        chunk_pinned=s.max_chunk_tokens is not None,
+        retains_workspace=runtime.get(kind).retains_workspace,
+        reserved_bytes=cache_bytes(s))
+    return Plan(s, artifacts, engine, tuning, kind)
 
 
 def probe_parts(settings: Settings, artifacts: ModelArtifacts) -> dict[str, Any]:

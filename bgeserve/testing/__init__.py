@@ -1,4 +1,5 @@
-"""Test and benchmark helpers: deterministic random-weight models with bge-m3's layout.
+"""Test and benchmark helpers: deterministic random-weight models with bge-m3's layout
+(and bge-reranker-v2-m3's).
 
 Importing this package is cheap: names load on first use (which also keeps
 ``python -m bgeserve.testing.randmodel`` free of runpy's double-import warning), and torch,
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["SIZES", "build_random_model", "cached_random_model", "random_texts"]
+__all__ = ["SIZES", "build_random_model", "build_random_reranker", "cached_random_model",
+           "cached_random_reranker", "random_texts"]
+_RERANKER = ("build_random_reranker", "cached_random_reranker")
 
 if TYPE_CHECKING:
     from bgeserve.testing.randmodel import (
@@ -18,9 +21,14 @@ if TYPE_CHECKING:
         cached_random_model,
         random_texts,
     )
+    from bgeserve.testing.randreranker import build_random_reranker, cached_random_reranker
 
 
 def __getattr__(name: str) -> Any:
+    if name in _RERANKER:
+        from bgeserve.testing import randreranker
+
+        return getattr(randreranker, name)
     if name in __all__:
         from bgeserve.testing import randmodel
 

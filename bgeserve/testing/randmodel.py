@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +196,56 @@ def _write_weights(tmp: Path, config: Any, seed: int) -> int:
 
 
 # ---------------------------------------------------------------------------------- build
+def write_tokenizer(directory: Path, seed: int, vocab: int, size: str) -> None:
+    """Train the seed's tokenizer and write ``tokenizer.json`` and its two config files; the
+    same ``(seed, vocab, size)`` gives the same files (a reranker built with them shares the
+    embedding model's tokenizer, as bge-reranker-v2-m3 shares bge-m3's)."""
+    tok = _train_tokenizer(seed, vocab, 3000 if size == "tiny" else 20000)
+    tok.save(str(directory / "tokenizer.json"))
+    tok_config, special_map = _tokenizer_configs(vocab - 1)
+    for name, data in (("tokenizer_config.json", tok_config),
+                       ("special_tokens_map.json", special_map)):
+        (directory / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def build_atomically(out_dir: Path, size: str, fill: Callable[[Path, Callable[[str], None]],
+                                                               None],
+                     progress: bool | None = None) -> Path:
+    """Create ``out_dir`` by ``fill(tmp, step)`` in a hidden sibling, then one rename, so the
+    directory is complete whenever it exists; ``step(message)`` logs progress (by default for
+    the full size only).
+
+    Raises:
+        FileExistsError: ``out_dir`` exists and is not empty, or appeared meanwhile.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} already exists; delete it or choose another directory")
+    show = size == "full" if progress is None else progress
+    start = time.monotonic()
+
+    def step(message: str) -> None:
+        if show:
+            print(f"[randmodel {time.monotonic() - start:5.1f}s] {message}", file=sys.stderr)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        fill(tmp, step)
+        # mkdtemp's private 0700 would lock out other users of a shared model (e.g. a container).
+        for file in tmp.iterdir():
+            file.chmod(0o644)
+        tmp.chmod(0o755)
+        try:
+            os.rename(tmp, out_dir)
+        except OSError as exc:  # another builder won the race, or out_dir appeared meanwhile
+            raise FileExistsError(f"{out_dir} appeared while building it") from exc
+        step(f"done: {out_dir}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
 def build_random_model(
     out_dir: Path, size: str = "tiny", seed: int = 0, vocab_size: int | None = None,
     *, progress: bool | None = None,
@@ -212,29 +263,12 @@ def build_random_model(
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     fields = dict(SIZES[size])
     vocab = fields["vocab_size"] = vocab_size or fields.get("vocab_size", _TINY_VOCAB)
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} already exists; delete it or choose another directory")
-    show = size == "full" if progress is None else progress
-    start = time.monotonic()
 
-    def step(message: str) -> None:
-        if show:
-            print(f"[randmodel {time.monotonic() - start:5.1f}s] {message}", file=sys.stderr)
-
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    try:
+    def fill(tmp: Path, step: Callable[[str], None]) -> None:
         from transformers import XLMRobertaConfig
 
         step(f"training a {vocab}-piece Unigram tokenizer")
-        tok = _train_tokenizer(seed, vocab, 3000 if size == "tiny" else 20000)
-        tok.save(str(tmp / "tokenizer.json"))
-        tok_config, special_map = _tokenizer_configs(vocab - 1)
-        for name, data in (("tokenizer_config.json", tok_config),
-                           ("special_tokens_map.json", special_map)):
-            (tmp / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-
+        write_tokenizer(tmp, seed, vocab, size)
         config = XLMRobertaConfig(**fields)
         config.save_pretrained(tmp)
         step(f"writing {size} weights (seed {seed})")
@@ -242,18 +276,9 @@ def build_random_model(
         meta = {"builder_version": _BUILDER_VERSION, "size": size, "seed": seed,
                 "vocab_size": vocab, "parameters": params}
         (tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        # mkdtemp's private 0700 would lock out other users of a shared model (e.g. a container).
-        for file in tmp.iterdir():
-            file.chmod(0o644)
-        tmp.chmod(0o755)
-        try:
-            os.rename(tmp, out_dir)
-        except OSError as exc:  # another builder won the race, or out_dir appeared meanwhile
-            raise FileExistsError(f"{out_dir} appeared while building it") from exc
-        step(f"done: {out_dir} ({params:,} parameters)")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+        step(f"{params:,} parameters")
+
+    return build_atomically(out_dir, size, fill, progress)
 
 
 def cached_random_model(root: Path, size: str = "tiny", seed: int = 0) -> Path:
@@ -269,19 +294,24 @@ def cached_random_model(root: Path, size: str = "tiny", seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: build a random-weight bge-m3 and print its directory."""
+    """CLI: build a random-weight bge-m3 (or its reranker) and print its directory."""
     parser = argparse.ArgumentParser(
         prog="bgeserve build-random-model",
-        description="Build a deterministic random-weight model with bge-m3's layout.",
+        description="Build a deterministic random-weight model with bge-m3's layout "
+                    "(--kind reranker: bge-reranker-v2-m3's).",
     )
+    parser.add_argument("--kind", choices=["embedding", "reranker"], default="embedding")
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="tokenizer/embedding rows (default: 3000 tiny, 250002 full)")
     parser.add_argument("--out", type=Path, required=True, help="directory to create")
     args = parser.parse_args(argv)
+    build = build_random_model
+    if args.kind == "reranker":
+        from bgeserve.testing.randreranker import build_random_reranker as build
     try:
-        path = build_random_model(args.out, args.size, args.seed, args.vocab_size)
+        path = build(args.out, args.size, args.seed, args.vocab_size)
     except (FileExistsError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -24,6 +24,18 @@ def budget(available: int, workers: int, model_cost: int, *,
                          headroom=HEADROOM_BYTES, safety_factor=safety_factor)
 
 
+def split_available(available: int, resident: tuple[int, int], share: float) -> tuple[int, int]:
+    """The memory two models in one process each tune with (bge-m3 and its reranker): each
+    keeps its own ``resident`` weights, and what both leave free is shared, ``share`` of it to
+    the second. Each tuner then takes its headroom and safety factor from its part, so the two
+    budgets together never exceed what one process may use."""
+    if not 0 < share < 1:
+        raise ValueError(f"share={share} must be in (0, 1); check BGE_M3_RERANK_MEMORY_SHARE")
+    free = max(0, available - resident[0] - resident[1])
+    second = int(free * share)
+    return resident[0] + free - second, resident[1] + second
+
+
 def worker_budget(
     available: int, workers: int, model_cost: int, *, headroom: int, safety_factor: float
 ) -> int:

@@ -25,7 +25,9 @@ def engine_env(spec: dict[str, Any]) -> dict[str, str]:
            "BGE_M3_INTRA_THREADS": str(max(1, spec["threads"] // workers)),
            "BGE_M3_CACHE_DIR": str(Path(spec["work_dir"]) / "cache"),
            "BGE_M3_IDLE_TIMEOUT_SECS": "0", "BGE_M3_REQUEST_TIMEOUT_SECS": "0",
-           "HF_HUB_OFFLINE": "1"}
+           "HF_HUB_OFFLINE": "1",
+           # The embedding cache off: the latency pass repeats the corpus's texts.
+           "BGE_M3_CACHE_MB": "0"}
     ep = spec.get("ep", "cpu")
     if ep != "cpu":
         env["BGE_M3_EP"] = ep

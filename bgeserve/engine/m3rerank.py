@@ -1,0 +1,184 @@
+"""Reranking with bge-m3 itself: the query embedded once, each document (or each window of a
+long one) embedded once, then ``m3score`` — dense, sparse, ColBERT or their weighted mix.
+
+``BGEM3FlagModel.compute_score`` re-encodes the query for every pair; here the query is one
+text of the same embedding call as the documents (so it shares their chunks), whatever the
+number of documents. A document longer than bge-m3's ``max_seq`` tokens is cut (``truncate``:
+FlagEmbedding's own input, flagged) or split into overlapping windows whose best score is kept
+(``max``, the default), as the cross-encoder does (``pairs.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from bgeserve.engine.jobs import Job
+from bgeserve.engine.m3score import m3_scores, needs
+from bgeserve.engine.pairs import CLS_ID, EOS_ID, content_ids, document_windows
+from bgeserve.engine.tokenizer import Tokenizer, untruncated
+from bgeserve.errors import TooLarge
+from bgeserve.results import M3_SCORER, Embeddings, EmbedOptions, RerankOptions, RerankResult
+
+if TYPE_CHECKING:
+    from bgeserve.engine import Engine
+
+
+@dataclass
+class M3Plan:
+    """The texts one M3 rerank embeds: the query, then every document window (token ids with
+    ``<s>``/``</s>``), and how the windows map back to documents."""
+
+    inputs: list[np.ndarray]  # [query, window, window, ...]
+    owner: np.ndarray  # document of each window
+    windows: np.ndarray
+    truncated: np.ndarray
+    query_truncated: bool
+    outputs: tuple[bool, bool, bool]  # (dense, sparse, colbert) the mode needs
+
+    @property
+    def tokens(self) -> int:
+        return int(sum(len(x) for x in self.inputs))
+
+
+def plan_m3(tokenizer: Tokenizer, query: str, documents: Sequence[str], max_seq: int,
+            options: RerankOptions, max_windows: int | None = None) -> M3Plan:
+    """Tokenize once (``tokenizer`` must not truncate: its ``max_seq`` above any document) and
+    cut each document into windows of ``max_seq - 2`` content tokens."""
+    width = max_seq - 2
+    encoded = tokenizer.encode([query, *documents]).ids
+    q = content_ids(encoded[0])
+    inputs = [np.concatenate(([CLS_ID], q[:width], [EOS_ID])).astype(np.int64)]
+    owner: list[int] = []
+    windows = np.zeros(len(documents), dtype=np.int64)
+    truncated = np.zeros(len(documents), dtype=bool)
+    for i, ids in enumerate(encoded[1:]):
+        d = content_ids(ids)
+        if options.max_tokens_per_doc is not None and len(d) > options.max_tokens_per_doc:
+            d, truncated[i] = d[:options.max_tokens_per_doc], True
+        starts, cut = document_windows(len(d), width, width // 4, options.long_documents,
+                                       options.truncation_direction, max_windows)
+        truncated[i] |= cut
+        windows[i] = len(starts)
+        for start in starts:
+            inputs.append(np.concatenate(([CLS_ID], d[start:start + width], [EOS_ID])
+                                         ).astype(np.int64))
+            owner.append(i)
+    return M3Plan(inputs, np.asarray(owner, dtype=np.int64), windows, truncated,
+                  len(q) > width, needs(options.mode))
+
+
+def groups(plan: M3Plan, width: int, colbert_bytes: int | None) -> list[list[int]]:
+    """The plan's inputs in consecutive groups, each one job: with ColBERT, each group's
+    vectors (``tokens - 1`` rows of ``width`` floats per input) stay under ``colbert_bytes``,
+    so a request of many long documents never holds all of them at once. Group 0 starts with
+    the query."""
+    if not plan.outputs[2] or colbert_bytes is None:
+        return [list(range(len(plan.inputs)))]
+    out: list[list[int]] = [[]]
+    size = 0
+    for i, ids in enumerate(plan.inputs):
+        rows = (len(ids) - 1) * width * 4
+        if out[-1] and size + rows > colbert_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += rows
+    return out
+
+
+def finish_m3(plan: M3Plan, query: Embeddings, windows: Embeddings,
+              options: RerankOptions) -> RerankResult:
+    """Scores of the mode per document: its best window's (``windows`` holds the plan's
+    inputs after the query, in order)."""
+    per_window = m3_scores(query, windows).combined(options.mode, options.weights)
+    scores = np.full(len(plan.windows), -np.inf)
+    np.maximum.at(scores, plan.owner, per_window)
+    return RerankResult(scores, plan.truncated, plan.windows, plan.tokens, M3_SCORER,
+                        plan.query_truncated)
+
+
+def rows(e: Embeddings, index: slice | list[int]) -> Embeddings:
+    """The embeddings of some of ``e``'s texts."""
+    idx = np.arange(len(e))[index]
+    return Embeddings(None if e.dense is None else e.dense[idx],
+                      None if e.sparse is None else [e.sparse[i] for i in idx],
+                      None if e.colbert is None else [e.colbert[i] for i in idx],
+                      e.n_tokens[idx], e.truncated[idx])
+
+
+def concat(parts: list[Embeddings]) -> Embeddings:
+    """Several groups' embeddings as one, in order (every group has the same outputs)."""
+    first = parts[0]
+    dense = [p.dense for p in parts if p.dense is not None]
+    sparse = [x for p in parts if p.sparse is not None for x in p.sparse]
+    colbert = [x for p in parts if p.colbert is not None for x in p.colbert]
+    return Embeddings(np.concatenate(dense) if first.dense is not None else None,
+                      sparse if first.sparse is not None else None,
+                      colbert if first.colbert is not None else None,
+                      np.concatenate([p.n_tokens for p in parts]),
+                      np.concatenate([p.truncated for p in parts]))
+
+
+# -- on an engine ------------------------------------------------------------------------------
+def admit(engine: Engine, plan: M3Plan) -> None:
+    """Refuse (413) a request whose longest text cannot fit bge-m3's memory budget."""
+    cost = engine.cost_model
+    longest = max(len(x) for x in plan.inputs)
+    if cost is not None and not cost.fits(1, longest):
+        raise TooLarge(
+            f"a text of {longest} tokens (the query or a document window) needs "
+            f"~{cost.cost(1, longest) / 2**20:.0f} MiB of workspace; bge-m3's budget per "
+            f"worker is {cost.max_workspace_bytes / 2**20:.0f} MiB (longest that fits: "
+            f"{cost.max_seq()} tokens). Lower BGE_M3_MAX_SEQ_LENGTH (windows get shorter), or "
+            "give the server more memory", param="documents")
+
+
+def make_jobs(engine: Engine, query: str, documents: Sequence[str], options: RerankOptions,
+              request_id: str = "", arrived: float | None = None) -> tuple[M3Plan, list[Job]]:
+    """Tokenize, window and admit: the jobs to run one after the other (see ``groups``)."""
+    start = time.monotonic() if arrived is None else arrived
+    plan = plan_m3(untruncated(engine.artifacts.tokenizer_path), query, documents,
+                   engine.config.max_seq, options)
+    admit(engine, plan)
+    timeout = engine.config.request_timeout_s
+    deadline = start + timeout if timeout else None
+    dense, sparse, colbert = plan.outputs
+    limit = engine.config.max_colbert_bytes
+    jobs = [Job([plan.inputs[i] for i in group], np.zeros(len(group), dtype=bool),
+                EmbedOptions(dense, sparse, colbert), deadline, request_id)
+            for group in groups(plan, engine.width, None if limit is None else limit // 2)]
+    return plan, jobs
+
+
+def rerank_m3(engine: Engine, query: str, documents: Sequence[str],
+              options: RerankOptions) -> RerankResult:
+    """bge-m3's scores of ``documents`` against ``query`` (blocking)."""
+    plan, jobs = make_jobs(engine, query, documents, options)
+    parts = []
+    for job in jobs:
+        future = engine.submit(job)
+        try:
+            parts.append(future.result())
+        except BaseException:
+            engine.cancel(job)
+            raise
+    return _finish(plan, parts, options)
+
+
+async def arerank_m3(engine: Engine, query: str, documents: Sequence[str],
+                     options: RerankOptions, request_id: str = "") -> RerankResult:
+    """Async ``rerank_m3``: tokenization off the event loop, the groups one after another."""
+    plan, jobs = await asyncio.to_thread(make_jobs, engine, query, documents, options,
+                                         request_id)
+    return _finish(plan, [await engine.await_job(job) for job in jobs], options)
+
+
+def _finish(plan: M3Plan, parts: list[Embeddings], options: RerankOptions) -> RerankResult:
+    embedded = concat(parts)
+    return finish_m3(plan, rows(embedded, slice(0, 1)), rows(embedded, slice(1, None)), options)

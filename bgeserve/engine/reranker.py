@@ -1,0 +1,143 @@
+"""``Reranker``: a cross-encoder (bge-reranker-v2-m3) in-process, on an ``Engine`` of its own.
+
+query + documents → FlagReranker's pair rows, windows over long documents (``crossencoder``,
+``pairs``) → one job of rows on the engine (each row one text to the packer: cross-request
+batching, the memory budget, OOM splits and deadlines as for embeddings) → the logits
+(``forward``'s reranker layouts) → each document's best window, sigmoid on request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Future
+from dataclasses import replace
+from pathlib import Path
+from typing import Self
+
+import numpy as np
+
+from bgeserve.engine import Engine, EngineConfig
+from bgeserve.engine.crossencoder import finish_pairs, plan_pairs
+from bgeserve.engine.jobs import Job
+from bgeserve.engine.pairs import PairConfig, PairPlan
+from bgeserve.engine.tokenizer import untruncated
+from bgeserve.errors import ModelUnavailable, TooLarge
+from bgeserve.model.rerank_artifacts import RERANK_MODEL_ID, resolve_reranker
+from bgeserve.results import Embeddings, EmbedOptions, RerankOptions, RerankResult
+
+
+class Reranker:
+    """bge-reranker-v2-m3 scores, in input order: ``rerank(query, documents)`` (blocking) or
+    ``await arerank(...)``.
+
+    ``Reranker(model_path, variant)`` opens a reranker export or snapshot (None: the pinned hub
+    model, downloaded into ``cache_dir``); ``Reranker(engine=...)`` wraps an engine over
+    reranker artifacts (the server's way). Pairs hold at most ``pairs.max_length`` tokens
+    (default: what the model's positions hold, 8,192). Use it as a context manager, or call
+    ``close()``.
+    """
+
+    def __init__(self, model_path: str | Path | None = None, variant: str = "fp32", *,
+                 engine: Engine | None = None, config: EngineConfig | None = None,
+                 pairs: PairConfig | None = None, cache_dir: str | Path | None = None,
+                 offline: bool = False, model_id: str = RERANK_MODEL_ID, start: bool = True):
+        if engine is None:
+            cache = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "bgeserve"
+            artifacts = resolve_reranker(model_path=Path(model_path) if model_path else None,
+                                         variant=variant, cache_dir=cache, offline=offline)
+            engine = Engine(artifacts=artifacts, config=config, start=start)
+        if not engine.artifacts.layout.reranker:
+            raise ModelUnavailable(f"{engine.artifacts.source} is not a reranker's graph")
+        self.engine = engine
+        self.model_id = model_id
+        held = engine.config.max_seq  # clamped to the positions by the engine
+        pairs = pairs or PairConfig(max_length=held)
+        self.pairs = pairs if pairs.max_length <= held else replace(pairs, max_length=held)
+        self.tokenizer = untruncated(engine.artifacts.tokenizer_path)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Load the sessions and start the workers."""
+        self.engine.start()
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Finish queued work and release the sessions."""
+        self.engine.close(timeout)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- scoring ---------------------------------------------------------------------------
+    def admit(self, plan: PairPlan) -> None:
+        """Refuse (413) a request whose longest window cannot fit the memory budget."""
+        cost = self.engine.cost_model
+        if cost is None or not plan.rows:
+            return
+        longest = max(len(r) for r in plan.rows)
+        if not cost.fits(1, longest):
+            raise TooLarge(
+                f"one (query, document) window of {longest} tokens needs "
+                f"~{cost.cost(1, longest) / 2**20:.0f} MiB of workspace; the reranker's budget "
+                f"per worker is {cost.max_workspace_bytes / 2**20:.0f} MiB (longest that fits: "
+                f"{cost.max_seq()} tokens). Lower BGE_M3_RERANK_MAX_LENGTH (windows get "
+                "shorter), shorten the query, or give the server more memory", param="documents")
+
+    def make_job(self, query: str, documents: list[str], options: RerankOptions,
+                 request_id: str = "", arrived: float | None = None) -> tuple[PairPlan, Job]:
+        """Tokenize, build the rows and admit them: a job ready to submit, and its plan. The
+        deadline counts from ``arrived`` (monotonic; default now)."""
+        start = time.monotonic() if arrived is None else arrived
+        plan = plan_pairs(self.tokenizer, query, documents, self.pairs, options)
+        self.admit(plan)
+        timeout = self.engine.config.request_timeout_s
+        job = Job(plan.rows, np.zeros(len(plan.rows), dtype=bool), EmbedOptions(dense=True),
+                  start + timeout if timeout else None, request_id)
+        return plan, job
+
+    def finish(self, plan: PairPlan, embedded: Embeddings,
+               options: RerankOptions) -> RerankResult:
+        """The scores of a finished job (``embedded.dense`` holds one logit per row)."""
+        logits = embedded.dense[:, 0] if embedded.dense is not None else np.zeros(0)
+        return finish_pairs(plan, logits, options, self.model_id)
+
+    def submit(self, job: Job) -> Future:
+        """Queue a job's rows on the engine."""
+        return self.engine.submit(job)
+
+    def rerank(self, query: str, documents: list[str], *, normalize: bool = False,
+               long_documents: str = "max", truncation_direction: str = "right",
+               max_tokens_per_doc: int | None = None) -> RerankResult:
+        """Score ``documents`` against ``query`` (blocking); see ``RerankResult``.
+
+        ``normalize``: sigmoid scores in [0, 1] (FlagReranker's ``normalize=True``);
+        ``long_documents``: ``max`` (windows, best kept) or ``truncate`` (FlagReranker's cut,
+        flagged; ``truncation_direction`` ``left`` keeps the end instead).
+        """
+        options = RerankOptions(model=self.model_id, normalize=normalize,
+                                long_documents=long_documents,
+                                truncation_direction=truncation_direction,
+                                max_tokens_per_doc=max_tokens_per_doc)
+        plan, job = self.make_job(query, list(documents), options)
+        future = self.submit(job)
+        try:
+            return self.finish(plan, future.result(), options)
+        except BaseException:
+            self.engine.cancel(job)
+            raise
+
+    async def arerank(self, query: str, documents: list[str], *, normalize: bool = False,
+                      long_documents: str = "max", truncation_direction: str = "right",
+                      max_tokens_per_doc: int | None = None,
+                      request_id: str = "") -> RerankResult:
+        """Async ``rerank``: tokenization off the event loop; cancellation drops queued rows."""
+        options = RerankOptions(model=self.model_id, normalize=normalize,
+                                long_documents=long_documents,
+                                truncation_direction=truncation_direction,
+                                max_tokens_per_doc=max_tokens_per_doc)
+        plan, job = await asyncio.to_thread(self.make_job, query, list(documents), options,
+                                            request_id)
+        return self.finish(plan, await self.engine.await_job(job), options)

@@ -1,0 +1,168 @@
+"""Rerank request bodies → a validated ``RerankRequest``, or ``InvalidInput`` / ``TooLarge``.
+
+Two shapes. Jina's and Cohere's (``/v1/rerank``, ``/v2/rerank``: what LangChain's and
+LlamaIndex's rerankers send): ``{model, query, documents: [str | {text}], top_n,
+return_documents}``, plus bgeserve's ``normalize``, ``mode``, ``weights``, ``long_documents``
+and ``truncate``. TEI's (``/rerank``): ``{query, texts, raw_scores, return_text, truncate,
+truncation_direction}``. As the clients expect, ``null`` means the default, ``top_n`` of 0
+means all, and fields read by neither (Cohere's ``rank_fields``, ``priority``,
+``max_chunks_per_doc``) are ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from bgeserve.config import Settings
+from bgeserve.errors import InvalidInput, TooLarge
+from bgeserve.http.schemas import _as_int, check_model, load_object
+from bgeserve.results import LONG_DOCUMENTS, RerankOptions
+
+MODES = ("dense", "sparse", "colbert", "sparse+dense", "colbert+sparse+dense", "hybrid")
+DIRECTIONS = {"right": "right", "Right": "right", "left": "left", "Left": "left"}
+
+
+@dataclass(frozen=True)
+class RerankRequest:
+    """A validated rerank request: what to score, how, and what to return."""
+
+    query: str
+    documents: list[str]
+    options: RerankOptions
+    top_n: int | None = None  # None: every document
+    return_documents: bool = False
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{name} must be true or false", param=name)
+    return value
+
+
+def _query(body: dict[str, Any]) -> str:
+    if body.get("query") is None:
+        raise InvalidInput("query is required", param="query")
+    if not isinstance(body["query"], str):
+        raise InvalidInput("query must be a string", param="query")
+    query: str = body["query"]
+    return query
+
+
+def _check_text(text: str, param: str, settings: Settings) -> None:
+    if len(text) > settings.max_text_chars:
+        raise TooLarge(f"{param} has {len(text)} characters, over the limit of "
+                       f"{settings.max_text_chars} (BGE_M3_MAX_TEXT_CHARS)", param=param)
+
+
+def _documents(value: Any, name: str, settings: Settings, objects: bool) -> list[str]:
+    """A non-empty list of strings (or, with ``objects``, of ``{"text": str}``)."""
+    shape = "strings or objects with a text field" if objects else "strings"
+    if value is None:
+        raise InvalidInput(f"{name} is required", param=name)
+    if not isinstance(value, list):
+        raise InvalidInput(f"{name} must be an array of {shape}", param=name)
+    if not value:
+        raise InvalidInput(f"{name} must not be empty", param=name, code="empty_input")
+    if len(value) > settings.max_batch:
+        raise InvalidInput(f"{len(value)} {name} exceed the maximum of {settings.max_batch} "
+                           "(BGE_M3_MAX_BATCH); split the request", param=name,
+                           code="batch_too_large")
+    out = []
+    for i, item in enumerate(value):
+        if objects and isinstance(item, dict):
+            item = item.get("text")
+        if not isinstance(item, str):
+            raise InvalidInput(f"{name}[{i}] must be one of: {shape}", param=f"{name}[{i}]")
+        _check_text(item, f"{name}[{i}]", settings)
+        out.append(item)
+    return out
+
+
+def _top_n(value: Any) -> int | None:
+    if value is None:
+        return None
+    number = _as_int(value)
+    if number is None or number < 0:
+        raise InvalidInput("top_n must be an integer >= 0 (0 or null: every document)",
+                           param="top_n")
+    return number or None
+
+
+def _weights(value: Any) -> tuple[float, float, float]:
+    if (not isinstance(value, list) or len(value) != 3
+            or any(type(w) not in (int, float) or not w >= 0 for w in value)):
+        raise InvalidInput("weights must be three numbers >= 0: [dense, sparse, colbert]",
+                           param="weights")
+    if not sum(value) > 0:
+        raise InvalidInput("weights must not all be 0", param="weights")
+    return float(value[0]), float(value[1]), float(value[2])
+
+
+def _long_documents(body: dict[str, Any]) -> str:
+    """``truncate`` wins when given (true: cut; false: windows), else ``long_documents``."""
+    truncate = body.get("truncate")
+    if truncate is not None:
+        return "truncate" if _flag(body, "truncate", False) else "max"
+    value = body.get("long_documents")
+    if value is None:
+        return "max"
+    if value not in LONG_DOCUMENTS:
+        raise InvalidInput(f"long_documents must be one of {', '.join(map(repr, LONG_DOCUMENTS))}",
+                           param="long_documents")
+    return str(value)
+
+
+def _max_tokens(value: Any) -> int | None:
+    if value is None:
+        return None
+    number = _as_int(value)
+    if number is None or number < 1:
+        raise InvalidInput("max_tokens_per_doc must be an integer >= 1", param="max_tokens_per_doc")
+    return number
+
+
+def parse_rerank_request(raw: bytes, settings: Settings,
+                         model_ids: Collection[str]) -> RerankRequest:
+    """The Jina / Cohere body (``/v1/rerank``, ``/v2/rerank``); ``model`` must be one of
+    ``model_ids`` (or absent: the default scorer)."""
+    body = load_object(raw)
+    check_model(body.get("model"), model_ids)
+    mode = body.get("mode")
+    if mode is not None and mode not in MODES:
+        raise InvalidInput(f"mode must be one of {', '.join(map(repr, MODES))}", param="mode")
+    options = RerankOptions(
+        model=body.get("model"),
+        normalize=_flag(body, "normalize", True),
+        long_documents=_long_documents(body),
+        max_tokens_per_doc=_max_tokens(body.get("max_tokens_per_doc")),
+        mode=mode or "hybrid",
+        weights=_weights(body["weights"]) if body.get("weights") is not None
+        else RerankOptions.weights,
+    )
+    return RerankRequest(_query(body), _documents(body.get("documents"), "documents", settings,
+                                                  objects=True),
+                         options, _top_n(body.get("top_n")),
+                         _flag(body, "return_documents", False))
+
+
+def parse_tei_rerank_request(raw: bytes, settings: Settings) -> RerankRequest:
+    """TEI's ``/rerank`` body: sigmoid scores unless ``raw_scores``; ``truncate`` cuts (from
+    the right, or the left with ``truncation_direction``), else long texts are windowed."""
+    body = load_object(raw)
+    direction = body.get("truncation_direction")
+    if direction is not None and (not isinstance(direction, str) or direction not in DIRECTIONS):
+        raise InvalidInput("truncation_direction must be one of Left, left, Right, right",
+                           param="truncation_direction")
+    options = RerankOptions(
+        normalize=not _flag(body, "raw_scores", False),
+        long_documents="truncate" if _flag(body, "truncate", False) else "max",
+        truncation_direction=DIRECTIONS.get(direction or "right", "right"),
+    )
+    return RerankRequest(_query(body), _documents(body.get("texts"), "texts", settings,
+                                                  objects=False),
+                         options, None, _flag(body, "return_text", False))

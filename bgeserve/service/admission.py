@@ -1,0 +1,267 @@
+"""Admission before tokenizing: a cheap bound decides at once, the exact check comes after.
+
+Tokenizing a request costs ~120 ms for 8 texts of 12k characters, and only a few run at once
+(one per core). Deciding only after it made a flood's refusals wait behind everyone's
+tokenizing: 48 such requests against a 20,000-token queue got their 429s after 0.2-2.7 s.
+``AdmissionGate`` decides from a lower bound of each request's tokens (words, capped at
+max_seq per text: ``Tokenizer.min_tokens``), reserved until the request's exact tokens join
+the queue: requests waiting to be tokenized count against the queue's room, so the second of
+48 simultaneous requests already sees the first. Refusals that need no bound (the room is
+gone) cost nothing. The queue's own exact check still follows tokenizing.
+
+``DrainMeter`` measures how fast the queue empties (tokens of finished chunks per second), so
+``Retry-After`` says how long the tokens ahead of a request take to drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from bgeserve.engine import normalize_inputs
+from bgeserve.errors import Overloaded
+
+if TYPE_CHECKING:
+    from bgeserve.engine import Engine, Inputs
+    from bgeserve.engine.jobs import Job
+    from bgeserve.results import EmbedOptions
+
+# The bound walks the texts (~2-3 ms for 96k characters, stopping once past the room): past
+# this many characters it runs on a thread of its own (never behind the tokenizing threads),
+# else on the event loop, where the next request already sees its reservation.
+BOUND_ON_LOOP_CHARS = 256 * 1024
+DRAIN_WINDOW_S = 10.0  # finished chunks younger than this measure the rate
+MIN_SPAN_S = 1.0  # a burst of chunks in 50 ms is not a rate of 20x their tokens per second
+MAX_RETRY_AFTER_S = 60.0
+
+
+class DrainMeter:
+    """Tokens finished per second over the last ``window`` seconds (thread-safe)."""
+
+    def __init__(self, window: float = DRAIN_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.window = window
+        self.clock = clock
+        self._events: deque[tuple[float, int]] = deque()
+        self._total = 0
+        self._last_rate = 0.0
+        self._lock = threading.Lock()
+
+    def record(self, tokens: int) -> None:
+        """A chunk of ``tokens`` (real tokens) finished now."""
+        with self._lock:
+            now = self.clock()
+            self._events.append((now, tokens))
+            self._total += tokens
+            self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window:
+            self._total -= self._events.popleft()[1]
+
+    def recent(self) -> bool:
+        """Whether a chunk finished within the window (the queue is draining)."""
+        with self._lock:
+            self._expire(self.clock())
+            return bool(self._events)
+
+    def rate(self) -> float:
+        """Tokens per second; the last measured rate when nothing finished lately (0.0 until
+        a first chunk finished)."""
+        with self._lock:
+            now = self.clock()
+            self._expire(now)
+            if self._events:
+                span = max(MIN_SPAN_S, now - self._events[0][0])
+                self._last_rate = self._total / span
+            return self._last_rate
+
+
+class AdmissionGate:
+    """The queue's room, with the requests still being tokenized counted in.
+
+    ``queued`` reads the tokens the scheduler holds; ``max_tokens`` is
+    BGE_M3_MAX_QUEUE_TOKENS. Like the queue, it lets any request in when nothing is queued
+    or reserved (a request larger than the whole queue must still be served alone).
+    """
+
+    def __init__(self, max_tokens: int, queued: Callable[[], int], drain: DrainMeter) -> None:
+        self.max_tokens = max_tokens
+        self.queued = queued
+        self.drain = drain
+        self.reserved = 0  # tokens of admitted requests not yet in the queue
+        self._lock = threading.Lock()
+
+    def room(self) -> int:
+        """Tokens that may still be admitted (negative: over, by reservations)."""
+        return self.max_tokens - self.queued() - self.reserved
+
+    def retry_after(self, needed: int) -> float:
+        """Seconds until ``needed`` more tokens of room have drained, from the measured rate;
+        at least 1, at most ``MAX_RETRY_AFTER_S``; 1 before anything was measured."""
+        rate = self.drain.rate()
+        if rate <= 0 or needed <= 0:
+            return 1.0
+        return float(min(MAX_RETRY_AFTER_S, max(1, math.ceil(needed / rate))))
+
+    def refusal(self, bound: int, room: int | None = None) -> Overloaded:
+        """The 429 for a request of at least ``bound`` tokens."""
+        room = self.room() if room is None else room
+        return Overloaded(
+            f"the queue is full: {self.max_tokens - room} of {self.max_tokens} tokens are "
+            f"queued or being admitted and this request needs at least {bound} "
+            "(BGE_M3_MAX_QUEUE_TOKENS); retry after the Retry-After seconds",
+            retry_after=self.retry_after(bound - room))
+
+    def full(self) -> Overloaded | None:
+        """The refusal when no request can be admitted whatever its size (O(1)), else None."""
+        with self._lock:
+            room, busy = self.room(), self.reserved or self.queued()
+        return self.refusal(1, room) if busy and room <= 0 else None
+
+    def reserve(self, bound: int) -> None:
+        """Hold ``bound`` tokens of room (while tokenizing, until the exact tokens are
+        queued; ``release`` them then); raises ``Overloaded`` if they are not there."""
+        with self._lock:
+            room, busy = self.room(), self.reserved or self.queued()
+            if busy and bound > room:
+                raise self.refusal(bound, room)
+            self.reserved += bound
+
+    def release(self, bound: int) -> None:
+        with self._lock:
+            self.reserved -= bound
+
+
+class Admission:
+    """A request's way into the engine's queue: the gate, a tokenizing slot, the submission.
+
+    ``slots`` requests tokenize at once (more than the cores only adds memory, each holding its
+    encodings, never speed). ``refused`` counts the 429s decided here (the scheduler counts
+    its own).
+    """
+
+    def __init__(self, engine: Engine, max_queue_tokens: int, drain: DrainMeter,
+                 slots: int) -> None:
+        self.engine = engine
+        self.gate = AdmissionGate(max_queue_tokens, engine.queued_tokens, drain)
+        self.refused = 0
+        self._lock = threading.Lock()
+        self._slots = slots
+        self._tokenizing: asyncio.Semaphore | None = None  # made on the loop that serves
+        self._bounds = ThreadPoolExecutor(1, thread_name_prefix="bgeserve-admission")
+
+    def lower_bound(self, inputs: Inputs, stop_above: int) -> int:
+        """Tokens ``inputs`` give at least (words, capped at max_seq per text; token ids
+        count as they are), counted until past ``stop_above``."""
+        texts, ids = normalize_inputs(inputs)
+        tokenizer = self.engine.tokenizer
+        if texts is not None:
+            return tokenizer.min_tokens(texts, stop_above=stop_above)
+        return sum(min(len(x) + 2, tokenizer.max_seq) for x in ids or ())
+
+    def refuse_now(self) -> Overloaded | None:
+        """The refusal when no request can be admitted now, whatever its size (counted)."""
+        refusal = self.gate.full()
+        return None if refusal is None else self._refuse(refusal)
+
+    def _admit(self, inputs: Inputs) -> int:
+        """Reserve a lower bound of ``inputs``' tokens against the room as it is now; the
+        bound, or Overloaded. Requests larger than BOUND_ON_LOOP_CHARS run this one after
+        another on the admission thread, so each sees the reservations of those before it
+        (and, refused, costs a text's walk at most: the bound stops past the room)."""
+        refusal = self.gate.full()
+        if refusal is not None:
+            raise self._refuse(refusal)
+        bound = self.lower_bound(inputs, max(0, self.gate.room()))
+        try:
+            self.gate.reserve(bound)
+        except Overloaded as exc:
+            raise self._refuse(exc) from None
+        return bound
+
+    async def _reserve(self, inputs: Inputs) -> int:
+        texts, _ = normalize_inputs(inputs)
+        if texts is None or sum(map(len, texts)) <= BOUND_ON_LOOP_CHARS:
+            return self._admit(inputs)
+        refusal = self.gate.full()  # no need to wait for the thread to know that
+        if refusal is not None:
+            raise self._refuse(refusal)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._bounds, self._admit, inputs)
+
+    def _refuse(self, refusal: Overloaded) -> Overloaded:
+        with self._lock:
+            self.refused += 1
+        return refusal
+
+    async def submit(self, inputs: Inputs, options: EmbedOptions, request_id: str,
+                     arrived: float) -> tuple[Job, Future]:
+        """Admit, tokenize and queue a request; its job and the future of its result.
+
+        Raises Overloaded (a 429, its Retry-After from the drain rate) at once when a lower
+        bound of its tokens does not fit beside what is queued and being tokenized, or after
+        tokenizing when its exact tokens do not fit the queue.
+        """
+        bound = await self._reserve(inputs)
+        try:
+            job = await self._tokenize(inputs, options, request_id, arrived)
+            try:
+                future = self.engine.submit(job)
+            except Overloaded as exc:  # the exact check: the retry comes from the drain rate
+                tokens = sum(len(x) for x in job.ids)
+                needed = tokens - self.gate.room() - bound  # this request's own reservation
+                raise Overloaded(exc.message,  # counted by the scheduler
+                                 retry_after=self.gate.retry_after(needed)) from None
+        finally:
+            self.gate.release(bound)
+        return job, future
+
+    async def _tokenize(self, inputs: Inputs, options: EmbedOptions, request_id: str,
+                        arrived: float) -> Job:
+        if small(inputs):
+            # A query or two: tokenizing it here costs less than handing it to a thread and
+            # waiting to be woken (measured in docs/benchmarks.md, "Short-query latency").
+            return self.engine.make_job(inputs, options, request_id, arrived)
+        if self._tokenizing is None:
+            self._tokenizing = asyncio.Semaphore(self._slots)
+        async with self._tokenizing:
+            work = asyncio.ensure_future(asyncio.to_thread(
+                self.engine.make_job, inputs, options, request_id, arrived))
+            try:
+                return await asyncio.shield(work)
+            except asyncio.CancelledError:
+                # The caller left (client gone), but the thread tokenizes on: its slot, its
+                # reservation and the body allowance the HTTP layer holds until this returns
+                # stay taken until it ends.
+                await asyncio.wait({work})
+                if not work.cancelled():
+                    work.exception()  # retrieved: its error has no one to go to
+                raise
+
+    def close(self) -> None:
+        self._bounds.shutdown(wait=False)
+
+
+# Requests up to this many characters (or token ids) are tokenized on the event loop: at
+# ~5-10 us per token (bge-m3's tokenizer here) that blocks it for well under a millisecond,
+# less than a round trip through a thread costs a query on a busy machine.
+INLINE_TOKENIZE_CHARS = 512
+
+
+def small(inputs: Inputs, limit: int = INLINE_TOKENIZE_CHARS) -> bool:
+    """Whether ``inputs`` hold at most ``limit`` characters (token ids: ids) in all."""
+    if isinstance(inputs, str):
+        return len(inputs) <= limit
+    total = 0
+    for item in inputs:
+        total += len(item) if isinstance(item, (str, list, tuple)) else 1
+        if total > limit:
+            return False
+    return True

@@ -1,0 +1,205 @@
+"""The reranker beside bge-m3 in one server, and the rerank use-case.
+
+With BGE_M3_RERANK_MODEL_PATH (or BGE_M3_RERANK=1) a cross-encoder loads on an ``Engine`` of
+its own: its own sessions and workers, its own tuner (a probe fit cached under its own
+fingerprint), its own budget. The two budgets share the machine: each model keeps its weights
+and what both leave free is split (BGE_M3_RERANK_MEMORY_SHARE, ``budget.split_available``)
+before either tuner decides, so together they never plan past the memory the process has.
+
+A request names its scorer in ``model``: the reranker's id (the default when one is loaded) →
+the cross-encoder; ``bge-m3`` (the default otherwise) → bge-m3's own scores (``m3rerank``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from bgeserve import runtime
+from bgeserve.config import Settings
+from bgeserve.engine import Engine
+from bgeserve.engine.m3rerank import arerank_m3
+from bgeserve.engine.reranker import Reranker
+from bgeserve.errors import DeadlineExceeded
+from bgeserve.model.rerank_artifacts import RERANK_MODEL_ID, RERANK_MODEL_IDS, resolve_reranker
+from bgeserve.results import RerankOptions, RerankResult
+from bgeserve.service import plan
+from bgeserve.service.metrics import Metrics
+from bgeserve.tuning import cache
+from bgeserve.tuning.budget import measure_model_cost
+from bgeserve.tuning.tuner import Tuner, UnmeasuredFloor
+
+log = logging.getLogger("bgeserve.rerank")
+PRIMING_PAIR = [0, 5, 2, 2, 6, 2]  # <s> a </s></s> b </s>: one tiny row primes the sessions
+PROBE_CACHE_DIR = "reranker"  # under BGE_M3_CACHE_DIR
+
+
+def configured(settings: Settings) -> bool:
+    """Whether a reranker is to be loaded beside bge-m3."""
+    return settings.rerank_model_path is not None or settings.rerank
+
+
+def reranker_settings(settings: Settings) -> Settings:
+    """bge-m3's resolved settings as the reranker's engine takes them: its model, variant,
+    pair length and workers; the CPU's ONNX Runtime unless its variant is OpenVINO's bf16."""
+    s = settings
+    provider = s.execution_provider
+    if s.rerank_variant == "bf16":
+        provider = "openvino"
+    elif provider == "openvino":
+        provider = "cpu"
+    return dataclasses.replace(s, model_path=s.rerank_model_path, variant=s.rerank_variant,
+                               max_seq_length=s.rerank_max_length,
+                               workers=s.rerank_workers or s.workers,
+                               execution_provider=provider, variant_choice="pinned")
+
+
+class Reranking:
+    """The reranker's engine, tuner and requests (``reranker`` None: bge-m3 scores alone)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self.reranker: Reranker | None = None
+        self.tuner: Tuner | None = None
+        self.settings: Settings | None = None
+        self.model_cost = 0
+        self._probe: tuple[dict[str, Any], str, dict[str, Any]] | None = None
+
+    @property
+    def engine(self) -> Engine | None:
+        return self.reranker.engine if self.reranker is not None else None
+
+    @property
+    def model_ids(self) -> tuple[str, ...]:
+        """The ids ``model`` may name to get the cross-encoder (none when not loaded)."""
+        return RERANK_MODEL_IDS if self.reranker is not None else ()
+
+    # -- start-up --------------------------------------------------------------------------
+    def load(self, settings: Settings, cache_dir: Path) -> int:
+        """Open the reranker and load its sessions; returns its resident bytes (all workers).
+        ``settings``: bge-m3's, resolved."""
+        s = reranker_settings(settings)
+        artifacts = resolve_reranker(model_path=s.model_path, variant=s.variant,
+                                     cache_dir=cache_dir, offline=s.offline)
+        serving = plan.for_model(s, artifacts, cache_dir)
+        self.settings = s = serving.settings
+        log.info("reranker: %s (%s layout, variant %s, %s), pairs up to %d tokens",
+                 artifacts.source, artifacts.layout.value, artifacts.variant,
+                 runtime.get(serving.runtime).version(), s.max_seq_length)
+        engine = Engine(artifacts=artifacts, config=serving.engine, start=False,
+                        auto_budget=False)
+        # Its fit in a cache file of its own: the cache keeps one fit per file (bge-m3's).
+        (cache_dir / PROBE_CACHE_DIR).mkdir(exist_ok=True)
+        tuning = dataclasses.replace(serving.tuning, cache_dir=cache_dir / PROBE_CACHE_DIR)
+        self.tuner = Tuner(tuning, apply=engine.set_cost_model,
+                           apply_chunk_tokens=engine.set_max_chunk_tokens)
+        self.reranker = Reranker(engine=engine, model_id=RERANK_MODEL_ID)
+
+        def load() -> None:
+            engine.start()
+            engine.embed([PRIMING_PAIR], dense=True)
+
+        model_bytes = sum(p.stat().st_size for p in (artifacts.onnx_path,
+                                                      *artifacts.external_data))
+        self.model_cost = measure_model_cost(
+            load, s.workers, model_bytes, copies=runtime.weight_copies(serving.runtime, s.workers))
+        parts = {**plan.probe_parts(s, artifacts), "kind": "reranker"}
+        spec = {"model_path": str(s.model_path) if s.model_path else None, "reranker": True,
+                "variant": s.variant, "cache_dir": str(cache_dir),
+                "provider": s.execution_provider, "threads": s.threads_per_worker,
+                "max_seq": s.max_seq_length}
+        self._probe = (spec, cache.fingerprint(parts), parts)
+        return self.model_cost * s.workers
+
+    def tune(self, available: int, source: str) -> None:
+        """Choose the reranker's cost model within its part of the memory; like bge-m3's, an
+        estimate that refuses is measured first (with its sessions unloaded)."""
+        assert self.tuner is not None and self.engine is not None and self._probe is not None
+        spec, fingerprint, parts = self._probe
+        self.tuner.share(available, source)
+        try:
+            cost = self.tuner.initial(self.model_cost, fingerprint)
+        except UnmeasuredFloor as exc:
+            log.warning("reranker: %s. Measuring with the probe before deciding",
+                        exc.message.split(". ")[0])
+            self.engine.unload()
+            self.tuner.measure_first(spec, self.model_cost, fingerprint, parts)
+            cost = self.tuner.initial(self.model_cost, fingerprint)
+            self.engine.embed([PRIMING_PAIR], dense=True)
+        log.info("reranker ready: probe %s, %d MiB workspace per worker, windows up to %d "
+                 "tokens fit", self.tuner.state.probe_status, cost.max_workspace_bytes >> 20,
+                 cost.max_seq())
+
+    def start_probe(self) -> None:
+        """The reranker's background probe, when its tuner wants one (after bge-m3's: one
+        probe process at a time)."""
+        if self.tuner is not None and self._probe is not None:
+            spec, fingerprint, parts = self._probe
+            self.tuner.start_probe(spec, self.model_cost, fingerprint, parts)
+
+    def close(self, timeout: float | None) -> None:
+        if self.tuner is not None:
+            self.tuner.stop()
+        if self.reranker is not None:
+            self.reranker.close(timeout)
+
+    # -- requests --------------------------------------------------------------------------
+    def cross_encoder(self, model: str | None) -> bool:
+        """Whether ``model`` (None: the default) is scored by the cross-encoder."""
+        if self.reranker is None:
+            return False
+        return model is None or model in RERANK_MODEL_IDS
+
+    async def rerank(self, m3: Engine, query: str, documents: list[str],
+                     options: RerankOptions, timeout: float | None,
+                     request_id: str = "") -> RerankResult:
+        """Score ``documents`` against ``query`` with the scorer ``options.model`` names."""
+        started = time.perf_counter()
+        try:
+            if self.cross_encoder(options.model):
+                result = await self._cross(query, documents, options, timeout, request_id)
+            else:
+                result = await asyncio.wait_for(
+                    arerank_m3(m3, query, documents, options, request_id), timeout)
+        except TimeoutError:
+            self.metrics.deadline_exceeded()
+            raise DeadlineExceeded(f"the request did not finish within "
+                                   f"BGE_M3_REQUEST_TIMEOUT_SECS={timeout:g}s") from None
+        self.metrics.observe_rerank(result, time.perf_counter() - started)
+        return result
+
+    async def _cross(self, query: str, documents: list[str], options: RerankOptions,
+                     timeout: float | None, request_id: str) -> RerankResult:
+        reranker = self.reranker
+        assert reranker is not None
+        arrived = time.monotonic()
+        plan_, job = await asyncio.to_thread(reranker.make_job, query, documents, options,
+                                             request_id, arrived)
+        remaining = None if timeout is None else max(0.0, arrived + timeout - time.monotonic())
+        embedded = await asyncio.wait_for(reranker.engine.await_job(job), remaining)
+        return reranker.finish(plan_, embedded, options)
+
+    def health(self) -> dict[str, Any] | None:
+        """The reranker's part of ``/health`` (None when there is none)."""
+        if self.reranker is None or self.tuner is None or self.settings is None:
+            return None
+        engine, s = self.reranker.engine, self.settings
+        stats = engine.stats()
+        if stats["live"] == 0:
+            status = "fail"
+        elif stats["live"] < stats["total"]:
+            status = "warn"
+        else:
+            status = "ok" if stats["loaded"] else "idle"
+        artifacts = engine.artifacts
+        return {"status": status, "name": RERANK_MODEL_ID, "variant": artifacts.variant,
+                "layout": artifacts.layout.value, "source": artifacts.source,
+                "backend": plan.runtime_version(artifacts, s.execution_provider),
+                "max_length": s.max_seq_length,
+                "workers": {k: stats[k] for k in ("live", "loaded", "total", "busy")},
+                "queue": {"texts": stats["queue_texts"], "tokens": stats["queue_tokens"]},
+                "tuning": self.tuner.state.as_dict()}

@@ -1,0 +1,238 @@
+"""AdmissionGate and DrainMeter: the cheap admission before tokenizing, and Retry-After."""
+
+from __future__ import annotations
+
+import pytest
+
+from bgeserve.errors import Overloaded
+from bgeserve.service.admission import MAX_RETRY_AFTER_S, AdmissionGate, DrainMeter
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_drain_rate_is_tokens_finished_per_second_in_the_window() -> None:
+    """Two chunks 2 s apart: their tokens over the 2 s; a lone burst counts over 1 s at least;
+    once the window has passed, the last rate stays (the queue is idle, not infinitely slow)."""
+    clock = Clock()
+    meter = DrainMeter(window=10.0, clock=clock)
+    assert meter.rate() == 0.0
+    meter.record(1000)
+    assert meter.rate() == 1000.0  # one chunk just now: over the 1 s floor
+    clock.t += 2
+    meter.record(1000)
+    assert meter.rate() == pytest.approx(1000.0)
+    clock.t += 30
+    assert meter.rate() == pytest.approx(1000.0)
+    meter.record(600)
+    assert meter.rate() == pytest.approx(600.0)
+
+
+def _gate(max_tokens: int = 20_000, queued: int = 0, rate: float = 0.0) -> AdmissionGate:
+    clock = Clock()
+    drain = DrainMeter(clock=clock)
+    if rate:
+        drain.record(int(rate))  # one chunk finished now: `rate` tokens over the 1 s floor
+    state = {"queued": queued}
+    gate = AdmissionGate(max_tokens, lambda: state["queued"], drain)
+    gate.state = state  # type: ignore[attr-defined]
+    return gate
+
+
+def test_an_empty_queue_admits_any_request() -> None:
+    """Nothing queued or reserved: even a request over the whole queue goes in (alone)."""
+    gate = _gate()
+    gate.reserve(50_000)
+    assert gate.reserved == 50_000
+    gate.release(50_000)
+    assert gate.reserved == 0
+
+
+def test_requests_being_tokenized_count_against_the_room() -> None:
+    """The second of two simultaneous 15,000-token requests is refused while the first is
+    still being tokenized, with no token of its own computed yet; once the first is queued
+    (its reservation released, its tokens in the queue) the picture is the same."""
+    gate = _gate()
+    gate.reserve(15_000)
+    with pytest.raises(Overloaded, match="BGE_M3_MAX_QUEUE_TOKENS"):
+        gate.reserve(15_000)
+    gate.reserve(5_000)  # what is left still fits
+    assert gate.room() == 0 and gate.full() is not None  # now nothing fits, no bound needed
+    gate.release(5_000)
+    gate.release(15_000)
+    gate.state["queued"] = 15_000  # type: ignore[attr-defined]
+    with pytest.raises(Overloaded):
+        gate.reserve(15_000)
+    assert gate.reserved == 0 and gate.full() is None
+
+
+def test_retry_after_comes_from_the_drain_rate() -> None:
+    """Needed room over the measured tokens/s, rounded up, at least 1 s, at most 60 s; 1 s
+    before any chunk finished."""
+    assert _gate(rate=0).retry_after(10_000) == 1.0
+    gate = _gate(queued=20_000, rate=4_000)
+    assert gate.retry_after(10_000) == 3.0  # 2.5 s rounded up
+    assert gate.retry_after(1) == 1.0
+    assert gate.retry_after(10**9) == MAX_RETRY_AFTER_S
+    with pytest.raises(Overloaded) as caught:
+        gate.reserve(6_000)
+    assert caught.value.retry_after == 2.0  # 6,000 tokens must drain at 4,000/s
+
+
+def test_admission_refuses_before_tokenizing_what_cannot_fit() -> None:
+    """A request whose lower bound of tokens cannot fit beside what is queued is refused (429,
+    counted) before it is tokenized; token ids count as their length; one that may fit is
+    tokenized and submitted; with no room at all no bound is computed."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from bgeserve.results import EmbedOptions
+    from bgeserve.service.admission import Admission
+
+    state = {"queued": 900, "bounds": 0, "tokenized": 0}
+
+    def min_tokens(texts: list[str], stop_above: int) -> int:
+        state["bounds"] += 1
+        return sum(len(t.split()) + 2 for t in texts)
+
+    def make_job(inputs: object, options: object, request_id: str, arrived: float) -> object:
+        state["tokenized"] += 1
+        return SimpleNamespace(ids=[[0, 5, 2]])
+
+    engine = SimpleNamespace(
+        queued_tokens=lambda: state["queued"], make_job=make_job, submit=lambda job: "future",
+        tokenizer=SimpleNamespace(min_tokens=min_tokens, max_seq=512))
+    admission = Admission(engine, 1000, DrainMeter(), slots=2)  # type: ignore[arg-type]
+
+    async def submit(inputs: list) -> object:
+        return await admission.submit(inputs, EmbedOptions(), "r", 0.0)
+
+    with pytest.raises(Overloaded, match="BGE_M3_MAX_QUEUE_TOKENS"):
+        asyncio.run(submit(["word " * 200]))
+    with pytest.raises(Overloaded):
+        asyncio.run(submit([[5] * 200]))  # token ids: their count is the bound
+    assert state["tokenized"] == 0 and admission.refused == 2
+    _, future = asyncio.run(submit(["a b"]))  # may fit: on to the exact check
+    assert future == "future" and state["tokenized"] == 1 and admission.gate.reserved == 0
+    state["queued"], bounds = 1000, state["bounds"]
+    assert admission.refuse_now() is not None  # no room whatever the size: no bound walked
+    with pytest.raises(Overloaded):
+        asyncio.run(submit(["a"]))
+    assert state["bounds"] == bounds and admission.refused == 4
+    admission.close()
+
+
+# -- a flood against a live server ------------------------------------------------------------
+def _flood(port: int, bodies: list[bytes], server_pid: int) -> tuple[list[tuple[int, float,
+                                                                         str | None]], float]:
+    """Send every request at once from one thread (so the client's own scheduling does not
+    show in the figures): all connected first, each request written whole, each answer timed
+    from the moment its request was fully written (its arrival) to the last byte read. The
+    answers (status, ms, Retry-After), and the server's event-loop CPU (its main thread) spent
+    until the last 429 was read."""
+    import selectors
+    import socket
+    import time
+
+    def loop_cpu() -> float:  # ns on the CPU (schedstat's first field: not 10 ms ticks)
+        with open(f"/proc/{server_pid}/task/{server_pid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+
+    requests = [b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nConnection: close\r\n" + f"Content-Length: {len(b)}\r\n\r\n".encode() + b
+                for b in bodies]
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in requests]
+    sel = selectors.DefaultSelector()
+    state = []
+    for sock, req in zip(socks, requests, strict=True):
+        sock.setblocking(False)
+        st = {"out": memoryview(req), "in": b"", "sent": 0.0, "done": 0.0}
+        state.append(st)
+        sel.register(sock, selectors.EVENT_WRITE | selectors.EVENT_READ, st)
+    cpu_start, refused_cpu, left = loop_cpu(), 0.0, len(socks)
+    deadline = time.monotonic() + 120
+    while left and time.monotonic() < deadline:
+        for key, events in sel.select(1):
+            sock, st = key.fileobj, key.data
+            if events & selectors.EVENT_WRITE and st["out"]:
+                st["out"] = st["out"][sock.send(st["out"]):]
+                if not st["out"]:
+                    st["sent"] = time.monotonic()
+                    sel.modify(sock, selectors.EVENT_READ, st)
+            if events & selectors.EVENT_READ:
+                data = sock.recv(1 << 16)
+                st["in"] += data
+                head, sep, rest = st["in"].partition(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), None)
+                if data and not (sep and length is not None and len(rest) >= length):
+                    continue
+                st["done"] = time.monotonic()
+                sel.unregister(sock)
+                sock.close()
+                left -= 1
+                if st["in"][9:12] == b"429":
+                    refused_cpu = loop_cpu() - cpu_start
+    out = []
+    for st in state:
+        head = st["in"].partition(b"\r\n\r\n")[0].decode("latin-1").lower()
+        retry = next((line.split(":")[1].strip() for line in head.split("\r\n")
+                      if line.startswith("retry-after:")), None)
+        out.append((int(head[9:12]), 1000 * (st["done"] - st["sent"]), retry))
+    return out, 1000 * refused_cpu
+
+
+@pytest.mark.slow
+def test_a_flood_is_refused_at_once(tiny_export, tmp_path) -> None:
+    """One worker, a 20,000-token queue, 48 simultaneous requests of 8 texts of ~12k
+    characters (~7,000 tokens each): the queue takes what fits, and every 429 is answered
+    within 100 ms of the request's arrival, however many requests wait to be tokenized;
+    Retry-After comes from the measured drain rate.
+
+    100 ms of wall time needs the CPU: on a machine loaded by other work the event loop gets
+    a fraction of a core and every answer stretches with it. All requests arrive at once, so
+    with a core of its own the last 429 comes after the event loop's CPU spent until then:
+    that is checked in every case (from /proc schedstat), and the wall time itself where the
+    loop had the core (>= 90 % of the time).
+    """
+    import http.client
+    import json
+    import random
+
+    from tests.serverproc import ServerProc
+    from tests.test_server_live import START_TIMEOUT, server_env
+
+    # One ORT thread: the other core is the HTTP loop's while the admitted request runs.
+    env = server_env(tiny_export, tmp_path, BGE_M3_MAX_QUEUE_TOKENS="20000",
+                     BGE_M3_WORKERS="1", BGE_M3_INTRA_THREADS="1", BGE_M3_MAX_SEQ_LENGTH="8192")
+    words = ["lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit",
+             "sed", "do", "eiusmod"]
+    rng = random.Random(0)
+    bodies = [json.dumps({"input": [" ".join(rng.choices(words, k=2200))[:12_000]
+                                    for _ in range(8)]}).encode() for _ in range(48)]
+    with ServerProc(env) as proc:
+        proc.wait_health(timeout=START_TIMEOUT)
+        warm = http.client.HTTPConnection("127.0.0.1", proc.port, timeout=60)  # a served one
+        warm.request("POST", "/v1/embeddings", body=b'{"input": "warm up"}',
+                     headers={"Content-Type": "application/json"})
+        assert warm.getresponse().status == 200
+        warm.close()
+        assert proc.proc is not None
+        results, loop_ms = _flood(proc.port, bodies, proc.proc.pid)
+    statuses = sorted(s for s, _, _ in results)
+    assert set(statuses) <= {200, 429} and 200 in statuses and 429 in statuses, statuses
+    refused = sorted(ms for s, ms, _ in results if s == 429)
+    slowest = refused[-1]
+    share = loop_ms / slowest if slowest else 1.0
+    print(f"{statuses.count(200)} x 200, {len(refused)} x 429; 429 after arrival: median "
+          f"{refused[len(refused) // 2]:.0f} ms, max {slowest:.0f} ms; the loop's CPU until "
+          f"the last: {loop_ms:.0f} ms ({share:.0%} of that time)")
+    assert loop_ms < 100, (loop_ms, refused)
+    if share >= 0.9:
+        assert slowest < 100, refused
+    assert all(ra is not None and 1 <= int(ra) <= 60 for s, _, ra in results if s == 429)

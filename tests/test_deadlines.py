@@ -1,0 +1,69 @@
+"""Deadlines (BGE_M3_REQUEST_TIMEOUT_SECS) over HTTP: a 504 in the envelope, counted once in
+``bgeserve_deadline_exceeded_requests`` whichever part of the server noticed it first."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serverproc import ServerProc
+from tests.test_server_live import START_TIMEOUT, metric, server_env
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_request_past_its_deadline_is_a_504(tiny_export: Path, tmp_path: Path) -> None:
+    """Eight texts of 8,192 tokens, one at a time on one thread (~0.2-1 s each), against a
+    0.5 s deadline: 504 `timeout` with the request id, after about the deadline; the metric
+    counts it; the server drops the rest and serves the next request."""
+    env = server_env(tiny_export, tmp_path, BGE_M3_REQUEST_TIMEOUT_SECS="0.5",
+                     BGE_M3_MAX_SEQ_LENGTH="8192", BGE_M3_MAX_CHUNK="1",
+                     BGE_M3_INTRA_THREADS="1")
+    long_text = "lorem ipsum dolor " * 3000  # truncated to 8,192 tokens
+    with ServerProc(env) as proc:
+        proc.wait_health(timeout=START_TIMEOUT)
+        r = httpx.post(f"{proc.url}/v1/embeddings", json={"input": [long_text] * 8},
+                       timeout=30, headers={"X-Request-ID": "deadline-1"})
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["code"] == "timeout"
+        assert "BGE_M3_REQUEST_TIMEOUT_SECS" in r.json()["error"]["message"]
+        assert r.headers["x-request-id"] == "deadline-1"
+        assert r.elapsed.total_seconds() < 2.5
+        assert metric(proc, "bgeserve_deadline_exceeded_requests_total") == 1
+        assert proc.health().json()["queue"]["texts"] == 0  # the other seven were dropped
+        deadline = time.monotonic() + 10
+        while proc.health().json()["workers"]["busy"]:  # the text that was running ends
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        ok = httpx.post(f"{proc.url}/v1/embeddings", json={"input": ["in time"]}, timeout=30)
+        assert ok.status_code == 200
+
+
+def test_every_504_is_counted_once(tiny_export: Path, tmp_path: Path) -> None:
+    """Twelve requests queued behind each other on one worker, a deadline that some of them
+    miss: the metric equals the number of 504 answers (the service's timer and the
+    scheduler's expiry race; each 504 is counted by whichever answered it)."""
+    env = server_env(tiny_export, tmp_path, BGE_M3_REQUEST_TIMEOUT_SECS="0.3",
+                     BGE_M3_MAX_SEQ_LENGTH="8192", BGE_M3_MAX_CHUNK="1",
+                     BGE_M3_INTRA_THREADS="1")
+    long_text = "lorem ipsum dolor sit amet " * 900  # ~4,500 tokens: tens of ms each here
+    n = 12
+    with ServerProc(env) as proc:
+        proc.wait_health(timeout=START_TIMEOUT)
+        barrier = threading.Barrier(n, timeout=30)
+
+        def one(i: int) -> int:
+            barrier.wait()
+            return httpx.post(f"{proc.url}/v1/embeddings", timeout=30,
+                              json={"input": [f"{i} {long_text}"] * 2}).status_code
+
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            statuses = list(pool.map(one, range(n)))
+        assert set(statuses) <= {200, 504}, statuses
+        assert 504 in statuses, statuses
+        assert metric(proc, "bgeserve_deadline_exceeded_requests_total") == statuses.count(504)

@@ -1,0 +1,111 @@
+"""Tests for bgeserve.engine.m3rerank: bge-m3 reranking, the query embedded once, windows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bgeserve.engine.m3rerank import arerank_m3, concat, finish_m3, groups, plan_m3, rows
+from bgeserve.engine.m3score import m3_scores
+from bgeserve.engine.tokenizer import Tokenizer
+from bgeserve.results import RerankOptions
+from bgeserve.testing.randmodel import random_texts
+
+pytestmark = pytest.mark.slow
+MODES = ("dense", "sparse", "colbert", "sparse+dense", "colbert+sparse+dense")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_export, tmp_path_factory):
+    from bgeserve.engine import Engine
+
+    with Engine(tiny_export, "fp32", cache_dir=tmp_path_factory.mktemp("cache"),
+                offline=True) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_export) -> Tokenizer:
+    return Tokenizer.load(tiny_export / "tokenizer.json", max_seq=1 << 30)
+
+
+def rerank(engine, tokenizer, query, docs, max_seq, **options):
+    """plan_m3 at ``max_seq`` (below the engine's, to make windows), embedded, finished."""
+    opts = RerankOptions(**options)
+    plan = plan_m3(tokenizer, query, docs, max_seq, opts)
+    dense, sparse, colbert = plan.outputs
+    embedded = engine.embed(plan.inputs, dense=dense, sparse=sparse, colbert=colbert)
+    return plan, finish_m3(plan, rows(embedded, slice(0, 1)), rows(embedded, slice(1, None)),
+                           opts)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_matches_compute_score_with_the_query_embedded_once(engine, tokenizer, flag_model,
+                                                            mode) -> None:
+    """``Engine.rerank``: every mode within 1e-4 of BGEM3FlagModel.compute_score (batch_size
+    1, 8192 limits), with one query input for all documents, usage counting each text once."""
+    query = random_texts(71, 1, 3, 10)[0]
+    docs = random_texts(72, 6, 1, 60) + ["", " ".join(random_texts(73, 30, 30, 40))]
+    weights = [0.4, 0.2, 0.4]
+    got = engine.rerank(query, docs, mode=mode, weights=tuple(weights))
+    plan = plan_m3(tokenizer, query, docs, 8192, RerankOptions(mode=mode))
+    assert len(plan.inputs) == 1 + len(docs) and got.windows.tolist() == [1] * len(docs)
+    ref = flag_model.compute_score([[query, d] for d in docs], batch_size=1,
+                                   max_query_length=8192, max_passage_length=8192,
+                                   weights_for_different_modes=weights)[mode]
+    np.testing.assert_allclose(got.scores, ref, atol=1e-4, rtol=0)
+    assert not got.truncated.any() and got.model == "bge-m3"
+    assert got.tokens == sum(len(x) for x in tokenizer.encode([query, *docs]).ids)
+
+
+def test_truncate_is_compute_scores_cut(engine, tokenizer, flag_model) -> None:
+    """``truncate`` at 32 tokens: FlagEmbedding's own cut (max_query/passage_length 32) for
+    the query and documents, and the cut documents flagged."""
+    query = " ".join(random_texts(74, 3, 10, 12))
+    docs = random_texts(75, 3, 30, 60) + ["short"]
+    _, got = rerank(engine, tokenizer, query, docs, 32, long_documents="truncate",
+                    mode="colbert+sparse+dense", weights=(1.0, 1.0, 1.0))
+    ref = flag_model.compute_score([[query, d] for d in docs], batch_size=1,
+                                   max_query_length=32, max_passage_length=32)
+    np.testing.assert_allclose(got.scores, ref["colbert+sparse+dense"], atol=1e-4, rtol=0)
+    assert got.truncated.tolist() == [True, True, True, False] and got.query_truncated
+
+
+def test_windows_keep_each_documents_best(engine, tokenizer) -> None:
+    """``max`` at 32 tokens: a long document is scored per window and its best kept (each
+    window checked against scoring it alone); a short one has one window."""
+    query = random_texts(76, 1, 3, 6)[0]
+    docs = [" ".join(random_texts(77, 4, 30, 40)), "short text"]
+    plan, got = rerank(engine, tokenizer, query, docs, 32, mode="dense")
+    assert got.windows[0] > 1 and got.windows[1] == 1 and not got.truncated.any()
+    q = engine.embed([plan.inputs[0]], dense=True)
+    per_window = [m3_scores(q, engine.embed([x], dense=True)).dense[0] for x in plan.inputs[1:]]
+    assert got.scores[0] == pytest.approx(max(per_window[:got.windows[0]]), abs=1e-6)
+    assert all(len(x) <= 32 for x in plan.inputs)
+
+
+def test_colbert_groups_bound_what_one_job_holds(engine, tokenizer) -> None:
+    """With ColBERT, the inputs are split into consecutive jobs of at most the byte bound (the
+    query first); the grouped scores equal the ungrouped ones, sync and async."""
+    import asyncio
+    from dataclasses import replace
+
+    query = random_texts(78, 1, 3, 6)[0]
+    docs = random_texts(79, 12, 20, 60)
+    opts = RerankOptions(mode="colbert")
+    plan = plan_m3(tokenizer, query, docs, 8192, opts)
+    width = engine.width
+    bound = 3 * max(len(x) for x in plan.inputs) * width * 4
+    parts = groups(plan, width, bound)
+    assert len(parts) > 2 and parts[0][0] == 0
+    assert [i for g in parts for i in g] == list(range(len(plan.inputs)))
+    assert all(sum((len(plan.inputs[i]) - 1) * width * 4 for i in g) <= bound for g in parts)
+    whole = engine.rerank(query, docs, mode="colbert")
+    small = replace(engine.config, max_colbert_bytes=2 * bound)  # make_jobs halves it
+    engine.config, saved = small, engine.config
+    try:
+        grouped = asyncio.run(arerank_m3(engine, query, docs, opts))
+    finally:
+        engine.config = saved
+    np.testing.assert_allclose(grouped.scores, whole.scores, atol=1e-6)
+    assert len(concat([rows(engine.embed(["a", "b"]), [0]), rows(engine.embed(["c"]), [0])])) == 2

@@ -1,0 +1,86 @@
+"""Tests for bgeserve.model.rerank_artifacts: which reranker files are served, from where."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bgeserve.errors import ConfigError, ModelUnavailable
+from bgeserve.model.artifacts import Layout, resolve
+from bgeserve.model.rerank_artifacts import (
+    HUB_DATA,
+    RERANK_REPO,
+    RERANK_REVISION,
+    resolve_reranker,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def test_an_export_resolves_to_its_score_graph(tiny_reranker_export, tmp_path) -> None:
+    """A reranker export gives the score layout for each variant it has; bge-m3's resolver
+    refuses it (and the reranker's refuses a bge-m3 export), each naming the right variable."""
+    art = resolve_reranker(model_path=tiny_reranker_export, variant="int8", cache_dir=tmp_path)
+    assert art.layout is Layout.SCORE and art.onnx_path.name == "model.onnx"
+    assert art.onnx_path.parent.name == "int8"
+    with pytest.raises(ModelUnavailable, match="BGE_M3_RERANK_MODEL_PATH"):
+        resolve(model_path=tiny_reranker_export, variant="fp32", cache_dir=tmp_path)
+
+
+def test_a_bge_m3_export_is_not_a_reranker(tiny_export, tmp_path) -> None:
+    """Pointing the reranker at bge-m3's export says which variable takes which."""
+    with pytest.raises(ModelUnavailable, match="BGE_M3_MODEL_PATH"):
+        resolve_reranker(model_path=tiny_export, variant="fp32", cache_dir=tmp_path)
+
+
+def test_a_tiny_reranker_stock_serves_its_logits(tiny_reranker_stock, tmp_path) -> None:
+    """A snapshot with onnx/model.onnx gives the logits layout; a variant it lacks is a
+    ConfigError listing what it has."""
+    art = resolve_reranker(model_path=tiny_reranker_stock, variant="fp32", cache_dir=tmp_path)
+    assert art.layout is Layout.LOGITS and art.tokenizer_path == tiny_reranker_stock / "tokenizer.json"
+    with pytest.raises(ConfigError, match="it has fp32"):
+        resolve_reranker(model_path=tiny_reranker_stock, variant="int8", cache_dir=tmp_path)
+
+
+def test_pytorch_weights_alone_say_to_export(tiny_reranker, tmp_path) -> None:
+    """No ONNX graph: the error gives the export command; a non-reranker is named as such."""
+    with pytest.raises(ModelUnavailable, match="bgeserve export --model"):
+        resolve_reranker(model_path=tiny_reranker, variant="fp32", cache_dir=tmp_path)
+    other = tmp_path / "m3"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"architectures": ["XLMRobertaModel"]}))
+    with pytest.raises(ModelUnavailable, match="not a reranker"):
+        resolve_reranker(model_path=other, variant="fp32", cache_dir=tmp_path)
+    with pytest.raises(ModelUnavailable, match="does not exist"):
+        resolve_reranker(model_path=tmp_path / "nowhere", variant="fp32", cache_dir=tmp_path)
+
+
+@pytest.mark.parametrize("with_data", [True, False])
+def test_the_hub_model_comes_at_the_pinned_commit(tiny_reranker_stock, tmp_path, monkeypatch,
+                                                  with_data) -> None:
+    """No directory: onnx/model.onnx, its data file where the hub has one (404 means none),
+    tokenizer.json and config.json from BAAI/bge-reranker-v2-m3 at the pinned revision."""
+    from huggingface_hub import constants
+
+    from tests.test_artifacts import FakeHub
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    files = {(RERANK_REPO, RERANK_REVISION, name): (tiny_reranker_stock / name).read_bytes()
+             for name in ("onnx/model.onnx", "tokenizer.json", "config.json")}
+    if with_data:
+        files[(RERANK_REPO, RERANK_REVISION, HUB_DATA)] = b"weights"
+    hub = FakeHub(files)
+    try:
+        art = resolve_reranker(model_path=None, variant="fp32", cache_dir=tmp_path,
+                               endpoint=hub.url, progress=False, hub_cache=tmp_path / "hub")
+    finally:
+        hub.stop()
+    assert art.layout is Layout.LOGITS and RERANK_REVISION in art.source
+    assert [p.name for p in art.external_data] == (["model.onnx_data"] if with_data else [])
+    assert (art.tokenizer_path.parent / "config.json").is_file()
+    with pytest.raises(ConfigError, match="fp32 ONNX graph only"):
+        resolve_reranker(model_path=None, variant="int8", cache_dir=tmp_path)

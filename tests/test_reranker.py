@@ -1,0 +1,97 @@
+"""Tests for bgeserve.engine.reranker: the in-process cross-encoder on its own engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from bgeserve.engine.pairs import PairConfig
+from bgeserve.engine.reranker import Reranker
+from bgeserve.errors import ModelUnavailable, TooLarge
+from bgeserve.testing.randmodel import random_texts
+from bgeserve.tuning.costmodel import CostModel
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pairs() -> tuple[str, list[str]]:
+    docs = random_texts(81, 7, 1, 60) + ["", " ".join(random_texts(82, 8, 30, 40))]
+    return random_texts(80, 1, 3, 10)[0], docs
+
+
+@pytest.fixture(scope="module")
+def reranker(tiny_reranker_export, tmp_path_factory):
+    with Reranker(tiny_reranker_export, "fp32", cache_dir=tmp_path_factory.mktemp("cache"),
+                  offline=True) as r:
+        yield r
+
+
+def test_scores_match_flagreranker_sync_and_async(reranker, flag_reranker, pairs) -> None:
+    """rerank / arerank: raw logits and sigmoid scores within 1e-4 of FlagReranker
+    (max_length 8192), in input order; the ranking is FlagReranker's."""
+    query, docs = pairs
+    ref = np.asarray(flag_reranker.compute_score([[query, d] for d in docs], max_length=8192,
+                                                 batch_size=4))
+    raw = reranker.rerank(query, docs)
+    np.testing.assert_allclose(raw.scores, ref, atol=1e-4, rtol=0)
+    norm = asyncio.run(reranker.arerank(query, docs, normalize=True))
+    np.testing.assert_allclose(norm.scores, 1 / (1 + np.exp(-ref)), atol=1e-4, rtol=0)
+    assert raw.ranking() == sorted(range(len(docs)), key=lambda i: -ref[i])
+    assert raw.model == "bge-reranker-v2-m3" and raw.tokens > 0
+    assert raw.windows.tolist() == [1] * len(docs) and not raw.truncated.any()
+
+
+def test_a_stock_onnx_snapshot_scores_the_same(tiny_reranker_stock, flag_reranker, pairs,
+                                               tmp_path) -> None:
+    """A hub-style snapshot (onnx/model.onnx, logits [B, 1], plain attention) scores as
+    FlagReranker does too."""
+    query, docs = pairs
+    ref = flag_reranker.compute_score([[query, d] for d in docs], max_length=8192, batch_size=4)
+    with Reranker(tiny_reranker_stock, "fp32", cache_dir=tmp_path, offline=True) as r:
+        got = r.rerank(query, docs)
+    np.testing.assert_allclose(got.scores, ref, atol=1e-4, rtol=0)
+
+
+def test_long_documents_windows_or_truncate(tiny_reranker_export, tmp_path, pairs) -> None:
+    """With 64-token pairs: windows (the default) score the long document over several rows
+    and never lower than its cut; ``truncate`` cuts and flags it."""
+    query, docs = pairs
+    with Reranker(tiny_reranker_export, "fp32", pairs=PairConfig(max_length=64),
+                  cache_dir=tmp_path, offline=True) as r:
+        windows = r.rerank(query, docs)
+        cut = r.rerank(query, docs, long_documents="truncate")
+    assert windows.windows[-1] > 1 and not windows.truncated[-1]
+    assert cut.truncated[-1] and cut.windows[-1] == 1
+    assert windows.scores[-1] >= cut.scores[-1] - 1e-6
+    assert windows.tokens > cut.tokens
+
+
+def test_a_window_over_the_budget_is_413(reranker, pairs) -> None:
+    """When one window cannot fit the memory budget the request is refused (413), naming
+    BGE_M3_RERANK_MAX_LENGTH, before anything runs."""
+    query, docs = pairs
+    saved = reranker.engine.cost_model
+    reranker.engine.set_cost_model(CostModel(1e6, 1e3, 64 << 20))
+    try:
+        with pytest.raises(TooLarge, match="BGE_M3_RERANK_MAX_LENGTH"):
+            reranker.rerank(query, docs)
+    finally:
+        reranker.engine.set_cost_model(saved)
+
+
+def test_no_documents_is_an_empty_result(reranker) -> None:
+    """Nothing to score gives an empty result at once."""
+    got = reranker.rerank("q", [])
+    assert len(got) == 0 and got.tokens == 0
+
+
+def test_refuses_a_bge_m3_graph(tiny_export, tmp_path) -> None:
+    """An embedding engine is not a reranker."""
+    from bgeserve.engine import Engine
+
+    with (Engine(tiny_export, "fp32", cache_dir=tmp_path, offline=True, start=False) as engine,
+          pytest.raises(ModelUnavailable, match="not a reranker")):
+        Reranker(engine=engine)

@@ -1,0 +1,94 @@
+"""Tests for bgeserve.service.reranking: the reranker beside bge-m3 in one service."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bgeserve.config import Settings
+from bgeserve.errors import ModelUnavailable
+from bgeserve.results import RerankOptions
+from bgeserve.service import Service
+from bgeserve.service.reranking import configured, reranker_settings
+
+pytestmark = pytest.mark.slow
+GiB = 1 << 30
+
+
+def settings(export: Path, reranker: Path, cache: Path, **extra) -> Settings:
+    return Settings(model_path=export, variant="fp32", rerank_model_path=reranker,
+                    cache_dir=cache, max_seq_length=512, rerank_max_length=512,
+                    available_memory_bytes=8 * GiB, heartbeat_secs=0, **extra)
+
+
+def test_reranker_settings_follow_bge_m3s() -> None:
+    """The reranker's engine takes its own model, variant, length and workers, and runs on the
+    CPU's ONNX Runtime unless its variant is bf16 (OpenVINO's)."""
+    s = Settings(model_path=Path("/m3"), rerank_model_path=Path("/rr"), rerank_variant="int8",
+                 rerank_max_length=1024, workers=2, execution_provider="openvino",
+                 variant="bf16")
+    r = reranker_settings(s)
+    assert (r.model_path, r.variant, r.max_seq_length, r.workers, r.execution_provider) == (
+        Path("/rr"), "int8", 1024, 2, "cpu")
+    assert reranker_settings(Settings(rerank_variant="bf16")).execution_provider == "openvino"
+    assert configured(Settings(rerank=True)) and not configured(Settings())
+
+
+def test_both_models_split_the_memory_probe_in_turn_and_cache_apart(
+        tiny_export: Path, tiny_reranker_export: Path, tmp_path: Path) -> None:
+    """Both tuners plan within their parts of the memory (together the whole), each probes
+    (the reranker after bge-m3) and caches its own fit; a restart finds both cached; the
+    service reranks with either scorer and reports both in /health."""
+    service = Service(settings(tiny_export, tiny_reranker_export, tmp_path))
+    service.load_blocking()
+    try:
+        m3, rr = service.tuner, service.reranking.tuner
+        assert m3 is not None and rr is not None
+        assert m3.state.available_bytes + rr.state.available_bytes == 8 * GiB
+        assert "shared with the reranker" in m3.state.memory_source
+        assert m3.wait(120) and _wait_started(rr) and rr.wait(120)
+        assert (m3.state.probe_status, rr.state.probe_status) == ("complete", "complete")
+        fits = [json.loads(p.read_text())["fingerprint"]
+                for p in (tmp_path / "probe-coefficients.json",
+                          tmp_path / "reranker" / "probe-coefficients.json")]
+        assert fits[0] != fits[1]
+        cross = asyncio.run(service.rerank("a query", ["one text", "another text"],
+                                           RerankOptions(normalize=True)))
+        assert cross.model == "bge-reranker-v2-m3" and ((0 < cross.scores) & (cross.scores < 1)).all()
+        hybrid = asyncio.run(service.rerank("a query", ["one text", "another text"],
+                                            RerankOptions(model="bge-m3")))
+        assert hybrid.model == "bge-m3" and np.isfinite(hybrid.scores).all()
+        health = service.health()
+        assert health["status"] == "ok" and health["reranker"]["tuning"]["probe_status"] == \
+            "complete"
+    finally:
+        asyncio.run(service.stop())
+    again = Service(settings(tiny_export, tiny_reranker_export, tmp_path))
+    again.load_blocking()
+    try:
+        assert again.tuner is not None and again.reranking.tuner is not None
+        assert again.tuner.state.probe_status == "cache_hit"
+        assert again.reranking.tuner.state.probe_status == "cache_hit"
+    finally:
+        asyncio.run(again.stop())
+
+
+def _wait_started(tuner, timeout: float = 120.0) -> bool:
+    """The reranker's probe starts when bge-m3's ends (on its thread): wait for its thread."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while tuner._thread is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return tuner._thread is not None
+
+
+def test_a_missing_reranker_fails_the_start(tiny_export: Path, tmp_path: Path) -> None:
+    """A configured reranker that cannot be opened is a start-up failure naming the variable."""
+    service = Service(settings(tiny_export, tmp_path / "nowhere", tmp_path))
+    with pytest.raises(ModelUnavailable, match="does not exist"):
+        service.load_blocking()
