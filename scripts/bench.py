@@ -147,13 +147,13 @@ def prepare(args: argparse.Namespace, work: Path, need_model: bool) -> tuple[Pat
             raise SystemExit(f"{export_dir} has no manifest.json: not a complete export")
         cmd = [sys.executable, "-m", "bgeserve", "export", "--model", str(model_dir),
                "--out", str(export_dir)]
-        # no --variants: the export's own default (fp32, int8, and bf16 with openvino installed)
+        # no --variants: the export's own default (fp32, int8; bf16 with openvino, ov-int8 with nncf)
         for v in sorted(set(args.variants) | {"fp32"}) if args.variants else []:
             cmd += ["--variant", v]
         run_tool(cmd, "exporting")
     have = json.loads(manifest_path.read_text()).get("variants", {})
     if args.variants is None:
-        args.variants = ["fp32", "int8"] + (["bf16"] if "bf16" in have else [])
+        args.variants = ["fp32", "int8"] + [v for v in ("bf16", "ov-int8") if v in have]
     missing = [v for v in args.variants if v not in have]
     if args.rss_vs_length and args.rss_variants is None:  # the default: those the export has
         args.rss_variants = [v for v in RSS_VARIANTS if v in have]
@@ -334,8 +334,7 @@ def main(argv: list[str]) -> int:
     agreement(rows)
     # Measured after the corpus runs, so the GEMM loop does not warm or heat what they time.
     ceiling = roofline.ceilings(args.threads) if rows and not args.no_ceilings else {}
-    shares = roofline.shares(rows, lengths, roofline.Dims.of_export(export_dir), ceiling) \
-        if ceiling else []
+    shares = roofline.shares(rows, lengths, roofline.Dims.of_export(export_dir), ceiling)
 
     sweep_rows: list[dict[str, Any]] = []
     if args.chunk_sweep:
@@ -400,7 +399,8 @@ def main(argv: list[str]) -> int:
     if rows:
         out += ["## Corpus runs", "", table(rows), ""]
     if shares:
-        out += ["## Share of the roofline (useful GFLOP/s ÷ the precision's GEMM ceiling)", "",
+        out += [("## Each path: tokens/s, × FlagEmbedding fp32, share of its precision's "
+                 "roofline (useful GFLOP/s ÷ its GEMM ceiling)"), "",
                 roofline.table(shares, ceiling), ""]
     if all_ratios:
         out += ["## Ratios (tokens/s unless noted)", ""]

@@ -79,7 +79,10 @@ def ceilings(threads: int, timeout: float = 600.0) -> dict[str, Any]:
 
 def shares(rows: list[dict[str, Any]], corpora: dict[str, list[int]], dims: Dims,
            ceiling: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per successful corpus run: useful GFLOP/s, its precision's ceiling, the share."""
+    """One row per successful corpus run: tokens/s, × FlagEmbedding fp32 (the ``flag`` row of
+    the same corpus; None without one), useful GFLOP/s, its precision's ceiling, the share."""
+    flag = {r["corpus"]: r["tokens_per_s"] for r in rows
+            if r.get("ok") and r["mode"] == "flag" and r.get("tokens_per_s")}
     out = []
     for r in rows:
         if not r.get("ok") or r["corpus"] not in corpora or not r.get("wall_s"):
@@ -87,25 +90,37 @@ def shares(rows: list[dict[str, Any]], corpora: dict[str, list[int]], dims: Dims
         key = precision_of(r["mode"], r["variant"])
         gflops = corpus_gflop(corpora[r["corpus"]], dims) / r["wall_s"]
         peak = ceiling.get(key) if key else None
+        rate = r.get("tokens_per_s")
+        base = flag.get(r["corpus"])
         out.append({"corpus": r["corpus"], "mode": r["mode"], "variant": r["variant"],
-                    "precision": key, "gflops": gflops, "ceiling": peak,
+                    "precision": key, "tokens_per_s": rate,
+                    "x_flag": rate / base if rate and base else None,
+                    "cos_min": r.get("cos_min"), "gflops": gflops, "ceiling": peak,
                     "share": gflops / peak if peak else None})
     return out
 
 
 def table(rows: list[dict[str, Any]], ceiling: dict[str, Any]) -> str:
-    """The roofline section: ceilings, then each path's share of its own."""
+    """The summary: the ceilings, then each path's tokens/s, its ratio to FlagEmbedding fp32,
+    its dense cosine against the reference and its share of its own precision's roofline."""
     native = ceiling.get("bf16_native")
-    lines = [f"GEMM ceilings ({ceiling.get('rows')}×1024×4096, {ceiling.get('threads')} "
+    head = "GEMM ceilings not measured (`--no-ceilings`, or gemm_ceiling.py failed)" \
+        if not ceiling else None
+    lines = [head or f"GEMM ceilings ({ceiling.get('rows')}×1024×4096, {ceiling.get('threads')} "
              "threads, `scripts/gemm_ceiling.py`): " + ", ".join(
                  f"{k} {ceiling[k]:,.0f} GFLOP/s" for k in PRECISION.values()
                  if isinstance(ceiling.get(k), (int, float)))
              + ("; no native bf16 on this CPU: bf16 runs in fp32" if native is False else ""),
-             "", ("| corpus | mode | variant | precision | useful GFLOP/s | ceiling GFLOP/s "
-                  "| share of roofline |"), "|---|---|---|---|---|---|---|"]
+             "", ("| corpus | mode | variant | tokens/s | × FlagEmbedding fp32 | dense cos min "
+                  "| precision | useful GFLOP/s | ceiling GFLOP/s | share of roofline |"),
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['corpus']} | {r['mode']} | {r['variant']} | {r['precision']} | "
-                     f"{r['gflops']:,.1f} | "
+        rate, x, cos = r.get("tokens_per_s"), r.get("x_flag"), r.get("cos_min")
+        lines.append(f"| {r['corpus']} | {r['mode']} | {r['variant']} | "
+                     + (f"{rate:,.1f}" if rate else "—") + " | "
+                     + (f"{x:.2f}×" if x else "—") + " | "
+                     + (f"{cos:.6f}" if cos is not None else "—")
+                     + f" | {r['precision']} | {r['gflops']:,.1f} | "
                      + (f"{r['ceiling']:,.0f} | {100 * r['share']:.0f} % |" if r["ceiling"]
                         else "— | — |"))
     return "\n".join(lines)
