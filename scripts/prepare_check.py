@@ -244,8 +244,10 @@ def main() -> int:
     if args.first_start_only:
         result["first_start"]["time"] = a.stop()
         return second_start(args, env, result)
-    arms = {f"prepared ({health['model']['variant']})": a}
+    arms = {f"prepared ({health['model']['variant']}, default)": a}
     for variant in args.also_variant:
+        if variant == health["model"]["variant"]:
+            continue  # the default server is that variant's already
         log(f"prepared server, BGE_M3_MODEL={variant}")
         arms[f"prepared ({variant})"] = extra = Server(
             args.serve_python, {**env, "BGE_M3_MODEL": variant}, args.work, variant)
