@@ -303,6 +303,12 @@ RECORDED = {
     "onnxruntime-fp32": [(1, 64, 15), (1, 128, 16), (1, 256, 17), (8, 64, 29), (1, 512, 33),
                          (4, 256, 52), (2, 1024, 107), (1, 2048, 114), (1, 4096, 220),
                          (1, 8192, 436), (2, 768, 80)],
+    # The same export measured on the serving session (in-process probe, 5 GiB cgroup v1,
+    # BGE_M3_MAX_SEQ_LENGTH=4096), AMD Zen 3, 2026-12-01: exact bytes from the cache record.
+    "onnxruntime-fp32-in-process": [(b, s, n / MiB) for b, s, n in (
+        (1, 64, 7761920), (1, 128, 13598720), (1, 256, 21983232), (8, 64, 47452160),
+        (1, 512, 45752320), (4, 256, 86327296), (2, 1024, 181571584), (1, 2048, 178712576),
+        (1, 4096, 301379584), (2, 768, 136527872))],
 }
 # OpenVINO bf16 read per run (the old probe): its CPU plugin keeps each stream's buffers at the
 # high-water mark, so a run reads only what it adds over earlier, bigger runs (AMD Zen 3,
