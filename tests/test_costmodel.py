@@ -293,3 +293,59 @@ def test_a_fit_that_covers_its_shapes_is_left_as_it_is():
     data = samples_from(30000.0, 130.0, SHAPES)
     result = fit(data)
     assert result.cover == "" and result.a == pytest.approx(30000.0, rel=1e-6)
+
+
+# --- the fit family against samples recorded from each runtime ----------------------------------
+# (batch, seq, MiB) as `bgeserve probe` / the server's probe measured them on the full-size random
+# bge-m3; the last row is the held-out shape. Provenance: docs/startup-probe.md §9-§10.
+RECORDED = {
+    # bgeserve fp32 export (blocked attention, row-blocked FFN), ONNX Runtime 1.32, AMD Zen 4.
+    "onnxruntime-fp32": [(1, 64, 15), (1, 128, 16), (1, 256, 17), (8, 64, 29), (1, 512, 33),
+                         (4, 256, 52), (2, 1024, 107), (1, 2048, 114), (1, 4096, 220),
+                         (1, 8192, 436), (2, 768, 80)],
+    # The same export measured on the serving session (in-process probe, 5 GiB cgroup v1,
+    # BGE_M3_MAX_SEQ_LENGTH=4096), AMD Zen 3, 2026-12-01: exact bytes from the cache record.
+    "onnxruntime-fp32-in-process": [(b, s, n / MiB) for b, s, n in (
+        (1, 64, 7761920), (1, 128, 13598720), (1, 256, 21983232), (8, 64, 47452160),
+        (1, 512, 45752320), (4, 256, 86327296), (2, 1024, 181571584), (1, 2048, 178712576),
+        (1, 4096, 301379584), (2, 768, 136527872))],
+}
+# OpenVINO bf16 read per run (the old probe): its CPU plugin keeps each stream's buffers at the
+# high-water mark, so a run reads only what it adds over earlier, bigger runs (AMD Zen 3,
+# 2026-12-01). Not workspaces: no fit may pass on them.
+OPENVINO_PER_RUN = [(1, 64, 4.3), (1, 128, 397.1), (1, 256, 10.7), (8, 64, 19.1), (1, 512, 5.6),
+                    (4, 256, 39.1), (2, 1024, 49.9), (1, 2048, 19.0), (1, 4096, 136.6),
+                    (2, 768, 70.4)]
+
+
+def recorded(rows) -> tuple[list[Sample], Sample]:
+    data = [Sample(b, s, int(mib * MiB), 1.0) for b, s, mib in rows]
+    return data[:-1], data[-1]
+
+
+@pytest.mark.parametrize("runtime", sorted(RECORDED))
+def test_the_fit_family_describes_each_runtimes_recorded_samples(runtime):
+    """Each runtime bgeserve ships, as measured: a fit passes its residual and held-out checks,
+    predicts no measured shape (held out included) more than MAX_UNDER_PREDICTION below it,
+    and has non-negative terms."""
+    from bgeserve.tuning.costmodel import MAX_UNDER_PREDICTION
+
+    data, held = recorded(RECORDED[runtime])
+    result = fit(data, held)
+    assert min(result.a, result.b, result.c) >= 0
+    assert result.held_out_rel_error is not None and result.held_out_rel_error <= 0.25
+    assert result.max_rel_residual <= 0.5
+    for x in [*data, held]:
+        short = (x.workspace_bytes - result.predict(x.batch, x.seq)) / max(x.workspace_bytes,
+                                                                           16 * MiB)
+        assert short <= MAX_UNDER_PREDICTION + 1e-9, (runtime, x, short)
+
+
+def test_per_run_increments_of_a_retaining_runtime_are_rejected_with_the_reason():
+    """OpenVINO read per run (increments over its high-water mark) fits no c + a·B·S + b·B·S²:
+    the fit is refused and the message names the worst shape and both forms tried."""
+    data, held = recorded(OPENVINO_PER_RUN)
+    with pytest.raises(FitError) as err:
+        fit(data, held)
+    message = str(err.value)
+    assert "(1, 128)" in message and "c + a·B·S + b·B·S²" in message
