@@ -218,7 +218,7 @@ class Service:
             await asyncio.to_thread(engine.refuse_early, inputs)
         if small(inputs):
             # A query or two: tokenizing it here costs less than handing it to a thread and
-            # waiting to be woken (docs/benchmarks.md, "Where a query's time goes over HTTP").
+            # waiting to be woken (measured in docs/benchmarks.md, "Short-query latency").
             job = engine.make_job(inputs, options, request_id, arrived)
         else:
             job = await self._make_job(engine, inputs, options, request_id, arrived)
