@@ -64,7 +64,10 @@ def corpus(export_dir: Path, work: Path, texts: int, repeat: float) -> dict[str,
     """bench.py's mixed corpus of ``texts`` rows, plus ``repeat`` of them again as repeats of
     earlier rows, shuffled in (a repeat always comes after its first occurrence)."""
     sys.path.insert(0, str(HERE))
-    from bench import corpus_file  # bench.py's exact-length corpus, cached in the work dir
+    try:  # bench.py's exact-length corpus, cached in the work dir
+        from benchkit.corpus import corpus_file
+    except ImportError:  # a checkout from before bench.py was split into benchkit/
+        from bench import corpus_file
 
     base = json.loads(corpus_file(work, export_dir / "tokenizer.json", "mixed", texts)
                       .read_text())
