@@ -2,8 +2,9 @@
 # bgeserve, CPU image (linux/amd64 and linux/arm64): ONNX Runtime's CPU provider.
 #   docker build -t bgeserve .
 #   docker run --rm -p 8081:8081 -v bgeserve-cache:/cache bgeserve
-# Models are downloaded into the /cache volume on first start (or mount a local export and set
-# BGE_M3_MODEL_PATH). See docs/deployment.md.
+# Models are downloaded into the /cache volume on first start (HF_HOME=/cache/huggingface) and
+# prepared there (BGE_M3_CACHE_DIR=/cache), or mount a local export and set BGE_M3_MODEL_PATH.
+# See docs/deployment.md.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
@@ -34,8 +35,9 @@ USER bge
 VOLUME ["/cache"]
 EXPOSE 8081
 # /health answers 200 once the sessions are loaded (the memory probe then runs in the
-# background). The start period covers a first-start download of the model (~2.3 GB), loading
-# it and the first probe shapes; failures during it do not count.
-HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
+# background). The start period covers a first start: the model's download (~2.3 GB), preparing
+# bgeserve's graphs from it (minutes on 2 cores; docs/prepare.md; cached in /cache after) and
+# loading; failures during it do not count.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=1200s --retries=3 \
     CMD ["/usr/local/bin/healthcheck.sh"]
 CMD ["bgeserve", "serve"]

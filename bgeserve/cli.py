@@ -1,9 +1,10 @@
-"""``bgeserve``: serve | export | build-random-model."""
+"""``bgeserve``: serve | probe | prepare | bulk | export | build-random-model."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -92,9 +93,25 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.run()
-    if service.fatal_error is not None:
-        return 3
-    return 0
+    code = 3 if service.fatal_error is not None else 0
+    _leave_if_runs_remain(code)
+    return code
+
+
+def _leave_if_runs_remain(code: int) -> None:
+    """Exit at once when threads outlive the drain: a worker still inside ``session.run``
+    past BGE_M3_SHUTDOWN_TIMEOUT_SECS (its requests were already answered 503) must not meet
+    the interpreter's finalization, where ONNX Runtime's thread pools abort the process
+    ("terminate called without an active exception", exit -6 instead of 0)."""
+    import logging
+    import os
+    import threading
+
+    if any(t.is_alive() for t in threading.enumerate() if t is not threading.main_thread()):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -117,6 +134,34 @@ def _probe(args: argparse.Namespace) -> int:
     return foreground_probe.run(settings, shapes)
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    """Make (or find) the prepared export of the configured snapshot; print its directory."""
+    import os
+
+    from bgeserve.config import Settings
+    from bgeserve.errors import BgeServeError
+    from bgeserve.logs import setup_logging
+    from bgeserve.model.artifacts import validate_cache_dir
+    from bgeserve.progress import Progress
+    from bgeserve.service.preparation import PrepareFailed, prepare_command
+
+    try:
+        settings = Settings.from_env(os.environ)
+    except BgeServeError as exc:
+        print(f"bgeserve: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_format, settings.log_level)
+    try:
+        path = prepare_command(settings, validate_cache_dir(settings.cache_dir), args.variant,
+                               force=args.force, out=args.out,
+                               progress=Progress(bars=sys.stderr.isatty()))
+    except (BgeServeError, PrepareFailed) as exc:
+        print(f"bgeserve: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from bgeserve.config import Settings
 
@@ -130,6 +175,21 @@ def main(argv: list[str] | None = None) -> int:
     probe_cmd = sub.add_parser("probe", help="run the memory probe now and print its table "
                                "(same environment variables as serve)")
     probe_cmd.add_argument("--shapes", help="BxS,BxS to measure instead of the default shapes")
+    prep = sub.add_parser(
+        "prepare", help="hub ONNX snapshot → bgeserve's fast graphs, cached (no torch; serve "
+        "does this on its first start)", description="Prepare bgeserve's own graphs (heads "
+        "inside, bounded attention, int8, bf16) from the snapshot serve would use "
+        "(BGE_M3_MODEL_PATH, else the hub download) into BGE_M3_CACHE_DIR/prepared, and print "
+        "the directory: a `bgeserve export` that serve picks up by itself.")
+    prep.add_argument("--variant", action="append", choices=["fp32", "int8", "bf16"],
+                      help="repeatable (default: fp32, int8, and bf16 where this CPU has it)")
+    prep.add_argument("--force", action="store_true", help="prepare again even if cached")
+    prep.add_argument("--out", type=Path, default=None,
+                      help="also write the export to this directory (for BGE_M3_MODEL_PATH)")
+    from bgeserve.bulk.main import add_arguments as bulk_arguments
+
+    bulk_arguments(sub.add_parser("bulk", help="embed JSONL / Parquet / CSV files into "
+                                  "Parquet shards (resumable; --ray for a cluster)"))
     export = sub.add_parser("export", help="PyTorch bge-m3 → ONNX with in-graph heads")
     from bgeserve.export.main import add_arguments
 
@@ -146,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "probe":
         return _probe(args)
+    if args.command == "prepare":
+        return _prepare(args)
+    if args.command == "bulk":
+        from bgeserve.bulk.main import run as bulk
+
+        return bulk(args)
     if args.command == "export":
         from bgeserve.export.main import run
 

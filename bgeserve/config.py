@@ -20,7 +20,8 @@ from bgeserve.errors import ConfigError
 
 T = TypeVar("T")
 
-VARIANTS = ("fp32", "fp16", "int8", "bf16")
+VARIANTS = ("fp32", "fp16", "int8", "bf16", "ov-int8")
+OPENVINO_VARIANTS = ("bf16", "ov-int8")  # OpenVINO IRs of a `bgeserve export`
 EXECUTION_PROVIDERS = ("cpu", "cuda", "tensorrt", "coreml", "openvino")
 LOG_FORMATS = ("auto", "json", "text", "pretty")
 MAX_POSITIONS = 8192  # bge-m3: 8194 position embeddings minus the padding offset of 2
@@ -87,6 +88,15 @@ def _bind(name: str, raw: str) -> str:
     return raw.strip()
 
 
+def default_cache_dir(environ: Mapping[str, str]) -> Path:
+    """``$XDG_CACHE_HOME/bgeserve`` (an absolute XDG_CACHE_HOME), else ``~/.cache/bgeserve``:
+    somewhere any user can write, unlike the reference server's ``/cache``."""
+    xdg = environ.get("XDG_CACHE_HOME", "").strip()
+    if xdg and Path(xdg).is_absolute():
+        return Path(xdg) / "bgeserve"
+    return Path("~/.cache/bgeserve")  # expanded when Settings is made (__post_init__)
+
+
 def _var(env: str, parse: Callable[[str, str], Any], default: Any, doc: str) -> Any:
     """A settings field bound to one environment variable (kept in the field metadata)."""
     return field(default=default, metadata={"env": env, "parse": parse, "doc": doc})
@@ -101,10 +111,16 @@ class Settings:
         "BGE_M3_MODEL_PATH", _path, None,
         "local model directory: a `bgeserve export` or a Hugging Face snapshot")
     variant: str = _var("BGE_M3_MODEL", _choice(*VARIANTS), "fp32",
-                        "model variant: fp32|fp16|int8|bf16 (bf16: OpenVINO; unset: the fastest "
-                        "keeping dense cos >= 0.999 here, see runtime/select.py)")
-    cache_dir: Path = _var("BGE_M3_CACHE_DIR", _path, Path("/cache"),
-                           "downloads, probe coefficients and TensorRT engines")
+                        "model variant: fp32|fp16|int8|bf16|ov-int8 (bf16, ov-int8: OpenVINO; "
+                        "unset: the fastest keeping dense cos >= 0.999 here, see "
+                        "runtime/select.py)")
+    cache_dir: Path = _var("BGE_M3_CACHE_DIR", _path, Path("~/.cache/bgeserve"),
+                           "prepared graphs, probe coefficients and TensorRT engines "
+                           "(default $XDG_CACHE_HOME/bgeserve, else ~/.cache/bgeserve; hub "
+                           "downloads go to the Hugging Face cache: HF_HUB_CACHE / HF_HOME)")
+    prepare: bool = _var("BGE_M3_PREPARE", _bool, True,
+                         "build bgeserve's fast graphs (in-graph heads, bounded attention, "
+                         "int8, bf16) from a hub snapshot once, cached; 0 = serve it as it is")
     offline: bool = _var("HF_HUB_OFFLINE", _bool, False, "never contact the Hugging Face hub")
     max_seq_length: int = _var("BGE_M3_MAX_SEQ_LENGTH", _number(int, 2, MAX_POSITIONS),
                                MAX_POSITIONS, "tokens per text, special tokens included")
@@ -153,7 +169,11 @@ class Settings:
                                        "deprecated: translated to BGE_M3_TOKEN_BUDGET")
     # http
     bind: str = _var("BGE_M3_BIND", _bind, "0.0.0.0:8081", "HOST:PORT to listen on")
-    max_batch: int = _var("BGE_M3_MAX_BATCH", _number(int, 1, 100_000), 256, "texts per request")
+    max_batch: int = _var("BGE_M3_MAX_BATCH", _number(int, 1, 100_000), 2048,
+                          "texts per request (OpenAI's own limit; LangChain sends 1,000)")
+    accept_token_ids: bool = _var("BGE_M3_ACCEPT_TOKEN_IDS", _bool, False,
+                                  "accept token-id input (bge-m3 ids); off: 400, as clients "
+                                  "such as LangChain send ids of another tokenizer")
     max_body_bytes: int = _var("BGE_M3_MAX_BODY_BYTES", _number(int, 1024), 32 * 1024 * 1024,
                                "request body limit")
     max_text_chars: int = _var("BGE_M3_MAX_TEXT_CHARS", _number(int, 1), 131_072,
@@ -172,6 +192,10 @@ class Settings:
                                  "coalescing window after the first arrival")
     max_queue_tokens: int = _var("BGE_M3_MAX_QUEUE_TOKENS", _number(int, 1), 1_000_000,
                                  "tokens waiting before 429")
+    cache_mb: int = _var("BGE_M3_CACHE_MB", _number(int, 0, 1 << 20), 128,
+                         "MiB of embeddings kept for repeated texts (answered without running "
+                         "the model); 0 = off. Off for int8 unless BGE_M3_MAX_CHUNK=1: its "
+                         "vectors move with their batch-mates")
     request_timeout_secs: float = _var("BGE_M3_REQUEST_TIMEOUT_SECS",
                                        _number(float, 0.0), 300.0, "per-request deadline; 0 = none")
     idle_timeout_secs: float = _var("BGE_M3_IDLE_TIMEOUT_SECS", _number(float, 0.0), 300.0,
@@ -232,6 +256,8 @@ class Settings:
             if raw is not None and (raw.strip() or f.type in ("str", "tuple[str, ...]")):
                 values[f.name] = f.metadata["parse"](f.metadata["env"], raw)
                 given.add(f.metadata["env"])
+        if "cache_dir" not in values:
+            values["cache_dir"] = default_cache_dir(environ)
         settings = cls(**values, explicit=frozenset(given))
         settings.validate()
         return settings
@@ -239,6 +265,11 @@ class Settings:
     def is_explicit(self, variable: str) -> bool:
         """Whether ``variable`` (``BGE_M3_*``) was set, rather than left at its default."""
         return self.explicit is None or variable in self.explicit
+
+    def __post_init__(self) -> None:
+        # "~" is expanded when the settings are made (not at import): the default, or a path
+        # given to the constructor, is then the same Path wherever it is used.
+        object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
 
     def validate(self) -> None:
         """Check rules that involve more than one field."""

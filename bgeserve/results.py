@@ -48,6 +48,37 @@ class Embeddings:
         return int(self.n_tokens.sum())
 
 
+@dataclass(frozen=True, slots=True)
+class Token:
+    """One token of a tokenized text, as TEI's ``/tokenize`` gives it.
+
+    ``start``/``stop`` are UTF-8 *byte* offsets into the text (TEI's convention), ``None`` for
+    special tokens; ``text`` is the text's slice for a regular token, the token string for a
+    special one.
+    """
+
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the served model and its limits (what TEI's ``GET /info`` reports)."""
+
+    model_id: str
+    model_sha: str | None
+    dtype: str  # float32 | float16 | int8 | bfloat16
+    max_input_length: int  # tokens per text, special tokens included
+    max_batch_tokens: int  # padded tokens per session.run (a longer text runs alone)
+    max_batch_requests: int | None  # texts per session.run
+    max_client_batch_size: int  # inputs per request
+    max_concurrent_requests: int
+    auto_truncate: bool
+    tokenization_workers: int
+    version: str
 # --------------------------------------------------------------------------------- rerank
 LONG_DOCUMENTS = ("max", "truncate")
 M3_SCORER = "bge-m3"

@@ -120,6 +120,7 @@ def start_server(args: argparse.Namespace, variant: str, work: Path) -> tuple[An
                 "BGE_M3_CACHE_DIR": str(work / f"cache-{variant}"), "HF_HUB_OFFLINE": "1",
                 "BGE_M3_LOG_FORMAT": "json", "BGE_M3_DISABLE_AUTO_BUDGET": "1",
                 "BGE_M3_REQUEST_TIMEOUT_SECS": "0", "BGE_M3_IDLE_TIMEOUT_SECS": "0",
+                "BGE_M3_CACHE_MB": "0",  # every round sends the same pairs: no cache hits
                 "PYTHONPATH": str(REPO)})
     logf = open(work / f"server-{variant}.log", "wb")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen([sys.executable, "-m", "bgeserve", "serve"], env=env, cwd=REPO,

@@ -64,6 +64,23 @@ def tiny_export_bf16(tiny_model: Path, models_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_export_ov_int8(tiny_model: Path, models_root: Path) -> Path:
+    """``bgeserve export --variant fp32 --variant ov-int8`` of the tiny model (NNCF's int8 IR,
+    validated against the fp32 graph); skips without openvino or nncf (the dev extra has
+    both)."""
+    from bgeserve.export import ovint8
+    from bgeserve.export.main import export
+    from bgeserve.runtime import openvino
+
+    if not (openvino.available() and ovint8.available()):
+        pytest.skip("ov-int8 needs openvino and nncf: pip install 'bgeserve[export]'")
+    out = models_root / "tiny-export-ov-int8"
+    if not (out / "manifest.json").exists():
+        export(str(tiny_model), out, ("fp32", "ov-int8"))
+    return out
+
+
+@pytest.fixture(scope="session")
 def hub_layouts(tiny_model: Path, models_root: Path) -> dict[str, Path]:
     """Fake hub snapshots of the tiny model in the reference server's layouts.
 
@@ -110,6 +127,27 @@ def flag_model(tiny_model: Path):
 
 
 @pytest.fixture(scope="session")
+def hub_snapshots(tiny_model: Path, models_root: Path) -> dict[str, Path]:
+    """Hub-layout snapshots of the tiny model made by transformers' own encoder traced with
+    torch.onnx (bgeserve.testing.hubsnap), as the hub's exporters write them: ``baai``
+    (sentence_embedding + token_embeddings, opset 17, one external weights file) and
+    ``optimum`` (last_hidden_state, opset 14: LayerNorm spelled out), both with the head files."""
+    import subprocess
+    import sys
+
+    out = {}
+    for layout in ("baai", "optimum"):
+        path = models_root / f"snapshot-{layout}"
+        if not (path / "onnx" / "model.onnx").exists():
+            # A child, as for hub_layouts: torch's tracer must not run under pytest's warnings.
+            subprocess.run([sys.executable, "-m", "bgeserve.testing.hubsnap", str(tiny_model),
+                            str(path), "--layout", layout], check=True,
+                           stdout=subprocess.DEVNULL)
+        out[layout] = path
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_reranker(models_root: Path) -> Path:
     """A tiny random-weight bge-reranker-v2-m3 (XLMRobertaForSequenceClassification, one
     label) with the tiny bge-m3's tokenizer."""
@@ -128,6 +166,17 @@ def tiny_reranker_export(tiny_reranker: Path, models_root: Path) -> Path:
     if not (out / "manifest.json").exists():
         export(str(tiny_reranker), out)
     return out
+
+
+@pytest.fixture(scope="session")
+def no_torch_path(tmp_path_factory) -> str:
+    """A PYTHONPATH on which ``import torch`` / ``import transformers`` raise ImportError."""
+    root = tmp_path_factory.mktemp("no-torch")
+    for name in ("torch", "transformers"):
+        (root / name).mkdir()
+        (root / name / "__init__.py").write_text(
+            f"raise ImportError('{name} is not installed here (serving-only install)')\n")
+    return f"{root}{os.pathsep}{Path(__file__).resolve().parent.parent}"
 
 
 @pytest.fixture(scope="session")

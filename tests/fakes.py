@@ -16,7 +16,7 @@ import numpy as np
 
 from bgeserve.config import Settings
 from bgeserve.errors import BgeServeError, InvalidInput, TooLarge
-from bgeserve.results import Embeddings, EmbedOptions, RerankOptions, RerankResult
+from bgeserve.results import Embeddings, EmbedOptions, ModelInfo, RerankOptions, RerankResult, Token
 
 HIDDEN = 1024
 VOCAB = 250_002
@@ -152,6 +152,44 @@ class FakeService:
         """``"w<id mod 1000>"``: distinct ids can collide, as sub-word strings do."""
         return [f"w{int(i) % 1000}" for i in ids]
 
+    async def tokenize(self, texts: Sequence[str],
+                       add_special_tokens: bool = True) -> list[list[Token]]:
+        """One token per whitespace word (``fake_tokens``' ids), UTF-8 byte offsets."""
+        out = []
+        for text in texts:
+            tokens, pos = [], 0
+            for word in text.split():
+                at = text.index(word, pos)
+                start = len(text[:at].encode())
+                stop = start + len(word.encode())
+                tokens.append(Token(fake_tokens(word)[0], word, False, start, stop))
+                pos = at + len(word)
+            if add_special_tokens:
+                tokens = [Token(0, "<s>", True, None, None), *tokens,
+                          Token(2, "</s>", True, None, None)]
+            out.append(tokens)
+        return out
+
+    async def decode(self, sequences: Sequence[Sequence[int]],
+                     skip_special_tokens: bool = True) -> list[str]:
+        """``"w<id>"`` per id, joined by spaces; ids 0-3 dropped when skipping specials."""
+        return [" ".join(f"w{t}" for t in seq if not (skip_special_tokens and t < 4))
+                for seq in sequences]
+
+    async def truncate_left(self, texts: Sequence[str]) -> list[list[int]]:
+        """``<s>``, the last words' ids and ``</s>``, at most ``max_seq_length`` of them."""
+        keep = self.settings.max_seq_length - 2
+        return [[0, *fake_tokens(t)[-keep:], 2] if keep else [0, 2] for t in texts]
+
+    def info(self) -> ModelInfo:
+        """Fixed facts, the limits from the settings."""
+        s = self.settings
+        return ModelInfo(model_id="BAAI/bge-m3", model_sha=None, dtype="float32",
+                         max_input_length=s.max_seq_length, max_batch_tokens=16384,
+                         max_batch_requests=64, max_client_batch_size=s.max_batch,
+                         max_concurrent_requests=500_000, auto_truncate=s.truncate,
+                         tokenization_workers=2, version="0.1.0")
+
     def health(self) -> dict[str, Any]:
         """A health report in the real shape, with the configured ``status``."""
         return {
@@ -159,7 +197,7 @@ class FakeService:
             "workers": {"live": 1, "loaded": 1, "total": 1},
             "max_seq_length": self.settings.max_seq_length,
             "model": {"name": self.model_name, "variant": "fake"},
-            "tuning": {"probe_status": "fake"},
+            "tuning": {"probe_status": "disabled"},
         }
 
     def metrics(self) -> tuple[bytes, str]:

@@ -7,19 +7,15 @@ serves ``/{repo_id}/resolve/{revision}/{filename}`` the way huggingface_hub expe
 
 from __future__ import annotations
 
-import hashlib
-import http.server
 import io
 import json
 import os
 import struct
 import subprocess
 import sys
-import threading
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import unquote
 
 import numpy as np
 import pytest
@@ -36,6 +32,8 @@ from bgeserve.model.artifacts import (
     resolve,
     validate_cache_dir,
 )
+from tests.fakehub import FakeHub
+from tests.graphs import BAAI_OUTPUTS, HIDDEN_OUTPUTS, graph_bytes
 
 HIDDEN = 8
 
@@ -202,7 +200,7 @@ def _baai(root: Path, heads: dict[str, bytes]) -> Path:
     return _write(
         root,
         {
-            "onnx/model.onnx": "graph",
+            "onnx/model.onnx": graph_bytes(BAAI_OUTPUTS),
             "onnx/model.onnx_data": b"\0" * 64,
             "onnx/Constant_7_attr__value": b"\1",
             "onnx/tokenizer.json": "{}",
@@ -256,7 +254,12 @@ def test_xenova_snapshot_with_local_heads_is_detected(
     """Xenova's fp16/int8 graphs resolve to the hidden-state layout, heads from the same directory."""
     root = _write(
         tmp_path / "xenova",
-        {graph: "graph", "tokenizer.json": "{}", "onnx/model.onnx": "g", **heads},
+        {
+            graph: graph_bytes(HIDDEN_OUTPUTS),
+            "tokenizer.json": "{}",
+            "onnx/model.onnx": graph_bytes(HIDDEN_OUTPUTS),
+            **heads,
+        },
     )
 
     art = resolve(model_path=root, variant=variant, cache_dir=tmp_path / "cache", offline=True)
@@ -269,13 +272,22 @@ def test_xenova_snapshot_with_local_heads_is_detected(
 
 def test_xenova_snapshot_without_heads_offline_and_uncached_is_refused(tmp_path: Path) -> None:
     """No .pt heads beside a Xenova graph, offline, empty cache: a clear error, no download."""
-    root = _write(tmp_path / "xenova", {"onnx/model_quantized.onnx": "g", "tokenizer.json": "{}"})
+    root = _write(
+        tmp_path / "xenova",
+        {"onnx/model_quantized.onnx": graph_bytes(HIDDEN_OUTPUTS), "tokenizer.json": "{}"},
+    )
 
     with pytest.raises(ModelUnavailable) as info:
-        resolve(model_path=root, variant="int8", cache_dir=tmp_path / "cache", offline=True)
+        resolve(
+            model_path=root,
+            variant="int8",
+            cache_dir=tmp_path / "cache",
+            hub_cache=tmp_path / "hub",
+            offline=True,
+        )
 
     assert "sparse_linear.pt" in info.value.message and str(root) in info.value.message
-    assert "offline" in info.value.message and str(tmp_path / "cache") in info.value.message
+    assert "offline" in info.value.message and str(tmp_path / "hub") in info.value.message
 
 
 def test_pytorch_only_directory_says_to_export(tmp_path: Path) -> None:
@@ -381,79 +393,6 @@ def test_read_only_cache_dir_is_refused(tmp_path: Path) -> None:
 # --- hub downloads through a fake endpoint ------------------------------------------------------
 
 
-class FakeHub:
-    """A Hugging Face ``/resolve/`` endpoint on 127.0.0.1 serving in-memory files."""
-
-    def __init__(self, files: dict[tuple[str, str, str], bytes]):
-        self.files = files
-        # filename -> (HTTP status, X-Error-Code or None) to answer instead of the file.
-        self.failures: dict[str, tuple[int, str | None]] = {}
-        self.requests: list[tuple[str, str]] = []
-        hub = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_HEAD(self) -> None:
-                self._answer(body=False)
-
-            def do_GET(self) -> None:
-                self._answer(body=True)
-
-            def _answer(self, *, body: bool) -> None:
-                hub.requests.append((self.command, self.path))
-                repo_id, revision, filename = hub.parse(self.path)
-                content = hub.files.get((repo_id, revision, filename))
-                if filename in hub.failures:
-                    status, code = hub.failures[filename]
-                    self.send_response(status)
-                    if code is not None:
-                        self.send_header("X-Error-Code", code)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                if content is None:
-                    known = any(r == repo_id and v == revision for r, v, _ in hub.files)
-                    self.send_response(404)
-                    self.send_header("X-Error-Code", "EntryNotFound" if known else "RepoNotFound")
-                    self.send_header("X-Repo-Commit", revision)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                self.send_response(200)
-                self.send_header("X-Repo-Commit", revision)
-                self.send_header("ETag", f'"{hashlib.sha256(content).hexdigest()}"')
-                self.send_header("Content-Length", str(len(content)))
-                self.send_header("Content-Type", "application/octet-stream")
-                self.end_headers()
-                if body:
-                    self.wfile.write(content)
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
-        self.thread.start()
-
-    @staticmethod
-    def parse(path: str) -> tuple[str, str, str]:
-        parts = unquote(path.split("?")[0]).lstrip("/").split("/")
-        if len(parts) < 5 or parts[2] != "resolve":
-            return "", "", ""
-        return f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:])
-
-    def downloaded(self) -> list[tuple[str, str]]:
-        """(repo_id, filename) of every GET, in order."""
-        return [(r, f) for (m, p) in self.requests if m == "GET" for r, _, f in [self.parse(p)]]
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
-
-
 def _hub_files(heads: dict[str, bytes]) -> dict[tuple[str, str, str], bytes]:
     files = {(BAAI_REPO, BAAI_REVISION, name): content for name, content in heads.items()}
     for variant, source in HUB_SOURCES.items():
@@ -486,7 +425,12 @@ def test_fp32_download_fetches_baai_graph_data_tokenizer_and_heads(
     cache = tmp_path / "cache"
 
     art = resolve(
-        model_path=None, variant="fp32", cache_dir=cache, endpoint=hub.url, progress=False
+        model_path=None,
+        variant="fp32",
+        cache_dir=tmp_path / "bgeserve",
+        hub_cache=cache,
+        endpoint=hub.url,
+        progress=False,
     )
 
     assert sorted(hub.downloaded()) == sorted(
@@ -521,7 +465,12 @@ def test_int8_download_then_offline_from_cache(tmp_path: Path, hub: FakeHub) -> 
     cache = tmp_path / "cache"
 
     art = resolve(
-        model_path=None, variant="int8", cache_dir=cache, endpoint=hub.url, progress=False
+        model_path=None,
+        variant="int8",
+        cache_dir=tmp_path / "bgeserve",
+        hub_cache=cache,
+        endpoint=hub.url,
+        progress=False,
     )
 
     assert sorted(hub.downloaded()) == sorted(
@@ -543,7 +492,12 @@ def test_int8_download_then_offline_from_cache(tmp_path: Path, hub: FakeHub) -> 
 
     seen = len(hub.requests)
     again = resolve(
-        model_path=None, variant="int8", cache_dir=cache, endpoint=hub.url, progress=False
+        model_path=None,
+        variant="int8",
+        cache_dir=tmp_path / "bgeserve",
+        hub_cache=cache,
+        endpoint=hub.url,
+        progress=False,
     )
     assert len(hub.requests) == seen  # pinned commits: a warm cache needs no HEAD request at all
     assert again.onnx_path == art.onnx_path
@@ -551,7 +505,12 @@ def test_int8_download_then_offline_from_cache(tmp_path: Path, hub: FakeHub) -> 
     hub.stop()
     hub.stop = lambda: None  # type: ignore[method-assign]
     offline = resolve(
-        model_path=None, variant="int8", cache_dir=cache, endpoint=hub.url, offline=True
+        model_path=None,
+        variant="int8",
+        cache_dir=tmp_path / "bgeserve",
+        hub_cache=cache,
+        endpoint=hub.url,
+        offline=True,
     )
     assert (offline.onnx_path, offline.tokenizer_path) == (art.onnx_path, art.tokenizer_path)
     assert offline.heads is not None
@@ -561,13 +520,18 @@ def test_local_xenova_directory_downloads_missing_heads(tmp_path: Path, hub: Fak
     """A Xenova snapshot without .pt heads gets them from BAAI/bge-m3 into the cache dir."""
     root = _write(
         tmp_path / "xenova",
-        {"onnx/model.onnx": "g", "onnx/model_fp16.onnx": "g", "tokenizer.json": "{}"},
+        {
+            "onnx/model.onnx": graph_bytes(HIDDEN_OUTPUTS),
+            "onnx/model_fp16.onnx": graph_bytes(HIDDEN_OUTPUTS),
+            "tokenizer.json": "{}",
+        },
     )
 
     art = resolve(
         model_path=root,
         variant="fp32",
-        cache_dir=tmp_path / "cache",
+        cache_dir=tmp_path / "bgeserve",
+        hub_cache=tmp_path / "cache",
         endpoint=hub.url,
         progress=False,
     )
@@ -589,7 +553,8 @@ def test_file_missing_on_the_hub_is_named(tmp_path: Path, hub: FakeHub) -> None:
         resolve(
             model_path=None,
             variant="fp32",
-            cache_dir=tmp_path / "cache",
+            cache_dir=tmp_path / "bgeserve",
+            hub_cache=tmp_path / "cache",
             endpoint=hub.url,
             progress=False,
         )
@@ -605,7 +570,8 @@ def test_offline_with_empty_cache_is_refused_without_network(tmp_path: Path, hub
         resolve(
             model_path=None,
             variant="fp16",
-            cache_dir=tmp_path / "cache",
+            cache_dir=tmp_path / "bgeserve",
+            hub_cache=tmp_path / "cache",
             endpoint=hub.url,
             offline=True,
         )
@@ -635,7 +601,8 @@ def test_unreachable_hub_is_refused(tmp_path: Path, hub: FakeHub, no_backoff: li
         resolve(
             model_path=None,
             variant="int8",
-            cache_dir=tmp_path / "cache",
+            cache_dir=tmp_path / "bgeserve",
+            hub_cache=tmp_path / "cache",
             endpoint=url,
             progress=False,
         )
@@ -659,7 +626,8 @@ def test_hub_error_answers_are_explained(
         resolve(
             model_path=None,
             variant="fp16",
-            cache_dir=tmp_path / "cache",
+            cache_dir=tmp_path / "bgeserve",
+            hub_cache=tmp_path / "cache",
             endpoint=hub.url,
             progress=False,
         )
@@ -706,11 +674,21 @@ def test_progress_bars_only_when_asked(
     monkeypatch.setattr(sys, "stderr", terminal)
 
     resolve(
-        model_path=None, variant="int8", cache_dir=tmp_path / "a", endpoint=hub.url, progress=False
+        model_path=None,
+        variant="int8",
+        cache_dir=tmp_path / "c",
+        hub_cache=tmp_path / "a",
+        endpoint=hub.url,
+        progress=False,
     )
     quiet = terminal.getvalue()
     resolve(
-        model_path=None, variant="fp16", cache_dir=tmp_path / "b", endpoint=hub.url, progress=True
+        model_path=None,
+        variant="fp16",
+        cache_dir=tmp_path / "c",
+        hub_cache=tmp_path / "b",
+        endpoint=hub.url,
+        progress=True,
     )
     loud = terminal.getvalue()[len(quiet) :]
 
@@ -736,3 +714,159 @@ def test_model_artifacts_is_frozen(tmp_path: Path) -> None:
     assert isinstance(art, ModelArtifacts)
     with pytest.raises(AttributeError):
         art.variant = "int8"  # type: ignore[misc]
+
+
+# --- layouts read from the graph -------------------------------------------------------------
+
+
+def test_an_optimum_export_beside_baai_heads_is_a_hidden_state_graph(
+    tmp_path: Path, heads: dict[str, bytes]
+) -> None:
+    """onnx/model.onnx with output last_hidden_state (optimum-cli's export) next to BAAI's .pt
+    heads is read as the hidden-state layout, not guessed to be BAAI's from the file names."""
+    root = _write(
+        tmp_path / "optimum",
+        {"onnx/model.onnx": graph_bytes(HIDDEN_OUTPUTS), "tokenizer.json": "{}", **heads},
+    )
+
+    art = resolve(model_path=root, variant="fp32", cache_dir=tmp_path / "cache", offline=True)
+
+    assert art.layout is Layout.HIDDEN and art.heads is not None
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (graph_bytes(("pooler_output",)), "has outputs pooler_output, which match no layout"),
+        (graph_bytes(HIDDEN_OUTPUTS, inputs=("ids",)), "bgeserve feeds input_ids"),
+        (b"not a protobuf \xff\xff", "is not a readable ONNX graph"),
+    ],
+)
+def test_graphs_of_no_known_layout_are_refused_naming_what_they_have(
+    tmp_path: Path, heads: dict[str, bytes], content: bytes, match: str
+) -> None:
+    """A graph whose outputs or inputs fit no layout, or a file that is no ONNX graph, is refused
+    with what the graph has (and BGE_M3_MODEL_PATH)."""
+    root = _write(tmp_path / "odd", {"onnx/model.onnx": content, "tokenizer.json": "{}", **heads})
+
+    with pytest.raises(ModelUnavailable, match=match) as info:
+        resolve(model_path=root, variant="fp32", cache_dir=tmp_path / "cache", offline=True)
+    assert info.value.param == "BGE_M3_MODEL_PATH"
+
+
+# --- the Hugging Face cache ----------------------------------------------------------------------
+
+
+def _fill_cache(cache: Path, files: dict[tuple[str, str, str], bytes]) -> None:
+    """Files in huggingface_hub's cache layout (snapshots/<commit>/<file>), as a download leaves."""
+    for (repo, revision, name), content in files.items():
+        path = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / revision / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+
+
+@pytest.mark.parametrize("where", ["hub cache", "legacy bgeserve cache"])
+def test_a_snapshot_already_cached_is_used_without_any_request(
+    tmp_path: Path, hub: FakeHub, where: str
+) -> None:
+    """A pinned snapshot already in the Hugging Face cache (or in the bgeserve cache directory,
+    where earlier versions downloaded) is used as it is: no request reaches the hub."""
+    filled = tmp_path / ("hub" if where == "hub cache" else "bgeserve")
+    _fill_cache(filled, hub.files)
+
+    art = resolve(
+        model_path=None,
+        variant="fp32",
+        cache_dir=tmp_path / "bgeserve",
+        hub_cache=tmp_path / "hub",
+        endpoint=hub.url,
+        progress=False,
+    )
+
+    assert hub.requests == []
+    assert art.onnx_path.is_relative_to(filled) and art.heads is not None
+
+
+def test_a_host_that_does_not_resolve_fails_at_once_naming_the_ways_out(
+    tmp_path: Path, hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No DNS for the hub's host and nothing cached: one clear error at once (no retry ladder)
+    naming BGE_M3_MODEL_PATH and HF_HUB_OFFLINE."""
+    import socket
+    import time
+
+    from bgeserve.model import hubnet
+
+    asked: list[str] = []
+
+    def no_dns(host: str, *args: object, **kwargs: object) -> None:
+        asked.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(hubnet.socket, "getaddrinfo", no_dns)
+    started = time.monotonic()
+    with pytest.raises(ModelUnavailable) as info:
+        resolve(
+            model_path=None,
+            variant="fp32",
+            cache_dir=tmp_path / "bgeserve",
+            hub_cache=tmp_path / "hub",
+            endpoint="https://hub.example.invalid",
+            progress=False,
+        )
+
+    assert time.monotonic() - started < 5 and asked == ["hub.example.invalid"]
+    message = info.value.message
+    assert "does not resolve" in message and "hub.example.invalid" in message
+    assert "BGE_M3_MODEL_PATH" in message and "HF_HUB_OFFLINE=1" in message
+
+
+def test_a_resolver_that_hangs_counts_as_no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup still blocked after DNS_TIMEOUT_S is taken as unresolved; proxies and IP or
+    localhost endpoints are never checked."""
+    import threading
+
+    from bgeserve.model import hubnet
+
+    release = threading.Event()
+    monkeypatch.setattr(hubnet.socket, "getaddrinfo", lambda *a, **k: release.wait(10))
+    monkeypatch.setattr(hubnet, "DNS_TIMEOUT_S", 0.2)
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    try:
+        assert hubnet.resolves("https://huggingface.co") == (False, "huggingface.co")
+        assert hubnet.resolves("http://127.0.0.1:9/x")[0] and hubnet.resolves("http://localhost")[0]
+        monkeypatch.setenv("https_proxy", "http://proxy.internal:3128")
+        assert hubnet.resolves("https://huggingface.co")[0]
+    finally:
+        release.set()
+
+
+def test_a_download_reports_its_bytes_as_it_goes(
+    tmp_path: Path, hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a file downloads, report(file, bytes done, bytes total) is called with growing
+    counts, and once more with done == total at the end."""
+    from bgeserve.model import hubnet
+
+    # 24 MiB sent in 1 MiB pieces 0.03 s apart (huggingface_hub < 1.0 writes 10 MiB at a time).
+    big = bytes(range(256)) * (24 << 12)
+    hub.files[(BAAI_REPO, BAAI_REVISION, "onnx/model.onnx_data")] = big
+    hub.delay["onnx/model.onnx_data"] = 0.03
+    monkeypatch.setattr(hubnet, "POLL_S", 0.05)
+    seen: list[tuple[str, int, int | None]] = []
+
+    resolve(
+        model_path=None,
+        variant="fp32",
+        cache_dir=tmp_path / "bgeserve",
+        hub_cache=tmp_path / "hub",
+        endpoint=hub.url,
+        progress=False,
+        report=lambda name, done, total: seen.append((name, done, total)),
+    )
+
+    data = [(done, total) for name, done, total in seen if name == "onnx/model.onnx_data"]
+    assert data[-1] == (len(big), len(big))
+    partial = [done for done, _ in data[:-1] if 0 < done < len(big)]
+    assert partial and partial == sorted(partial)

@@ -149,3 +149,64 @@ def test_pad_multiple_rounds_on_gpus_only_and_explicit_wins():
     assert pad_multiple(Settings(execution_provider="tensorrt")) == 32
     assert pad_multiple(Settings(execution_provider="cuda", pad_multiple=1)) == 1
     assert pad_multiple(Settings(pad_multiple=16)) == 16
+
+
+def test_ov_int8_runs_on_openvino_when_asked_for():
+    """BGE_M3_MODEL=ov-int8 alone implies OpenVINO, with BGE_M3_EP=openvino it is kept, and
+    with BGE_M3_EP=cpu it is a contradiction naming both ways out."""
+    s = resolve(Settings.from_env({"BGE_M3_MODEL": "ov-int8"}), machine=NO_BF16)
+    assert (s.execution_provider, s.variant) == ("openvino", "ov-int8")
+    s = resolve(Settings(execution_provider="openvino", variant="ov-int8"), machine=NO_BF16)
+    assert s.variant == "ov-int8"
+    with pytest.raises(ConfigError) as err:
+        resolve(Settings(variant="ov-int8"), machine=BF16_CPU)  # BGE_M3_EP=cpu given explicitly
+    assert err.value.param == "BGE_M3_MODEL" and "BGE_M3_EP=openvino" in err.value.message
+
+
+def test_the_default_does_not_pick_ov_int8_by_itself(tmp_path):
+    """ov-int8 is chosen by measurement (the tuned default), never by a rule that calls it
+    the fastest: with only the rules, an export that has it still serves what it served."""
+    root = export_dir(tmp_path, "fp32", "int8", "bf16", "ov-int8", int8_cos=0.9994)
+    for machine in (AMX_CPU, BF16_CPU, NO_BF16):
+        assert auto(Settings(model_path=root), machine).variant != "ov-int8"
+
+
+# -- the measured default's candidates and pick (runtime/select.py) ------------------------------
+def test_candidates_are_every_variant_meeting_the_bar_on_a_runtime_this_machine_has():
+    """Read from the manifest: a new variant (an OpenVINO int8) is a candidate by its entry's
+    runtime alone; fp16 (GPU) and variants below the bar or unmeasured are not."""
+    from bgeserve.runtime.select import Candidate, cpu_candidates
+
+    good = {"agreement": {"dense_cos_min": 0.9993}}
+    variants = {"fp32": {}, "int8": good, "bf16": {"runtime": "openvino", **good},
+                "ov-int8": {"runtime": "openvino", **good}, "fp16": good,
+                "int4": {"agreement": {"dense_cos_min": 0.98}}, "odd": {"runtime": "tvm", **good},
+                "raw": {}}
+    found, left_out = cpu_candidates(variants, BF16_CPU)
+    assert found == [Candidate("fp32", "cpu"), Candidate("int8", "cpu"),
+                     Candidate("bf16", "openvino"), Candidate("ov-int8", "openvino")]
+    assert set(left_out) == {"fp16", "int4", "odd", "raw"}
+    assert "0.9800 < 0.999" in left_out["int4"] and "did not measure" in left_out["raw"]
+    found, left_out = cpu_candidates(variants, NO_OPENVINO)
+    assert [c.variant for c in found] == ["fp32", "int8"]
+    assert "openvino is not installed" in left_out["ov-int8"]
+
+
+@pytest.mark.parametrize("rates,prior,chosen", [
+    ({"fp32": 250.0, "int8": 800.0}, "fp32", "int8"),
+    ({"int8": 800.0, "bf16": 830.0}, "int8", "int8"),  # within 5 %: the prior stays
+    ({"int8": 800.0, "bf16": 850.0}, "int8", "bf16"),
+    ({"int8": 800.0, "bf16": 830.0}, "fp32", "bf16"),  # the prior was not timed
+    ({"int8": 800.0}, None, "int8"),
+])
+def test_pick_is_the_fastest_unless_the_prior_is_within_the_margin(rates, prior, chosen):
+    from bgeserve.runtime.select import pick
+
+    assert pick(rates, prior) == chosen
+
+
+def test_pick_needs_a_timed_candidate():
+    from bgeserve.runtime.select import pick
+
+    with pytest.raises(ValueError):
+        pick({}, "fp32")

@@ -1,4 +1,4 @@
-"""scripts/bench.py's pure parts: the GPU option's checks and the HTTP load driver.
+"""scripts/bench.py's pure parts: the GPU option's checks, the HTTP load driver, the roofline.
 
 The driver is what every load and HTTP figure in docs/benchmarks.md rests on: it must return
 each response under its own request's index, count non-200 answers as errors, and keep
@@ -107,3 +107,43 @@ def test_load_driver_counts_a_dead_server_as_errors(bench):
     assert len(errors) == 5 and len(latencies) == 5
     assert results == [None] * 5 and tokens == 0
     assert json.loads(bodies[0])["input"] == ["x"]
+
+
+def test_work_per_token_follows_the_model_dims(bench):
+    """bge-m3's encoder costs 0.63 GFLOP per token at 256 tokens (its GEMMs plus attention),
+    counted from the dims, linear in the text's length plus a quadratic attention term."""
+    dims = bench.roofline.Dims()
+    assert dims.flops(256) / 256 / 1e9 == pytest.approx(0.6291, abs=1e-4)
+    assert dims.flops(1) / 1e9 == pytest.approx(0.604, abs=1e-3)
+    tiny = bench.roofline.Dims(hidden=32, intermediate=37, layers=2)
+    assert tiny.flops(10) == 2 * 10 * (8 * 32 * 32 + 4 * 32 * 37 + 4 * 10 * 32)
+    assert bench.roofline.corpus_gflop([256, 256], dims) == pytest.approx(2 * dims.flops(256) / 1e9)
+
+
+def test_each_row_is_measured_against_its_own_precisions_ceiling(bench):
+    """fp32 baselines (flag, ort1) against fp32; int8 against ONNX Runtime's int8, bf16 and
+    ov-int8 against OpenVINO's; a precision with no ceiling measured gets no share."""
+    dims = bench.roofline.Dims()
+    rows = [{"ok": True, "corpus": "mixed", "mode": mode, "variant": variant, "wall_s": 2.0}
+            for mode, variant in (("flag", "fp32"), ("engine", "int8"), ("http", "bf16"),
+                                  ("raw", "ov-int8"))]
+    rows.append({"ok": False, "corpus": "mixed", "mode": "raw", "variant": "fp32"})
+    ceiling = {"fp32": 100.0, "int8-ort": 200.0, "bf16-openvino": 400.0}
+    got = bench.roofline.shares(rows, {"mixed": [256] * 4}, dims, ceiling)
+    work = 4 * dims.flops(256) / 1e9 / 2.0
+    assert [(r["precision"], r["share"]) for r in got] == [
+        ("fp32", pytest.approx(work / 100)), ("int8-ort", pytest.approx(work / 200)),
+        ("bf16-openvino", pytest.approx(work / 400)), ("int8-openvino", None)]
+    assert "| mixed | raw | ov-int8 | int8-openvino |" in bench.roofline.table(got, ceiling)
+
+
+def test_rss_of_another_process_is_read_with_the_projects_parser(bench):
+    """The server's RSS (another pid) and this process's own agree on the keys, in bytes."""
+    import os
+
+    from benchkit.common import proc_status, rss_now  # on sys.path once bench.py is loaded
+
+    by_pid = proc_status(os.getpid())
+    assert {"VmRSS", "VmHWM", "RssAnon", "RssFile"} <= set(by_pid)
+    assert abs(by_pid["VmRSS"] - rss_now()) < 64 << 20
+    assert proc_status(2**22 + 12345) == {}  # no such process: nothing, not an error

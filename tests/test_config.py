@@ -38,8 +38,8 @@ def test_an_empty_environment_gives_the_defaults():
     """from_env({}) equals Settings(): every field at its documented default."""
     s = Settings.from_env({})
     assert s == Settings()
-    assert (s.model_path, s.variant, s.cache_dir, s.offline) == (None, "fp32", Path("/cache"),
-                                                                 False)
+    assert (s.model_path, s.variant, s.offline) == (None, "fp32", False)
+    assert s.cache_dir == Path.home() / ".cache" / "bgeserve" and s.prepare
     assert (s.max_seq_length, s.truncate, s.model_aliases) == (8192, True, ())
     assert (s.execution_provider, s.workers, s.intra_threads, s.max_chunk) == ("cpu", 1, 0, 64)
     assert (s.max_chunk_tokens, s.cross_request_batching) == (None, True)  # per backend
@@ -47,8 +47,8 @@ def test_an_empty_environment_gives_the_defaults():
     assert (s.cost_model_a, s.cost_model_b, s.onnx_batch_size) == (None, None, None)
     assert (s.disable_auto_budget, s.disable_probe_cache) == (False, False)
     assert (s.bind, s.max_batch, s.max_body_bytes, s.max_text_chars) == (
-        "0.0.0.0:8081", 256, 32 * 1024 * 1024, 131_072)
-    assert (s.api_keys, s.metrics_auth) == ((), False)
+        "0.0.0.0:8081", 2048, 32 * 1024 * 1024, 131_072)
+    assert (s.api_keys, s.metrics_auth, s.accept_token_ids) == ((), False, False)
     assert (s.batch_delay_ms, s.max_queue_tokens, s.request_timeout_secs) == (0.0, 1_000_000,
                                                                               300.0)
     assert (s.idle_timeout_secs, s.shutdown_timeout_secs, s.heartbeat_secs) == (300.0, 30.0,
@@ -78,6 +78,17 @@ def test_every_field_is_bound_to_a_documented_variable():
         assert callable(f.metadata["parse"]) and f.metadata["doc"]
 
 
+def test_cache_dir_defaults_to_the_users_cache_not_a_root_path():
+    """Without BGE_M3_CACHE_DIR the cache is $XDG_CACHE_HOME/bgeserve (absolute XDG only), else
+    ~/.cache/bgeserve: a directory any user may create, never /cache."""
+    assert Settings.from_env({"XDG_CACHE_HOME": "/x/c"}).cache_dir == Path("/x/c/bgeserve")
+    home = Path.home() / ".cache" / "bgeserve"
+    assert Settings.from_env({"XDG_CACHE_HOME": "relative"}).cache_dir == home
+    assert Settings.from_env({}).cache_dir == home
+    explicit = {"XDG_CACHE_HOME": "/x/c", "BGE_M3_CACHE_DIR": "/srv/cache"}
+    assert Settings.from_env(explicit).cache_dir == Path("/srv/cache")
+
+
 # ------------------------------------------------------------------------------- parsing
 PARSED = [
     ("BGE_M3_MODEL_PATH", "/models/m3", "model_path", Path("/models/m3")),
@@ -86,6 +97,7 @@ PARSED = [
     ("BGE_M3_MODEL", " int8 ", "variant", "int8"),
     ("BGE_M3_CACHE_DIR", "/tmp/c", "cache_dir", Path("/tmp/c")),
     ("HF_HUB_OFFLINE", "1", "offline", True),
+    ("BGE_M3_PREPARE", "0", "prepare", False),
     ("BGE_M3_MAX_SEQ_LENGTH", "512", "max_seq_length", 512),
     ("BGE_M3_TRUNCATE", "false", "truncate", False),
     ("BGE_M3_MODEL_ALIASES", "m3, bge ,,x", "model_aliases", ("m3", "bge", "x")),
@@ -104,6 +116,7 @@ PARSED = [
     ("BGE_M3_BIND", "127.0.0.1:9000", "bind", "127.0.0.1:9000"),
     ("BGE_M3_BIND", "[::1]:80", "bind", "[::1]:80"),
     ("BGE_M3_MAX_BATCH", "32", "max_batch", 32),
+    ("BGE_M3_ACCEPT_TOKEN_IDS", "1", "accept_token_ids", True),
     ("BGE_M3_MAX_BODY_BYTES", "1024", "max_body_bytes", 1024),
     ("BGE_M3_MAX_TEXT_CHARS", "10", "max_text_chars", 10),
     ("BGE_M3_MAX_COLBERT_MB", "64", "max_colbert_mb", 64),
@@ -113,6 +126,8 @@ PARSED = [
     ("BGE_M3_METRICS_AUTH", "TRUE", "metrics_auth", True),
     ("BGE_M3_BATCH_DELAY_MS", "2.5", "batch_delay_ms", 2.5),
     ("BGE_M3_MAX_QUEUE_TOKENS", "100", "max_queue_tokens", 100),
+    ("BGE_M3_CACHE_MB", "0", "cache_mb", 0),
+    ("BGE_M3_CACHE_MB", "512", "cache_mb", 512),
     ("BGE_M3_REQUEST_TIMEOUT_SECS", "0", "request_timeout_secs", 0.0),
     ("BGE_M3_IDLE_TIMEOUT_SECS", "10", "idle_timeout_secs", 10.0),
     ("BGE_M3_SHUTDOWN_TIMEOUT_SECS", "5", "shutdown_timeout_secs", 5.0),
@@ -311,7 +326,7 @@ def test_every_variable_the_code_mentions_exists():
     assert mentioned - set(ENV) == set()
 
 
-@pytest.mark.parametrize("command", ["serve", "probe"])
+@pytest.mark.parametrize("command", ["serve", "probe", "prepare"])
 def test_a_bad_variable_stops_the_cli_with_its_message_not_a_traceback(
         command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     from bgeserve.cli import main

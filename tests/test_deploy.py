@@ -226,3 +226,99 @@ def test_the_cuda_image_pins_onnxruntime_gpu_to_its_cuda_major():
         assert re.search(r"<\s*1\.2[0-7]\b", ort), ort  # excludes 1.27+ (CUDA 13)
     else:
         assert re.search(r">=\s*1\.(2[7-9]|[3-9]\d)", ort), ort
+
+
+# -------------------------------------------------------------------- KEDA (queue depth)
+KEDA = K8S / "keda"
+KEDA_CRD = ROOT / "tests" / "schemas" / "keda.sh_scaledobjects.yaml"
+
+
+@pytest.fixture(scope="module")
+def scaled_object() -> dict[str, Any]:
+    return yaml.safe_load((KEDA / "scaledobject.yaml").read_text())
+
+
+def _strict(schema: Any) -> Any:
+    """A CRD's schema with unknown fields refused (the API server prunes them silently,
+    which hides a misspelt field): additionalProperties false wherever properties are listed."""
+    if isinstance(schema, dict):
+        out = {k: _strict(v) for k, v in schema.items()}
+        if "properties" in out and "additionalProperties" not in out \
+                and not out.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+def test_the_scaled_object_matches_kedas_crd_schema(scaled_object):
+    """deploy/kubernetes/keda/scaledobject.yaml validates strictly against KEDA's own CRD."""
+    import jsonschema
+
+    crd = yaml.safe_load(KEDA_CRD.read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["served"] and v["storage"]]
+    assert scaled_object["apiVersion"] == f"{crd['spec']['group']}/{version['name']}"
+    assert scaled_object["kind"] == crd["spec"]["names"]["kind"]
+    jsonschema.validate(scaled_object, _strict(version["schema"]["openAPIV3Schema"]))
+    with pytest.raises(jsonschema.ValidationError):  # the strict schema does refuse typos
+        bad = {**scaled_object, "spec": {**scaled_object["spec"], "maxReplicas": 3}}
+        jsonschema.validate(bad, _strict(version["schema"]["openAPIV3Schema"]))
+
+
+def test_the_keda_overlay_scales_the_deployment_on_queued_tokens_instead_of_the_hpa(
+        k8s, scaled_object):
+    """The overlay adds the ScaledObject to the base and deletes the base's HPA; its first
+    trigger is a Prometheus query of bgeserve_queue_tokens with the fields KEDA requires."""
+    kustomization = yaml.safe_load((KEDA / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["..", "scaledobject.yaml"]
+    (patch,) = kustomization["patches"]
+    deleted = yaml.safe_load(patch["patch"])
+    hpa = k8s["HorizontalPodAutoscaler"]
+    assert deleted["$patch"] == "delete" and deleted["kind"] == hpa["kind"]
+    assert deleted["metadata"]["name"] == hpa["metadata"]["name"]
+    dep = k8s["Deployment"]
+    assert scaled_object["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1", "kind": "Deployment", "name": dep["metadata"]["name"]}
+    spec = scaled_object["spec"]
+    assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+    queued = spec["triggers"][0]
+    assert queued["type"] == "prometheus" and queued["metricType"] == "AverageValue"
+    meta = queued["metadata"]
+    assert {"serverAddress", "query", "threshold"} <= set(meta)
+    assert "bgeserve_queue_tokens" in meta["query"] and float(meta["threshold"]) > 0
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/path"] == "/metrics"
+    assert int(annotations["prometheus.io/port"]) == dep["spec"]["template"]["spec"][
+        "containers"][0]["ports"][0]["containerPort"]
+
+
+def scaling_metric_names() -> set[str]:
+    """Every bgeserve_* metric the manifests name (queries, and the HPA's documented
+    alternative)."""
+    names = set()
+    for path in [*K8S.glob("*.yaml"), *KEDA.glob("*.yaml")]:
+        names |= set(re.findall(r"\bbgeserve_[a-z_]+", path.read_text()))
+    return names
+
+
+@pytest.mark.slow
+def test_every_metric_the_manifests_scale_on_is_exported_by_a_live_server(tiny_export: Path,
+                                                                          tmp_path: Path):
+    """A real server's /metrics has each bgeserve_* name used in deploy/kubernetes."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.serverproc import ServerProc
+
+    names = scaling_metric_names()
+    assert {"bgeserve_queue_tokens", "bgeserve_requests_in_flight"} <= names
+    env = {"BGE_M3_MODEL_PATH": str(tiny_export), "BGE_M3_MODEL": "fp32",
+           "BGE_M3_CACHE_DIR": str(tmp_path), "BGE_M3_DISABLE_AUTO_BUDGET": "1",
+           "BGE_M3_MAX_SEQ_LENGTH": "512"}
+    with ServerProc(env) as proc:
+        proc.wait_health(timeout=60)
+        text = httpx.get(f"{proc.url}/metrics", timeout=10).text
+    exported = {s.name for family in text_string_to_metric_families(text)
+                for s in family.samples}
+    assert names <= exported, names - exported

@@ -6,6 +6,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bgeserve.engine import Engine, EngineConfig
@@ -100,3 +101,79 @@ def test_a_closed_engine_cannot_be_restarted(tiny_export: Path, tmp_path: Path) 
         engine.start()
     with pytest.raises(NotReady):
         engine.embed("x")
+
+
+# ------------------------------------------------------------------------- embedding cache
+def _engine(export: Path, tmp_path: Path, variant: str = "fp32", chunks: list | None = None,
+            **scheduler) -> Engine:
+    config = EngineConfig(scheduler=SchedulerConfig(**scheduler)) if scheduler else None
+    return Engine(export, variant, cache_dir=tmp_path, config=config,
+                  on_chunk=None if chunks is None else chunks.append)
+
+
+TEXTS = ["the first text", "a second, somewhat longer text of a few more words",
+         "the first text", "third", "a second, somewhat longer text of a few more words"]
+
+
+def test_cached_texts_skip_the_queue_with_the_vectors_they_had(tiny_export: Path,
+                                                               tmp_path: Path) -> None:
+    """The second embed of the same texts runs no chunk and gives the first embed's outputs bit
+    for bit; the repeats inside the first call ran once; the hits are counted."""
+    chunks: list = []
+    with _engine(tiny_export, tmp_path, chunks=chunks) as engine:
+        first = engine.embed(TEXTS, dense=True, sparse=True, colbert=True)
+        assert sum(c.batch for c in chunks) == 3  # five texts, three distinct
+        chunks.clear()
+        again = engine.embed(TEXTS[::-1], dense=True, sparse=True, colbert=True)
+        assert chunks == []
+        stats = engine.cache_stats()
+    assert stats is not None and stats["hits"] == 3 and stats["repeats"] == 2 + 2
+    assert np.array_equal(again.dense, first.dense[::-1])
+    for i, j in enumerate(range(len(TEXTS) - 1, -1, -1)):
+        assert np.array_equal(again.sparse[i][0], first.sparse[j][0])
+        assert np.array_equal(again.sparse[i][1], first.sparse[j][1])
+        assert np.array_equal(again.colbert[i], first.colbert[j])
+    assert np.array_equal(again.n_tokens, first.n_tokens[::-1])
+
+
+def test_the_cache_gives_the_vectors_an_engine_without_it_gives(tiny_export: Path,
+                                                                tmp_path: Path) -> None:
+    """With every text run alone, an engine with the cache and one without give identical
+    vectors (bit for bit) for a corpus with repeats, before and after the cache fills; in
+    packed chunks they agree within the parity tolerance."""
+    texts = [f"text number {i % 4} " * (1 + i % 3) for i in range(10)]
+    off = replace(EngineConfig(), cache_bytes=0, scheduler=SchedulerConfig(max_chunk=1))
+    on = replace(off, cache_bytes=1 << 20)
+    with Engine(tiny_export, "fp32", cache_dir=tmp_path, config=off) as plain:
+        assert plain.cache is None
+        want = plain.embed(texts, dense=True, sparse=True)
+    with Engine(tiny_export, "fp32", cache_dir=tmp_path, config=on) as cached:
+        for _ in range(2):
+            got = cached.embed(texts, dense=True, sparse=True)
+            assert np.array_equal(got.dense, want.dense)
+            for (gi, gw), (wi, ww) in zip(got.sparse, want.sparse, strict=True):
+                assert np.array_equal(gi, wi) and np.array_equal(gw, ww)
+    with Engine(tiny_export, "fp32", cache_dir=tmp_path) as packed:
+        packed_want = packed.embed(texts).dense
+    cos = (packed_want * want.dense).sum(1)
+    assert cos.min() >= 0.99999
+
+
+def test_int8_has_no_cache_unless_each_text_runs_alone(tiny_export: Path,
+                                                       tmp_path: Path) -> None:
+    """int8's activation scales are taken over the chunk, so its vectors move with their
+    batch-mates: no cache by default; with max_chunk=1 there is one."""
+    with _engine(tiny_export, tmp_path, "int8") as engine:
+        assert engine.cache is None and engine.cache_stats() is None
+        assert engine.reserved_bytes == 0
+    with _engine(tiny_export, tmp_path, "int8", max_chunk=1) as engine:
+        assert engine.cache is not None and engine.reserved_bytes == engine.cache.max_bytes
+        engine.embed(["x", "x"])
+        assert engine.cache_stats()["repeats"] == 1
+
+
+def test_one_cache_never_answers_for_another_model(tiny_export: Path, tmp_path: Path) -> None:
+    """The cache's namespace names the model files and the variant."""
+    with _engine(tiny_export, tmp_path) as fp32, _engine(tiny_export, tmp_path, "fp16") as fp16:
+        assert fp32.cache is not None and fp16.cache is not None
+        assert fp32.cache.key(np.array([0, 5, 2])) != fp16.cache.key(np.array([0, 5, 2]))

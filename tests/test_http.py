@@ -108,17 +108,34 @@ def test_dense_base64_equals_float(client: TestClient) -> None:
         ([[1], [2, 3.0]], [[1], [2, 3]]),
     ],
 )
-def test_input_shapes(client: TestClient, value: Any, sent: list) -> None:
-    """A string, token ids, and lists of token ids all reach the service as a batch of ints.
+def test_input_shapes(value: Any, sent: list) -> None:
+    """With BGE_M3_ACCEPT_TOKEN_IDS, a string, token ids, and lists of token ids all reach
+    the service as a batch of ints.
 
     Integral floats count as integers, as in JSON Schema.
     """
-    r = client.post("/v1/embeddings", json={"input": value})
-    assert r.status_code == 200, r.text
-    assert len(r.json()["data"]) == len(sent)
-    inputs = client.fake.calls[-1].inputs  # type: ignore[attr-defined]
+    with serve(accept_token_ids=True) as client:
+        r = client.post("/v1/embeddings", json={"input": value})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"]) == len(sent)
+        inputs = client.fake.calls[-1].inputs  # type: ignore[attr-defined]
     assert inputs == sent
     assert all(type(t) is int for item in inputs if isinstance(item, list) for t in item)
+
+
+@pytest.mark.parametrize("value", [[1, 2, 3], [[15339, 1917], [9080, 22656, 45918, 252]],
+                                   [7.0, 8], [[1], "a"], [[]]])
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/sparse-embeddings",
+                                  "/v1/embeddings:both", "/embeddings"])
+def test_token_ids_are_refused_by_default(client: TestClient, path: str, value: Any) -> None:
+    """Token-id input (what LangChain's OpenAIEmbeddings sends by default: tiktoken cl100k
+    ids) is a 400 naming the LangChain setting and BGE_M3_ACCEPT_TOKEN_IDS; nothing is
+    embedded."""
+    error = assert_error(client.post(path, json={"input": value}), 400,
+                         "token_ids_not_accepted", "input")
+    assert "check_embedding_ctx_length=False" in error["message"]
+    assert "BGE_M3_ACCEPT_TOKEN_IDS=1" in error["message"]
+    assert client.fake.calls == []  # type: ignore[attr-defined]
 
 
 def test_model_names() -> None:
@@ -215,6 +232,38 @@ def test_sparse_tokens_format(client: TestClient) -> None:
     assert {k: float(np.float32(v)) for k, v in got.items()} == expected
 
 
+def test_sparse_dict_format(client: TestClient) -> None:
+    """sparse_format=dict is ``{"<token id>": weight}`` (Milvus / pymilvus's
+    BGEM3EmbeddingFunction shape), keys in ascending id order."""
+    text = "alpha beta gamma alpha"
+    ids, weights = FakeService.expected_sparse(text)
+    r = client.post("/v1/sparse-embeddings", json={"input": text, "sparse_format": "dict"})
+    got = r.json()["data"][0]["sparse_values"]
+    assert list(got) == [str(i) for i in ids.tolist()]
+    np.testing.assert_array_equal(np.float32(list(got.values())), weights)
+
+
+@pytest.mark.parametrize("fmt", ["indices", "tokens", "dict"])
+def test_sparse_empty_omit_leaves_out_empty_rows(client: TestClient, fmt: str) -> None:
+    """sparse_empty=omit leaves out the items whose sparse vector is empty (an empty text,
+    or every weight under sparse_min_weight), dense included; the rest keep their input
+    index. The default, keep, answers every input."""
+    texts = ["a b", "", "c d e"]
+    body = {"input": texts, "sparse_format": fmt, "sparse_empty": "omit"}
+    r = client.post("/v1/embeddings:both", json=body)
+    data = r.json()["data"]
+    assert [item["index"] for item in data] == [0, 2]
+    for item in data:
+        np.testing.assert_array_equal(np.float32(item["embedding"]),
+                                      FakeService.expected_dense(texts[item["index"]]))
+        assert item["sparse_values"]
+    # every weight is <= 1: a min weight of 2 empties every vector
+    r = client.post("/v1/sparse-embeddings", json={**body, "sparse_min_weight": 2})
+    assert r.status_code == 200 and r.json()["data"] == []
+    keep = client.post("/v1/sparse-embeddings", json={"input": texts, "sparse_format": fmt})
+    assert [item["index"] for item in keep.json()["data"]] == [0, 1, 2]
+
+
 def test_both_default_and_colbert(client: TestClient) -> None:
     """:both gives dense + sparse by default, and ColBERT as lists or base64 (f32 / f16)."""
     r = client.post("/v1/embeddings:both", json={"input": "a b"})
@@ -302,10 +351,12 @@ BAD_BODIES = [
 
 
 @pytest.mark.parametrize(("body", "param"), BAD_BODIES)
-def test_schema_errors_are_400(client: TestClient, body: dict, param: str) -> None:
-    """Every malformed field is a 400 naming the field; the service is never called."""
-    assert_error(client.post("/v1/embeddings", json=body), 400, param=param)
-    assert client.fake.calls == []  # type: ignore[attr-defined]
+def test_schema_errors_are_400(body: dict, param: str) -> None:
+    """Every malformed field is a 400 naming the field; the service is never called (token
+    ids checked as BGE_M3_ACCEPT_TOKEN_IDS=1 reads them)."""
+    with serve(accept_token_ids=True) as client:
+        assert_error(client.post("/v1/embeddings", json=body), 400, param=param)
+        assert client.fake.calls == []  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
@@ -316,7 +367,8 @@ def test_schema_errors_are_400(client: TestClient, body: dict, param: str) -> No
         ({"sparse_top_k": True}, "sparse_top_k"),
         ({"sparse_min_weight": -0.1}, "sparse_min_weight"),
         ({"sparse_min_weight": "0"}, "sparse_min_weight"),
-        ({"sparse_format": "dict"}, "sparse_format"),
+        ({"sparse_format": "csr"}, "sparse_format"),
+        ({"sparse_empty": "drop"}, "sparse_empty"),
     ],
 )
 def test_sparse_option_errors(client: TestClient, body: dict, param: str) -> None:
@@ -347,10 +399,10 @@ def test_deep_nesting_is_400(client: TestClient) -> None:
 
 def test_batch_limit() -> None:
     """max_batch texts are fine; one more is a 400 batch_too_large naming input."""
-    with serve(max_batch=4) as c:
+    with serve(max_batch=4, accept_token_ids=True) as c:
         assert c.post("/v1/embeddings", json={"input": ["a"] * 4}).status_code == 200
         r = c.post("/v1/embeddings", json={"input": ["a"] * 5})
-        assert_error(r, 400, "batch_too_large", "input")
+        assert "BGE_M3_MAX_BATCH" in assert_error(r, 400, "batch_too_large", "input")["message"]
         r = c.post("/v1/embeddings", json={"input": [[1]] * 5})
         assert_error(r, 400, "batch_too_large", "input")
 

@@ -1,6 +1,6 @@
-"""The strict, boring tooling (STYLE.md rule 10): ruff over the package, the scripts and the
-tests; the layer contracts (import-linter, ``[tool.importlinter]`` in pyproject.toml); mypy
-over the package.
+"""The strict, boring tooling (STYLE.md rule 10): ruff over the package, the scripts, the
+examples and the tests; the layer contracts (import-linter, ``[tool.importlinter]`` in
+pyproject.toml); mypy over the package.
 
 All three come with the dev extra, pinned, so their rules do not move under the code; every
 ignore in pyproject.toml, a ``# noqa`` or a ``# type: ignore`` carries its reason.
@@ -29,7 +29,8 @@ def _ruff() -> list[str]:
 
 def test_ruff_finds_nothing():
     result = subprocess.run([*_ruff(), "check", "--output-format", "concise", "--no-cache",
-                             "bgeserve", "scripts", "tests"], cwd=ROOT, capture_output=True,
+                             "bgeserve", "scripts", "tests", "examples"], cwd=ROOT,
+                            capture_output=True,
                             text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -53,14 +53,25 @@ def test_missing_weights_file_is_a_clear_error(tiny_export_bf16: Path, tmp_path:
         resolve(model_path=copy, variant="bf16", cache_dir=tmp_path / "cache")
 
 
+def _closed_over(fn: object) -> list[object]:
+    """Every value ``fn``'s closures hold, nested closures included."""
+    out: list[object] = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        value = cell.cell_contents
+        out.append(value)
+        if callable(value):
+            out.extend(_closed_over(value))
+    return out
+
+
 def test_workers_share_one_compiled_model(tiny_export_bf16: Path, tmp_path: Path) -> None:
     """Two workers = two infer requests on one compiled model; it goes with the last session."""
     config = EngineConfig(session=SessionConfig(threads=1, streams=2),
                           scheduler=SchedulerConfig(workers=2))
     with Engine(tiny_export_bf16, "bf16", config=config, cache_dir=tmp_path) as engine:
         one = engine.embed(TEXTS, dense=True, sparse=True, colbert=True)
-        shared = engine.open_forward.__closure__  # the factory's SharedModel
-        owner = next(c.cell_contents for c in shared if hasattr(c.cell_contents, "streams"))
+        # The factory's SharedModel, held by the runtime's session opener inside it.
+        owner = next(v for v in _closed_over(engine.open_forward) if hasattr(v, "streams"))
         assert owner.streams == 2 and owner.users == 2
         again = engine.embed(list(reversed(TEXTS)), dense=True)
     assert owner.users == 0
@@ -103,3 +114,83 @@ def test_asking_openvino_for_another_variant_fails_fast(tiny_export_bf16: Path,
     with serving(env) as (client, _service):
         body = wait_health(client, status=503)
     assert body["status"] == "fail" and "bf16" in json.dumps(body)
+
+
+def _shapes(seed: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``n`` padded chunks of random shapes (1-4 texts, 3-40 tokens), as the packer makes."""
+    from bgeserve.engine.forward import pad_chunk
+
+    rng = np.random.default_rng(seed)
+    chunks = []
+    for _ in range(n):
+        texts = int(rng.integers(1, 5))
+        rows = [rng.integers(5, 90, int(rng.integers(3, 40))) for _ in range(texts)]
+        chunks.append(pad_chunk([np.r_[0, r, 2].astype(np.int64) for r in rows],
+                                max(len(r) + 2 for r in rows)))
+    return chunks
+
+
+def test_runs_bind_their_inputs_without_the_data_dispatcher(tiny_export_bf16: Path,
+                                                            monkeypatch) -> None:
+    """A run binds tensors over its own arrays and calls infer() without inputs: openvino's
+    Python data dispatcher (which reshapes the request's tensors in place, where two workers
+    once hung for good) is never entered, and the results are still right."""
+    import openvino._ov_api as ov_api
+
+    from bgeserve.runtime.openvino import SharedModel
+
+    xml = tiny_export_bf16 / "bf16" / "model.xml"
+    want = SharedModel(xml, precision="bf16", threads=1, streams=1).session()
+    (ids, mask), = _shapes(1, 1)
+    expected = want.run(ids, mask, ["dense"])["dense"]
+    want.close()
+    dispatch = ov_api._data_dispatch
+
+    def no_inputs(request, inputs=None, is_shared=False):
+        assert inputs is None, "a run went through openvino's data dispatcher"
+        return dispatch(request, inputs, is_shared)
+
+    monkeypatch.setattr(ov_api, "_data_dispatch", no_inputs)
+    session = SharedModel(xml, precision="bf16", threads=1, streams=1).session()
+    try:
+        np.testing.assert_allclose(session.run(ids, mask, ["dense"])["dense"], expected,
+                                   atol=1e-6)
+    finally:
+        session.close()
+
+
+def test_two_workers_run_new_shapes_at_once_without_hanging(tiny_export_bf16: Path) -> None:
+    """Two threads, one compiled model with two streams, a new shape on almost every run: both
+    finish in bounded time, and every result is the one that chunk gives run alone (nothing
+    is shared between the two requests' inputs or outputs)."""
+    import threading
+
+    from bgeserve.runtime.openvino import SharedModel
+
+    xml = tiny_export_bf16 / "bf16" / "model.xml"
+    chunks = {k: _shapes(10 + k, 150) for k in range(2)}
+    alone = SharedModel(xml, precision="bf16", threads=1, streams=1).session()
+    expected = {k: [alone.run(i, m, ["dense"])["dense"] for i, m in chunks[k]] for k in chunks}
+    alone.close()
+    shared = SharedModel(xml, precision="bf16", threads=1, streams=2)
+    sessions = [shared.session(), shared.session()]
+    got: dict[int, list[np.ndarray]] = {0: [], 1: []}
+
+    def work(k: int) -> None:
+        for ids, mask in chunks[k]:
+            got[k].append(sessions[k].run(ids, mask, ["dense"])["dense"])
+
+    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in chunks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    hung = [t.is_alive() for t in threads]
+    for s in sessions:
+        if not any(hung):
+            s.close()
+    assert not any(hung), (f"runs on the shared compiled model hung: {len(got[0])} and "
+                           f"{len(got[1])} of 150 done")
+    for k in chunks:
+        for a, b in zip(got[k], expected[k]):
+            np.testing.assert_allclose(a, b, atol=1e-5)

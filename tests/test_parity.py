@@ -42,6 +42,7 @@ def _engine(path: Path, variant: str, tmp_path_factory, **sched) -> Engine:
 
 CASES = [("export", "fp32", FP32), ("export", "fp16", FP16), ("export", "int8", INT8),
          ("export", "bf16", BF16),  # OpenVINO; skips when openvino is not installed
+         ("export", "ov-int8", INT8),  # OpenVINO + NNCF; skips without them
          ("baai", "fp32", FP32), ("xenova", "fp16", FP16), ("xenova", "int8", INT8)]
 
 
@@ -51,7 +52,8 @@ def test_matches_flagembedding(layout: str, variant: str, tol: Tolerance, texts,
                                request, tmp_path_factory):
     """Dense, sparse and ColBERT agree with FlagEmbedding for texts of 1 to 8192+ tokens."""
     if layout == "export":
-        path = request.getfixturevalue("tiny_export_bf16" if variant == "bf16" else "tiny_export")
+        fixture = {"bf16": "tiny_export_bf16", "ov-int8": "tiny_export_ov_int8"}
+        path = request.getfixturevalue(fixture.get(variant, "tiny_export"))
     else:
         path = request.getfixturevalue("hub_layouts")[layout]
     with _engine(path, variant, tmp_path_factory, max_chunk=8) as engine:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import mmap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -270,7 +271,8 @@ def test_non_finite_coefficients_are_rejected(cache, caplog):
     """NaN/Infinity in the file (json allows them) are not coefficients."""
     cache.path.parent.mkdir(parents=True)
     cache.path.write_text(
-        '{"schema": 2, "fingerprint": "f", "a": NaN, "b": Infinity, "max_rel_residual": 0.1}'
+        f'{{"schema": {PROBE_SCHEMA}, "fingerprint": "f", "a": NaN, "b": Infinity, '
+        '"max_rel_residual": 0.1}'
     )
     with caplog.at_level(logging.WARNING, "bgeserve.probe"):
         assert cache.load("f") is None
@@ -457,3 +459,72 @@ def test_the_held_out_shape_is_measured_in_cost_order_not_last():
     firsts = list(dict.fromkeys(order))
     assert firsts.index((2, 768)) < firsts.index((1, 4096))
     assert all((s.batch, s.seq) != (2, 768) for s in result.samples)
+
+
+# --- runtimes that keep their workspace (OpenVINO): cumulative readings ----------------------
+
+
+class Retaining:
+    """A runtime that keeps its workspace at the high-water mark of the shapes run so far,
+    as OpenVINO's CPU plugin does: a run needing more frees the old buffer and takes a bigger
+    one, a smaller run reuses it."""
+
+    def __init__(self) -> None:
+        # Anonymous mappings, not malloc: returned to the OS when replaced, whatever state
+        # glibc's heap (and its mmap threshold) is in after the other tests.
+        self.held: mmap.mmap | None = None
+
+    def __call__(self, batch: int, seq: int) -> None:
+        need = true_cost(batch, seq)
+        if self.held is None or need > len(self.held):
+            if self.held is not None:
+                self.held.close()
+            self.held = mmap.mmap(-1, need)
+        np.frombuffer(self.held, dtype=np.uint8, count=need)[::4096] = 2  # touch what it uses
+
+
+def test_cumulative_readings_measure_a_runtime_that_keeps_its_workspace():
+    """Per-run readings of a retaining runtime are increments (a smaller shape after a bigger
+    one reads 0); cumulative ones (above the RSS before the first shape) are what the process
+    holds once a shape has run, which in ascending order is each shape's own cost: the fit
+    recovers the truth."""
+    shapes = [(1, 256), (4, 256), (1, 1024), (2, 1024), (1, 2048), (1, 4096)]
+    per_run, keeping = probe.PeakMeter(), Retaining()
+    per_run.measure(keeping, 1, 2048)
+    assert per_run.measure(keeping, 1, 512)[0] < 2 * MiB  # it reused the held buffer
+    growth = per_run.measure(keeping, 1, 4096)[0]
+    assert growth < 0.8 * true_cost(1, 4096)  # only the growth over (1, 2048)
+    result = run_probe(Retaining(), shapes=shapes, held_out=(2, 768), guard=WIDE,
+                       log=lambda _: None, meter=probe.PeakMeter(cumulative=True))
+    for s in result.samples:
+        assert s.workspace_bytes == pytest.approx(true_cost(s.batch, s.seq), abs=3 * MiB,
+                                                  rel=0.05)
+    assert result.fit is not None and result.fit.a == pytest.approx(A, rel=0.1)
+
+
+def test_local_probe_measures_with_its_meter_and_closes():
+    """A LocalProbe runs the request's shapes through its run and meter, then calls close."""
+    seen: list[bool] = []
+    closed: list[bool] = []
+
+    class Meter(probe.PeakMeter):
+        def __init__(self, cumulative: bool = False) -> None:
+            super().__init__(cumulative)
+            seen.append(cumulative)
+
+    source = probe.LocalProbe(fake_run, close=lambda: closed.append(True), meter=Meter,
+                              log=lambda _: None)
+    request = probe.ProbeRequest(shapes=SHAPES, held_out=(2, 768), guard=WIDE, cumulative=True)
+    import threading
+
+    result = source.measure(request, threading.Event())
+    assert result.fit is not None and seen == [True] and closed == [True]
+
+
+def test_describe_says_how_the_fit_was_raised():
+    """The one-line summary carries every term, both errors and the covering note."""
+    fit_ = Fit(a=41000.0, b=0.5, max_rel_residual=0.2, held_out_rel_error=0.04, c=12 * MiB,
+               cover="c raised by 3.0 MiB ...")
+    line = probe.describe(fit_)
+    assert "c=12.0 MiB/run" in line and "a=41000" in line and "held-out error 4%" in line
+    assert line.endswith("c raised by 3.0 MiB ...")

@@ -147,3 +147,21 @@ def test_real_graph_blocks_agree_with_the_unblocked_graph(tiny_model: Path,
         got = OnnxSession(blocked, SessionConfig(threads=1)).run(*feed)
         for name in want:
             np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5)
+
+
+def test_onnx_runtime_fuses_every_layers_skip_layernorm_after_a_blocked_ffn(
+        tiny_export: Path, tmp_path: Path) -> None:
+    """Each blocked layer's output is typed [B, L, H], so ONNX Runtime fuses the next layer's
+    attention output (bias + residual + LayerNorm) into one SkipLayerNormalization in every
+    layer, not only the first: only the embeddings' LayerNorm stays on its own."""
+    import onnxruntime as ort
+
+    graph = tiny_export / "fp32" / "model.onnx"
+    layers = json.loads((tiny_export / "manifest.json").read_text())["model"]["layers"]
+    opts = ort.SessionOptions()
+    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    opts.log_severity_level = 3
+    ort.InferenceSession(str(graph), opts, providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(opts.optimized_model_filepath).graph.node]
+    assert ops.count("SkipLayerNormalization") == layers
+    assert ops.count("LayerNormalization") == 1

@@ -313,7 +313,8 @@ def test_sigterm_answers_what_is_left_503_after_the_shutdown_timeout(tiny_export
 
         def one(i: int) -> httpx.Response:
             return httpx.post(f"{proc.url}/v1/embeddings", timeout=60,
-                              json={"input": [f"{i} {long_text}"] * 4})
+                              # four distinct texts: repeats would run once (the cache)
+                              json={"input": [f"{i} {j} {long_text}" for j in range(4)]})
 
         with ThreadPoolExecutor(max_workers=n) as pool:
             futures = [pool.submit(one, i) for i in range(n)]

@@ -92,7 +92,9 @@ def short_engine(tiny_export: Path) -> Iterator[Engine]:
 @pytest.fixture(scope="module")
 def client(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     """``create_app(settings)`` with its default factory (the real Service), ready."""
-    env = base_env(tiny_export, tmp_path_factory.mktemp("svc-cache"))
+    # Token ids accepted: the token-id tests below send the tiny model's own ids.
+    env = base_env(tiny_export, tmp_path_factory.mktemp("svc-cache"),
+                   BGE_M3_ACCEPT_TOKEN_IDS="1")
     with TestClient(create_app(Settings.from_env(env))) as c:
         wait_health(c)
         yield c
@@ -265,6 +267,8 @@ def test_health_ok(client: TestClient) -> None:
     model = body["model"]
     assert model["variant"] == "fp32" and model["layout"] == "bgeserve"
     assert model["backend"].startswith("onnxruntime ")
+    # BGE_M3_DISABLE_AUTO_BUDGET=1: nothing measured, the rule's default serves
+    assert model["choice"] == "rule" and model["candidates"] == {}
 
 
 def test_health_loading_then_ok(tiny_export: Path, tmp_path: Path,
@@ -310,7 +314,8 @@ def test_health_fail_with_missing_model(tmp_path: Path) -> None:
 # -- /metrics ----------------------------------------------------------------------------------
 def test_metrics_move(client: TestClient, engine: Engine) -> None:
     before = metric_samples(client.get("/metrics").text)
-    texts = ["metrics one", "metrics two two", LONG]
+    # Texts no other test sends: a text seen before is answered by the embedding cache.
+    texts = ["metrics one", "metrics two two", "metrics " + LONG]
     assert client.post("/v1/embeddings", json={"input": texts}).status_code == 200
     assert client.post("/v1/embeddings", json={"input": []}).status_code == 400
     r = client.get("/metrics")
@@ -424,3 +429,23 @@ def test_heartbeat_logs_rss_workers_queue_and_probe(tiny_export: Path, tmp_path:
     beat = next(r for r in beats if hasattr(r, "loaded_workers"))
     assert beat.rss_mb > 0 and beat.live_workers == beat.loaded_workers == 1
     assert beat.queue_texts == 0 and beat.probe_status == "disabled"
+
+
+def test_a_repeated_request_is_answered_by_the_cache(client: TestClient) -> None:
+    """The same texts again run no chunk, come back identical, and count as cache hits."""
+    body = {"input": ["cached once", "cached twice over", "cached once"],
+            "encoding_format": "base64"}
+    first = client.post("/v1/embeddings:both", json=body)
+    before = metric_samples(client.get("/metrics").text)
+    again = client.post("/v1/embeddings:both", json=body)
+    after = metric_samples(client.get("/metrics").text)
+
+    def delta(name: str) -> float:
+        return after.get((name, ()), 0.0) - before.get((name, ()), 0.0)
+
+    assert first.status_code == again.status_code == 200
+    assert again.json()["data"] == first.json()["data"]
+    assert first.json()["data"][0]["embedding"] == first.json()["data"][2]["embedding"]
+    assert delta("bgeserve_cache_hits_total") == 2 and delta("bgeserve_cache_repeats_total") == 1
+    assert delta("bgeserve_inference_duration_seconds_count") == 0
+    assert again.json()["usage"] == first.json()["usage"]

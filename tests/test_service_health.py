@@ -158,7 +158,8 @@ def test_a_cancelled_request_holds_its_tokenizing_slot_until_its_thread_ends() -
         await_job=lambda job: pytest.fail("a cancelled request submitted its job"))
 
     async def main() -> None:
-        task = asyncio.ensure_future(service.embed(["x"], EmbedOptions()))
+        # Past INLINE_TOKENIZE_CHARS: a request small enough is tokenized on the loop.
+        task = asyncio.ensure_future(service.embed(["x" * 1000], EmbedOptions()))
         while not events:
             await asyncio.sleep(0.01)
         task.cancel()
@@ -172,6 +173,41 @@ def test_a_cancelled_request_holds_its_tokenizing_slot_until_its_thread_ends() -
 
     asyncio.run(main())
     assert events == ["tokenizing", "tokenized", "returned"]
+
+
+@pytest.mark.parametrize(("inputs", "on_loop"), [
+    ("a query", True), (["q1", "q2"], True), ([[5] * 100], True),
+    ("x" * 513, False), (["y" * 300, "z" * 300], False), ([[5] * 600], False),
+])
+def test_small_requests_are_tokenized_on_the_event_loop(inputs: Any, on_loop: bool) -> None:
+    """Up to INLINE_TOKENIZE_CHARS characters (or token ids) a request is tokenized on the
+    event loop's own thread, without the round trip through a tokenizer thread; past that, on
+    a thread."""
+    import asyncio
+    import threading
+
+    from bgeserve.results import EmbedOptions
+
+    threads: list[threading.Thread] = []
+
+    def make_job(*args: Any) -> Any:
+        threads.append(threading.current_thread())
+        return SimpleNamespace(deadline=None)
+
+    async def await_job(job: Any) -> str:
+        return "result"
+
+    service = ready_service(dict)
+    service.engine = SimpleNamespace(  # type: ignore[assignment]
+        queue_nearly_full=lambda: False, make_job=make_job, await_job=await_job)
+    service.metrics_registry = SimpleNamespace(  # type: ignore[assignment]
+        observe_request=lambda *a: None)
+
+    async def main() -> None:
+        assert await service.embed(inputs, EmbedOptions()) == "result"
+        assert (threads == [threading.current_thread()]) is on_loop
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("bound", [0.0, 5.0])
@@ -194,3 +230,25 @@ def test_sigterm_answers_503_only_past_a_nonzero_bound(bound: float) -> None:
 
     asyncio.run(main())
     assert flushed == [True]
+
+
+def test_health_says_draining_with_503_once_sigterm_came() -> None:
+    """After SIGTERM (begin_shutdown) /health reports ``draining``, which the HTTP layer
+    answers 503: a readiness probe takes the replica out while its requests finish."""
+    import asyncio
+
+    from bgeserve.http.handlers import HEALTHY
+
+    service = ready_service(lambda: {"live": 1, "loaded": 1, "total": 1, "busy": 0,
+                                     "queue_texts": 0, "queue_tokens": 0})
+    assert service.health()["status"] == "ok"
+    service.engine.flush = lambda: None  # type: ignore[union-attr]
+
+    async def main() -> None:
+        service.begin_shutdown()
+        if service._abort_timer is not None:
+            service._abort_timer.cancel()
+
+    asyncio.run(main())
+    assert service.health()["status"] == "draining"
+    assert "draining" not in HEALTHY

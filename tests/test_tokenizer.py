@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import AddedToken, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers.models import Unigram
 
@@ -371,3 +371,64 @@ def test_the_cut_is_exact_with_the_models_own_tokenizer(tiny_model: Path):
     texts += [" " + texts[0], texts[1] + "   ", texts[2].replace(" ", "  ")]
     assert sum(tok._prefix(t) is not t for t in texts) == len(texts)
     assert [x.tolist() for x in tok.encode(texts).ids] == _reference(tok, texts)
+
+
+# -------------------------------------------------------------------------------- TEI's tools
+def test_tokens_give_utf8_byte_offsets_and_text_slices():
+    """``tokens`` is TEI's ``/tokenize``: byte offsets (multi-byte characters count their
+    bytes), the text's slice per regular token, specials with their string and no offsets."""
+    text = "hello wörld 混 cat"
+    tok = make()
+    (tokens,) = tok.tokens([text])
+    enc = hf_tokenizer().encode(text)
+    assert [t.id for t in tokens] == enc.ids
+    assert tokens[0].text == "<s>" and tokens[0].special and tokens[0].start is None
+    assert tokens[-1].text == "</s>" and tokens[-1].stop is None
+    raw = text.encode()
+    for token, (lo, hi) in zip(tokens[1:-1], enc.offsets[1:-1], strict=True):
+        assert not token.special
+        assert (token.start, token.stop) == (len(text[:lo].encode()), len(text[:hi].encode()))
+        assert raw[token.start:token.stop].decode() == token.text == text[lo:hi]
+    assert any(t.stop - t.start > 1 for t in tokens[1:-1] if len(t.text) == 1)  # ö, 混
+
+
+def test_tokens_without_special_tokens_and_of_an_ascii_text():
+    """``add_special_tokens=False`` gives the content tokens only; ASCII offsets are the
+    tokenizer's character offsets (this one's Metaspace pieces span the space before a word)."""
+    (tokens,) = make().tokens(["the cat"], add_special_tokens=False)
+    assert [(t.id, t.text, t.start, t.stop) for t in tokens] == [
+        (ID["the"], "the", 0, 3), (ID["cat"], " cat", 3, 7)]
+
+
+def test_tokens_are_bounded_per_request():
+    """Past ``max_tokens`` tokens in all, TooLarge (the answer's memory is bounded)."""
+    from bgeserve.errors import TooLarge
+
+    assert len(make().tokens([words(3)] * 2, max_tokens=10)) == 2  # 2 x 5 tokens
+    with pytest.raises(TooLarge, match="11|10"):
+        make().tokens([words(3)] * 2 + ["a"], max_tokens=10)
+
+
+def test_decode_skips_special_tokens_by_default():
+    """``decode`` gives the text of each sequence; specials only when not skipped."""
+    hf = hf_tokenizer()
+    hf.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok = Tokenizer(hf, 512)
+    ids = tok.encode(["hello world", "cat"]).ids
+    assert tok.decode([x.tolist() for x in ids]) == ["hello world", "cat"]
+    assert tok.decode([ids[1].tolist()], skip_special_tokens=False) == ["<s> cat</s>"]
+
+
+def test_decode_refuses_ids_outside_the_vocabulary():
+    """An id past the vocabulary is InvalidInput naming the sequence."""
+    with pytest.raises(InvalidInput, match=r"ids\[1\]"):
+        make().decode([[4], [VOCAB]])
+
+
+def test_encode_left_keeps_the_last_tokens():
+    """``encode_left`` keeps <s>, the last max_seq - 2 content tokens and </s> (Hugging Face's
+    ``truncation_side="left"``); a short text is untouched."""
+    tok = make(max_seq=5)
+    short, long = tok.encode_left([words(3), words(9)])
+    assert short.tolist() == [CLS_ID, *content_ids(3), EOS_ID]
+    assert long.tolist() == [CLS_ID, *content_ids(9)[-3:], EOS_ID]

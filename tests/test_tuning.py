@@ -4,8 +4,11 @@ The probe is real (``synthetic_run`` over a dedicated ONNX session, peak-RSS mea
 fast with a short ``max_seq``. Its outcome depends on the graph and the machine's memory
 accounting, so a ``failed`` real probe is accepted as long as the reason is recorded and the
 conservative model stays. The ``complete`` path (fit swapped in, cache written, ``cache_hit`` on
-the next start) is pinned with ``exact_run``, a workload whose workspace is known exactly,
-measured by the same probe machinery.
+the next start) is pinned two ways: through the Service, by the in-process probe on the
+serving session (the path taken where a second copy of the model does not fit) read by a fake
+memory reader (``ExactMeter``) that reports known workspaces while the real model runs; and on
+the Tuner directly with ``exact_run``, a workload whose workspace is known exactly, measured by
+the real probe machinery.
 """
 
 from __future__ import annotations
@@ -19,20 +22,23 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
 
-import bgeserve.service as service_module
 from bgeserve import Engine
 from bgeserve.config import Settings
 from bgeserve.errors import ConfigError
 from bgeserve.model.artifacts import resolve
 from bgeserve.model.dims import model_dims
 from bgeserve.service import Service
+from bgeserve.tuning import probe as probe_module
+from bgeserve.tuning.cache import Failure, ProbeCache
 from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
+from bgeserve.tuning.probe import LocalProbe
 from bgeserve.tuning.synthetic import synthetic_run
-from bgeserve.tuning.tuner import LEGACY_BATCH_SEQ, Tuner, TuningConfig
+from bgeserve.tuning.tuner import LEGACY_BATCH_SEQ, MAX_ATTEMPTS, Tuner, TuningConfig
 
 pytestmark = pytest.mark.slow
 
@@ -111,9 +117,35 @@ def exact_run(batch: int, seq: int) -> None:
         del view
 
 
-def exact_probe_source(engine: object, spec: object) -> object:
-    """Stands in for the probe child: the service's probe then measures ``exact_run``."""
-    return exact_run
+METER_A, METER_B = 2_000.0, 1.0  # what ExactMeter reports: (1, 8192) is 80 MiB
+
+
+class ExactMeter:
+    """A fake memory reader: runs the shape for real (the serving session computes it) and
+    reports ``METER_A·B·S + METER_B·B·S²`` as its workspace."""
+
+    runs: ClassVar[list[tuple[int, int]]] = []
+
+    def __init__(self, cumulative: bool = False) -> None:
+        self.cumulative = cumulative
+
+    def measure(self, run, batch: int, seq: int) -> tuple[int, float]:
+        started = time.perf_counter()
+        run(batch, seq)
+        ExactMeter.runs.append((batch, seq))
+        return int(METER_A * batch * seq + METER_B * batch * seq * seq), (
+            time.perf_counter() - started)
+
+
+# With max_seq 8192, memory for the server's one copy of the tiny model and one max_seq text by
+# the conservative model (~440 MiB), but not for a second copy beside it (~620 MiB): the probe
+# measures on the serving session, before the server is ready.
+IN_PROCESS_MEMORY = str(530 << 20)
+
+
+def in_process_env(export: Path, cache: Path, **extra: str) -> dict[str, str]:
+    return env_for(export, cache, BGE_M3_MAX_SEQ_LENGTH="8192",
+                   BGE_M3_AVAILABLE_MEMORY_BYTES=IN_PROCESS_MEMORY, **extra)
 
 
 @contextmanager
@@ -136,9 +168,9 @@ def bgeserve_logs() -> Iterator[list[logging.LogRecord]]:
         logger.setLevel(old_level)
 
 
-def probe_once(export: Path, cache: Path) -> dict[str, object]:
+def probe_once(export: Path, cache: Path, env: dict[str, str] | None = None) -> dict[str, object]:
     """Start a service with the probe on; wait for it; what it concluded."""
-    with bgeserve_logs() as records, loaded(env_for(export, cache)) as service:
+    with bgeserve_logs() as records, loaded(env or env_for(export, cache)) as service:
         status = assert_probe_outcome(service, tiny_dims(export))
         state = service.tuner.state  # type: ignore[union-attr]
         assert service.engine is not None
@@ -159,11 +191,14 @@ def real_probe(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> d
 
 @pytest.fixture(scope="module")
 def exact_probe(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    """The service's probe measuring ``exact_run``: it must complete and cache its fit."""
+    """The service's in-process probe read by ``ExactMeter``: it must complete and cache."""
+    cache = tmp_path_factory.mktemp("exact-probe")
+    ExactMeter.runs = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(service_module, "probe_source", exact_probe_source)
-        result = probe_once(tiny_export, tmp_path_factory.mktemp("exact-probe"))
+        mp.setattr(probe_module, "PeakMeter", ExactMeter)
+        result = probe_once(tiny_export, cache, in_process_env(tiny_export, cache))
     assert result["status"] == "complete", result["error"]
+    result["runs"] = list(ExactMeter.runs)
     return result
 
 
@@ -192,31 +227,41 @@ def test_real_probe_runs_in_background_then_ends(real_probe: dict[str, object]) 
         assert health["chunk_tokens_source"] in ("default", "probe")
     else:
         assert real_probe["error"] and health["probe_error"] == real_probe["error"]
-        assert not cache_file.exists(), "a failed probe must not be cached"
+        # A failure is kept (so the next start knows), never as a fit.
+        store = ProbeCache(cache_file)
+        record = json.loads(cache_file.read_text())
+        assert isinstance(store.outcome(record["fingerprint"]), Failure)
+        assert store.load(record["fingerprint"]) is None
+    assert health["probe_mode"] == "child"
 
 
 def test_complete_probe_swaps_in_the_fit_and_caches_it(exact_probe: dict[str, object]) -> None:
-    assert str(exact_probe["ready_line"]).startswith("ready: probe running"), exact_probe
+    """No room for a second copy: measured on the serving session before ready (so the
+    server is ready with the fit), every shape run for real on that session, the fit cached."""
+    assert str(exact_probe["ready_line"]).startswith("ready: probe complete"), exact_probe
+    assert (1, 8192) in exact_probe["runs"]  # type: ignore[operator]
     a, b = float(exact_probe["a"]), float(exact_probe["b"])  # type: ignore[arg-type]
-    # the fit recovers the workload's coefficients (RSS noise aside)
-    assert a == pytest.approx(TRUE_A, rel=0.3) and b == pytest.approx(TRUE_B, rel=0.3)
+    # the fit recovers what the reader reported
+    assert a == pytest.approx(METER_A, rel=0.01) and b == pytest.approx(METER_B, rel=0.01)
     health = exact_probe["health"]
     assert isinstance(health, dict)
     assert health["probe_status"] == "complete" and health["probe_error"] is None
+    assert health["probe_mode"] == "in_process"
     assert (health["a_bytes_per_token"], health["b_bytes_per_token_sq"]) == (a, b)
     assert health["probe_seconds"] is not None
     record = json.loads((Path(str(exact_probe["cache"])) / "probe-coefficients.json").read_text())
     assert (record["a"], record["b"]) == (a, b)
-    assert record["parts"]["max_seq"] == MAX_SEQ and record["parts"]["variant"] == "fp32"
+    assert record["parts"]["max_seq"] == 8192 and record["parts"]["variant"] == "fp32"
     assert len(record["fingerprint"]) == 64 and len(record["samples"]) >= 6
 
 
 def test_second_start_is_a_cache_hit(exact_probe: dict[str, object], tiny_export: Path,
                                      tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A warm restart with the same fingerprint measures nothing: ``cache_hit`` at once."""
     caplog.set_level(logging.INFO, logger="bgeserve")
     cache = copy_cache(exact_probe, tmp_path / "cache")
     started = time.monotonic()
-    with loaded(env_for(tiny_export, cache)) as service:
+    with loaded(in_process_env(tiny_export, cache)) as service:
         elapsed = time.monotonic() - started
         state = service.tuner.state  # type: ignore[union-attr]
         assert state.probe_status == "cache_hit"
@@ -234,23 +279,24 @@ def test_other_max_seq_misses_the_cache(exact_probe: dict[str, object], tiny_exp
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """max_seq is part of the fingerprint: another value must not reuse the fit."""
     caplog.set_level(logging.INFO, logger="bgeserve")
-    monkeypatch.setattr(service_module, "probe_source", exact_probe_source)
+    monkeypatch.setattr(probe_module, "PeakMeter", ExactMeter)
     cache = copy_cache(exact_probe, tmp_path / "cache")
-    with loaded(env_for(tiny_export, cache, BGE_M3_MAX_SEQ_LENGTH="512")) as service:
-        assert ready_status(caplog) == "running"
-        assert_probe_outcome(service, tiny_dims(tiny_export))
+    env = in_process_env(tiny_export, cache)
+    env["BGE_M3_MAX_SEQ_LENGTH"] = "7168"  # still no room for a second copy
+    with loaded(env):
+        assert ready_status(caplog) == "complete"  # measured again, not a cache hit
 
 
 def test_disable_probe_cache_forces_a_probe(exact_probe: dict[str, object], tiny_export: Path,
                                            tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     caplog.set_level(logging.INFO, logger="bgeserve")
-    monkeypatch.setattr(service_module, "probe_source", exact_probe_source)
+    monkeypatch.setattr(probe_module, "PeakMeter", ExactMeter)
     cache = copy_cache(exact_probe, tmp_path / "cache")
     cache_file = cache / "probe-coefficients.json"
     before = cache_file.read_bytes(), cache_file.stat().st_mtime_ns
-    with loaded(env_for(tiny_export, cache, BGE_M3_DISABLE_PROBE_CACHE="1")) as service:
-        assert ready_status(caplog) == "running"
+    with loaded(in_process_env(tiny_export, cache, BGE_M3_DISABLE_PROBE_CACHE="1")) as service:
+        assert ready_status(caplog) == "complete"
         assert assert_probe_outcome(service, tiny_dims(tiny_export)) == "complete"
     after = cache_file.read_bytes(), cache_file.stat().st_mtime_ns
     assert after == before, "BGE_M3_DISABLE_PROBE_CACHE must not write the cache either"
@@ -404,13 +450,13 @@ def test_tuner_probe_with_synthetic_run(engine: Engine, tiny_export: Path, tmp_p
     state = tuner.state
     assert state.probe_status in ("complete", "failed")
     assert len(applied) == 2 and (applied[-1].a, applied[-1].b) == (state.a, state.b)
-    cache_file = tmp_path / "probe-coefficients.json"
+    store = ProbeCache(tmp_path / "probe-coefficients.json")
     if state.probe_status == "failed":
         assert state.probe_error
         assert (state.a, state.b) == conservative_coefficients(**dims)
-        assert not cache_file.exists()
+        assert isinstance(store.outcome("f" * 64), Failure)
     else:
-        assert cache_file.exists()
+        assert store.load("f" * 64) is not None
 
 
 def test_tuner_complete_then_cache_hit(tiny_export: Path, tmp_path: Path) -> None:
@@ -459,21 +505,118 @@ def test_tuner_probe_failure_keeps_the_conservative_model(tiny_export: Path,
     assert tuner.state.probe_error
     assert (tuner.state.a, tuner.state.b) == conservative_coefficients(**dims)
     assert applied[-1].a == tuner.state.a and applied[-1].fits(1, 512)
-    assert not (tmp_path / "probe-coefficients.json").exists()
+    assert ProbeCache(tmp_path / "probe-coefficients.json").load("e" * 64) is None
 
 
-def test_probe_is_skipped_when_it_cannot_run_beside_the_server(tmp_path: Path) -> None:
-    """Memory for the server but not for a second model copy: serve, probe 'failed', say why."""
+def test_a_failed_probe_is_retried_once_then_served_from_the_cache(tiny_export: Path,
+                                                                  tmp_path: Path) -> None:
+    """A probe whose fit fails is cached as a failure with its reason: the next start tries
+    once more, and the one after that does not repeat the doomed probe (``failed`` at once,
+    the reason in ``probe_error`` and naming BGE_M3_DISABLE_PROBE_CACHE); another
+    fingerprint, or the cache disabled, probes again."""
+    config = TuningConfig(max_seq=512, cache_dir=tmp_path, dims=tiny_dims(tiny_export),
+                          available_override=8 << 30)
+
+    def flat(batch: int, seq: int) -> None:  # every shape fails: no fit can come out
+        raise RuntimeError("this runtime measures nothing")
+
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        tuner = Tuner(config, apply=lambda cost: None)
+        tuner.initial(model_cost=16 << 20, fingerprint="a" * 64)
+        assert tuner.state.probe_status == "running", attempt
+        tuner.start_probe(flat, 16 << 20, "a" * 64, {"max_seq": 512})
+        assert tuner.wait(PROBE_TIMEOUT)
+        assert tuner.state.probe_status == "failed"
+        assert f"attempt {attempt} of {MAX_ATTEMPTS}" in (tuner.state.probe_error or "")
+    warm = Tuner(config, apply=lambda cost: None)
+    warm.initial(model_cost=16 << 20, fingerprint="a" * 64)
+    assert warm.state.probe_status == "failed" and warm.state.probe_mode is None
+    assert "at least 2 measured shapes" in (warm.state.probe_error or "")
+    assert "BGE_M3_DISABLE_PROBE_CACHE=1" in (warm.state.probe_error or "")
+    warm.start_probe(flat, 16 << 20, "a" * 64, {})
+    assert warm.wait(0)  # nothing was started
+    other = Tuner(config, apply=lambda cost: None)
+    other.initial(model_cost=16 << 20, fingerprint="b" * 64)
+    assert other.state.probe_status == "running"
+    forced = Tuner(TuningConfig(**{**config.__dict__, "disable_probe_cache": True}),
+                   apply=lambda cost: None)
+    forced.initial(model_cost=16 << 20, fingerprint="a" * 64)
+    assert forced.state.probe_status == "running"
+
+
+def test_a_probe_child_that_died_means_measuring_in_process_next_time(tmp_path: Path) -> None:
+    """A probe process killed (by the OOM killer, say) is kept as a failure of its own kind:
+    the next start measures on the serving session instead of starting another child."""
+    store = ProbeCache(tmp_path / "probe-coefficients.json")
+    store.save_failure("d" * 64, "the probe process ended by signal 9 (out of memory?)", {}, [],
+                       process_died=True)
+    tuner = Tuner(TuningConfig(max_seq=512, cache_dir=tmp_path, available_override=8 << 30),
+                  apply=lambda cost: None)
+    cost = tuner.initial(model_cost=16 << 20, fingerprint="d" * 64)
+    assert (tuner.state.probe_status, tuner.state.probe_mode) == ("running", "in_process")
+    assert cost.max_workspace_bytes == tuner.budget(16 << 20)  # the workers' own budget
+
+
+def test_no_room_for_a_second_copy_means_measuring_in_process(tmp_path: Path) -> None:
+    """Memory for the server but not for a second model copy: the probe is still run, on the
+    serving session (``in_process``), with the workers' own budget as its guard."""
     applied: list[object] = []
     gib = 1 << 30
     config = TuningConfig(max_seq=512, available_override=int(2.2 * gib) + (256 << 20),
                           cache_dir=tmp_path)
     tuner = Tuner(config, apply=applied.append)
     cost = tuner.initial(model_cost=gib, fingerprint="f")
-    assert tuner.state.probe_status == "failed"
-    assert "bgeserve probe" in (tuner.state.probe_error or "")
+    assert (tuner.state.probe_status, tuner.state.probe_mode) == ("running", "in_process")
     assert cost.fits(1, 512) and applied == [cost]
     assert cost.max_workspace_bytes == tuner.budget(gib)
+    roomy = Tuner(TuningConfig(max_seq=512, available_override=8 * gib, cache_dir=tmp_path),
+                  apply=lambda cost: None)
+    shared = roomy.initial(model_cost=gib, fingerprint="f")
+    assert roomy.state.probe_mode == "child"  # beside the server, which shares what is left
+    assert shared.max_workspace_bytes == roomy.budget(gib, extra_sessions=1)
+
+
+def test_in_process_probe_on_the_serving_session(engine: Engine, tiny_export: Path,
+                                                 tmp_path: Path) -> None:
+    """``measure_first`` over a LocalProbe on the engine's own session, read by a fake
+    memory reader: every shape runs on that session, the fit recovers what the reader
+    reported, is cached, and the engine serves on afterwards with the fitted model."""
+    applied: list[CostModel] = []
+    config = TuningConfig(max_seq=512, cache_dir=tmp_path, dims=tiny_dims(tiny_export),
+                          available_override=8 << 30)
+    tuner = Tuner(config, apply=applied.append)
+    tuner.initial(model_cost=16 << 20, fingerprint="p" * 64)
+    run, close = synthetic_run(engine.open_forward, engine.tokenizer.vocab_size)
+    ExactMeter.runs = []
+    closed: list[bool] = []
+    source = LocalProbe(run, close=lambda: closed.append(True), meter=ExactMeter)
+    assert tuner.measure_first(source, 16 << 20, "p" * 64, {"max_seq": 512})
+    close()
+    assert closed == [True] and (1, 512) in ExactMeter.runs
+    cost = tuner.initial(model_cost=16 << 20, fingerprint="p" * 64)
+    assert tuner.state.probe_status == "complete" and tuner.state.probe_mode == "in_process"
+    assert cost.a == pytest.approx(METER_A, rel=0.01) and cost.b == pytest.approx(METER_B,
+                                                                                rel=0.01)
+    assert ProbeCache(tmp_path / "probe-coefficients.json").load("p" * 64) is not None
+    assert engine.embed("still serving").dense is not None
+
+
+def test_a_failed_in_process_probe_serves_the_conservative_model(tiny_export: Path,
+                                                                 tmp_path: Path) -> None:
+    """Measured before serving and no fit: the server still starts (``failed``, the reason
+    kept), with the conservative model; nothing is probed again in the background."""
+    config = TuningConfig(max_seq=512, cache_dir=tmp_path, dims=tiny_dims(tiny_export),
+                          available_override=8 << 30)
+    tuner = Tuner(config, apply=lambda cost: None)
+    tuner.initial(model_cost=16 << 20, fingerprint="q" * 64)
+    def broken(batch: int, seq: int) -> None:
+        raise RuntimeError("out of luck")
+
+    assert not tuner.measure_first(broken, 16 << 20, "q" * 64, {})
+    cost = tuner.initial(model_cost=16 << 20, fingerprint="q" * 64)
+    assert tuner.state.probe_status == "failed"
+    assert "at least 2 measured shapes" in (tuner.state.probe_error or "")
+    assert (cost.a, cost.b) == conservative_coefficients(**tiny_dims(tiny_export))
 
 
 def test_synthetic_shapes_take_the_masked_path() -> None:
@@ -537,7 +680,7 @@ def test_probe_timing_moves_the_chunk_budget_when_clearly_faster(tiny_export: Pa
 def test_a_pinned_chunk_budget_is_neither_timed_nor_moved(tiny_export: Path,
                                                           tmp_path: Path) -> None:
     """BGE_M3_MAX_CHUNK_TOKENS set: the probe measures memory only and the budget stays."""
-    runs: list[tuple[int, int]] = []
+    runs: ClassVar[list[tuple[int, int]]] = []
 
     def run(batch: int, seq: int) -> None:
         runs.append((batch, seq))
@@ -554,3 +697,34 @@ def test_a_pinned_chunk_budget_is_neither_timed_nor_moved(tiny_export: Path,
     assert moved == [] and tuner.state.chunk_rates == {}
     assert (tuner.state.chunk_tokens, tuner.state.chunk_tokens_source) == (256, "setting")
     assert (2, 128) not in runs and (8, 128) not in runs
+
+
+def test_the_embedding_cache_is_held_outside_the_workspace_budget() -> None:
+    """The tuner's budget subtracts reserved bytes (the cache's limit) from the memory
+    available, as the model's cost is subtracted."""
+    def tuner(reserved: int) -> Tuner:
+        t = Tuner(TuningConfig(workers=2, safety_factor=0.5, reserved_bytes=reserved),
+                  apply=lambda cost: None)
+        t.state.available_bytes = 8 << 30
+        return t
+
+    assert tuner(0).budget(1 << 30) - tuner(256 << 20).budget(1 << 30) == (256 << 20) // 4
+
+
+@pytest.mark.parametrize(("extra", "reserved"), [
+    ({}, 128 << 20), ({"BGE_M3_CACHE_MB": "0"}, 0), ({"BGE_M3_CACHE_MB": "64"}, 64 << 20),
+    ({"BGE_M3_MODEL": "int8"}, 0), ({"BGE_M3_MODEL": "int8", "BGE_M3_MAX_CHUNK": "1"}, 128 << 20),
+])
+def test_the_plan_reserves_the_cache_where_the_engine_keeps_one(
+        extra: dict[str, str], reserved: int, tiny_export: Path, tmp_path: Path) -> None:
+    """BGE_M3_CACHE_MB is reserved from the budget exactly when the engine builds a cache."""
+    from bgeserve.service import plan
+
+    extra = {"BGE_M3_MODEL": "fp32", **extra}
+    settings = plan.resolve(Settings.from_env(env_for(tiny_export, tmp_path, **extra)))
+    artifacts = resolve(model_path=tiny_export, variant=settings.variant, cache_dir=tmp_path,
+                        offline=True)
+    serving = plan.for_model(settings, artifacts, tmp_path)
+    assert serving.tuning.reserved_bytes == reserved
+    engine = Engine(artifacts=artifacts, config=serving.engine, start=False, auto_budget=False)
+    assert engine.reserved_bytes == reserved

@@ -20,9 +20,11 @@ from typing import Self
 import numpy as np
 
 from bgeserve import runtime
+from bgeserve.engine import cache as cache_rules
+from bgeserve.engine.cache import EmbeddingCache
 from bgeserve.engine.forward import forward_factory
 from bgeserve.engine.inputs import Inputs, normalize_inputs
-from bgeserve.engine.jobs import Job
+from bgeserve.engine.jobs import Job, answer
 from bgeserve.engine.scheduler import ChunkStats, Scheduler, SchedulerConfig
 from bgeserve.engine.tokenizer import Encoded, Tokenizer
 from bgeserve.errors import BgeServeError, NotReady, TooLarge
@@ -49,6 +51,9 @@ class EngineConfig:
     # ColBERT vectors are (tokens - 1) x hidden float32 per text: 256 texts of 8,192 tokens are
     # 8 GiB before any JSON, outside every memory budget. A request past this is refused.
     max_colbert_bytes: int | None = 512 << 20
+    # Embeddings of texts seen before (engine/cache.py; 0 = none). Used only where a cached
+    # vector equals a fresh one (``cache.applies``: not for int8 unless texts run alone).
+    cache_bytes: int = 128 << 20
 
 
 class Engine:
@@ -87,10 +92,29 @@ class Engine:
         self._auto_budget = auto_budget and cost_model is None
         self._scheduler = Scheduler(self.open_forward, cost_model, self.config.scheduler,
                                     on_chunk=on_chunk)
+        self.cache = self._make_cache(artifacts, self.config)
         self._started = False
         self._closed = False
         if start:
             self.start()
+
+    @staticmethod
+    def _make_cache(artifacts: ModelArtifacts, config: EngineConfig) -> EmbeddingCache | None:
+        sched = config.scheduler
+        if config.cache_bytes <= 0:
+            return None
+        if not cache_rules.applies(artifacts.variant, sched.max_chunk, sched.pad_multiple):
+            log.info("embedding cache off: %s results move with their batch-mates (set "
+                     "BGE_M3_MAX_CHUNK=1 to run texts alone and cache them)", artifacts.variant)
+            return None
+        # One cache never answers for another model: its files, variant and layout name it.
+        namespace = f"{artifacts.identity()}|{artifacts.variant}|{artifacts.layout.value}"
+        return EmbeddingCache(config.cache_bytes, namespace)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Memory held outside the workspace budget: the embedding cache's limit."""
+        return self.cache.max_bytes if self.cache is not None else 0
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -108,8 +132,8 @@ class Engine:
                 workers = self.config.scheduler.workers
                 model_cost = max(0, memory.rss_bytes() - before) // workers
                 a, b = conservative_coefficients(**dims.model_dims(self.artifacts))
-                self.set_cost_model(CostModel(a, b, budget(available.available_bytes, workers,
-                                                           model_cost)))
+                free = available.available_bytes - self.reserved_bytes
+                self.set_cost_model(CostModel(a, b, budget(free, workers, model_cost)))
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Finish queued work (bounded by ``timeout``; None: all of it) and release the
@@ -226,12 +250,20 @@ class Engine:
         self.admit(encoded, options.truncate, options.colbert)
         timeout = self.config.request_timeout_s
         deadline = start + timeout if timeout else None
-        return Job(encoded.ids, encoded.truncated, options, deadline, request_id)
+        job = Job(encoded.ids, encoded.truncated, options, deadline, request_id)
+        if self.cache is not None:
+            job.reuse(self.cache)
+        return job
 
     def submit(self, job: Job) -> Future:
-        """Queue a job; returns its concurrent future."""
+        """Queue a job; returns its concurrent future (already answered when the cache held
+        every text)."""
         if not self._started:
             raise NotReady("the engine is not started")
+        if job.ids and job.remaining == 0:  # nothing to run: never touches the queue
+            job.done = True
+            answer(job.future, result=job.result())
+            return job.future
         return self._scheduler.submit(job)
 
     def embed(self, inputs: Inputs, dense: bool = True, sparse: bool = False,
@@ -296,3 +328,8 @@ class Engine:
     def counters(self):
         """Scheduler counters: rejected, cancelled_texts, deadline_exceeded, oom_splits."""
         return self._scheduler.counters
+
+    def cache_stats(self) -> dict[str, int] | None:
+        """The embedding cache's counters and size (``EmbeddingCache.stats``); None when
+        there is no cache."""
+        return None if self.cache is None else self.cache.stats()

@@ -50,10 +50,11 @@ class PendingQueue:
         return self._pieces[0].arrived
 
     def add(self, job: Job, now: float) -> None:
-        """Queue every text of ``job``."""
-        for i, x in enumerate(job.ids):
-            self._pieces.append(Piece(job, i, len(x), now))
-            self.tokens += len(x)
+        """Queue every text of ``job`` still to run."""
+        for i in job.pending():
+            n = len(job.ids[i])
+            self._pieces.append(Piece(job, i, n, now))
+            self.tokens += n
 
     def purge(self, now: float, expire: Callable[[Job], None]) -> int:
         """Drop the pieces of finished jobs; a job past its deadline is handed to ``expire``

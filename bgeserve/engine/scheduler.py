@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from bgeserve.engine.forward import Forward, pad_chunk
 from bgeserve.engine.heads import ChunkOutputs
-from bgeserve.engine.jobs import Job, Piece, answer
+from bgeserve.engine.jobs import Job, Piece, answer, fold
 from bgeserve.engine.packing import Cost, Packer, Rules
 from bgeserve.engine.queue import PendingQueue, Taken
 from bgeserve.engine.workers import Workers
@@ -181,7 +181,7 @@ class Scheduler(Workers):
 
     def submit(self, job: Job) -> Future:
         """Queue a job's texts; raises Overloaded when the queue is full, NotReady if stopping."""
-        tokens = sum(len(x) for x in job.ids)
+        tokens = sum(len(job.ids[i]) for i in job.pending())
         now = time.monotonic()
         with self._cond:
             if self._stopping:
@@ -190,7 +190,7 @@ class Scheduler(Workers):
                 raise NotReady("no worker is left to run the model (see /health)")
             self._check_room(tokens)
             job.submitted = now
-            if not job.ids:
+            if job.remaining == 0:  # no texts, or every one answered by the cache
                 job.done = True
                 answer(job.future, result=job.result())
                 return job.future
@@ -285,13 +285,20 @@ class Scheduler(Workers):
         and deliver or fail them; halves after running out of memory."""
         if not pieces:
             return
-        fwd = self._session(w, pieces)  # per call: an OOM split's halves may need a fresh one
+        whole = pieces  # what an OOM split halves (each half is folded again)
+        folded = fold(pieces)
+        self._deliver_cached(folded.cached)
+        pieces = folded.run
+        if not pieces:
+            return
+        taking = [*pieces, *(t for ts in folded.twins.values() for t in ts)]
+        fwd = self._session(w, taking)  # per call: an OOM split's halves may need a fresh one
         if fwd is None:
             return
-        if pad_to is None:
+        if pad_to is None or len(pieces) < len(whole):
             pad_to = self.packer.pad_length(len(pieces), max(p.length for p in pieces))
         ids, mask = pad_chunk([p.job.ids[p.index] for p in pieces], pad_to)
-        opts = [p.job.options for p in pieces]
+        opts = [p.job.options for p in taking]  # a twin's outputs are computed for it too
         started = time.perf_counter()
         try:
             out = fwd.run(ids, mask, dense=any(o.dense for o in opts),
@@ -300,10 +307,10 @@ class Scheduler(Workers):
         except OutOfMemory as exc:
             self.counters["oom_splits"] += 1
             if len(pieces) > 1:
-                half = len(pieces) // 2
+                half = len(whole) // 2
                 log.warning("chunk %dx%d ran out of memory; splitting", len(pieces), pad_to)
-                self._run(w, pieces[:half])
-                self._run(w, pieces[half:])
+                self._run(w, whole[:half])
+                self._run(w, whole[half:])
             else:
                 p = pieces[0]
                 self._fail(p.job, TooLarge(
@@ -314,29 +321,45 @@ class Scheduler(Workers):
         except BgeServeError as exc:
             if isinstance(exc, EngineFailed):  # the runtime failed, not the input
                 self._reopen_later(w, f"session.run failed: {exc}")
-            for p in pieces:
+            for p in taking:
                 self._fail(p.job, exc)
             return
         seconds = time.perf_counter() - started
         self._deaths[w] = 0  # it works again: the next death starts the backoff afresh
         self._on_chunk(ChunkStats(w, len(pieces), pad_to, sum(p.length for p in pieces),
                                   seconds))
-        self._deliver(pieces, out)
+        self._deliver(pieces, out, folded.twins)
 
-    def _deliver(self, pieces: list[Piece], out: ChunkOutputs) -> None:
+    def _deliver(self, pieces: list[Piece], out: ChunkOutputs,
+                 twins: dict[int, list[Piece]] | None = None) -> None:
+        """Write each row into its piece's job (and into the pieces repeating it); answer the
+        jobs that are complete."""
         finished: list[Job] = []
-        for row, p in enumerate(pieces):
-            job = p.job
-            if job.done:
-                continue
-            job.write(p.index, out, row)
-            with self._cond:
-                job.remaining -= 1
-                if job.remaining == 0 and not job.done:
-                    job.done = True
-                    finished.append(job)
+        for row, first in enumerate(pieces):
+            for p in (first, *(twins or {}).get(row, ())):
+                if p.job.done:
+                    continue
+                p.job.write(p.index, out, row)
+                self._count_done(p.job, finished)
         for job in finished:
             answer(job.future, result=job.result())
+
+    def _deliver_cached(self, cached: list) -> None:
+        """Answer the pieces the cache held by the time their chunk ran."""
+        finished: list[Job] = []
+        for p, entry in cached:
+            if not p.job.done:
+                p.job.answer_from(p.index, entry)
+                self._count_done(p.job, finished)
+        for job in finished:
+            answer(job.future, result=job.result())
+
+    def _count_done(self, job: Job, finished: list[Job]) -> None:
+        with self._cond:
+            job.remaining -= 1
+            if job.remaining == 0 and not job.done:
+                job.done = True
+                finished.append(job)
 
     def _fail(self, job: Job, error: BaseException) -> None:
         with self._cond:

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
-from bgeserve.errors import InvalidInput, ModelUnavailable
+from bgeserve.errors import InvalidInput, ModelUnavailable, TooLarge
+from bgeserve.results import Token
 from bgeserve.vocab import CLS_ID, EOS_ID
 
 # Encoding memory bounds (see Tokenizer.encode): characters per encode_batch call, and the
@@ -223,11 +224,81 @@ class Tokenizer:
                 truncated[i] = True
         return Encoded(ids, truncated, full)
 
+    def encode_left(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Token ids per text, an over-long text keeping ``<s>``, its *last* ``max_seq - 2``
+        content tokens and ``</s>`` (TEI's ``truncation_direction: left``; Hugging Face's
+        ``truncation_side="left"``). Encoded whole, in bounded groups."""
+        ids = self._encode_grouped(list(texts))
+        keep = self.max_seq - 1  # the last content tokens and </s>
+        return [x if len(x) <= self.max_seq else np.concatenate((x[:1], x[len(x) - keep:]))
+                for x in ids]
+
+    def tokens(self, texts: Sequence[str], add_special_tokens: bool = True,
+               max_tokens: int | None = None) -> list[list[Token]]:
+        """Every token of each text, untruncated, with UTF-8 byte offsets (TEI's ``/tokenize``).
+
+        ``max_tokens`` bounds the whole answer (each token costs a few hundred bytes as
+        Python objects and JSON): past it, ``TooLarge``.
+        """
+        out: list[list[Token]] = []
+        total = 0
+        for start in range(0, len(texts), 64):
+            group = list(texts[start:start + 64])
+            try:
+                encodings = self._tk.encode_batch(group, add_special_tokens=add_special_tokens)
+            except Exception as exc:
+                raise InvalidInput(f"cannot tokenize input: {exc}", param="inputs") from exc
+            for text, enc in zip(group, encodings, strict=True):
+                total += len(enc.ids)
+                if max_tokens is not None and total > max_tokens:
+                    raise TooLarge(f"the texts of this request hold more than {max_tokens} "
+                                   "tokens; send fewer or shorter texts per /tokenize request",
+                                   param="inputs")
+                out.append(_tokens(text, enc))
+        return out
+
+    def decode(self, sequences: Sequence[Sequence[int]],
+               skip_special_tokens: bool = True) -> list[str]:
+        """The text of each id sequence (TEI's ``/decode``); an id outside the vocabulary is
+        ``InvalidInput``."""
+        for i, seq in enumerate(sequences):
+            bad = [t for t in seq if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidInput(f"ids[{i}] has token id {bad[0]} outside the vocabulary "
+                                   f"[0, {self.vocab_size})", param=f"ids[{i}]")
+        return self._tk.decode_batch([list(s) for s in sequences],
+                                     skip_special_tokens=skip_special_tokens)
+
     def id_to_token(self, ids: Sequence[int]) -> list[str]:
         """Token strings for ids (``<unk>`` for an id the vocabulary lacks)."""
         return [self._tk.id_to_token(int(i)) or "<unk>" for i in ids]
 
 
+def _byte_starts(text: str) -> np.ndarray | None:
+    """UTF-8 byte offset of every character of ``text`` and of its end (None when ASCII,
+    where characters and bytes coincide)."""
+    if text.isascii():
+        return None
+    points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+    widths = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)
+    return np.concatenate(([0], np.cumsum(widths)))
+
+
+def _tokens(text: str, encoding: tokenizers.Encoding) -> list[Token]:
+    """TEI's tokens for one encoding: ``tokenizers`` gives character offsets in Python, TEI
+    (Rust) byte offsets, which the slice of the text between them is the same as."""
+    starts = _byte_starts(text)
+    out = []
+    for tid, token, special, (lo, hi) in zip(encoding.ids, encoding.tokens,
+                                             encoding.special_tokens_mask, encoding.offsets,
+                                             strict=True):
+        if special:
+            out.append(Token(tid, token, True, None, None))
+        elif starts is None:
+            out.append(Token(tid, text[lo:hi], False, lo, hi))
+        else:
+            out.append(Token(tid, text[lo:hi], False, int(starts[lo]), int(starts[hi])))
+    return out
 @functools.lru_cache(maxsize=8)
 def untruncated(path: Path) -> Tokenizer:
     """``path``'s tokenizer without truncation, loaded once per file: rerank windows need every

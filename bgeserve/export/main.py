@@ -1,12 +1,14 @@
 """``bgeserve export``: a PyTorch bge-m3 (hub id or directory) → bgeserve's ONNX export.
 
 The export directory holds ``manifest.json``, the tokenizer files and one graph per variant
-(``fp32/model.onnx``, ``fp16/model.onnx``, ``int8/model.onnx``), each with the heads inside so
+(``fp32/model.onnx``, ``fp16/model.onnx``, ``int8/model.onnx``; OpenVINO IRs ``bf16/model.xml``
+and ``ov-int8/model.xml``), each with the heads inside so
 one ``session.run`` yields dense, sparse and ColBERT outputs. Every heavy step runs in a child
 process (see ``steps.py``) so the peak memory is that of one step.
 
 int8 is SmoothQuant + dynamic per-channel quantization, calibrated on texts made with the
-export's tokenizer (``smoothquant.py``). When fp32 is part of the export, a last step measures
+export's tokenizer (``smoothquant.py``); ov-int8 is NNCF's static quantization of the
+plain-attention graph for OpenVINO (``ovint8.py``). When fp32 is part of the export, a last step measures
 each other variant against it (``validate.py``) and the manifest records the figures in that
 variant's ``"agreement"``.
 
@@ -33,12 +35,13 @@ from bgeserve.errors import ModelUnavailable
 from bgeserve.export import ATTENTION_BLOCK, FFN_ROWS
 from bgeserve.model.kind import EMBEDDING, RERANKER, config_kind, num_labels
 
-VARIANTS = ("fp32", "fp16", "int8", "bf16")
-CPU_VARIANTS = ("fp32", "int8", "bf16")  # bf16 only where openvino is installed
+VARIANTS = ("fp32", "fp16", "int8", "bf16", "ov-int8")
+# bf16 only where openvino is installed, ov-int8 where nncf is too
+CPU_VARIANTS = ("fp32", "int8", "bf16", "ov-int8")
 # Where each variant's graph lives in the export, and the runtime that reads it.
 GRAPH_PATHS = {"fp32": "fp32/model.onnx", "fp16": "fp16/model.onnx", "int8": "int8/model.onnx",
-               "bf16": "bf16/model.xml"}
-RUNTIMES = {"bf16": "openvino"}
+               "bf16": "bf16/model.xml", "ov-int8": "ov-int8/model.xml"}
+RUNTIMES = {"bf16": "openvino", "ov-int8": "openvino"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 SOURCE_PATTERNS = ["config.json", "*.safetensors", "pytorch_model.bin", "sparse_linear.pt",
                    "colbert_linear.pt", *TOKENIZER_FILES]
@@ -99,27 +102,46 @@ def _openvino_available() -> bool:
 
 
 def default_variants() -> tuple[str, ...]:
-    """Every CPU variant this machine can write (bf16 needs the openvino package)."""
+    """Every CPU variant this machine can write (bf16 needs the openvino package, ov-int8
+    openvino and nncf)."""
+    from bgeserve.export import ovint8
     from bgeserve.runtime import openvino
 
-    if openvino.available():
-        return CPU_VARIANTS
-    print("    bf16 (OpenVINO) skipped: the openvino package is not installed "
-          f"({openvino.INSTALL_HINT})", file=sys.stderr, flush=True)
-    return tuple(v for v in CPU_VARIANTS if v != "bf16")
+    skip = []
+    if not openvino.available():
+        print("    bf16 and ov-int8 (OpenVINO) skipped: the openvino package is not installed "
+              f"({openvino.INSTALL_HINT})", file=sys.stderr, flush=True)
+        skip = ["bf16", "ov-int8"]
+    elif not ovint8.available():
+        print("    ov-int8 (OpenVINO) skipped: nncf is not installed "
+              "(`pip install 'bgeserve[export]'`)", file=sys.stderr, flush=True)
+        skip = ["ov-int8"]
+    return tuple(v for v in CPU_VARIANTS if v not in skip)
 
 
-def _export_bf16(src: Path, out: Path, opset: int, label: str) -> None:
-    """A plain-attention fp32 graph (temporary), then the OpenVINO IR made from it."""
-    plain = out / "bf16" / "plain-attention.onnx"
+def _export_openvino(src: Path, out: Path, opset: int, labels: dict[str, str],
+                     tokenizer: Path, limit: list[str]) -> dict[str, dict[str, object]]:
+    """A plain-attention fp32 graph (temporary), then each OpenVINO IR in ``labels`` made
+    from it; returns what the quantizing steps report, by variant."""
+    plain = out / "openvino-plain-attention" / "model.onnx"
+    notes: dict[str, dict[str, object]] = {}
     try:
+        first = next(iter(labels.values()))
         _run_step(["fp32", str(src), str(plain), "--opset", str(opset), "--attention-block", "0"],
-                  f"{label} (plain-attention fp32 graph)")
-        _run_step(["openvino", str(plain), str(out / GRAPH_PATHS["bf16"])],
-                  f"{label} (OpenVINO IR)")
+                  f"{first} (plain-attention fp32 graph)")
+        for variant, label in labels.items():
+            graph = out / GRAPH_PATHS[variant]
+            if variant == "bf16":
+                _run_step(["openvino", str(plain), str(graph)], f"{label} (OpenVINO IR)")
+                continue
+            note = graph.with_name("quantization.json")
+            _run_step(["ov-int8", str(plain), str(graph), "--tokenizer", str(tokenizer),
+                       "--report", str(note), *limit], f"{label} (NNCF int8 IR)")
+            notes[variant] = json.loads(note.read_text())
+            note.unlink()
     finally:
-        for path in _files_of(plain):
-            path.unlink(missing_ok=True)
+        shutil.rmtree(plain.parent, ignore_errors=True)
+    return notes
 
 
 def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, opset: int = 18,
@@ -127,6 +149,7 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
            ffn_rows: int | None = None) -> Path:
     """Export ``model`` (bge-m3, or a reranker) into ``out`` (default: ``default_variants()``);
     returns the manifest's path."""
+    asked = variants
     variants = default_variants() if variants is None else variants
     # The CPU graphs (fp32, int8) run each layer's FFN over blocks of token rows (rowblock.py);
     # fp16 is the GPU variant and stays one piece for TensorRT. Plain attention means plain
@@ -138,6 +161,13 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
     if kind == RERANKER and num_labels(config) != 1:
         raise ModelUnavailable(f"{src} is a classifier with {num_labels(config)} labels; a "
                                "reranker has exactly one (its relevance logit)")
+    if kind == RERANKER and "ov-int8" in variants:
+        # ov-int8's NNCF calibration and its validation are bge-m3's (single texts, dense and
+        # sparse outputs); a reranker's int8 is ONNX Runtime's, calibrated on pairs.
+        if asked is not None:
+            raise ModelUnavailable("ov-int8 is made for bge-m3 only; a reranker's variants are "
+                                   "fp32, int8 and bf16")
+        variants = tuple(v for v in variants if v != "ov-int8")
     for head in ("sparse_linear.pt", "colbert_linear.pt"):
         if kind == EMBEDDING and not (src / head).exists():
             raise ModelUnavailable(f"{src / head} is missing: bge-m3's heads are required")
@@ -154,10 +184,12 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
     # at XLM-R's default holds 512 tokens; bge-m3's 8,194 hold 8,192).
     limit = ["--max-tokens", str(config["max_position_embeddings"] - 2)]
     fp32 = out / "fp32" / "model.onnx"
-    # fp16 and int8 are made from the blocked-attention fp32 graph; bf16 needs its own.
+    # fp16 and int8 are made from the blocked-attention fp32 graph; bf16 and ov-int8 from a
+    # plain-attention one (OpenVINO fuses plain attention).
     blocked = any(v in variants for v in ("fp32", "fp16", "int8"))
-    # The other variants are validated against fp32, when this export writes fp32 (bf16 runs
-    # on OpenVINO: only where the package is installed, as it must be to export bf16 at all).
+    # The other variants are validated against fp32, when this export writes fp32 (bf16 and
+    # ov-int8 run on OpenVINO: only where the package is installed, as it must be to export
+    # them at all).
     validated = [v for v in VARIANTS if v in variants and v != "fp32"
                  and (RUNTIMES.get(v) != "openvino" or _openvino_available())] \
         if "fp32" in variants else []
@@ -179,9 +211,11 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
         pairs = ["--pairs"] if kind == RERANKER else []
         _run_step(["int8", str(fp32), str(out / "int8" / "model.onnx"),
                    "--tokenizer", str(tokenizer), *limit, *pairs], f"{done}/{steps} int8")
-    if "bf16" in variants:
+    labels = {}
+    for variant in (v for v in VARIANTS if RUNTIMES.get(v) == "openvino" and v in variants):
         done += 1
-        _export_bf16(src, out, opset, f"{done}/{steps} bf16")
+        labels[variant] = f"{done}/{steps} {variant}"
+    quantization = _export_openvino(src, out, opset, labels, tokenizer, limit) if labels else {}
     if row_blocked:
         done += 1
         _run_step(["rowblock", *map(str, row_blocked), "--rows", str(rows)],
@@ -209,8 +243,8 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
                   # Token rows per FFN block in the fp32 and int8 graphs (0: not blocked).
                   "ffn_rows": rows},
         "outputs": RERANKER_OUTPUTS if kind == RERANKER else OUTPUTS,
-        "variants": {v: _variant_entry(out, v, agreement.get(v)) for v in VARIANTS
-                     if v in variants},
+        "variants": {v: _variant_entry(out, v, agreement.get(v), quantization.get(v))
+                     for v in VARIANTS if v in variants},
         "tokenizer": "tokenizer.json",
         "source": {
             "model": model,
@@ -237,8 +271,8 @@ def _validate(out: Path, variants: list[str], tokenizer: Path, label: str,
         result.unlink(missing_ok=True)
 
 
-def _variant_entry(out: Path, variant: str,
-                   agreement: dict[str, float] | None = None) -> dict[str, object]:
+def _variant_entry(out: Path, variant: str, agreement: dict[str, float] | None = None,
+                   quantization: dict[str, object] | None = None) -> dict[str, object]:
     graph = out / GRAPH_PATHS[variant]
     entry: dict[str, object] = {
         "path": GRAPH_PATHS[variant],
@@ -249,6 +283,8 @@ def _variant_entry(out: Path, variant: str,
     if variant in RUNTIMES:
         entry["runtime"] = RUNTIMES[variant]
         entry["attention"] = "plain (the runtime fuses it)"
+    if quantization is not None:
+        entry["quantization"] = quantization
     if agreement is not None:
         # vs this export's fp32 graph on validate.VALIDATION_TEXTS texts (validate.py)
         entry["agreement"] = agreement
@@ -263,7 +299,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="export directory")
     parser.add_argument("--variant", action="append", choices=VARIANTS,
                         help="repeatable; default: every CPU variant (fp32, int8, and bf16 — "
-                             "an OpenVINO IR — when openvino is installed)")
+                             "an OpenVINO IR — when openvino is installed, ov-int8 — NNCF's "
+                             "int8 IR — when nncf is too)")
     parser.add_argument("--opset", type=int, default=18)
     parser.add_argument("--attention-block", type=int, default=None,
                         help="query rows per attention block for long texts (default 256; "

@@ -86,9 +86,24 @@ def row_block_ffn(model: onnx.ModelProto, rows: int = FFN_ROWS) -> int:
     infos = [v for v in graph.value_info if v.name not in inner]
     del graph.node[:]
     graph.node.extend(kept)
+    # Each layer's output is [B, L, H] again; said so, ONNX Runtime fuses the next layer's
+    # attention output (its bias, this residual, the LayerNorm) into one SkipLayerNormalization,
+    # which it skips for a residual of unknown shape (23 of bge-m3's 24 layers, unsaid).
+    batch, seq = _token_dims(graph)
+    known = {v.name for v in infos} | {o.name for o in graph.output}
+    infos += [helper.make_tensor_value_info(end, dtype, [batch, seq, width])
+              for _, end, _ in regions if end not in known]
     del graph.value_info[:]
     graph.value_info.extend(infos)
     return len(regions)
+
+
+def _token_dims(graph: onnx.GraphProto) -> tuple[str | int | None, str | int | None]:
+    """The batch and sequence dims of the graph's token input (symbolic names or sizes;
+    None where unknown)."""
+    ids = next((i for i in graph.input if i.name == "input_ids"), graph.input[0])
+    dims = [d.dim_param or d.dim_value or None for d in ids.type.tensor_type.shape.dim]
+    return (dims + [None, None])[0], (dims + [None, None])[1]
 
 
 def fold_initializer_identities(graph: onnx.GraphProto) -> int:

@@ -151,7 +151,7 @@ CALIBRATION_TEXTS = 16
 
 def export_int8(fp32: Path, out: Path, tokenizer: Path | None = None,
                 recipe: str = "smoothquant", max_tokens: int | None = None,
-                pairs: bool = False) -> None:
+                weight_bits: int = 7, pairs: bool = False) -> None:
     """int8 MatMul weights (dynamic quantization, per channel); heads stay fp32.
 
     ``smoothquant`` (the export's recipe) first smooths the fp32 graph with activation maxima
@@ -198,8 +198,10 @@ def export_int8(fp32: Path, out: Path, tokenizer: Path | None = None,
         # 0.99 int8 bar it meets with 7 bits. An export may be served on any CPU, so it must
         # not overflow on any;
         # on VNNI CPUs 7 bits cost ~0.0003 of the cosine (docs/benchmarks.md, recipe f2).
+        # `prepare` makes its graph on the machine that serves it: there, with VNNI (whose
+        # u8 x s8 instructions sum into int32), it asks for 8 bits (weight_bits=8).
         quantize_dynamic(str(src), str(raw), weight_type=QuantType.QInt8, per_channel=True,
-                         reduce_range=True,
+                         reduce_range=weight_bits < 8,
                          op_types_to_quantize=["MatMul", "Gemm"], nodes_to_exclude=exclude,
                          use_external_data_format=big,
                          # Shape inference cannot see through the com.microsoft attention op;
@@ -266,6 +268,20 @@ def export_openvino(plain_fp32: Path, out: Path) -> None:
     _log(f"wrote {out}", started)
 
 
+def export_ov_int8(plain_fp32: Path, out: Path, tokenizer: Path, report: Path,
+                   max_tokens: int | None = None) -> None:
+    """The ov-int8 variant: NNCF int8 quantization of the plain-attention graph (ovint8.py)."""
+    import json
+
+    from bgeserve.export import ovint8
+
+    started = time.monotonic()
+    _log(f"quantizing {plain_fp32} for OpenVINO (NNCF int8)", started)
+    done = ovint8.quantize(plain_fp32, out, tokenizer, max_tokens=max_tokens)
+    report.write_text(json.dumps(done))
+    _log(f"wrote {out}: {done}", started)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bgeserve.export.steps")
     sub = parser.add_subparsers(dest="step", required=True)
@@ -289,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokenizer.json for the calibration texts (smoothquant)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="longest calibration text (the model's positions)")
+    p.add_argument("--weight-bits", type=int, choices=[7, 8], default=7,
+                   help="7 (reduce_range: safe on every CPU) or 8 (CPUs with VNNI)")
     p.add_argument("--pairs", action="store_true",
                    help="calibrate on (query, document) pairs (a reranker)")
     p = sub.add_parser("rowblock")
@@ -305,6 +323,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("openvino")
     p.add_argument("fp32", type=Path)
     p.add_argument("out", type=Path)
+    p = sub.add_parser("ov-int8")
+    p.add_argument("fp32", type=Path, help="a plain-attention fp32 graph")
+    p.add_argument("out", type=Path)
+    p.add_argument("--tokenizer", type=Path, required=True)
+    p.add_argument("--report", type=Path, required=True,
+                   help="JSON file written with what was quantized (for the manifest)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="longest calibration text (the model's positions)")
     args = parser.parse_args(argv)
     if args.step == "fp32":
         export_fp32(args.model_dir, args.out, args.opset, args.layout, args.attention_block)
@@ -312,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         export_fp16(args.fp32, args.out, args.heads, args.hidden)
     elif args.step == "openvino":
         export_openvino(args.fp32, args.out)
+    elif args.step == "ov-int8":
+        export_ov_int8(args.fp32, args.out, args.tokenizer, args.report, args.max_tokens)
     elif args.step == "rowblock":
         row_block(args.graphs, args.rows)
     elif args.step == "validate":
@@ -319,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                  args.kind)
     else:
         export_int8(args.fp32, args.out, args.tokenizer, args.recipe, args.max_tokens,
-                    args.pairs)
+                    args.weight_bits, args.pairs)
     return 0
 
 

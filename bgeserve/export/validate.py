@@ -1,7 +1,7 @@
 """Export-time validation: how closely each reduced-precision variant agrees with fp32.
 
 The figures go into the variant's manifest entry (``"agreement"``), so an export says what its
-fp16, int8 and bf16 graphs cost in accuracy on the model actually exported, not only on the
+fp16, int8, bf16 and ov-int8 graphs cost in accuracy on the model actually exported, not only on the
 random model the docs measured. The texts run through the fp32 graph alone (batch 1, no
 padding), then through each variant's own runtime twice: alone, and in padded batches of
 neighbouring lengths as the server packs them (int8's dynamic activation scale is per tensor, so
@@ -30,11 +30,18 @@ BATCH = 4  # texts per padded batch in the batched pass
 
 def open_session(export_dir: Path, variant: str) -> Any:
     """A session over the variant's graph with bgeserve's runtime options (threads: auto)."""
-    path = export_dir / GRAPH_PATHS[variant]
-    if RUNTIMES.get(variant) == "openvino":
+    return _open(export_dir / GRAPH_PATHS[variant], RUNTIMES.get(variant, "onnxruntime"),
+                 variant)
+
+
+def _open(path: Path, runtime: str, variant: str = "bf16") -> Any:
+    """A session over the graph at ``path`` with bgeserve's runtime options (threads: auto);
+    ``variant`` names an OpenVINO graph's precision (bf16 or ov-int8)."""
+    if runtime == "openvino":
         from bgeserve.runtime.openvino import SharedModel
 
-        return SharedModel(path, precision="bf16", threads=0, streams=1).session()
+        # the variant's own precision (runtime/openvino.py INFERENCE_PRECISION), as served
+        return SharedModel(path, precision=variant, threads=0, streams=1).session()
     from bgeserve.runtime.onnx import OnnxSession, SessionConfig
 
     return OnnxSession(path, SessionConfig())
@@ -48,11 +55,19 @@ def batches(rows: Sequence[np.ndarray], size: int) -> list[list[int]]:
 
 def _outputs(export_dir: Path, variant: str, rows: Sequence[np.ndarray],
              batch: int = 1) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Dense vectors [n, hidden] and per-token sparse weights (one array per text), with the
-    texts run ``batch`` at a time (right-padded with ``<pad>``, as the server pads)."""
+    """``outputs_of`` the export's graph of ``variant``."""
+    return outputs_of(export_dir / GRAPH_PATHS[variant], RUNTIMES.get(variant, "onnxruntime"),
+                      rows, batch, variant)
+
+
+def outputs_of(path: Path, runtime: str, rows: Sequence[np.ndarray], batch: int = 1,
+               variant: str = "bf16") -> tuple[np.ndarray, list[np.ndarray]]:
+    """Dense vectors [n, hidden] and per-token sparse weights (one array per text) of the
+    bgeserve-layout graph at ``path``, with the texts run ``batch`` at a time (right-padded
+    with ``<pad>``, as the server pads)."""
     from bgeserve.engine.forward import pad_chunk
 
-    session = open_session(export_dir, variant)
+    session = _open(path, runtime, variant)
     dense: list[np.ndarray] = [np.empty(0)] * len(rows)
     sparse: list[np.ndarray] = [np.empty(0)] * len(rows)
     try:
@@ -80,17 +95,34 @@ def compare(ref: tuple[np.ndarray, list[np.ndarray]],
             "sparse_max_abs": float(f"{sparse:.4g}"), "texts": len(a)}
 
 
+def texts(tokenizer: Path, n: int = VALIDATION_TEXTS,
+          max_tokens: int = corpus.MAX_TOKENS) -> list[np.ndarray]:
+    """The validation rows: ``n`` of 16..max_tokens tokens and SHORT_TEXTS of 3-8."""
+    rows = corpus.token_rows(tokenizer, corpus.VALIDATION_SEED, n, max_tokens=max_tokens)
+    rows += corpus.token_rows(tokenizer, corpus.VALIDATION_SEED + 1, SHORT_TEXTS,
+                              min_tokens=3, max_tokens=8)
+    return rows
+
+
 def agreement(export_dir: Path, variants: Sequence[str], tokenizer: Path,
               n: int = VALIDATION_TEXTS, max_tokens: int = corpus.MAX_TOKENS,
               ) -> dict[str, dict[str, float | int]]:
     """{variant: figures} for each of ``variants`` against the export's fp32 graph."""
-    rows = corpus.token_rows(tokenizer, corpus.VALIDATION_SEED, n, max_tokens=max_tokens)
-    rows += corpus.token_rows(tokenizer, corpus.VALIDATION_SEED + 1, SHORT_TEXTS,
-                              min_tokens=3, max_tokens=8)
+    rows = texts(tokenizer, n, max_tokens)
     ref = _outputs(export_dir, "fp32", rows)
     return {v: worse(compare(ref, _outputs(export_dir, v, rows)),
                      compare(ref, _outputs(export_dir, v, rows, BATCH)))
             for v in variants if v != "fp32"}
+
+
+def agreement_with(reference: Path, graphs: dict[str, tuple[Path, str]],
+                   rows: Sequence[np.ndarray]) -> dict[str, dict[str, float | int]]:
+    """{name: figures} of each graph ((path, runtime), bgeserve's layout) against the
+    ``reference`` graph (ONNX Runtime), measured as ``agreement`` measures an export."""
+    ref = outputs_of(reference, "onnxruntime", rows)
+    return {name: worse(compare(ref, outputs_of(path, runtime, rows)),
+                        compare(ref, outputs_of(path, runtime, rows, BATCH)))
+            for name, (path, runtime) in graphs.items()}
 
 
 def worse(a: dict[str, float | int], b: dict[str, float | int]) -> dict[str, float | int]:

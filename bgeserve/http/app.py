@@ -15,9 +15,9 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from bgeserve.config import Settings
-from bgeserve.http import guards, handlers, rerank
+from bgeserve.http import guards, handlers, rerank, tei
 from bgeserve.http.context import RequestContext
-from bgeserve.http.errors import EXCEPTION_HANDLERS
+from bgeserve.http.errors import EXCEPTION_HANDLERS, ErrorStyle
 from bgeserve.http.guards import BearerAuth, BodyLimit, InflightLimit
 from bgeserve.http.schemas import BOTH, DENSE, SPARSE
 
@@ -31,18 +31,39 @@ BUILTIN_MODEL_IDS = ("bge-m3", "BAAI/bge-m3")
 # from the memory it has (cli.py).
 DEFAULT_INFLIGHT_MB = 256
 
-routes = [
+openai_routes = [
     Route("/v1/embeddings", handlers.embed_endpoint(DENSE), methods=["POST"], name="dense"),
+    # TEI serves the OpenAI route without /v1 too (an OpenAI client given the bare host).
+    Route("/embeddings", handlers.embed_endpoint(DENSE), methods=["POST"]),
     Route("/v1/sparse-embeddings", handlers.embed_endpoint(SPARSE), methods=["POST"],
           name="sparse"),
     Route("/v1/embeddings:both", handlers.embed_endpoint(BOTH), methods=["POST"], name="both"),
     Route("/v1/rerank", rerank.rerank, methods=["POST"], name="rerank"),
     Route("/v2/rerank", rerank.rerank, methods=["POST"], name="rerank_v2"),
-    Route("/rerank", rerank.tei_rerank, methods=["POST"], name="tei_rerank"),
     Route("/v1/models", handlers.models, methods=["GET"]),
+    Route("/v1/models/{model_id:path}", handlers.model, methods=["GET"]),
     Route("/health", handlers.health, methods=["GET"]),
     Route("/metrics", handlers.metrics, methods=["GET"]),
 ]
+# text-embeddings-inference's API: TEI's shapes, and TEI's error shape and statuses for every
+# error on these paths (errors.ErrorStyle). A TEI-style route is added here.
+tei_routes = [
+    Route("/", tei.root, methods=["POST"]),
+    Route("/invocations", tei.root, methods=["POST"]),  # TEI's (SageMaker's) name for POST /
+    Route("/embed", tei.embed, methods=["POST"]),
+    Route("/embed_sparse", tei.embed_sparse, methods=["POST"]),
+    Route("/embed_all", tei.embed_all, methods=["POST"]),
+    Route("/similarity", tei.similarity, methods=["POST"]),
+    Route("/tokenize", tei.tokenize, methods=["POST"]),
+    Route("/decode", tei.decode, methods=["POST"]),
+    Route("/info", tei.info, methods=["GET"]),
+    Route("/rerank", rerank.tei_rerank, methods=["POST"], name="tei_rerank"),
+]
+routes = [*openai_routes, *tei_routes]
+TEI_PATHS = frozenset(route.path for route in tei_routes)
+# TEI routes bgeserve does not serve (a classifier's /predict, Vertex AI's /vertex): their 404
+# is in TEI's shape too, so that a TEI client can read it.
+TEI_UNSERVED = frozenset({"/predict", "/vertex"})
 
 
 def _default_factory(settings: Settings) -> Service:
@@ -78,6 +99,7 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
     open_paths = {"/health"} if settings.metrics_auth else {"/health", "/metrics"}
     middleware = [
         Middleware(RequestContext),
+        Middleware(ErrorStyle, tei_paths=TEI_PATHS | TEI_UNSERVED),
         Middleware(BearerAuth, keys=settings.api_keys, open_paths=frozenset(open_paths)),
         Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                    idle_timeout=guards.BODY_IDLE_TIMEOUT_S),

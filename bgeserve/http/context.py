@@ -64,9 +64,14 @@ class RequestContext:
                 message = {**message, "headers": headers}
             await send(message)
 
+        metrics = _metrics(scope) if scope["path"] not in _QUIET_PATHS else None
+        if metrics is not None:
+            metrics.in_flight.inc()
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            if metrics is not None:
+                metrics.in_flight.dec()
             seconds = time.perf_counter() - started
             level = logging.DEBUG if scope["path"] in _QUIET_PATHS else logging.INFO
             log.log(
@@ -82,10 +87,14 @@ class RequestContext:
             _observe(scope, status, seconds)
 
 
+def _metrics(scope: Scope):
+    """The service's metrics (None when the service keeps none)."""
+    return getattr(scope.get("state", {}).get("service"), "metrics_registry", None)
+
+
 def _observe(scope: Scope, status: int, seconds: float) -> None:
     """Count the request in the service's metrics (when the service keeps any)."""
-    service = scope.get("state", {}).get("service")
-    metrics = getattr(service, "metrics_registry", None)
+    metrics = _metrics(scope)
     if metrics is None:
         return
     route = scope.get("route")

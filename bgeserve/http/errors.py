@@ -1,10 +1,13 @@
-"""The one table from exception class to HTTP status, the error envelope, and the handlers.
+"""The one table from exception class to HTTP status, the error bodies, and the handlers.
 
-Every error response, the framework's own included, has the OpenAI shape
-``{"error": {"message", "type", "code", "param"}}``. Errors are translated where they enter:
-the service raises ``BgeServeError`` subclasses, request parsing raises ``InvalidInput`` /
-``TooLarge``, middleware raises the HTTP-only classes below, and Starlette's ``HTTPException``
-(unknown route, wrong method) is translated by ``on_http_exception``.
+Every error response, the framework's own included, has one of two shapes, chosen by the
+request's path (``ErrorStyle``): the OpenAI shape ``{"error": {"message", "type", "code",
+"param"}}`` everywhere, and TEI's ``{"error": str, "error_type": str}`` on the routes that speak
+text-embeddings-inference's API (``/embed``, ``/tokenize``, ...), with TEI's statuses
+(``TEI_ERRORS``). Errors are translated where they enter: the service raises ``BgeServeError``
+subclasses, request parsing raises ``InvalidInput`` / ``TooLarge``, middleware raises the
+HTTP-only classes below, and Starlette's ``HTTPException`` (unknown route, wrong method) is
+translated by ``on_http_exception``. Everything that answers an error calls ``respond``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import orjson
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bgeserve.errors import (
     BgeServeError,
@@ -87,6 +91,29 @@ ERROR_STATUS: dict[type[BgeServeError], int] = {
     ClientGone: 499,
 }
 
+# TEI's statuses and error types (text-embeddings-inference router/src/http/server.rs and
+# docs/openapi.json, commit 0d124dc): validation and tokenizer errors are 422, an empty input
+# 400, a backend failure 424, overload 429, unhealthy 503. Looked up along the MRO like
+# ERROR_STATUS; a class missing here keeps its ERROR_STATUS status, typed Validation (4xx) or
+# Backend (5xx), since TEI's ErrorType has no other members.
+TEI_ERRORS: dict[type[BgeServeError], tuple[int, str]] = {
+    InvalidInput: (422, "Validation"),
+    TooLarge: (413, "Validation"),
+    Overloaded: (429, "Overloaded"),
+    EngineFailed: (424, "Backend"),
+    NotReady: (503, "Unhealthy"),
+    ModelUnavailable: (503, "Unhealthy"),
+}
+# Codes TEI answers otherwise than their class: an empty input is TEI's own 400 "Empty", and
+# a body that is no JSON is 400 (axum's JSON extractor).
+TEI_CODES: dict[str, tuple[int, str]] = {
+    "empty_input": (400, "Empty"),
+    "invalid_json": (400, "Validation"),
+    "bad_request": (400, "Validation"),
+}
+TEI_STYLE = "tei"
+OPENAI_STYLE = "openai"
+
 # 500s and a missing model may carry internals (paths, runtime errors) in their message: the
 # caller gets a generic text and the request id; the details go to the log only.
 _GENERIC_MESSAGE = "internal server error; see the server log for request id {rid}"
@@ -103,6 +130,22 @@ def status_for(exc: BgeServeError) -> int:
     return 500
 
 
+def tei_status(exc: BgeServeError) -> tuple[int, str]:
+    """TEI's status and ``error_type`` for ``exc`` (``TEI_CODES``, then ``TEI_ERRORS``)."""
+    if exc.code in TEI_CODES:
+        return TEI_CODES[exc.code]
+    for cls in type(exc).__mro__:
+        if cls in TEI_ERRORS:
+            return TEI_ERRORS[cls]
+    status = status_for(exc)
+    return status, "Backend" if status >= 500 else "Validation"
+
+
+def tei_body(message: str, error_type: str) -> dict[str, Any]:
+    """TEI's error body (``ErrorResponse`` in TEI's docs/openapi.json)."""
+    return {"error": message, "error_type": error_type}
+
+
 def envelope(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
     """The error body: ``type`` is ``invalid_request_error`` for 4xx, ``server_error`` for 5xx."""
     kind = "server_error" if status >= 500 else "invalid_request_error"
@@ -116,8 +159,9 @@ def json_error(
     return Response(orjson.dumps(body), status, headers, media_type="application/json")
 
 
-def error_response(exc: BgeServeError, request_id: str | None = None) -> Response:
-    """Translate a ``BgeServeError`` through the table into an enveloped response."""
+def error_response(exc: BgeServeError, request_id: str | None = None,
+                   style: str = OPENAI_STYLE) -> Response:
+    """Translate a ``BgeServeError`` through the table into an error response of ``style``."""
     status = status_for(exc)
     headers: dict[str, str] = {}
     if isinstance(exc, Overloaded):
@@ -132,17 +176,48 @@ def error_response(exc: BgeServeError, request_id: str | None = None) -> Respons
             message = _GENERIC_MESSAGE.format(rid=request_id)
     else:
         log.info("rejected: %s (%s)", exc.code, exc.param, extra={"request_id": request_id})
+    if style == TEI_STYLE:
+        tei, error_type = tei_status(exc)
+        return json_error(tei, tei_body(message, error_type), headers)
     return json_error(status, envelope(status, message, exc.code, exc.param), headers)
+
+
+def style_of(scope: Scope) -> str:
+    """The error style ``ErrorStyle`` chose for this request (OpenAI's before it ran)."""
+    return scope.get("state", {}).get("error_style", OPENAI_STYLE)
+
+
+def respond(exc: BgeServeError, scope: Scope) -> Response:
+    """The error response for ``exc`` in the style and with the request id of ``scope``."""
+    return error_response(exc, request_id_of(scope), style_of(scope))
+
+
+class ErrorStyle:
+    """ASGI middleware: errors on ``tei_paths`` get TEI's shape and statuses.
+
+    Decided from the path before anything can fail (the auth, body and in-flight guards answer
+    before routing), and kept in ``scope["state"]["error_style"]`` for ``respond``.
+    """
+
+    def __init__(self, app: ASGIApp, *, tei_paths: frozenset[str]) -> None:
+        self.app = app
+        self.tei_paths = tei_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            style = TEI_STYLE if scope["path"] in self.tei_paths else OPENAI_STYLE
+            scope.setdefault("state", {})["error_style"] = style
+        await self.app(scope, receive, send)
 
 
 async def on_bgeserve_error(request: Request, exc: Exception) -> Response:
     """Handler for every ``BgeServeError`` that reaches the router."""
     assert isinstance(exc, BgeServeError)
-    return error_response(exc, request_id_of(request.scope))
+    return respond(exc, request.scope)
 
 
 async def on_http_exception(request: Request, exc: Exception) -> Response:
-    """Translate Starlette's ``HTTPException`` (404, 405, …) into the envelope."""
+    """Translate Starlette's ``HTTPException`` (404, 405, …) into the error body."""
     assert isinstance(exc, HTTPException)
     code = _HTTP_CODES.get(exc.status_code, "http_error")
     message = exc.detail
@@ -151,6 +226,10 @@ async def on_http_exception(request: Request, exc: Exception) -> Response:
     elif exc.status_code == 405:
         allowed = (exc.headers or {}).get("Allow", "")
         message = f"method {request.method} is not allowed on {request.url.path}; use {allowed}"
+    if style_of(request.scope) == TEI_STYLE:
+        if exc.status_code == 404:
+            message += " (TEI's routes that bgeserve serves: docs/tei.md)"
+        return json_error(exc.status_code, tei_body(message, "Validation"), exc.headers)
     return json_error(exc.status_code, envelope(exc.status_code, message, code), exc.headers)
 
 
@@ -158,7 +237,9 @@ async def on_unexpected(request: Request, exc: Exception) -> Response:
     """The outer 500: generic message, request id echoed; Starlette re-raises so it is logged."""
     rid = request_id_of(request.scope)
     log.error("unexpected %s", type(exc).__name__, extra={"request_id": rid})
-    body = envelope(500, _GENERIC_MESSAGE.format(rid=rid), "internal_error")
+    message = _GENERIC_MESSAGE.format(rid=rid)
+    body = (tei_body(message, "Backend") if style_of(request.scope) == TEI_STYLE
+            else envelope(500, message, "internal_error"))
     return json_error(500, body, {REQUEST_ID_HEADER: rid} if rid else None)
 
 

@@ -1,8 +1,8 @@
 """Middleware that refuses a request before a handler runs: bearer keys, the body limit and
 the allowance of bodies in progress.
 
-All answer with the same envelope as every other error (built by ``errors.error_response``);
-they sit inside ``RequestContext``, so the response still carries the request id.
+All answer with the same body as every other error (built by ``errors.respond``, in the
+route's style); they sit inside ``RequestContext``, so the response still carries the request id.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import hmac
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bgeserve.errors import BgeServeError, InvalidInput, Overloaded, TooLarge
-from bgeserve.http.context import request_id_of
-from bgeserve.http.errors import BodyTimeout, Unauthorized, error_response
+from bgeserve.http.errors import BodyTimeout, Unauthorized, respond
 
 # nginx's client_body_timeout: a client may be slow, but not silent for longer than this.
 BODY_IDLE_TIMEOUT_S = 60.0
@@ -59,7 +58,7 @@ class BearerAuth:
         if scope["type"] == "http" and self.digests and scope["path"] not in self.open_paths:
             refusal = self._check(scope)
             if refusal is not None:
-                await error_response(refusal, request_id_of(scope))(scope, receive, send)
+                await respond(refusal, scope)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -99,7 +98,7 @@ class BodyLimit:
         elif declared is not None and int(declared) > self.max_bytes:
             refusal = self._too_large(int(declared))
         if refusal is not None:
-            await error_response(refusal, request_id_of(scope))(scope, receive, send)
+            await respond(refusal, scope)(scope, receive, send)
             return
         total = 0
         complete = False
@@ -109,7 +108,10 @@ class BodyLimit:
             if complete:  # after the body only http.disconnect comes, whenever it does
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), self.idle_timeout)
+                # asyncio.timeout, not wait_for: no task per message (a query's whole body is
+                # one message), and receive() runs in the handler's own task.
+                async with asyncio.timeout(self.idle_timeout):
+                    message = await receive()
             except TimeoutError:
                 raise BodyTimeout(f"no byte of the request body arrived for "
                                   f"{self.idle_timeout:g}s; send the whole body at once") from None
@@ -153,7 +155,7 @@ class InflightLimit:
         declared = _header(scope, b"content-length")
         size = int(declared) if declared is not None and declared.strip().isdigit() else 0
         if self.held and self.held + size > self.max_bytes:
-            await error_response(self._refusal(size), request_id_of(scope))(scope, receive, send)
+            await respond(self._refusal(size), scope)(scope, receive, send)
             return
         mine = size
         self.held += mine

@@ -13,10 +13,11 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import anyio.to_thread
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from bgeserve.http.errors import ClientGone, UnsupportedMediaType
+from bgeserve.http.errors import ClientGone, ModelNotFound, UnsupportedMediaType
 from bgeserve.http.render import render_embeddings, render_json
 from bgeserve.http.schemas import Endpoint, check_dimensions, parse_embed_request
 
@@ -107,12 +108,26 @@ def embed_endpoint(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response
     return handle
 
 
+def _model_entry(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "owned_by": "BAAI", "created": 0}
+
+
 async def models(request: Request) -> Response:
     """``GET /v1/models``: bge-m3, every accepted alias, and the reranker when loaded."""
-    entry = {"object": "model", "owned_by": "BAAI", "created": 0}
     names = (*request.state.model_ids, *request.state.service.rerank_model_ids())
-    data = [{"id": name, **entry} for name in names]
+    data = [_model_entry(name) for name in names]
     return Response(render_json({"object": "list", "data": data}), media_type="application/json")
+
+
+async def model(request: Request) -> Response:
+    """``GET /v1/models/{id}`` (``client.models.retrieve``): one accepted name, else 404."""
+    name = request.path_params["model_id"]
+    if not name:  # `/v1/models/`: an unknown route, as every trailing slash is
+        raise HTTPException(404)
+    if name not in request.state.model_ids:
+        raise ModelNotFound(f"the model {name!r} does not exist; this server serves "
+                            f"{', '.join(request.state.model_ids)}", param="model")
+    return Response(render_json(_model_entry(name)), media_type="application/json")
 
 
 async def health(request: Request) -> Response:

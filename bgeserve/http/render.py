@@ -44,15 +44,15 @@ def select_sparse(
     return np.ascontiguousarray(indices), np.ascontiguousarray(values)
 
 
-def sparse_values(
-    indices: np.ndarray, values: np.ndarray, request: EmbedRequest, token_strings: TokenStrings
+def format_sparse(
+    indices: np.ndarray, values: np.ndarray, sparse_format: str, token_strings: TokenStrings
 ) -> dict[str, Any]:
-    """``{"indices", "values"}``, or ``{token: weight}`` (max weight when strings collide)."""
-    indices, values = select_sparse(
-        indices, values, request.sparse_top_k, request.sparse_min_weight
-    )
-    if request.sparse_format == "indices":
+    """``{"indices", "values"}``, ``{"<id>": weight}`` (``dict``, ids ascending), or
+    ``{token: weight}`` (``tokens``; max weight when strings collide)."""
+    if sparse_format == "indices":
         return {"indices": indices, "values": values}
+    if sparse_format == "dict":
+        return dict(zip(map(str, indices.tolist()), values, strict=True))
     by_token: dict[str, np.float32] = {}
     for token, weight in zip(token_strings(indices.tolist()), values, strict=True):
         if token not in by_token or weight > by_token[token]:
@@ -67,19 +67,30 @@ def render_embeddings(
     model: str,
     token_strings: TokenStrings,
 ) -> bytes:
-    """The full JSON body for an embedding route, items in input order."""
+    """The full JSON body for an embedding route, items in input order.
+
+    With ``sparse_empty: omit``, an item whose sparse vector is empty (after ``sparse_top_k``
+    and ``sparse_min_weight``) is left out; the others keep their input ``index``.
+    """
     fmt = request.encoding_format
     colbert_dtype = "<f2" if request.colbert_dtype == "float16" else "<f4"
     dense = result.dense if "dense" in request.outputs else None
     sparse = result.sparse if "sparse" in request.outputs else None
     colbert = result.colbert if "colbert" in request.outputs else None
+    omit_empty = sparse is not None and request.sparse_empty == "omit"
     items = []
     for i in range(len(result)):
         item: dict[str, Any] = {"object": endpoint.item_object, "index": i}
+        if sparse is not None:
+            ids, weights = select_sparse(*sparse[i], request.sparse_top_k,
+                                         request.sparse_min_weight)
+            if omit_empty and len(ids) == 0:
+                continue
         if dense is not None:
             item["embedding"] = encode_array(dense[i], fmt)
         if sparse is not None:
-            item["sparse_values"] = sparse_values(*sparse[i], request, token_strings)
+            item["sparse_values"] = format_sparse(ids, weights, request.sparse_format,
+                                                  token_strings)
         if colbert is not None:
             item["colbert"] = encode_array(colbert[i], fmt, colbert_dtype)
         if result.truncated[i]:

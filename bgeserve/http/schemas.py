@@ -38,6 +38,7 @@ class EmbedRequest:
     sparse_top_k: int | None = None
     sparse_min_weight: float | None = None
     sparse_format: str = "indices"
+    sparse_empty: str = "keep"
     colbert_dtype: str = "float32"
 
     @property
@@ -61,7 +62,7 @@ class Endpoint:
 
 
 DENSE = Endpoint("embedding", ("dense",), ("encoding_format", "dimensions"))
-_SPARSE_OPTIONS = ("sparse_top_k", "sparse_min_weight", "sparse_format")
+_SPARSE_OPTIONS = ("sparse_top_k", "sparse_min_weight", "sparse_format", "sparse_empty")
 SPARSE = Endpoint("sparse_embedding", ("sparse",), _SPARSE_OPTIONS)
 BOTH = Endpoint(
     "embedding",
@@ -145,7 +146,8 @@ OPTION_PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "dimensions": _dimensions,
     "sparse_top_k": _positive_int,
     "sparse_min_weight": _weight,
-    "sparse_format": _choice("indices", "tokens"),
+    "sparse_format": _choice("indices", "tokens", "dict"),
+    "sparse_empty": _choice("keep", "omit"),
     "outputs": _outputs,
     "colbert_dtype": _choice("float32", "float16"),
 }
@@ -170,40 +172,56 @@ def _token_ids(ids: list[Any], param: str) -> list[int]:
     return out
 
 
-def parse_input(value: Any, settings: Settings) -> list[str] | list[list[int]]:
-    """``input`` as a batch: a list of texts or a list of token-id lists."""
+TOKEN_IDS_REFUSED = (
+    "{name} holds token ids, which this server refuses by default: clients such as LangChain's "
+    "OpenAIEmbeddings send ids of another tokenizer (tiktoken's cl100k_base), and bge-m3 would "
+    "embed them as the wrong tokens, silently. Send the texts as strings (LangChain: "
+    "OpenAIEmbeddings(..., check_embedding_ctx_length=False)), or, if your client sends "
+    "bge-m3's own (XLM-RoBERTa) token ids, start the server with BGE_M3_ACCEPT_TOKEN_IDS=1"
+)
+
+
+def parse_input(value: Any, settings: Settings, name: str = "input") -> list[str] | list[list[int]]:
+    """``input`` (TEI: ``inputs``, passed as ``name``) as a batch: a list of texts or a list of
+    token-id lists (only with ``BGE_M3_ACCEPT_TOKEN_IDS``)."""
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list):
-        raise InvalidInput(f"input must be {_INPUT_SHAPES}", param="input")
+        raise InvalidInput(f"{name} must be {_INPUT_SHAPES}", param=name)
     if not value:
-        raise InvalidInput("input must not be empty", param="input", code="empty_input")
+        raise InvalidInput(f"{name} must not be empty", param=name, code="empty_input")
+    ids = _as_int(value[0]) is not None or isinstance(value[0], list)
+    if ids and not settings.accept_token_ids:
+        raise InvalidInput(TOKEN_IDS_REFUSED.format(name=name), param=name,
+                           code="token_ids_not_accepted")
     if _as_int(value[0]) is not None:
-        return [_token_ids(value, "input")]
+        return [_token_ids(value, name)]
     if len(value) > settings.max_batch:
         raise InvalidInput(
             f"batch of {len(value)} inputs exceeds the maximum of {settings.max_batch} "
             "(BGE_M3_MAX_BATCH); split the request",
-            param="input",
+            param=name,
             code="batch_too_large",
         )
-    if isinstance(value[0], list):
+    if ids:
         batch = []
-        for i, ids in enumerate(value):
-            if not isinstance(ids, list):
-                raise InvalidInput(f"input[{i}] must be an array of token ids", param=f"input[{i}]")
-            batch.append(_token_ids(ids, f"input[{i}]"))
+        for i, item in enumerate(value):
+            if not isinstance(item, list):
+                raise InvalidInput(f"{name}[{i}] must be an array of token ids",
+                                   param=f"{name}[{i}]")
+            batch.append(_token_ids(item, f"{name}[{i}]"))
         return batch
     for i, text in enumerate(value):
         if not isinstance(text, str):
             raise InvalidInput(
-                f"input[{i}] must be a string: input must be {_INPUT_SHAPES}", param=f"input[{i}]"
+                f"{name}[{i}] must be a string: {name} must be {_INPUT_SHAPES}",
+                param=f"{name}[{i}]",
             )
         if len(text) > settings.max_text_chars:
             raise TooLarge(
-                f"input[{i}] has {len(text)} characters, over the limit of "
+                f"{name}[{i}] has {len(text)} characters, over the limit of "
                 f"{settings.max_text_chars} (BGE_M3_MAX_TEXT_CHARS)",
-                param=f"input[{i}]",
+                param=f"{name}[{i}]",
             )
     return value
 

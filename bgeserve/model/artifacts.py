@@ -11,16 +11,17 @@ only when a download is needed.
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bgeserve.errors import ConfigError, ModelUnavailable
 from bgeserve.model.hubfetch import Fetcher
+from bgeserve.model.layout import Layout, graph_layout
 from bgeserve.model.ptload import HeadWeights, load_heads
 
 __all__ = [
@@ -32,44 +33,6 @@ __all__ = [
     "resolve",
     "validate_cache_dir",
 ]
-
-
-class Layout(str, enum.Enum):
-    """The outputs a graph has, which decides where the heads are computed."""
-
-    BGESERVE = (
-        "bgeserve"  # dense [B,H], sparse_weights [B,L], colbert [B,L-1,H]: heads in the graph
-    )
-    BAAI = "baai"  # sentence_embedding [B,H], token_embeddings [B,L,H]; heads from .pt
-    HIDDEN = "hidden"  # last_hidden_state [B,L,H]; heads from .pt
-    # Rerankers (a (query, document) pair per row): a bgeserve export's ``score`` [B], a
-    # stock hub / optimum export's ``logits`` [B, 1].
-    SCORE = "score"
-    LOGITS = "logits"
-
-    @property
-    def outputs(self) -> tuple[str, ...]:
-        """The graph output names this layout promises (for the runtime to check)."""
-        return _OUTPUTS[self]
-
-    @property
-    def exported(self) -> bool:
-        """A ``bgeserve export`` graph: its manifest records the model's sizes."""
-        return self in (Layout.BGESERVE, Layout.SCORE)
-
-    @property
-    def reranker(self) -> bool:
-        """A cross-encoder's graph: one relevance logit per row."""
-        return self in (Layout.SCORE, Layout.LOGITS)
-
-
-_OUTPUTS = {
-    Layout.BGESERVE: ("dense", "sparse_weights", "colbert"),
-    Layout.BAAI: ("sentence_embedding", "token_embeddings"),
-    Layout.HIDDEN: ("last_hidden_state",),
-    Layout.SCORE: ("score",),
-    Layout.LOGITS: ("logits",),
-}
 
 
 @dataclass(frozen=True)
@@ -98,8 +61,9 @@ HUB_SOURCES: dict[str, HubSource] = {
     "fp16": HubSource(Layout.HIDDEN, XENOVA_REPO, XENOVA_REVISION, "onnx/model_fp16.onnx"),
     "int8": HubSource(Layout.HIDDEN, XENOVA_REPO, XENOVA_REVISION, "onnx/model_quantized.onnx"),
 }
-# Variants only `bgeserve export` makes (bf16: an OpenVINO IR run by runtime/openvino.py).
-EXPORT_ONLY_VARIANTS = ("bf16",)
+# Variants only `bgeserve export` makes (OpenVINO IRs run by runtime/openvino.py: bf16, and
+# ov-int8, NNCF's int8 quantization of it).
+EXPORT_ONLY_VARIANTS = ("bf16", "ov-int8")
 RUNTIMES = ("onnxruntime", "openvino")
 _MANIFEST_FORMAT = "bgeserve-export"
 # Sibling files that are never a graph's external data (tokenizer files, configs, weights).
@@ -128,7 +92,7 @@ class ModelArtifacts:
     source: str  # human-readable, for logs and /health
     external_data: tuple[Path, ...] = ()
     # Which runtime reads the graph: "onnxruntime" (an .onnx file), or "openvino" (the bf16
-    # variant of an export: an OpenVINO IR, ``onnx_path`` is its model.xml).
+    # and ov-int8 variants of an export: OpenVINO IRs, ``onnx_path`` is its model.xml).
     runtime: str = "onnxruntime"
 
     def identity(self) -> str:
@@ -184,12 +148,18 @@ def resolve(
     endpoint: str | None = None,
     progress: bool = True,
     reranker: bool = False,
+    hub_cache: Path | None = None,
+    report: Callable[[str, int, int | None], None] | None = None,
 ) -> ModelArtifacts:
     """Find (downloading if needed) the files for ``variant``: from ``model_path`` or the hub.
 
-    The cache directory is validated first, before any network call. ``offline`` uses only what
-    is already cached; ``endpoint`` overrides the hub URL (None: huggingface_hub's default).
-    ``reranker``: the export at ``model_path`` must be a reranker's (else bge-m3's).
+    The cache directory (bgeserve's own) is validated first, before any network call. Hub files
+    go to the Hugging Face cache ``hub_cache`` (None: huggingface_hub's default, honouring
+    HF_HUB_CACHE / HF_HOME); files an earlier bgeserve downloaded into ``cache_dir`` are used
+    from there. ``offline`` uses only what is already cached; ``endpoint`` overrides the hub
+    URL (None: huggingface_hub's default); ``progress`` draws huggingface_hub's bars and
+    ``report`` gets (file, bytes done, bytes total) while a file downloads. ``reranker``: the
+    export at ``model_path`` must be a reranker's (else bge-m3's).
     """
     if variant not in (*HUB_SOURCES, *EXPORT_ONLY_VARIANTS):
         raise ConfigError(
@@ -197,7 +167,8 @@ def resolve(
             f"{', '.join((*HUB_SOURCES, *EXPORT_ONLY_VARIANTS))}",
             param="BGE_M3_MODEL",
         )
-    fetch = Fetcher(validate_cache_dir(cache_dir), offline, endpoint, progress)
+    fetch = Fetcher(hub_cache, offline, endpoint, progress,
+                    legacy_cache=validate_cache_dir(cache_dir), report=report)
     if model_path is not None:
         found = _resolve_local(Path(model_path).expanduser(), variant, fetch)
         if found.layout.reranker != reranker:
@@ -238,11 +209,20 @@ def _resolve_local(root: Path, variant: str, fetch: Fetcher) -> ModelArtifacts:
     graphs = {v: root / s.onnx for v, s in HUB_SOURCES.items() if (root / s.onnx).is_file()}
     if variant in graphs:
         onnx = graphs[variant]
-        layout = HUB_SOURCES[variant].layout
-        has_heads = any((root / name).is_file() for name in HEAD_FILES)
-        if layout is Layout.BAAI and len(graphs) > 1 and not has_heads:
-            layout = Layout.HIDDEN  # Xenova's snapshot also has onnx/model.onnx (last_hidden_state)
-        kind = "BAAI/bge-m3" if layout is Layout.BAAI else "Xenova/bge-m3"
+        # The graph's own outputs decide: BAAI's and Xenova's snapshots and an optimum export
+        # all name their fp32 graph onnx/model.onnx.
+        layout = graph_layout(onnx)
+        if layout is Layout.BGESERVE:
+            raise ModelUnavailable(
+                f"{onnx} has bgeserve's in-graph heads but {root} has no manifest.json: point "
+                "BGE_M3_MODEL_PATH at the whole `bgeserve export` directory",
+                param="BGE_M3_MODEL_PATH")
+        if layout.reranker:
+            raise ModelUnavailable(
+                f"{onnx} is a reranker's graph (one relevance logit per row): point "
+                "BGE_M3_RERANK_MODEL_PATH at it, and BGE_M3_MODEL_PATH at bge-m3",
+                param="BGE_M3_MODEL_PATH")
+        kind = {Layout.BAAI: "BAAI/bge-m3", Layout.HIDDEN: "hidden-state"}[layout]
         tokenizer = next(
             (p for p in (root / "tokenizer.json", onnx.parent / "tokenizer.json") if p.is_file()),
             None,
@@ -301,7 +281,8 @@ def _resolve_export(root: Path, manifest: dict[str, Any], variant: str) -> Model
     entry = variants.get(variant)
     if not isinstance(entry, dict):
         if variant in EXPORT_ONLY_VARIANTS:
-            hint = "(it needs `pip install 'bgeserve[openvino]'` when exporting)"
+            hint = ("(it needs `pip install 'bgeserve[export]'`, which has openvino and nncf, "
+                    "when exporting)")
         else:
             hint = ""
         source = manifest.get("source")

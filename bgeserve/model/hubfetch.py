@@ -10,8 +10,8 @@ below 1.0 by transformers, a serving-only install gets 2.x). Where the versions 
   base of ``RemoteEntryNotFoundError`` / ``LocalEntryNotFoundError`` after.
 * Transport errors escape from requests (< 1.0), httpx or httpx2 (>= 1.0).
 
-Retries with backoff stay huggingface_hub's own. ``huggingface_hub`` is imported only when a
-download is actually attempted.
+Retries with backoff stay huggingface_hub's own, but a host that does not resolve fails at once
+(``hubnet.resolves``). ``huggingface_hub`` is imported only when the model comes from the hub.
 """
 
 from __future__ import annotations
@@ -20,29 +20,43 @@ import functools
 import inspect
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
 from bgeserve.errors import ModelUnavailable
+from bgeserve.model.hubnet import resolves, watch_download
 
 __all__ = ["Fetcher"]
 
 
 @dataclass(frozen=True)
 class Fetcher:
-    """Downloads one pinned file into the cache through huggingface_hub, errors translated."""
+    """Downloads one pinned file into the Hugging Face cache, errors translated.
 
-    cache_dir: Path
+    ``cache_dir`` is the hub cache (None: huggingface_hub's own, which honours HF_HUB_CACHE and
+    HF_HOME); ``legacy_cache`` is looked in too, read-only (bgeserve's cache directory, where
+    earlier versions downloaded). A file already in either is used without any request.
+    """
+
+    cache_dir: Path | None
     offline: bool
     endpoint: str | None
     progress: bool
+    legacy_cache: Path | None = None
+    # Called with (file, bytes done, bytes total or None) while a file downloads.
+    report: Callable[[str, int, int | None], None] | None = None
 
     def __call__(self, repo_id: str, revision: str, filename: str) -> Path:
-        from huggingface_hub import hf_hub_download
+        cached = self.cached(repo_id, revision, filename)
+        if cached is not None:
+            return cached
+        from huggingface_hub import constants, hf_hub_download
 
+        if not self.offline:
+            self._check_network(repo_id, revision, filename)
         kwargs: dict[str, Any] = {}
         quiet: AbstractContextManager[None] = nullcontext()
         if not self.progress:
@@ -50,8 +64,14 @@ class Fetcher:
                 kwargs["tqdm_class"] = _NoProgress
             else:
                 quiet = _progress_bars_off()
+        watch: AbstractContextManager[None] = nullcontext()
+        if self.report is not None and not self.offline:
+            blobs = Path(self.cache_dir or constants.HF_HUB_CACHE) / (
+                "models--" + repo_id.replace("/", "--")) / "blobs"
+            watch = watch_download(blobs, filename, lambda: self._size(repo_id, revision,
+                                                                       filename), self.report)
         try:
-            with quiet:
+            with quiet, watch:
                 return Path(
                     hf_hub_download(
                         repo_id,
@@ -68,10 +88,54 @@ class Fetcher:
         except Exception as exc:  # noqa: BLE001 - every failure is explained below
             error = exc
         raise ModelUnavailable(
-            f"cannot get {filename} from {repo_id}@{revision} into cache {self.cache_dir}: "
-            f"{_explain(error, offline=self.offline)}. Set BGE_M3_MODEL_PATH to a local copy of "
-            "the model, pre-fill BGE_M3_CACHE_DIR, or allow downloads (HF_HUB_OFFLINE=0)"
+            f"cannot get {filename} from {repo_id}@{revision} into the Hugging Face cache "
+            f"{self._cache_name()}: {_explain(error, offline=self.offline)}. Set "
+            "BGE_M3_MODEL_PATH to a local copy of the model, pre-fill the cache (HF_HUB_CACHE / "
+            "HF_HOME), or allow downloads (HF_HUB_OFFLINE=0)"
         ) from error
+
+    def cached(self, repo_id: str, revision: str, filename: str) -> Path | None:
+        """The file from the hub cache (or the legacy one) at ``revision``, without a request."""
+        from huggingface_hub import try_to_load_from_cache
+
+        caches = [self.cache_dir]  # None: huggingface_hub's default cache
+        if self.legacy_cache is not None and self.legacy_cache != self.cache_dir:
+            caches.append(self.legacy_cache)
+        for cache in caches:
+            try:
+                found = try_to_load_from_cache(repo_id, filename, cache_dir=cache,
+                                               revision=revision)
+            except (OSError, ValueError):
+                found = None
+            if isinstance(found, str):
+                return Path(found)
+        return None
+
+    def _cache_name(self) -> str:
+        if self.cache_dir is not None:
+            return str(self.cache_dir)
+        from huggingface_hub import constants
+
+        return str(constants.HF_HUB_CACHE)
+
+    def _check_network(self, repo_id: str, revision: str, filename: str) -> None:
+        """Fail at once, not after huggingface_hub's retries, when the hub's host does not
+        resolve."""
+        from huggingface_hub import constants
+
+        ok, host = resolves(self.endpoint or constants.ENDPOINT)
+        if not ok:
+            raise ModelUnavailable(
+                f"cannot get {filename} from {repo_id}@{revision}: the hub's host {host} does "
+                f"not resolve (no network?) and the file is not in the Hugging Face cache "
+                f"{self._cache_name()}. Set BGE_M3_MODEL_PATH to a local copy of the model, or "
+                "fill the cache where there is a network and set HF_HUB_OFFLINE=1")
+
+    def _size(self, repo_id: str, revision: str, filename: str) -> int | None:
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+        url = hf_hub_url(repo_id, filename, revision=revision, endpoint=self.endpoint)
+        return get_hf_file_metadata(url).size
 
 
 def _explain(exc: Exception, *, offline: bool) -> str:

@@ -45,7 +45,10 @@ def resolve_reranker(*, model_path: Path | None, variant: str, cache_dir: Path,
         ConfigError: a variant the source does not have.
     """
     if model_path is None:
-        return _hub(variant, Fetcher(validate_cache_dir(cache_dir), offline, endpoint, progress))
+        # The Hugging Face cache, as for bge-m3 (model/artifacts.py): files downloaded into
+        # bgeserve's cache directory by an earlier version are still found there.
+        return _hub(variant, Fetcher(None, offline, endpoint, progress,
+                                     legacy_cache=validate_cache_dir(cache_dir)))
     root = Path(model_path).expanduser()
     kind = directory_kind(root) if root.is_dir() else None
     if (root / "manifest.json").is_file():

@@ -47,6 +47,12 @@ class Runtime:
     shares_weights: bool
     opener: Callable[[ModelArtifacts, SessionConfig], OpenSession]
     version: Callable[[], str]
+    # Between runs the runtime keeps its workspace at the high-water mark of the shapes run so
+    # far, instead of giving it back: OpenVINO's CPU plugin holds each stream's intermediate
+    # buffers for the life of the compiled model (a new infer request reuses them). The probe
+    # then reads cumulative peaks (tuning.probe.PeakMeter); ONNX Runtime's arena shrinks
+    # after every run (runtime/onnx.py).
+    retains_workspace: bool = False
 
     @property
     def on_gpu(self) -> bool:
@@ -105,7 +111,8 @@ _REGISTRY = {
     "coreml": Runtime("coreml", 1024, 1, False, _open_pinned, _ort_version),
     "cuda": Runtime("cuda", 8192, 32, False, _open_pinned, _ort_version),
     "tensorrt": Runtime("tensorrt", 8192, 32, False, _open_pinned, _ort_version),
-    "openvino": Runtime("openvino", 1024, 1, True, _open_openvino, _openvino_version),
+    "openvino": Runtime("openvino", 1024, 1, True, _open_openvino, _openvino_version,
+                        retains_workspace=True),
 }
 
 

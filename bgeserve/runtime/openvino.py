@@ -1,7 +1,9 @@
 """OpenVINO adapter: the only module that imports ``openvino`` (the optional ``bgeserve[openvino]``).
 
-It runs the ``bf16`` variant of a ``bgeserve export``: an OpenVINO IR (``model.xml`` +
-``model.bin``, weights stored as fp16) compiled for the CPU with bf16 inference precision. The
+It runs the OpenVINO variants of a ``bgeserve export``: ``bf16``, an OpenVINO IR (``model.xml``
++ ``model.bin``, weights stored as fp16) compiled for the CPU with bf16 inference precision, and
+``ov-int8``, the same graph with its linear layers quantized to int8 by NNCF (what is not
+quantized runs in bf16 where the CPU has it, else fp32). The
 IR is read through a memory map and the CPU plugin keeps one bf16 copy of the weights, so a
 loaded model costs about one copy of the weights (measured: 1.8 GiB resident for the full-size
 model vs 3.5 GiB when compiling the ONNX file itself).
@@ -63,12 +65,65 @@ def native_bf16() -> bool:
     return "BF16" in [str(c).upper() for c in caps]
 
 
+# The inference precision each OpenVINO variant compiles with. ov-int8's int8 layers run in
+# int8 whatever the hint; the hint sets what runs the rest (LayerNorm, attention, GELU).
+INFERENCE_PRECISION = {"bf16": "bf16", "ov-int8": "bf16"}
+
+
+def read_model(onnx_path: Path):
+    """An ONNX graph read as an ``openvino.Model`` (for conversion and quantization)."""
+    return _ov().Core().read_model(str(onnx_path))
+
+
+def save_model(model, xml_path: Path) -> None:
+    """Write an ``openvino.Model`` as an IR, float weights stored as fp16."""
+    xml_path.parent.mkdir(parents=True, exist_ok=True)
+    _ov().save_model(model, str(xml_path), compress_to_fp16=True)
+
+
 def save_ir(onnx_path: Path, xml_path: Path) -> None:
     """Convert an ONNX graph (plain attention) to an IR with fp16-stored weights."""
-    ov = _ov()
-    model = ov.Core().read_model(str(onnx_path))
-    xml_path.parent.mkdir(parents=True, exist_ok=True)
-    ov.save_model(model, str(xml_path), compress_to_fp16=True)
+    save_model(read_model(onnx_path), xml_path)
+
+
+def attention_matmuls(model) -> list[str]:
+    """Names of the MatMuls that multiply two activations (q·kᵀ and scores·v), not an
+    activation by weights: OpenVINO fuses them with their softmax into one bounded-memory
+    attention kernel only while their inputs are not quantized, so a quantizer must leave
+    them alone. (An input is an activation when a model input lies behind it.)"""
+    live: dict[int, bool] = {}
+
+    def activation(node) -> bool:
+        stack = [node]
+        while stack:  # iterative: 24 layers of graph are too deep to recurse through
+            n = stack[-1]
+            key = id(n)
+            if key in live:
+                stack.pop()
+                continue
+            if n.get_type_name() == "Parameter":
+                live[key] = True
+                stack.pop()
+                continue
+            parents = [v.get_node() for v in n.input_values()]
+            todo = [x for x in parents if id(x) not in live]
+            if todo:
+                stack.extend(todo)
+                continue
+            live[key] = any(live[id(x)] for x in parents)
+            stack.pop()
+        return live[id(node)]
+
+    return [op.get_friendly_name() for op in model.get_ops() if op.get_type_name() == "MatMul"
+            and all(activation(v.get_node()) for v in op.input_values())]
+
+
+def quantized_inputs(model) -> dict[str, int]:
+    """For each MatMul of ``model``, how many of its inputs come straight from a FakeQuantize
+    (int8 in the compiled model)."""
+    return {op.get_friendly_name(): sum(op.input_value(i).get_node().get_type_name()
+                                        == "FakeQuantize" for i in range(2))
+            for op in model.get_ops() if op.get_type_name() == "MatMul"}
 
 
 class SharedModel:
@@ -80,7 +135,8 @@ class SharedModel:
 
     def __init__(self, path: Path, *, precision: str, threads: int, streams: int):
         self.path = path
-        self.precision = precision
+        # a variant name (bf16, ov-int8) or an OpenVINO precision (bf16, f32)
+        self.precision = INFERENCE_PRECISION.get(precision, precision)
         self.threads = threads  # per stream
         self.streams = max(1, streams)
         self._shared = Shared(self._compile)
@@ -118,6 +174,7 @@ class OpenVinoSession:
         self._owner = owner
         self._compiled = compiled
         self._request = compiled.create_infer_request()
+        self._tensor = _ov().Tensor
         self.path = owner.path
         self.input_names = [i.get_any_name() for i in compiled.inputs]
         self.output_names = [o.get_any_name() for o in compiled.outputs]
@@ -126,8 +183,18 @@ class OpenVinoSession:
             outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run one padded chunk; returns the requested outputs (copies) by name."""
         names = list(outputs) if outputs else self.output_names
+        request = self._request
         try:
-            result = self._request.infer(feeds(self.input_names, input_ids, attention_mask))
+            # The inputs are bound as tensors over the caller's own arrays (no copy; they
+            # outlive the run), and infer() gets no inputs. Handing infer() the arrays instead
+            # sends them through openvino's Python data dispatcher, which reshapes the
+            # request's own input tensors in place for every new shape: two workers doing that
+            # on one compiled model were once both found stuck there for good (the full test
+            # suite, a 2-core Zen 3, openvino 2026.4; docs/architecture.md, OpenVINO).
+            for name, value in feeds(self.input_names, input_ids, attention_mask).items():
+                request.set_tensor(name, self._tensor(np.ascontiguousarray(value),
+                                                      shared_memory=True))
+            result = request.infer()
         except Exception as exc:
             raise run_failure(exc, tuple(input_ids.shape), "OpenVINO") from exc
         # infer() copies its outputs (share_outputs=False): they outlive the next run.

@@ -102,3 +102,55 @@ def cpu_default(variants: Mapping[str, Mapping[str, Any]], machine: Machine) -> 
     if bf16:
         return Choice("openvino", "bf16", "native bf16 on this CPU", tuple(notes))
     return Choice("cpu", "fp32", "exact", tuple(notes))
+
+
+# -- the measured default: which variants are timed, and which one wins ------------------------
+GPU_VARIANTS = ("fp16",)  # exported for GPUs: ONNX Runtime's CPU EP runs fp16 through casts
+PRIOR_MARGIN = 0.05  # the rule's pick stays unless another candidate ran this much faster
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A variant the measured default may choose, and the execution provider it runs on."""
+
+    variant: str
+    provider: str  # "cpu" (ONNX Runtime) or "openvino"
+
+
+def cpu_candidates(variants: Mapping[str, Mapping[str, Any]],
+                   machine: Machine) -> tuple[list[Candidate], dict[str, str]]:
+    """The variants of an export that the measured CPU default times, and why each other one
+    is not a candidate.
+
+    A candidate meets the agreement bar (``meets_bar``) and runs on a CPU runtime this machine
+    has: the manifest entry's ``runtime`` (``onnxruntime`` when absent) says which, so a
+    variant added to the export (an OpenVINO int8, say) is timed without a change here.
+    """
+    out: list[Candidate] = []
+    left_out: dict[str, str] = {}
+    for name, entry in variants.items():
+        runtime = entry.get("runtime", "onnxruntime")
+        if not meets_bar(name, entry):
+            cos = validated_cos(entry)
+            left_out[name] = ("the export did not measure its agreement with fp32" if cos is None
+                              else f"dense cosine vs fp32 {cos:.4f} < {MIN_DENSE_COS}")
+        elif runtime == "openvino" and not machine.openvino():
+            left_out[name] = f"openvino is not installed ({ov_runtime.INSTALL_HINT})"
+        elif runtime == "onnxruntime" and name in GPU_VARIANTS:
+            left_out[name] = "a GPU variant"
+        elif runtime not in ("onnxruntime", "openvino"):
+            left_out[name] = f"runtime {runtime!r} is not one bgeserve runs"
+        else:
+            out.append(Candidate(name, "openvino" if runtime == "openvino" else "cpu"))
+    return out, left_out
+
+
+def pick(rates: Mapping[str, float], prior: str | None, margin: float = PRIOR_MARGIN) -> str:
+    """The fastest of ``rates`` (variant → tokens/s), unless ``prior`` (the rule's pick) ran
+    within ``margin`` of it: timing noise must not move the choice off the rule."""
+    if not rates:
+        raise ValueError("no candidate was timed (this is a bug in the caller)")
+    best = max(rates, key=lambda v: rates[v])
+    if prior is not None and prior in rates and rates[prior] * (1 + margin) >= rates[best]:
+        return prior
+    return best

@@ -6,13 +6,16 @@ under the same fingerprint, so the next server start is a ``cache_hit``.
 
 from __future__ import annotations
 
+import json
+
 from bgeserve.config import Settings
 from bgeserve.engine.forward import forward_factory
 from bgeserve.engine.tokenizer import Tokenizer
 from bgeserve.errors import ConfigError
 from bgeserve.model import dims
 from bgeserve.model.artifacts import resolve, validate_cache_dir
-from bgeserve.service import plan
+from bgeserve.service import choice, plan
+from bgeserve.service.preparation import Preparation
 from bgeserve.service.probe_child import PIN_THRESHOLD
 from bgeserve.tuning import cache, memory, probe
 from bgeserve.tuning.budget import budget
@@ -32,10 +35,34 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+def choice_table(decision: choice.Decision) -> str:
+    """The variant choice as ``bgeserve probe`` prints it: each candidate's tokens/s."""
+    s = decision.settings
+    how = {"measured": "measured" + (" (cached)" if decision.cached else ""),
+           "rule": "the rule (runtime/select.py)", "pinned": "pinned by BGE_M3_MODEL"}
+    chosen_by = how.get(s.variant_choice, s.variant_choice)
+    lines = [f"variant: {s.variant} on {s.execution_provider}, chosen by {chosen_by}"]
+    if decision.candidates or decision.left_out:
+        lines += ["| variant | tokens/s (choice workload) |", "|---|---:|"]
+        for v, rate in sorted(decision.candidates.items(), key=lambda kv: -kv[1]):
+            lines.append(f"| {v}{' (chosen)' if v == s.variant else ''} | {rate:.0f} |")
+        for v, why in sorted(decision.left_out.items()):
+            lines.append(f"| {v} | not timed: {why} |")
+    return "\n".join(lines)
+
+
 def run(settings: Settings, shapes: list[tuple[int, int]] | None = None) -> int:
-    """Probe the model ``settings`` (resolved) name; 0 when a fit came out."""
-    memory.pin_mmap_threshold(PIN_THRESHOLD)  # measure each shape alone (see probe_child)
+    """Probe the model ``settings`` (resolved) name; 0 when a fit came out. With neither
+    BGE_M3_EP nor BGE_M3_MODEL set, the variants are timed first and the fastest is probed
+    (both cached, as the server would)."""
     cache_dir = validate_cache_dir(settings.cache_dir)
+    # What serve would serve: a hub snapshot's prepared export (made now if it is not cached),
+    # and the variant serve would choose.
+    settings = Preparation().apply(settings, cache_dir)
+    decision = choice.decide(settings, cache_dir, remeasure=True)
+    settings = decision.settings
+    print(choice_table(decision))
+    memory.pin_mmap_threshold(PIN_THRESHOLD)  # measure each shape alone (see probe_child)
     artifacts = resolve(model_path=settings.model_path, variant=settings.variant,
                         cache_dir=cache_dir, offline=settings.offline)
     serving = plan.for_model(settings, artifacts, cache_dir)
@@ -59,13 +86,16 @@ def run(settings: Settings, shapes: list[tuple[int, int]] | None = None) -> int:
                              held_out=probe.default_held_out(settings.max_seq_length),
                              guard=guard, log=print,
                              chunk_candidates=probe.CHUNK_CANDIDATES if timed else (),
-                             chunk_run=chunk_timing_run(run_shape))
+                             chunk_run=chunk_timing_run(run_shape),
+                             meter=probe.PeakMeter(serving.tuning.retains_workspace))
     close()
     print(probe.probe_table(result))
+    held = result.held_out
+    print("samples (batch, seq, bytes): " + json.dumps({
+        "samples": [[x.batch, x.seq, x.workspace_bytes] for x in result.samples],
+        "held_out": [held.batch, held.seq, held.workspace_bytes] if held else None}))
     if result.fit is not None:
-        print(f"fit: c={result.fit.c:.0f} B/run, a={result.fit.a:.0f} B/token, "
-              f"b={result.fit.b:.2f} B/token^2, "
-              f"held-out error {result.fit.held_out_rel_error}")
+        print(f"fit: {probe.describe(result.fit)}")
     else:
         print(f"no fit: {result.error}")
     if result.chunk_rates and default is not None:
@@ -77,6 +107,6 @@ def run(settings: Settings, shapes: list[tuple[int, int]] | None = None) -> int:
         parts = plan.probe_parts(settings, artifacts)
         store = cache.ProbeCache.at(cache_dir)
         store.save(cache.fingerprint(parts), result.fit, parts, result.samples,
-                   result.chunk_rates)
+                   result.chunk_rates, held_out=result.held_out)
         print(f"cached in {store.path}")
     return 0 if result.fit is not None else 1

@@ -12,6 +12,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -54,6 +55,10 @@ class Metrics:
         self.truncated = Counter("bgeserve_truncated_texts", "Texts cut to max_seq", registry=r)
         self.timeouts = Counter("bgeserve_deadline_exceeded_requests",
                                 "Requests answered 504", registry=r)
+        # What an autoscaler reads beside the queue gauges: requests being read, tokenized,
+        # queued or run (HTTP middleware counts them; /health and /metrics excluded).
+        self.in_flight = Gauge("bgeserve_requests_in_flight", "Requests in progress",
+                               registry=r)
         self.rerank = RerankMetrics(r)
         self._service: Any = None
         r.register(_StateCollector(self))
@@ -153,6 +158,7 @@ class _StateCollector:
                   "error")),
             ):
                 yield CounterMetricFamily(name, doc, value=counters.get(key, 0))
+            yield from _cache_metrics(engine.cache_stats())
         reranker = getattr(getattr(service, "reranking", None), "engine", None)
         if reranker is not None:
             stats = reranker.stats()
@@ -180,3 +186,24 @@ class _StateCollector:
             yield GaugeMetricFamily("bgeserve_model_rss_bytes_per_worker",
                                     "Measured RSS per loaded session",
                                     value=s.model_rss_bytes_per_worker)
+
+
+def _cache_metrics(stats: dict[str, int] | None):
+    """The embedding cache's families (only its capacity, 0, when it is off)."""
+    yield GaugeMetricFamily("bgeserve_cache_capacity_bytes",
+                            "Embedding cache limit (BGE_M3_CACHE_MB; 0: off)",
+                            value=stats["max_bytes"] if stats else 0)
+    if stats is None:
+        return
+    for name, key, doc in (
+        ("bgeserve_cache_hits", "hits", "Texts answered from the embedding cache"),
+        ("bgeserve_cache_misses", "misses", "Texts looked up in the embedding cache and run"),
+        ("bgeserve_cache_repeats", "repeats",
+         "Texts repeating another text of the same request, computed once"),
+        ("bgeserve_cache_evictions", "evictions", "Entries evicted to stay within the limit"),
+    ):
+        yield CounterMetricFamily(name, doc, value=stats[key])
+    yield GaugeMetricFamily("bgeserve_cache_bytes", "Bytes held by the embedding cache",
+                            value=stats["bytes"])
+    yield GaugeMetricFamily("bgeserve_cache_entries", "Texts held by the embedding cache",
+                            value=stats["entries"])

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from bgeserve import runtime
-from bgeserve.config import Settings
+from bgeserve.config import OPENVINO_VARIANTS, Settings
 from bgeserve.engine import EngineConfig
+from bgeserve.engine import cache as embedding_cache
 from bgeserve.engine.scheduler import SchedulerConfig
 from bgeserve.errors import ConfigError
 from bgeserve.model.artifacts import ModelArtifacts, export_variants
@@ -50,10 +51,10 @@ def resolve(settings: Settings, *, model_explicit: bool | None = None,
         ep_explicit = settings.is_explicit("BGE_M3_EP")
     s = settings
     if not model_explicit and s.execution_provider == "openvino":
-        s = dataclasses.replace(s, variant="bf16")  # the only variant OpenVINO runs
-    if s.execution_provider == "cpu" and s.variant == "bf16":
+        s = dataclasses.replace(s, variant="bf16")  # OpenVINO's default (ov-int8 when asked)
+    if s.execution_provider == "cpu" and s.variant in OPENVINO_VARIANTS:
         if ep_explicit:
-            raise ConfigError("BGE_M3_MODEL=bf16 runs on OpenVINO, not ONNX Runtime: set "
+            raise ConfigError(f"BGE_M3_MODEL={s.variant} runs on OpenVINO, not ONNX Runtime: set "
                               "BGE_M3_EP=openvino (or unset BGE_M3_EP)", param="BGE_M3_MODEL")
         s = dataclasses.replace(s, execution_provider="openvino")
     if s.execution_provider == "openvino":
@@ -79,10 +80,11 @@ def _openvino(s: Settings, model_explicit: bool, machine: Machine) -> Settings:
         log.warning("%s. BGE_M3_ALLOW_CPU_FALLBACK=1: running fp32 on ONNX Runtime instead",
                     problem)
         return dataclasses.replace(s, execution_provider="cpu", variant="fp32")
-    if s.variant != "bf16":
+    if s.variant not in OPENVINO_VARIANTS:
         if model_explicit:
-            raise ConfigError(f"BGE_M3_EP=openvino runs the bf16 variant, not {s.variant}: set "
-                              "BGE_M3_MODEL=bf16 (or unset it), or BGE_M3_EP=cpu for "
+            raise ConfigError(f"BGE_M3_EP=openvino runs the bf16 or ov-int8 variant, not "
+                              f"{s.variant}: set BGE_M3_MODEL=bf16 or ov-int8 (or unset it), "
+                              "or BGE_M3_EP=cpu for "
                               f"{s.variant} on ONNX Runtime", param="BGE_M3_MODEL")
         s = dataclasses.replace(s, variant="bf16")
     return s
@@ -196,7 +198,15 @@ def engine_config(settings: Settings) -> EngineConfig:
         idle_timeout_s=s.idle_timeout_secs)
     return EngineConfig(max_seq=s.max_seq_length, session=session_config(s), scheduler=scheduler,
                         request_timeout_s=s.request_timeout_secs or None,
-                        max_colbert_bytes=s.max_colbert_mb << 20)
+                        max_colbert_bytes=s.max_colbert_mb << 20, cache_bytes=s.cache_mb << 20)
+
+
+def cache_bytes(settings: Settings) -> int:
+    """The memory the engine's embedding cache may hold (0 where it is off for the variant)."""
+    s = settings
+    if not embedding_cache.applies(s.variant, profile_max_batch(s), pad_multiple(s)):
+        return 0
+    return s.cache_mb << 20
 
 
 @dataclass(frozen=True)
@@ -220,6 +230,7 @@ def for_model(settings: Settings, artifacts: ModelArtifacts, cache_dir: Path) ->
     s = dataclasses.replace(settings, max_seq_length=clamp_max_seq(settings.max_seq_length,
                                                                    artifacts))
     engine = engine_config(s)
+    kind = runtime.kind_of(artifacts, s.execution_provider)
     tuning = TuningConfig(
         workers=s.workers, max_seq=s.max_seq_length, safety_factor=s.memory_safety_factor,
         available_override=s.available_memory_bytes, token_budget=s.token_budget,
@@ -232,8 +243,10 @@ def for_model(settings: Settings, artifacts: ModelArtifacts, cache_dir: Path) ->
         cache_dir=cache_dir,
         dims=model_dims(artifacts),
         chunk_tokens=engine.scheduler.max_chunk_tokens,
-        chunk_pinned=s.max_chunk_tokens is not None)
-    return Plan(s, artifacts, engine, tuning, runtime.kind_of(artifacts, s.execution_provider))
+        chunk_pinned=s.max_chunk_tokens is not None,
+        retains_workspace=runtime.get(kind).retains_workspace,
+        reserved_bytes=cache_bytes(s))
+    return Plan(s, artifacts, engine, tuning, kind)
 
 
 def probe_parts(settings: Settings, artifacts: ModelArtifacts) -> dict[str, Any]:

@@ -1,6 +1,10 @@
-"""The probe's fit on disk: kept across restarts, valid only for the fingerprint it was saved
+"""The probe's outcome on disk: kept across restarts, valid only for the fingerprint it was saved
 under (everything that changes memory use: model files, variant, runtime and its version,
-threads, CPU, max_seq; see ``service.plan.probe_parts``)."""
+threads, CPU, max_seq; see ``service.plan.probe_parts``).
+
+The outcome is a fit, or a failure (``Failure``: why, and how many starts have tried), so a
+start that would repeat a probe that already failed for the same fingerprint knows it.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +17,16 @@ import os
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bgeserve.tuning.costmodel import Fit, Sample
 
 logger = logging.getLogger("bgeserve.probe")
 
-PROBE_SCHEMA = 2  # 2: the fit may carry a fixed per-run term c
+# 2: the fit may carry a fixed per-run term c. 3: the fit is raised to cover every measured
+# shape, OpenVINO is measured cumulatively, failures are kept.
+PROBE_SCHEMA = 3
 CACHE_FILE = "probe-coefficients.json"  # in BGE_M3_CACHE_DIR
 
 
@@ -39,8 +45,29 @@ def _coefficient(value: object) -> float | None:
     return None
 
 
-def _parse_record(text: str, fingerprint: str) -> Fit | str:
-    """The fit stored in a cache file's text, or why it cannot be used."""
+@dataclass(frozen=True)
+class Failure:
+    """A probe that gave no fit for this fingerprint: why, how many starts tried, when the last
+    did, and whether its process died (killed for memory, say) rather than measured badly."""
+
+    error: str
+    attempts: int
+    at_unix: int
+    process_died: bool = False
+
+
+def _parse_failure(data: dict) -> Failure | str:
+    failed = data.get("failed")
+    if not isinstance(failed, dict) or not isinstance(failed.get("error"), str):
+        return "has an unreadable failure record"
+    attempts, at = failed.get("attempts"), failed.get("at_unix")
+    if not isinstance(attempts, int) or attempts < 1 or not isinstance(at, int):
+        return "has an unreadable failure record"
+    return Failure(failed["error"], attempts, at, bool(failed.get("process_died")))
+
+
+def _parse_record(text: str, fingerprint: str) -> Fit | Failure | str:
+    """The fit (or failure) stored in a cache file's text, or why it cannot be used."""
     try:
         data = json.loads(text)
     except ValueError as exc:
@@ -51,6 +78,8 @@ def _parse_record(text: str, fingerprint: str) -> Fit | str:
         return f"has probe schema {data.get('schema')!r}, expected {PROBE_SCHEMA}"
     if data.get("fingerprint") != fingerprint:
         return "was made for another model, runtime or configuration"
+    if "failed" in data:
+        return _parse_failure(data)
     a, b = _coefficient(data.get("a")), _coefficient(data.get("b"))
     if a is None or b is None or a < 0 or b < 0 or a + b == 0:
         return f"has unusable coefficients a={data.get('a')!r}, b={data.get('b')!r}"
@@ -60,7 +89,8 @@ def _parse_record(text: str, fingerprint: str) -> Fit | str:
     c = _coefficient(data.get("c", 0.0))
     if c is None or c < 0:
         return f"has an unusable fixed term c={data.get('c')!r}"
-    return Fit(a, b, residual, _coefficient(held), c)
+    cover = data.get("cover", "")
+    return Fit(a, b, residual, _coefficient(held), c, cover if isinstance(cover, str) else "")
 
 
 class ProbeCache:
@@ -76,18 +106,38 @@ class ProbeCache:
 
     def load(self, fingerprint: str) -> Fit | None:
         """The cached fit for ``fingerprint``, or None (with a logged reason if unusable)."""
+        outcome = self.outcome(fingerprint)
+        return outcome if isinstance(outcome, Fit) else None
+
+    def outcome(self, fingerprint: str) -> Fit | Failure | None:
+        """The cached fit or failure for ``fingerprint``; None (with a logged reason if the
+        file is unusable) when there is neither."""
         try:
             text = self.path.read_text()
         except FileNotFoundError:
             return None
         except (OSError, UnicodeDecodeError) as exc:
-            reason: Fit | str = f"cannot be read ({exc})"
+            reason: Fit | Failure | str = f"cannot be read ({exc})"
         else:
             reason = _parse_record(text, fingerprint)
-        if isinstance(reason, Fit):
+        if not isinstance(reason, str):
             return reason
         logger.warning("probe cache %s %s; ignoring it and probing again", self.path, reason)
         return None
+
+    def save_failure(self, fingerprint: str, error: str, parts: Mapping[str, object],
+                     samples: Sequence[Sample], *, held_out: Sample | None = None,
+                     process_died: bool = False) -> Failure:
+        """Record that the probe gave no fit for ``fingerprint`` (one more attempt than the
+        record there held); returns the record. A failure only logs, as ``save`` does."""
+        previous = self.outcome(fingerprint)
+        attempts = previous.attempts + 1 if isinstance(previous, Failure) else 1
+        failure = Failure(error, attempts, int(time.time()), process_died)
+        self._write({"schema": PROBE_SCHEMA, "fingerprint": fingerprint,
+                     "failed": asdict(failure), "parts": dict(parts),
+                     "samples": [asdict(s) for s in samples],
+                     "held_out": asdict(held_out) if held_out else None})
+        return failure
 
     def chunk_rates(self, fingerprint: str) -> dict[int, float]:
         """The chunk budgets' tokens/s saved with ``fingerprint``'s fit; {} if none."""
@@ -102,35 +152,101 @@ class ProbeCache:
 
     def save(
         self, fingerprint: str, fit: Fit, parts: Mapping[str, object], samples: Sequence[Sample],
-        chunk_rates: Mapping[int, float] | None = None,
+        chunk_rates: Mapping[int, float] | None = None, held_out: Sample | None = None,
     ) -> None:
-        """Write the fit atomically (temp file, fsync, rename); a failure only logs a warning."""
-        record = {
+        """Write the fit atomically (temp file, fsync, rename); a failure only logs a warning.
+        The measurements go with it (``samples``, ``held_out``): what an operator reads."""
+        self._write({
             "schema": PROBE_SCHEMA,
             "fingerprint": fingerprint,
             **asdict(fit),
             "fitted_at_unix": int(time.time()),
             "parts": dict(parts),
             "samples": [asdict(s) for s in samples],
+            "held_out": asdict(held_out) if held_out else None,
             "chunk_rates": {str(k): v for k, v in (chunk_rates or {}).items()},
-        }
-        tmp: str | None = None
+        })
+
+    def _write(self, record: Mapping[str, object]) -> None:
+        write_atomic(self.path, record)
+
+
+def write_atomic(path: Path, record: Mapping[str, object]) -> None:
+    """``record`` as JSON at ``path`` (temp file, fsync, rename); a failure only logs."""
+    tmp: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=2, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+    except (OSError, TypeError, ValueError) as exc:
+        logger.warning("cannot save probe cache %s (%s); the next start will probe again",
+                       path, exc)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+CHOICE_FILE = "variant-choice.json"  # in BGE_M3_CACHE_DIR, beside the fit
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A measured default variant: which one, on which provider, and every candidate's
+    tokens/s (``rates``) or why it was not timed (``left_out``)."""
+
+    variant: str
+    provider: str
+    rates: dict[str, float]
+    left_out: dict[str, str]
+
+
+class ChoiceCache:
+    """The measured default variant on disk, valid only for the key it was saved under.
+
+    The key (``fingerprint`` of ``service.choice.choice_parts``) holds what the timings
+    depend on, every candidate's files and runtime included, but not the choice: a start
+    computes it before knowing the variant, and finds the choice, then that variant's fit.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @classmethod
+    def at(cls, cache_dir: Path) -> ChoiceCache:
+        return cls(Path(cache_dir) / CHOICE_FILE)
+
+    def load(self, key: str) -> Choice | None:
+        """The choice saved under ``key``; None (with a logged reason if unusable) if none."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(
-                dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp"
-            )
-            with os.fdopen(fd, "w") as f:
-                json.dump(record, f, indent=2, default=str)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            tmp = None
-        except (OSError, TypeError, ValueError) as exc:
-            logger.warning(
-                "cannot save probe cache %s (%s); the next start will probe again", self.path, exc
-            )
-        finally:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            logger.warning("variant choice %s cannot be read (%s); measuring again", self.path,
+                           exc)
+            return None
+        if not isinstance(data, dict) or data.get("key") != key:
+            return None
+        variant, provider, rates = data.get("variant"), data.get("provider"), data.get("rates")
+        left_out = data.get("left_out") or {}
+        if not (isinstance(variant, str) and isinstance(provider, str)
+                and isinstance(rates, dict) and isinstance(left_out, dict)):
+            logger.warning("variant choice %s is malformed; measuring again", self.path)
+            return None
+        clean = {str(k): float(v) for k, v in rates.items()
+                 if isinstance(v, int | float) and math.isfinite(v) and v > 0}
+        if variant not in clean:
+            logger.warning("variant choice %s names an untimed variant; measuring again",
+                           self.path)
+            return None
+        return Choice(variant, provider, clean, {str(k): str(v) for k, v in left_out.items()})
+
+    def save(self, key: str, choice: Choice, parts: Mapping[str, object]) -> None:
+        write_atomic(self.path, {"key": key, **asdict(choice), "parts": dict(parts),
+                                 "measured_at_unix": int(time.time())})

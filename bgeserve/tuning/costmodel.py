@@ -1,9 +1,10 @@
-"""The workspace cost model: ``bytes(batch, seq) = a·batch·seq + b·batch·seq²``.
+"""The workspace cost model: ``bytes(batch, seq) = c + a·batch·seq + b·batch·seq²``.
 
-A leaf: pure arithmetic, no runtime, no numpy. ``CostModel`` answers "does this chunk fit the
-per-worker budget?"; ``conservative_coefficients`` gives an upward-biased (a, b) from the model's
-dimensions; ``fit`` turns probe measurements into (a, b) or says why it cannot. The theory and the
-numbers behind the defaults are in ``docs/startup-probe.md``.
+A leaf: pure arithmetic, no runtime (numpy only inside ``fit_cab``). ``CostModel`` answers
+"does this chunk fit the per-worker budget?"; ``conservative_coefficients`` gives an
+upward-biased (a, b) from the model's dimensions; ``fit`` turns probe measurements into
+(c, a, b) or says why it cannot. The theory and the numbers behind the defaults are in
+``docs/startup-probe.md``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from dataclasses import dataclass
 from bgeserve.errors import ConfigError
 
 MiB = 1 << 20
+# No measured shape is predicted further below its measurement (of max(measured, noise floor))
+# by a served fit (``covering``); stricter than the held-out tolerance (25 %).
+MAX_UNDER_PREDICTION = 0.10
 
 # Tensors of width `hidden` alive at the peak of one encoder layer, per token, counted generously:
 # residual stream in+out (2), Q/K/V (3) and their per-head transposes (3), context and its
@@ -157,7 +161,9 @@ class Fit:
 
     ``max_rel_residual`` is the worst fitting-sample error relative to
     ``max(measured, noise floor)``; ``held_out_rel_error`` the same for the held-out shape
-    (None when none was given).
+    (None when none was given); both as served, after ``covering`` raised the validated fit so
+    that no measured shape is under-predicted by more than ``MAX_UNDER_PREDICTION``
+    (``cover`` says how; empty when nothing needed raising).
     """
 
     a: float
@@ -165,6 +171,7 @@ class Fit:
     max_rel_residual: float
     held_out_rel_error: float | None
     c: float = 0.0
+    cover: str = ""
 
     def predict(self, batch: int, seq: int) -> float:
         """The fitted workspace bytes of ``batch`` texts padded to ``seq`` tokens."""
@@ -192,23 +199,68 @@ def fit(
     max_rel_residual: float = 0.5,
     max_held_out_error: float = 0.25,
     noise_floor_bytes: float = 16 * MiB,
+    max_under: float = MAX_UNDER_PREDICTION,
 ) -> Fit:
-    """``fit_ab``, or, when the data has a fixed per-run cost it cannot express, ``fit_cab``.
+    """The fit the packer serves with: ``fit_ab``, else (a fixed per-run cost it cannot
+    express) ``fit_cab``; validated, then raised to cover the measured shapes (``covering``).
 
-    The two-coefficient model comes first (fewer parameters, the SPEC's model); the intercept
-    is only brought in when that fit is rejected and the intercept fit passes the same checks.
+    Together they search every non-negative ``c + a·B·S + b·B·S²`` with any term at 0: what
+    every runtime bgeserve ships measures (docs/startup-probe.md §5), from plain attention
+    (b ≈ 130 B/token²) to fused kernels (b ≈ 0, a per-run c). Fewer terms first.
     """
     kwargs = {"max_rel_residual": max_rel_residual, "max_held_out_error": max_held_out_error,
               "noise_floor_bytes": noise_floor_bytes}
     try:
-        return fit_ab(samples, held_out, **kwargs)
+        found = fit_ab(samples, held_out, **kwargs)
     except ShapeSetError:
         raise
     except FitError as first:
         try:
-            return fit_cab(samples, held_out, **kwargs)
+            found = fit_cab(samples, held_out, **kwargs)
         except FitError as second:
             raise FitError(f"{first}; with a fixed per-run term: {second}") from None
+    return covering(found, samples, held_out, noise_floor_bytes=noise_floor_bytes,
+                    max_under=max_under)
+
+
+def covering(found: Fit, samples: Sequence[Sample], held_out: Sample | None = None, *,
+             noise_floor_bytes: float = 16 * MiB,
+             max_under: float = MAX_UNDER_PREDICTION) -> Fit:
+    """``found`` raised just enough that no measured shape (fitting or held out) is
+    under-predicted by more than ``max_under`` of ``max(measured, noise floor)``.
+
+    A least-squares fit leaves about half its shapes below the line (by up to the 50 %
+    residual limit), exactly the shapes the packer would then put over budget. One term is
+    raised by the least that covers every shape: of c, a or b, the one inflating the measured
+    shapes' predictions least, so a short small shape costs MiB of c, not every long text more.
+    """
+    measured = [*samples, *([held_out] if held_out is not None else [])]
+    deficits = []
+    for x in measured:
+        need = x.workspace_bytes - max_under * max(x.workspace_bytes, noise_floor_bytes)
+        gap = need - found.predict(x.batch, x.seq)
+        if gap > 0:
+            deficits.append((x, gap))
+    if not deficits:
+        return found
+    options = []
+    for term, per in (("c", lambda x: 1.0), ("a", lambda x: float(x.batch * x.seq)),
+                      ("b", lambda x: float(x.batch * x.seq * x.seq))):
+        delta = max(gap / per(x) for x, gap in deficits)
+        inflation = max(delta * per(x) / max(x.workspace_bytes, noise_floor_bytes)
+                        for x in measured)
+        options.append((inflation, term, delta))
+    _, term, delta = min(options)
+    c, a, b = (v + delta * (term == t) for t, v in (("c", found.c), ("a", found.a),
+                                                    ("b", found.b)))
+    worst_shape = max(deficits, key=lambda d: d[1])[0]
+    amount = f"{delta / MiB:.1f} MiB" if term == "c" else f"{delta:.4g}"
+    cover = (f"{term} raised by {amount} so that no measured shape is predicted more than "
+             f"{max_under:.0%} below its measurement (most short: ({worst_shape.batch}, "
+             f"{worst_shape.seq}))")
+    worst = max(rel_error(a, b, x, noise_floor_bytes, c) for x in samples)
+    held = None if held_out is None else rel_error(a, b, held_out, noise_floor_bytes, c)
+    return Fit(a=a, b=b, max_rel_residual=worst, held_out_rel_error=held, c=c, cover=cover)
 
 
 def fit_cab(

@@ -205,6 +205,13 @@ def peak_rss_bytes(*, proc: Path = Path("/proc")) -> int:
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 MMAP_THRESHOLD = 128 << 10
+# glibc's own mmap threshold in a long-running process (it rises to this after large frees):
+# the serving process's allocator state, which chunk timing, and a probe run in the serving
+# process, leave behind.
+SERVING_MMAP_THRESHOLD = 32 << 20
+# What the probe pins it at while it measures: blocks >= 1 MiB are mapped on allocation and
+# returned to the OS on free, so each run's workspace is its own (service/probe_child.py).
+PROBE_MMAP_THRESHOLD = 1 << 20
 
 
 def pin_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:

@@ -16,12 +16,29 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
+from bgeserve.tuning.chunks import (  # re-exported: the chunk budgets the probe times
+    CHUNK_CANDIDATES,
+    CHUNK_MARGIN,
+    CHUNK_SEQ,
+    choose_chunk_tokens,
+    time_chunk_budgets,
+)
 from bgeserve.tuning.costmodel import CostModel, Fit, FitError, MiB, Sample, fit
-from bgeserve.tuning.memory import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_heap
+from bgeserve.tuning.memory import (
+    SERVING_MMAP_THRESHOLD,
+    peak_rss_bytes,
+    pin_mmap_threshold,
+    reset_peak_rss,
+    rss_bytes,
+    trim_heap,
+)
 
 logger = logging.getLogger("bgeserve.probe")
+__all__ = ["CHUNK_CANDIDATES", "CHUNK_MARGIN", "CHUNK_SEQ", "LocalProbe", "PeakMeter",
+           "ProbeRequest", "ProbeResult", "ProbeSource", "choose_chunk_tokens", "default_held_out",
+           "default_shapes", "describe", "probe_table", "run_probe", "time_chunk_budgets"]
 
 # Fitting shapes: batch varies at equal batch·seq so a (∝ B·S) and b (∝ B·S²) separate.
 _BASE_SHAPES = [
@@ -40,19 +57,6 @@ _MIN_SHAPES = 6
 # timing and allocator noise matter most, and a second run costs nothing.
 _REPEAT_BELOW_SECONDS = 1.0
 _SAMPLE_INTERVAL = 0.002
-# Chunk budgets (padded tokens per run) the probe times, as texts of CHUNK_SEQ tokens batched up
-# to each; the backend default (256 ORT CPU, 1,024 OpenVINO: benchmark sweeps) is replaced only
-# by a budget at least CHUNK_MARGIN faster, so timing noise cannot move it. Timed without
-# padding: a padded chunk takes the graph's masked attention path, whose fixed cost per run
-# flatters big batches (full-size int8, 2x128 -> 32x128: 695 -> 864 tokens/s padded, but
-# 944 -> 909 unpadded, and 256 is the best budget on the mixed corpus).
-CHUNK_CANDIDATES = (256, 1024, 4096)
-CHUNK_SEQ = 128
-CHUNK_MARGIN = 0.10
-CHUNK_ROUNDS = 2
-CHUNK_MAX_RUN_SECONDS = 5.0  # a budget whose run takes longer is no chunk size (latency)
-
-
 def default_shapes(max_seq: int) -> list[tuple[int, int]]:
     """At least 6 fitting shapes from short to ``max_seq``, ending with ``(1, max_seq)``."""
     shapes = [(b, s) for b, s in _BASE_SHAPES if s < max_seq]
@@ -83,7 +87,8 @@ class ProbeResult:
     """What the probe measured and concluded.
 
     ``skipped`` holds ``(batch, seq, reason)`` for shapes not measured (guard or error);
-    ``fit`` is None when ``error`` says why no trustworthy fit came out.
+    ``fit`` is None when ``error`` says why no trustworthy fit came out; ``process_died``
+    when the probe's own process ended without an answer (killed for memory, say).
     """
 
     samples: list[Sample]
@@ -93,6 +98,7 @@ class ProbeResult:
     error: str | None
     seconds: float
     chunk_rates: dict[int, float] = field(default_factory=dict)  # padded tokens → tokens/s
+    process_died: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """Plain data (the probe process's answer to the server)."""
@@ -118,9 +124,9 @@ class ProbeResult:
             {int(k): float(v) for k, v in (data.get("chunk_rates") or {}).items()})
 
     @classmethod
-    def failed(cls, error: str) -> ProbeResult:
+    def failed(cls, error: str, *, process_died: bool = False) -> ProbeResult:
         """No measurement at all (the probe process died, say)."""
-        return cls([], [], None, None, error, 0.0)
+        return cls([], [], None, None, error, 0.0, process_died=process_died)
 
 
 class _PeakSampler:
@@ -149,29 +155,55 @@ class _PeakSampler:
         self.peak = max(self.peak, rss_bytes())
 
 
-def _measure(run: Callable[[int, int], None], batch: int, seq: int) -> tuple[int, float]:
-    """Workspace bytes above the pre-run RSS, and seconds, of one ``run(batch, seq)``."""
-    # Freed-but-resident heap from earlier runs would be reused without raising RSS.
-    trim_heap()
-    baseline = rss_bytes()
-    if reset_peak_rss():
-        start = time.perf_counter()
-        run(batch, seq)
-        seconds = time.perf_counter() - start
-        peak = peak_rss_bytes()
-    else:
-        with _PeakSampler() as sampler:
+class PeakMeter:
+    """What one run of a shape costs: the peak RSS during the run above a baseline.
+
+    The peak is ``VmHWM`` reset just before the run (``/proc/self/clear_refs`` ← 5), or, where
+    that is not writable, a thread polling RSS. The baseline depends on what the runtime does
+    with its workspace after a run:
+
+    - ``cumulative=False`` (ONNX Runtime: its arena shrinks after every run): the RSS just
+      before the run, so each shape is measured alone.
+    - ``cumulative=True`` (OpenVINO: its CPU plugin keeps a stream's intermediate buffers at
+      their high-water mark for the life of the compiled model, and a new infer request reuses
+      them): the RSS before the probe's first shape. Per-run readings there are increments over
+      everything run before (measured: a 4,096-token run after a 1,024-token one read +88 of the
+      160 MiB it takes alone, and any smaller shape after it read 0), while the process
+      really holds the high-water mark from then on. Run in ascending cost order, each reading
+      is what the process holds once that shape has run, which is what serving it costs.
+    """
+
+    def __init__(self, cumulative: bool = False) -> None:
+        self.cumulative = cumulative
+        self._start: int | None = None
+
+    def measure(self, run: Callable[[int, int], None], batch: int,
+                seq: int) -> tuple[int, float]:
+        """Workspace bytes and seconds of one ``run(batch, seq)``."""
+        # Freed-but-resident heap from earlier runs would be reused without raising RSS.
+        trim_heap()
+        before = rss_bytes()
+        if self._start is None:
+            self._start = before
+        baseline = self._start if self.cumulative else before
+        if reset_peak_rss():
             start = time.perf_counter()
             run(batch, seq)
             seconds = time.perf_counter() - start
-        peak = sampler.peak
-    return max(0, peak - baseline), seconds
+            peak = peak_rss_bytes()
+        else:
+            with _PeakSampler() as sampler:
+                start = time.perf_counter()
+                run(batch, seq)
+                seconds = time.perf_counter() - start
+            peak = sampler.peak
+        return max(0, peak - baseline), seconds
 
 
-def _sample(run: Callable[[int, int], None], batch: int, seq: int) -> Sample:
-    workspace, seconds = _measure(run, batch, seq)
+def _sample(run: Callable[[int, int], None], batch: int, seq: int, meter: PeakMeter) -> Sample:
+    workspace, seconds = meter.measure(run, batch, seq)
     if seconds < _REPEAT_BELOW_SECONDS:
-        workspace = max(workspace, _measure(run, batch, seq)[0])
+        workspace = max(workspace, meter.measure(run, batch, seq)[0])
     return Sample(batch, seq, workspace, seconds)
 
 
@@ -184,14 +216,17 @@ def run_probe(
     log: Callable[[str], None] = logger.info,
     chunk_candidates: Sequence[int] = (),
     chunk_run: Callable[[int, int], None] | None = None,
+    meter: PeakMeter | None = None,
 ) -> ProbeResult:
     """Measure every shape ``guard`` lets through, cheapest first, then fit and validate.
 
     ``run(batch, seq)`` must execute one inference of exactly that shape. A shape that ``guard``
     predicts not to fit, or whose run raises, is skipped with the reason. The held-out shape is
-    measured in the same order and used only to validate the fit. With ``chunk_candidates``, the chunk
+    measured in the same order and used only to validate the fit. ``meter`` measures each run
+    (default: ``PeakMeter()``, each shape alone). With ``chunk_candidates``, the chunk
     budgets are timed last (``time_chunk_budgets``) with ``chunk_run`` (default ``run``).
     """
+    meter = meter or PeakMeter()
     started = time.perf_counter()
     samples: list[Sample] = []
     skipped: list[tuple[int, int, str]] = []
@@ -206,7 +241,7 @@ def run_probe(
             log(f"probe ({batch}, {seq}): skipped, {reason}")
             return None
         try:
-            sample = _sample(run, batch, seq)
+            sample = _sample(run, batch, seq, meter)
         # Any failure of the caller's runtime is data about that shape, not fatal to the probe.
         except Exception as exc:  # noqa: BLE001
             skipped.append((batch, seq, f"{type(exc).__name__}: {exc}"))
@@ -236,11 +271,7 @@ def run_probe(
     error: str | None = None
     try:
         result_fit = fit(samples, held)
-        log(
-            f"probe fit: a={result_fit.a:.0f} B/token, b={result_fit.b:.2f} B/token², "
-            f"max residual {result_fit.max_rel_residual:.0%}, held-out error "
-            f"{'n/a' if held is None else f'{result_fit.held_out_rel_error:.0%}'}"
-        )
+        log(f"probe fit: {describe(result_fit)}")
     except FitError as exc:
         error = str(exc)
         log(f"probe fit rejected: {error}")
@@ -250,63 +281,66 @@ def run_probe(
                        rates)
 
 
-def time_chunk_budgets(run: Callable[[int, int], None], candidates: Sequence[int],
-                       guard: CostModel, *, seq: int = CHUNK_SEQ,
-                       clock: Callable[[], float] = time.perf_counter,
-                       log: Callable[[str], None] = logger.info,
-                       rounds: int = CHUNK_ROUNDS,
-                       max_run_seconds: float = CHUNK_MAX_RUN_SECONDS) -> dict[int, float]:
-    """Tokens/s of ``run(T // seq, seq)`` for each budget ``T``.
+def describe(f: Fit) -> str:
+    """One line for logs and ``bgeserve probe``: the fit as served and how well it fits."""
+    held = "n/a" if f.held_out_rel_error is None else f"{f.held_out_rel_error:.0%}"
+    cover = f"; {f.cover}" if f.cover else ""
+    return (f"c={f.c / MiB:.1f} MiB/run, a={f.a:.0f} B/token, b={f.b:.2f} B/token², "
+            f"worst residual {f.max_rel_residual:.0%}, held-out error {held}{cover}")
 
-    Each budget is run once to warm up (its first run pays for allocations), smallest first;
-    a budget the ``guard`` says would not fit, whose warm-up fails or takes longer than
-    ``max_run_seconds`` (too slow a run to serve as a chunk), ends the list untimed. Then ``rounds``
-    rounds each time every budget once, interleaved, and the fastest run counts: a machine
-    whose speed drifts (a shared VM) drifts for all budgets alike.
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """What a probe measures: fitting shapes, the held-out shape, the guard that skips shapes
+    predicted not to fit, the chunk budgets to time, and whether readings are cumulative
+    (``PeakMeter``: the runtime keeps its workspace)."""
+
+    shapes: list[tuple[int, int]]
+    held_out: tuple[int, int] | None
+    guard: CostModel
+    chunk_candidates: tuple[int, ...] = ()
+    cumulative: bool = False
+
+
+class ProbeSource(Protocol):
+    """Where a probe runs: ``measure`` returns what it found (a failed result, never an
+    exception, for a probe that could not run); ``stop`` set asks it to give up."""
+
+    def measure(self, request: ProbeRequest, stop: threading.Event) -> ProbeResult: ...
+
+
+class LocalProbe:
+    """The probe in this process, over ``run(batch, seq)`` (``synthetic_run`` on a session).
+
+    ``pin_heap``: make glibc map every block of at least that many bytes while the memory
+    shapes run, so each run's workspace is mapped and unmapped (``memory.pin_mmap_threshold``;
+    see ``service.probe_child`` for why), then leave it at the serving process's settled
+    threshold. ``close`` runs when the probe ends (the session it opened). ``meter``: how a run
+    is measured (default ``PeakMeter``; tests pass a fake memory reader).
     """
-    batches: dict[int, int] = {}  # budget -> texts of ``seq`` tokens per run
-    for budget in sorted(candidates):
-        batch = max(1, budget // seq)
-        if not guard.fits(batch, seq):
-            log(f"probe chunk {batch}x{seq}: skipped, predicted not to fit")
-            break
+
+    def __init__(self, run: Callable[[int, int], None], *,
+                 chunk_run: Callable[[int, int], None] | None = None,
+                 close: Callable[[], None] | None = None, pin_heap: int | None = None,
+                 meter: Callable[[bool], PeakMeter] | None = None,
+                 log: Callable[[str], None] = logger.info) -> None:
+        self.run, self.chunk_run, self.close = run, chunk_run, close
+        self.pin_heap, self.meter, self.log = pin_heap, meter, log
+
+    def measure(self, request: ProbeRequest, stop: threading.Event) -> ProbeResult:
+        meter = (self.meter or PeakMeter)(request.cumulative)
+        if self.pin_heap is not None:
+            pin_mmap_threshold(self.pin_heap)
         try:
-            start = clock()
-            run(batch, seq)
-            warm = clock() - start
-        except Exception as exc:  # noqa: BLE001 - a failing shape is data, not fatal
-            log(f"probe chunk {batch}x{seq}: failed, {type(exc).__name__}: {exc}")
-            break
-        if warm > max_run_seconds:
-            log(f"probe chunk {batch}x{seq}: one run took {warm:.1f} s, not a chunk budget "
-                "(latency): not timed")
-            break
-        batches[budget] = batch
-    best: dict[int, float] = {}
-    try:
-        for _ in range(rounds):
-            for budget, batch in batches.items():
-                start = clock()
-                run(batch, seq)
-                elapsed = clock() - start
-                best[budget] = min(best.get(budget, elapsed), elapsed)
-    except Exception as exc:  # noqa: BLE001 - no timing then; the memory fit stands
-        log(f"probe chunk timing failed, {type(exc).__name__}: {exc}")
-        return {}
-    rates = {budget: batch * seq / max(best[budget], 1e-9) for budget, batch in batches.items()}
-    for budget, batch in batches.items():
-        log(f"probe chunk {batch}x{seq} ({budget} padded tokens): {rates[budget]:.0f} tokens/s")
-    return rates
-
-
-def choose_chunk_tokens(default: int, rates: Mapping[int, float],
-                        margin: float = CHUNK_MARGIN) -> int:
-    """``default``, unless a timed budget ran at least ``margin`` faster than it did (a
-    default that was not timed stays)."""
-    if default not in rates:
-        return default
-    best = max(rates, key=lambda t: rates[t])
-    return best if rates[best] / rates[default] >= 1 + margin - 1e-9 else default
+            return run_probe(self.run, shapes=request.shapes, held_out=request.held_out,
+                             guard=request.guard, log=self.log,
+                             chunk_candidates=request.chunk_candidates,
+                             chunk_run=self.chunk_run, meter=meter)
+        finally:
+            if self.pin_heap is not None:
+                pin_mmap_threshold(SERVING_MMAP_THRESHOLD)
+            if self.close is not None:
+                self.close()
 
 
 def probe_table(result: ProbeResult) -> str:

@@ -1,11 +1,13 @@
 """What the probe runs: exact-shape synthetic chunks on a dedicated session.
 
 ``synthetic_run`` feeds a session ids of exactly the asked shape (no text, no tokenizer);
-``chunk_timing_run`` wraps it the way the chunk-budget timing needs it.
+``chunk_timing_run`` wraps it the way the chunk-budget timing needs it; ``time_workload``
+times the fixed workload the measured variant choice compares candidates on.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,9 +51,7 @@ def synthetic_run(open_forward: Callable[[], Any],
     return run, forward.close
 
 
-# glibc's own mmap threshold in a long-running process (it rises to this after large frees):
-# the serving process's allocator state, which chunk timing must reproduce.
-SERVING_MMAP_THRESHOLD = 32 << 20
+SERVING_MMAP_THRESHOLD = memory.SERVING_MMAP_THRESHOLD  # what chunk timing must reproduce
 
 
 def chunk_timing_run(run: Callable[..., None]) -> Callable[[int, int], None]:
@@ -68,3 +68,51 @@ def chunk_timing_run(run: Callable[..., None]) -> Callable[[int, int], None]:
         run(batch, seq, padded=False)
 
     return timed
+
+
+# The variant choice's workload (``time_workload``): short queries, one text per run (the
+# unpadded path a lone text takes), then a mixed batch of 16 texts of 24-400 tokens packed the
+# way the scheduler packs length neighbours under the runtime's chunk budget (padded chunks:
+# the masked path mixed lengths take). ~1,500 tokens: a few seconds per round on 2 cores.
+QUERY_LENGTHS = (16, 16, 16, 16)
+MIXED_LENGTHS = (24,) * 8 + (64,) * 6 + (160,) * 3 + (400,)
+
+
+def workload_chunks(chunk_tokens: int) -> list[tuple[int, int]]:
+    """The workload's runs, ``(batch, seq)``: each query alone, then the mixed batch in
+    chunks of equal lengths holding as many texts as ``chunk_tokens`` allows (a text longer
+    than that runs alone)."""
+    chunks = [(1, n) for n in QUERY_LENGTHS]
+    for length in sorted(set(MIXED_LENGTHS)):
+        count, per = MIXED_LENGTHS.count(length), max(1, chunk_tokens // length)
+        while count:
+            chunks.append((min(per, count), length))
+            count -= chunks[-1][0]
+    return chunks
+
+
+def time_workload(run: Callable[..., None], chunk_tokens: int, *, rounds: int = 2,
+                  max_seconds: float = 60.0,
+                  clock: Callable[[], float] = time.perf_counter) -> tuple[float, int]:
+    """Tokens/s of ``run(batch, seq, padded=batch > 1)`` over ``workload_chunks``, and the
+    rounds timed.
+
+    One warm-up round first (first runs of a shape pay for allocations and, on OpenVINO, for
+    compiling it), then ``rounds`` rounds; each chunk's fastest run counts, so a machine whose
+    speed drifts (a shared VM) costs the candidate least. A warm-up longer than
+    ``max_seconds`` is the answer by itself (0 rounds): a variant that slow is not the fastest.
+    """
+    chunks = workload_chunks(chunk_tokens)
+    best = [float("inf")] * len(chunks)
+    done = -1  # the warm-up is round -1
+    started = clock()
+    while done < rounds:
+        for i, (batch, seq) in enumerate(chunks):
+            start = clock()
+            run(batch, seq, padded=batch > 1)
+            best[i] = min(best[i], clock() - start)
+        done += 1
+        if done == 0 and clock() - started > max_seconds:
+            break
+    tokens = sum(batch * seq for batch, seq in chunks)
+    return tokens / max(sum(best), 1e-9), done

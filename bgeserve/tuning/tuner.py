@@ -5,10 +5,15 @@ Order of decisions (SPEC §4):
 2. model cost per worker, measured as RSS growth while sessions load plus one priming run;
 3. per-worker budget ``(available − workers·model − headroom) · safety / workers``;
 4. coefficients: an override (A/B, token budget, disabled auto-budget, GPU) → ``disabled``;
-   a cache entry with a matching fingerprint → ``cache_hit``; else conservative now and the
-   probe in the background → ``running`` → ``complete`` (fitted model swapped in) or ``failed``
-   (the conservative model stays);
-5. refuse to start, naming the knob, when one ``max_seq`` text cannot fit.
+   a cache entry with a matching fingerprint → ``cache_hit`` (or, for a probe that already
+   failed ``MAX_ATTEMPTS`` times, ``failed`` with its reason, not probed again); else the
+   probe → ``running`` → ``complete`` (fitted model swapped in) or ``failed`` (the
+   conservative model stays);
+5. where the probe runs (``probe_mode``): in a child process beside the server
+   (``child``: the server is ready at once, serving with the conservative model) when a second
+   copy of the model fits beside it, else on the serving session itself before the server is
+   ready (``in_process``: the caller runs ``measure_first``);
+6. refuse to start, naming the knob, when one ``max_seq`` text cannot fit.
 """
 
 from __future__ import annotations
@@ -23,12 +28,17 @@ from typing import Any
 from bgeserve.errors import ConfigError
 from bgeserve.tuning import cache, memory, probe
 from bgeserve.tuning.budget import budget
-from bgeserve.tuning.child import run_child
-from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
+from bgeserve.tuning.child import ChildProbe
+from bgeserve.tuning.costmodel import CostModel, Fit, conservative_coefficients
+from bgeserve.tuning.probe import LocalProbe, ProbeRequest, ProbeResult, ProbeSource
 
 log = logging.getLogger("bgeserve.tuning")
 LEGACY_BATCH_SEQ = 512  # what BGE_M3_ONNX_BATCH_SIZE texts were assumed to be long
 GPU_DEFAULT_VRAM = 10 << 30
+# Starts that probe a fingerprint whose probe failed: one retry (a busy machine can spoil one
+# probe's readings), then the failure is served from the cache until the model, runtime or
+# settings change (or BGE_M3_DISABLE_PROBE_CACHE=1).
+MAX_ATTEMPTS = 2
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,11 @@ class TuningConfig:
     # (BGE_M3_MAX_CHUNK_TOKENS) or unknown.
     chunk_tokens: int | None = None
     chunk_pinned: bool = False
+    # The runtime keeps its workspace at the high-water mark between runs (OpenVINO): the
+    # probe's readings are cumulative (``probe.PeakMeter``).
+    retains_workspace: bool = False
+    # Host memory held outside the workspace budget (the embedding cache's limit).
+    reserved_bytes: int = 0
 
 
 @dataclass
@@ -64,6 +79,7 @@ class TuningState:
     c: float = 0.0
     max_workspace_bytes: int = 0
     probe_status: str = "running"
+    probe_mode: str | None = None  # child | in_process: where the probe runs (ran)
     memory_source: str = ""
     available_bytes: int = 0
     model_rss_bytes_per_worker: int = 0
@@ -88,6 +104,20 @@ class UnmeasuredFloor(ConfigError):
     says otherwise yet: the caller may measure first (``Tuner.measure_first``)."""
 
 
+Source = ProbeSource | Callable[[int, int], None] | dict[str, Any]
+
+
+def as_source(source: Source) -> ProbeSource:
+    """A ``ProbeSource``: a bare ``run(batch, seq)`` runs here (tests, tools), a dict is the
+    spec of a probe child."""
+    if isinstance(source, dict):
+        return ChildProbe(source)
+    if hasattr(source, "measure"):
+        return source
+    assert callable(source)
+    return LocalProbe(source)
+
+
 class Tuner:
     """Chooses and maintains the engine's cost model."""
 
@@ -101,7 +131,9 @@ class Tuner:
                                  else "default")
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._measured: tuple[Any, dict[int, float]] | None = None  # measure_first's fit
+        self._measured: tuple[Fit, dict[int, float]] | None = None  # measure_first's fit
+        self._gave_up: str | None = None  # why no more probing this start (a failed attempt)
+        self._in_process = False  # the last cached failure was the probe process dying
 
     # -- measurement -----------------------------------------------------------------------
     def budget(self, model_cost: int, extra_sessions: int = 0) -> int:
@@ -112,7 +144,7 @@ class Tuner:
         workers = c.workers + extra_sessions
         if c.gpu:  # one worker per device: the VRAM budget is each worker's own
             return c.gpu_vram_budget or GPU_DEFAULT_VRAM
-        return budget(self.state.available_bytes, workers, model_cost,
+        return budget(self.state.available_bytes - c.reserved_bytes, workers, model_cost,
                       safety_factor=c.safety_factor)
 
     def conservative(self) -> tuple[float, float]:
@@ -135,7 +167,15 @@ class Tuner:
         self.state.available_bytes, self.state.memory_source = available, source
 
     def initial(self, model_cost: int, fingerprint: str | None) -> CostModel:
-        """The cost model to serve with from the start; sets ``probe_status``."""
+        """The cost model to serve with from the start; sets ``probe_status`` and, when it is
+        ``running``, ``probe_mode``: ``child`` (``start_probe`` it once the server is ready) or
+        ``in_process`` (``measure_first`` it, on the serving session, before).
+
+        Raises:
+            UnmeasuredFloor: by the conservative estimate one ``max_seq`` text cannot fit and
+                nothing measured says otherwise yet (``measure_first``, then call again).
+            ConfigError: one ``max_seq`` text cannot fit by what was measured.
+        """
         c, s = self.config, self.state
         if not s.memory_source:
             self.detect_memory()
@@ -153,36 +193,49 @@ class Tuner:
             a, b, s.probe_status = c.cost_a, c.cost_b, "disabled"
         elif c.disable_auto_budget or c.token_budget is not None or c.gpu:
             s.probe_status = "disabled"
+        elif self._measured is not None:  # measured before serving (measure_first)
+            fit, rates = self._measured
+            a, b, c_fixed, s.probe_status = fit.a, fit.b, fit.c, "complete"
+            self._choose_chunks(rates)
+        elif self._gave_up is not None:  # measured before serving, and it failed
+            s.probe_status, s.probe_error = "failed", self._gave_up
         else:
-            cached = None
-            if self._measured is not None:  # measured before serving (measure_first)
-                fit, rates = self._measured
-                a, b, c_fixed, s.probe_status = fit.a, fit.b, fit.c, "complete"
-                self._choose_chunks(rates)
-            elif fingerprint and c.cache_dir and not c.disable_probe_cache:
-                cached = cache.ProbeCache(self.cache_path).load(fingerprint)
-            if cached is not None and fingerprint:
+            cached = self._cached(fingerprint)
+            if isinstance(cached, Fit):
                 a, b, c_fixed, s.probe_status = cached.a, cached.b, cached.c, "cache_hit"
-                self._choose_chunks(cache.ProbeCache(self.cache_path).chunk_rates(fingerprint))
-            elif self._measured is None:
+                self._choose_chunks(cache.ProbeCache(self.cache_path).chunk_rates(
+                    fingerprint or ""))
+            elif isinstance(cached, cache.Failure) and cached.attempts >= MAX_ATTEMPTS:
+                s.probe_status, s.probe_error = "failed", (
+                    f"{cached.error} (cached: the probe failed {cached.attempts} times for "
+                    "this model, runtime and settings, so this start did not probe again; "
+                    "set BGE_M3_DISABLE_PROBE_CACHE=1 to retry)")
+                log.warning("probe not run: %s", s.probe_error)
+            else:
                 s.probe_status = "running"
+                self._in_process = isinstance(cached, cache.Failure) and cached.process_died
         cost = CostModel(a, b, self.budget(model_cost), c_fixed)
         self._check_floor(cost, model_cost)
         if s.probe_status == "running":
-            # The probe loads another copy of the model in its own process: while it runs the
-            # workers share what is left. If that cannot hold one max_seq text, serving wins.
+            # In a child the probe loads another copy of the model: while it runs the workers
+            # share what is left. If that cannot hold one max_seq text (or the last child was
+            # killed), the probe measures on the serving session itself, before serving.
             sharing = cost.with_budget(self.budget(model_cost, extra_sessions=1))
-            if sharing.fits(1, c.max_seq):
-                cost = sharing
+            if sharing.fits(1, c.max_seq) and not self._in_process:
+                s.probe_mode, cost = "child", sharing
             else:
-                s.probe_status = "failed"
-                s.probe_error = (
-                    "not enough memory to probe beside the server (the probe loads another "
-                    "model copy); serving with the conservative model. Run `bgeserve probe` "
-                    "with the same settings where memory allows: its fit is cached and used")
-                log.warning("probe skipped: %s", s.probe_error)
+                s.probe_mode = "in_process"
+                log.info("probe: measuring on the serving session before serving (%s)",
+                         "the last probe process died" if self._in_process else
+                         "a second copy of the model does not fit beside the server")
         self._publish(cost)
         return cost
+
+    def _cached(self, fingerprint: str | None) -> Fit | cache.Failure | None:
+        c = self.config
+        if not fingerprint or c.cache_dir is None or c.disable_probe_cache:
+            return None
+        return cache.ProbeCache(self.cache_path).outcome(fingerprint)
 
     @property
     def cache_path(self) -> Path:
@@ -201,7 +254,7 @@ class Tuner:
             f" GiB available from {self.state.memory_source}, {model_cost / 2**30:.2f} GiB per "
             f"model copy). Lower BGE_M3_MAX_SEQ_LENGTH (longest that fits: {cost.max_seq()}), "
             "reduce BGE_M3_WORKERS, or raise the memory limit / BGE_M3_MEMORY_SAFETY_FACTOR"
-            + ("" if self.state.probe_status != "running" else
+            + ("" if self.state.probe_status not in ("running", "failed") else
                ". This is the conservative estimate (no probe measurement is cached yet); the "
                "measured cost is usually far lower: run `bgeserve probe` once with the same "
                "model, variant and BGE_M3_CACHE_DIR where memory allows, and its cached fit "
@@ -215,21 +268,20 @@ class Tuner:
         self._apply(cost)
 
     # -- the probe -------------------------------------------------------------------------
-    def start_probe(self, run: Callable[[int, int], None] | dict[str, Any], model_cost: int,
-                    fingerprint: str | None, parts: dict[str, Any],
-                    on_done: Callable[[], None] | None = None) -> None:
+    def start_probe(self, source: Source, model_cost: int, fingerprint: str | None,
+                    parts: dict[str, Any], on_done: Callable[[], None] | None = None) -> None:
         """Run the probe on a background thread (only when ``probe_status`` is running).
 
-        ``run`` is either ``run(batch, seq)`` executed in this process (tests, tools), or a
-        spec dict for ``bgeserve.service.probe_child``, which measures in a process of its own (the
-        server's way: see that module for why).
+        ``source`` is where it runs (``ProbeSource``): the server's is a ``ChildProbe``, which
+        measures in a process of its own (see ``bgeserve.service.probe_child`` for why); a
+        bare ``run(batch, seq)`` or a child spec dict are taken too.
         """
         if self.state.probe_status != "running":
             return
 
         def work() -> None:
             try:
-                self._probe(run, model_cost, fingerprint, parts)
+                self._probe(source, model_cost, fingerprint, parts)
             except Exception as exc:  # the probe must never take the server down
                 log.exception("probe failed")
                 self.state.probe_status, self.state.probe_error = "failed", repr(exc)
@@ -242,41 +294,51 @@ class Tuner:
         self._thread = threading.Thread(target=work, name="bgeserve-probe", daemon=True)
         self._thread.start()
 
-    def _measure(self, run: Callable[[int, int], None] | dict[str, Any],
-                 guard: CostModel) -> probe.ProbeResult:
-        shapes = probe.default_shapes(self.config.max_seq)
-        held_out = probe.default_held_out(self.config.max_seq)
-        timed = self.config.chunk_tokens is not None and not self.config.chunk_pinned
-        candidates = probe.CHUNK_CANDIDATES if timed else ()
-        if callable(run):
-            return probe.run_probe(run, shapes=shapes, held_out=held_out, guard=guard,
-                                   log=log.info, chunk_candidates=candidates)
-        spec = {**run, "shapes": shapes, "held_out": held_out, "guard_a": guard.a,
-                "guard_b": guard.b, "guard_budget": guard.max_workspace_bytes,
-                "chunk_candidates": list(candidates)}
-        return run_child(spec, self._stop)
+    def _measure(self, source: Source, guard: CostModel) -> ProbeResult:
+        c = self.config
+        timed = c.chunk_tokens is not None and not c.chunk_pinned
+        request = ProbeRequest(shapes=probe.default_shapes(c.max_seq),
+                               held_out=probe.default_held_out(c.max_seq), guard=guard,
+                               chunk_candidates=probe.CHUNK_CANDIDATES if timed else (),
+                               cumulative=c.retains_workspace)
+        return as_source(source).measure(request, self._stop)
 
-    def measure_first(self, run: Callable[[int, int], None] | dict[str, Any], model_cost: int,
-                      fingerprint: str | None, parts: dict[str, Any]) -> bool:
-        """Run the probe now, in the foreground, with the server's sessions unloaded (so its
-        own copy of the model has the memory they had); ``initial`` then uses its fit, cached
-        or not. For when the conservative estimate alone would refuse to start. True when a
-        fit came out."""
-        self._probe(run, model_cost, fingerprint, parts, extra_sessions=0)
+    def measure_first(self, source: Source, model_cost: int, fingerprint: str | None,
+                      parts: dict[str, Any]) -> bool:
+        """Run the probe now, in the foreground, on the serving session (``probe_mode``
+        ``in_process``: nothing is served meanwhile, so its workspace is the workers' own);
+        ``initial`` then uses its outcome, cached or not. For when a second copy of the model
+        does not fit beside the server, or the conservative estimate alone would refuse to
+        start. True when a fit came out."""
+        self.state.probe_mode = "in_process"
+        try:
+            self._probe(source, model_cost, fingerprint, parts, extra_sessions=0)
+        except Exception as exc:  # serving with the conservative model beats not starting
+            log.exception("probe failed")
+            self.state.probe_status, self.state.probe_error = "failed", repr(exc)
+        if self._measured is None:
+            self._gave_up = self.state.probe_error or "the probe gave no fit"
         return self._measured is not None
 
-    def _probe(self, run: Callable[[int, int], None] | dict[str, Any], model_cost: int,
-               fingerprint: str | None, parts: dict[str, Any], extra_sessions: int = 1) -> None:
+    def _probe(self, source: Source, model_cost: int, fingerprint: str | None,
+               parts: dict[str, Any], extra_sessions: int = 1) -> None:
         c = self.config
         a, b = self.conservative()
         guard = CostModel(a, b, self.budget(model_cost, extra_sessions=extra_sessions))
-        result = self._measure(run, guard)
+        result = self._measure(source, guard)
         self.state.probe_seconds = round(result.seconds, 2)
+        caching = bool(fingerprint) and c.cache_dir is not None and not c.disable_probe_cache
         if result.fit is None:
-            self.state.probe_status, self.state.probe_error = "failed", result.error
+            error = result.error or "the probe gave no fit"
+            if caching and not self._stop.is_set():  # a probe stopped by shutdown proves nothing
+                failure = cache.ProbeCache(self.cache_path).save_failure(
+                    fingerprint or "", error, parts, result.samples, held_out=result.held_out,
+                    process_died=result.process_died)
+                error += (f" (attempt {failure.attempts} of {MAX_ATTEMPTS} for this model, "
+                          "runtime and settings)")
+            self.state.probe_status, self.state.probe_error = "failed", error
             self._publish(CostModel(a, b, self.budget(model_cost)))
-            log.warning("probe gave no usable fit (%s); keeping the conservative model",
-                        result.error)
+            log.warning("probe gave no usable fit (%s); keeping the conservative model", error)
             return
         fitted = CostModel(result.fit.a, result.fit.b, self.budget(model_cost), result.fit.c)
         if not fitted.fits(1, c.max_seq):
@@ -284,16 +346,17 @@ class Tuner:
             # say so; texts that no longer fit get 413 naming BGE_M3_MAX_SEQ_LENGTH.
             log.warning("the fitted cost model fits texts of at most %d tokens, below "
                         "BGE_M3_MAX_SEQ_LENGTH=%d", fitted.max_seq(), c.max_seq)
-        self.state.probe_status = "complete"
+        self.state.probe_status, self.state.probe_error = "complete", None
         self._measured = (result.fit, result.chunk_rates)
         self._publish(fitted)
         self._choose_chunks(result.chunk_rates)
-        log.info("probe complete in %.1fs: c=%.0f a=%.0f b=%.2f, budget %d MiB per worker, "
-                 "longest text that fits %d tokens", result.seconds, fitted.c, fitted.a, fitted.b,
-                 fitted.max_workspace_bytes >> 20, fitted.max_seq())
-        if fingerprint and c.cache_dir and not c.disable_probe_cache:
-            cache.ProbeCache(self.cache_path).save(fingerprint, result.fit, parts,
-                                                   result.samples, result.chunk_rates)
+        log.info("probe complete in %.1fs (%s): %s; budget %d MiB per worker, longest text "
+                 "that fits %d tokens", result.seconds, self.state.probe_mode,
+                 probe.describe(result.fit), fitted.max_workspace_bytes >> 20, fitted.max_seq())
+        if caching:
+            cache.ProbeCache(self.cache_path).save(fingerprint or "", result.fit, parts,
+                                                   result.samples, result.chunk_rates,
+                                                   held_out=result.held_out)
 
     def _choose_chunks(self, rates: dict[int, float]) -> None:
         """Move the engine's chunk budget to a timed one that clearly beat the default."""

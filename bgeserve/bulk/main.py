@@ -1,0 +1,87 @@
+"""``bgeserve bulk INPUT... --output DIR``: the command line of a bulk job."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+EPILOG = """\
+The model comes from the same BGE_M3_* variables as `bgeserve serve` (BGE_M3_MODEL_PATH,
+BGE_M3_MODEL, BGE_M3_EP, BGE_M3_WORKERS, BGE_M3_MAX_SEQ_LENGTH, ...). Texts longer than
+BGE_M3_MAX_SEQ_LENGTH tokens are truncated and flagged (column `truncated`).
+
+Output: Parquet shards in DIR, each written under a temporary name and renamed when complete,
+with columns id (string), n_tokens, truncated, and per output dense (fixed-size float32
+list), sparse_indices / sparse_values, colbert. A rerun with the same arguments resumes: it
+keeps every finished shard and embeds only the rows they do not hold. Rows without a string
+text or without an id are reported in the log and written to no shard.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``bgeserve bulk``."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    parser.add_argument("inputs", nargs="+", metavar="INPUT",
+                        help="JSONL (.jsonl/.ndjson/.json), Parquet or CSV files, or folders of "
+                        "them")
+    parser.add_argument("--output", required=True, metavar="DIR", help="folder of the shards")
+    parser.add_argument("--text-column", default="text", help="column (key) of the texts")
+    parser.add_argument("--id-column", default="id", help="column (key) of the row ids")
+    parser.add_argument("--outputs", default="dense,sparse",
+                        help="any of dense, sparse, colbert, comma-separated (default: "
+                        "dense,sparse)")
+    parser.add_argument("--shard-rows", type=int, default=None,
+                        help="rows per shard (default 1024; 64 with colbert)")
+    parser.add_argument("--progress", choices=("auto", "bar", "log"), default="auto",
+                        help="a progress bar (auto: on a terminal) or log lines every 10 s")
+    ray = parser.add_argument_group("Ray (pip install 'bgeserve[ray]')")
+    ray.add_argument("--ray", action="store_true",
+                     help="run as a Ray Data pipeline over an actor pool of "
+                     "bgeserve.ray.Embedder (input and output on storage every node sees)")
+    ray.add_argument("--ray-address", default=None,
+                     help="the cluster to join (default: RAY_ADDRESS, else a local Ray)")
+    ray.add_argument("--cpus-per-actor", type=float, default=None,
+                     help="CPUs of each Embedder actor (default: one actor per node, using "
+                     "all its CPUs but one, which reads and writes)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the job; 0 when every row was embedded or reported, 2 on a usage error."""
+    from bgeserve.bulk.columns import parse_outputs
+    from bgeserve.bulk.job import BulkJob
+    from bgeserve.bulk.model import resolve_settings
+    from bgeserve.config import Settings
+    from bgeserve.errors import BgeServeError
+    from bgeserve.logs import setup_logging
+
+    try:
+        logs = Settings.from_env(os.environ)  # logging first: resolving logs its choice
+        setup_logging(logs.log_format, logs.log_level)
+        settings = resolve_settings(os.environ)
+        if args.shard_rows is not None and args.shard_rows < 1:
+            raise ValueError("--shard-rows must be at least 1")
+        job = BulkJob(inputs=tuple(args.inputs), output=Path(args.output),
+                      text_column=args.text_column, id_column=args.id_column,
+                      outputs=parse_outputs(args.outputs), shard_rows=args.shard_rows)
+        bar = {"auto": None, "bar": True, "log": False}[args.progress]
+        if args.ray:
+            from bgeserve.ray.pipeline import run as run_ray
+
+            run_ray(job, settings, address=args.ray_address, cpus_per_actor=args.cpus_per_actor)
+        else:
+            from bgeserve.bulk.local import run as run_local
+
+            run_local(job, settings, bar=bar)
+    except (BgeServeError, ValueError) as exc:
+        print(f"bgeserve bulk: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        if exc.name not in ("pyarrow", "tqdm", "ray"):
+            raise
+        print(f"bgeserve bulk: {exc}; install the extra: pip install 'bgeserve[bulk]' "
+              "(with --ray: 'bgeserve[ray]')", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,114 @@
+"""The model of a bulk job: the ``Engine`` the service layer builds from ``BGE_M3_*`` settings.
+
+A bulk job embeds with the server's own engine, made the server's own way (``Service``:
+artifacts, the default variant, the memory probe and its cache, the budget), so a Parquet
+shard holds what ``POST /v1/embeddings:both`` would have answered. Only what makes sense for
+a request and not for a job is changed (``job_settings``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import Self, cast
+
+from bgeserve.config import Settings, _env_fields
+from bgeserve.engine import Engine
+from bgeserve.errors import BgeServeError
+from bgeserve.results import EmbedOptions
+from bgeserve.service import Service, plan
+
+log = logging.getLogger("bgeserve.bulk")
+UNBOUNDED = 1 << 62
+
+
+def resolve_settings(environ: Mapping[str, str]) -> Settings:
+    """``Settings`` from ``environ`` with the runtime and variant decided as ``serve`` decides
+    them (ConfigError naming the variable when they cannot be)."""
+    return plan.resolve(Settings.from_env(environ))
+
+
+def job_settings(settings: Settings) -> Settings:
+    """``settings`` for a job that feeds its own engine: no per-request deadline (a shard of
+    long texts on fp32 takes minutes), no idle unload, no heartbeat (the job logs progress),
+    and a queue and ColBERT allowance the job bounds itself (it keeps a few shards in flight)."""
+    return dataclasses.replace(settings, request_timeout_secs=0.0, idle_timeout_secs=0.0,
+                               heartbeat_secs=0.0, max_queue_tokens=UNBOUNDED,
+                               max_colbert_mb=UNBOUNDED >> 20)
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The ``BGE_M3_*`` variables that give ``settings`` again (those off their defaults):
+    what a Ray actor on another node is handed to build the same engine."""
+    env = {}
+    for f in _env_fields(Settings):
+        value = getattr(settings, f.name)
+        if value == f.default or value is None or f.name == "api_keys":  # no secrets
+            continue
+        if isinstance(value, bool):
+            text = "1" if value else "0"
+        elif isinstance(value, tuple):
+            text = ",".join(value)
+        else:
+            text = str(value)
+        env[f.metadata["env"]] = text
+    return env
+
+
+def model_spec(settings: Settings) -> dict[str, object]:
+    """What decides the vectors (the manifest keeps it: a rerun must not mix models)."""
+    return {"path": str(settings.model_path) if settings.model_path else "hub",
+            "variant": settings.variant, "execution_provider": settings.execution_provider,
+            "max_seq": settings.max_seq_length}
+
+
+class BulkModel:
+    """A loaded engine for a job; ``close()`` (or ``with``) releases it."""
+
+    def __init__(self, settings: Settings):
+        self.service = Service(job_settings(settings))
+        self.service.load_blocking()  # the start-up error (model missing, no memory) raises
+        assert self.service.engine is not None
+        self.engine: Engine = self.service.engine
+        self.width = self.service.dense_width()
+        tuner = self.service.tuner
+        if tuner is not None:
+            log.info("model ready: %s, probe %s, %d MiB workspace per worker",
+                     self.engine.artifacts.variant, tuner.state.probe_status,
+                     tuner.state.max_workspace_bytes >> 20)
+
+    def submit(self, texts: list[str | None], errors: list[str | None],
+               options: EmbedOptions) -> tuple[list[int], Future | None]:
+        """Queue the texts whose ``errors[i]`` is None as one engine job: (their positions,
+        the job's future; None when there is none). A text the tokenizer refuses (rare: the
+        engine checks a job whole) is found by trying the texts one by one; its ``errors[i]``
+        says why and its ``texts[i]`` becomes None."""
+        engine = self.engine
+        good = [i for i, e in enumerate(errors) if e is None]
+
+        def strings(positions: list[int]) -> list[str]:  # good rows' texts are strings
+            return cast(list[str], [texts[i] for i in positions])
+
+        try:
+            job = engine.make_job(strings(good), options) if good else None
+        except BgeServeError:
+            for i in good:
+                try:
+                    engine.make_job(strings([i]), options)
+                except BgeServeError as exc:
+                    errors[i], texts[i] = f"refused: {exc}", None
+            good = [i for i, e in enumerate(errors) if e is None]
+            job = engine.make_job(strings(good), options) if good else None
+        return good, (engine.submit(job) if job is not None else None)
+
+    def close(self) -> None:
+        asyncio.run(self.service.stop())
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,96 @@
+"""Progress of a bulk job: a tqdm bar (rows/s, tokens/s) on a terminal, log lines otherwise,
+and the summary at the end."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+log = logging.getLogger("bgeserve.bulk")
+LOG_EVERY_S = 10.0
+
+
+@dataclass
+class Summary:
+    """What a run did (``rows``: embedded and written by this run)."""
+
+    rows: int = 0
+    tokens: int = 0
+    bad: int = 0
+    shards: int = 0
+    skipped: int = 0  # rows finished shards held before this run
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    bad_examples: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(rows_per_s=round(self.rows_per_s, 2), tokens_per_s=round(self.tokens_per_s, 1),
+                   seconds=round(self.seconds, 2))
+        return out
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Progress:
+    """Counts rows, tokens and bad rows as shards finish; shows them as it goes."""
+
+    def __init__(self, total: int | None, skipped: int = 0, stream: TextIO | None = None,
+                 bar: bool | None = None):
+        self.summary = Summary(skipped=skipped)
+        self._started = time.monotonic()
+        self._logged = self._started
+        stream = stream or sys.stderr
+        self._bar = None
+        if bar if bar is not None else stream.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="rows", file=stream, dynamic_ncols=True,
+                             smoothing=0.1)
+
+    def add(self, rows: int, tokens: int, bad: int, shards: int = 1) -> None:
+        s = self.summary
+        s.rows += rows
+        s.tokens += tokens
+        s.bad += bad
+        s.shards += shards
+        now = time.monotonic()
+        s.seconds = now - self._started
+        if self._bar is not None:
+            self._bar.update(rows + bad)
+            self._bar.set_postfix_str(f"{s.tokens_per_s:,.0f} tokens/s, {s.bad} bad",
+                                      refresh=False)
+        elif now - self._logged >= LOG_EVERY_S:
+            self._logged = now
+            log.info("bulk: %d rows, %.1f rows/s, %.0f tokens/s, %d bad, %d shards", s.rows,
+                     s.rows_per_s, s.tokens_per_s, s.bad, s.shards,
+                     extra={"rows": s.rows, "rows_per_s": round(s.rows_per_s, 2),
+                            "tokens_per_s": round(s.tokens_per_s, 1), "bad": s.bad})
+
+    def close(self) -> Summary:
+        """Stop the clock; the summary is logged and returned."""
+        s = self.summary
+        s.seconds = time.monotonic() - self._started
+        s.peak_rss_bytes = max(s.peak_rss_bytes, peak_rss_bytes())
+        if self._bar is not None:
+            self._bar.close()
+        log.info("bulk done: %d rows embedded in %d shards (%.1f rows/s, %.0f tokens/s), %d "
+                 "bad rows skipped, %d rows already done, peak RSS %d MiB", s.rows, s.shards,
+                 s.rows_per_s, s.tokens_per_s, s.bad, s.skipped, s.peak_rss_bytes >> 20,
+                 extra={"summary": s.as_dict()})
+        return s

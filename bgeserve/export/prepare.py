@@ -1,0 +1,285 @@
+"""``python -m bgeserve.export.prepare``: a hub snapshot's ONNX graph → a local bgeserve export.
+
+No torch, no transformers: the hub's fp32 graph is rewritten with ``onnx`` (heads inside, the
+export's bounded attention and FFN row blocks) and the fast variants are made from it with ONNX
+Runtime's quantizer (int8: SmoothQuant calibrated on the fp32 graph's own activations) and
+OpenVINO (bf16). Every variant, fp32 included, is validated against the hub graph itself and the
+figures go into the manifest's ``agreement``, so the server's default choice (runtime/select.py)
+reads them as it reads an export's. Each heavy step runs in a process of its own, one at a time,
+so the peak memory is that of one step.
+
+The server runs this module as a child (service/preparation.py decides, keeps the cache and
+reads the progress this prints: one JSON object per line on stdout, ``{"event": "step" |
+"line" | "done" | "failed", ...}``); serving code never imports the build tools.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bgeserve import __version__
+from bgeserve.export import corpus, prepare_steps
+from bgeserve.export.main import GRAPH_PATHS, MANIFEST_SCHEMA, OUTPUTS, RUNTIMES, sha256
+from bgeserve.model import prepared
+from bgeserve.model.layout import Layout
+from bgeserve.model.prepared import PrepareSource
+
+VARIANTS = ("fp32", "int8", "bf16")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# The prepared fp32 graph must compute what the hub graph computes: fp32 tolerances of
+# SPEC §2. Anything worse means the rewrite misread this graph, and it is not served.
+FP32_MIN_DENSE_COS = 0.99999
+FP32_MAX_SPARSE_ABS = 1e-4
+WORK = ".work"
+
+
+class PrepareFailed(Exception):
+    """A step failed; ``step`` names it, the message says why (the child's last lines)."""
+
+    def __init__(self, step: str, message: str):
+        super().__init__(f"prepare step {step!r} failed: {message}")
+        self.step = step
+
+
+@dataclass
+class Outcome:
+    """What a preparation made: variants written, variants skipped (with why), seconds, and
+    each step's seconds and peak RSS."""
+
+    variants: list[str]
+    skipped: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    steps: dict[str, dict[str, float]] = field(default_factory=dict)  # seconds, peak RSS
+    weight_bits: int = 7  # int8's
+
+
+StepReport = Callable[[str, int, int], None]  # (step name, index, total)
+LineReport = Callable[[str], None]
+
+
+def prepare(source: PrepareSource, out: Path, variants: Sequence[str] = VARIANTS, *,
+            skip: dict[str, str] | None = None, source_hashes: dict[str, str] | None = None,
+            on_step: StepReport | None = None, on_line: LineReport | None = None,
+            weight_bits: int = 7) -> Outcome:
+    """Write a ``bgeserve export`` of ``variants`` (fp32 always) made from ``source`` into
+    ``out``; ``skip`` lists variants not to make, with the reason recorded in the manifest;
+    ``weight_bits`` are int8's weight bits (``prepared.int8_weight_bits()`` for this CPU).
+    Raises PrepareFailed when fp32 cannot be made or disagrees with the hub graph; an int8 or
+    bf16 step that fails is skipped, with its reason."""
+    started = time.monotonic()
+    skipped = dict(skip or {})
+    wanted = [v for v in VARIANTS if v in variants and v not in skipped or v == "fp32"]
+    out.mkdir(parents=True, exist_ok=True)
+    work = out / WORK
+    work.mkdir(exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (source.tokenizer.parent / name).is_file():
+            shutil.copyfile(source.tokenizer.parent / name, out / name)
+    if source.config is not None:
+        shutil.copyfile(source.config, out / "config.json")
+    tokenizer = out / "tokenizer.json"
+    prepared.write_heads(source.heads, work / prepared.HEADS_FILE)
+    steps = ["graphs", *(v for v in wanted if v != "fp32"), "FFN row blocks", "validation"]
+    run = _Runner(steps, on_step, on_line)
+
+    config = ["--config", str(source.config)] if source.config is not None else []
+    run("graphs", [prepare_steps.__name__, "graphs", str(source.graph),
+                   source.layout.hidden_output or "", str(work), *config])
+    dims = json.loads((work / "dims.json").read_text())
+    os.replace(work / "fp32", out / "fp32")
+    limit = ["--max-tokens", str(corpus.capped(dims.get("max_positions")))]
+    if "int8" in wanted:
+        _optional(run, skipped, "int8", ["bgeserve.export.steps", "int8",
+                                         str(out / GRAPH_PATHS["fp32"]),
+                                         str(out / GRAPH_PATHS["int8"]),
+                                         "--tokenizer", str(tokenizer), *limit,
+                                         "--weight-bits", str(weight_bits)])
+    if "bf16" in wanted:
+        _optional(run, skipped, "bf16", ["bgeserve.export.steps", "openvino",
+                                         str(work / "plain" / "model.onnx"),
+                                         str(out / GRAPH_PATHS["bf16"])])
+    made = [v for v in wanted if v not in skipped]
+    blocked = [str(out / GRAPH_PATHS[v]) for v in ("fp32", "int8") if v in made]
+    if dims.get("ffn_rows"):
+        run("FFN row blocks", ["bgeserve.export.steps", "rowblock", *blocked,
+                               "--rows", str(dims["ffn_rows"])])
+    else:
+        run.skip("FFN row blocks")
+    result = work / "agreement.json"
+    graphs = [f"{v}={out / GRAPH_PATHS[v]}:{RUNTIMES.get(v, 'onnxruntime')}" for v in made]
+    run("validation", [prepare_steps.__name__, "check", str(work), str(result), "--tokenizer",
+                       str(tokenizer), *limit, *(x for g in graphs for x in ("--graph", g))])
+    agreement = json.loads(result.read_text())
+    fp32 = agreement["fp32"]
+    if (fp32["dense_cos_min"] < FP32_MIN_DENSE_COS
+            or fp32["sparse_max_abs"] > FP32_MAX_SPARSE_ABS):
+        raise PrepareFailed("validation", f"the rewritten fp32 graph disagrees with the hub "
+                            f"graph ({fp32}): bgeserve misread this graph; serve it as it is "
+                            "with BGE_M3_PREPARE=0 and report the graph's origin")
+    outcome = Outcome(made, skipped, round(time.monotonic() - started, 1), run.measured,
+                      weight_bits)
+    _write_manifest(out, source, dims, agreement, outcome, source_hashes or {})
+    shutil.rmtree(work)
+    return outcome
+
+
+class _Runner:
+    """Runs ``python -m MODULE ARGS`` steps in order, reporting each; keeps a failing child's
+    last lines for the error."""
+
+    def __init__(self, steps: list[str], on_step: StepReport | None,
+                 on_line: LineReport | None):
+        self.steps = steps
+        self.on_step = on_step
+        self.on_line = on_line
+        self.measured: dict[str, dict[str, float]] = {}  # step -> seconds, peak_rss_mib
+
+    def skip(self, name: str) -> None:
+        self.steps.remove(name)
+
+    def __call__(self, name: str, argv: list[str]) -> None:
+        if self.on_step is not None:
+            self.on_step(name, self.steps.index(name) + 1, len(self.steps))
+        tail: deque[str] = deque(maxlen=12)
+        started = time.monotonic()
+        with subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, errors="replace") as child:
+            assert child.stderr is not None
+            for line in child.stderr:
+                line = line.rstrip()
+                if line:
+                    tail.append(line)
+                    if self.on_line is not None:
+                        self.on_line(line)
+            # Reaped here rather than by Popen, for this child's own peak RSS (wait4).
+            _, status, usage = os.wait4(child.pid, 0)
+            child.returncode = os.waitstatus_to_exitcode(status)
+        self.measured[name] = {"seconds": round(time.monotonic() - started, 1),
+                               "peak_rss_mib": usage.ru_maxrss >> 10}  # ru_maxrss: KiB
+        if self.on_line is not None:
+            self.on_line(f"{name}: {self.measured[name]['seconds']}s, peak RSS "
+                         f"{self.measured[name]['peak_rss_mib']} MiB")
+        if child.returncode != 0:
+            raise PrepareFailed(name, _exit_reason(child.returncode) + (
+                ": " + " | ".join(list(tail)[-4:]) if tail else ""))
+
+
+def _exit_reason(code: int) -> str:
+    if code in (-9, 137):
+        return "killed (SIGKILL: most likely out of memory)"
+    if code < 0:
+        return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _optional(run: _Runner, skipped: dict[str, str], variant: str, argv: list[str]) -> None:
+    """Run a variant's step; a failure skips the variant (recorded) instead of the whole."""
+    try:
+        run(variant, argv)
+    except PrepareFailed as exc:
+        skipped[variant] = str(exc)
+        if run.on_line is not None:
+            run.on_line(f"{variant} skipped: {exc}")
+
+
+def graph_files(graph: Path) -> list[Path]:
+    """A prepared graph and the weight files beside it that belong to it."""
+    if graph.suffix == ".xml":
+        return [graph, graph.with_suffix(".bin")]
+    return [graph, *sorted(p for p in graph.parent.iterdir() if p != graph and p.is_file())]
+
+
+def _write_manifest(out: Path, source: PrepareSource, dims: dict[str, Any],
+                    agreement: dict[str, Any], outcome: Outcome,
+                    hashes: dict[str, str]) -> None:
+    variants = {}
+    for variant in outcome.variants:
+        graph = out / GRAPH_PATHS[variant]
+        entry: dict[str, Any] = {
+            "path": GRAPH_PATHS[variant], "sha256": sha256(graph), "bytes": graph.stat().st_size,
+            "total_bytes": sum(p.stat().st_size for p in graph_files(graph)),
+            # vs the hub graph itself (heads in ONNX), on validate.py's texts
+            "agreement": agreement[variant]}
+        if variant in RUNTIMES:
+            entry.update(runtime=RUNTIMES[variant], attention="plain (the runtime fuses it)")
+        variants[variant] = entry
+    model = {k: dims[k] for k in ("hidden", "heads", "intermediate", "layers", "max_positions",
+                                  "attention_block", "ffn_rows") if k in dims}
+    manifest = {
+        "format": "bgeserve-export",
+        "schema": MANIFEST_SCHEMA,
+        "bgeserve_version": __version__,
+        "opset": dims.get("opset"),
+        "attention_block": dims.get("attention_block"),
+        "hidden_size": dims["hidden"],
+        "model": model,
+        "outputs": list(OUTPUTS),
+        "variants": variants,
+        "tokenizer": "tokenizer.json",
+        "source": {"model": source.description, "layout": source.layout.value,
+                   "files": hashes},
+        "prepared": {"schema": prepared.RECIPE["schema"], "seconds": outcome.seconds,
+                     "skipped": outcome.skipped, "steps": outcome.steps,
+                     "int8_weight_bits": outcome.weight_bits},
+    }
+    path = out / "manifest.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _event(kind: str, **fields: object) -> None:
+    """One progress event for the parent, on stdout."""
+    print(json.dumps({"event": kind, **fields}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prepare as the arguments say, reporting on stdout; 0 on success, 1 on failure."""
+    parser = argparse.ArgumentParser(prog="python -m bgeserve.export.prepare")
+    parser.add_argument("--graph", type=Path, required=True, help="the hub's fp32 graph")
+    parser.add_argument("--external-data", type=Path, action="append", default=[])
+    parser.add_argument("--layout", choices=[Layout.BAAI.value, Layout.HIDDEN.value],
+                        required=True)
+    parser.add_argument("--tokenizer", type=Path, required=True)
+    parser.add_argument("--config", type=Path, default=None)
+    parser.add_argument("--heads", type=Path, required=True, help="prepared.write_heads' npz")
+    parser.add_argument("--description", default="hub snapshot")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--variant", action="append", choices=VARIANTS, default=[])
+    parser.add_argument("--skip", action="append", default=[], metavar="VARIANT=REASON")
+    parser.add_argument("--weight-bits", type=int, choices=[7, 8], default=7)
+    parser.add_argument("--hashes", type=Path, default=None, help="JSON {file: sha256}")
+    args = parser.parse_args(argv)
+    source = PrepareSource(args.graph, Layout(args.layout), args.tokenizer,
+                           prepared.read_heads(args.heads), args.description,
+                           tuple(args.external_data), args.config)
+    skip = dict(item.split("=", 1) for item in args.skip)
+    hashes = json.loads(args.hashes.read_text()) if args.hashes else {}
+    try:
+        outcome = prepare(source, args.out, args.variant or VARIANTS, skip=skip,
+                          source_hashes=hashes, weight_bits=args.weight_bits,
+                          on_step=lambda name, i, n: _event("step", name=name, index=i, of=n),
+                          on_line=lambda text: _event("line", text=text))
+    except PrepareFailed as exc:
+        _event("failed", step=exc.step, message=str(exc))
+        return 1
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which serves the stock graph
+        _event("failed", step="prepare", message=f"{type(exc).__name__}: {exc}")
+        return 1
+    _event("done", outcome=asdict(outcome))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

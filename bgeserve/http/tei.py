@@ -1,0 +1,166 @@
+"""Handlers for text-embeddings-inference's routes, on the same service as the OpenAI ones.
+
+Request and response shapes are TEI's (``docs/openapi.json`` of huggingface/text-embeddings-
+inference); errors on these paths are TEI's ``{"error", "error_type"}`` with TEI's statuses
+(``errors.ErrorStyle`` picks them by path, from ``app.tei_routes``). Every handler is
+read → parse → service call → render, like ``handlers.embed_endpoint``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from bgeserve.http.handlers import (
+    OFFLOAD_BODY_BYTES,
+    OFFLOAD_ITEMS,
+    _maybe_offload,
+    read_json_body,
+    unless_disconnected,
+)
+from bgeserve.http.render import select_sparse
+from bgeserve.http.schemas import check_dimensions
+from bgeserve.http.tei_schemas import (
+    TeiEmbedRequest,
+    parse_decode,
+    parse_embed,
+    parse_root,
+    parse_similarity,
+    parse_tokenize,
+)
+from bgeserve.results import Embeddings, EmbedOptions
+
+_NUMPY = orjson.OPT_SERIALIZE_NUMPY
+
+
+def _json(content: Any) -> Response:
+    return Response(orjson.dumps(content, option=_NUMPY), media_type="application/json")
+
+
+async def _parse(request: Request, parse: Any, **kwargs: Any) -> Any:
+    raw = await read_json_body(request)
+    return await _maybe_offload(len(raw) > OFFLOAD_BODY_BYTES, lambda: parse(
+        raw, request.state.settings, **kwargs))
+
+
+async def _embed(request: Request, parsed: TeiEmbedRequest, options: EmbedOptions) -> Embeddings:
+    """Embed ``parsed.inputs``; left truncation cuts the texts' ids first, then embeds them."""
+    service, state = request.state.service, request.state
+    inputs: Any = parsed.inputs
+    if parsed.left and parsed.truncate:
+        inputs = await service.truncate_left(inputs)
+    return await unless_disconnected(request, service.embed(
+        inputs, options, request_id=state.request_id))
+
+
+def _dense_rows(result: Embeddings) -> np.ndarray:
+    assert result.dense is not None
+    return np.ascontiguousarray(result.dense, dtype=np.float32)
+
+
+async def embed(request: Request) -> Response:
+    """``POST /embed``: ``[[f32]]``, one L2-normalised dense vector per input."""
+    parsed = await _parse(request, parse_embed, dense=True)
+    return await _dense_response(request, parsed)
+
+
+async def _dense_response(request: Request, parsed: TeiEmbedRequest) -> Response:
+    check_dimensions(parsed.dimensions, request.state.service.dense_width())
+    result = await _embed(request, parsed, EmbedOptions(truncate=parsed.truncate))
+    rows = _dense_rows(result)
+    body = await _maybe_offload(len(result) > OFFLOAD_ITEMS, orjson.dumps, rows, None, _NUMPY)
+    return Response(body, media_type="application/json")
+
+
+def _sparse_items(result: Embeddings, parsed: TeiEmbedRequest) -> list[list[dict[str, Any]]]:
+    assert result.sparse is not None
+    out = []
+    for indices, values in result.sparse:
+        ids, weights = select_sparse(indices, values, parsed.sparse_top_k,
+                                     parsed.sparse_min_weight)
+        out.append([{"index": i, "value": w} for i, w in zip(ids.tolist(), weights,
+                                                               strict=True)])
+    return out
+
+
+async def embed_sparse(request: Request) -> Response:
+    """``POST /embed_sparse``: ``[[{index, value}]]``, bge-m3's lexical weights per token id,
+    ids ascending and unique, zeros left out (an input can have none)."""
+    parsed = await _parse(request, parse_embed, sparse=True)
+    options = EmbedOptions(dense=False, sparse=True, truncate=parsed.truncate)
+    result = await _embed(request, parsed, options)
+    items = await _maybe_offload(len(result) > OFFLOAD_ITEMS, _sparse_items, result, parsed)
+    return _json(items)
+
+
+async def embed_all(request: Request) -> Response:
+    """``POST /embed_all``: ``[[[f32]]]``, bge-m3's ColBERT vectors (one per token after
+    ``<s>``, each L2-normalised)."""
+    parsed = await _parse(request, parse_embed)
+    options = EmbedOptions(dense=False, colbert=True, truncate=parsed.truncate)
+    result = await _embed(request, parsed, options)
+    assert result.colbert is not None
+    matrices = [np.ascontiguousarray(m, dtype=np.float32) for m in result.colbert]
+    body = await _maybe_offload(True, orjson.dumps, matrices, None, _NUMPY)
+    return Response(body, media_type="application/json")
+
+
+async def similarity(request: Request) -> Response:
+    """``POST /similarity``: ``[f32]``, the cosine of each sentence with the source sentence."""
+    parsed = await _parse(request, parse_similarity)
+    return _json(await _similarities(request, parsed))
+
+
+async def _similarities(request: Request, parsed: TeiEmbedRequest) -> np.ndarray:
+    rows = _dense_rows(await _embed(request, parsed, EmbedOptions(truncate=parsed.truncate)))
+    return np.ascontiguousarray(rows[1:] @ rows[0])  # unit vectors: the dot is the cosine
+
+
+async def root(request: Request) -> Response:
+    """``POST /``: TEI's route for its model type; an embedding model's is ``/embed``, and a
+    body whose ``inputs`` has a ``source_sentence`` is a ``/similarity`` request (what
+    ``huggingface_hub.InferenceClient(base_url=...)`` sends for either task)."""
+    is_similarity, parsed = await _parse(request, parse_root)
+    if is_similarity:
+        return _json(await _similarities(request, parsed))
+    return await _dense_response(request, parsed)
+
+
+async def tokenize(request: Request) -> Response:
+    """``POST /tokenize``: ``[[{id, text, special, start, stop}]]``, UTF-8 byte offsets."""
+    parsed = await _parse(request, parse_tokenize)
+    tokens = await request.state.service.tokenize(parsed.inputs, parsed.add_special_tokens)
+    body = await _maybe_offload(len(parsed.inputs) > OFFLOAD_ITEMS, orjson.dumps, tokens)
+    return Response(body, media_type="application/json")
+
+
+async def decode(request: Request) -> Response:
+    """``POST /decode``: ``[str]``, one text per id sequence."""
+    parsed = await _parse(request, parse_decode)
+    return _json(await request.state.service.decode(parsed.ids, parsed.skip_special_tokens))
+
+
+async def info(request: Request) -> Response:
+    """``GET /info``: TEI's ``Info`` for the served model."""
+    facts = request.state.service.info()
+    return _json({
+        "model_id": facts.model_id,
+        "model_sha": facts.model_sha,
+        "model_dtype": facts.dtype,
+        "served_model_name": request.state.service.model_name,
+        "model_type": {"embedding": {"pooling": "cls"}},
+        "max_concurrent_requests": facts.max_concurrent_requests,
+        "max_input_length": facts.max_input_length,
+        "max_batch_tokens": facts.max_batch_tokens,
+        "max_batch_requests": facts.max_batch_requests,
+        "max_client_batch_size": facts.max_client_batch_size,
+        "auto_truncate": facts.auto_truncate,
+        "tokenization_workers": facts.tokenization_workers,
+        "version": facts.version,
+        "sha": None,
+        "docker_label": None,
+    })

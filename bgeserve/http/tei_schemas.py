@@ -1,0 +1,170 @@
+"""TEI's request bodies (text-embeddings-inference ``router/src/http/types.rs``) → validated
+requests, or ``InvalidInput`` / ``TooLarge`` (which the TEI routes answer in TEI's shape).
+
+As in TEI, unknown fields are ignored and ``null`` means the default. ``inputs`` takes the
+shapes of bgeserve's ``input`` (token ids only with ``BGE_M3_ACCEPT_TOKEN_IDS``). What bge-m3
+cannot do is refused with a message saying why, never ignored: ``prompt_name`` (bge-m3 has no
+prompts), ``normalize: false`` (its dense vectors are served normalised) and ``dimensions``
+other than its width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from bgeserve.config import Settings
+from bgeserve.errors import InvalidInput
+from bgeserve.http.schemas import OPTION_PARSERS, load_object, parse_input
+
+DIRECTIONS = {"right": False, "Right": False, "left": True, "Left": True}
+
+
+@dataclass(frozen=True)
+class TeiEmbedRequest:
+    """``/embed``, ``/embed_sparse``, ``/embed_all`` (and ``/similarity``'s parameters)."""
+
+    inputs: list[str] | list[list[int]]
+    truncate: bool
+    left: bool = False  # truncation_direction: left
+    dimensions: int | None = None
+    sparse_top_k: int | None = None
+    sparse_min_weight: float | None = None
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """``/tokenize``: texts only (TEI takes no ids here)."""
+
+    inputs: list[str]
+    add_special_tokens: bool = True
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """``/decode``: one or more id sequences."""
+
+    ids: list[list[int]]
+    skip_special_tokens: bool = True
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{name} must be true or false", param=name)
+    return value
+
+
+def _no_prompt(body: dict[str, Any]) -> None:
+    if body.get("prompt_name") is not None:
+        raise InvalidInput(
+            "prompt_name is not supported: bge-m3 defines no prompts (it needs no instruction "
+            "for queries or passages); omit prompt_name", param="prompt_name")
+
+
+def _required(body: dict[str, Any], name: str) -> Any:
+    if body.get(name) is None:
+        raise InvalidInput(f"{name} is required", param=name)
+    return body[name]
+
+
+def embed_fields(body: dict[str, Any], settings: Settings, *, dense: bool = False,
+                 sparse: bool = False) -> TeiEmbedRequest:
+    """The fields shared by the embedding routes; ``dense`` adds ``normalize`` and
+    ``dimensions``, ``sparse`` bgeserve's ``sparse_top_k`` and ``sparse_min_weight``."""
+    _no_prompt(body)
+    inputs = parse_input(_required(body, "inputs"), settings, "inputs")
+    direction = body.get("truncation_direction")
+    if direction is not None and (not isinstance(direction, str) or direction not in DIRECTIONS):
+        raise InvalidInput("truncation_direction must be one of Left, left, Right, right",
+                           param="truncation_direction")
+    left = direction is not None and DIRECTIONS[direction]
+    if left and inputs and not isinstance(inputs[0], str):
+        raise InvalidInput("truncation_direction left needs texts; token-id inputs are cut "
+                           "from the right", param="truncation_direction")
+    extra: dict[str, Any] = {}
+    if dense:
+        if not _flag(body, "normalize", True):
+            raise InvalidInput(
+                "normalize=false is not supported: bge-m3's dense vectors are served "
+                "L2-normalised, as FlagEmbedding gives them; omit normalize", param="normalize")
+        if body.get("dimensions") is not None:
+            extra["dimensions"] = OPTION_PARSERS["dimensions"]("dimensions", body["dimensions"])
+            if extra["dimensions"] < 1:
+                raise InvalidInput("dimensions should be positive", param="dimensions")
+    if sparse:
+        for name in ("sparse_top_k", "sparse_min_weight"):
+            if body.get(name) is not None:
+                extra[name] = OPTION_PARSERS[name](name, body[name])
+    return TeiEmbedRequest(inputs=inputs, truncate=_flag(body, "truncate", settings.truncate),
+                           left=left, **extra)
+
+
+def parse_embed(raw: bytes, settings: Settings, *, dense: bool = False,
+                sparse: bool = False) -> TeiEmbedRequest:
+    """An ``/embed`` (``dense``), ``/embed_sparse`` (``sparse``) or ``/embed_all`` body."""
+    return embed_fields(load_object(raw), settings, dense=dense, sparse=sparse)
+
+
+def similarity_inputs(body: dict[str, Any], settings: Settings) -> TeiEmbedRequest:
+    """``/similarity``: ``{"inputs": {"source_sentence", "sentences"}, "parameters"?}`` as one
+    batch, the source sentence first."""
+    inputs = body.get("inputs")
+    if not isinstance(inputs, dict) or not isinstance(inputs.get("source_sentence"), str):
+        raise InvalidInput("inputs must be an object with source_sentence (a string) and "
+                           "sentences (an array of strings)", param="inputs")
+    sentences = inputs.get("sentences")
+    if not isinstance(sentences, list) or not sentences:
+        raise InvalidInput("inputs.sentences must be a non-empty array of strings",
+                           param="inputs.sentences", code="empty_input")
+    parameters = body.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise InvalidInput("parameters must be an object", param="parameters")
+    return embed_fields({**parameters, "inputs": [inputs["source_sentence"], *sentences]},
+                        settings)
+
+
+def parse_similarity(raw: bytes, settings: Settings) -> TeiEmbedRequest:
+    """A ``/similarity`` body."""
+    return similarity_inputs(load_object(raw), settings)
+
+
+def parse_root(raw: bytes, settings: Settings) -> tuple[bool, TeiEmbedRequest]:
+    """A ``POST /`` body: (True, a similarity request) when ``inputs`` is an object, else
+    (False, an ``/embed`` request)."""
+    body = load_object(raw)
+    if isinstance(body.get("inputs"), dict):
+        return True, similarity_inputs(body, settings)
+    return False, embed_fields(body, settings, dense=True)
+
+
+def parse_tokenize(raw: bytes, settings: Settings) -> TokenizeRequest:
+    """A ``/tokenize`` body."""
+    body = load_object(raw)
+    _no_prompt(body)
+    value = _required(body, "inputs")
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise InvalidInput("inputs must be a string or an array of strings", param="inputs")
+    parse_input(texts, settings, "inputs")  # the batch and length limits
+    return TokenizeRequest(texts, _flag(body, "add_special_tokens", True))
+
+
+def parse_decode(raw: bytes, settings: Settings) -> DecodeRequest:
+    """A ``/decode`` body: ``ids`` is one sequence or an array of them."""
+    body = load_object(raw)
+    ids = _required(body, "ids")
+    if not isinstance(ids, list) or not ids or (isinstance(ids[0], list) and not all(ids)):
+        raise InvalidInput("ids cannot be empty", param="ids", code="empty_input")
+    sequences = ids if isinstance(ids[0], list) else [ids]
+    if len(sequences) > settings.max_batch:
+        raise InvalidInput(f"batch of {len(sequences)} id sequences exceeds the maximum of "
+                           f"{settings.max_batch} (BGE_M3_MAX_BATCH); split the request",
+                           param="ids", code="batch_too_large")
+    for i, seq in enumerate(sequences):
+        if not isinstance(seq, list) or not all(type(t) is int and t >= 0 for t in seq):
+            raise InvalidInput("ids must be an array of token ids (integers >= 0) or an array "
+                               "of such arrays", param=f"ids[{i}]")
+    return DecodeRequest(sequences, _flag(body, "skip_special_tokens", True))

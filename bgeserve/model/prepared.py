@@ -1,0 +1,217 @@
+"""Prepared exports (``bgeserve prepare``): what one is made from, its key, where it is kept.
+
+A prepared export lives in ``{cache_dir}/prepared/<key>/`` and is a ``bgeserve export`` like
+any other. The key hashes (SHA-256) every source file (graph, weights, tokenizer, config), the
+head weights, the recipe (``RECIPE``) and the choices made for this machine: a changed source
+file means a new key, so a new preparation. Hashing 2.3 GB takes seconds, so each file's digest
+is remembered in ``prepared/digests.json`` against its path, size, mtime and inode; a second
+start re-hashes nothing. Builds take an exclusive lock per key (two servers starting together
+prepare once) and are staged in a temporary directory renamed into place when complete.
+
+This is the serving side; the graphs themselves are made by ``python -m
+bgeserve.export.prepare`` in a child process (serving never imports the build tools).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bgeserve.model.artifacts import ModelArtifacts
+from bgeserve.model.layout import Layout
+from bgeserve.model.ptload import HeadWeights
+
+__all__ = ["RECIPE", "PrepareSource", "PreparedStore", "file_digests", "int8_weight_bits",
+           "source_key", "write_heads"]
+
+# What a prepared graph holds besides its sources; part of the key. Bump "schema" whenever the
+# recipe changes what a prepared graph holds (a test checks the block sizes against export/).
+RECIPE = {"schema": 1, "attention_block": 256, "ffn_rows": 2048}
+HEADS_FILE = "heads.npz"  # the head weights handed to the child (it may not re-fetch them)
+
+
+@dataclass(frozen=True)
+class PrepareSource:
+    """What a prepared export is made from: a hub-layout fp32 graph and its companions."""
+
+    graph: Path
+    layout: Layout
+    tokenizer: Path
+    heads: HeadWeights
+    description: str
+    external_data: tuple[Path, ...] = ()
+    config: Path | None = None  # config.json, when the snapshot has one
+
+    @classmethod
+    def from_artifacts(cls, art: ModelArtifacts) -> PrepareSource:
+        """The source behind resolved hub-layout artifacts (BAAI's or a hidden-state graph)."""
+        if art.layout is Layout.BGESERVE or art.heads is None:
+            raise ValueError(f"{art.source} is already in bgeserve's layout")
+        config = next((p for p in (art.tokenizer_path.parent / "config.json",
+                                   art.onnx_path.parent / "config.json") if p.is_file()), None)
+        return cls(art.onnx_path, art.layout, art.tokenizer_path, art.heads, art.source,
+                   art.external_data, config)
+
+    def files(self) -> list[Path]:
+        """The files whose content decides the result (the cache key hashes them)."""
+        extra = [self.config] if self.config is not None else []
+        return [self.graph, *self.external_data, self.tokenizer, *extra]
+
+    @property
+    def weight_bytes(self) -> int:
+        """Size of the fp32 graph and its weights (what each step's memory scales with)."""
+        return sum(p.stat().st_size for p in (self.graph, *self.external_data))
+
+
+def int8_weight_bits(cpuinfo: Path = Path("/proc/cpuinfo")) -> int:
+    """8 where this CPU multiplies u8 x s8 into int32 (VNNI, AMX), else 7 (export/steps.py:
+    MLAS's AVX2 kernel saturates its int16 pair sums with 8-bit weights). A prepared graph
+    serves on the machine that made it, so it keeps the 8th bit where that is safe: ~0.0003 of
+    dense cosine on the full-size model."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in
+                      cpuinfo.read_text(errors="replace").splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        return 7
+    return 8 if {"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags) else 7
+
+
+def write_heads(heads: HeadWeights, path: Path) -> None:
+    """Save ``HeadWeights`` for the child that writes them into the graph."""
+    np.savez(path, sparse_weight=heads.sparse_weight, sparse_bias=np.float32(heads.sparse_bias),
+             colbert_weight=heads.colbert_weight, colbert_bias=heads.colbert_bias)
+
+
+def read_heads(path: Path) -> HeadWeights:
+    """The ``HeadWeights`` that ``write_heads`` saved."""
+    with np.load(path) as z:
+        return HeadWeights(z["sparse_weight"], float(z["sparse_bias"]), z["colbert_weight"],
+                           z["colbert_bias"])
+
+
+def sha256(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 8 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+_DIGESTS = "digests.json"
+
+
+def _stamp(path: Path) -> str:
+    stat = path.stat()  # follows the hub cache's symlinks to the blob
+    return f"{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}"
+
+
+def file_digests(files: Sequence[Path], memo: Path) -> dict[str, str]:
+    """{file name: SHA-256} of ``files``, reusing digests remembered in ``memo`` for files whose
+    size, mtime and inode have not changed (and remembering the new ones)."""
+    try:
+        known: dict[str, Any] = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    found: dict[str, str] = {}
+    changed = False
+    for path in files:
+        real, stamp = str(Path(path).resolve()), _stamp(path)
+        entry = known.get(real)
+        if not (isinstance(entry, dict) and entry.get("stamp") == stamp):
+            entry = known[real] = {"stamp": stamp, "sha256": sha256(path)}
+            changed = True
+        name = path.name if path.name not in found else f"{path.parent.name}/{path.name}"
+        found[name] = entry["sha256"]
+    if changed:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1))
+        os.replace(tmp, memo)
+    return found
+
+
+def heads_digest(heads: HeadWeights) -> str:
+    """SHA-256 of the head weights' values."""
+    digest = hashlib.sha256()
+    for array in (heads.sparse_weight, np.float32(heads.sparse_bias), heads.colbert_weight,
+                  heads.colbert_bias):
+        digest.update(np.ascontiguousarray(array, dtype="<f4").tobytes())
+    return digest.hexdigest()
+
+
+def source_key(digests: dict[str, str], heads: HeadWeights, **recipe_parts: object) -> str:
+    """The cache key of a preparation: its sources' digests, the recipe (``RECIPE``) and the
+    choices made for this machine (``recipe_parts``, e.g. int8's weight bits)."""
+    recipe = {**RECIPE, "files": digests, "heads": heads_digest(heads), **recipe_parts}
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:32]
+
+
+class PreparedStore:
+    """Prepared exports under ``{cache_dir}/prepared``: find, lock, stage, commit."""
+
+    def __init__(self, cache_dir: Path):
+        self.root = Path(cache_dir) / "prepared"
+
+    @property
+    def digests(self) -> Path:
+        """The file-digest memo."""
+        return self.root / _DIGESTS
+
+    def path(self, key: str) -> Path:
+        return self.root / key
+
+    def manifest(self, key: str) -> dict[str, Any] | None:
+        """The manifest of the complete export for ``key``, or None."""
+        try:
+            data = json.loads((self.path(key) / "manifest.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) and data.get("format") == "bgeserve-export" \
+            else None
+
+    @contextmanager
+    def lock(self, key: str, on_wait: Any = None) -> Iterator[None]:
+        """Hold the build lock of ``key`` (waiting for another process that holds it)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / f".{key}.lock", "w") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if on_wait is not None:
+                    on_wait()
+                fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def staging(self, key: str) -> Path:
+        """A fresh, empty directory to build ``key`` in (left-overs of crashed builds removed:
+        the caller holds the lock)."""
+        for stale in self.root.glob(f".{key}.*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        staged = self.root / f".{key}.{os.getpid()}.tmp"
+        staged.mkdir(parents=True)
+        return staged
+
+    def commit(self, key: str, staged: Path) -> Path:
+        """Move a complete build into place (replacing an older, smaller one); returns it."""
+        final = self.path(key)
+        if final.exists():
+            old = final.with_name(f".{key}.{os.getpid()}.old.tmp")
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(staged, final)
+        return final

@@ -1,0 +1,100 @@
+"""``bgeserve bulk --ray``: the bulk job as a Ray Data pipeline.
+
+    read_datasource(BulkSource)  →  map_batches(Embedder, actor pool)  →  write_datasink(ShardSink)
+
+Ray schedules, streams, retries and scales the pool; bgeserve only supplies the three stages.
+The same output folder, manifest and shards as the local job, so a job can be resumed by
+either. Inputs and the output folder must be on storage every node sees at the same path.
+
+Actors: by default one per node, with all its CPUs but one (that one reads and writes);
+``--cpus-per-actor C`` packs ``(CPUs − 1) // C`` per node. Each actor loads the model and
+sizes its budget with the probe on its own node (``Embedder``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from bgeserve.bulk.job import BulkJob
+from bgeserve.bulk.local import MAX_BAD_EXAMPLES
+from bgeserve.bulk.model import model_spec, settings_env
+from bgeserve.bulk.output import OutputDir
+from bgeserve.bulk.progress import Progress, Summary
+from bgeserve.bulk.sources import check_columns, discover
+from bgeserve.config import Settings
+from bgeserve.errors import InvalidInput
+from bgeserve.ray.datasink import ShardSink
+from bgeserve.ray.datasource import BulkSource
+from bgeserve.ray.embedder import Embedder
+
+log = logging.getLogger("bgeserve.bulk")
+IO_CPUS = 0.5  # each read and write task: two fit in the CPU an actor leaves free
+
+
+def actor_pool(node_cpus: list[int], cpus_per_actor: float | None) -> tuple[float, int]:
+    """(CPUs per actor, actors) for nodes with ``node_cpus`` CPUs each."""
+    if not node_cpus:
+        raise InvalidInput("the Ray cluster has no node with CPUs", param="--ray-address")
+    if cpus_per_actor is None:
+        return float(max(1, min(node_cpus) - 1)), len(node_cpus)
+    largest = max(max(node_cpus) - 1, 1)
+    if not 0 < cpus_per_actor <= largest:
+        raise InvalidInput(f"--cpus-per-actor {cpus_per_actor:g}: choose 0 < C <= {largest} "
+                           "(the largest node's CPUs but one, which reads and writes)",
+                           param="--cpus-per-actor")
+    count = sum(int(max(c - 1, 1) // cpus_per_actor) for c in node_cpus)
+    return cpus_per_actor, max(1, count)
+
+
+def actor_env(settings: Settings) -> dict[str, str]:
+    """The driver's settings as ``BGE_M3_*`` variables for the actors, the variant and runtime
+    the driver resolved pinned: nodes left to choose by their own CPUs could mix variants in
+    one output."""
+    env = settings_env(settings)
+    env["BGE_M3_MODEL"] = settings.variant
+    env["BGE_M3_EP"] = settings.execution_provider
+    return env
+
+
+def run(job: BulkJob, settings: Settings, address: str | None = None,
+        cpus_per_actor: float | None = None) -> Summary:
+    """Run ``job`` on the Ray cluster at ``address`` (None: RAY_ADDRESS, else a local one)."""
+    import ray
+
+    with OutputDir(job.output) as out:
+        sources = discover(job.inputs, exclude=out.path)
+        for s in sources:
+            check_columns(s, job.text_column, job.id_column)
+        out.check_manifest(job.spec(model_spec(settings)), sources)
+        coverage, _ = out.scan()
+        skipped = sum(coverage.rows(s.key) for s in sources)
+        if not ray.is_initialized():
+            ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        nodes = [int(n["Resources"].get("CPU", 0)) for n in ray.nodes()
+                 if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
+        cpus, actors = actor_pool(nodes, cpus_per_actor)
+        log.info("bulk on Ray: %d input files, %d rows already in %s; %d Embedder actors of "
+                 "%g CPUs", len(sources), skipped, out.path, actors, cpus)
+        progress = Progress(None, skipped, bar=False)  # Ray Data shows its own progress
+        # One block per shard-sized block of rows: Ray would otherwise split each read's
+        # output to reach twice the cluster's CPUs, which only makes smaller shards.
+        ds = ray.data.read_datasource(BulkSource(sources, job, coverage), num_cpus=IO_CPUS,
+                                      override_num_blocks=len(sources))
+        ds = ds.map_batches(
+            Embedder, batch_format="pyarrow", batch_size=None,
+            compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=cpus,
+            fn_constructor_kwargs={"outputs": job.outputs, "env": actor_env(settings)})
+        sink = ShardSink(out.path, job.outputs)
+        ds.write_datasink(sink, ray_remote_args={"num_cpus": IO_CPUS})
+        summary = progress.summary
+        for result in sink.results:
+            summary.rows += result["rows"]
+            summary.tokens += result["tokens"]
+            summary.shards += result["shards"]
+            summary.bad += len(result["bad"])
+            for source, row, row_id, why in result["bad"]:
+                if len(summary.bad_examples) < MAX_BAD_EXAMPLES:
+                    summary.bad_examples.append({"source": source, "row": row, "id": row_id,
+                                                 "reason": why})
+                log.warning("skipped bad row %d of %s (id %r): %s", row, source, row_id, why)
+        return progress.close()

@@ -1,0 +1,215 @@
+"""The default variant, measured: with neither BGE_M3_EP nor BGE_M3_MODEL set, every variant of
+the export that meets the agreement bar is timed on this machine and the fastest one serves.
+
+``decide(settings, cache_dir)`` runs before the serving model loads. Each candidate
+(``runtime.select.cpu_candidates``: read from the manifest, so a new variant needs no change
+here) is loaded alone, in a process of its own (``probe_child``'s ``time`` task), and timed on
+a short fixed workload (``tuning.synthetic.time_workload``: short queries and a mixed batch);
+its memory is all given back when the process ends, and a candidate that would not fit the
+memory beside this process is not loaded at all. The fastest wins, unless the rule's pick
+(``runtime.select.cpu_default``, the prior) ran within ``PRIOR_MARGIN`` of it. The choice is
+cached (``tuning.cache.ChoiceCache``) under a key of what the timings depend on — every
+candidate's files and runtime, threads, workers, CPU — which does not include the choice, so a
+warm start finds the choice and then that variant's probe fit without timing anything.
+
+The rule stays when measuring is off (``BGE_M3_DISABLE_AUTO_BUDGET=1``) or impossible (a hub
+snapshot, fewer than two candidates, nothing could be timed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bgeserve import runtime
+from bgeserve.config import Settings
+from bgeserve.errors import BgeServeError
+from bgeserve.model.artifacts import ModelArtifacts, export_variants, resolve
+from bgeserve.model.dims import model_dims
+from bgeserve.runtime.select import THIS_MACHINE, Candidate, Machine, cpu_candidates, pick
+from bgeserve.tuning import memory
+from bgeserve.tuning.budget import HEADROOM_BYTES
+from bgeserve.tuning.cache import Choice, ChoiceCache, fingerprint
+from bgeserve.tuning.child import ChildDied, run_json
+from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
+from bgeserve.tuning.synthetic import workload_chunks
+
+log = logging.getLogger("bgeserve.backend")
+CHOICE_SCHEMA = 1  # bump when the workload or the way it is timed changes
+ROUNDS = 2
+MAX_WARMUP_SECONDS = 60.0  # a candidate whose warm-up round takes longer is not timed further
+CLOSE = 0.10  # the two fastest within this: both timed once more, in the other order
+# Resident memory of a loaded candidate per byte of its files, generously: OpenVINO keeps a
+# bf16 copy of fp16-stored weights (1.8 GiB for the full-size model's 1.14 GB IR), ONNX
+# Runtime about its files (docs/startup-probe.md §10).
+RESIDENT_PER_FILE_BYTE = 1.7
+
+Timer = Callable[[dict[str, Any]], dict[str, Any]]  # a time-task spec -> its answer
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The settings that serve (variant, provider and ``variant_choice`` decided), and what
+    the choice saw: each timed candidate's tokens/s, and why others were not timed."""
+
+    settings: Settings
+    candidates: dict[str, float] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)
+    cached: bool = False
+
+
+def measurable(settings: Settings) -> bool:
+    """Whether the default is the rule's on a CPU and may be measured instead."""
+    s = settings
+    return (s.variant_choice == "rule" and not s.is_explicit("BGE_M3_EP")
+            and not s.is_explicit("BGE_M3_MODEL") and not s.disable_auto_budget
+            and not runtime.on_gpu(s.execution_provider) and s.model_path is not None)
+
+
+def decide(settings: Settings, cache_dir: Path, *, timer: Timer | None = None,
+           machine: Machine = THIS_MACHINE, stop: threading.Event | None = None,
+           remeasure: bool = False) -> Decision:
+    """The variant that serves ``settings`` (resolved by ``plan.resolve``): measured, cached,
+    or the rule's when measuring is off or impossible. ``timer`` times one candidate (default:
+    in a child process); ``remeasure`` ignores a cached choice (``bgeserve probe``)."""
+    if not measurable(settings):
+        return Decision(settings)
+    found, left_out = cpu_candidates(export_variants(settings.model_path), machine)
+    artifacts: dict[Candidate, ModelArtifacts] = {}
+    for c in found:
+        try:
+            artifacts[c] = resolve(model_path=settings.model_path, variant=c.variant,
+                                   cache_dir=cache_dir, offline=True, progress=False)
+        except BgeServeError as exc:
+            left_out[c.variant] = f"cannot be opened: {exc}"
+    if len(artifacts) < 2:
+        log.info("variant choice: %s, nothing to measure (%s)", settings.variant,
+                 "; ".join(f"{v}: {why}" for v, why in left_out.items()) or "one variant")
+        return Decision(settings, left_out=left_out)
+    parts = choice_parts(settings, artifacts)
+    key = fingerprint(parts)
+    store = ChoiceCache.at(cache_dir)
+    cached = None if remeasure or settings.disable_probe_cache else store.load(key)
+    if cached is not None and any(c.variant == cached.variant for c in artifacts):
+        log.info("variant choice (cached): %s on %s; measured %s", cached.variant,
+                 cached.provider, _rates(cached.rates))
+        return Decision(_serving(settings, cached.variant, cached.provider), cached.rates,
+                        cached.left_out, cached=True)
+    rates, timed_out = _time_all(settings, cache_dir, artifacts, timer or _child_timer(stop))
+    left_out.update(timed_out)
+    if not rates:
+        log.warning("variant choice: no candidate could be timed (%s); serving the rule's %s",
+                    "; ".join(f"{v}: {why}" for v, why in left_out.items()), settings.variant)
+        return Decision(settings, left_out=left_out)
+    chosen = pick(rates, settings.variant)
+    provider = next(c.provider for c in artifacts if c.variant == chosen)
+    log.info("variant choice: %s on %s, measured %s (the rule's pick: %s)", chosen, provider,
+             _rates(rates), settings.variant)
+    if not settings.disable_probe_cache:
+        store.save(key, Choice(chosen, provider, rates, left_out), parts)
+    return Decision(_serving(settings, chosen, provider), rates, left_out)
+
+
+def _serving(settings: Settings, variant: str, provider: str) -> Settings:
+    return dataclasses.replace(settings, variant=variant, execution_provider=provider,
+                               variant_choice="measured")
+
+
+def _rates(rates: Mapping[str, float]) -> str:
+    return ", ".join(f"{v} {r:.0f} tokens/s" for v, r in sorted(rates.items(),
+                                                                key=lambda kv: -kv[1]))
+
+
+def _dist(name: str) -> str:
+    """A runtime's version without importing it (openvino would cost the server memory)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def choice_parts(settings: Settings,
+                 artifacts: Mapping[Candidate, ModelArtifacts]) -> dict[str, Any]:
+    """What the candidates' timings depend on: the choice cache's key parts (not the choice)."""
+    from bgeserve.runtime.onnx import cpu_description
+
+    return {
+        "choice_schema": CHOICE_SCHEMA,
+        "candidates": {f"{c.variant}@{c.provider}": a.identity()
+                       for c, a in sorted(artifacts.items(), key=lambda kv: kv[0].variant)},
+        "runtimes": {name: _dist(name) for name in ("onnxruntime", "openvino")},
+        "threads": settings.threads_per_worker, "workers": settings.workers,
+        "chunk_tokens": settings.max_chunk_tokens, "cpu": cpu_description(),
+    }
+
+
+def chunk_tokens(settings: Settings, provider: str) -> int:
+    """The padded tokens per run a candidate serves with (its runtime's best, unless set)."""
+    return settings.max_chunk_tokens or runtime.get(provider).chunk_tokens
+
+
+def memory_needed(settings: Settings, artifacts: ModelArtifacts, provider: str) -> int:
+    """Bytes a candidate's timing process may need: its files' resident copy, the headroom,
+    and the workload's largest chunk by the conservative cost model."""
+    files = sum(p.stat().st_size for p in (artifacts.onnx_path, *artifacts.external_data))
+    a, b = conservative_coefficients(**model_dims(artifacts))
+    largest = max(CostModel(a, b, 0).cost(batch, seq)
+                  for batch, seq in workload_chunks(chunk_tokens(settings, provider)))
+    return int(files * RESIDENT_PER_FILE_BYTE + HEADROOM_BYTES + largest)
+
+
+def _time_all(settings: Settings, cache_dir: Path,
+              artifacts: Mapping[Candidate, ModelArtifacts],
+              timer: Timer) -> tuple[dict[str, float], dict[str, str]]:
+    """Tokens/s of each candidate that fits, one at a time (the rule's pick first); the two
+    fastest once more in the other order when they are within ``CLOSE``."""
+    available = memory.detect_available_memory(settings.available_memory_bytes).available_bytes
+    rates: dict[str, float] = {}
+    left_out: dict[str, str] = {}
+    order = sorted(artifacts, key=lambda c: c.variant != settings.variant)
+
+    def once(c: Candidate) -> None:
+        free = available - memory.rss_bytes()
+        need = memory_needed(settings, artifacts[c], c.provider)
+        if need > free:
+            left_out[c.variant] = (f"needs ~{need >> 20} MiB to be timed, {max(free, 0) >> 20} "
+                                   "MiB are free")
+            log.info("variant choice: %s not timed: %s", c.variant, left_out[c.variant])
+            return
+        spec = {"task": "time", "model_path": str(settings.model_path), "variant": c.variant,
+                "provider": c.provider, "threads": settings.threads_per_worker,
+                "cache_dir": str(cache_dir), "chunk_tokens": chunk_tokens(settings, c.provider),
+                "rounds": ROUNDS, "max_seconds": MAX_WARMUP_SECONDS}
+        started = time.monotonic()
+        try:
+            answer = timer(spec)
+        except ChildDied as exc:
+            left_out[c.variant] = f"its timing process ended {exc}"
+            log.warning("variant choice: %s not timed: %s", c.variant, left_out[c.variant])
+            return
+        rate = float(answer["tokens_per_s"])
+        rates[c.variant] = max(rates.get(c.variant, 0.0), rate)
+        log.info("variant choice: %s on %s ran %.0f tokens/s (%d rounds; loaded %d MiB in "
+                 "%.1f s; %.0f s in all)", c.variant, c.provider, rate, answer.get("rounds", 0),
+                 int(answer.get("model_rss_bytes", 0)) >> 20,
+                 float(answer.get("load_seconds", 0.0)), time.monotonic() - started)
+
+    for c in order:
+        once(c)
+    top = sorted(rates, key=lambda v: -rates[v])[:2]
+    if len(top) == 2 and rates[top[1]] * (1 + CLOSE) >= rates[top[0]]:
+        for c in reversed([c for c in order if c.variant in top]):  # the other order: a
+            once(c)  # machine whose speed drifts then drifts for both
+    return rates, left_out
+
+
+def _child_timer(stop: threading.Event | None) -> Timer:
+    event = stop or threading.Event()
+    return lambda spec: run_json(spec, event)

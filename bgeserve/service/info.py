@@ -1,0 +1,49 @@
+"""``model_info``: what TEI's ``GET /info`` reports, from the settings and the loaded engine."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from bgeserve import __version__
+from bgeserve.model.artifacts import HUB_SOURCES
+from bgeserve.results import ModelInfo
+
+if TYPE_CHECKING:
+    from bgeserve.service import Service
+
+MODEL_ID = "BAAI/bge-m3"
+DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8", "bf16": "bfloat16"}
+
+
+def tokenizing_slots() -> int:
+    """Requests tokenized at once (the service's semaphore: more than the cores only adds
+    memory)."""
+    return max(2, len(os.sched_getaffinity(0)))
+
+
+def model_info(service: Service) -> ModelInfo:
+    """The served model and the limits a client can plan with. Needs the engine loaded."""
+    engine = service._engine()
+    s = service.settings
+    assert service.artifacts is not None
+    variant = service.artifacts.variant
+    max_chunk = engine.config.scheduler.max_chunk
+    hub = HUB_SOURCES.get(variant) if s.model_path is None else None
+    # A text longer than the chunk-token cap runs alone, so a run can hold max_seq tokens.
+    batch_tokens = max(engine.max_chunk_tokens or s.max_seq_length * max_chunk,
+                       s.max_seq_length)
+    return ModelInfo(
+        model_id=hub.repo_id if hub else MODEL_ID,
+        model_sha=hub.revision if hub else None,
+        dtype=DTYPES.get(variant, variant),
+        max_input_length=s.max_seq_length,
+        max_batch_tokens=batch_tokens,
+        max_batch_requests=max_chunk,
+        max_client_batch_size=s.max_batch,
+        # Requests are bounded by queued tokens (each text holds >= 2), not by a count.
+        max_concurrent_requests=max(1, s.max_queue_tokens // 2),
+        auto_truncate=s.truncate,
+        tokenization_workers=tokenizing_slots(),
+        version=__version__,
+    )

@@ -1,0 +1,305 @@
+"""The prepare step of a start: a hub snapshot becomes bgeserve's own export, once, cached.
+
+``Preparation.apply(settings, cache_dir)`` runs before the model loads (``Service._load``): for a
+hub snapshot (downloaded, or ``BGE_M3_MODEL_PATH`` pointing at one) served on the CPU it finds
+the prepared export for the snapshot's content in ``{cache_dir}/prepared`` or makes it
+(``python -m bgeserve.export.prepare``, a child process, which runs each step in its own), and
+returns settings that serve it; with neither
+``BGE_M3_MODEL`` nor ``BGE_M3_EP`` given, the variant is then chosen from the prepared export's
+measured agreement (runtime/select.py), as for a ``bgeserve export``. Whenever it cannot
+(``BGE_M3_PREPARE=0``, too little memory for a step, a graph it cannot rewrite) the snapshot is
+served as it is and ``status`` says why (``/health`` shows it, the log too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from bgeserve.config import Settings
+from bgeserve.errors import ModelUnavailable
+from bgeserve.model.artifacts import export_variants, resolve
+from bgeserve.model.prepared import (
+    HEADS_FILE,
+    PreparedStore,
+    PrepareSource,
+    file_digests,
+    int8_weight_bits,
+    source_key,
+    write_heads,
+)
+from bgeserve.progress import Progress
+from bgeserve.runtime import openvino
+from bgeserve.service import plan
+from bgeserve.tuning import memory
+
+log = logging.getLogger("bgeserve.prepare")
+
+GiB = 1 << 30
+# Peak memory of each step against the fp32 weights' size W (measured, full-size bge-m3,
+# W = 2.27 GB; docs/benchmarks.md): int8 holds the weights twice while quantizing, the
+# OpenVINO conversion about twice, validation one session at a time.
+PEAK = {"int8": (3.0, 1 * GiB), "bf16": (2.5, 1 * GiB), "fp32": (1.5, 1 * GiB)}
+
+
+# Disk each variant takes against W (full-size: fp32 a copy of the weights, int8 1.37 GB,
+# the bf16 IR 1.14 GB for W = 2.27 GB).
+DISK = {"fp32": 1.02, "int8": 0.62, "bf16": 0.52}
+
+
+def peak_bytes(step: str, weights: int) -> int:
+    """The memory ``step`` is expected to need for fp32 weights of ``weights`` bytes."""
+    factor, extra = PEAK[step]
+    return int(factor * weights + extra)
+
+
+class PrepareFailed(Exception):
+    """The prepare child failed; ``step`` names the step, the message says why."""
+
+    def __init__(self, step: str, message: str):
+        super().__init__(message)
+        self.step = step
+
+
+class Preparation:
+    """One start's prepare step: decides, finds or makes the export, says what happened."""
+
+    def __init__(self, progress: Progress | None = None):
+        self.progress = progress or Progress()
+        self.status: dict[str, Any] = {"status": "not_run"}
+
+    def apply(self, s: Settings, cache_dir: Path) -> Settings:
+        """Settings serving the prepared export of ``s``'s snapshot, or ``s`` unchanged."""
+        # Neither BGE_M3_MODEL nor BGE_M3_EP given: the variant is chosen again, from what the
+        # prepared export measured.
+        choose = not s.is_explicit("BGE_M3_MODEL") and not s.is_explicit("BGE_M3_EP")
+        reason = _not_needed(s)
+        if reason is not None:
+            self.status = {"status": "disabled" if not s.prepare else "not_needed",
+                           "reason": reason}
+            return s
+        try:
+            art = resolve(model_path=s.model_path, variant="fp32", cache_dir=cache_dir,
+                          offline=s.offline, progress=self.progress.bars,
+                          report=self.progress.transfer)
+        except ModelUnavailable as exc:
+            if s.model_path is None:
+                raise  # the hub: serving the stock graph would need the same download
+            self.status = {"status": "not_needed", "reason": f"no fp32 hub graph to prepare "
+                           f"from: {exc.message}"}
+            return s
+        try:
+            prepared, outcome = self.find_or_make(s, cache_dir,
+                                                  PrepareSource.from_artifacts(art), _wanted(s))
+        except _Skip as exc:
+            self._fallback("skipped", str(exc))
+            return s
+        except Exception as exc:  # noqa: BLE001 - any failure: serve the stock graph, say why
+            self._fallback("failed", str(exc), error=exc)
+            return s
+        variants = export_variants(prepared)
+        if not choose and s.variant not in variants:
+            why = outcome.get("skipped", {}).get(s.variant, "not made")
+            self._fallback("skipped", f"BGE_M3_MODEL={s.variant} was not prepared ({why})")
+            return s
+        self.status.update(path=str(prepared), variants=sorted(variants))
+        chosen = dataclasses.replace(s, model_path=prepared)
+        if choose:  # the rule again, now over the prepared export's variants
+            chosen = plan.resolve(dataclasses.replace(chosen, variant_choice=""))
+        return chosen
+
+    def find_or_make(self, s: Settings, cache_dir: Path, source: PrepareSource,
+                     wanted: list[str], *, force: bool = False,
+                     ) -> tuple[Path, dict[str, Any]]:
+        """The prepared export of ``source`` in the cache (made if missing or lacking one of
+        ``wanted``); returns its directory and its manifest's ``prepared`` record."""
+        store = PreparedStore(cache_dir)
+        self.progress.step("hashing the model files")
+        digests = file_digests(source.files(), store.digests)
+        bits = int8_weight_bits()
+        key = source_key(digests, source.heads, int8_weight_bits=bits)
+        with store.lock(key, on_wait=lambda: log.info(
+                "another bgeserve is preparing %s: waiting for it", source.description)):
+            manifest = store.manifest(key)
+            if manifest is not None and not force and _covers(manifest, wanted):
+                self.status = {"status": "cached", "key": key}
+                log.info("prepared export found: %s (variants %s)", store.path(key),
+                         ", ".join(sorted(manifest["variants"])))
+                return store.path(key), manifest.get("prepared", {})
+            weights = source.weight_bytes
+            available = memory.detect_available_memory(s.available_memory_bytes).available_bytes
+            need = peak_bytes("fp32", weights)
+            if available < need:
+                raise _Skip(f"preparing needs ~{need / GiB:.1f} GiB and {available / GiB:.1f} "
+                            "GiB are available: serving the snapshot's own graph (plain "
+                            "attention)")
+            skip = {v: f"needs ~{peak_bytes(v, weights) / GiB:.1f} GiB, "
+                       f"{available / GiB:.1f} GiB available"
+                    for v in wanted if v != "fp32" and available < peak_bytes(v, weights)}
+            skip.update(_disk_skips(store.root, weights, [v for v in wanted if v not in skip]))
+            log.info("preparing %s (variants %s%s) into %s", source.description,
+                     ", ".join(wanted), f"; skipping {skip}" if skip else "", store.path(key))
+            staged = store.staging(key)
+            try:
+                outcome = run_recipe(source, staged, wanted, skip=skip, hashes=digests,
+                                     weight_bits=bits, progress=self.progress)
+            except BaseException:
+                shutil.rmtree(staged, ignore_errors=True)
+                raise
+            final = store.commit(key, staged)
+        skipped = outcome.get("skipped") or {}
+        self.status = {"status": "prepared", "key": key, "seconds": outcome.get("seconds"),
+                       **({"skipped": skipped} if skipped else {})}
+        log.info("prepared %s in %.0fs: %s", source.description, outcome.get("seconds", 0),
+                 ", ".join(outcome.get("variants", [])), extra={"skipped": skipped or None,
+                                                               "steps": outcome.get("steps")})
+        return final, {"skipped": skipped}
+
+    def _fallback(self, status: str, reason: str, error: BaseException | None = None) -> None:
+        self.status = {"status": status, "reason": reason}
+        log.warning("not serving a prepared graph: %s. Serving the snapshot as it is (stock "
+                    "graph: plain attention, exact fp32); BGE_M3_PREPARE=0 skips this step",
+                    reason, exc_info=error is not None and not isinstance(
+                        error, (PrepareFailed, ModelUnavailable)))
+
+
+def _disk_skips(root: Path, weights: int, wanted: list[str]) -> dict[str, str]:
+    """Variants left out because the cache's file system cannot hold them (bf16, then int8);
+    _Skip when not even fp32 fits."""
+    free = shutil.disk_usage(root).free
+    need = {v: int(DISK[v] * weights) for v in wanted}
+    if free < need["fp32"]:
+        raise _Skip(f"the prepared graphs need ~{need['fp32'] / GiB:.1f} GiB on "
+                    f"BGE_M3_CACHE_DIR ({root}), {free / GiB:.1f} GiB are free")
+    skips: dict[str, str] = {}
+    for variant in ("bf16", "int8"):
+        if variant in need and sum(need.values()) > free:
+            skips[variant] = (f"needs ~{need.pop(variant) / GiB:.1f} GiB of disk in "
+                              f"BGE_M3_CACHE_DIR, {free / GiB:.1f} GiB free")
+    return skips
+
+
+def run_recipe(source: PrepareSource, out: Path, wanted: list[str], *, skip: dict[str, str],
+               hashes: dict[str, str], weight_bits: int, progress: Progress) -> dict[str, Any]:
+    """Make the export in ``out`` with ``python -m bgeserve.export.prepare`` (a child: the
+    build tools never load into the server), relaying its steps and lines to ``progress``;
+    returns its outcome (variants, skipped, seconds, steps). Raises PrepareFailed."""
+    inputs = out / ".inputs"
+    inputs.mkdir(parents=True, exist_ok=True)
+    write_heads(source.heads, inputs / HEADS_FILE)
+    (inputs / "hashes.json").write_text(json.dumps(hashes))
+    argv = [sys.executable, "-m", "bgeserve.export.prepare", "--graph", str(source.graph),
+            "--layout", source.layout.value, "--tokenizer", str(source.tokenizer),
+            "--heads", str(inputs / HEADS_FILE), "--hashes", str(inputs / "hashes.json"),
+            "--description", source.description, "--out", str(out),
+            "--weight-bits", str(weight_bits)]
+    argv += [x for p in source.external_data for x in ("--external-data", str(p))]
+    argv += ["--config", str(source.config)] if source.config is not None else []
+    argv += [x for v in wanted for x in ("--variant", v)]
+    argv += [x for v, why in skip.items() for x in ("--skip", f"{v}={why}")]
+    tail: deque[str] = deque(maxlen=8)
+    outcome: dict[str, Any] | None = None
+    failed: dict[str, Any] | None = None
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          errors="replace") as child:
+        assert child.stdout is not None and child.stderr is not None
+        errors = child.stderr
+
+        def keep_tail() -> None:  # the child's own stderr: only its last lines, for the error
+            tail.extend(line.rstrip() for line in errors)
+
+        drain = threading.Thread(target=keep_tail, daemon=True)
+        drain.start()
+        for line in child.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # a stray print: not a progress event
+            kind = event.get("event")
+            if kind == "step":
+                progress.step(f"prepare: {event['name']}", event["index"], event["of"])
+            elif kind == "line":
+                progress.note(event["text"])
+            elif kind == "done":
+                outcome = event["outcome"]
+            elif kind == "failed":
+                failed = event
+        drain.join(5)
+    shutil.rmtree(inputs, ignore_errors=True)
+    if failed is not None:
+        raise PrepareFailed(failed.get("step", "prepare"), failed.get("message", ""))
+    if child.returncode != 0 or outcome is None:
+        reason = ("killed (SIGKILL: most likely out of memory)" if child.returncode in (-9, 137)
+                  else f"exit code {child.returncode}")
+        raise PrepareFailed("prepare", f"the prepare process ended: {reason}"
+                            + (f": {' | '.join(tail)}" if tail else ""))
+    return outcome
+
+
+class _Skip(Exception):
+    """Preparing is not attempted (the reason is the message)."""
+
+
+def _not_needed(s: Settings) -> str | None:
+    """Why this start serves without preparing, or None if it prepares."""
+    if not s.prepare:
+        return "BGE_M3_PREPARE=0"
+    if s.execution_provider not in ("cpu", "openvino"):
+        return f"BGE_M3_EP={s.execution_provider} serves the hub's fp16 graph"
+    if s.variant == "fp16":
+        return "BGE_M3_MODEL=fp16 is the hub's own graph"
+    if s.model_path is not None and export_variants(s.model_path):
+        return "BGE_M3_MODEL_PATH is a `bgeserve export` already"
+    return None
+
+
+def _wanted(s: Settings) -> list[str]:
+    """fp32 and int8 always; bf16 where OpenVINO is installed and this CPU computes in bf16
+    (or bf16 is asked for)."""
+    wanted = ["fp32", "int8"]
+    asked = s.variant == "bf16" or s.execution_provider == "openvino"
+    if openvino.available() and (asked or openvino.native_bf16()):
+        wanted.append("bf16")
+    return wanted
+
+
+def _covers(manifest: dict[str, Any], wanted: list[str]) -> bool:
+    """Whether an export made every variant of ``wanted`` (or recorded why it could not)."""
+    made = manifest.get("variants") or {}
+    prepared = manifest.get("prepared") or {}
+    skipped = prepared.get("skipped") or {}
+    return all(v in made or v in skipped for v in wanted)
+
+
+def prepare_command(s: Settings, cache_dir: Path, variants: list[str] | None, *,
+                    force: bool, out: Path | None, progress: Progress) -> Path:
+    """``bgeserve prepare``: the prepared export of the configured snapshot (made now if
+    needed); with ``out``, copied there as a standalone export. Raises on failure."""
+    started = time.monotonic()
+    if s.model_path is not None and export_variants(s.model_path):
+        raise ModelUnavailable(f"{s.model_path} is a `bgeserve export` already",
+                               param="BGE_M3_MODEL_PATH")
+    art = resolve(model_path=s.model_path, variant="fp32", cache_dir=cache_dir,
+                  offline=s.offline, progress=progress.bars, report=progress.transfer)
+    prep = Preparation(progress)
+    try:
+        path, _ = prep.find_or_make(s, cache_dir, PrepareSource.from_artifacts(art),
+                                    variants or _wanted(s), force=force)
+    except _Skip as exc:
+        raise PrepareFailed("prepare", str(exc)) from None
+    progress.done()
+    if out is not None:
+        shutil.copytree(path, out, dirs_exist_ok=True)
+        path = out
+    log.info("prepared export ready in %.0fs: %s", time.monotonic() - started, path)
+    return path
+

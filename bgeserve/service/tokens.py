@@ -1,0 +1,40 @@
+"""Tokenizer use-cases beside embedding: ``/tokenize``, ``/decode`` and left truncation.
+
+Plain functions over a started ``Engine`` (the ``Service`` methods of the same names call
+them). Tokenizing is CPU work, so each runs on a worker thread and the event loop keeps
+serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import numpy as np
+
+from bgeserve.engine import Engine
+from bgeserve.results import Token
+
+# One /tokenize answer holds at most this many tokens (~100 MB of Python objects and ~15 MB
+# of JSON at the most); a request past it is 413. TEI bounds the same answer by its client
+# batch size (32) times max_input_length.
+MAX_TOKENIZE_TOKENS = 1 << 18
+
+
+async def tokenize(engine: Engine, texts: Sequence[str],
+                   add_special_tokens: bool = True) -> list[list[Token]]:
+    """Every token of each text with UTF-8 byte offsets, untruncated (TEI's ``/tokenize``)."""
+    return await asyncio.to_thread(engine.tokenizer.tokens, list(texts), add_special_tokens,
+                                   MAX_TOKENIZE_TOKENS)
+
+
+async def decode(engine: Engine, sequences: Sequence[Sequence[int]],
+                 skip_special_tokens: bool = True) -> list[str]:
+    """The text of each id sequence (TEI's ``/decode``)."""
+    return await asyncio.to_thread(engine.tokenizer.decode, sequences, skip_special_tokens)
+
+
+async def truncate_left(engine: Engine, texts: Sequence[str]) -> list[np.ndarray]:
+    """Token ids of each text, an over-long one cut from the left: embedding these ids is
+    embedding the text with TEI's ``truncation_direction: left``."""
+    return await asyncio.to_thread(engine.tokenizer.encode_left, list(texts))

@@ -1,0 +1,121 @@
+"""``bgeserve bulk`` in one process on the tiny random model: the rows, their vectors, bad rows,
+and resuming after a job was stopped halfway."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bgeserve import Engine
+from bgeserve.bulk import local
+from bgeserve.bulk.job import BulkJob
+from bgeserve.bulk.model import resolve_settings
+from bgeserve.cli import main
+from tests.bulkdata import BAD_IDS, assert_rows_match, make_inputs, read_output
+
+pytestmark = pytest.mark.slow
+
+
+def env(export: Path, cache: Path) -> dict[str, str]:
+    return {"BGE_M3_MODEL_PATH": str(export), "BGE_M3_MODEL": "fp32",
+            "BGE_M3_CACHE_DIR": str(cache), "BGE_M3_DISABLE_AUTO_BUDGET": "1",
+            "BGE_M3_MAX_SEQ_LENGTH": "128", "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_export: Path) -> Iterator[Engine]:
+    from bgeserve.engine import EngineConfig
+
+    with Engine(tiny_export, "fp32", config=EngineConfig(max_seq=128)) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    folder = tmp_path_factory.mktemp("bulk-in")
+    return folder, make_inputs(folder)
+
+
+def test_every_good_row_gets_the_engines_vectors_and_bad_rows_are_reported(
+        tiny_export: Path, tmp_path: Path, inputs, engine: Engine,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """500 texts in three formats → 500 rows equal to Engine.embed; the 4 bad rows are named
+    with their ids and reasons in the log and written to no shard."""
+    folder, texts = inputs
+    settings = resolve_settings(env(tiny_export, tmp_path / "cache"))
+    job = BulkJob(inputs=(str(folder),), output=tmp_path / "out", shard_rows=64)
+    with caplog.at_level(logging.WARNING, logger="bgeserve.bulk"):
+        summary = local.run(job, settings, bar=False)
+    assert summary.rows == 500 and summary.bad == len(BAD_IDS) and summary.skipped == 0
+    assert summary.tokens > 0 and summary.peak_rss_bytes > 0
+    assert_rows_match(read_output(job.output), texts, engine)
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    for row_id, why in BAD_IDS.items():
+        assert f"(id {row_id!r}): {why}" in logged
+    assert {e["id"] for e in summary.bad_examples} == set(BAD_IDS)
+    again = local.run(job, settings, bar=False)  # nothing left: no shard written, none lost
+    assert (again.rows, again.shards, again.skipped) == (0, 0, 500 + len(BAD_IDS))
+    assert read_output(job.output).num_rows == 500
+
+
+def test_a_job_stopped_halfway_resumes_without_duplicates_or_losses(
+        tiny_export: Path, tmp_path: Path, inputs, engine: Engine,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stopped after 3 shards (as by Ctrl-C), the rerun keeps them and writes the rest."""
+    folder, texts = inputs
+    settings = resolve_settings(env(tiny_export, tmp_path / "cache"))
+    job = BulkJob(inputs=(str(folder),), output=tmp_path / "out", shard_rows=32)
+    written = []
+    real = local.write_shard
+
+    def stop_after_three(*args, **kwargs):
+        if len(written) == 3:
+            raise KeyboardInterrupt
+        written.append(real(*args, **kwargs))
+        return written[-1]
+
+    monkeypatch.setattr(local, "write_shard", stop_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        local.run(job, settings, bar=False)
+    monkeypatch.setattr(local, "write_shard", real)
+    first = read_output(job.output).num_rows
+    assert 0 < first < 500
+    kept = {p.name: p.stat().st_mtime_ns for p in written}
+    summary = local.run(job, settings, bar=False)
+    assert summary.rows == 500 - first  # skipped: the rows and bad rows the shards held
+    assert summary.skipped + summary.rows + summary.bad == 500 + len(BAD_IDS)
+    assert {p.name: p.stat().st_mtime_ns for p in written} == kept  # left untouched
+    assert_rows_match(read_output(job.output), texts, engine)
+
+
+def test_colbert_vectors_match_the_engine(tiny_export: Path, tmp_path: Path, engine: Engine):
+    """--outputs dense,colbert: one normalised vector per token (CLS excluded), as embed."""
+    import json
+
+    (tmp_path / "in").mkdir()
+    texts = {f"t{i}": " ".join(["word"] * (i + 1)) + f" {i}" for i in range(20)}
+    (tmp_path / "in" / "a.jsonl").write_text(
+        "".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in texts.items()))
+    job = BulkJob(inputs=(str(tmp_path / "in"),), output=tmp_path / "out",
+                  outputs=("dense", "colbert"))
+    local.run(job, resolve_settings(env(tiny_export, tmp_path / "cache")), bar=False)
+    table = read_output(job.output)
+    assert "sparse_indices" not in table.column_names
+    want = engine.embed(list(texts.values()), dense=True, colbert=True)
+    got = dict(zip(table["id"].to_pylist(), table["colbert"].to_pylist(), strict=True))
+    for key, vectors in zip(texts, want.colbert, strict=True):
+        np.testing.assert_allclose(np.array(got[key], np.float32), vectors, atol=1e-5, rtol=0)
+
+
+def test_the_command_line_refuses_bad_arguments_with_exit_2(tmp_path: Path, capsys) -> None:
+    """Usage errors print one line naming the flag, no traceback."""
+    (tmp_path / "a.jsonl").write_text("")
+    assert main(["bulk", str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "o"),
+                 "--outputs", "dense,vectors"]) == 2
+    assert "--outputs" in capsys.readouterr().err
+    assert main(["bulk", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o")]) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -1,0 +1,94 @@
+"""``bgeserve.bulk.output`` and ``shards``: the output folder's lock, manifest and finished
+shards (no model)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from bgeserve.bulk.coverage import OverlappingShards
+from bgeserve.bulk.output import OutputDir
+from bgeserve.bulk.shards import read_info, shard_name, write_shard
+from bgeserve.bulk.sources import Source
+from bgeserve.errors import InvalidInput
+
+SPEC = {"text_column": "text", "id_column": "id", "outputs": ["dense"], "model": {"v": 1}}
+
+
+def table(n: int) -> pa.Table:
+    return pa.table({"id": [str(i) for i in range(n)], "n_tokens": pa.array([3] * n, pa.int32())})
+
+
+def test_a_shard_is_renamed_into_place_and_its_footer_names_its_rows(tmp_path: Path):
+    """write_shard leaves one finished *.parquet (no temporary file), whose footer holds the
+    spans and bad rows; pyarrow reads the folder as the rows alone."""
+    path = write_shard(tmp_path, table(3), {"/in/a.jsonl": [[0, 4]]},
+                       [["/in/a.jsonl", 2, "x", "no 'text'"]])
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    info = read_info(path)
+    assert info is not None and info.rows == 3
+    assert info.coverage == {"/in/a.jsonl": [[0, 4]]}
+    assert info.bad == [["/in/a.jsonl", 2, "x", "no 'text'"]]
+    assert pq.read_table(tmp_path).num_rows == 3
+
+
+def test_the_same_rows_get_the_same_name():
+    """A shard's name depends on its rows only: a retried write replaces its own file."""
+    a = shard_name({"/in/a.jsonl": [[0, 4]], "/in/b.csv": [[5, 9]]})
+    assert a == shard_name({"/in/b.csv": [[5, 9]], "/in/a.jsonl": [[0, 4]]})
+    assert a != shard_name({"/in/a.jsonl": [[0, 5]]})
+    assert a.startswith("a-0000000000-") and a.endswith(".parquet")
+
+
+def test_scan_collects_coverage_and_removes_leftover_temporary_files(tmp_path: Path):
+    """Finished shards give the coverage; a killed job's temporary file is deleted."""
+    write_shard(tmp_path, table(2), {"s": [[0, 2]]}, [])
+    write_shard(tmp_path, table(1), {"s": [[2, 3]], "t": [[0, 1]]}, [])
+    (tmp_path / ".s-0000000003-abc.parquet.1234.tmp").write_bytes(b"half")
+    with OutputDir(tmp_path) as out:
+        coverage, shards = out.scan()
+    assert len(shards) == 2 and coverage.rows("s") == 3 and coverage.rows("t") == 1
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_scan_refuses_foreign_parquet_and_overlapping_shards(tmp_path: Path):
+    """A Parquet file that is no shard, or two shards holding one row, stop the job."""
+    pq.write_table(table(1), tmp_path / "mine.parquet")
+    with OutputDir(tmp_path) as out, pytest.raises(InvalidInput, match="not a bgeserve"):
+        out.scan()
+    os.remove(tmp_path / "mine.parquet")
+    write_shard(tmp_path, table(2), {"s": [[0, 2]]}, [])
+    write_shard(tmp_path, table(2), {"s": [[1, 3]]}, [])
+    with OutputDir(tmp_path) as out, pytest.raises(OverlappingShards):
+        out.scan()
+
+
+def test_a_second_job_on_the_folder_is_refused(tmp_path: Path):
+    """Two jobs never write one folder at once."""
+    with OutputDir(tmp_path), pytest.raises(InvalidInput, match="another bulk job"):
+        OutputDir(tmp_path)
+    OutputDir(tmp_path).close()  # the lock went with the first
+
+
+def test_the_manifest_refuses_other_options_and_changed_inputs(tmp_path: Path):
+    """A rerun must have the job's spec; an input whose size or mtime changed is refused; a
+    new input is added."""
+    src = tmp_path / "a.jsonl"
+    src.write_text('{"id": 1, "text": "x"}\n')
+    out_dir = tmp_path / "out"
+    with OutputDir(out_dir) as out:
+        out.check_manifest(SPEC, [Source(src, "jsonl")])
+        with pytest.raises(InvalidInput, match="outputs"):
+            out.check_manifest({**SPEC, "outputs": ["dense", "sparse"]}, [Source(src, "jsonl")])
+        with pytest.raises(InvalidInput, match="model"):
+            out.check_manifest({**SPEC, "model": {"v": 2}}, [Source(src, "jsonl")])
+        other = tmp_path / "b.jsonl"
+        other.write_text("")
+        out.check_manifest(SPEC, [Source(src, "jsonl"), Source(other, "jsonl")])
+        src.write_text('{"id": 1, "text": "x"}\n{"id": 2, "text": "y"}\n')
+        with pytest.raises(InvalidInput, match="changed since this job started"):
+            out.check_manifest(SPEC, [Source(src, "jsonl")])

@@ -1,0 +1,274 @@
+"""The measured default variant (bgeserve/service/choice.py) with fake timings: which variants
+are timed, which one wins, what is cached under which key, and when the rule stays.
+
+The export is fake (manifest entries over empty files): nothing is loaded, the timer stands in
+for the timing process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bgeserve.config import Settings
+from bgeserve.runtime.select import Machine
+from bgeserve.service import choice
+from bgeserve.service.plan import resolve
+from bgeserve.tuning.cache import ChoiceCache
+from bgeserve.tuning.child import ChildDied
+
+OPENVINO = Machine(openvino=lambda: True, native_bf16=lambda: False, amx=lambda: False)
+NO_OPENVINO = Machine(openvino=lambda: False, native_bf16=lambda: False, amx=lambda: False)
+GOOD = {"dense_cos_min": 0.9995, "dense_cos_mean": 0.9998}
+
+
+def fake_export(root: Path, entries: dict[str, dict[str, Any]]) -> Path:
+    """An export whose variants are empty files (``runtime`` as the manifest says)."""
+    variants = {}
+    for name, extra in entries.items():
+        openvino = extra.get("runtime") == "openvino"
+        path = f"{name}/model.{'xml' if openvino else 'onnx'}"
+        (root / name).mkdir(parents=True)
+        (root / path).write_bytes(b"x" * 1000)
+        if openvino:
+            (root / name / "model.bin").write_bytes(b"x" * 1000)
+        variants[name] = {"path": path, **extra}
+    (root / "tokenizer.json").write_text("{}")
+    (root / "manifest.json").write_text(json.dumps({
+        "format": "bgeserve-export", "schema": 1, "variants": variants,
+        "model": {"hidden": 32, "heads": 2, "intermediate": 64, "attention_block": 256}}))
+    return root
+
+
+def default_settings(export: Path, cache: Path, **changes: Any) -> Settings:
+    """Settings as from an environment that sets neither BGE_M3_EP nor BGE_M3_MODEL."""
+    s = Settings(model_path=export, cache_dir=cache, available_memory_bytes=8 << 30,
+                 explicit=frozenset({"BGE_M3_MODEL_PATH", "BGE_M3_CACHE_DIR"}), **changes)
+    return resolve(s, machine=OPENVINO)
+
+
+class FakeTimer:
+    """Tokens/s per variant, as the timing process would answer; records what it was asked."""
+
+    def __init__(self, rates: dict[str, float | Exception]) -> None:
+        self.rates = rates
+        self.asked: list[dict[str, Any]] = []
+
+    def __call__(self, spec: dict[str, Any]) -> dict[str, Any]:
+        self.asked.append(spec)
+        rate = self.rates[spec["variant"]]
+        if isinstance(rate, Exception):
+            raise rate
+        return {"tokens_per_s": rate, "rounds": 2, "model_rss_bytes": 1 << 20}
+
+
+@pytest.fixture
+def export(tmp_path: Path) -> Path:
+    return fake_export(tmp_path / "export", {
+        "fp32": {}, "int8": {"agreement": GOOD},
+        "bf16": {"runtime": "openvino", "agreement": GOOD},
+        "fp16": {"agreement": GOOD},  # a GPU variant: never timed on the CPU
+        "int8-bad": {"agreement": {"dense_cos_min": 0.97}},
+    })
+
+
+def test_every_candidate_that_meets_the_bar_is_timed_and_the_fastest_serves(export, tmp_path):
+    """Candidates come from the manifest (runtime from its entry); fp16 and a variant below
+    the bar are left out with a reason; the fastest wins and says it was measured."""
+    timer = FakeTimer({"fp32": 250.0, "int8": 800.0, "bf16": 300.0})
+    settings = default_settings(export, tmp_path / "cache")
+    assert (settings.variant, settings.variant_choice) == ("int8", "rule")
+    decision = choice.decide(settings, tmp_path / "cache", timer=timer, machine=OPENVINO)
+    assert sorted(spec["variant"] for spec in timer.asked) == ["bf16", "fp32", "int8"]
+    assert timer.asked[0]["variant"] == "int8"  # the rule's pick first
+    assert {s["variant"]: s["provider"] for s in timer.asked}["bf16"] == "openvino"
+    assert decision.candidates == {"fp32": 250.0, "int8": 800.0, "bf16": 300.0}
+    assert set(decision.left_out) == {"fp16", "int8-bad"}
+    s = decision.settings
+    assert (s.variant, s.execution_provider, s.variant_choice) == ("int8", "cpu", "measured")
+
+
+def test_a_faster_variant_on_another_runtime_moves_the_provider(export, tmp_path):
+    """OpenVINO measured fastest: the variant and its provider change together."""
+    timer = FakeTimer({"fp32": 250.0, "int8": 300.0, "bf16": 900.0})
+    decision = choice.decide(default_settings(export, tmp_path / "c"), tmp_path / "c",
+                             timer=timer, machine=OPENVINO)
+    assert (decision.settings.variant, decision.settings.execution_provider) == (
+        "bf16", "openvino")
+
+
+def test_the_rule_stays_when_another_is_only_marginally_faster(export, tmp_path):
+    """Within PRIOR_MARGIN of the fastest, the rule's pick (the prior) serves: timing noise
+    must not move the choice. The two fastest within CLOSE are timed once more, other order."""
+    timer = FakeTimer({"fp32": 250.0, "int8": 800.0, "bf16": 820.0})
+    decision = choice.decide(default_settings(export, tmp_path / "c"), tmp_path / "c",
+                             timer=timer, machine=OPENVINO)
+    assert decision.settings.variant == "int8"
+    assert [s["variant"] for s in timer.asked][-2:] == ["bf16", "int8"]
+    assert len(timer.asked) == 5
+
+
+def test_the_choice_is_cached_under_a_key_that_does_not_depend_on_it(export, tmp_path):
+    """A warm start times nothing and gets the same choice; the key holds every candidate's
+    files, so changing one (a re-export) measures again; remeasure ignores the cache."""
+    cache = tmp_path / "cache"
+    first = choice.decide(default_settings(export, cache), cache,
+                          timer=FakeTimer({"fp32": 250.0, "int8": 300.0, "bf16": 900.0}),
+                          machine=OPENVINO)
+    untouched = FakeTimer({})
+    warm = choice.decide(default_settings(export, cache), cache, timer=untouched,
+                         machine=OPENVINO)
+    assert untouched.asked == [] and warm.cached
+    assert warm.settings == first.settings and warm.candidates == first.candidates
+    assert warm.settings.variant_choice == "measured"
+    record = json.loads((cache / "variant-choice.json").read_text())
+    assert "bf16" not in json.dumps(record["parts"]["runtimes"])  # versions, not the choice
+    assert set(record["parts"]["candidates"]) == {"fp32@cpu", "int8@cpu", "bf16@openvino"}
+    (export / "fp32" / "model.onnx").write_bytes(b"y" * 2000)
+    again = FakeTimer({"fp32": 250.0, "int8": 300.0, "bf16": 900.0})
+    choice.decide(default_settings(export, cache), cache, timer=again, machine=OPENVINO)
+    assert len(again.asked) == 3
+    forced = FakeTimer({"fp32": 250.0, "int8": 300.0, "bf16": 900.0})
+    choice.decide(default_settings(export, cache), cache, timer=forced, machine=OPENVINO,
+                  remeasure=True)
+    assert len(forced.asked) == 3
+
+
+@pytest.mark.parametrize("how", ["model", "ep", "disabled"])
+def test_nothing_is_measured_when_asked_for_or_disabled(export, tmp_path, how):
+    """BGE_M3_MODEL or BGE_M3_EP set (pinned), or BGE_M3_DISABLE_AUTO_BUDGET=1: the rule or
+    the setting stands, nothing is timed."""
+    settings = default_settings(export, tmp_path / "c")
+    if how == "disabled":
+        settings = dataclasses.replace(settings, disable_auto_budget=True)
+    else:
+        name = "BGE_M3_MODEL" if how == "model" else "BGE_M3_EP"
+        settings = dataclasses.replace(settings, explicit=settings.explicit | {name})
+    timer = FakeTimer({})
+    decision = choice.decide(settings, tmp_path / "c", timer=timer, machine=OPENVINO)
+    assert timer.asked == [] and decision.settings == settings and decision.candidates == {}
+
+
+def test_one_candidate_is_no_choice(tmp_path):
+    """An export with one variant meeting the bar (here openvino is missing for bf16) keeps
+    the rule's pick, says why the others were left out, and times nothing."""
+    export = fake_export(tmp_path / "e", {"fp32": {}, "bf16": {"runtime": "openvino",
+                                                                "agreement": GOOD}})
+    settings = resolve(Settings(model_path=export, cache_dir=tmp_path / "c",
+                                explicit=frozenset()), machine=NO_OPENVINO)
+    timer = FakeTimer({})
+    decision = choice.decide(settings, tmp_path / "c", timer=timer, machine=NO_OPENVINO)
+    assert timer.asked == [] and decision.settings.variant_choice == "rule"
+    assert "openvino is not installed" in decision.left_out["bf16"]
+
+
+def test_candidates_that_do_not_fit_or_die_are_left_out(export, tmp_path, monkeypatch):
+    """A candidate too big for the memory left is never loaded; one whose timing process dies
+    is left out with the reason; the others still decide."""
+    sizes = {"fp32": 6 << 30, "int8": 1 << 30, "bf16": 1 << 30}
+    monkeypatch.setattr(choice, "memory_needed", lambda s, artifacts, provider:
+                        sizes[artifacts.variant])
+    timer = FakeTimer({"int8": 800.0, "bf16": ChildDied("by signal 9 (out of memory?)")})
+    settings = dataclasses.replace(default_settings(export, tmp_path / "c"),
+                                   available_memory_bytes=4 << 30)
+    decision = choice.decide(settings, tmp_path / "c", timer=timer, machine=OPENVINO)
+    assert [s["variant"] for s in timer.asked] == ["int8", "bf16"]
+    assert "MiB are free" in decision.left_out["fp32"]
+    assert "signal 9" in decision.left_out["bf16"]
+    assert decision.candidates == {"int8": 800.0}
+    assert decision.settings.variant_choice == "measured"
+
+
+def test_nothing_timed_keeps_the_rule(export, tmp_path):
+    """Every timing process dies: the rule's pick serves (``rule``), with the reasons."""
+    dead = ChildDied("with exit code 1")
+    timer = FakeTimer({"fp32": dead, "int8": dead, "bf16": dead})
+    settings = default_settings(export, tmp_path / "c")
+    decision = choice.decide(settings, tmp_path / "c", timer=timer, machine=OPENVINO)
+    assert decision.settings == settings and decision.settings.variant_choice == "rule"
+    assert decision.candidates == {} and len(decision.left_out) == 5
+    assert ChoiceCache.at(tmp_path / "c").path.exists() is False
+
+
+def test_the_timing_spec_carries_each_runtimes_chunk_budget(export, tmp_path):
+    """Each candidate is timed with the chunk budget it would serve with (its runtime's)."""
+    timer = FakeTimer({"fp32": 1.0, "int8": 2.0, "bf16": 3.0})
+    choice.decide(default_settings(export, tmp_path / "c"), tmp_path / "c", timer=timer,
+                  machine=OPENVINO)
+    budgets = {s["variant"]: s["chunk_tokens"] for s in timer.asked}
+    assert budgets == {"fp32": 256, "int8": 256, "bf16": 1024}
+    assert all(s["task"] == "time" and s["threads"] >= 1 for s in timer.asked)
+
+
+# -- through the Service, on the tiny model: timed for real, then cached -------------------------
+@pytest.fixture(scope="module")
+def two_variant_export(tiny_export: Path, tiny_export_bf16: Path,
+                       tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's fp32 (ONNX Runtime) and bf16 (OpenVINO) in one export: two candidates."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("two-variants")
+    manifest = json.loads((tiny_export / "manifest.json").read_text())
+    bf16 = json.loads((tiny_export_bf16 / "manifest.json").read_text())
+    # Exported alone, bf16 has no fp32 to be validated against: give it the agreement the
+    # tiny model's bf16 measures in a full export (0.99999), so it is a candidate.
+    manifest["variants"] = {"fp32": manifest["variants"]["fp32"],
+                            "bf16": {**bf16["variants"]["bf16"],
+                                     "agreement": {"dense_cos_min": 0.99999}}}
+    for src, name in ((tiny_export, "fp32"), (tiny_export_bf16, "bf16")):
+        shutil.copytree(src / name, root / name)
+    for path in tiny_export.iterdir():
+        if path.is_file() and path.name != "manifest.json":
+            shutil.copy2(path, root / path.name)
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return root
+
+
+@pytest.mark.slow
+def test_the_service_serves_the_measured_choice_and_a_restart_reuses_it(two_variant_export,
+                                                                         tmp_path):
+    """No BGE_M3_EP / BGE_M3_MODEL: each candidate is timed in its own process, the fastest
+    serves, /health says ``measured`` with every candidate's tokens/s; a restart with the same
+    cache times nothing and serves the same variant, its probe fit a cache hit."""
+    import asyncio
+
+    from bgeserve.service import Service
+    from bgeserve.tuning import probe as probe_module
+
+    env = {"BGE_M3_MODEL_PATH": str(two_variant_export), "BGE_M3_CACHE_DIR": str(tmp_path),
+           "HF_HUB_OFFLINE": "1", "BGE_M3_MAX_SEQ_LENGTH": "512",
+           "BGE_M3_AVAILABLE_MEMORY_BYTES": str(8 << 30)}
+
+    def start() -> Service:
+        service = Service(Settings.from_env(env))
+        service.load_blocking()
+        assert service.tuner is not None and service.tuner.wait(60)
+        return service
+
+    first = start()
+    try:
+        model = first.health()["model"]
+        assert model["choice"] == "measured", first.choice.left_out
+        assert set(model["candidates"]) == {"fp32", "bf16"}
+        assert model["variant"] == max(model["candidates"], key=model["candidates"].get) or (
+            model["variant"] == "fp32")  # the rule's pick, within the margin
+        assert first.engine is not None and first.engine.embed("hello").dense is not None
+        status = first.tuner.state.probe_status  # type: ignore[union-attr]
+    finally:
+        asyncio.run(first.stop())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(choice, "_child_timer", lambda stop: pytest.fail("timed again"))
+        mp.setattr(probe_module, "PeakMeter", lambda cumulative: pytest.fail("probed again"))
+        second = start()
+    try:
+        again = second.health()["model"]
+        assert (again["variant"], again["choice"]) == (model["variant"], "measured")
+        assert again["candidates"] == model["candidates"]
+        if status == "complete":
+            assert second.health()["tuning"]["probe_status"] == "cache_hit"
+    finally:
+        asyncio.run(second.stop())

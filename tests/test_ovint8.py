@@ -1,0 +1,76 @@
+"""The ov-int8 variant (export/ovint8.py): NNCF's int8 IR, what it leaves in float, its manifest
+entry, and serving it. Parity with FlagEmbedding is in test_parity.py (case export-ov-int8).
+Everything skips without openvino and nncf (both in the dev extra)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bgeserve.engine import Engine
+from tests.oracle import INT8, _cos
+from tests.test_service import TEXTS
+
+pytestmark = pytest.mark.slow
+
+
+def test_manifest_records_the_runtime_the_quantization_and_the_agreement(
+        tiny_export_ov_int8: Path) -> None:
+    """The entry names OpenVINO, what NNCF did (48 calibration texts, 7-bit weights), and the
+    agreement with fp32 measured at export, alone and in padded batches."""
+    entry = json.loads((tiny_export_ov_int8 / "manifest.json").read_text())["variants"]["ov-int8"]
+    assert entry["path"] == "ov-int8/model.xml" and entry["runtime"] == "openvino"
+    quantization = entry["quantization"]
+    assert quantization["calibration_texts"] == 48 and quantization["tool"].startswith("nncf ")
+    assert "7-bit" in quantization["weights"]
+    assert entry["agreement"]["texts"] == 12
+    assert entry["agreement"]["dense_cos_min"] >= INT8.dense_cos
+    # The plain-attention graph it was made from is temporary; no report is left behind.
+    assert sorted(p.name for p in (tiny_export_ov_int8 / "ov-int8").iterdir()) == [
+        "model.bin", "model.xml"]
+    assert not (tiny_export_ov_int8 / "openvino-plain-attention").exists()
+
+
+def test_linear_layers_are_int8_and_attention_and_heads_stay_float(
+        tiny_export_ov_int8: Path) -> None:
+    """Every encoder linear layer takes a quantized input; the attention MatMuls (which
+    OpenVINO fuses into its bounded-memory kernel only unquantized) and the two heads do not."""
+    from bgeserve.runtime import openvino
+
+    model = openvino._ov().Core().read_model(str(tiny_export_ov_int8 / "ov-int8" / "model.xml"))
+    quantized = openvino.quantized_inputs(model)
+    attention = set(openvino.attention_matmuls(model))
+    heads = {n for n in quantized if "sparse_linear" in n or "colbert_linear" in n}
+    assert len(attention) == 4 and len(heads) == 2  # 2 layers x (q.k, scores.v); 2 heads
+    assert all(quantized[n] == 0 for n in attention | heads)
+    linear = set(quantized) - attention - heads
+    assert len(linear) == 12 and all(quantized[n] >= 1 for n in linear)  # 2 layers x 6
+
+
+def test_served_ov_int8_agrees_with_fp32_and_keeps_fused_attention(
+        tiny_export_ov_int8: Path, tmp_path: Path) -> None:
+    """The engine opens ov-int8 on OpenVINO; dense and sparse stay within the int8 tolerance of
+    fp32, and the compiled model has no separate Softmax (its attention is fused)."""
+    with Engine(tiny_export_ov_int8, "fp32", cache_dir=tmp_path) as engine:
+        want = engine.embed(TEXTS, dense=True, sparse=True)
+    with Engine(tiny_export_ov_int8, "ov-int8", cache_dir=tmp_path) as engine:
+        got = engine.embed(TEXTS, dense=True, sparse=True)
+    from bgeserve.runtime.openvino import SharedModel
+
+    # What the registry compiles for the variant: its precision, and the compiled graph.
+    owner = SharedModel(tiny_export_ov_int8 / "ov-int8" / "model.xml", precision="ov-int8",
+                        threads=1, streams=1)
+    compiled = owner._shared.acquire()
+    try:
+        layers = {op.get_rt_info()["layerType"].astype(str)
+                  for op in compiled.get_runtime_model().get_ops()}
+    finally:
+        owner._shared.release()
+    assert owner.precision == "bf16"  # the rest of the graph: bf16 where native, else fp32
+    assert "Softmax" not in layers and "FullyConnected" in layers
+    assert _cos(got.dense, want.dense).min() >= INT8.dense_cos
+    for (gi, gv), (wi, wv) in zip(got.sparse, want.sparse):
+        g, w = dict(zip(gi.tolist(), gv.tolist())), dict(zip(wi.tolist(), wv.tolist()))
+        assert max(abs(g.get(k, 0.0) - w.get(k, 0.0)) for k in set(g) | set(w)) <= INT8.sparse_abs

@@ -1,0 +1,241 @@
+"""Tests for bgeserve.service.preparation: when a start prepares, what it serves, what it says.
+
+Decisions are checked without a model; the pipeline runs on the tiny model's hub snapshots;
+the last tests start real servers on a fake hub (tests/fakehub.py): the first start downloads
+and prepares with its progress in /health and the log, the second serves from the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from bgeserve.config import Settings
+from bgeserve.engine import Engine
+from bgeserve.model.artifacts import BAAI_REPO, BAAI_REVISION, HUB_SOURCES
+from bgeserve.model.layout import Layout
+from bgeserve.model.prepared import PrepareSource
+from bgeserve.model.ptload import HeadWeights
+from bgeserve.progress import Progress
+from bgeserve.service import preparation
+from bgeserve.service.preparation import Preparation, peak_bytes
+from tests.fakehub import FakeHub
+from tests.graphs import BAAI_OUTPUTS, graph_bytes
+from tests.oracle import FP32, assert_matches, reference
+from tests.serverproc import ServerProc
+
+
+@pytest.mark.parametrize(("env", "status", "why"), [
+    ({"BGE_M3_PREPARE": "0"}, "disabled", "BGE_M3_PREPARE=0"),
+    ({"BGE_M3_EP": "cuda"}, "not_needed", "fp16 graph"),
+    ({"BGE_M3_MODEL": "fp16"}, "not_needed", "fp16"),
+])
+def test_starts_that_do_not_prepare_keep_their_settings(env, status, why, tmp_path) -> None:
+    """BGE_M3_PREPARE=0, a GPU EP and the fp16 variant serve as configured, saying why."""
+    s = Settings.from_env({"BGE_M3_MODEL_PATH": str(tmp_path / "nowhere"), **env})
+    prep = Preparation()
+
+    assert prep.apply(s, tmp_path) is s
+    assert prep.status["status"] == status and why in prep.status["reason"]
+
+
+def test_an_export_is_served_as_it_is(tiny_export, tmp_path) -> None:
+    """BGE_M3_MODEL_PATH at a `bgeserve export` needs no preparing."""
+    s = Settings.from_env({"BGE_M3_MODEL_PATH": str(tiny_export)})
+    prep = Preparation()
+    assert prep.apply(s, tmp_path) is s and prep.status["status"] == "not_needed"
+
+
+@pytest.mark.slow
+def test_too_little_memory_serves_the_snapshot_as_it_is(hub_snapshots, tmp_path) -> None:
+    """Where even the fp32 step would not fit, nothing is prepared: the stock graph is served
+    and the reason names the memory needed and available."""
+    s = Settings.from_env({"BGE_M3_MODEL_PATH": str(hub_snapshots["baai"]),
+                           "BGE_M3_AVAILABLE_MEMORY_BYTES": str(1 << 30)})
+    prep = Preparation()
+
+    assert prep.apply(s, tmp_path) is s
+    assert prep.status["status"] == "skipped" and "GiB are available" in prep.status["reason"]
+    assert [p for p in (tmp_path / "prepared").iterdir() if p.is_dir()] == []
+
+
+@pytest.mark.slow
+def test_a_graph_that_cannot_be_rewritten_falls_back_to_it(tiny_model, tmp_path) -> None:
+    """A graph with BAAI's outputs but no encoder in it: the step fails, the stock graph is
+    served, and the status names the failing step."""
+    root = tmp_path / "odd"
+    (root / "onnx").mkdir(parents=True)
+    (root / "onnx" / "model.onnx").write_bytes(graph_bytes(BAAI_OUTPUTS))
+    for name in ("tokenizer.json", "sparse_linear.pt", "colbert_linear.pt"):
+        shutil.copyfile(tiny_model / name, root / name)
+    s = Settings.from_env({"BGE_M3_MODEL_PATH": str(root)})
+    prep = Preparation()
+
+    assert prep.apply(s, tmp_path / "cache") is s
+    assert prep.status["status"] == "failed" and "'graphs' failed" in prep.status["reason"]
+    assert list((tmp_path / "cache" / "prepared").glob(".*.tmp")) == []  # staging cleaned up
+
+
+def _source(root: Path) -> PrepareSource:
+    root.mkdir(parents=True, exist_ok=True)
+    for name, content in (("model.onnx", b"g"), ("model.onnx_data", b"w" * 64),
+                          ("tokenizer.json", b"{}")):
+        (root / name).write_bytes(content)
+    import numpy as np
+
+    heads = HeadWeights(np.ones(4, np.float32), 0.0, np.eye(4, dtype=np.float32),
+                        np.zeros(4, np.float32))
+    return PrepareSource(root / "model.onnx", Layout.BAAI, root / "tokenizer.json", heads,
+                         "test source", (root / "model.onnx_data",))
+
+
+def test_the_cache_is_keyed_by_the_sources_content(tmp_path, monkeypatch) -> None:
+    """Prepared once, found the next time (no steps run), prepared again when a source file's
+    content changes; asking for a variant the cached export lacks prepares again too."""
+    calls: list[Path] = []
+
+    def fake_recipe(source, out, variants, **kwargs):
+        calls.append(out)
+        (out / "manifest.json").write_text(json.dumps(
+            {"format": "bgeserve-export", "variants": {v: {} for v in variants},
+             "prepared": {"skipped": {}}}))
+        return {"variants": list(variants), "skipped": {}, "seconds": 0.0}
+
+    monkeypatch.setattr(preparation, "run_recipe", fake_recipe)
+    source = _source(tmp_path / "src")
+    s = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": str(64 << 30)})
+    prep = Preparation()
+
+    first, _ = prep.find_or_make(s, tmp_path / "cache", source, ["fp32", "int8"])
+    assert prep.status["status"] == "prepared" and len(calls) == 1
+    again, _ = prep.find_or_make(s, tmp_path / "cache", source, ["fp32", "int8"])
+    assert (again, prep.status["status"], len(calls)) == (first, "cached", 1)
+    # Found in the cache, it is served however little memory a new preparation would have.
+    short = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": "1"})
+    assert prep.find_or_make(short, tmp_path / "cache", source, ["fp32", "int8"])[0] == first
+    prep.find_or_make(s, tmp_path / "cache", source, ["fp32", "int8", "bf16"])
+    assert prep.status["status"] == "prepared" and len(calls) == 2
+    (tmp_path / "src" / "model.onnx_data").write_bytes(b"x" * 64)
+    changed, _ = prep.find_or_make(s, tmp_path / "cache", source, ["fp32"])
+    assert changed != first and prep.status["status"] == "prepared" and len(calls) == 3
+
+
+@pytest.mark.slow
+def test_a_variant_that_does_not_fit_is_skipped_and_fp32_still_served(
+        hub_snapshots, tmp_path, flag_model) -> None:
+    """With room for the fp32 steps but not int8's, the export holds fp32 (matching
+    FlagEmbedding), the manifest says why int8 is missing, and the start serves fp32 from it
+    (an optimum-style snapshot: last_hidden_state at opset 14)."""
+    snapshot = hub_snapshots["optimum"]
+    weights = sum(p.stat().st_size for p in (snapshot / "onnx").iterdir())
+    room = (peak_bytes("fp32", weights) + peak_bytes("int8", weights)) // 2
+    s = Settings.from_env({"BGE_M3_MODEL_PATH": str(snapshot),
+                           "BGE_M3_AVAILABLE_MEMORY_BYTES": str(room)})
+    prep = Preparation(Progress())
+
+    served = prep.apply(s, tmp_path / "cache")
+
+    manifest = json.loads((served.model_path / "manifest.json").read_text())
+    assert list(manifest["variants"]) == ["fp32"] and served.variant == "fp32"
+    assert "GiB available" in manifest["prepared"]["skipped"]["int8"]
+    assert prep.status["status"] == "prepared" and prep.status["variants"] == ["fp32"]
+    texts = ["a short text", " ".join(["words of a longer text"] * 60), ""]
+    with Engine(served.model_path, "fp32", cache_dir=tmp_path, offline=True) as engine:
+        assert_matches(engine.embed(texts, dense=True, sparse=True, colbert=True),
+                       reference(flag_model, texts), FP32)
+
+
+# --- a real server on a fake hub ---------------------------------------------------------------
+
+
+@pytest.fixture
+def hub_of_snapshot(hub_snapshots, monkeypatch):
+    """A fake hub serving the tiny BAAI-layout snapshot at BAAI/bge-m3's pinned commit."""
+    root = hub_snapshots["baai"]
+    source = HUB_SOURCES["fp32"]
+    files = {(BAAI_REPO, BAAI_REVISION, name): (root / name).read_bytes()
+             for name in (source.onnx, source.tokenizer, "sparse_linear.pt",
+                          "colbert_linear.pt", "onnx/model.onnx_data")}
+    files[(BAAI_REPO, BAAI_REVISION, "onnx/Constant_7_attr__value")] = b""  # unused here
+    hub = FakeHub(files)
+    yield hub
+    hub.stop()
+
+
+def _until_ready(server: ServerProc, timeout: float) -> tuple[dict, list[dict]]:
+    import httpx
+
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.returncode is not None:
+            raise AssertionError(f"server exited {server.returncode}: {server.output()}")
+        try:
+            body = httpx.get(server.url + "/health", timeout=5).json()
+        except httpx.HTTPError:
+            time.sleep(0.2)
+            continue
+        seen.append(body)
+        if body["status"] in ("ok", "fail"):
+            return body, seen
+        time.sleep(0.2)
+    raise AssertionError(f"not ready after {timeout}s: {seen[-1:]}")
+
+
+@pytest.mark.slow
+def test_first_start_downloads_and_prepares_the_second_serves_from_the_cache(
+        hub_of_snapshot, tmp_path, no_torch_path) -> None:
+    """No BGE_M3_CACHE_DIR, no model path, a user's HOME: the first start downloads into the
+    Hugging Face cache, prepares (its steps and progress in /health while loading, JSON log
+    lines with bytes and step names), serves the prepared export; the second start, offline,
+    serves it from ~/.cache/bgeserve in seconds."""
+    home = tmp_path / "home"
+    env = {"HOME": str(home), "XDG_CACHE_HOME": "", "HF_ENDPOINT": hub_of_snapshot.url,
+           "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "0",
+           "NO_PROXY": "127.0.0.1,localhost", "BGE_M3_DISABLE_AUTO_BUDGET": "1",
+           "PYTHONPATH": no_torch_path}
+    with ServerProc(env) as server:
+        health, seen = _until_ready(server, 600)
+        records = server.json_logs()
+    assert health["status"] == "ok", health
+    model = health["model"]
+    assert model["layout"] == "bgeserve" and model["prepare"]["status"] == "prepared"
+    assert str(home / ".cache" / "bgeserve" / "prepared") in model["source"]
+    steps = [b.get("step") for b in seen if b["status"] == "loading"]
+    assert any(s and s.startswith("prepare: ") for s in steps), steps
+    assert all(0.0 <= b["progress"] <= 1.0 for b in seen if "progress" in b)
+    data = [r for r in records if r.get("file") == "onnx/model.onnx_data"]
+    assert data and data[-1]["bytes_done"] == data[-1]["bytes_total"] > 0
+    assert any(r.get("step") == "prepare: int8" for r in records)
+
+    hub_of_snapshot.stop()
+    hub_of_snapshot.stop = lambda: None  # type: ignore[method-assign]
+    started = time.monotonic()
+    with ServerProc({**env, "HF_HUB_OFFLINE": "1"}) as server:
+        health, _ = _until_ready(server, 120)
+    assert time.monotonic() - started < 60
+    assert health["status"] == "ok" and health["model"]["prepare"]["status"] == "cached"
+    assert health["model"]["source"] == model["source"]
+
+
+
+def test_a_full_disk_leaves_variants_out_before_anything_is_written(tmp_path,
+                                                                    monkeypatch) -> None:
+    """Free space for fp32 and int8 but not bf16: bf16 is skipped (the reason names
+    BGE_M3_CACHE_DIR); not even room for fp32: nothing is prepared."""
+    import shutil as shutil_module
+
+    weights = 1 << 30
+    usage = shutil_module.disk_usage(tmp_path)
+    room = int((preparation.DISK["fp32"] + preparation.DISK["int8"] + 0.1) * weights)
+    monkeypatch.setattr(preparation.shutil, "disk_usage",
+                        lambda path: usage._replace(free=room))
+    skips = preparation._disk_skips(tmp_path, weights, ["fp32", "int8", "bf16"])
+    assert list(skips) == ["bf16"] and "BGE_M3_CACHE_DIR" in skips["bf16"]
+    monkeypatch.setattr(preparation.shutil, "disk_usage",
+                        lambda path: usage._replace(free=weights // 2))
+    with pytest.raises(preparation._Skip, match="BGE_M3_CACHE_DIR"):
+        preparation._disk_skips(tmp_path, weights, ["fp32", "int8"])

@@ -1,0 +1,152 @@
+"""Tests for bgeserve.export.prepare: a hub snapshot becomes a bgeserve export, without torch.
+
+The snapshots are the tiny model as the hub's own exporters write it (conftest.hub_snapshots);
+``bgeserve prepare`` runs in a child whose path makes ``import torch`` and ``import
+transformers`` fail, as in a serving-only install, and which checks at exit that neither got
+imported. The prepared variants must match FlagEmbedding (tests/oracle.py tolerances).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bgeserve.engine import Engine, EngineConfig
+from bgeserve.engine.scheduler import SchedulerConfig
+from bgeserve.export.texts import random_texts
+from bgeserve.runtime import openvino
+from tests.oracle import BF16, FP32, INT8, assert_matches, reference
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+# `bgeserve prepare`, then a check that the PyTorch stack was never imported.
+PREPARE = ("import sys\nfrom bgeserve.cli import main\nrc = main(sys.argv[1:])\n"
+           "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+           "assert not bad, f'imported {bad}'\nsys.exit(rc)\n")
+
+
+def serving_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BGE_M3_", "HF_"))}
+    env.update(HF_HUB_OFFLINE="1", BGE_M3_LOG_FORMAT="json", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def run_prepare(snapshot: Path, cache: Path, path: str, *args: str) -> subprocess.CompletedProcess:
+    env = serving_env(BGE_M3_MODEL_PATH=str(snapshot), BGE_M3_CACHE_DIR=str(cache),
+                      PYTHONPATH=path)
+    return subprocess.run([sys.executable, "-c", PREPARE, "prepare", *args], env=env,
+                          capture_output=True, text=True, timeout=900, check=False)
+
+
+VARIANTS = ["fp32", "int8", *(["bf16"] if openvino.available() else [])]
+
+
+@pytest.fixture(scope="module")
+def prepared(hub_snapshots, tmp_path_factory, no_torch_path):
+    """`bgeserve prepare` of the BAAI-layout snapshot: every CPU variant this install has."""
+    cache = tmp_path_factory.mktemp("prepare-cache")
+    result = run_prepare(hub_snapshots["baai"], cache, no_torch_path,
+                         *(x for v in VARIANTS for x in ("--variant", v)))
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    return Path(result.stdout.strip().splitlines()[-1]), result
+
+
+def test_torch_is_really_unimportable_on_the_childs_path(no_torch_path) -> None:
+    """The check is real: on that path, ``import torch`` fails."""
+    result = subprocess.run([sys.executable, "-c", "import torch"],
+                            env=serving_env(PYTHONPATH=no_torch_path), capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode != 0 and "not installed here" in result.stderr
+
+
+def test_prepare_writes_a_bgeserve_export_without_torch(prepared, hub_snapshots) -> None:
+    """The printed directory is a bgeserve export in the cache: every variant asked for, its
+    graph in place, the sizes and the source files' hashes in the manifest."""
+    path, _ = prepared
+    manifest = json.loads((path / "manifest.json").read_text())
+
+    assert path.parent.name == "prepared" and manifest["format"] == "bgeserve-export"
+    assert sorted(manifest["variants"]) == sorted(VARIANTS)
+    assert manifest["model"] == {"hidden": 32, "heads": 4, "intermediate": 64, "layers": 2,
+                                 "max_positions": 8192, "attention_block": 256, "ffn_rows": 2048}
+    for variant, entry in manifest["variants"].items():
+        assert (path / entry["path"]).is_file(), variant
+        assert set(entry["agreement"]) == {"dense_cos_min", "dense_cos_mean", "sparse_max_abs",
+                                           "texts"}
+    assert manifest["variants"]["fp32"]["agreement"]["dense_cos_min"] >= 0.99999
+    files = manifest["source"]["files"]
+    assert {"model.onnx", "model.onnx_data", "tokenizer.json"} <= set(files)
+    assert manifest["source"]["layout"] == "baai" and not manifest["prepared"]["skipped"]
+    assert not (path / ".work").exists()
+    assert (hub_snapshots["baai"] / "onnx" / "model.onnx_data").stat().st_nlink == 1
+
+
+def test_prepare_logs_each_step_as_json(prepared) -> None:
+    """Every step is a JSON log line with its name and place, and the children's own lines
+    follow under the step's name."""
+    _, result = prepared
+    lines = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]
+    steps = [x["step"] for x in lines if x.get("msg", "").startswith("start-up step:")]
+    names = ["graphs", *(v for v in VARIANTS if v != "fp32"), "FFN row blocks", "validation"]
+    assert steps == ["hashing the model files", *(f"prepare: {n}" for n in names)]
+    details = [x for x in lines if x.get("step") == "prepare: validation"
+               and "fp32:" in x.get("msg", "")]
+    assert details and "dense_cos_min" in details[0]["msg"]
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    """1 to 8192+ tokens: short texts in padded chunks, long ones in several attention
+    blocks, and one past 8192 tokens that runs alone (the fused, unpadded attention)."""
+    short = random_texts(2024, 16, 1, 60)
+    long = [" ".join(random_texts(s, 40, 30, 40)) for s in (1, 2)]
+    return short + ["", "a"] + long + [" ".join(random_texts(99, 400, 30, 40))]
+
+
+@pytest.fixture(scope="module")
+def ref(flag_model, texts):
+    return reference(flag_model, texts)
+
+
+@pytest.mark.parametrize(("variant", "tol"), [("fp32", FP32), ("int8", INT8), ("bf16", BF16)])
+def test_prepared_variants_match_flagembedding(variant, tol, prepared, texts, ref,
+                                               tmp_path) -> None:
+    """Each prepared variant agrees with FlagEmbedding fp32 within its variant's tolerance."""
+    path, _ = prepared
+    if variant not in VARIANTS:
+        pytest.skip("openvino is not installed")
+    config = EngineConfig(scheduler=SchedulerConfig(max_chunk=8))
+    with Engine(path, variant, config=config, cache_dir=tmp_path, offline=True) as engine:
+        ours = engine.embed(texts, dense=True, sparse=True, colbert=True)
+    assert ours.n_tokens[-1] == 8192
+    assert_matches(ours, ref, tol)
+
+
+def test_a_xenova_snapshot_is_prepared_from_its_fp32_graph(hub_snapshots, tmp_path,
+                                                           no_torch_path) -> None:
+    """Xenova's layout (model.onnx beside model_fp16 / model_quantized, last_hidden_state) is
+    prepared from its fp32 graph, read as the hidden-state layout; ``--out`` writes the export
+    where asked."""
+    root = tmp_path / "xenova"
+    shutil.copytree(hub_snapshots["optimum"], root)
+    for name in ("model_fp16.onnx", "model_quantized.onnx"):  # only their outputs are read
+        shutil.copyfile(root / "onnx" / "model.onnx", root / "onnx" / name)
+
+    out = tmp_path / "standalone"
+    result = run_prepare(root, tmp_path / "cache", no_torch_path, "--variant", "fp32",
+                         "--out", str(out))
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert Path(result.stdout.split()[-1]) == out  # --out: a copy outside the cache
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["source"]["layout"] == "hidden" and list(manifest["variants"]) == ["fp32"]
+    assert (out / "fp32" / "model.onnx").is_file() and (out / "tokenizer.json").is_file()
+    assert manifest["variants"]["fp32"]["agreement"]["dense_cos_min"] >= 0.99999
+

@@ -1,0 +1,82 @@
+"""``bgeserve.ray.Embedder`` called as Ray Data calls it, without a cluster: Arrow, pandas and
+numpy batches in, the documented Arrow columns out, bad rows kept in place with nulls."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from bgeserve import Engine
+from bgeserve.engine import EngineConfig
+from bgeserve.ray import Embedder
+from bgeserve.ray.embedder import actor_environ
+
+pytestmark = pytest.mark.slow
+TEXTS = ["a short text", "a somewhat longer text about the weather in the hills", "x"]
+
+
+@pytest.fixture(scope="module")
+def embedder(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Embedder:
+    return Embedder("dense,sparse", env={
+        "BGE_M3_MODEL_PATH": str(tiny_export), "BGE_M3_MODEL": "fp32",
+        "BGE_M3_CACHE_DIR": str(tmp_path_factory.mktemp("cache")),
+        "BGE_M3_DISABLE_AUTO_BUDGET": "1", "BGE_M3_MAX_SEQ_LENGTH": "128"})
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_export: Path) -> Iterator[Engine]:
+    with Engine(tiny_export, "fp32", config=EngineConfig(max_seq=128)) as e:
+        yield e
+
+
+@pytest.mark.parametrize("kind", ["arrow", "pandas", "numpy"])
+def test_batches_of_every_format_give_the_engines_vectors(embedder: Embedder, engine: Engine,
+                                                          kind: str) -> None:
+    """The text column is replaced by n_tokens, truncated, dense, sparse_*; other columns
+    pass through; the vectors are Engine.embed's."""
+    data = {"id": np.array([1, 2, 3]), "text": np.array(TEXTS, dtype=object)}
+    batch = {"arrow": pa.table(data), "pandas": pd.DataFrame(data), "numpy": data}[kind]
+    out = embedder(batch)
+    assert out.column_names == ["id", "n_tokens", "truncated", "dense", "sparse_indices",
+                                "sparse_values"]
+    assert out["id"].to_pylist() == [1, 2, 3]
+    want = engine.embed(TEXTS, dense=True, sparse=True)
+    np.testing.assert_allclose(np.stack(out["dense"].to_numpy(zero_copy_only=False)),
+                               want.dense, atol=1e-5, rtol=0)
+    assert out["sparse_indices"].to_pylist() == [i.tolist() for i, _ in want.sparse]
+    assert out["n_tokens"].to_pylist() == want.n_tokens.tolist()
+
+
+def test_rows_without_a_string_text_keep_their_place_with_nulls(
+        embedder: Embedder, engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
+    """A null or non-string text gives null outputs in its row, and a warning naming its id."""
+    batch = {"id": np.array(["a", "b", "c", "d"]),
+             "text": np.array([TEXTS[0], None, 7, TEXTS[1]], dtype=object)}
+    out = embedder(batch)
+    assert out["n_tokens"].to_pylist()[1:3] == [None, None]
+    assert out["dense"].null_count == 2
+    want = engine.embed([TEXTS[0], TEXTS[1]])
+    dense = out["dense"].to_pylist()
+    np.testing.assert_allclose([dense[0], dense[3]], want.dense, atol=1e-5, rtol=0)
+    assert "id 'b'" in caplog.text and "id 'c'" in caplog.text
+
+
+def test_an_actor_gets_its_cpus_as_threads_and_their_share_of_memory() -> None:
+    """On a node of 8 CPUs, an actor of 2 runs 2 threads in a quarter of the memory; explicit
+    variables win."""
+    env = actor_environ({"BGE_M3_AVAILABLE_MEMORY_BYTES": "800"}, 2.0, node_cpus=8)
+    assert env["BGE_M3_INTRA_THREADS"] == "2" and env["BGE_M3_AVAILABLE_MEMORY_BYTES"] == "800"
+    shared = actor_environ({}, 2.0, node_cpus=8)
+    from bgeserve.tuning import memory
+
+    total = memory.detect_available_memory().available_bytes
+    assert abs(int(shared["BGE_M3_AVAILABLE_MEMORY_BYTES"]) - total / 4) < total * 0.05
+    whole = actor_environ({}, 8.0, node_cpus=8)  # the whole node: no share is imposed
+    assert whole.get("BGE_M3_AVAILABLE_MEMORY_BYTES") == os.environ.get(
+        "BGE_M3_AVAILABLE_MEMORY_BYTES")

@@ -1,0 +1,92 @@
+"""``bgeserve bulk --ray`` on a local Ray (2 CPUs) with the tiny random model: a job killed
+halfway and run again gives every row exactly once, with the vectors ``Engine.embed`` gives,
+and the bad rows reported and written nowhere. Ray is part of the dev extra."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+
+from bgeserve import Engine
+from bgeserve.bulk.job import BulkJob
+from bgeserve.bulk.model import resolve_settings
+from bgeserve.engine import EngineConfig
+from bgeserve.ray.pipeline import actor_pool
+from bgeserve.ray.pipeline import run as run_ray
+from tests.bulkdata import BAD_IDS, assert_rows_match, make_inputs, read_output
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+
+
+def env(export: Path, cache: Path) -> dict[str, str]:
+    return {"BGE_M3_MODEL_PATH": str(export), "BGE_M3_MODEL": "fp32",
+            "BGE_M3_CACHE_DIR": str(cache), "BGE_M3_DISABLE_AUTO_BUDGET": "1",
+            "BGE_M3_MAX_SEQ_LENGTH": "128", "HF_HUB_OFFLINE": "1", "BGE_M3_LOG_FORMAT": "text"}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    """A local Ray of 2 CPUs whose workers import this checkout; its GCS address."""
+    with pytest.MonkeyPatch.context() as mp:
+        # Workers inherit the raylet's environment, which is this process's.
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO),
+                                                             os.environ.get("PYTHONPATH")])))
+        mp.setenv("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+        try:
+            yield ray.get_runtime_context().gcs_address
+        finally:
+            ray.shutdown()
+
+
+def test_actor_pool_leaves_a_cpu_per_node_for_reading_and_writing():
+    """Default: one actor per node with all its CPUs but one; --cpus-per-actor packs more."""
+    assert actor_pool([2], None) == (1.0, 1)
+    assert actor_pool([16, 16], None) == (15.0, 2)
+    assert actor_pool([16, 8], 3) == (3, 5 + 2)
+
+
+def test_a_killed_ray_job_reruns_to_every_row_once(cluster: str, tiny_export: Path,
+                                                   tmp_path: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Kill the driver once some shards are written; the rerun keeps them, writes the rest:
+    500 rows equal to Engine.embed (fp32), no duplicates, the 4 bad rows reported by id."""
+    texts = make_inputs(tmp_path / "in")
+    out = tmp_path / "out"
+    variables = env(tiny_export, tmp_path / "cache")
+    cmd = [sys.executable, "-m", "bgeserve", "bulk", str(tmp_path / "in"), "--output", str(out),
+           "--shard-rows", "10", "--ray", "--ray-address", cluster]
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("BGE_M3_")}
+    child_env.update(variables, PYTHONPATH=str(REPO))
+    with open(tmp_path / "first.log", "wb") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env, stdout=log_file,
+                                stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while len(list(out.glob("*.parquet"))) < 2 and proc.poll() is None:
+            assert time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    first = read_output(out).num_rows
+    assert 0 < first < 500, f"the kill came too late to test resuming ({first} rows)"
+
+    job = BulkJob(inputs=(str(tmp_path / "in"),), output=out, shard_rows=10)
+    with caplog.at_level(logging.WARNING, logger="bgeserve.bulk"):
+        summary = run_ray(job, resolve_settings(variables))
+    assert summary.rows == 500 - first and summary.skipped >= first
+    with Engine(tiny_export, "fp32", config=EngineConfig(max_seq=128)) as engine:
+        assert_rows_match(read_output(out), texts, engine)
+    reported = (tmp_path / "first.log").read_text() + "\n".join(
+        r.getMessage() for r in caplog.records)
+    for row_id, why in BAD_IDS.items():
+        assert f"(id {row_id!r}): {why}" in reported or f"id {row_id!r}: {why}" in reported
