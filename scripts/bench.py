@@ -31,6 +31,8 @@ Modes (each per variant, except ``flag`` and ``ort1``, which are fp32 baselines)
               the engine and measures the RSS growth while embedding one text of that length.
 - ``--chunk-sweep N,…``: ``raw`` on the mixed corpus per variant with ``plan(max_tokens=N)``,
               one child per point: throughput against padded tokens per chunk.
+- ``--rerank-export DIR``: ``/v1/rerank`` (the reranker beside bge-m3) vs FlagReranker, and
+  their agreement (``scripts/rerank_bench.py``; ``--rerank-args`` for its options).
 - ``--plots DIR``: SVG plots of the sweep and of RSS growth vs length (needs matplotlib).
 - Roofline: the machine's GEMM ceilings per precision (``scripts/gemm_ceiling.py``, in a child)
   and each corpus row's useful GFLOP/s as a share of its precision's ceiling
@@ -230,6 +232,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-ceilings", action="store_true",
                    help="skip the GEMM ceilings (scripts/gemm_ceiling.py) and the roofline "
                         "shares")
+    p.add_argument("--rerank-export", metavar="DIR",
+                   help="also measure /v1/rerank with this reranker export (beside the bge-m3 "
+                        "export) against FlagReranker: scripts/rerank_bench.py, in this run")
+    p.add_argument("--rerank-args", default="", metavar="'OPTIONS'",
+                   help="rerank_bench.py options for --rerank-export, e.g. '--variants "
+                        "fp32,int8 --pairs 16 --docs-per-request 1'")
     p.add_argument("--server-timeout", type=float, default=900.0,
                    help="seconds to wait for the server's /health")
     p.add_argument("--child-timeout", type=float, default=7200.0,
@@ -374,6 +382,15 @@ def main(argv: list[str]) -> int:
                 res = runner.child(name, {"mode": "rss", "variant": variant, "corpus": str(cpath)})
                 rss_rows.append({"name": name, "target": length, "variant": variant, **res})
 
+    rerank = None
+    if args.rerank_export:  # scripts/rerank_bench.py, next to this file (sys.path)
+        import rerank_bench
+
+        rerank = rerank_bench.run(rerank_bench.parse_args(
+            ["--reranker-export", args.rerank_export, "--m3-export", str(export_dir),
+             "--threads", str(args.threads), "--work", str(runner.run_dir / "rerank"),
+             *shlex.split(args.rerank_args)]))
+
     plots: list[str] = []
     if args.plots:
         from bench_plots import write_plots  # scripts/, next to this file (sys.path[0])
@@ -411,6 +428,9 @@ def main(argv: list[str]) -> int:
         out += ["## Chunk size sweep (raw, mixed corpus)", "", sweep_table(sweep_rows), ""]
     if rss_rows:
         out += ["## RSS vs text length (engine, one text)", "", rss_table(rss_rows), ""]
+    if rerank:
+        out += ["## Rerank (/v1/rerank vs FlagReranker, scripts/rerank_bench.py)", "",
+                rerank["markdown"], ""]
     if plots:
         out += ["## Plots", ""] + [f"- `{x}`" for x in plots] + [""]
     out += [f"Total time: {time.perf_counter() - started:.0f} s."]
@@ -418,7 +438,8 @@ def main(argv: list[str]) -> int:
     print(report)
     results = {"meta": meta, "runs": rows, "ratios": all_ratios, "load": load_rows,
                "gemm_ceilings": ceiling, "roofline": shares,
-               "chunk_sweep": sweep_rows, "rss_vs_length": rss_rows, "plots": plots}
+               "chunk_sweep": sweep_rows, "rss_vs_length": rss_rows, "plots": plots,
+               "rerank": rerank}
     for path in (runner.run_dir / "results.json", work / "results-latest.json"):
         path.write_text(json.dumps(results, indent=2, default=str))
     (runner.run_dir / "results.md").write_text(report + "\n")

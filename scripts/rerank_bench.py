@@ -2,8 +2,11 @@
 """Rerank throughput: bgeserve's ``/v1/rerank`` vs FlagReranker, interleaved in one run.
 
     flock /tmp/fullsize.lock .venv/bin/python scripts/rerank_bench.py \\
-        --reranker-pt /work/fullsize/reranker-full --reranker-export /work/fullsize/reranker-full-onnx \\
-        --m3-export /work/fullsize/bge-full-onnx
+        --reranker-export /work/fullsize/reranker-full-onnx --m3-export /work/fullsize/bge-full-onnx \\
+        --variants fp32,int8,bf16 --pairs 16 --docs-per-request 1 --clients 16
+
+or as part of a ``scripts/bench.py`` run: ``bench.py ... --rerank-export DIR`` (its
+``--rerank-args`` pass these options on; the bge-m3 export is bench.py's).
 
 The corpus: one query of ``--query-tokens`` tokens and ``--pairs`` documents of
 ``--doc-tokens`` tokens (specials included, exact where the tokenizer allows). Modes, each run
@@ -19,7 +22,7 @@ machine; medians reported):
   start once, before the rounds (each idles while the others are measured).
 
 Printed: pairs/s, tokens/s, p50/p99 request latency, peak RSS, and each HTTP mode's agreement
-with FlagReranker (largest |Δlogit|, worst Kendall tau over the pairs).
+with FlagReranker (largest |Δlogit|, Kendall tau over the pairs, the same top document).
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ def start_server(args: argparse.Namespace, variant: str, work: Path) -> tuple[An
                 "BGE_M3_CACHE_DIR": str(work / f"cache-{variant}"), "HF_HUB_OFFLINE": "1",
                 "BGE_M3_LOG_FORMAT": "json", "BGE_M3_DISABLE_AUTO_BUDGET": "1",
                 "BGE_M3_REQUEST_TIMEOUT_SECS": "0", "BGE_M3_IDLE_TIMEOUT_SECS": "0",
+                "BGE_M3_CACHE_MB": "0",  # every round sends the same pairs: no cache hits
                 "PYTHONPATH": str(REPO)})
     logf = open(work / f"server-{variant}.log", "wb")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen([sys.executable, "-m", "bgeserve", "serve"], env=env, cwd=REPO,
@@ -178,15 +182,14 @@ def kendall_tau(a: np.ndarray, b: np.ndarray) -> float:
     return float((da[upper] * db[upper]).sum() / max(1, len(upper[0])))
 
 
-def main(argv: list[str]) -> int:
-    if argv[:1] == ["_flag"]:
-        spec = json.loads(Path(argv[1]).read_text())
-        Path(spec["result"]).write_text(json.dumps(child_flag(spec)))
-        return 0
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reranker-pt", type=Path, required=True)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="rerank_bench.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--reranker-export", type=Path, required=True)
-    p.add_argument("--m3-export", type=Path, required=True)
+    p.add_argument("--reranker-pt", type=Path, default=None,
+                   help="the PyTorch checkpoint FlagReranker loads (default: the export's "
+                        "source, from its manifest)")
+    p.add_argument("--m3-export", type=Path, required=True,
+                   help="the bge-m3 export the server loads beside the reranker")
     p.add_argument("--m3-variant", default="int8")
     p.add_argument("--variants", default="fp32,int8")
     p.add_argument("--pairs", type=int, default=48)
@@ -198,6 +201,37 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--work", type=Path, default=Path("/tmp/rerank-bench"))
     args = p.parse_args(argv)
+    if args.reranker_pt is None:
+        args.reranker_pt = source_model(args.reranker_export)
+        if args.reranker_pt is None:
+            p.error(f"{args.reranker_export}/manifest.json names no source model that exists "
+                    "here; pass --reranker-pt (the PyTorch checkpoint FlagReranker loads)")
+    return args
+
+
+def source_model(export: Path) -> Path | None:
+    """The PyTorch checkpoint an export was made from, when its manifest names one that
+    exists."""
+    try:
+        src = json.loads((export / "manifest.json").read_text())["source"]["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return Path(src) if src and Path(src).is_dir() else None
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["_flag"]:
+        spec = json.loads(Path(argv[1]).read_text())
+        Path(spec["result"]).write_text(json.dumps(child_flag(spec)))
+        return 0
+    result = run(parse_args(argv))
+    print(result["markdown"])
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every mode, ``args.rounds`` times interleaved; the figures, with ``"markdown"`` (a
+    table and the ratios) and the raw walls, also written to ``args.work/result.json``."""
     args.work.mkdir(parents=True, exist_ok=True)
     data = corpus(args.reranker_export / "tokenizer.json", args.pairs, args.query_tokens,
                   args.doc_tokens)
@@ -223,10 +257,11 @@ def main(argv: list[str]) -> int:
                            env={**os.environ, "OMP_NUM_THREADS": str(args.threads),
                                 "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)})
             rows["flag"].append(json.loads(Path(spec["result"]).read_text()))
+            log(f"round {r + 1}: flag {rows['flag'][-1]['wall_s']:.1f} s")
             for v, (proc, base) in servers.items():
-                log(f"round {r + 1}: http-{v}")
                 wall, lat, scores = asyncio.run(drive(base, data["query"], data["docs"],
                                                       args.docs_per_request, args.clients))
+                log(f"round {r + 1}: http-{v} {wall:.1f} s")
                 rows[f"http-{v}"].append({"wall_s": wall, "latencies": lat,
                                           "scores": scores.tolist(),
                                           "peak_rss": peak_rss(proc.pid)})
@@ -234,29 +269,46 @@ def main(argv: list[str]) -> int:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(60)
+    out = summarize(rows, args.pairs, pair_tokens)
+    out.update({"machine": {"cpu": _cpu(), "threads": args.threads},
+                "args": {k: str(v) for k, v in vars(args).items()}, "pair_tokens": pair_tokens,
+                "query_tokens": data["query_tokens"], "doc_tokens": data["doc_tokens"]})
+    (args.work / "result.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
+def summarize(rows: dict[str, list[dict[str, Any]]], pairs: int,
+              pair_tokens: int) -> dict[str, Any]:
+    """Per mode: median wall over its rounds, pairs/s, tokens/s, latency percentiles, peak
+    RSS, and its scores' agreement with FlagReranker's (largest |Δlogit|, Kendall tau, the
+    same top document); ``"markdown"``: the table and each HTTP mode's ratio to flag."""
     ref = np.asarray(rows["flag"][0]["scores"])
-    out = {"machine": {"cpu": platform.processor() or _cpu(), "threads": args.threads},
-           "args": {k: str(v) for k, v in vars(args).items()}, "pair_tokens": pair_tokens,
-           "modes": {}}
-    print("| mode | pairs/s | tokens/s | p50 s | p99 s | peak RSS MiB | max abs dlogit vs flag "
-          "| Kendall tau vs flag |\n|---|---|---|---|---|---|---|---|")
+    modes: dict[str, Any] = {}
+    header = ("| mode | pairs/s | tokens/s | p50 s | p99 s | peak RSS MiB | max \\|Δlogit\\| vs "
+              "flag | Kendall tau vs flag | same top-1 |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
     for mode, runs in rows.items():
         wall = statistics.median(x["wall_s"] for x in runs)
         lat = sorted(x for run in runs for x in run.get("latencies", []))
         scores = np.asarray(runs[-1]["scores"])
         diff = float(np.abs(scores - ref).max())
         tau = kendall_tau(ref, scores)
-        p50 = f"{lat[len(lat) // 2]:.2f}" if lat else "-"
-        p99 = f"{lat[min(len(lat) - 1, int(len(lat) * 0.99))]:.2f}" if lat else "-"
-        print(f"| {mode} | {args.pairs / wall:.2f} | {pair_tokens / wall:.0f} | {p50} | {p99} | "
-              f"{max(x['peak_rss'] for x in runs) >> 20} | {diff:.2e} | {tau:.4f} |")
-        out["modes"][mode] = {"walls": [x["wall_s"] for x in runs], "pairs_per_s": args.pairs / wall,
-                              "max_abs_vs_flag": diff, "kendall_vs_flag": tau}
-    flag = out["modes"]["flag"]["pairs_per_s"]
-    for v in variants:
-        print(f"http-{v} / flag: {out['modes'][f'http-{v}']['pairs_per_s'] / flag:.2f}x")
-    (args.work / "result.json").write_text(json.dumps(out, indent=1))
-    return 0
+        top1 = bool(np.argmax(scores) == np.argmax(ref))
+        p50 = lat[len(lat) // 2] if lat else None
+        p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None
+        rss = max(x["peak_rss"] for x in runs)
+        modes[mode] = {"walls": [x["wall_s"] for x in runs], "pairs_per_s": pairs / wall,
+                       "tokens_per_s": pair_tokens / wall, "p50_s": p50, "p99_s": p99,
+                       "peak_rss": rss, "max_abs_vs_flag": diff, "kendall_vs_flag": tau,
+                       "top1_vs_flag": top1}
+        lines.append(f"| {mode} | {pairs / wall:.2f} | {pair_tokens / wall:.0f} | "
+                     f"{'-' if p50 is None else f'{p50:.2f}'} | "
+                     f"{'-' if p99 is None else f'{p99:.2f}'} | {rss >> 20} | {diff:.2e} | "
+                     f"{tau:.4f} | {'yes' if top1 else 'no'} |")
+    flag = modes["flag"]["pairs_per_s"]
+    ratios = {f"{m} / flag": modes[m]["pairs_per_s"] / flag for m in modes if m != "flag"}
+    lines += [""] + [f"- {k}: **{v:.2f}x**" for k, v in ratios.items()]
+    return {"modes": modes, "ratios": ratios, "markdown": "\n".join(lines)}
 
 
 def _cpu() -> str:
