@@ -83,7 +83,7 @@ def test_every_candidate_that_meets_the_bar_is_timed_and_the_fastest_serves(expo
     settings = default_settings(export, tmp_path / "cache")
     assert (settings.variant, settings.variant_choice) == ("int8", "rule")
     decision = choice.decide(settings, tmp_path / "cache", timer=timer, machine=OPENVINO)
-    assert sorted(spec["variant"] for spec in timer.asked) == ["bf16", "fp32", "int8"]
+    assert sorted(spec["variant"] for spec in timer.asked) == ["bf16", "bf16", "fp32", "fp32", "int8", "int8"]
     assert timer.asked[0]["variant"] == "int8"  # the rule's pick first
     assert {s["variant"]: s["provider"] for s in timer.asked}["bf16"] == "openvino"
     assert decision.candidates == {"fp32": 250.0, "int8": 800.0, "bf16": 300.0}
@@ -103,13 +103,32 @@ def test_a_faster_variant_on_another_runtime_moves_the_provider(export, tmp_path
 
 def test_the_rule_stays_when_another_is_only_marginally_faster(export, tmp_path):
     """Within PRIOR_MARGIN of the fastest, the rule's pick (the prior) serves: timing noise
-    must not move the choice. The two fastest within CLOSE are timed once more, other order."""
+    must not move the choice. Every candidate is timed twice, the second pass in the other
+    order (A B C, C B A), the mean of its passes counting."""
     timer = FakeTimer({"fp32": 250.0, "int8": 800.0, "bf16": 820.0})
     decision = choice.decide(default_settings(export, tmp_path / "c"), tmp_path / "c",
                              timer=timer, machine=OPENVINO)
     assert decision.settings.variant == "int8"
-    assert [s["variant"] for s in timer.asked][-2:] == ["bf16", "int8"]
-    assert len(timer.asked) == 5
+    asked = [s["variant"] for s in timer.asked]
+    assert len(asked) == 6 and asked[3:] == asked[:3][::-1]
+
+
+def test_a_machine_speeding_up_while_timing_does_not_pick_the_last_timed(export, tmp_path):
+    """The machine's speed rises steadily (another job ending) while the candidates are
+    timed: int8, twice fp32's speed but timed first, still wins. One pass would have picked
+    fp32 (timed at 3x int8's factor); the mirrored second pass cancels the drift."""
+    speeds = {"fp32": 250.0, "int8": 500.0}
+    calls: list[str] = []
+
+    def timer(spec: dict) -> dict:
+        calls.append(spec["variant"])
+        factor = 0.5 + (len(calls) - 1)  # 0.5, 1.5, 2.5, 3.5
+        return {"tokens_per_s": speeds[spec["variant"]] * factor, "rounds": 2}
+
+    decision = choice.decide(default_settings(export, tmp_path / "c"), tmp_path / "c",
+                             timer=timer, machine=NO_OPENVINO)
+    assert calls == ["int8", "fp32", "fp32", "int8"]
+    assert decision.settings.variant == "int8"
 
 
 def test_the_choice_is_cached_under_a_key_that_does_not_depend_on_it(export, tmp_path):
@@ -131,11 +150,11 @@ def test_the_choice_is_cached_under_a_key_that_does_not_depend_on_it(export, tmp
     (export / "fp32" / "model.onnx").write_bytes(b"y" * 2000)
     again = FakeTimer({"fp32": 250.0, "int8": 300.0, "bf16": 900.0})
     choice.decide(default_settings(export, cache), cache, timer=again, machine=OPENVINO)
-    assert len(again.asked) == 3
+    assert len(again.asked) == 6  # two passes of three
     forced = FakeTimer({"fp32": 250.0, "int8": 300.0, "bf16": 900.0})
     choice.decide(default_settings(export, cache), cache, timer=forced, machine=OPENVINO,
                   remeasure=True)
-    assert len(forced.asked) == 3
+    assert len(forced.asked) == 6
 
 
 @pytest.mark.parametrize("how", ["model", "ep", "disabled"])

@@ -45,7 +45,6 @@ log = logging.getLogger("bgeserve.backend")
 CHOICE_SCHEMA = 1  # bump when the workload or the way it is timed changes
 ROUNDS = 2
 MAX_WARMUP_SECONDS = 60.0  # a candidate whose warm-up round takes longer is not timed further
-CLOSE = 0.10  # the two fastest within this: both timed once more, in the other order
 # Resident memory of a loaded candidate per byte of its files, generously: OpenVINO keeps a
 # bf16 copy of fp16-stored weights (1.8 GiB for the full-size model's 1.14 GB IR), ONNX
 # Runtime about its files (docs/startup-probe.md §10).
@@ -168,10 +167,11 @@ def memory_needed(settings: Settings, artifacts: ModelArtifacts, provider: str) 
 def _time_all(settings: Settings, cache_dir: Path,
               artifacts: Mapping[Candidate, ModelArtifacts],
               timer: Timer) -> tuple[dict[str, float], dict[str, str]]:
-    """Tokens/s of each candidate that fits, one at a time (the rule's pick first); the two
-    fastest once more in the other order when they are within ``CLOSE``."""
+    """Tokens/s of each candidate that fits, one at a time (the rule's pick first), then each
+    once more in the other order: the mean of its two passes."""
     available = memory.detect_available_memory(settings.available_memory_bytes).available_bytes
-    rates: dict[str, float] = {}
+    rates: dict[str, float] = {}  # the mean of a candidate's passes
+    passes: dict[str, list[float]] = {}
     left_out: dict[str, str] = {}
     order = sorted(artifacts, key=lambda c: c.variant != settings.variant)
 
@@ -195,7 +195,8 @@ def _time_all(settings: Settings, cache_dir: Path,
             log.warning("variant choice: %s not timed: %s", c.variant, left_out[c.variant])
             return
         rate = float(answer["tokens_per_s"])
-        rates[c.variant] = max(rates.get(c.variant, 0.0), rate)
+        passes.setdefault(c.variant, []).append(rate)
+        rates[c.variant] = sum(passes[c.variant]) / len(passes[c.variant])
         log.info("variant choice: %s on %s ran %.0f tokens/s (%d rounds; loaded %d MiB in "
                  "%.1f s; %.0f s in all)", c.variant, c.provider, rate, answer.get("rounds", 0),
                  int(answer.get("model_rss_bytes", 0)) >> 20,
@@ -203,10 +204,12 @@ def _time_all(settings: Settings, cache_dir: Path,
 
     for c in order:
         once(c)
-    top = sorted(rates, key=lambda v: -rates[v])[:2]
-    if len(top) == 2 and rates[top[1]] * (1 + CLOSE) >= rates[top[0]]:
-        for c in reversed([c for c in order if c.variant in top]):  # the other order: a
-            once(c)  # machine whose speed drifts then drifts for both
+    # A B C, then C B A, each candidate's mean: a machine whose speed drifts steadily while
+    # they are timed (another job starting or ending: 2-3x on a shared 2-core machine, where
+    # one pass once picked fp32 over an int8 1.5x faster) then drifts alike for all of them.
+    if len(rates) > 1:
+        for c in reversed([c for c in order if c.variant in rates]):
+            once(c)
     return rates, left_out
 
 
