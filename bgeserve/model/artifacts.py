@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bgeserve.errors import ConfigError, ModelUnavailable
+from bgeserve.model.cachedir import validate_cache_dir
 from bgeserve.model.hubfetch import Fetcher
 from bgeserve.model.layout import Layout, graph_layout
 from bgeserve.model.ptload import HeadWeights, load_heads
@@ -108,52 +107,6 @@ class ModelArtifacts:
                 raise ModelUnavailable(f"model file {path} is gone: {exc.strerror}") from exc
             parts.append(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}")
         return ";".join(parts)
-
-
-def validate_cache_dir(path: Path, *, required: bool = True) -> Path:
-    """Create ``path`` if needed and prove it writable with a real write; else ModelUnavailable.
-
-    ``required=False`` (a local model: nothing has to be downloaded) turns the refusal into a
-    warning: the server runs, and only what it would cache there (the probe's fit) is lost.
-    """
-    path = Path(path).expanduser()
-    if required:
-        return _check_cache_dir(path)
-    try:
-        return _check_cache_dir(path)
-    except ModelUnavailable as exc:
-        log.warning("%s. Serving anyway: the model is local, but the probe's fit will not be "
-                    "cached (every start probes again)", exc.message)
-        return path
-
-
-def _check_cache_dir(path: Path) -> Path:
-    def refuse(cause: str) -> ModelUnavailable:
-        return ModelUnavailable(
-            f"cache directory {path} cannot be used: {cause}; set BGE_M3_CACHE_DIR to a writable "
-            "directory",
-            param="BGE_M3_CACHE_DIR",
-        )
-
-    blocker = next(
-        (p for p in (*reversed(path.parents), path) if p.exists() and not p.is_dir()), None
-    )
-    if blocker is not None:
-        raise refuse(f"{blocker} is a regular file, not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise refuse(f"cannot create it: {exc.strerror or exc} (is a parent read-only?)") from exc
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".bgeserve-write-test-", dir=path)
-        try:
-            os.write(fd, b"ok")
-        finally:
-            os.close(fd)
-            os.unlink(probe)
-    except OSError as exc:
-        raise refuse(f"not writable ({exc.strerror or exc})") from exc
-    return path
 
 
 def resolve(

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bgeserve import __version__, runtime
+from bgeserve import runtime
 from bgeserve.config import Settings
 from bgeserve.engine import ChunkStats, Engine, Inputs
 from bgeserve.errors import BgeServeError, DeadlineExceeded, NotReady, Overloaded
@@ -24,7 +24,7 @@ from bgeserve.model.artifacts import ModelArtifacts, resolve, validate_cache_dir
 from bgeserve.progress import Progress
 from bgeserve.results import Embeddings, EmbedOptions, ModelInfo, RerankOptions, RerankResult, Token
 from bgeserve.runtime import gpu
-from bgeserve.service import canary, choice, plan, reranking, tokens
+from bgeserve.service import canary, choice, health, plan, reranking, tokens
 from bgeserve.service import info as service_info
 from bgeserve.service.admission import Admission, DrainMeter
 from bgeserve.service.metrics import Metrics
@@ -365,51 +365,8 @@ class Service:
         return service_info.model_info(self)
 
     def health(self) -> dict[str, Any]:
-        """Readiness and the facts operators look for."""
-        s = self.settings
-        body: dict[str, Any] = {"status": "loading", "version": __version__,
-                                "max_seq_length": s.max_seq_length}
-        if self.fatal_error is not None:
-            body.update(status="fail", error=str(self.fatal_error),
-                        prepare=self.preparation.status)
-            return body
-        if self.engine is None or not self._ready.is_set():
-            body.update(self.progress.snapshot())  # step, progress
-            return body
-        stats = self.engine.stats()
-        # A worker that is dead, restarting or cannot open its session is not live: that is
-        # warn even when the others are idle-unloaded, and fail once none is left.
-        if stats["live"] == 0:
-            status = "fail"
-        elif stats["live"] < stats["total"]:
-            status = "warn"
-        elif stats["loaded"] == 0:
-            status = "idle"
-        else:
-            status = "ok"
-        if self._draining:  # out of the load balancer while in-flight requests finish
-            status = "draining"
-        assert self.artifacts is not None and self.tuner is not None
-        body.update(
-            status=status,
-            workers={k: stats[k] for k in ("live", "loaded", "total", "busy")},
-            queue={"texts": stats["queue_texts"], "tokens": stats["queue_tokens"]},
-            model={"name": self.model_name, "variant": self.artifacts.variant,
-                   "choice": s.variant_choice, "candidates": {
-                       v: round(r, 1) for v, r in self.choice.candidates.items()},
-                   "layout": self.artifacts.layout.value, "source": self.artifacts.source,
-                   "backend": plan.runtime_version(self.artifacts, s.execution_provider),
-                   "execution_provider": s.execution_provider,
-                   "threads_per_worker": s.threads_per_worker,
-                   "prepare": self.preparation.status},
-            tuning=self.tuner.state.as_dict(),
-        )
-        rerank = self.reranking.health()
-        if rerank is not None:
-            body["reranker"] = rerank
-            if status == "ok" and rerank["status"] in ("warn", "fail"):
-                body["status"] = "warn"
-        return body
+        """Readiness and the facts operators look for (``service/health.py``)."""
+        return health.report(self)
 
     def metrics(self) -> tuple[bytes, str]:
         """Prometheus exposition of the server's metrics."""

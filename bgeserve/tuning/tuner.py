@@ -28,9 +28,9 @@ from typing import Any
 from bgeserve.errors import ConfigError
 from bgeserve.tuning import cache, memory, probe
 from bgeserve.tuning.budget import budget
-from bgeserve.tuning.child import ChildProbe
 from bgeserve.tuning.costmodel import CostModel, Fit, conservative_coefficients
-from bgeserve.tuning.probe import LocalProbe, ProbeRequest, ProbeResult, ProbeSource
+from bgeserve.tuning.probe import ProbeRequest, ProbeResult
+from bgeserve.tuning.sources import Source, as_source
 
 log = logging.getLogger("bgeserve.tuning")
 LEGACY_BATCH_SEQ = 512  # what BGE_M3_ONNX_BATCH_SIZE texts were assumed to be long
@@ -102,20 +102,6 @@ class TuningState:
 class UnmeasuredFloor(ConfigError):
     """One ``max_seq`` text does not fit by the conservative estimate, and nothing measured
     says otherwise yet: the caller may measure first (``Tuner.measure_first``)."""
-
-
-Source = ProbeSource | Callable[[int, int], None] | dict[str, Any]
-
-
-def as_source(source: Source) -> ProbeSource:
-    """A ``ProbeSource``: a bare ``run(batch, seq)`` runs here (tests, tools), a dict is the
-    spec of a probe child."""
-    if isinstance(source, dict):
-        return ChildProbe(source)
-    if hasattr(source, "measure"):
-        return source
-    assert callable(source)
-    return LocalProbe(source)
 
 
 class Tuner:

@@ -1,0 +1,60 @@
+"""``GET /health``'s body: readiness (``status``) and the facts operators look for."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from bgeserve import __version__
+from bgeserve.service import plan
+
+if TYPE_CHECKING:
+    from bgeserve.service import Service
+
+
+def report(service: Service) -> dict[str, Any]:
+    """loading (with the start-up step), fail (with the error), else ok / warn / idle /
+    draining from the workers, with the model, the queue, the tuning and the reranker."""
+    s = service.settings
+    body: dict[str, Any] = {"status": "loading", "version": __version__,
+                            "max_seq_length": s.max_seq_length}
+    if service.fatal_error is not None:
+        body.update(status="fail", error=str(service.fatal_error),
+                    prepare=service.preparation.status)
+        return body
+    if service.engine is None or not service._ready.is_set():
+        body.update(service.progress.snapshot())  # step, progress
+        return body
+    stats = service.engine.stats()
+    # A worker that is dead, restarting or cannot open its session is not live: that is
+    # warn even when the others are idle-unloaded, and fail once none is left.
+    if stats["live"] == 0:
+        status = "fail"
+    elif stats["live"] < stats["total"]:
+        status = "warn"
+    elif stats["loaded"] == 0:
+        status = "idle"
+    else:
+        status = "ok"
+    if service._draining:  # out of the load balancer while in-flight requests finish
+        status = "draining"
+    assert service.artifacts is not None and service.tuner is not None
+    body.update(
+        status=status,
+        workers={k: stats[k] for k in ("live", "loaded", "total", "busy")},
+        queue={"texts": stats["queue_texts"], "tokens": stats["queue_tokens"]},
+        model={"name": service.model_name, "variant": service.artifacts.variant,
+               "choice": s.variant_choice, "candidates": {
+                   v: round(r, 1) for v, r in service.choice.candidates.items()},
+               "layout": service.artifacts.layout.value, "source": service.artifacts.source,
+               "backend": plan.runtime_version(service.artifacts, s.execution_provider),
+               "execution_provider": s.execution_provider,
+               "threads_per_worker": s.threads_per_worker,
+               "prepare": service.preparation.status},
+        tuning=service.tuner.state.as_dict(),
+    )
+    rerank = service.reranking.health()
+    if rerank is not None:
+        body["reranker"] = rerank
+        if status == "ok" and rerank["status"] in ("warn", "fail"):
+            body["status"] = "warn"
+    return body
