@@ -528,3 +528,33 @@ def test_describe_says_how_the_fit_was_raised():
     line = probe.describe(fit_)
     assert "c=12.0 MiB/run" in line and "a=41000" in line and "held-out error 4%" in line
     assert line.endswith("c raised by 3.0 MiB ...")
+
+
+# Recorded: the full-size random bge-m3's bf16 IR on OpenVINO 2026.4 (2-core AMD EPYC Zen 3,
+# no native bf16), the probe's cumulative readings in cost order (batch, seq, bytes, s), and
+# its held-out shape (scripts/serve-check.py ov ... BGE_M3_MODEL=bf16 BGE_M3_EP=openvino).
+OPENVINO_POOL = [(1, 64, 4816896, 1.01), (1, 128, 421687296, 1.56), (1, 256, 432095232, 2.28),
+                 (8, 64, 444674048, 4.36), (1, 512, 443142144, 5.15),
+                 (4, 256, 466345984, 12.44), (2, 1024, 533581824, 25.63),
+                 (1, 2048, 536670208, 24.97)]
+OPENVINO_POOL_HELD = (2, 768, 504700928, 16.4)
+
+
+def test_cumulative_readings_fit_once_the_pool_readings_before_it_are_left_out() -> None:
+    """OpenVINO grows its pool at the first shape past a size and keeps it: the reading
+    before it (4.8 MiB) made every form miss (1, 128) by 92-98 % and the server kept the
+    conservative model. Without the readings under the noise floor, c + a·B·S fits within
+    a few %, c is the pool, and no measured shape is under-predicted."""
+    from bgeserve.tuning.costmodel import FitError, MiB, Sample, fit
+    from bgeserve.tuning.probe import pooled
+
+    samples = [Sample(*x) for x in OPENVINO_POOL]
+    held = Sample(*OPENVINO_POOL_HELD)
+    with pytest.raises(FitError, match=r"misses shape \(1, 128\)"):
+        fit(samples, held)  # what the server did with every reading
+    found = fit(pooled(samples), held)
+    assert 380 * MiB < found.c < 425 * MiB
+    assert found.max_rel_residual < 0.1 and found.held_out_rel_error < 0.1
+    for x in [*samples, held]:
+        assert found.predict(x.batch, x.seq) >= 0.9 * x.workspace_bytes
+    assert pooled(samples[:3]) == samples[:3]  # too few above the floor: all kept
