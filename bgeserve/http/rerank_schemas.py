@@ -17,7 +17,7 @@ from typing import Any
 
 from bgeserve.config import Settings
 from bgeserve.errors import InvalidInput, TooLarge
-from bgeserve.http.schemas import _as_int, check_model, load_object
+from bgeserve.http.schemas import _as_int, check_model, flag, load_object
 from bgeserve.results import LONG_DOCUMENTS, RerankOptions
 
 MODES = ("dense", "sparse", "colbert", "sparse+dense", "colbert+sparse+dense", "hybrid")
@@ -33,15 +33,6 @@ class RerankRequest:
     options: RerankOptions
     top_n: int | None = None  # None: every document
     return_documents: bool = False
-
-
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidInput(f"{name} must be true or false", param=name)
-    return value
 
 
 def _query(body: dict[str, Any]) -> str:
@@ -107,7 +98,7 @@ def _long_documents(body: dict[str, Any]) -> str:
     """``truncate`` wins when given (true: cut; false: windows), else ``long_documents``."""
     truncate = body.get("truncate")
     if truncate is not None:
-        return "truncate" if _flag(body, "truncate", False) else "max"
+        return "truncate" if flag(body, "truncate", False) else "max"
     value = body.get("long_documents")
     if value is None:
         return "max"
@@ -137,7 +128,7 @@ def parse_rerank_request(raw: bytes, settings: Settings,
         raise InvalidInput(f"mode must be one of {', '.join(map(repr, MODES))}", param="mode")
     options = RerankOptions(
         model=body.get("model"),
-        normalize=_flag(body, "normalize", True),
+        normalize=flag(body, "normalize", True),
         long_documents=_long_documents(body),
         max_tokens_per_doc=_max_tokens(body.get("max_tokens_per_doc")),
         mode=mode or "hybrid",
@@ -147,7 +138,7 @@ def parse_rerank_request(raw: bytes, settings: Settings,
     return RerankRequest(_query(body), _documents(body.get("documents"), "documents", settings,
                                                   objects=True),
                          options, _top_n(body.get("top_n")),
-                         _flag(body, "return_documents", False))
+                         flag(body, "return_documents", False))
 
 
 def parse_tei_rerank_request(raw: bytes, settings: Settings) -> RerankRequest:
@@ -159,10 +150,10 @@ def parse_tei_rerank_request(raw: bytes, settings: Settings) -> RerankRequest:
         raise InvalidInput("truncation_direction must be one of Left, left, Right, right",
                            param="truncation_direction")
     options = RerankOptions(
-        normalize=not _flag(body, "raw_scores", False),
-        long_documents="truncate" if _flag(body, "truncate", False) else "max",
+        normalize=not flag(body, "raw_scores", False),
+        long_documents="truncate" if flag(body, "truncate", False) else "max",
         truncation_direction=DIRECTIONS.get(direction or "right", "right"),
     )
     return RerankRequest(_query(body), _documents(body.get("texts"), "texts", settings,
                                                   objects=False),
-                         options, None, _flag(body, "return_text", False))
+                         options, None, flag(body, "return_text", False))

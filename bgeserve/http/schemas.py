@@ -71,6 +71,16 @@ BOTH = Endpoint(
 )
 
 
+def flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    """``body[name]`` as a JSON boolean (absent or null: ``default``); else InvalidInput."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{name} must be true or false", param=name)
+    return value
+
+
 def _as_int(value: Any) -> int | None:
     """``value`` as an int if JSON Schema calls it an integer (``3``, ``3.0``), else None."""
     if type(value) is int:  # not isinstance: bool is an int subclass, and JSON true is no number

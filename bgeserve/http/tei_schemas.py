@@ -15,7 +15,7 @@ from typing import Any
 
 from bgeserve.config import Settings
 from bgeserve.errors import InvalidInput
-from bgeserve.http.schemas import OPTION_PARSERS, _as_int, load_object, parse_input
+from bgeserve.http.schemas import OPTION_PARSERS, _as_int, flag, load_object, parse_input
 
 DIRECTIONS = {"right": False, "Right": False, "left": True, "Left": True}
 
@@ -48,15 +48,6 @@ class DecodeRequest:
     skip_special_tokens: bool = True
 
 
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidInput(f"{name} must be true or false", param=name)
-    return value
-
-
 def _no_prompt(body: dict[str, Any]) -> None:
     if body.get("prompt_name") is not None:
         raise InvalidInput(
@@ -86,7 +77,7 @@ def embed_fields(body: dict[str, Any], settings: Settings, *, dense: bool = Fals
                            "from the right", param="truncation_direction")
     extra: dict[str, Any] = {}
     if dense:
-        if not _flag(body, "normalize", True):
+        if not flag(body, "normalize", True):
             raise InvalidInput(
                 "normalize=false is not supported: bge-m3's dense vectors are served "
                 "L2-normalised, as FlagEmbedding gives them; omit normalize", param="normalize")
@@ -98,7 +89,7 @@ def embed_fields(body: dict[str, Any], settings: Settings, *, dense: bool = Fals
         for name in ("sparse_top_k", "sparse_min_weight"):
             if body.get(name) is not None:
                 extra[name] = OPTION_PARSERS[name](name, body[name])
-    return TeiEmbedRequest(inputs=inputs, truncate=_flag(body, "truncate", settings.truncate),
+    return TeiEmbedRequest(inputs=inputs, truncate=flag(body, "truncate", settings.truncate),
                            left=left, **extra)
 
 
@@ -150,7 +141,7 @@ def parse_tokenize(raw: bytes, settings: Settings) -> TokenizeRequest:
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise InvalidInput("inputs must be a string or an array of strings", param="inputs")
     parse_input(texts, settings, "inputs")  # the batch and length limits
-    return TokenizeRequest(texts, _flag(body, "add_special_tokens", True))
+    return TokenizeRequest(texts, flag(body, "add_special_tokens", True))
 
 
 def parse_decode(raw: bytes, settings: Settings) -> DecodeRequest:
@@ -172,4 +163,4 @@ def parse_decode(raw: bytes, settings: Settings) -> DecodeRequest:
             raise InvalidInput("ids must be an array of token ids (integers >= 0) or an array "
                                "of such arrays", param=f"ids[{i}]")
         out.append([t for t in ints if t is not None])
-    return DecodeRequest(out, _flag(body, "skip_special_tokens", True))
+    return DecodeRequest(out, flag(body, "skip_special_tokens", True))
