@@ -21,7 +21,8 @@ def fake_order(query: str, docs: list[str]) -> list[int]:
 @pytest.mark.parametrize("path", ["/v1/rerank", "/v2/rerank"])
 def test_jina_and_cohere_paths_answer_sorted_results(path: str) -> None:
     """Both paths: results sorted by score, cut to top_n, documents only on request, usage
-    and the scorer's id; the options reach the service (normalize defaults to true)."""
+    and the scorer's id; the options reach the service (normalize defaults to false: the
+    cross-encoder's logits, as the issue and FlagReranker's default give them)."""
     with serve(FakeService(rerank_ids=("bge-reranker-v2-m3",))) as client:
         r = client.post(path, json={"model": "bge-reranker-v2-m3", "query": "q",
                                     "documents": DOCS, "top_n": 2, "return_documents": True})
@@ -33,7 +34,7 @@ def test_jina_and_cohere_paths_answer_sorted_results(path: str) -> None:
         assert body["model"] == "bge-reranker-v2-m3" and body["usage"]["total_tokens"] > 0
         assert body["id"] == r.headers["x-request-id"]
         query, docs, options = client.fake.rerank_calls[-1]  # type: ignore[attr-defined]
-        assert (query, docs, options.normalize) == ("q", DOCS, True)
+        assert (query, docs, options.normalize) == ("q", DOCS, False)
 
 
 def test_long_documents_are_flagged_per_result() -> None:

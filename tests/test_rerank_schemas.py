@@ -30,7 +30,7 @@ def test_jina_body_with_defaults() -> None:
     """LangChain's JinaRerank body: documents as strings, top_n null → every document; the
     defaults are sigmoid scores, windows for long documents, bge-m3's hybrid mode."""
     got = parse({"query": "q", "documents": ["a", "b"], "model": "bge-m3", "top_n": None})
-    assert got == RerankRequest("q", ["a", "b"], RerankOptions(model="bge-m3", normalize=True))
+    assert got == RerankRequest("q", ["a", "b"], RerankOptions(model="bge-m3", normalize=False))
     assert got.options.long_documents == "max" and got.options.mode == "hybrid"
     assert got.options.weights == (0.4, 0.2, 0.4)
 

@@ -128,7 +128,7 @@ def parse_rerank_request(raw: bytes, settings: Settings,
         raise InvalidInput(f"mode must be one of {', '.join(map(repr, MODES))}", param="mode")
     options = RerankOptions(
         model=body.get("model"),
-        normalize=flag(body, "normalize", True),
+        normalize=flag(body, "normalize", False),
         long_documents=_long_documents(body),
         max_tokens_per_doc=_max_tokens(body.get("max_tokens_per_doc")),
         mode=mode or "hybrid",
