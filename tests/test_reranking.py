@@ -92,3 +92,38 @@ def test_a_missing_reranker_fails_the_start(tiny_export: Path, tmp_path: Path) -
     service = Service(settings(tiny_export, tmp_path / "nowhere", tmp_path))
     with pytest.raises(ModelUnavailable, match="does not exist"):
         service.load_blocking()
+
+
+def test_a_refusing_estimate_is_measured_on_the_rerankers_serving_sessions(
+        tiny_export: Path, tiny_reranker_export: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the reranker's conservative estimate refuses (UnmeasuredFloor), its probe runs on
+    its own serving sessions (``probe_mode: in_process``), not in a child loading a third model
+    copy: at full size (int8 pair, 4 GiB cgroup) that child had no room and the start failed."""
+    from bgeserve.tuning.probe import LocalProbe
+    from bgeserve.tuning.tuner import Tuner, UnmeasuredFloor
+
+    initial, measure_first = Tuner.initial, Tuner.measure_first
+    sources: list[object] = []
+
+    def refusing(self, model_cost, fingerprint):  # the reranker's first estimate refuses
+        if self.config.cache_dir.name == "reranker" and self._measured is None:
+            raise UnmeasuredFloor("one 512-token text needs more than the estimate allows")
+        return initial(self, model_cost, fingerprint)
+
+    def recording(self, source, *args, **kwargs):
+        sources.append(source)
+        return measure_first(self, source, *args, **kwargs)
+
+    monkeypatch.setattr(Tuner, "initial", refusing)
+    monkeypatch.setattr(Tuner, "measure_first", recording)
+    service = Service(settings(tiny_export, tiny_reranker_export, tmp_path))
+    service.load_blocking()
+    try:
+        rr = service.reranking.tuner
+        assert rr is not None and [type(s) for s in sources] == [LocalProbe]
+        assert rr.state.probe_mode == "in_process" and rr.state.probe_status == "complete"
+        cross = asyncio.run(service.rerank("a query", ["one text"], RerankOptions()))
+        assert np.isfinite(cross.scores).all()
+    finally:
+        asyncio.run(service.stop())

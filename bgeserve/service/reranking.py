@@ -29,6 +29,7 @@ from bgeserve.model.rerank_artifacts import RERANK_MODEL_ID, RERANK_MODEL_IDS, r
 from bgeserve.results import RerankOptions, RerankResult
 from bgeserve.service import plan
 from bgeserve.service.metrics import Metrics
+from bgeserve.service.probing import probe_source
 from bgeserve.tuning import cache
 from bgeserve.tuning.budget import measure_model_cost
 from bgeserve.tuning.tuner import Tuner, UnmeasuredFloor
@@ -117,19 +118,21 @@ class Reranking:
 
     def tune(self, available: int, source: str) -> None:
         """Choose the reranker's cost model within its part of the memory; like bge-m3's, an
-        estimate that refuses is measured first (with its sessions unloaded)."""
+        estimate that refuses is measured first, on its serving sessions."""
         assert self.tuner is not None and self.engine is not None and self._probe is not None
         spec, fingerprint, parts = self._probe
         self.tuner.share(available, source)
         try:
             cost = self.tuner.initial(self.model_cost, fingerprint)
         except UnmeasuredFloor as exc:
-            log.warning("reranker: %s. Measuring with the probe before deciding",
+            # On the serving sessions, as bge-m3's is when a second copy does not fit: a probe
+            # child loading its own copy beside both models ran out of the room it was measuring
+            # (full-size int8 pair in a 4 GiB cgroup: refused at start).
+            log.warning("reranker: %s. Measuring on its serving sessions before deciding",
                         exc.message.split(". ")[0])
-            self.engine.unload()
-            self.tuner.measure_first(spec, self.model_cost, fingerprint, parts)
+            self.tuner.measure_first(probe_source(self.engine, spec, in_process=True),
+                                     self.model_cost, fingerprint, parts)
             cost = self.tuner.initial(self.model_cost, fingerprint)
-            self.engine.embed([PRIMING_PAIR], dense=True)
         log.info("reranker ready: probe %s, %d MiB workspace per worker, windows up to %d "
                  "tokens fit", self.tuner.state.probe_status, cost.max_workspace_bytes >> 20,
                  cost.max_seq())
