@@ -95,7 +95,9 @@ class Reranking:
                         auto_budget=False)
         # Its fit in a cache file of its own: the cache keeps one fit per file (bge-m3's).
         (cache_dir / PROBE_CACHE_DIR).mkdir(exist_ok=True)
-        tuning = dataclasses.replace(serving.tuning, cache_dir=cache_dir / PROBE_CACHE_DIR)
+        tuning = dataclasses.replace(serving.tuning, cache_dir=cache_dir / PROBE_CACHE_DIR,
+                                     length_variable="BGE_M3_RERANK_MAX_LENGTH",
+                                     workers_variable="BGE_M3_RERANK_WORKERS")
         self.tuner = Tuner(tuning, apply=engine.set_cost_model,
                            apply_chunk_tokens=engine.set_max_chunk_tokens)
         self.reranker = Reranker(engine=engine, model_id=RERANK_MODEL_ID)

@@ -66,6 +66,9 @@ class TuningConfig:
     # The runtime keeps its workspace at the high-water mark between runs (OpenVINO): the
     # probe's readings are cumulative (``probe.PeakMeter``).
     retains_workspace: bool = False
+    # The variables a refusal names (the reranker's engine has its own).
+    length_variable: str = "BGE_M3_MAX_SEQ_LENGTH"
+    workers_variable: str = "BGE_M3_WORKERS"
     # Host memory held outside the workspace budget (the embedding cache's limit).
     reserved_bytes: int = 0
 
@@ -238,14 +241,15 @@ class Tuner:
             f"workspace but each of the {c.workers} worker(s) gets "
             f"{cost.max_workspace_bytes / 2**20:.0f} MiB ({self.state.available_bytes / 2**30:.1f}"
             f" GiB available from {self.state.memory_source}, {model_cost / 2**30:.2f} GiB per "
-            f"model copy). Lower BGE_M3_MAX_SEQ_LENGTH (longest that fits: {cost.max_seq()}), "
-            "reduce BGE_M3_WORKERS, or raise the memory limit / BGE_M3_MEMORY_SAFETY_FACTOR"
+            f"model copy). Lower {c.length_variable} (longest that fits: {cost.max_seq()}), "
+            f"reduce {c.workers_variable}, or raise the memory limit / "
+            "BGE_M3_MEMORY_SAFETY_FACTOR"
             + ("" if self.state.probe_status not in ("running", "failed") else
                ". This is the conservative estimate (no probe measurement is cached yet); the "
                "measured cost is usually far lower: run `bgeserve probe` once with the same "
                "model, variant and BGE_M3_CACHE_DIR where memory allows, and its cached fit "
                "is used here"),
-            param="BGE_M3_MAX_SEQ_LENGTH")
+            param=c.length_variable)
 
     def _publish(self, cost: CostModel) -> None:
         s = self.state
