@@ -112,7 +112,7 @@ def test_asking_openvino_for_another_variant_fails_fast(tiny_export_bf16: Path,
                                                         tmp_path: Path) -> None:
     env = base_env(tiny_export_bf16, tmp_path, BGE_M3_EP="openvino", BGE_M3_MODEL="int8")
     with serving(env) as (client, _service):
-        body = wait_health(client, status=503)
+        body = wait_health(client, status=503, body_status="fail")
     assert body["status"] == "fail" and "bf16" in json.dumps(body)
 
 

@@ -52,11 +52,14 @@ def base_env(model: Path | str, cache: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def wait_health(client: TestClient, status: int = 200, timeout: float = 30.0) -> dict[str, Any]:
+def wait_health(client: TestClient, status: int = 200, timeout: float = 30.0,
+                body_status: str | None = None) -> dict[str, Any]:
+    """Poll /health until it answers ``status`` (and, given, the body's ``body_status``: a 503
+    is "loading" before it is "fail")."""
     deadline = time.monotonic() + timeout
     while True:
         r = client.get("/health")
-        if r.status_code == status:
+        if r.status_code == status and body_status in (None, r.json().get("status")):
             return r.json()
         assert time.monotonic() < deadline, f"/health still {r.status_code}: {r.json()}"
         time.sleep(0.02)
