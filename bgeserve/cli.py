@@ -45,7 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     if args.bind:
         settings = settings.__class__(**{**vars(settings), "bind": args.bind})
-    setup_logging(settings.log_format, settings.log_level)
+    setup_logging(settings.log_format, settings.log_level, background=True)
     log = logging.getLogger("bgeserve")
     try:  # before any port is bound: a missing GPU EP fails fast, naming BGE_M3_EP
         settings = plan.resolve(settings)

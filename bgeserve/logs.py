@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import logging
+import logging.handlers
+import queue
 import sys
 import time
 from contextvars import ContextVar
@@ -31,6 +34,8 @@ class JsonFormatter(logging.Formatter):
                 out[key] = value
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
+        elif record.exc_text:  # formatted by Background.prepare in the logging thread
+            out["exc"] = record.exc_text
         return orjson.dumps(out, default=str).decode()
 
 
@@ -53,13 +58,56 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
-def setup_logging(fmt: str = "auto", level: str = "info") -> None:
-    """Configure the root logger once (``fmt``: auto | json | text | pretty)."""
+class Background(logging.handlers.QueueHandler):
+    """Hands records to a thread that formats and writes them (stdlib's QueueListener).
+
+    A write to stdout is a syscall that blocks while the reader of the pipe (a container
+    runtime, a supervisor) lags: on the event loop, one per request, it was ~70 % of the
+    loop's time for a request refused at once (py-spy, docs/reliability.md §3). Here the loop
+    only copies the record. ``close`` (logging.shutdown, at exit) writes what is queued first.
+    """
+
+    def __init__(self, target: logging.Handler) -> None:
+        super().__init__(queue.SimpleQueue())
+        self.target = target
+        self.listener: logging.handlers.QueueListener | None = logging.handlers.QueueListener(
+            self.queue, target, respect_handler_level=True)
+        self.listener.start()
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        """The record with its message merged and its traceback as text (what crosses the
+        thread must not hold frames), every ``extra`` field kept."""
+        record = copy.copy(record)
+        record.msg, record.args = record.getMessage(), None
+        if record.exc_info:
+            record.exc_text = self.target.formatter.formatException(record.exc_info) \
+                if self.target.formatter else logging.Formatter().formatException(record.exc_info)
+            record.exc_info = None
+        return record
+
+    def close(self) -> None:
+        listener, self.listener = self.listener, None
+        if listener is not None:
+            listener.stop()  # drains the queue, then joins the thread
+        self.target.close()
+        super().close()
+
+
+def setup_logging(fmt: str = "auto", level: str = "info", *, background: bool = False) -> None:
+    """Configure the root logger once (``fmt``: auto | json | text | pretty).
+
+    ``background``: records are written by a thread of their own (``Background``; the server,
+    whose event loop must not wait on stdout). The one-shot commands write them in place, so
+    what they print on stdout after logging (``bgeserve prepare``'s path) comes last."""
     use_json = fmt == "json" or (fmt == "auto" and not sys.stdout.isatty())
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(JsonFormatter() if use_json else TextFormatter())
-    handler.addFilter(RequestIdFilter())
+    target = logging.StreamHandler(sys.stdout)
+    target.setFormatter(JsonFormatter() if use_json else TextFormatter())
+    handler: logging.Handler = Background(target) if background else target
+    handler.addFilter(RequestIdFilter())  # here: the request's context is the caller's thread
     root = logging.getLogger()
+    for old in root.handlers:
+        if isinstance(old, Background):
+            old.close()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):

@@ -81,6 +81,7 @@ from benchkit.report import (
     agreement,
     load_gains,
     load_table,
+    median_row,
     ratios,
     rss_table,
     summarize,
@@ -197,6 +198,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="ort1 mode: a plain-attention fp32 graph with the dense and "
                         "sparse_weights outputs (`bgeserve export --attention-block 0 --variant "
                         "fp32`); without it ort1 is skipped")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat the corpus modes N times, interleaved (A B C, then C B A, "
+                        "...), and report each mode's median round (default 1)")
     p.add_argument("--quick", action="store_true", help="tiny model, fewer texts")
     p.add_argument("--no-latency-pass", action="store_true",
                    help="skip the per-text latency passes of flag and engine")
@@ -260,6 +264,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     f"{', '.join(cpu_only) or '--rss-vs-length / --chunk-sweep'}")
     if args.http_max_seq not in ("auto", "server") and not args.http_max_seq.isdigit():
         p.error("--http-max-seq must be auto, server or a number of tokens")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     args.clients = [int(x) for x in args.clients.split(",") if x.strip()]
     args.rss_lengths = [int(x) for x in args.rss_lengths.split(",") if x.strip()]
     args.chunk_sweep = [int(x) for x in args.chunk_sweep.split(",") if x.strip()]
@@ -317,20 +323,29 @@ def main(argv: list[str]) -> int:
         if "ort1" in args.modes and args.plain_graph:
             plan_.append(("ort1", "fp32"))
         plan_ += [(m, v) for v in args.variants for m in VARIANT_MODES if m in args.modes]
-        for mode, variant in plan_:
-            if mode == "flag" and model_dir is None:
-                rows.append({"name": f"{kind}-flag", "mode": mode, "variant": variant,
-                             "corpus": kind, "texts": len(corpus["texts"]),
-                             "tokens": sum(corpus["lengths"]), "ok": False,
-                             "error": "no PyTorch model directory (--model-dir)"})
-                continue
-            name = f"{kind}-{mode}-{variant}"
-            res = runner.child(name, {"mode": mode, "variant": variant, "corpus": str(cpath),
-                                      "max_seq": server_max_seq(args, corpus)})
-            row = summarize(name, mode, variant, kind, corpus, res)
-            if row.get("ok"):
-                log(f"{name}: {row['tokens_per_s']:.1f} tokens/s, peak RSS "
-                    f"{_mib(row['peak_rss'])} MiB")
+        if "flag" in args.modes and model_dir is None:
+            plan_.remove(("flag", "fp32"))
+            rows.append({"name": f"{kind}-flag", "mode": "flag", "variant": "fp32",
+                         "corpus": kind, "texts": len(corpus["texts"]),
+                         "tokens": sum(corpus["lengths"]), "ok": False,
+                         "error": "no PyTorch model directory (--model-dir)"})
+        # Rounds interleaved, each the reverse of the one before (A B C, C B A, ...): the
+        # machine's drift then falls on every mode alike, and each mode reports its median.
+        rounds: dict[tuple[str, str], list[dict[str, Any]]] = {m: [] for m in plan_}
+        for r in range(args.rounds):
+            for mode, variant in plan_ if r % 2 == 0 else plan_[::-1]:
+                name = f"{kind}-{mode}-{variant}" + (f"-r{r + 1}" if args.rounds > 1 else "")
+                res = runner.child(name, {"mode": mode, "variant": variant,
+                                          "corpus": str(cpath),
+                                          "max_seq": server_max_seq(args, corpus)})
+                row = summarize(name, mode, variant, kind, corpus, res)
+                if row.get("ok"):
+                    log(f"{name}: {row['tokens_per_s']:.1f} tokens/s, peak RSS "
+                        f"{_mib(row['peak_rss'])} MiB")
+                rounds[(mode, variant)].append(row)
+        for key in plan_:
+            row = median_row(rounds[key])
+            row["name"] = f"{kind}-{key[0]}-{key[1]}"
             rows.append(row)
         if plan_ and not any(r["corpus"] == kind and r.get("ok") and r["variant"] == "fp32"
                              for r in rows):
@@ -415,6 +430,14 @@ def main(argv: list[str]) -> int:
            f"- command: `{command}`", ""]
     if rows:
         out += ["## Corpus runs", "", table(rows), ""]
+        if args.rounds > 1:
+            out += [(f"Each row is its mode's median of {args.rounds} rounds, run "
+                     "interleaved (A B C, then C B A, ...); tokens/s of every round:"), ""]
+            out += [f"- {r['name']}: " + " / ".join(f"{x:.0f}" for x in
+                                                   r.get("rounds_tokens_per_s", []))
+                    + (f" ({r['rounds_failed']} failed)" if r.get("rounds_failed") else "")
+                    for r in rows if r.get("rounds_tokens_per_s")]
+            out += [""]
     if shares:
         out += [("## Each path: tokens/s, × FlagEmbedding fp32, share of its precision's "
                  "roofline (useful GFLOP/s ÷ its GEMM ceiling)"), "",

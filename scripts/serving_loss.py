@@ -118,8 +118,11 @@ def _open_raw(export_dir: Path, variant: str, threads: int):
     if entry.get("runtime") == "openvino":
         import openvino as ov
 
-        compiled = ov.Core().compile_model(str(graph), "CPU", {
-            "INFERENCE_PRECISION_HINT": variant, "INFERENCE_NUM_THREADS": threads,
+        from bgeserve.runtime.openvino import INFERENCE_PRECISION
+
+        compiled = ov.Core().compile_model(str(graph), "CPU", {  # ov-int8: its own precision
+            "INFERENCE_PRECISION_HINT": INFERENCE_PRECISION.get(variant, variant),
+            "INFERENCE_NUM_THREADS": threads,
             "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"})
         request = compiled.create_infer_request()
         outs = [compiled.output(n) for n in names]

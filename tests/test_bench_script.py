@@ -187,3 +187,17 @@ def test_gemm_ceiling_is_the_fastest_call_not_the_mean():
 
     assert gemm._time(run, seconds=0.0) < 0.01
     assert len(calls) == 3 + 5
+
+
+def test_a_repeated_mode_reports_its_median_round(bench):
+    """--rounds: the row kept is a real round (its latencies and vectors belong to it), the
+    median by throughput; failed rounds are counted and left out."""
+    from benchkit.report import median_row
+
+    rounds = [{"ok": True, "tokens_per_s": t, "vectors": f"v{t}"} for t in (300.0, 100.0, 200.0)]
+    rounds.append({"ok": False, "error": "boom"})
+    row = median_row(rounds)
+    assert (row["tokens_per_s"], row["vectors"]) == (200.0, "v200.0")
+    assert row["rounds_tokens_per_s"] == [300.0, 100.0, 200.0] and row["rounds_failed"] == 1
+    assert median_row(rounds[:2])["tokens_per_s"] == 100.0  # even: the lower middle
+    assert median_row([{"ok": False, "error": "x"}])["error"] == "x"

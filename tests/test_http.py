@@ -677,6 +677,22 @@ def test_access_log_carries_request_id(
     assert any("POST /v1/embeddings 200" in r.getMessage() for r in lines)
 
 
+def test_a_refused_request_logs_one_line_naming_its_error(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 4xx is one access-log line at info carrying the error's code and parameter (a flood
+    of refusals logs a line per request, not two); the error's own line is debug."""
+    with caplog.at_level(logging.INFO, logger="bgeserve.http"):
+        r = client.post("/v1/embeddings", json={"input": 5}, headers={"x-request-id": "log-2"})
+    assert r.status_code == 400
+    lines = [r for r in caplog.records if getattr(r, "request_id", None) == "log-2"]
+    assert len(lines) == 1, [x.getMessage() for x in lines]
+    line = lines[0]
+    assert line.getMessage().startswith("POST /v1/embeddings 400 ")
+    assert (line.error, line.param) == ("invalid_input", "input")  # type: ignore[attr-defined]
+    assert line.getMessage().endswith(" invalid_input (input)")
+
+
 # ---------------------------------------------------------------- health, metrics, lifespan
 
 

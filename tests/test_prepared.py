@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from bgeserve.model import prepared
-from bgeserve.model.prepared import PreparedStore, file_digests, int8_weight_bits, source_key
+from bgeserve.model.prepared import PreparedStore, file_digests, int8_weights, source_key
 from bgeserve.model.ptload import HeadWeights
 
 
@@ -37,7 +37,7 @@ def test_the_key_follows_file_contents_heads_and_recipe(tmp_path: Path) -> None:
 
     assert source_key(file_digests(files, memo), _heads()) == key
     assert source_key(file_digests(files, memo), _heads(0.25)) != key
-    assert source_key(file_digests(files, memo), _heads(), int8_weight_bits=8) != key
+    assert source_key(file_digests(files, memo), _heads(), int8_weights="s8") != key
     files[1].write_bytes(b"\0" * 999 + b"\1")
     assert source_key(file_digests(files, memo), _heads()) != key
 
@@ -126,16 +126,17 @@ def test_the_recipe_in_the_key_is_the_one_the_export_writes() -> None:
         ATTENTION_BLOCK, FFN_ROWS)
 
 
-@pytest.mark.parametrize(("flags", "bits"), [
-    ("fpu sse2 avx2 fma", 7),  # AVX2 only (Zen 3): 8-bit weights saturate MLAS's kernel
-    ("fpu avx2 avx512f avx512_vnni", 8),
-    ("fpu avx2 avx_vnni", 8),
-    ("fpu avx2 amx_bf16 amx_int8 amx_tile", 8),
+@pytest.mark.parametrize(("flags", "weights"), [
+    ("fpu sse2 avx2 fma", "u8"),  # AVX2 only (Zen 3): signed 8-bit weights saturate MLAS's kernel
+    ("fpu avx2 avx512f avx512_vnni", "s8"),
+    ("fpu avx2 avx_vnni", "s8"),
+    ("fpu avx2 amx_bf16 amx_int8 amx_tile", "s8"),
 ])
-def test_int8_keeps_its_eighth_bit_only_where_the_cpu_sums_in_int32(flags, bits,
-                                                                     tmp_path) -> None:
-    """int8 weights get 8 bits on CPUs with VNNI or AMX, 7 elsewhere (and when unknown)."""
+def test_int8_weights_take_the_8_bit_encoding_this_cpu_cannot_saturate(flags, weights,
+                                                                      tmp_path) -> None:
+    """Signed 8-bit int8 weights on CPUs with VNNI or AMX (u8 x s8 summed in int32), unsigned
+    8-bit elsewhere and when the CPU is unknown (MLAS's u8 x u8 kernels cannot saturate)."""
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-    assert int8_weight_bits(cpuinfo) == bits
-    assert int8_weight_bits(tmp_path / "missing") == 7
+    assert int8_weights(cpuinfo) == weights
+    assert int8_weights(tmp_path / "missing") == "u8"

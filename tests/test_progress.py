@@ -65,3 +65,22 @@ def test_an_unknown_total_is_logged_as_such(caplog: pytest.LogCaptureFixture) ->
         progress.transfer("x.bin", 5 << 20, None)
     (line,) = [r for r in _json_lines(caplog) if "bytes_done" in r]
     assert line["bytes_done"] == 5 << 20 and "bytes_total" not in line and "of ? MiB" in line["msg"]
+
+
+def test_export_steps_are_json_step_lines_with_their_place_and_time(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bgeserve export`'s steps go through the same Progress as prepare's: each step a line
+    with its name and place among the steps, and its time when it ends (no bare prints)."""
+    import subprocess
+
+    from bgeserve.export import main as export_main
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0))
+    with caplog.at_level(logging.INFO):
+        export_main._run_step(["int8", "a", "b"], "3/5 int8")
+        export_main._progress.step("hashing")
+    lines = _json_lines(caplog)
+    assert (lines[0]["step"], lines[0]["step_index"], lines[0]["steps"]) == ("int8", 3, 5)
+    assert lines[1]["step"] == "int8" and lines[1]["msg"].startswith("3/5 int8: ")
+    assert isinstance(lines[1]["seconds"], float)
+    assert lines[2]["step"] == "hashing"

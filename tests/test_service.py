@@ -274,6 +274,15 @@ def test_health_ok(client: TestClient) -> None:
     assert model["choice"] == "rule" and model["candidates"] == {}
 
 
+def test_the_start_up_objects_are_frozen_out_of_the_collector(client: TestClient) -> None:
+    """Once ready, what the start made is in the permanent generation (gc.freeze): a full
+    collection on the event loop walks only what requests made since."""
+    import gc
+
+    assert client.get("/health").json()["status"] == "ok"
+    assert gc.get_freeze_count() > 0
+
+
 def test_health_loading_then_ok(tiny_export: Path, tmp_path: Path,
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """While the model loads /health is 503 loading and embeddings are 503 not_ready."""

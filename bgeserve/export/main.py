@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -33,7 +34,11 @@ from pathlib import Path
 from bgeserve import __version__
 from bgeserve.errors import ModelUnavailable
 from bgeserve.export import ATTENTION_BLOCK, FFN_ROWS
+from bgeserve.logs import setup_logging
 from bgeserve.model.kind import EMBEDDING, RERANKER, config_kind, num_labels
+from bgeserve.progress import Progress
+
+log = logging.getLogger("bgeserve.export")
 
 VARIANTS = ("fp32", "fp16", "int8", "bf16", "ov-int8")
 # bf16 only where openvino is installed, ov-int8 where nncf is too
@@ -79,14 +84,27 @@ def _source_dir(model: str, cache_dir: Path | None) -> Path:
                                "Pass a local directory with --model instead.") from exc
 
 
+# The steps' progress: `bgeserve export` (run()) sets one that logs each step (JSON lines when
+# stdout is not a terminal) and draws a tqdm bar of the steps on a terminal; export() called
+# as a library (tests, scripts) gets one that only logs.
+_progress = Progress()
+
+
 def _run_step(step: list[str], label: str) -> None:
-    print(f"==> {label}", file=sys.stderr, flush=True)
+    """Run one step in a child; ``label`` is "i/N name" (the step's place among N)."""
+    counted, _, name = label.partition(" ")
+    index, _, total = counted.partition("/")
+    if index.isdigit() and total.isdigit():
+        _progress.step(name, int(index), int(total))
+    else:
+        _progress.step(label)
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "bgeserve.export.steps", *step],
                           check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"export step {label!r} failed with exit code {proc.returncode}")
-    print(f"    {label}: {time.monotonic() - started:.1f}s", file=sys.stderr, flush=True)
+    log.info("%s: %.1fs", label, time.monotonic() - started,
+             extra={"step": name or label, "seconds": round(time.monotonic() - started, 1)})
 
 
 def _files_of(graph: Path) -> list[Path]:
@@ -224,7 +242,7 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
                           [*limit, "--kind", kind]) if validated else {}
     if "fp32" not in variants and fp32.parent.exists():
         shutil.rmtree(fp32.parent)
-    print("==> hashing", file=sys.stderr, flush=True)
+    _progress.step("hashing")
     manifest = {
         "format": "bgeserve-export",
         "schema": MANIFEST_SCHEMA,
@@ -314,10 +332,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point for ``bgeserve export``."""
+    global _progress
     started = time.monotonic()
+    setup_logging("auto")  # JSON lines when stdout is not a terminal, as `serve` logs
+    _progress = Progress(bars=sys.stderr.isatty())
     variants = tuple(dict.fromkeys(args.variant or default_variants()))
     path = export(args.model, args.out, variants, opset=args.opset, cache_dir=args.cache_dir,
                   attention_block=args.attention_block, ffn_rows=args.ffn_rows)
+    _progress.done()
     print(f"export written: {path} ({', '.join(variants)}) in "
           f"{time.monotonic() - started:.1f}s", file=sys.stderr)
     return 0

@@ -61,7 +61,7 @@ class Outcome:
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     steps: dict[str, dict[str, float]] = field(default_factory=dict)  # seconds, peak RSS
-    weight_bits: int = 7  # int8's
+    weights: str = "s7"  # int8's weight encoding (export.steps.INT8_WEIGHTS)
 
 
 StepReport = Callable[[str, int, int], None]  # (step name, index, total)
@@ -71,10 +71,10 @@ LineReport = Callable[[str], None]
 def prepare(source: PrepareSource, out: Path, variants: Sequence[str] = VARIANTS, *,
             skip: dict[str, str] | None = None, source_hashes: dict[str, str] | None = None,
             on_step: StepReport | None = None, on_line: LineReport | None = None,
-            weight_bits: int = 7) -> Outcome:
+            weights: str = "s7") -> Outcome:
     """Write a ``bgeserve export`` of ``variants`` (fp32 always) made from ``source`` into
     ``out``; ``skip`` lists variants not to make, with the reason recorded in the manifest;
-    ``weight_bits`` are int8's weight bits (``prepared.int8_weight_bits()`` for this CPU).
+    ``weights`` is int8's weight encoding (``prepared.int8_weights()`` for this CPU).
     Raises PrepareFailed when fp32 cannot be made or disagrees with the hub graph; an int8 or
     bf16 step that fails is skipped, with its reason."""
     started = time.monotonic()
@@ -104,7 +104,7 @@ def prepare(source: PrepareSource, out: Path, variants: Sequence[str] = VARIANTS
                                          str(out / GRAPH_PATHS["fp32"]),
                                          str(out / GRAPH_PATHS["int8"]),
                                          "--tokenizer", str(tokenizer), *limit,
-                                         "--weight-bits", str(weight_bits)])
+                                         "--weights", weights])
     if "bf16" in wanted:
         _optional(run, skipped, "bf16", ["bgeserve.export.steps", "openvino",
                                          str(work / "plain" / "model.onnx"),
@@ -128,7 +128,7 @@ def prepare(source: PrepareSource, out: Path, variants: Sequence[str] = VARIANTS
                             f"graph ({fp32}): bgeserve misread this graph; serve it as it is "
                             "with BGE_M3_PREPARE=0 and report the graph's origin")
     outcome = Outcome(made, skipped, round(time.monotonic() - started, 1), run.measured,
-                      weight_bits)
+                      weights)
     _write_manifest(out, source, dims, agreement, outcome, source_hashes or {})
     shutil.rmtree(work)
     return outcome
@@ -231,7 +231,7 @@ def _write_manifest(out: Path, source: PrepareSource, dims: dict[str, Any],
                    "files": hashes},
         "prepared": {"schema": prepared.RECIPE["schema"], "seconds": outcome.seconds,
                      "skipped": outcome.skipped, "steps": outcome.steps,
-                     "int8_weight_bits": outcome.weight_bits},
+                     "int8_weights": outcome.weights},
     }
     path = out / "manifest.json"
     tmp = path.with_suffix(".json.tmp")
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--variant", action="append", choices=VARIANTS, default=[])
     parser.add_argument("--skip", action="append", default=[], metavar="VARIANT=REASON")
-    parser.add_argument("--weight-bits", type=int, choices=[7, 8], default=7)
+    parser.add_argument("--weights", choices=("s7", "s8", "u8"), default="s7")
     parser.add_argument("--hashes", type=Path, default=None, help="JSON {file: sha256}")
     args = parser.parse_args(argv)
     source = PrepareSource(args.graph, Layout(args.layout), args.tokenizer,
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     hashes = json.loads(args.hashes.read_text()) if args.hashes else {}
     try:
         outcome = prepare(source, args.out, args.variant or VARIANTS, skip=skip,
-                          source_hashes=hashes, weight_bits=args.weight_bits,
+                          source_hashes=hashes, weights=args.weights,
                           on_step=lambda name, i, n: _event("step", name=name, index=i, of=n),
                           on_line=lambda text: _event("line", text=text))
     except PrepareFailed as exc:

@@ -147,11 +147,12 @@ def export_fp16(fp32: Path, out: Path, heads: int = 0, hidden: int = 0) -> None:
 
 INT8_RECIPES = ("smoothquant", "dynamic")
 CALIBRATION_TEXTS = 16
+INT8_WEIGHTS = ("s7", "s8", "u8")  # export_int8's weight encodings
 
 
 def export_int8(fp32: Path, out: Path, tokenizer: Path | None = None,
                 recipe: str = "smoothquant", max_tokens: int | None = None,
-                weight_bits: int = 7, pairs: bool = False) -> None:
+                weights: str = "s7", pairs: bool = False) -> None:
     """int8 MatMul weights (dynamic quantization, per channel); heads stay fp32.
 
     ``smoothquant`` (the export's recipe) first smooths the fp32 graph with activation maxima
@@ -192,16 +193,19 @@ def export_int8(fp32: Path, out: Path, tokenizer: Path | None = None,
         _log(f"quantizing {src} (int8, per channel; {len(exclude)} head nodes kept fp32)",
              started)
         raw = Path(tmp) / "model.onnx"
-        # reduce_range: 7-bit weights. Without VNNI (AVX2-only CPUs), MLAS's u8 x s8 kernel
-        # sums pairs of products into int16 (vpmaddubsw), which saturates for 8-bit
-        # weights: on a Zen 3 the tiny model's int8 dense cosine fell to 0.971, under the
-        # 0.99 int8 bar it meets with 7 bits. An export may be served on any CPU, so it must
-        # not overflow on any;
-        # on VNNI CPUs 7 bits cost ~0.0003 of the cosine (docs/benchmarks.md, recipe f2).
-        # `prepare` makes its graph on the machine that serves it: there, with VNNI (whose
-        # u8 x s8 instructions sum into int32), it asks for 8 bits (weight_bits=8).
-        quantize_dynamic(str(src), str(raw), weight_type=QuantType.QInt8, per_channel=True,
-                         reduce_range=weight_bits < 8,
+        # weights: s7 = signed 7-bit (reduce_range), what a portable export writes: without
+        # VNNI (AVX2-only CPUs), MLAS's u8 x s8 kernel sums pairs of products into int16
+        # (vpmaddubsw), which saturates for 8-bit weights (on a Zen 3 the tiny model's int8
+        # dense cosine fell to 0.971), and an export may be served on any CPU. `prepare` makes
+        # its graph on the machine that serves it (prepared.int8_weights): s8 (signed 8-bit)
+        # where VNNI/AMX sum into int32, u8 (unsigned 8-bit: MLAS's u8 x u8 kernels widen to
+        # 16 bits first and cannot saturate) elsewhere; 8 bits agree better (0.99942 vs
+        # 0.99879 dense cosine min on the full-size random model, docs/benchmarks.md).
+        if weights not in INT8_WEIGHTS:
+            raise ValueError(f"int8 weights {weights!r}: expected one of {INT8_WEIGHTS}")
+        quantize_dynamic(str(src), str(raw),
+                         weight_type=QuantType.QUInt8 if weights == "u8" else QuantType.QInt8,
+                         per_channel=True, reduce_range=weights == "s7",
                          op_types_to_quantize=["MatMul", "Gemm"], nodes_to_exclude=exclude,
                          use_external_data_format=big,
                          # Shape inference cannot see through the com.microsoft attention op;
@@ -305,8 +309,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokenizer.json for the calibration texts (smoothquant)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="longest calibration text (the model's positions)")
-    p.add_argument("--weight-bits", type=int, choices=[7, 8], default=7,
-                   help="7 (reduce_range: safe on every CPU) or 8 (CPUs with VNNI)")
+    p.add_argument("--weights", choices=INT8_WEIGHTS, default="s7",
+                   help="s7 (signed 7-bit: safe on every CPU), s8 (signed 8-bit: CPUs with "
+                        "VNNI/AMX) or u8 (unsigned 8-bit: any CPU, for the one it is made on)")
     p.add_argument("--pairs", action="store_true",
                    help="calibrate on (query, document) pairs (a reranker)")
     p = sub.add_parser("rowblock")
@@ -347,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                  args.kind)
     else:
         export_int8(args.fp32, args.out, args.tokenizer, args.recipe, args.max_tokens,
-                    args.weight_bits, args.pairs)
+                    args.weights, args.pairs)
     return 0
 
 

@@ -74,15 +74,18 @@ class RequestContext:
                 metrics.in_flight.dec()
             seconds = time.perf_counter() - started
             level = logging.DEBUG if scope["path"] in _QUIET_PATHS else logging.INFO
+            state = scope.get("state", {})
+            error, param = state.get("error"), state.get("error_param")
             log.log(
                 level,
-                "%s %s %d %.1fms",
+                "%s %s %d %.1fms%s",
                 scope["method"],
                 scope["path"],
                 status,
                 seconds * 1000,
+                f" {error}" + (f" ({param})" if param else "") if error else "",
                 extra={"request_id": rid, "status": status, "path": scope["path"],
-                       "ms": round(seconds * 1000, 1)},
+                       "ms": round(seconds * 1000, 1), "error": error, "param": param},
             )
             _observe(scope, status, seconds)
 

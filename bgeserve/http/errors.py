@@ -160,8 +160,11 @@ def json_error(
 
 
 def error_response(exc: BgeServeError, request_id: str | None = None,
-                   style: str = OPENAI_STYLE) -> Response:
-    """Translate a ``BgeServeError`` through the table into an error response of ``style``."""
+                   style: str = OPENAI_STYLE, *, access_logged: bool = False) -> Response:
+    """Translate a ``BgeServeError`` through the table into an error response of ``style``.
+
+    ``access_logged``: the request's access-log line names the error (``respond``), so a 4xx
+    needs no line of its own (a flood of refusals then logs one line per request, not two)."""
     status = status_for(exc)
     headers: dict[str, str] = {}
     if isinstance(exc, Overloaded):
@@ -175,7 +178,8 @@ def error_response(exc: BgeServeError, request_id: str | None = None,
         if status == 500 or isinstance(exc, ModelUnavailable):
             message = _GENERIC_MESSAGE.format(rid=request_id)
     else:
-        log.info("rejected: %s (%s)", exc.code, exc.param, extra={"request_id": request_id})
+        log.log(logging.DEBUG if access_logged else logging.INFO, "rejected: %s (%s)",
+                exc.code, exc.param, extra={"request_id": request_id})
     if style == TEI_STYLE:
         tei, error_type = tei_status(exc)
         return json_error(tei, tei_body(message, error_type), headers)
@@ -188,8 +192,13 @@ def style_of(scope: Scope) -> str:
 
 
 def respond(exc: BgeServeError, scope: Scope) -> Response:
-    """The error response for ``exc`` in the style and with the request id of ``scope``."""
-    return error_response(exc, request_id_of(scope), style_of(scope))
+    """The error response for ``exc`` in the style and with the request id of ``scope``;
+    its code and parameter go on the request's access-log line (``RequestContext``)."""
+    state = scope.setdefault("state", {})
+    state["error"] = exc.code
+    state["error_param"] = exc.param
+    return error_response(exc, request_id_of(scope), style_of(scope),
+                          access_logged="request_id" in state)
 
 
 class ErrorStyle:

@@ -31,7 +31,7 @@ from bgeserve.model.artifacts import ModelArtifacts
 from bgeserve.model.layout import Layout
 from bgeserve.model.ptload import HeadWeights
 
-__all__ = ["RECIPE", "PrepareSource", "PreparedStore", "file_digests", "int8_weight_bits",
+__all__ = ["RECIPE", "PrepareSource", "PreparedStore", "file_digests", "int8_weights",
            "source_key", "write_heads"]
 
 # What a prepared graph holds besides its sources; part of the key. Bump "schema" whenever the
@@ -73,18 +73,24 @@ class PrepareSource:
         return sum(p.stat().st_size for p in (self.graph, *self.external_data))
 
 
-def int8_weight_bits(cpuinfo: Path = Path("/proc/cpuinfo")) -> int:
-    """8 where this CPU multiplies u8 x s8 into int32 (VNNI, AMX), else 7 (export/steps.py:
-    MLAS's AVX2 kernel saturates its int16 pair sums with 8-bit weights). A prepared graph
-    serves on the machine that made it, so it keeps the 8th bit where that is safe: ~0.0003 of
-    dense cosine on the full-size model."""
+def int8_weights(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """int8's weight encoding for this CPU (``export.steps.export_int8``): ``s8`` where it sums
+    u8 x s8 products into int32 (VNNI, AMX: MLAS's fastest kernels), else ``u8``.
+
+    Without VNNI, MLAS's u8 x s8 kernel sums pairs of products into int16 (vpmaddubsw), which
+    saturates for 8-bit weights; its u8 x u8 kernel widens to 16 bits before multiplying and
+    cannot. 7-bit signed weights (``s7``, reduce_range: what a portable ``bgeserve export``
+    writes) avoid the saturation too, at a cost in agreement: full-size random bge-m3 on a Zen 3,
+    dense cosine vs fp32 min 0.99879 with s7, 0.99942 with u8 (docs/benchmarks.md). A prepared
+    graph serves on the machine that made it, so it takes the 8-bit encoding that is safe here.
+    """
     try:
         flags = next((line.split(":", 1)[1].split() for line in
                       cpuinfo.read_text(errors="replace").splitlines()
                       if line.startswith("flags")), [])
     except OSError:
-        return 7
-    return 8 if {"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags) else 7
+        return "u8"
+    return "s8" if {"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags) else "u8"
 
 
 def write_heads(heads: HeadWeights, path: Path) -> None:
@@ -153,7 +159,7 @@ def heads_digest(heads: HeadWeights) -> str:
 
 def source_key(digests: dict[str, str], heads: HeadWeights, **recipe_parts: object) -> str:
     """The cache key of a preparation: its sources' digests, the recipe (``RECIPE``) and the
-    choices made for this machine (``recipe_parts``, e.g. int8's weight bits)."""
+    choices made for this machine (``recipe_parts``, e.g. int8's weight encoding)."""
     recipe = {**RECIPE, "files": digests, "heads": heads_digest(heads), **recipe_parts}
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:32]
 

@@ -8,6 +8,7 @@ is kept in ``fatal_error`` and ``on_fatal`` is called so the CLI can exit non-ze
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -172,6 +173,12 @@ class Service:
             self.deep = deep
             self.engine = engine
             self.progress.done()
+            # What the start made (modules, sessions' metadata, the tokenizer) lives as long as
+            # the process: out of the collector's sight, a full collection walks only what was
+            # made since. On the tiny model the first burst of requests after a start ran one
+            # of 39 ms on the event loop (docs/reliability.md §3).
+            gc.collect()
+            gc.freeze()
             self._ready.set()
             log.info("ready: probe %s, c=%.0f a=%.0f b=%.2f, %d MiB workspace per worker, texts "
                      "up to %d tokens fit", tuner.state.probe_status, cost.c, cost.a, cost.b,

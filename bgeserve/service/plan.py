@@ -92,12 +92,16 @@ def _openvino(s: Settings, model_explicit: bool, machine: Machine) -> Settings:
 
 def _cpu_default(s: Settings, machine: Machine) -> Settings:
     """Neither BGE_M3_EP nor BGE_M3_MODEL given: the rule's fastest variant keeping the bar."""
-    choice = cpu_default(export_variants(s.model_path), machine)
+    variants = export_variants(s.model_path)
+    choice = cpu_default(variants, machine)
+    # A hub snapshot that is to be prepared: the choice is made again over what preparing
+    # makes (service/preparation.py logs that one); this one would only mislead in the log.
+    say = log.debug if s.prepare and not variants else log.info
     if choice.variant == "fp32":
-        log.info("BGE_M3_EP and BGE_M3_MODEL not set: serving exact %s on ONNX Runtime (%s)",
+        say("BGE_M3_EP and BGE_M3_MODEL not set: serving exact %s on ONNX Runtime (%s)",
                  s.variant, "; ".join(choice.notes))
         return dataclasses.replace(s, variant_choice="rule")
-    log.info("BGE_M3_EP and BGE_M3_MODEL not set: serving %s on %s (%s; dense cosine vs fp32 "
+    say("BGE_M3_EP and BGE_M3_MODEL not set: serving %s on %s (%s; dense cosine vs fp32 "
              ">= %s)", choice.variant,
              "OpenVINO" if choice.provider == "openvino" else "ONNX Runtime", choice.why,
              MIN_DENSE_COS)

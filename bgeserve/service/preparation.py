@@ -33,7 +33,7 @@ from bgeserve.model.prepared import (
     PreparedStore,
     PrepareSource,
     file_digests,
-    int8_weight_bits,
+    int8_weights,
     source_key,
     write_heads,
 )
@@ -125,8 +125,8 @@ class Preparation:
         store = PreparedStore(cache_dir)
         self.progress.step("hashing the model files")
         digests = file_digests(source.files(), store.digests)
-        bits = int8_weight_bits()
-        key = source_key(digests, source.heads, int8_weight_bits=bits)
+        encoding = int8_weights()
+        key = source_key(digests, source.heads, int8_weights=encoding)
         with store.lock(key, on_wait=lambda: log.info(
                 "another bgeserve is preparing %s: waiting for it", source.description)):
             manifest = store.manifest(key)
@@ -151,7 +151,7 @@ class Preparation:
             staged = store.staging(key)
             try:
                 outcome = run_recipe(source, staged, wanted, skip=skip, hashes=digests,
-                                     weight_bits=bits, progress=self.progress)
+                                     weights=encoding, progress=self.progress)
             except BaseException:
                 shutil.rmtree(staged, ignore_errors=True)
                 raise
@@ -189,7 +189,7 @@ def _disk_skips(root: Path, weights: int, wanted: list[str]) -> dict[str, str]:
 
 
 def run_recipe(source: PrepareSource, out: Path, wanted: list[str], *, skip: dict[str, str],
-               hashes: dict[str, str], weight_bits: int, progress: Progress) -> dict[str, Any]:
+               hashes: dict[str, str], weights: str, progress: Progress) -> dict[str, Any]:
     """Make the export in ``out`` with ``python -m bgeserve.export.prepare`` (a child: the
     build tools never load into the server), relaying its steps and lines to ``progress``;
     returns its outcome (variants, skipped, seconds, steps). Raises PrepareFailed."""
@@ -201,7 +201,7 @@ def run_recipe(source: PrepareSource, out: Path, wanted: list[str], *, skip: dic
             "--layout", source.layout.value, "--tokenizer", str(source.tokenizer),
             "--heads", str(inputs / HEADS_FILE), "--hashes", str(inputs / "hashes.json"),
             "--description", source.description, "--out", str(out),
-            "--weight-bits", str(weight_bits)]
+            "--weights", weights]
     argv += [x for p in source.external_data for x in ("--external-data", str(p))]
     argv += ["--config", str(source.config)] if source.config is not None else []
     argv += [x for v in wanted for x in ("--variant", v)]

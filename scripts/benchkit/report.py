@@ -39,6 +39,20 @@ def summarize(name: str, mode: str, variant: str, corpus_kind: str, corpus: dict
     return row
 
 
+def median_row(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row for a measurement repeated over rounds: the round with the median throughput
+    (the lower of the two middle ones for an even count; a real round, so its latencies,
+    RSS and vectors belong together), with every round's tokens/s in ``rounds_tokens_per_s``.
+    A failed round is left out; when all failed, the first failure."""
+    good = sorted((r for r in rounds if r.get("ok")), key=lambda r: r["tokens_per_s"])
+    if not good:
+        return rounds[0]
+    row = dict(good[(len(good) - 1) // 2])
+    row["rounds_tokens_per_s"] = [r["tokens_per_s"] for r in rounds if r.get("ok")]
+    row["rounds_failed"] = len(rounds) - len(good)
+    return row
+
+
 def agreement(rows: list[dict[str, Any]]) -> None:
     """Dense cosine (min/mean) and sparse max |Δweight| against the reference vectors."""
     by_corpus: dict[str, list[dict[str, Any]]] = {}

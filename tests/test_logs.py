@@ -1,0 +1,73 @@
+"""Logging (bgeserve/logs.py): records written on a thread of their own, nothing lost or mixed."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+
+from bgeserve.logs import Background, JsonFormatter, RequestIdFilter, request_id_var
+
+
+def _background(stream: io.StringIO) -> Background:
+    target = logging.StreamHandler(stream)
+    target.setFormatter(JsonFormatter())
+    handler = Background(target)
+    handler.addFilter(RequestIdFilter())
+    return handler
+
+
+def test_records_are_written_off_the_callers_thread_with_the_callers_request_id() -> None:
+    """The request id comes from the caller's context (the writer thread has none), the
+    message is merged, extras and the traceback arrive, and close() writes what is queued."""
+    stream = io.StringIO()
+    handler = _background(stream)
+    log = logging.getLogger("bgeserve.test-logs")
+    log.propagate, log.level = False, logging.INFO
+    log.addHandler(handler)
+    writers: set[str] = set()
+    real_emit = handler.target.emit
+    handler.target.emit = lambda r: (writers.add(threading.current_thread().name), real_emit(r))
+    try:
+        token = request_id_var.set("req-7")
+        try:
+            log.info("answered %d of %s", 3, "three", extra={"status": 200})
+            try:
+                raise ValueError("boom")
+            except ValueError:
+                log.exception("failed")
+        finally:
+            request_id_var.reset(token)
+        for i in range(200):
+            log.info("line %d", i)
+    finally:
+        log.removeHandler(handler)
+        handler.close()
+    lines = [json.loads(x) for x in stream.getvalue().splitlines()]
+    assert len(lines) == 202
+    first, second = lines[0], lines[1]
+    assert first["msg"] == "answered 3 of three" and first["status"] == 200
+    assert first["request_id"] == "req-7" and "request_id" not in lines[2]
+    assert second["msg"] == "failed" and "ValueError: boom" in second["exc"]
+    assert [x["msg"] for x in lines[2:]] == [f"line {i}" for i in range(200)]  # in order
+    assert writers and threading.current_thread().name not in writers
+
+
+def test_setup_logging_replaces_its_own_writer() -> None:
+    """A second setup_logging (the CLI run twice in one process) stops the first writer
+    thread instead of leaving it behind; only the server's logging has that thread."""
+    from bgeserve.logs import setup_logging
+
+    root = logging.getLogger()
+    saved, level = root.handlers[:], root.level
+    try:
+        setup_logging("json", background=True)
+        first = root.handlers[0]
+        assert isinstance(first, Background) and first.listener is not None
+        setup_logging("json")
+        assert first.listener is None and not isinstance(root.handlers[0], Background)
+        root.handlers[0].close()
+    finally:
+        root.handlers[:] = saved
+        root.setLevel(level)
