@@ -80,8 +80,8 @@ class Background(logging.handlers.QueueHandler):
         record = copy.copy(record)
         record.msg, record.args = record.getMessage(), None
         if record.exc_info:
-            record.exc_text = self.target.formatter.formatException(record.exc_info) \
-                if self.target.formatter else logging.Formatter().formatException(record.exc_info)
+            formatter = self.target.formatter or logging.Formatter()
+            record.exc_text = formatter.formatException(record.exc_info)
             record.exc_info = None
         return record
 

@@ -105,44 +105,21 @@ def query_texts(export_dir: Path, n: int) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ children
-def _variant_entry(export_dir: Path, variant: str) -> dict[str, Any]:
-    return json.loads((export_dir / "manifest.json").read_text())["variants"][variant]
-
-
 def _open_raw(export_dir: Path, variant: str, threads: int):
-    """``run(ids, mask) -> (dense, sparse_weights)`` on the runtime, configured as bgeserve
-    configures it."""
-    entry = _variant_entry(export_dir, variant)
-    graph = export_dir / entry["path"]
-    names = ["dense", "sparse_weights"]
-    if entry.get("runtime") == "openvino":
-        import openvino as ov
+    """``run(ids, mask) -> [dense, sparse_weights]`` on the runtime, configured as bgeserve
+    configures it: bench.py's raw mode's own opener (``benchkit.raw``)."""
+    from benchkit.raw import (
+        _export_graph,
+        _open_openvino,
+        _open_ort,
+        _session_options,
+        variant_runtime,
+    )
 
-        from bgeserve.runtime.openvino import INFERENCE_PRECISION
-
-        compiled = ov.Core().compile_model(str(graph), "CPU", {  # ov-int8: its own precision
-            "INFERENCE_PRECISION_HINT": INFERENCE_PRECISION.get(variant, variant),
-            "INFERENCE_NUM_THREADS": threads,
-            "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"})
-        request = compiled.create_infer_request()
-        outs = [compiled.output(n) for n in names]
-
-        def run_ov(ids: np.ndarray, mask: np.ndarray):
-            result = request.infer({"input_ids": ids, "attention_mask": mask})
-            return [result[o] for o in outs]
-
-        return run_ov
-    import onnxruntime as ort
-
-    from bgeserve.runtime import SessionConfig
-    from bgeserve.runtime.onnx import run_options, session_options
-
-    config = SessionConfig(threads=threads)
-    session = ort.InferenceSession(str(graph), sess_options=session_options(config),
-                                   providers=["CPUExecutionProvider"])
-    options = run_options(config)
-    return lambda ids, mask: session.run(names, {"input_ids": ids, "attention_mask": mask},
-                                         options)
+    graph = _export_graph(export_dir, variant)
+    if variant_runtime(export_dir, variant) == "openvino":
+        return _open_openvino(graph, variant, threads)
+    return _open_ort(graph, *_session_options(threads))
 
 
 def child_raw(spec: dict[str, Any]) -> dict[str, Any]:

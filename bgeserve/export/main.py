@@ -103,8 +103,8 @@ def _run_step(step: list[str], label: str) -> None:
                           check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"export step {label!r} failed with exit code {proc.returncode}")
-    log.info("%s: %.1fs", label, time.monotonic() - started,
-             extra={"step": name or label, "seconds": round(time.monotonic() - started, 1)})
+    seconds = round(time.monotonic() - started, 1)
+    log.info("%s: %.1fs", label, seconds, extra={"step": name or label, "seconds": seconds})
 
 
 def _files_of(graph: Path) -> list[Path]:

@@ -31,6 +31,7 @@ from typing import Any
 from bgeserve import __version__
 from bgeserve.export import corpus, prepare_steps
 from bgeserve.export.main import GRAPH_PATHS, MANIFEST_SCHEMA, OUTPUTS, RUNTIMES, sha256
+from bgeserve.export.steps import INT8_WEIGHTS
 from bgeserve.model import prepared
 from bgeserve.model.layout import Layout
 from bgeserve.model.prepared import PrepareSource
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--variant", action="append", choices=VARIANTS, default=[])
     parser.add_argument("--skip", action="append", default=[], metavar="VARIANT=REASON")
-    parser.add_argument("--weights", choices=("s7", "s8", "u8"), default="s7")
+    parser.add_argument("--weights", choices=INT8_WEIGHTS, default="s7")
     parser.add_argument("--hashes", type=Path, default=None, help="JSON {file: sha256}")
     args = parser.parse_args(argv)
     source = PrepareSource(args.graph, Layout(args.layout), args.tokenizer,

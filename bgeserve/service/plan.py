@@ -99,12 +99,11 @@ def _cpu_default(s: Settings, machine: Machine) -> Settings:
     say = log.debug if s.prepare and not variants else log.info
     if choice.variant == "fp32":
         say("BGE_M3_EP and BGE_M3_MODEL not set: serving exact %s on ONNX Runtime (%s)",
-                 s.variant, "; ".join(choice.notes))
+            s.variant, "; ".join(choice.notes))
         return dataclasses.replace(s, variant_choice="rule")
-    say("BGE_M3_EP and BGE_M3_MODEL not set: serving %s on %s (%s; dense cosine vs fp32 "
-             ">= %s)", choice.variant,
-             "OpenVINO" if choice.provider == "openvino" else "ONNX Runtime", choice.why,
-             MIN_DENSE_COS)
+    say("BGE_M3_EP and BGE_M3_MODEL not set: serving %s on %s (%s; dense cosine vs fp32 >= %s)",
+        choice.variant, "OpenVINO" if choice.provider == "openvino" else "ONNX Runtime",
+        choice.why, MIN_DENSE_COS)
     return dataclasses.replace(s, execution_provider=choice.provider, variant=choice.variant,
                                variant_choice="rule")
 
