@@ -194,10 +194,11 @@ def test_a_flood_is_refused_at_once(tiny_export, tmp_path) -> None:
     refused while the admitted one still runs, without waiting for it or for the others'
     tokenizing; Retry-After comes from the measured drain rate.
 
-    How fast a 429 comes (under 100 ms of the event loop's CPU on a core of its own) is a
-    benchmark figure, printed here and written down in docs/reliability.md §3: on a machine
-    loaded by other work the loop gets a fraction of a core and every answer stretches with
-    it, so no wall-time bound is asserted.
+    Every 429 within 100 ms of its request's arrival: in at least one of up to three floods
+    on the warm server (docs/reliability.md §3: 43-90 ms on a quiet 2-core machine). A
+    flood on a machine busy with other work stretches with the share of a core the loop gets,
+    which says nothing of the server; one that waits for tokenizing, or costs the loop twice
+    as much per refusal, misses the bound in every flood.
     """
     import http.client
     import json
@@ -222,7 +223,22 @@ def test_a_flood_is_refused_at_once(tiny_export, tmp_path) -> None:
         assert warm.getresponse().status == 200
         warm.close()
         assert proc.proc is not None
-        results, loop_ms = _flood(proc.port, bodies, proc.proc.pid)
+        slowest_per_flood = []
+        for _ in range(FLOODS):
+            results, loop_ms = _flood(proc.port, bodies, proc.proc.pid)
+            slowest_per_flood.append(_check_flood(results, loop_ms))
+            if slowest_per_flood[-1] < REFUSAL_MS:
+                break
+    assert min(slowest_per_flood) < REFUSAL_MS, slowest_per_flood
+
+
+FLOODS = 3
+REFUSAL_MS = 100.0  # issue 22: every 429 within 100 ms of its request's arrival
+
+
+def _check_flood(results: list[tuple[int, float, str | None]], loop_ms: float) -> float:
+    """One flood's structure (the admitted request answered, every other one refused while it
+    still ran, Retry-After from the drain rate); its slowest 429 in ms."""
     statuses = sorted(s for s, _, _ in results)
     assert set(statuses) <= {200, 429} and 200 in statuses and 429 in statuses, statuses
     refused = sorted(ms for s, ms, _ in results if s == 429)
@@ -234,3 +250,4 @@ def test_a_flood_is_refused_at_once(tiny_export, tmp_path) -> None:
     answered = min(ms for s, ms, _ in results if s == 200)
     assert slowest < answered, (refused, answered)  # none waited for the admitted request
     assert all(ra is not None and 1 <= int(ra) <= 60 for s, _, ra in results if s == 429)
+    return slowest
