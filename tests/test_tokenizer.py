@@ -180,20 +180,24 @@ def test_min_tokens_is_a_lower_bound_of_encode():
     assert make().min_tokens([words(10)]) == 12  # known words: the bound is exact
 
 
-def test_the_quick_bounds_word_count_is_the_same_in_numpy_and_in_bytes_count():
+def test_the_quick_bounds_word_count_is_the_same_in_numpy_and_in_bytes_count(monkeypatch):
     """Long texts count their word ends with numpy masks, short ones with bytes.count: the
-    same number either way, at the ends, on runs of dots and spaces, across the threshold."""
+    same number either way, at the ends, on runs of dots and spaces, at every length (the
+    numpy path forced for the short ones)."""
     import random
 
     from bgeserve.engine import tokenizer as module
 
     rng = random.Random(3)
     pieces = ["a", "aa", " ", "  ", ".", "..", "a.", "a. ", "a ", ". a"]
-    for length in (0, 1, 2, 3, 10, module._NUMPY_COUNT_BYTES - 1, module._NUMPY_COUNT_BYTES,
-                   3 * module._NUMPY_COUNT_BYTES + 1):
-        for _ in range(20):
-            text = "".join(rng.choice(pieces) for _ in range(length))[:length].encode()
-            assert module._word_ends(text) == text.count(b"a ") + text.count(b"a. "), text
+    lengths = (0, 1, 2, 3, 4, 10, 97, module._NUMPY_COUNT_BYTES, 3 * module._NUMPY_COUNT_BYTES)
+    for threshold in (module._NUMPY_COUNT_BYTES, 0):
+        monkeypatch.setattr(module, "_NUMPY_COUNT_BYTES", threshold)
+        for length in lengths:
+            for _ in range(20):
+                text = "".join(rng.choice(pieces) for _ in range(length))[:length].encode()
+                assert module._word_ends(text) == text.count(b"a ") + text.count(b"a. "), text
+    monkeypatch.undo()
     long_text = words(3000)  # past the threshold, known words: still the exact count
     tok = make(8192)
     assert len(long_text.encode()) > module._NUMPY_COUNT_BYTES

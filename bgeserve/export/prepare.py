@@ -63,6 +63,7 @@ class Outcome:
     seconds: float = 0.0
     steps: dict[str, dict[str, float]] = field(default_factory=dict)  # seconds, peak RSS
     weights: str = "s7"  # int8's weight encoding (export.steps.INT8_WEIGHTS)
+    reused: list[str] = field(default_factory=list)  # variants linked from an earlier one
 
 
 StepReport = Callable[[str, int, int], None]  # (step name, index, total)
@@ -72,15 +73,22 @@ LineReport = Callable[[str], None]
 def prepare(source: PrepareSource, out: Path, variants: Sequence[str] = VARIANTS, *,
             skip: dict[str, str] | None = None, source_hashes: dict[str, str] | None = None,
             on_step: StepReport | None = None, on_line: LineReport | None = None,
-            weights: str = "s7") -> Outcome:
+            weights: str = "s7", reuse: Path | None = None) -> Outcome:
     """Write a ``bgeserve export`` of ``variants`` (fp32 always) made from ``source`` into
     ``out``; ``skip`` lists variants not to make, with the reason recorded in the manifest;
     ``weights`` is int8's weight encoding (``prepared.int8_weights()`` for this CPU).
+    ``reuse`` is an earlier preparation of the same source and recipe (the same cache key):
+    the variants it holds are linked from it with their recorded agreement, and only the
+    others are made and validated (a start asking for bf16 after a default preparation does
+    not quantize int8 again).
     Raises PrepareFailed when fp32 cannot be made or disagrees with the hub graph; an int8 or
     bf16 step that fails is skipped, with its reason."""
     started = time.monotonic()
-    skipped = dict(skip or {})
-    wanted = [v for v in VARIANTS if v in variants and v not in skipped or v == "fp32"]
+    asked = [v for v in VARIANTS if v in variants or v == "fp32"]
+    kept = _reusable(reuse, asked)  # before the skips: a variant held already costs nothing
+    skipped = {v: why for v, why in (skip or {}).items() if v not in kept}
+    wanted = [v for v in asked if v in kept or v not in skipped or v == "fp32"]
+    fresh = [v for v in wanted if v not in kept]
     out.mkdir(parents=True, exist_ok=True)
     work = out / WORK
     work.mkdir(exist_ok=True)
@@ -91,45 +99,63 @@ def prepare(source: PrepareSource, out: Path, variants: Sequence[str] = VARIANTS
         shutil.copyfile(source.config, out / "config.json")
     tokenizer = out / "tokenizer.json"
     prepared.write_heads(source.heads, work / prepared.HEADS_FILE)
-    steps = ["graphs", *(v for v in wanted if v != "fp32"), "FFN row blocks", "validation"]
+    steps = ["graphs", *(v for v in fresh if v != "fp32"), "FFN row blocks", "validation"]
     run = _Runner(steps, on_step, on_line)
 
     config = ["--config", str(source.config)] if source.config is not None else []
     run("graphs", [prepare_steps.__name__, "graphs", str(source.graph),
                    source.layout.hidden_output or "", str(work), *config])
     dims = json.loads((work / "dims.json").read_text())
-    os.replace(work / "fp32", out / "fp32")
+    for variant in kept:
+        assert reuse is not None
+        # Hard links: ONNX Runtime and OpenVINO read them; nothing here loads them with onnx
+        # (which refuses a file with several links), and once the earlier export is replaced
+        # each has one link again.
+        prepare_steps.link_data(reuse, out, {str(p.relative_to(reuse)) for p in
+                                             graph_files(reuse / GRAPH_PATHS[variant])},
+                                link=True)
+    # int8 is quantized from the fp32 graph before its FFN is cut into row blocks; a kept fp32
+    # graph is already cut (and linked), so it comes from this run's own copy.
+    fp32_graph = work / GRAPH_PATHS["fp32"] if "fp32" in kept else out / GRAPH_PATHS["fp32"]
+    if "fp32" not in kept:
+        os.replace(work / "fp32", out / "fp32")
     limit = ["--max-tokens", str(corpus.capped(dims.get("max_positions")))]
-    if "int8" in wanted:
-        _optional(run, skipped, "int8", ["bgeserve.export.steps", "int8",
-                                         str(out / GRAPH_PATHS["fp32"]),
+    if "int8" in fresh:
+        _optional(run, skipped, "int8", ["bgeserve.export.steps", "int8", str(fp32_graph),
                                          str(out / GRAPH_PATHS["int8"]),
                                          "--tokenizer", str(tokenizer), *limit,
                                          "--weights", weights])
-    if "bf16" in wanted:
+    if "bf16" in fresh:
         _optional(run, skipped, "bf16", ["bgeserve.export.steps", "openvino",
                                          str(work / "plain" / "model.onnx"),
                                          str(out / GRAPH_PATHS["bf16"])])
-    made = [v for v in wanted if v not in skipped]
-    blocked = [str(out / GRAPH_PATHS[v]) for v in ("fp32", "int8") if v in made]
-    if dims.get("ffn_rows"):
+    new = [v for v in fresh if v not in skipped]
+    # Never a kept graph: its files are links to the earlier preparation's.
+    blocked = [str(out / GRAPH_PATHS[v]) for v in ("fp32", "int8") if v in new]
+    if dims.get("ffn_rows") and blocked:
         run("FFN row blocks", ["bgeserve.export.steps", "rowblock", *blocked,
                                "--rows", str(dims["ffn_rows"])])
     else:
         run.skip("FFN row blocks")
-    result = work / "agreement.json"
-    graphs = [f"{v}={out / GRAPH_PATHS[v]}:{RUNTIMES.get(v, 'onnxruntime')}" for v in made]
-    run("validation", [prepare_steps.__name__, "check", str(work), str(result), "--tokenizer",
-                       str(tokenizer), *limit, *(x for g in graphs for x in ("--graph", g))])
-    agreement = json.loads(result.read_text())
+    agreement = {v: entry["agreement"] for v, entry in kept.items()}
+    if new:
+        result = work / "agreement.json"
+        graphs = [f"{v}={out / GRAPH_PATHS[v]}:{RUNTIMES.get(v, 'onnxruntime')}" for v in new]
+        run("validation", [prepare_steps.__name__, "check", str(work), str(result),
+                           "--tokenizer", str(tokenizer), *limit,
+                           *(x for g in graphs for x in ("--graph", g))])
+        agreement.update(json.loads(result.read_text()))
+    else:
+        run.skip("validation")
     fp32 = agreement["fp32"]
     if (fp32["dense_cos_min"] < FP32_MIN_DENSE_COS
             or fp32["sparse_max_abs"] > FP32_MAX_SPARSE_ABS):
         raise PrepareFailed("validation", f"the rewritten fp32 graph disagrees with the hub "
                             f"graph ({fp32}): bgeserve misread this graph; serve it as it is "
                             "with BGE_M3_PREPARE=0 and report the graph's origin")
+    made = [v for v in wanted if v in kept or v in new]
     outcome = Outcome(made, skipped, round(time.monotonic() - started, 1), run.measured,
-                      weights)
+                      weights, list(kept))
     _write_manifest(out, source, dims, agreement, outcome, source_hashes or {})
     shutil.rmtree(work)
     return outcome
@@ -194,6 +220,27 @@ def _optional(run: _Runner, skipped: dict[str, str], variant: str, argv: list[st
             run.on_line(f"{variant} skipped: {exc}")
 
 
+def _reusable(reuse: Path | None, asked: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The manifest entries of the ``asked`` variants that ``reuse`` (a complete preparation
+    of the same key) holds whole: the graph, its files' recorded size, its agreement. None
+    without fp32 (every variant is validated against the same hub graph)."""
+    if reuse is None:
+        return {}
+    try:
+        variants = json.loads((reuse / "manifest.json").read_text())["variants"]
+        kept = {v: variants[v] for v in asked if v in variants and _whole(reuse, variants[v])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return kept if "fp32" in kept else {}
+
+
+def _whole(root: Path, entry: dict[str, Any]) -> bool:
+    """Whether an export's variant ``entry`` is all there (a cheap check: sizes, not hashes)."""
+    graph = root / entry["path"]
+    return (graph.is_file() and "agreement" in entry
+            and sum(p.stat().st_size for p in graph_files(graph)) == entry["total_bytes"])
+
+
 def graph_files(graph: Path) -> list[Path]:
     """A prepared graph and the weight files beside it that belong to it."""
     if graph.suffix == ".xml":
@@ -232,7 +279,7 @@ def _write_manifest(out: Path, source: PrepareSource, dims: dict[str, Any],
                    "files": hashes},
         "prepared": {"schema": prepared.RECIPE["schema"], "seconds": outcome.seconds,
                      "skipped": outcome.skipped, "steps": outcome.steps,
-                     "int8_weights": outcome.weights},
+                     "int8_weights": outcome.weights, "reused": outcome.reused},
     }
     path = out / "manifest.json"
     tmp = path.with_suffix(".json.tmp")
@@ -261,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", action="append", default=[], metavar="VARIANT=REASON")
     parser.add_argument("--weights", choices=INT8_WEIGHTS, default="s7")
     parser.add_argument("--hashes", type=Path, default=None, help="JSON {file: sha256}")
+    parser.add_argument("--reuse", type=Path, default=None,
+                        help="an earlier preparation of the same source: link what it has")
     args = parser.parse_args(argv)
     source = PrepareSource(args.graph, Layout(args.layout), args.tokenizer,
                            prepared.read_heads(args.heads), args.description,
@@ -269,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     hashes = json.loads(args.hashes.read_text()) if args.hashes else {}
     try:
         outcome = prepare(source, args.out, args.variant or VARIANTS, skip=skip,
-                          source_hashes=hashes, weights=args.weights,
+                          source_hashes=hashes, weights=args.weights, reuse=args.reuse,
                           on_step=lambda name, i, n: _event("step", name=name, index=i, of=n),
                           on_line=lambda text: _event("line", text=text))
     except PrepareFailed as exc:

@@ -142,16 +142,25 @@ class Preparation:
                 raise _Skip(f"preparing needs ~{need / GiB:.1f} GiB and {available / GiB:.1f} "
                             "GiB are available: serving the snapshot's own graph (plain "
                             "attention)")
+            # An earlier preparation of the same key lacking a variant asked for now: what it
+            # has is linked, not made again (prepare.py checks it is whole), so only the
+            # others are weighed against memory and disk (fp32 always: its graphs are
+            # rewritten again to make the others from).
+            reuse = store.path(key) if manifest is not None and not force else None
+            have = set(manifest["variants"]) - {"fp32"} if manifest and reuse else set()
+            new = [v for v in wanted if v not in have]
             skip = {v: f"needs ~{peak_bytes(v, weights) / GiB:.1f} GiB, "
                        f"{available / GiB:.1f} GiB available"
-                    for v in wanted if v != "fp32" and available < peak_bytes(v, weights)}
-            skip.update(_disk_skips(store.root, weights, [v for v in wanted if v not in skip]))
-            log.info("preparing %s (variants %s%s) into %s", source.description,
-                     ", ".join(wanted), f"; skipping {skip}" if skip else "", store.path(key))
+                    for v in new if v != "fp32" and available < peak_bytes(v, weights)}
+            skip.update(_disk_skips(store.root, weights, [v for v in new if v not in skip]))
+            log.info("preparing %s (variants %s%s%s) into %s", source.description,
+                     ", ".join(new), f"; skipping {skip}" if skip else "",
+                     f"; {', '.join(sorted(have))} kept from {reuse}" if have else "",
+                     store.path(key))
             staged = store.staging(key)
             try:
                 outcome = run_recipe(source, staged, wanted, skip=skip, hashes=digests,
-                                     weights=encoding, progress=self.progress)
+                                     weights=encoding, progress=self.progress, reuse=reuse)
             except BaseException:
                 shutil.rmtree(staged, ignore_errors=True)
                 raise
@@ -160,8 +169,9 @@ class Preparation:
         self.status = {"status": "prepared", "key": key, "seconds": outcome.get("seconds"),
                        **({"skipped": skipped} if skipped else {})}
         log.info("prepared %s in %.0fs: %s", source.description, outcome.get("seconds", 0),
-                 ", ".join(outcome.get("variants", [])), extra={"skipped": skipped or None,
-                                                               "steps": outcome.get("steps")})
+                 ", ".join(outcome.get("variants", [])), extra={
+                     "skipped": skipped or None, "steps": outcome.get("steps"),
+                     "reused": outcome.get("reused") or None})
         return final, {"skipped": skipped}
 
     def _fallback(self, status: str, reason: str, error: BaseException | None = None) -> None:
@@ -189,10 +199,12 @@ def _disk_skips(root: Path, weights: int, wanted: list[str]) -> dict[str, str]:
 
 
 def run_recipe(source: PrepareSource, out: Path, wanted: list[str], *, skip: dict[str, str],
-               hashes: dict[str, str], weights: str, progress: Progress) -> dict[str, Any]:
+               hashes: dict[str, str], weights: str, progress: Progress,
+               reuse: Path | None = None) -> dict[str, Any]:
     """Make the export in ``out`` with ``python -m bgeserve.export.prepare`` (a child: the
     build tools never load into the server), relaying its steps and lines to ``progress``;
-    returns its outcome (variants, skipped, seconds, steps). Raises PrepareFailed."""
+    ``reuse``: an earlier export of the same key whose variants are linked, not made again.
+    Returns its outcome (variants, skipped, seconds, steps, reused). Raises PrepareFailed."""
     inputs = out / ".inputs"
     inputs.mkdir(parents=True, exist_ok=True)
     write_heads(source.heads, inputs / HEADS_FILE)
@@ -204,6 +216,7 @@ def run_recipe(source: PrepareSource, out: Path, wanted: list[str], *, skip: dic
             "--weights", weights]
     argv += [x for p in source.external_data for x in ("--external-data", str(p))]
     argv += ["--config", str(source.config)] if source.config is not None else []
+    argv += ["--reuse", str(reuse)] if reuse is not None else []
     argv += [x for v in wanted for x in ("--variant", v)]
     argv += [x for v, why in skip.items() for x in ("--skip", f"{v}={why}")]
     tail: deque[str] = deque(maxlen=8)
