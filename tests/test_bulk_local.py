@@ -57,9 +57,15 @@ def test_every_good_row_gets_the_engines_vectors_and_bad_rows_are_reported(
     for row_id, why in BAD_IDS.items():
         assert f"(id {row_id!r}): {why}" in logged
     assert {e["id"] for e in summary.bad_examples} == set(BAD_IDS)
-    again = local.run(job, settings, bar=False)  # nothing left: no shard written, none lost
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="bgeserve.bulk"):
+        again = local.run(job, settings, bar=False)  # nothing left: no shard written, none lost
     assert (again.rows, again.shards, again.skipped) == (0, 0, 500 + len(BAD_IDS))
     assert read_output(job.output).num_rows == 500
+    # The bad rows the shards record are named again (a killed run may not have logged them).
+    earlier = [r.getMessage() for r in caplog.records if "an earlier run skipped" in r.getMessage()]
+    for row_id, why in BAD_IDS.items():
+        assert sum(f"(id {row_id!r}): {why}" in line for line in earlier) == 1, (row_id, earlier)
 
 
 def test_a_job_stopped_halfway_resumes_without_duplicates_or_losses(

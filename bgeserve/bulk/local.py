@@ -20,7 +20,7 @@ from bgeserve.bulk import columns
 from bgeserve.bulk.coverage import spans_of
 from bgeserve.bulk.job import BulkJob, blocks, total_rows
 from bgeserve.bulk.model import BulkModel, model_spec
-from bgeserve.bulk.output import OutputDir
+from bgeserve.bulk.output import OutputDir, log_bad_rows, log_earlier_bad_rows
 from bgeserve.bulk.progress import Progress, Summary
 from bgeserve.bulk.shards import write_shard
 from bgeserve.bulk.sources import Rows, check_columns, discover
@@ -42,11 +42,7 @@ class _Pending:
 def bad_rows(rows: Rows) -> list[list[Any]]:
     """``[source, row, id, reason]`` of each bad row, logged in one line per block."""
     bad = [[rows.source, int(rows.rows[i]), rows.ids[i], rows.errors[i]] for i in rows.bad()]
-    if bad:
-        log.warning("skipped %d bad rows of %s: %s", len(bad), rows.source,
-                    "; ".join(f"row {r} (id {i!r}): {why}" for _, r, i, why in bad),
-                    extra={"bad_rows": [{"row": r, "id": i, "reason": why}
-                                        for _, r, i, why in bad]})
+    log_bad_rows(rows.source, bad)
     return bad
 
 
@@ -81,7 +77,8 @@ def run(job: BulkJob, settings: Settings, bar: bool | None = None) -> Summary:
         for s in sources:
             check_columns(s, job.text_column, job.id_column)
         out.check_manifest(job.spec(model_spec(settings)), sources)
-        coverage, _ = out.scan()
+        coverage, shards = out.scan()
+        log_earlier_bad_rows(shards)
         total = total_rows(sources)
         skipped = sum(coverage.rows(s.key) for s in sources)
         log.info("bulk: %d input files, %s rows, %d already in %s", len(sources),

@@ -100,3 +100,24 @@ class OutputDir:
                 shards.append(info)
         coverage.verify()
         return coverage, shards
+
+
+def log_bad_rows(source: str, bad: Sequence[Sequence[Any]], *, earlier: bool = False) -> None:
+    """One warning line naming ``bad`` rows (``[source, row, id, reason]``) of ``source``."""
+    if not bad:
+        return
+    log.warning("%s %d bad rows of %s: %s", "an earlier run skipped" if earlier else "skipped",
+                len(bad), source, "; ".join(f"row {r} (id {i!r}): {why}" for _, r, i, why in bad),
+                extra={"bad_rows": [{"row": r, "id": i, "reason": why} for _, r, i, why in bad]})
+
+
+def log_earlier_bad_rows(shards: Sequence[ShardInfo]) -> None:
+    """The bad rows that finished shards record, logged again per source when a job resumes:
+    a run killed before it logged them (the Ray path logs them when its job ends) would
+    otherwise leave them named nowhere, their rows being done."""
+    by_source: dict[str, list[Sequence[Any]]] = {}
+    for shard in shards:
+        for item in shard.bad:
+            by_source.setdefault(item[0], []).append(item)
+    for source, bad in by_source.items():
+        log_bad_rows(source, sorted(bad, key=lambda item: item[1]), earlier=True)

@@ -18,7 +18,7 @@ import logging
 from bgeserve.bulk.job import BulkJob
 from bgeserve.bulk.local import MAX_BAD_EXAMPLES
 from bgeserve.bulk.model import model_spec, settings_env
-from bgeserve.bulk.output import OutputDir
+from bgeserve.bulk.output import OutputDir, log_earlier_bad_rows
 from bgeserve.bulk.progress import Progress, Summary
 from bgeserve.bulk.sources import check_columns, discover
 from bgeserve.config import Settings
@@ -66,7 +66,8 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
         for s in sources:
             check_columns(s, job.text_column, job.id_column)
         out.check_manifest(job.spec(model_spec(settings)), sources)
-        coverage, _ = out.scan()
+        coverage, shards = out.scan()
+        log_earlier_bad_rows(shards)
         skipped = sum(coverage.rows(s.key) for s in sources)
         if not ray.is_initialized():
             ray.init(address=address, include_dashboard=False, log_to_driver=True)
