@@ -231,9 +231,7 @@ def test_a_flood_is_refused_at_once(tiny_export, tmp_path) -> None:
         assert proc.proc is not None
         floods = []  # (slowest 429, the loop's CPU until then, its share of that time)
         for _ in range(FLOODS):
-            results, loop_ms = _flood(proc.port, bodies, proc.proc.pid)
-            slowest = _check_flood(results, loop_ms)
-            floods.append((slowest, loop_ms, loop_ms / slowest if slowest else 1.0))
+            floods.append(_check_flood(*_flood(proc.port, bodies, proc.proc.pid)))
             if _in_time(*floods[-1]):
                 break
     assert any(_in_time(*flood) for flood in floods), floods
@@ -243,9 +241,11 @@ def _in_time(slowest: float, loop_ms: float, share: float) -> bool:
     return slowest < REFUSAL_MS or (share < LOOP_SHARE and loop_ms < REFUSAL_MS)
 
 
-def _check_flood(results: list[tuple[int, float, str | None]], loop_ms: float) -> float:
+def _check_flood(results: list[tuple[int, float, str | None]],
+                 loop_ms: float) -> tuple[float, float, float]:
     """One flood's structure (the admitted request answered, every other one refused while it
-    still ran, Retry-After from the drain rate); its slowest 429 in ms."""
+    still ran, Retry-After from the drain rate); its slowest 429 in ms, the loop's CPU until
+    then and its share of that time."""
     statuses = sorted(s for s, _, _ in results)
     assert set(statuses) <= {200, 429} and 200 in statuses and 429 in statuses, statuses
     refused = sorted(ms for s, ms, _ in results if s == 429)
@@ -257,4 +257,4 @@ def _check_flood(results: list[tuple[int, float, str | None]], loop_ms: float) -
     answered = min(ms for s, ms, _ in results if s == 200)
     assert slowest < answered, (refused, answered)  # none waited for the admitted request
     assert all(ra is not None and 1 <= int(ra) <= 60 for s, _, ra in results if s == 429)
-    return slowest
+    return slowest, loop_ms, share

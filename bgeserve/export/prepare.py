@@ -106,19 +106,20 @@ def prepare(source: PrepareSource, out: Path, variants: Sequence[str] = VARIANTS
     run("graphs", [prepare_steps.__name__, "graphs", str(source.graph),
                    source.layout.hidden_output or "", str(work), *config])
     dims = json.loads((work / "dims.json").read_text())
-    for variant in kept:
+    for entry in kept.values():
         assert reuse is not None
         # Hard links: ONNX Runtime and OpenVINO read them; nothing here loads them with onnx
         # (which refuses a file with several links), and once the earlier export is replaced
         # each has one link again.
         prepare_steps.link_data(reuse, out, {str(p.relative_to(reuse)) for p in
-                                             graph_files(reuse / GRAPH_PATHS[variant])},
-                                link=True)
+                                             graph_files(reuse / entry["path"])}, link=True)
     # int8 is quantized from the fp32 graph before its FFN is cut into row blocks; a kept fp32
     # graph is already cut (and linked), so it comes from this run's own copy.
-    fp32_graph = work / GRAPH_PATHS["fp32"] if "fp32" in kept else out / GRAPH_PATHS["fp32"]
-    if "fp32" not in kept:
+    if "fp32" in kept:
+        fp32_graph = work / GRAPH_PATHS["fp32"]
+    else:
         os.replace(work / "fp32", out / "fp32")
+        fp32_graph = out / GRAPH_PATHS["fp32"]
     limit = ["--max-tokens", str(corpus.capped(dims.get("max_positions")))]
     if "int8" in fresh:
         _optional(run, skipped, "int8", ["bgeserve.export.steps", "int8", str(fp32_graph),

@@ -146,8 +146,9 @@ class Preparation:
             # has is linked, not made again (prepare.py checks it is whole), so only the
             # others are weighed against memory and disk (fp32 always: its graphs are
             # rewritten again to make the others from).
-            reuse = store.path(key) if manifest is not None and not force else None
-            have = set(manifest["variants"]) - {"fp32"} if manifest and reuse else set()
+            reuse, have = None, set()
+            if manifest is not None and not force:
+                reuse, have = store.path(key), set(manifest["variants"]) - {"fp32"}
             new = [v for v in wanted if v not in have]
             skip = {v: f"needs ~{peak_bytes(v, weights) / GiB:.1f} GiB, "
                        f"{available / GiB:.1f} GiB available"
