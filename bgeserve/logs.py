@@ -9,6 +9,7 @@ import queue
 import sys
 import time
 from contextvars import ContextVar
+from typing import TextIO
 
 import orjson
 
@@ -58,6 +59,19 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
+class Stdout(logging.StreamHandler):
+    """Writes to whatever ``sys.stdout`` is when a record is written, as the stdlib's
+    last-resort handler does for stderr: whoever swaps stdout and closes the old one (pytest's
+    capture, a notebook, a host application) gets no "I/O operation on closed file"."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)  # not StreamHandler's: it would bind today's stdout
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stdout
+
+
 class Background(logging.handlers.QueueHandler):
     """Hands records to a thread that formats and writes them (stdlib's QueueListener).
 
@@ -100,7 +114,7 @@ def setup_logging(fmt: str = "auto", level: str = "info", *, background: bool = 
     whose event loop must not wait on stdout). The one-shot commands write them in place, so
     what they print on stdout after logging (``bgeserve prepare``'s path) comes last."""
     use_json = fmt == "json" or (fmt == "auto" and not sys.stdout.isatty())
-    target = logging.StreamHandler(sys.stdout)
+    target = Stdout()
     target.setFormatter(JsonFormatter() if use_json else TextFormatter())
     handler: logging.Handler = Background(target) if background else target
     handler.addFilter(RequestIdFilter())  # here: the request's context is the caller's thread

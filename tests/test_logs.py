@@ -71,3 +71,26 @@ def test_setup_logging_replaces_its_own_writer() -> None:
     finally:
         root.handlers[:] = saved
         root.setLevel(level)
+
+
+def test_records_go_to_the_stdout_of_the_moment(monkeypatch, capsys) -> None:
+    """A stdout swapped and closed after setup_logging (pytest's capture, a host application)
+    takes nothing: records go to the new stdout, and no "Logging error" reaches stderr."""
+    from bgeserve.logs import setup_logging
+
+    root = logging.getLogger()
+    saved, level = root.handlers[:], root.level
+    first, second = io.StringIO(), io.StringIO()
+    try:
+        monkeypatch.setattr("sys.stdout", first)
+        setup_logging("json")
+        logging.getLogger("bgeserve.test-stdout").info("one")
+        first.close()
+        monkeypatch.setattr("sys.stdout", second)
+        logging.getLogger("bgeserve.test-stdout").info("two")
+        root.handlers[0].close()
+    finally:
+        root.handlers[:] = saved
+        root.setLevel(level)
+    assert [json.loads(x)["msg"] for x in second.getvalue().splitlines()] == ["two"]
+    assert "Logging error" not in capsys.readouterr().err

@@ -25,7 +25,7 @@ from bgeserve.service import preparation
 from bgeserve.service.preparation import Preparation, peak_bytes
 from tests.fakehub import FakeHub
 from tests.graphs import BAAI_OUTPUTS, graph_bytes
-from tests.oracle import FP32, assert_matches, reference
+from tests.oracle import FP32, INT8, assert_matches, reference
 from tests.serverproc import ServerProc
 
 
@@ -141,12 +141,99 @@ def test_the_cache_is_keyed_by_the_sources_content(tmp_path, monkeypatch) -> Non
     assert len(calls) == 4 and reused[-1] is None  # forced: everything made again
 
 
+def test_a_variant_left_out_for_room_is_made_when_a_later_start_has_it(tmp_path,
+                                                                        monkeypatch) -> None:
+    """int8 left out for memory: a start as tight serves the cached fp32 without preparing
+    again; a start with room adds int8 (reusing fp32); a variant whose own step failed is not
+    retried (that takes --force)."""
+    calls: list[tuple[Path | None, dict[str, str]]] = []
+    failing: set[str] = set()
+
+    def fake_recipe(source, out, variants, **kwargs):
+        skip, reuse = kwargs["skip"], kwargs["reuse"]
+        calls.append((reuse, dict(skip)))
+        failed = {v: "step failed" for v in variants if v in failing and v not in skip}
+        made = [v for v in variants if v not in skip and v not in failed]
+        (out / "manifest.json").write_text(json.dumps(
+            {"format": "bgeserve-export", "variants": {v: {} for v in made},
+             "prepared": {"skipped": {**skip, **failed}, "limited": sorted(skip)}}))
+        return {"variants": made, "skipped": {**skip, **failed}, "seconds": 0.0}
+
+    monkeypatch.setattr(preparation, "run_recipe", fake_recipe)
+    source = _source(tmp_path / "src")
+    weights = source.weight_bytes
+    tight = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": str(
+        peak_bytes("fp32", weights) + 1)})
+    roomy = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": str(64 << 30)})
+    cache = tmp_path / "cache"
+    prep = Preparation()
+
+    first, outcome = prep.find_or_make(tight, cache, source, ["fp32", "int8", "bf16"])
+    assert len(calls) == 1 and set(calls[0][1]) == {"int8", "bf16"}
+    assert set(outcome["skipped"]) == {"int8", "bf16"}
+    again, _ = prep.find_or_make(tight, cache, source, ["fp32", "int8", "bf16"])
+    assert (again, prep.status["status"], len(calls)) == (first, "cached", 1)
+
+    # Room for bf16 (2.5 W + 1 GiB) but not int8 (3 W + 1 GiB): bf16 alone is added.
+    middle = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": str(
+        peak_bytes("bf16", weights) + 1)})
+    failing.add("bf16")  # ... and its step fails this time
+    prep.find_or_make(middle, cache, source, ["fp32", "int8", "bf16"])
+    assert prep.status["status"] == "prepared" and len(calls) == 2
+    assert calls[1][0] == first and set(calls[1][1]) == {"int8"}
+    manifest = json.loads((first / "manifest.json").read_text())
+    assert manifest["prepared"]["limited"] == ["int8"]
+    assert manifest["prepared"]["skipped"]["bf16"] == "step failed"
+
+    # With room for everything: bf16, whose step failed, is not tried again by itself ...
+    failing.clear()
+    prep.find_or_make(roomy, cache, source, ["fp32", "bf16"])
+    assert prep.status["status"] == "cached" and len(calls) == 2
+    # ... and int8, left out for memory, is made.
+    prep.find_or_make(roomy, cache, source, ["fp32", "int8"])
+    assert prep.status["status"] == "prepared" and len(calls) == 3 and calls[2][1] == {}
+    manifest = json.loads((first / "manifest.json").read_text())
+    assert set(manifest["variants"]) == {"fp32", "int8"} and manifest["prepared"]["limited"] == []
+    prep.find_or_make(roomy, cache, source, ["fp32", "int8"])
+    assert prep.status["status"] == "cached" and len(calls) == 3
+
+
+def test_a_failed_addition_serves_the_export_made_before(tmp_path, monkeypatch) -> None:
+    """Adding a variant to a cached export fails in a step that ends the preparation: the
+    cached export still serves (not the stock graph), and the status says what failed."""
+    made: list[Path] = []
+
+    def fake_recipe(source, out, variants, **kwargs):
+        if made:
+            raise preparation.PrepareFailed("graphs", "disk full")
+        made.append(out)
+        (out / "manifest.json").write_text(json.dumps(
+            {"format": "bgeserve-export", "variants": {"fp32": {}},
+             "prepared": {"skipped": {}}}))
+        return {"variants": ["fp32"], "skipped": {}, "seconds": 0.0}
+
+    monkeypatch.setattr(preparation, "run_recipe", fake_recipe)
+    source = _source(tmp_path / "src")
+    s = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": str(64 << 30)})
+    prep = Preparation()
+    first, _ = prep.find_or_make(s, tmp_path / "cache", source, ["fp32"])
+
+    again, _ = prep.find_or_make(s, tmp_path / "cache", source, ["fp32", "int8"])
+    assert again == first and prep.status["status"] == "cached"
+    assert prep.status["reason"] == "adding int8 failed: disk full"
+    assert [p.name for p in (tmp_path / "cache" / "prepared").iterdir() if p.is_dir()] == [
+        first.name]  # the staging directory is gone
+    with pytest.raises(preparation.PrepareFailed):  # forced: nothing made before to serve
+        prep.find_or_make(s, tmp_path / "cache", source, ["fp32", "int8"], force=True)
+
+
 @pytest.mark.slow
 def test_a_variant_that_does_not_fit_is_skipped_and_fp32_still_served(
         hub_snapshots, tmp_path, flag_model) -> None:
     """With room for the fp32 steps but not int8's, the export holds fp32 (matching
     FlagEmbedding), the manifest says why int8 is missing, and the start serves fp32 from it
-    (an optimum-style snapshot: last_hidden_state at opset 14)."""
+    (an optimum-style snapshot: last_hidden_state at opset 14); a later start with room adds
+    int8 to it."""
     snapshot = hub_snapshots["optimum"]
     weights = sum(p.stat().st_size for p in (snapshot / "onnx").iterdir())
     room = (peak_bytes("fp32", weights) + peak_bytes("int8", weights)) // 2
@@ -160,10 +247,24 @@ def test_a_variant_that_does_not_fit_is_skipped_and_fp32_still_served(
     assert list(manifest["variants"]) == ["fp32"] and served.variant == "fp32"
     assert "GiB available" in manifest["prepared"]["skipped"]["int8"]
     assert prep.status["status"] == "prepared" and prep.status["variants"] == ["fp32"]
+    assert manifest["prepared"]["limited"] == ["int8"]
     texts = ["a short text", " ".join(["words of a longer text"] * 60), ""]
     with Engine(served.model_path, "fp32", cache_dir=tmp_path, offline=True) as engine:
         assert_matches(engine.embed(texts, dense=True, sparse=True, colbert=True),
                        reference(flag_model, texts), FP32)
+
+    # A later start with room makes int8 into the same cached export, fp32 kept.
+    roomy = Settings.from_env({"BGE_M3_MODEL_PATH": str(snapshot), "BGE_M3_MODEL": "int8",
+                               "BGE_M3_AVAILABLE_MEMORY_BYTES": str(64 << 30)})
+    again = Preparation(Progress())
+    served = again.apply(roomy, tmp_path / "cache")
+    manifest = json.loads((served.model_path / "manifest.json").read_text())
+    assert again.status["status"] == "prepared" and served.variant == "int8"
+    assert sorted(manifest["variants"]) == ["fp32", "int8"]
+    assert manifest["prepared"]["reused"] == ["fp32"] and manifest["prepared"]["limited"] == []
+    with Engine(served.model_path, "int8", cache_dir=tmp_path, offline=True) as engine:
+        assert_matches(engine.embed(texts, dense=True, sparse=True, colbert=True),
+                       reference(flag_model, texts), INT8)
 
 
 # --- a real server on a fake hub ---------------------------------------------------------------

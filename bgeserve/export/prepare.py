@@ -64,6 +64,9 @@ class Outcome:
     steps: dict[str, dict[str, float]] = field(default_factory=dict)  # seconds, peak RSS
     weights: str = "s7"  # int8's weight encoding (export.steps.INT8_WEIGHTS)
     reused: list[str] = field(default_factory=list)  # variants linked from an earlier one
+    # Variants of ``skipped`` left out because the caller said this machine had no room for
+    # them (``skip``), not because their step failed: a later start with more room makes them.
+    limited: list[str] = field(default_factory=list)
 
 
 StepReport = Callable[[str, int, int], None]  # (step name, index, total)
@@ -156,7 +159,7 @@ def prepare(source: PrepareSource, out: Path, variants: Sequence[str] = VARIANTS
                             "with BGE_M3_PREPARE=0 and report the graph's origin")
     made = [v for v in wanted if v in kept or v in new]
     outcome = Outcome(made, skipped, round(time.monotonic() - started, 1), run.measured,
-                      weights, list(kept))
+                      weights, list(kept), sorted(v for v in skip or {} if v in skipped))
     _write_manifest(out, source, dims, agreement, outcome, source_hashes or {})
     shutil.rmtree(work)
     return outcome
@@ -280,7 +283,8 @@ def _write_manifest(out: Path, source: PrepareSource, dims: dict[str, Any],
                    "files": hashes},
         "prepared": {"schema": prepared.RECIPE["schema"], "seconds": outcome.seconds,
                      "skipped": outcome.skipped, "steps": outcome.steps,
-                     "int8_weights": outcome.weights, "reused": outcome.reused},
+                     "int8_weights": outcome.weights, "reused": outcome.reused,
+                     "limited": outcome.limited},
     }
     path = out / "manifest.json"
     tmp = path.with_suffix(".json.tmp")

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,13 +131,19 @@ class Preparation:
         with store.lock(key, on_wait=lambda: log.info(
                 "another bgeserve is preparing %s: waiting for it", source.description)):
             manifest = store.manifest(key)
-            if manifest is not None and not force and _covers(manifest, wanted):
-                self.status = {"status": "cached", "key": key}
-                log.info("prepared export found: %s (variants %s)", store.path(key),
-                         ", ".join(sorted(manifest["variants"])))
-                return store.path(key), manifest.get("prepared", {})
             weights = source.weight_bytes
             available = memory.detect_available_memory(s.available_memory_bytes).available_bytes
+            if manifest is not None and not force:
+                refit = _refit(manifest, wanted, lambda vs: _limits(
+                    weights, available, store.root, vs))
+                if _covers(manifest, wanted) and not refit:
+                    self.status = {"status": "cached", "key": key}
+                    log.info("prepared export found: %s (variants %s)", store.path(key),
+                             ", ".join(sorted(manifest["variants"])))
+                    return store.path(key), manifest.get("prepared", {})
+                if refit:
+                    log.info("the prepared export %s left out %s for want of memory or disk; "
+                             "there is room now: adding it", store.path(key), ", ".join(refit))
             need = peak_bytes("fp32", weights)
             if available < need:
                 raise _Skip(f"preparing needs ~{need / GiB:.1f} GiB and {available / GiB:.1f} "
@@ -150,10 +157,7 @@ class Preparation:
             if manifest is not None and not force:
                 reuse, have = store.path(key), set(manifest["variants"]) - {"fp32"}
             new = [v for v in wanted if v not in have]
-            skip = {v: f"needs ~{peak_bytes(v, weights) / GiB:.1f} GiB, "
-                       f"{available / GiB:.1f} GiB available"
-                    for v in new if v != "fp32" and available < peak_bytes(v, weights)}
-            skip.update(_disk_skips(store.root, weights, [v for v in new if v not in skip]))
+            skip = _limits(weights, available, store.root, new)
             log.info("preparing %s (variants %s%s%s) into %s", source.description,
                      ", ".join(new), f"; skipping {skip}" if skip else "",
                      f"; {', '.join(sorted(have))} kept from {reuse}" if have else "",
@@ -162,6 +166,17 @@ class Preparation:
             try:
                 outcome = run_recipe(source, staged, wanted, skip=skip, hashes=digests,
                                      weights=encoding, progress=self.progress, reuse=reuse)
+            except Exception as exc:
+                shutil.rmtree(staged, ignore_errors=True)
+                if reuse is None or manifest is None:
+                    raise
+                # Only adding to an export made before failed: that one still serves.
+                added = [v for v in new if v != "fp32"]
+                log.warning("adding %s to the prepared export failed (%s): serving it as it "
+                            "was", ", ".join(added), exc)
+                self.status = {"status": "cached", "key": key,
+                               "reason": f"adding {', '.join(added)} failed: {exc}"}
+                return store.path(key), manifest.get("prepared", {})
             except BaseException:
                 shutil.rmtree(staged, ignore_errors=True)
                 raise
@@ -181,6 +196,16 @@ class Preparation:
                     "graph: plain attention, exact fp32); BGE_M3_PREPARE=0 skips this step",
                     reason, exc_info=error is not None and not isinstance(
                         error, (PrepareFailed, ModelUnavailable)))
+
+
+def _limits(weights: int, available: int, root: Path, variants: list[str]) -> dict[str, str]:
+    """The variants of ``variants`` (never fp32) this machine has no room to make now, with
+    why: memory for their step, then disk for their files. _Skip when not even fp32 fits."""
+    skip = {v: f"needs ~{peak_bytes(v, weights) / GiB:.1f} GiB, "
+               f"{available / GiB:.1f} GiB available"
+            for v in variants if v != "fp32" and available < peak_bytes(v, weights)}
+    skip.update(_disk_skips(root, weights, [v for v in variants if v not in skip]))
+    return skip
 
 
 def _disk_skips(root: Path, weights: int, wanted: list[str]) -> dict[str, str]:
@@ -284,6 +309,23 @@ def _wanted(s: Settings) -> list[str]:
     if openvino.available() and (asked or openvino.native_bf16()):
         wanted.append("bf16")
     return wanted
+
+
+def _refit(manifest: dict[str, Any], wanted: list[str],
+           limits: Callable[[list[str]], dict[str, str]]) -> list[str]:
+    """The variants of ``wanted`` an earlier preparation left out for want of memory or disk
+    (``prepared.limited``) that ``limits`` finds room for now. A variant whose own step failed
+    is not retried: that takes ``bgeserve prepare --force``."""
+    prepared = manifest.get("prepared") or {}
+    made = manifest.get("variants") or {}
+    limited = [v for v in wanted if v in (prepared.get("limited") or []) and v not in made]
+    if not limited:
+        return []
+    try:  # weighed as the preparation would weigh them: with every variant it would make
+        still = limits([v for v in wanted if v == "fp32" or v not in made])
+    except _Skip:
+        return []
+    return [v for v in limited if v not in still]
 
 
 def _covers(manifest: dict[str, Any], wanted: list[str]) -> bool:
