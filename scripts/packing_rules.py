@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""The raw runtime on one corpus under several packing rules, interleaved in one process.
+
+Each rule is ``NAME=MAX_CHUNK,MAX_TOKENS,MIN_FILL`` for ``bgeserve.engine.binpack.plan`` (texts
+per run, padded tokens per run, least share of real tokens); the first rule is the baseline of
+the ratios. Every round runs each rule once over the whole corpus on the same session (the order
+reversed every other round); the report gives each rule's padded tokens, tokens/s per round and
+the per-round ratio to the baseline with its median. It answers whether a runtime gains from
+batching more than it loses to padding (``scripts/serving_loss.py`` for where the engine and the
+server lose against the runtime):
+
+    python scripts/packing_rules.py --export-dir EXPORT --variant ov-int8 --texts 24 --rounds 3 \\
+        --rule default=64,1024,0.75 --rule tokens256=64,256,0.75 --rule alone=1,1024,0.75
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from serving_loss import MAX_SEQ, _open_raw, corpus  # after the path above
+
+
+def _rule(text: str) -> tuple[str, tuple[int, int, float]]:
+    name, _, spec = text.partition("=")
+    chunk, tokens, fill = spec.split(",")
+    return name, (int(chunk), int(tokens), float(fill))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bgeserve.engine.binpack import plan
+    from bgeserve.engine.forward import pad_chunk
+    from bgeserve.engine.tokenizer import Tokenizer
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--export-dir", type=Path, required=True)
+    p.add_argument("--variant", default="fp32")
+    p.add_argument("--texts", type=int, default=24, help="rows of bench.py's mixed corpus")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rule", action="append", type=_rule, required=True,
+                   metavar="NAME=MAX_CHUNK,MAX_TOKENS,MIN_FILL")
+    p.add_argument("--work-dir", type=Path, default=Path("bench-out/packing"))
+    args = p.parse_args(argv)
+    rules = dict(args.rule)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    texts = corpus(args.export_dir, args.work_dir, args.texts, 0.0)["texts"]
+    run = _open_raw(args.export_dir, args.variant, args.threads)
+    ids = Tokenizer.load(args.export_dir / "tokenizer.json", MAX_SEQ).encode(texts).ids
+    tokens = sum(map(len, ids))
+    chunks = {name: list(plan([len(x) for x in ids], fits=lambda b, s: True, max_chunk=mc,
+                              max_tokens=mt, min_fill=mf))
+              for name, (mc, mt, mf) in rules.items()}
+    for chunk in chunks[next(iter(rules))]:  # warm-up: the baseline's shapes once
+        run(*pad_chunk([ids[i] for i in chunk.indices], chunk.pad_to))
+    rates: dict[str, list[float]] = {name: [] for name in rules}
+    for r in range(args.rounds):
+        for name in (list(rules) if r % 2 == 0 else list(rules)[::-1]):
+            started = time.perf_counter()
+            for chunk in chunks[name]:
+                run(*pad_chunk([ids[i] for i in chunk.indices], chunk.pad_to))
+            rates[name].append(tokens / (time.perf_counter() - started))
+        print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in rates.items()),
+              file=sys.stderr, flush=True)
+    base = next(iter(rules))
+    print(f"{args.variant}: {len(texts)} texts, {tokens} tokens, {args.rounds} rounds, "
+          f"{args.threads} threads\n")
+    print(f"| rule | runs | padded tokens | tokens/s per round | median | / {base} (median) |")
+    print("|---|---|---|---|---|---|")
+    for name, values in rates.items():
+        ratios = [a / b for a, b in zip(values, rates[base], strict=True)]
+        print(f"| {name} {rules[name]} | {len(chunks[name])} | "
+              f"{sum(c.padded_tokens for c in chunks[name])} | "
+              f"{' / '.join(f'{v:.1f}' for v in values)} | {statistics.median(values):.1f} | "
+              f"{statistics.median(ratios):.3f} ({', '.join(f'{x:.3f}' for x in ratios)}) |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
