@@ -130,17 +130,23 @@ class Preparation:
         key = source_key(digests, source.heads, int8_weights=encoding)
         with store.lock(key, on_wait=lambda: log.info(
                 "another bgeserve is preparing %s: waiting for it", source.description)):
-            manifest = store.manifest(key)
+            # An earlier preparation of this key (unless forced): served as it is when it
+            # covers what is wanted, else what it has is linked, not made again (prepare.py
+            # checks it is whole), so only the others are weighed against memory and disk
+            # (fp32 always: its graphs are rewritten again to make the others from).
+            earlier = None if force else store.manifest(key)
+            have = set(earlier["variants"]) - {"fp32"} if earlier is not None else set()
+            new = [v for v in wanted if v not in have]
             weights = source.weight_bytes
             available = memory.detect_available_memory(s.available_memory_bytes).available_bytes
-            if manifest is not None and not force:
-                refit = _refit(manifest, wanted, lambda vs: _limits(
-                    weights, available, store.root, vs))
-                if _covers(manifest, wanted) and not refit:
+            if earlier is not None:
+                refit = _refit(earlier, new, lambda: _limits(weights, available, store.root,
+                                                             new))
+                if _covers(earlier, wanted) and not refit:
                     self.status = {"status": "cached", "key": key}
                     log.info("prepared export found: %s (variants %s)", store.path(key),
-                             ", ".join(sorted(manifest["variants"])))
-                    return store.path(key), manifest.get("prepared", {})
+                             ", ".join(sorted(earlier["variants"])))
+                    return store.path(key), earlier.get("prepared", {})
                 if refit:
                     log.info("the prepared export %s left out %s for want of memory or disk; "
                              "there is room now: adding it", store.path(key), ", ".join(refit))
@@ -149,14 +155,7 @@ class Preparation:
                 raise _Skip(f"preparing needs ~{need / GiB:.1f} GiB and {available / GiB:.1f} "
                             "GiB are available: serving the snapshot's own graph (plain "
                             "attention)")
-            # An earlier preparation of the same key lacking a variant asked for now: what it
-            # has is linked, not made again (prepare.py checks it is whole), so only the
-            # others are weighed against memory and disk (fp32 always: its graphs are
-            # rewritten again to make the others from).
-            reuse, have = None, set()
-            if manifest is not None and not force:
-                reuse, have = store.path(key), set(manifest["variants"]) - {"fp32"}
-            new = [v for v in wanted if v not in have]
+            reuse = store.path(key) if earlier is not None else None
             skip = _limits(weights, available, store.root, new)
             log.info("preparing %s (variants %s%s%s) into %s", source.description,
                      ", ".join(new), f"; skipping {skip}" if skip else "",
@@ -168,7 +167,7 @@ class Preparation:
                                      weights=encoding, progress=self.progress, reuse=reuse)
             except Exception as exc:
                 shutil.rmtree(staged, ignore_errors=True)
-                if reuse is None or manifest is None:
+                if earlier is None:
                     raise
                 # Only adding to an export made before failed: that one still serves.
                 added = [v for v in new if v != "fp32"]
@@ -176,7 +175,7 @@ class Preparation:
                             "was", ", ".join(added), exc)
                 self.status = {"status": "cached", "key": key,
                                "reason": f"adding {', '.join(added)} failed: {exc}"}
-                return store.path(key), manifest.get("prepared", {})
+                return store.path(key), earlier.get("prepared", {})
             except BaseException:
                 shutil.rmtree(staged, ignore_errors=True)
                 raise
@@ -311,18 +310,17 @@ def _wanted(s: Settings) -> list[str]:
     return wanted
 
 
-def _refit(manifest: dict[str, Any], wanted: list[str],
-           limits: Callable[[list[str]], dict[str, str]]) -> list[str]:
-    """The variants of ``wanted`` an earlier preparation left out for want of memory or disk
-    (``prepared.limited``) that ``limits`` finds room for now. A variant whose own step failed
-    is not retried: that takes ``bgeserve prepare --force``."""
-    prepared = manifest.get("prepared") or {}
-    made = manifest.get("variants") or {}
-    limited = [v for v in wanted if v in (prepared.get("limited") or []) and v not in made]
+def _refit(manifest: dict[str, Any], new: list[str],
+           limits: Callable[[], dict[str, str]]) -> list[str]:
+    """The variants of ``new`` (those ``manifest``'s export lacks) an earlier preparation left
+    out for want of memory or disk (``prepared.limited``) that ``limits`` (this machine's
+    limits for all of ``new``, as the preparation weighs them) finds room for now. A variant
+    whose own step failed is not retried: that takes ``bgeserve prepare --force``."""
+    limited = [v for v in new if v in ((manifest.get("prepared") or {}).get("limited") or [])]
     if not limited:
         return []
-    try:  # weighed as the preparation would weigh them: with every variant it would make
-        still = limits([v for v in wanted if v == "fp32" or v not in made])
+    try:
+        still = limits()
     except _Skip:
         return []
     return [v for v in limited if v not in still]
