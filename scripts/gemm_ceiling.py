@@ -4,12 +4,13 @@ One MatMul of bge-m3's FFN shape (``--rows`` tokens × 1024 → 4096), timed in 
 variant computes in:
 
 - ``fp32``: ONNX Runtime (MLAS), the fp32 variant;
-- ``int8-ort``: ONNX Runtime's dynamic int8 MatMul (7-bit per-channel weights, activations
-  quantized per run, as the export's int8 variant), the int8 variant;
+- ``int8-ort``: ONNX Runtime's dynamic int8 MatMul (per-channel weights in the 8-bit encoding
+  this CPU's int8 variant gets, ``prepared.int8_weights``; activations quantized per run), the
+  int8 variant;
 - ``bf16-openvino``: OpenVINO with ``INFERENCE_PRECISION_HINT=bf16`` (AMX / AVX512_BF16; a CPU
   without native bf16 runs it in fp32, and the line says so), the bf16 variant;
-- ``int8-openvino``: the same MatMul quantized by NNCF as the ov-int8 variant is (7-bit
-  weights), compiled with the bf16 hint.
+- ``int8-openvino``: the same MatMul quantized by NNCF as the ov-int8 variant is (8-bit weights
+  where the CPU sums int8 products in int32, else 7-bit), compiled with the bf16 hint.
 
 bge-m3 costs ~0.63 GFLOP per token (24 layers × (8·1024² + 4·1024·4096) FLOPs, plus attention:
 ``scripts/benchkit/roofline.py``), so ``GFLOP/s / 0.63`` is the tokens/s no forward pass in that
@@ -31,6 +32,8 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+
+from bgeserve.model import prepared
 
 HIDDEN, INTERMEDIATE = 1024, 4096
 GFLOP_PER_TOKEN = 0.63
@@ -85,8 +88,9 @@ def ort_int8(weight: np.ndarray, threads: int) -> Callable[[np.ndarray], object]
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
         src.write_bytes(_onnx_matmul(weight))
-        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True,
-                         reduce_range=True)
+        unsigned = prepared.int8_weights() == "u8"  # the int8 variant's encoding here
+        quantize_dynamic(str(src), str(dst), per_channel=True,
+                         weight_type=QuantType.QUInt8 if unsigned else QuantType.QInt8)
         return _ort(dst.read_bytes(), threads)
 
 
@@ -120,7 +124,9 @@ def ov_int8(weight: np.ndarray, threads: int) -> Callable[[np.ndarray], object]:
     data = [rng.standard_normal((64, HIDDEN)).astype(np.float32) for _ in range(4)]
     model = nncf.quantize(_ov_model(weight), nncf.Dataset(data), subset_size=len(data),
                           fast_bias_correction=False, advanced_parameters=(
-                              AdvancedQuantizationParameters(overflow_fix=OverflowFix.ENABLE)))
+                              AdvancedQuantizationParameters(overflow_fix=OverflowFix.DISABLE
+                                                             if prepared.sums_int8_in_int32()
+                                                             else OverflowFix.ENABLE)))
     return _ov_compile(model, threads)
 
 

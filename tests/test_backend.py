@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -190,6 +191,50 @@ def test_candidates_are_every_variant_meeting_the_bar_on_a_runtime_this_machine_
     found, left_out = cpu_candidates(variants, NO_OPENVINO)
     assert [c.variant for c in found] == ["fp32", "int8"]
     assert "openvino is not installed" in left_out["ov-int8"]
+
+
+def test_an_8_bit_openvino_int8_is_a_candidate_only_where_int8_sums_in_int32():
+    """ov-int8 with 8-bit weights (exported on a VNNI / AMX CPU) saturates on a CPU without
+    VNNI or AMX-INT8: never timed there, whatever its recorded agreement; its 7-bit form is."""
+    from bgeserve.runtime.select import cpu_candidates
+
+    good = {"runtime": "openvino", "agreement": {"dense_cos_min": 0.9995}}
+    variants = {"fp32": {}, "ov-int8": {**good, "quantization": {"weights": "8-bit"}}}
+    no_vnni = dataclasses.replace(BF16_CPU, int8_dot=lambda: False)
+    vnni = dataclasses.replace(BF16_CPU, int8_dot=lambda: True)
+    found, left_out = cpu_candidates(variants, no_vnni)
+    assert [c.variant for c in found] == ["fp32"]
+    assert "VNNI or AMX-INT8" in left_out["ov-int8"]
+    assert [c.variant for c in cpu_candidates(variants, vnni)[0]] == ["fp32", "ov-int8"]
+    seven = {"fp32": {}, "ov-int8": {**good, "quantization": {"weights": "7-bit"}}}
+    assert [c.variant for c in cpu_candidates(seven, no_vnni)[0]] == ["fp32", "ov-int8"]
+
+
+@pytest.mark.parametrize(("weights", "ok_without_vnni"), [
+    ("s8", False), ("u8", True), ("s7", True), (None, True)])
+def test_a_signed_8_bit_int8_is_neither_timed_nor_the_rule_where_it_saturates(
+        weights, ok_without_vnni):
+    """int8 exported (or prepared) on a VNNI / AMX CPU has signed 8-bit weights: on a CPU
+    without VNNI neither the rule nor the measured default serves it; unsigned 8-bit, signed
+    7-bit and an entry that does not say (exports before the encoding was recorded: 7-bit)
+    serve anywhere."""
+    from bgeserve.runtime.select import cpu_candidates, cpu_default
+
+    entry = {"agreement": {"dense_cos_min": 0.9995}}
+    if weights is not None:
+        entry["quantization"] = {"weights": weights}
+    variants = {"fp32": {}, "int8": entry}
+    no_vnni = dataclasses.replace(NO_BF16, int8_dot=lambda: False)
+    vnni = dataclasses.replace(NO_BF16, int8_dot=lambda: True)
+    assert cpu_default(variants, vnni).variant == "int8"
+    assert [c.variant for c in cpu_candidates(variants, vnni)[0]] == ["fp32", "int8"]
+    choice = cpu_default(variants, no_vnni)
+    found, left_out = cpu_candidates(variants, no_vnni)
+    if ok_without_vnni:
+        assert choice.variant == "int8" and [c.variant for c in found] == ["fp32", "int8"]
+    else:
+        assert choice.variant == "fp32" and [c.variant for c in found] == ["fp32"]
+        assert any("VNNI" in note for note in choice.notes) and "VNNI" in left_out["int8"]
 
 
 @pytest.mark.parametrize("rates,prior,chosen", [

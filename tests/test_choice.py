@@ -291,3 +291,20 @@ def test_the_service_serves_the_measured_choice_and_a_restart_reuses_it(two_vari
             assert second.health()["tuning"]["probe_status"] == "cache_hit"
     finally:
         asyncio.run(second.stop())
+
+
+def test_a_pinned_variant_this_cpu_would_saturate_is_served_with_a_warning(tmp_path, caplog):
+    """BGE_M3_MODEL=int8 over signed 8-bit weights on a CPU without VNNI: the operator's pick
+    stands, but the log says its results may be off (the default never picks it there)."""
+    export = fake_export(tmp_path / "export", {
+        "fp32": {}, "int8": {"agreement": GOOD, "quantization": {"weights": "s8"}}})
+    pinned = Settings(model_path=export, cache_dir=tmp_path / "cache", variant="int8",
+                      explicit=frozenset({"BGE_M3_MODEL_PATH", "BGE_M3_MODEL"}))
+    for int8_dot, warned in ((True, False), (False, True)):
+        caplog.clear()
+        machine = dataclasses.replace(NO_OPENVINO, int8_dot=lambda v=int8_dot: v)
+        with caplog.at_level("WARNING", logger="bgeserve"):
+            s = resolve(pinned, machine=machine)
+        assert (s.variant, s.variant_choice) == ("int8", "pinned")
+        assert any("BGE_M3_MODEL=int8" in r.getMessage() and "VNNI" in r.getMessage()
+                   for r in caplog.records) == warned

@@ -69,8 +69,12 @@ def _rows(export: Path, n: int = 4) -> list[np.ndarray]:
 
 @slow
 def test_manifest_records_agreement_with_fp32(tiny_export: Path):
-    """fp16 and int8 carry their agreement with fp32, measured at export time; fp32 does not."""
+    """fp16 and int8 carry their agreement with fp32, measured at export time; fp32 does not.
+    int8 records its weight encoding: this CPU's 8-bit one, as `prepare` makes it."""
+    from bgeserve.model.prepared import int8_weights
+
     variants = json.loads((tiny_export / "manifest.json").read_text())["variants"]
+    assert variants["int8"]["quantization"] == {"weights": int8_weights()}
     assert "agreement" not in variants["fp32"]
     for variant, tol in (("fp16", FP16), ("int8", INT8)):
         agreement = variants[variant]["agreement"]

@@ -18,13 +18,16 @@ pytestmark = pytest.mark.slow
 
 def test_manifest_records_the_runtime_the_quantization_and_the_agreement(
         tiny_export_ov_int8: Path) -> None:
-    """The entry names OpenVINO, what NNCF did (48 calibration texts, 7-bit weights), and the
-    agreement with fp32 measured at export, alone and in padded batches."""
+    """The entry names OpenVINO, what NNCF did (48 calibration texts; 8-bit weights on a CPU
+    that sums int8 products in int32, else 7-bit), and the agreement with fp32 measured at
+    export, alone and in padded batches."""
+    from bgeserve.model.prepared import sums_int8_in_int32
+
     entry = json.loads((tiny_export_ov_int8 / "manifest.json").read_text())["variants"]["ov-int8"]
     assert entry["path"] == "ov-int8/model.xml" and entry["runtime"] == "openvino"
     quantization = entry["quantization"]
     assert quantization["calibration_texts"] == 48 and quantization["tool"].startswith("nncf ")
-    assert "7-bit" in quantization["weights"]
+    assert quantization["weights"] == ("8-bit" if sums_int8_in_int32() else "7-bit")
     assert entry["agreement"]["texts"] == 12
     assert entry["agreement"]["dense_cos_min"] >= INT8.dense_cos
     # The plain-attention graph it was made from is temporary; no report is left behind.
@@ -74,3 +77,34 @@ def test_served_ov_int8_agrees_with_fp32_and_keeps_fused_attention(
     for (gi, gv), (wi, wv) in zip(got.sparse, want.sparse):
         g, w = dict(zip(gi.tolist(), gv.tolist())), dict(zip(wi.tolist(), wv.tolist()))
         assert max(abs(g.get(k, 0.0) - w.get(k, 0.0)) for k in set(g) | set(w)) <= INT8.sparse_abs
+
+
+@pytest.mark.parametrize(("int8_dot", "weights"), [(False, "7-bit"), (True, "8-bit")])
+def test_the_export_step_takes_8_bit_weights_only_where_int8_sums_in_int32(
+        int8_dot: bool, weights: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step asks NNCF for 8-bit weights on VNNI / AMX-INT8 CPUs (no saturation there),
+    7-bit elsewhere, and reports what it used for the manifest."""
+    from bgeserve.export import ovint8, steps
+    from bgeserve.model import prepared
+
+    asked: dict[str, object] = {}
+
+    def quantize(plain, out, tokenizer, *, max_tokens=None, weights="7-bit"):
+        asked["weights"] = weights
+        return {"weights": weights}
+
+    monkeypatch.setattr(prepared, "sums_int8_in_int32", lambda: int8_dot)
+    monkeypatch.setattr(ovint8, "quantize", quantize)
+    report = tmp_path / "report.json"
+    steps.export_ov_int8(tmp_path / "plain.onnx", tmp_path / "out.xml", tmp_path / "tok.json",
+                         report)
+    assert asked == {"weights": weights}
+    assert json.loads(report.read_text()) == {"weights": weights}
+
+
+def test_ov_int8_refuses_an_unknown_weight_encoding(tmp_path: Path) -> None:
+    from bgeserve.export import ovint8
+
+    with pytest.raises(ValueError, match="expected one of"):
+        ovint8.quantize(tmp_path / "plain.onnx", tmp_path / "out.xml", tmp_path / "tok.json",
+                        weights="6-bit")

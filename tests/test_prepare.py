@@ -81,6 +81,9 @@ def test_prepare_writes_a_bgeserve_export_without_torch(prepared, hub_snapshots)
         assert set(entry["agreement"]) == {"dense_cos_min", "dense_cos_mean", "sparse_max_abs",
                                            "texts"}
     assert manifest["variants"]["fp32"]["agreement"]["dense_cos_min"] >= 0.99999
+    # int8's weight encoding, in the entry as an export records it (runtime.select reads it)
+    assert manifest["variants"]["int8"]["quantization"] == {
+        "weights": manifest["prepared"]["int8_weights"]}
     files = manifest["source"]["files"]
     assert {"model.onnx", "model.onnx_data", "tokenizer.json"} <= set(files)
     assert manifest["source"]["layout"] == "baai" and not manifest["prepared"]["skipped"]

@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from bgeserve.model import prepared
-from bgeserve.model.prepared import PreparedStore, file_digests, int8_weights, source_key
+from bgeserve.model.prepared import (
+    PreparedStore,
+    file_digests,
+    int8_weights,
+    source_key,
+    sums_int8_in_int32,
+)
 from bgeserve.model.ptload import HeadWeights
 
 
@@ -139,4 +145,6 @@ def test_int8_weights_take_the_8_bit_encoding_this_cpu_cannot_saturate(flags, we
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
     assert int8_weights(cpuinfo) == weights
+    assert sums_int8_in_int32(cpuinfo) == (weights == "s8")
     assert int8_weights(tmp_path / "missing") == "u8"
+    assert not sums_int8_in_int32(tmp_path / "missing")

@@ -77,6 +77,8 @@ def test_manifest_says_reranker_with_agreement(tiny_reranker_export: Path) -> No
     assert manifest["model"]["max_positions"] == 8192
     variants = manifest["variants"]
     assert {"fp32", "int8"} <= set(variants) and "agreement" not in variants["fp32"]
+    # the portable 7-bit encoding whatever this CPU: a reranker's variant is the operator's pick
+    assert variants["int8"]["quantization"] == {"weights": "s7"}
     int8 = variants["int8"]["agreement"]
     assert set(int8) == {"score_max_abs", "score_mean_abs", "score_std", "kendall_tau_min",
                          "top1_agreement", "pairs"}

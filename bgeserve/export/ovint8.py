@@ -16,10 +16,15 @@ What is quantized, and why:
   ``heads × S²`` scores again;
 - not the sparse and ColBERT heads (as the ONNX Runtime int8 variant).
 
-Weights are quantized to 7 bits (NNCF's overflow fix on every layer): without VNNI, x86 int8
-kernels add pairs of u8·s8 products into int16, which saturates with 8-bit weights. An export
-may be served on any CPU; on the tiny model, 8-bit weights fell from dense cosine 0.991 to 0.983
-on an AVX2-only Zen 3.
+Weights are 8-bit where the exporting CPU sums int8 products into int32 (VNNI, AMX-INT8: the
+CPUs where OpenVINO's int8 is fast), else 7-bit (NNCF's overflow fix on every layer): without
+VNNI, x86 int8 kernels add pairs of u8·s8 products into int16, which saturates with 8-bit
+weights (on the tiny model, dense cosine 0.991 → 0.983 on an AVX2-only Zen 3). The manifest
+records which (``quantization.weights``), and an 8-bit graph is never a default candidate on a
+CPU without VNNI / AMX-INT8 (``runtime.select``). 8 bits are what lets ov-int8 keep the 0.999 bar
+at all: full-size random bge-m3, 12 validation texts alone, dense cosine vs fp32 min 0.99745 with
+7-bit weights and 0.99915 with 8-bit, each activation quantizer evaluated in fp32 as a VNNI /
+AMX CPU computes it (docs/benchmarks.md, "ov-int8's weights").
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ from bgeserve.export import corpus
 
 CALIBRATION_TEXTS = 48
 HEAD_PATTERNS = [".*sparse_linear.*", ".*colbert_linear.*"]
+# Weight encodings: "7-bit" (NNCF's overflow fix on every layer) is right on any x86 CPU;
+# "8-bit" only where int8 products are summed into int32 (VNNI, AMX-INT8), see above.
+WEIGHTS = ("7-bit", "8-bit")
 
 
 def available() -> bool:
@@ -51,9 +59,11 @@ def calibration(tokenizer: Path, n: int, max_tokens: int) -> list[dict[str, np.n
 
 
 def quantize(plain_fp32: Path, out: Path, tokenizer: Path, *, max_tokens: int | None = None,
-             texts: int = CALIBRATION_TEXTS) -> dict[str, object]:
-    """Quantize ``plain_fp32`` (an ONNX graph with plain attention) into the IR ``out``;
-    returns what was done, for the manifest."""
+             texts: int = CALIBRATION_TEXTS, weights: str = "7-bit") -> dict[str, object]:
+    """Quantize ``plain_fp32`` (an ONNX graph with plain attention) into the IR ``out`` with
+    ``weights`` (WEIGHTS); returns what was done, for the manifest."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"ov-int8 weights {weights!r}: expected one of {WEIGHTS}")
     import nncf
     from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, OverflowFix
 
@@ -70,10 +80,11 @@ def quantize(plain_fp32: Path, out: Path, tokenizer: Path, *, max_tokens: int | 
         model_type=nncf.ModelType.TRANSFORMER, preset=nncf.QuantizationPreset.MIXED,
         ignored_scope=nncf.IgnoredScope(names=attention, patterns=HEAD_PATTERNS,
                                         validate=False),
-        advanced_parameters=AdvancedQuantizationParameters(overflow_fix=OverflowFix.ENABLE))
+        advanced_parameters=AdvancedQuantizationParameters(
+            overflow_fix=OverflowFix.ENABLE if weights == "7-bit" else OverflowFix.DISABLE))
     del model
     openvino.save_model(quantized, out)
     layers = sum(n > 0 for n in openvino.quantized_inputs(quantized).values())
     return {"tool": f"nncf {nncf.__version__}", "model_type": "transformer", "preset": "mixed",
-            "calibration_texts": len(samples), "weights": "int8, 7-bit range (overflow fix)",
+            "calibration_texts": len(samples), "weights": weights,
             "int8_matmuls": layers, "seconds": round(time.monotonic() - started, 1)}

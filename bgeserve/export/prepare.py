@@ -265,6 +265,10 @@ def _write_manifest(out: Path, source: PrepareSource, dims: dict[str, Any],
             "agreement": agreement[variant]}
         if variant in RUNTIMES:
             entry.update(runtime=RUNTIMES[variant], attention="plain (the runtime fuses it)")
+        if variant == "int8":
+            # As an export records it: a standalone copy (`bgeserve prepare --out`) may be
+            # served on another CPU, where signed 8-bit weights could saturate (runtime.select).
+            entry["quantization"] = {"weights": outcome.weights}
         variants[variant] = entry
     model = {k: dims[k] for k in ("hidden", "heads", "intermediate", "layers", "max_positions",
                                   "attention_block", "ffn_rows") if k in dims}

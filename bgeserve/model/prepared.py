@@ -32,7 +32,7 @@ from bgeserve.model.layout import Layout
 from bgeserve.model.ptload import HeadWeights
 
 __all__ = ["RECIPE", "PrepareSource", "PreparedStore", "file_digests", "int8_weights",
-           "source_key", "write_heads"]
+           "source_key", "sums_int8_in_int32", "write_heads"]
 
 # What a prepared graph holds besides its sources; part of the key. Bump "schema" whenever the
 # recipe changes what a prepared graph holds (a test checks the block sizes against export/).
@@ -73,24 +73,33 @@ class PrepareSource:
         return sum(p.stat().st_size for p in (self.graph, *self.external_data))
 
 
-def int8_weights(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """int8's weight encoding for this CPU (``export.steps.export_int8``): ``s8`` where it sums
-    u8 x s8 products into int32 (VNNI, AMX: MLAS's fastest kernels), else ``u8``.
+def sums_int8_in_int32(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU sums u8 x s8 products straight into int32 (VNNI, AMX-INT8).
 
-    Without VNNI, MLAS's u8 x s8 kernel sums pairs of products into int16 (vpmaddubsw), which
-    saturates for 8-bit weights; its u8 x u8 kernel widens to 16 bits before multiplying and
-    cannot. 7-bit signed weights (``s7``, reduce_range: what a portable ``bgeserve export``
-    writes) avoid the saturation too, at a cost in agreement: full-size random bge-m3 on a Zen 3,
-    dense cosine vs fp32 min 0.99879 with s7, 0.99942 with u8 (docs/benchmarks.md). A prepared
-    graph serves on the machine that made it, so it takes the 8-bit encoding that is safe here.
+    Without it, x86 int8 kernels (MLAS's u8 x s8, oneDNN's under OpenVINO) add pairs of
+    products into int16 first (vpmaddubsw), which saturates for 8-bit weights: a graph with
+    8-bit signed weights computes wrong results there, not only slowly.
     """
     try:
         flags = next((line.split(":", 1)[1].split() for line in
                       cpuinfo.read_text(errors="replace").splitlines()
                       if line.startswith("flags")), [])
     except OSError:
-        return "u8"
-    return "s8" if {"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags) else "u8"
+        return False
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
+
+
+def int8_weights(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """int8's weight encoding for this CPU (``export.steps.export_int8``): ``s8`` where it sums
+    u8 x s8 products into int32 (``sums_int8_in_int32``: MLAS's fastest kernels), else ``u8``.
+
+    Without that, MLAS's u8 x u8 kernel widens to 16 bits before multiplying and cannot
+    saturate. 7-bit signed weights (``s7``, reduce_range: what a portable ``bgeserve export``
+    writes) avoid the saturation too, at a cost in agreement: full-size random bge-m3 on a Zen 3,
+    dense cosine vs fp32 min 0.99879 with s7, 0.99942 with u8 (docs/benchmarks.md). A prepared
+    graph serves on the machine that made it, so it takes the 8-bit encoding that is safe here.
+    """
+    return "s8" if sums_int8_in_int32(cpuinfo) else "u8"
 
 
 def write_heads(heads: HeadWeights, path: Path) -> None:

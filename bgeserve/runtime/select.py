@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from bgeserve.model.prepared import sums_int8_in_int32
 from bgeserve.runtime import openvino as ov_runtime
 
 MIN_DENSE_COS = 0.999  # the bar a variant must keep to be chosen without being asked for
@@ -42,6 +43,7 @@ class Machine:
     openvino: Callable[[], bool] = ov_runtime.available
     native_bf16: Callable[[], bool] = ov_runtime.native_bf16
     amx: Callable[[], bool] = cpu_has_amx
+    int8_dot: Callable[[], bool] = sums_int8_in_int32
 
 
 THIS_MACHINE = Machine()
@@ -62,6 +64,26 @@ def validated_cos(entry: Mapping[str, Any]) -> float | None:
     agreement = entry.get("agreement")
     value = agreement.get("dense_cos_min") if isinstance(agreement, dict) else None
     return float(value) if isinstance(value, (int, float)) else None
+
+
+SATURATING_WEIGHTS = ("s8", "8-bit")  # int8's and ov-int8's signed 8-bit weight encodings
+
+
+def needs_int8_dot(entry: Mapping[str, Any]) -> bool:
+    """Whether a variant's int8 weights are signed 8-bit (``export.steps.INT8_WEIGHTS``'s s8,
+    ``export.ovint8.WEIGHTS``' 8-bit): right only on CPUs that sum int8 products in int32
+    (``model.prepared.sums_int8_in_int32``); elsewhere the kernels saturate them."""
+    quantization = entry.get("quantization")
+    return isinstance(quantization, dict) and quantization.get("weights") in SATURATING_WEIGHTS
+
+
+def runs_right(entry: Mapping[str, Any], machine: Machine) -> bool:
+    """Whether ``machine`` computes the variant of ``entry`` as its export measured it."""
+    return not needs_int8_dot(entry) or machine.int8_dot()
+
+
+SATURATES = ("signed 8-bit int8 weights need VNNI or AMX-INT8, which this CPU lacks (its int8 "
+             "kernels would saturate them)")
 
 
 def meets_bar(variant: str, entry: Mapping[str, Any]) -> bool:
@@ -89,6 +111,9 @@ def cpu_default(variants: Mapping[str, Mapping[str, Any]], machine: Machine) -> 
     int8 = int8_cos is not None and int8_cos >= MIN_DENSE_COS
     if "int8" not in variants:
         notes.append("int8: not in the model")
+    elif not runs_right(variants["int8"], machine):
+        int8 = False
+        notes.append(f"int8: {SATURATES}")
     elif int8_cos is None:
         notes.append("int8: the export did not measure its agreement with fp32")
     elif not int8:
@@ -136,6 +161,8 @@ def cpu_candidates(variants: Mapping[str, Mapping[str, Any]],
                               else f"dense cosine vs fp32 {cos:.4f} < {MIN_DENSE_COS}")
         elif runtime == "openvino" and not machine.openvino():
             left_out[name] = f"openvino is not installed ({ov_runtime.INSTALL_HINT})"
+        elif not runs_right(entry, machine):
+            left_out[name] = SATURATES
         elif runtime == "onnxruntime" and name in GPU_VARIANTS:
             left_out[name] = "a GPU variant"
         elif runtime not in ("onnxruntime", "openvino"):

@@ -27,7 +27,14 @@ from bgeserve.model.artifacts import ModelArtifacts, export_variants
 from bgeserve.model.dims import clamp_max_seq, model_dims
 from bgeserve.runtime import gpu
 from bgeserve.runtime import openvino as ov_runtime
-from bgeserve.runtime.select import MIN_DENSE_COS, THIS_MACHINE, Machine, cpu_default
+from bgeserve.runtime.select import (
+    MIN_DENSE_COS,
+    SATURATES,
+    THIS_MACHINE,
+    Machine,
+    cpu_default,
+    runs_right,
+)
 from bgeserve.runtime.session import SessionConfig
 from bgeserve.tuning.tuner import TuningConfig
 
@@ -64,6 +71,12 @@ def resolve(settings: Settings, *, model_explicit: bool | None = None,
     else:
         s = resolve_gpu(s, model_explicit=model_explicit, proc=proc, available=available,
                         nvml=nvml)
+    if model_explicit and s.execution_provider in ("cpu", "openvino"):
+        entry = export_variants(s.model_path).get(s.variant)
+        if entry is not None and not runs_right(entry, machine):
+            # Asked for by name: served, but never silently (the default never picks it here).
+            log.warning("BGE_M3_MODEL=%s: %s; its results here may be far from what its "
+                        "export measured", s.variant, SATURATES)
     # "pinned": BGE_M3_MODEL said so; "rule": a default (the CPU rule, fp16 on GPUs, bf16 on
     # OpenVINO), which the tuner may replace by measuring ("measured").
     return dataclasses.replace(
