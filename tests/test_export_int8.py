@@ -168,7 +168,9 @@ def test_int8_from_a_graph_with_external_data_equals_the_one_file_build(
                     location="model.onnx.data", size_threshold=1024)
     monkeypatch.setattr(steps, "EXTERNAL_DATA_THRESHOLD", 0)  # tiny, but saved as if large
     out = tmp_path / "int8" / "model.onnx"
-    steps.export_int8(fp32, out, tiny_export / "tokenizer.json")
+    weights = json.loads((tiny_export / "manifest.json").read_text())[
+        "variants"]["int8"]["quantization"]["weights"]  # the export's encoding
+    steps.export_int8(fp32, out, tiny_export / "tokenizer.json", weights=weights)
     steps.row_block([out], FFN_ROWS)
     assert (out.parent / "model.onnx.data").exists()
     assert sorted(p.name for p in out.parent.iterdir()) == ["model.onnx", "model.onnx.data"]
