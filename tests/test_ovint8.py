@@ -108,3 +108,45 @@ def test_ov_int8_refuses_an_unknown_weight_encoding(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="expected one of"):
         ovint8.quantize(tmp_path / "plain.onnx", tmp_path / "out.xml", tmp_path / "tok.json",
                         weights="6-bit")
+
+
+def test_the_emulation_computes_what_an_int32_accumulating_kernel_does(
+        tiny_export_ov_int8: Path) -> None:
+    """scripts/int8_emulated.py rebuilds every FakeQuantize in float ops. Where this CPU's int8
+    kernels are exact (7-bit weights without VNNI, 8-bit with it: the weights the export chose
+    here), the rebuilt graph gives the served results back; and it still quantizes (it is
+    not the fp32 graph)."""
+    import importlib.util
+
+    import numpy as np
+    import openvino as ov
+
+    from bgeserve.export import corpus, validate
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "int8_emulated.py"
+    spec = importlib.util.spec_from_file_location("int8_emulated_under_test", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    core = ov.Core()
+    xml = str(tiny_export_ov_int8 / "ov-int8" / "model.xml")
+    served, emulated = core.read_model(xml), core.read_model(xml)
+    fake = sum(op.get_type_name() == "FakeQuantize" for op in emulated.get_ops())
+    assert fake > 0 and module.emulate(emulated) == fake
+    assert not any(op.get_type_name() == "FakeQuantize" for op in emulated.get_ops())
+    rows = corpus.token_rows(tiny_export_ov_int8 / "tokenizer.json", 4321, 4, max_tokens=200)
+    config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 1}
+
+    def dense(model) -> np.ndarray:
+        compiled = core.compile_model(model, "CPU", config)
+        request = compiled.create_infer_request()
+        return np.stack([request.infer({"input_ids": r[None],
+                                        "attention_mask": np.ones((1, len(r)), np.int64)})[
+            compiled.output("dense")][0] for r in rows])
+
+    got, want = dense(emulated), dense(served)
+    np.testing.assert_allclose(got, want, atol=2e-4)
+    fp32, _ = validate.outputs_of(tiny_export_ov_int8 / "fp32" / "model.onnx", "onnxruntime",
+                                  rows)
+    assert np.abs(fp32 - got).max() > 1e-3  # the quantization is still there
