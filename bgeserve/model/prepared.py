@@ -94,10 +94,12 @@ def int8_weights(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     u8 x s8 products into int32 (``sums_int8_in_int32``: MLAS's fastest kernels), else ``u8``.
 
     Without that, MLAS's u8 x u8 kernel widens to 16 bits before multiplying and cannot
-    saturate. 7-bit signed weights (``s7``, reduce_range: what a portable ``bgeserve export``
-    writes) avoid the saturation too, at a cost in agreement: full-size random bge-m3 on a Zen 3,
-    dense cosine vs fp32 min 0.99879 with s7, 0.99942 with u8 (docs/benchmarks.md). A prepared
-    graph serves on the machine that made it, so it takes the 8-bit encoding that is safe here.
+    saturate. 7-bit signed weights (``s7``, reduce_range: what a reranker's ``bgeserve export``
+    writes, portable) avoid the saturation too, at a cost in agreement: full-size random bge-m3
+    on a Zen 3, dense cosine vs fp32 min 0.99879 / 0.99881 with s7, 0.99942 / 0.99947 with u8 on
+    two exports (docs/benchmarks.md). A prepared graph serves on the machine that made it, and a
+    bge-m3 export records its encoding (``runtime.select`` never defaults to an ``s8`` graph on
+    a CPU that would saturate it), so both take the 8-bit encoding that is safe here.
     """
     return "s8" if sums_int8_in_int32(cpuinfo) else "u8"
 

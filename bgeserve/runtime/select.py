@@ -7,7 +7,9 @@ it by timing the candidates (``service.plan``):
 
 1. ``bf16`` on OpenVINO where the CPU has AMX (bf16 matrix tiles: fastest there);
 2. ``int8`` on ONNX Runtime when ``bgeserve export`` measured its dense cosine vs fp32 at
-   ≥ 0.999 (the manifest's ``agreement``; SmoothQuant made that reachable);
+   ≥ 0.999 (the manifest's ``agreement``; SmoothQuant made that reachable) and this CPU
+   computes it as measured (signed 8-bit weights, made on a VNNI / AMX CPU, saturate on one
+   without: ``runs_right``);
 3. ``bf16`` on OpenVINO where the CPU has native bf16 without AMX (AVX512_BF16);
 4. exact ``fp32`` on ONNX Runtime.
 
