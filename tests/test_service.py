@@ -95,9 +95,11 @@ def short_engine(tiny_export: Path) -> Iterator[Engine]:
 @pytest.fixture(scope="module")
 def client(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     """``create_app(settings)`` with its default factory (the real Service), ready."""
-    # Token ids accepted: the token-id tests below send the tiny model's own ids.
+    # Token ids accepted: the token-id tests below send the tiny model's own ids. fp32 pinned:
+    # the tests compare the served outputs with the exact engine's (the default would be int8,
+    # which the tiny export measured above the bar: test_an_unpinned_start_serves_the_rules_pick).
     env = base_env(tiny_export, tmp_path_factory.mktemp("svc-cache"),
-                   BGE_M3_ACCEPT_TOKEN_IDS="1")
+                   BGE_M3_ACCEPT_TOKEN_IDS="1", BGE_M3_MODEL="fp32")
     with TestClient(create_app(Settings.from_env(env))) as c:
         wait_health(c)
         yield c
@@ -270,8 +272,20 @@ def test_health_ok(client: TestClient) -> None:
     model = body["model"]
     assert model["variant"] == "fp32" and model["layout"] == "bgeserve"
     assert model["backend"].startswith("onnxruntime ")
-    # BGE_M3_DISABLE_AUTO_BUDGET=1: nothing measured, the rule's default serves
-    assert model["choice"] == "rule" and model["candidates"] == {}
+    assert model["choice"] == "pinned" and model["candidates"] == {}
+
+
+def test_an_unpinned_start_serves_the_rules_pick(tiny_export: Path, tmp_path: Path) -> None:
+    """Neither BGE_M3_MODEL nor BGE_M3_EP, BGE_M3_DISABLE_AUTO_BUDGET=1: nothing is measured and
+    the rule's pick over the export's manifest serves (on this CPU int8, which the tiny export
+    measured above the bar in the encoding this CPU computes as measured)."""
+    from bgeserve.model.artifacts import export_variants
+    from bgeserve.runtime.select import THIS_MACHINE, cpu_default
+
+    rule = cpu_default(export_variants(tiny_export), THIS_MACHINE)
+    with serving(base_env(tiny_export, tmp_path)) as (c, _):
+        model = wait_health(c)["model"]
+    assert (model["variant"], model["choice"], model["candidates"]) == (rule.variant, "rule", {})
 
 
 def test_the_start_up_objects_are_frozen_out_of_the_collector(client: TestClient) -> None:
@@ -360,7 +374,7 @@ def test_metrics_move(client: TestClient, engine: Engine) -> None:
 def test_memory_budget_refuses_long_texts_only(tiny_export: Path, tmp_path: Path,
                                                engine: Engine, short_engine: Engine) -> None:
     """A tight budget: what fits runs (split into small chunks), what cannot fit is a 413."""
-    with serving(base_env(tiny_export, tmp_path)) as (c, service):
+    with serving(base_env(tiny_export, tmp_path, BGE_M3_MODEL="fp32")) as (c, service):
         wait_health(c)
         tuning = c.get("/health").json()["tuning"]
         a, b = tuning["a_bytes_per_token"], tuning["b_bytes_per_token_sq"]

@@ -146,9 +146,11 @@ IN_PROCESS_MEMORY = str(530 << 20)
 def in_process_env(export: Path, cache: Path, **extra: str) -> dict[str, str]:
     # IN_PROCESS_MEMORY is sized for the model, its probe and the 8,192-token shape: the
     # embedding cache's reservation (BGE_M3_CACHE_MB) would take that shape's room.
+    # fp32 pinned: the memory is sized for fp32, and an unpinned start would first time the
+    # default's candidates (the tiny export's int8 keeps the bar) in processes of their own.
     return env_for(export, cache, BGE_M3_MAX_SEQ_LENGTH="8192",
                    BGE_M3_AVAILABLE_MEMORY_BYTES=IN_PROCESS_MEMORY, BGE_M3_CACHE_MB="0",
-                   **extra)
+                   **{"BGE_M3_MODEL": "fp32", **extra})
 
 
 @contextmanager
