@@ -118,15 +118,16 @@ def ov_bf16(weight: np.ndarray, threads: int) -> Callable[[np.ndarray], object]:
 
 def ov_int8(weight: np.ndarray, threads: int) -> Callable[[np.ndarray], object]:
     import nncf
-    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, OverflowFix
+    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters
+
+    from bgeserve.export import ovint8
 
     rng = np.random.default_rng(1)
     data = [rng.standard_normal((64, HIDDEN)).astype(np.float32) for _ in range(4)]
     model = nncf.quantize(_ov_model(weight), nncf.Dataset(data), subset_size=len(data),
                           fast_bias_correction=False, advanced_parameters=(
-                              AdvancedQuantizationParameters(overflow_fix=OverflowFix.DISABLE
-                                                             if prepared.sums_int8_in_int32()
-                                                             else OverflowFix.ENABLE)))
+                              AdvancedQuantizationParameters(
+                                  overflow_fix=ovint8.overflow_fix(ovint8.weights_here()))))
     return _ov_compile(model, threads)
 
 

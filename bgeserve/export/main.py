@@ -236,10 +236,11 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
         # and a signed 8-bit graph is never a default candidate on a CPU that would saturate it
         # (runtime.select). A reranker's variant is the operator's pick, which nothing checks
         # against the CPU that serves it: its export stays portable (7-bit).
-        quantization["int8"] = {"weights": int8_weights() if kind == EMBEDDING else "s7"}
+        weights = int8_weights() if kind == EMBEDDING else "s7"
+        quantization["int8"] = {"weights": weights}
         _run_step(["int8", str(fp32), str(out / "int8" / "model.onnx"),
-                   "--tokenizer", str(tokenizer), *limit, *pairs,
-                   "--weights", str(quantization["int8"]["weights"])], f"{done}/{steps} int8")
+                   "--tokenizer", str(tokenizer), *limit, *pairs, "--weights", weights],
+                  f"{done}/{steps} int8")
     labels = {}
     for variant in (v for v in VARIANTS if RUNTIMES.get(v) == "openvino" and v in variants):
         done += 1

@@ -33,6 +33,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +44,20 @@ HEAD_PATTERNS = [".*sparse_linear.*", ".*colbert_linear.*"]
 # Weight encodings: "7-bit" (NNCF's overflow fix on every layer) is right on any x86 CPU;
 # "8-bit" only where int8 products are summed into int32 (VNNI, AMX-INT8), see above.
 WEIGHTS = ("7-bit", "8-bit")
+
+
+def weights_here() -> str:
+    """The encoding for this CPU: 8-bit where it sums int8 products in int32, else 7-bit."""
+    from bgeserve.model import prepared
+
+    return "8-bit" if prepared.sums_int8_in_int32() else "7-bit"
+
+
+def overflow_fix(weights: str) -> Any:  # nncf.OverflowFix: nncf is imported only here
+    """NNCF's overflow fix for ``weights``: on every layer for 7-bit, off for 8-bit."""
+    from nncf.quantization.advanced_parameters import OverflowFix
+
+    return OverflowFix.ENABLE if weights == "7-bit" else OverflowFix.DISABLE
 
 
 def available() -> bool:
@@ -66,7 +81,7 @@ def quantize(plain_fp32: Path, out: Path, tokenizer: Path, *, max_tokens: int | 
     if weights not in WEIGHTS:
         raise ValueError(f"ov-int8 weights {weights!r}: expected one of {WEIGHTS}")
     import nncf
-    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, OverflowFix
+    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters
 
     from bgeserve.runtime import openvino
 
@@ -81,8 +96,7 @@ def quantize(plain_fp32: Path, out: Path, tokenizer: Path, *, max_tokens: int | 
         model_type=nncf.ModelType.TRANSFORMER, preset=nncf.QuantizationPreset.MIXED,
         ignored_scope=nncf.IgnoredScope(names=attention, patterns=HEAD_PATTERNS,
                                         validate=False),
-        advanced_parameters=AdvancedQuantizationParameters(
-            overflow_fix=OverflowFix.ENABLE if weights == "7-bit" else OverflowFix.DISABLE))
+        advanced_parameters=AdvancedQuantizationParameters(overflow_fix=overflow_fix(weights)))
     del model
     openvino.save_model(quantized, out)
     layers = sum(n > 0 for n in openvino.quantized_inputs(quantized).values())

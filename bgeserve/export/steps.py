@@ -285,10 +285,9 @@ def export_ov_int8(plain_fp32: Path, out: Path, tokenizer: Path, report: Path,
     import json
 
     from bgeserve.export import ovint8
-    from bgeserve.model.prepared import sums_int8_in_int32
 
     started = time.monotonic()
-    weights = "8-bit" if sums_int8_in_int32() else "7-bit"
+    weights = ovint8.weights_here()
     _log(f"quantizing {plain_fp32} for OpenVINO (NNCF int8, {weights} weights)", started)
     done = ovint8.quantize(plain_fp32, out, tokenizer, max_tokens=max_tokens, weights=weights)
     report.write_text(json.dumps(done))

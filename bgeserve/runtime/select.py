@@ -71,17 +71,14 @@ def validated_cos(entry: Mapping[str, Any]) -> float | None:
 SATURATING_WEIGHTS = ("s8", "8-bit")  # int8's and ov-int8's signed 8-bit weight encodings
 
 
-def needs_int8_dot(entry: Mapping[str, Any]) -> bool:
-    """Whether a variant's int8 weights are signed 8-bit (``export.steps.INT8_WEIGHTS``'s s8,
-    ``export.ovint8.WEIGHTS``' 8-bit): right only on CPUs that sum int8 products in int32
+def runs_right(entry: Mapping[str, Any], machine: Machine) -> bool:
+    """Whether ``machine`` computes the variant of ``entry`` as its export measured it: int8
+    weights that are signed 8-bit (``export.steps.INT8_WEIGHTS``' s8, ``export.ovint8.WEIGHTS``'
+    8-bit) are right only on CPUs that sum int8 products in int32
     (``model.prepared.sums_int8_in_int32``); elsewhere the kernels saturate them."""
     quantization = entry.get("quantization")
-    return isinstance(quantization, dict) and quantization.get("weights") in SATURATING_WEIGHTS
-
-
-def runs_right(entry: Mapping[str, Any], machine: Machine) -> bool:
-    """Whether ``machine`` computes the variant of ``entry`` as its export measured it."""
-    return not needs_int8_dot(entry) or machine.int8_dot()
+    signed8 = isinstance(quantization, dict) and quantization.get("weights") in SATURATING_WEIGHTS
+    return not signed8 or machine.int8_dot()
 
 
 SATURATES = ("signed 8-bit int8 weights need VNNI or AMX-INT8, which this CPU lacks (its int8 "
