@@ -193,11 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     prep = sub.add_parser(
         "prepare", help="hub ONNX snapshot → bgeserve's fast graphs, cached (no torch; serve "
         "does this on its first start)", description="Prepare bgeserve's own graphs (heads "
-        "inside, bounded attention, int8, bf16) from the snapshot serve would use "
+        "inside, bounded attention, int8, bf16, ov-int8) from the snapshot serve would use "
         "(BGE_M3_MODEL_PATH, else the hub download) into BGE_M3_CACHE_DIR/prepared, and print "
         "the directory: a `bgeserve export` that serve picks up by itself.")
-    prep.add_argument("--variant", action="append", choices=["fp32", "int8", "bf16"],
-                      help="repeatable (default: fp32, int8, and bf16 where this CPU has it)")
+    prep.add_argument("--variant", action="append", choices=["fp32", "int8", "bf16", "ov-int8"],
+                      help="repeatable (default: fp32, int8, bf16 where this CPU has it, and "
+                      "ov-int8 where it has VNNI or AMX-INT8)")
     prep.add_argument("--force", action="store_true", help="prepare again even if cached")
     prep.add_argument("--out", type=Path, default=None,
                       help="also write the export to this directory (for BGE_M3_MODEL_PATH)")

@@ -43,6 +43,29 @@ def test_starts_that_do_not_prepare_keep_their_settings(env, status, why, tmp_pa
     assert prep.status["status"] == status and why in prep.status["reason"]
 
 
+@pytest.mark.parametrize(("env", "bf16", "int32", "nncf", "want"), [
+    ({}, False, False, True, ["fp32", "int8"]),
+    ({}, True, False, True, ["fp32", "int8", "bf16"]),
+    # VNNI / AMX-INT8: OpenVINO's int8 is fast there and its 8-bit weights compute right
+    ({}, False, True, True, ["fp32", "int8", "ov-int8"]),
+    ({}, True, True, True, ["fp32", "int8", "bf16", "ov-int8"]),
+    ({}, True, True, False, ["fp32", "int8", "bf16"]),  # no NNCF: not made, nothing fails
+    # asked for: made on any CPU (7-bit weights without VNNI)
+    ({"BGE_M3_MODEL": "ov-int8"}, False, False, True, ["fp32", "int8", "ov-int8"]),
+    ({"BGE_M3_MODEL": "bf16"}, False, False, True, ["fp32", "int8", "bf16"]),
+])
+def test_the_variants_a_start_prepares_follow_the_cpu(env, bf16, int32, nncf, want,
+                                                      monkeypatch) -> None:
+    """fp32 and int8 always; bf16 where the CPU computes in bf16; ov-int8 where it sums int8
+    products in int32 and NNCF is installed; either one when it is the variant asked for."""
+    monkeypatch.setattr(preparation.openvino, "available", lambda: True)
+    monkeypatch.setattr(preparation.openvino, "native_bf16", lambda: bf16)
+    monkeypatch.setattr(preparation, "sums_int8_in_int32", lambda: int32)
+    monkeypatch.setattr(preparation.importlib.util, "find_spec",
+                        lambda name: object() if nncf and name == "nncf" else None)
+    assert preparation._wanted(Settings.from_env(env)) == want
+
+
 def test_an_export_is_served_as_it_is(tiny_export, tmp_path) -> None:
     """BGE_M3_MODEL_PATH at a `bgeserve export` needs no preparing."""
     s = Settings.from_env({"BGE_M3_MODEL_PATH": str(tiny_export)})
@@ -343,7 +366,7 @@ def test_first_start_downloads_and_prepares_the_second_serves_from_the_cache(
 def test_a_full_disk_leaves_variants_out_before_anything_is_written(tmp_path,
                                                                     monkeypatch) -> None:
     """Free space for fp32 and int8 but not bf16: bf16 is skipped (the reason names
-    BGE_M3_CACHE_DIR); not even room for fp32: nothing is prepared."""
+    BGE_M3_CACHE_DIR), and ov-int8 before it; not even room for fp32: nothing is prepared."""
     import shutil as shutil_module
 
     weights = 1 << 30
@@ -353,6 +376,8 @@ def test_a_full_disk_leaves_variants_out_before_anything_is_written(tmp_path,
                         lambda path: usage._replace(free=room))
     skips = preparation._disk_skips(tmp_path, weights, ["fp32", "int8", "bf16"])
     assert list(skips) == ["bf16"] and "BGE_M3_CACHE_DIR" in skips["bf16"]
+    skips = preparation._disk_skips(tmp_path, weights, ["fp32", "int8", "bf16", "ov-int8"])
+    assert list(skips) == ["ov-int8", "bf16"]
     monkeypatch.setattr(preparation.shutil, "disk_usage",
                         lambda path: usage._replace(free=weights // 2))
     with pytest.raises(preparation._Skip, match="BGE_M3_CACHE_DIR"):

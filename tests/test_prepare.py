@@ -8,6 +8,7 @@ imported. The prepared variants must match FlagEmbedding (tests/oracle.py tolera
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -45,7 +46,9 @@ def run_prepare(snapshot: Path, cache: Path, path: str, *args: str) -> subproces
                           capture_output=True, text=True, timeout=900, check=False)
 
 
-VARIANTS = ["fp32", "int8", *(["bf16"] if openvino.available() else [])]
+OV_INT8 = openvino.available() and importlib.util.find_spec("nncf") is not None
+VARIANTS = ["fp32", "int8", *(["bf16"] if openvino.available() else []),
+            *(["ov-int8"] if OV_INT8 else [])]
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +87,16 @@ def test_prepare_writes_a_bgeserve_export_without_torch(prepared, hub_snapshots)
     # int8's weight encoding, in the entry as an export records it (runtime.select reads it)
     assert manifest["variants"]["int8"]["quantization"] == {
         "weights": manifest["prepared"]["int8_weights"]}
+    if OV_INT8:  # NNCF's report, as `bgeserve export` records it; the encoding this CPU gets
+        from bgeserve.model.prepared import sums_int8_in_int32
+
+        entry = manifest["variants"]["ov-int8"]
+        assert entry["path"] == "ov-int8/model.xml" and entry["runtime"] == "openvino"
+        quantization = entry["quantization"]
+        assert quantization["tool"].startswith("nncf ") and quantization["int8_matmuls"] == 12
+        assert quantization["weights"] == ("8-bit" if sums_int8_in_int32() else "7-bit")
+        assert entry["agreement"]["dense_cos_min"] >= INT8.dense_cos
+        assert sorted(p.name for p in (path / "ov-int8").iterdir()) == ["model.bin", "model.xml"]
     files = manifest["source"]["files"]
     assert {"model.onnx", "model.onnx_data", "tokenizer.json"} <= set(files)
     assert manifest["source"]["layout"] == "baai" and not manifest["prepared"]["skipped"]
@@ -118,13 +131,14 @@ def ref(flag_model, texts):
     return reference(flag_model, texts)
 
 
-@pytest.mark.parametrize(("variant", "tol"), [("fp32", FP32), ("int8", INT8), ("bf16", BF16)])
+@pytest.mark.parametrize(("variant", "tol"), [("fp32", FP32), ("int8", INT8), ("bf16", BF16),
+                                              ("ov-int8", INT8)])
 def test_prepared_variants_match_flagembedding(variant, tol, prepared, texts, ref,
                                                tmp_path) -> None:
     """Each prepared variant agrees with FlagEmbedding fp32 within its variant's tolerance."""
     path, _ = prepared
     if variant not in VARIANTS:
-        pytest.skip("openvino is not installed")
+        pytest.skip("openvino (and, for ov-int8, nncf) is not installed")
     config = EngineConfig(scheduler=SchedulerConfig(max_chunk=8))
     with Engine(path, variant, config=config, cache_dir=tmp_path, offline=True) as engine:
         ours = engine.embed(texts, dense=True, sparse=True, colbert=True)

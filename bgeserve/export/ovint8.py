@@ -30,6 +30,7 @@ activation quantizer evaluated in float as a VNNI / AMX CPU computes it
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -53,8 +54,19 @@ def weights_here() -> str:
     return "8-bit" if prepared.sums_int8_in_int32() else "7-bit"
 
 
+def _nncf() -> Any:
+    """NNCF, imported with its usage telemetry off: it reports each use to OpenVINO's
+    telemetry service without asking unless ``NNCF_CI`` is set (whose only effect is to stub
+    that out), and a server's first start must not phone home."""
+    os.environ.setdefault("NNCF_CI", "1")
+    import nncf
+
+    return nncf
+
+
 def overflow_fix(weights: str) -> Any:  # nncf.OverflowFix: nncf is imported only here
     """NNCF's overflow fix for ``weights``: on every layer for 7-bit, off for 8-bit."""
+    _nncf()
     from nncf.quantization.advanced_parameters import OverflowFix
 
     return OverflowFix.ENABLE if weights == "7-bit" else OverflowFix.DISABLE
@@ -80,7 +92,7 @@ def quantize(plain_fp32: Path, out: Path, tokenizer: Path, *, max_tokens: int | 
     ``weights`` (WEIGHTS); returns what was done, for the manifest."""
     if weights not in WEIGHTS:
         raise ValueError(f"ov-int8 weights {weights!r}: expected one of {WEIGHTS}")
-    import nncf
+    nncf = _nncf()
     from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters
 
     from bgeserve.runtime import openvino

@@ -2,8 +2,8 @@
 
 No torch, no transformers: the hub's fp32 graph is rewritten with ``onnx`` (heads inside, the
 export's bounded attention and FFN row blocks) and the fast variants are made from it with ONNX
-Runtime's quantizer (int8: SmoothQuant calibrated on the fp32 graph's own activations) and
-OpenVINO (bf16). Every variant, fp32 included, is validated against the hub graph itself and the
+Runtime's quantizer (int8: SmoothQuant calibrated on the fp32 graph's own activations),
+OpenVINO (bf16) and NNCF (ov-int8: OpenVINO's int8, as ``bgeserve export`` makes it). Every variant, fp32 included, is validated against the hub graph itself and the
 figures go into the manifest's ``agreement``, so the server's default choice (runtime/select.py)
 reads them as it reads an export's. Each heavy step runs in a process of its own, one at a time,
 so the peak memory is that of one step.
@@ -36,7 +36,7 @@ from bgeserve.model import prepared
 from bgeserve.model.layout import Layout
 from bgeserve.model.prepared import PrepareSource
 
-VARIANTS = ("fp32", "int8", "bf16")
+VARIANTS = ("fp32", "int8", "bf16", "ov-int8")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # The prepared fp32 graph must compute what the hub graph computes: fp32 tolerances of
 # SPEC §2. Anything worse means the rewrite misread this graph, and it is not served.
@@ -63,6 +63,9 @@ class Outcome:
     seconds: float = 0.0
     steps: dict[str, dict[str, float]] = field(default_factory=dict)  # seconds, peak RSS
     weights: str = "s7"  # int8's weight encoding (export.steps.INT8_WEIGHTS)
+    # What each quantized variant's step did (int8: its weights; ov-int8: NNCF's report), for
+    # the manifest as an export records it.
+    quantization: dict[str, dict[str, Any]] = field(default_factory=dict)
     reused: list[str] = field(default_factory=list)  # variants linked from an earlier one
     # Variants of ``skipped`` left out because the caller said this machine had no room for
     # them (``skip``), not because their step failed: a later start with more room makes them.
@@ -84,8 +87,8 @@ def prepare(source: PrepareSource, out: Path, variants: Sequence[str] = VARIANTS
     the variants it holds are linked from it with their recorded agreement, and only the
     others are made and validated (a start asking for bf16 after a default preparation does
     not quantize int8 again).
-    Raises PrepareFailed when fp32 cannot be made or disagrees with the hub graph; an int8 or
-    bf16 step that fails is skipped, with its reason."""
+    Raises PrepareFailed when fp32 cannot be made or disagrees with the hub graph; an int8,
+    bf16 or ov-int8 step that fails is skipped, with its reason."""
     started = time.monotonic()
     asked = [v for v in VARIANTS if v in variants or v == "fp32"]
     kept = _reusable(reuse, asked)  # before the skips: a variant held already costs nothing
@@ -133,6 +136,20 @@ def prepare(source: PrepareSource, out: Path, variants: Sequence[str] = VARIANTS
         _optional(run, skipped, "bf16", ["bgeserve.export.steps", "openvino",
                                          str(work / "plain" / "model.onnx"),
                                          str(out / GRAPH_PATHS["bf16"])])
+    # int8's encoding is the key's (a kept int8 graph has it too); ov-int8's report is its own.
+    quantization = {v: e["quantization"] for v, e in kept.items() if "quantization" in e}
+    quantization["int8"] = {"weights": weights}
+    if "ov-int8" in fresh:
+        # From the plain graph (OpenVINO fuses its attention; NNCF leaves that in float), with
+        # the weight encoding this CPU computes right (ovint8.weights_here).
+        report = work / "ov-int8.json"
+        _optional(run, skipped, "ov-int8", ["bgeserve.export.steps", "ov-int8",
+                                            str(work / "plain" / "model.onnx"),
+                                            str(out / GRAPH_PATHS["ov-int8"]),
+                                            "--tokenizer", str(tokenizer), *limit,
+                                            "--report", str(report)])
+        if "ov-int8" not in skipped:
+            quantization["ov-int8"] = json.loads(report.read_text())
     new = [v for v in fresh if v not in skipped]
     # Never a kept graph: its files are links to the earlier preparation's.
     blocked = [str(out / GRAPH_PATHS[v]) for v in ("fp32", "int8") if v in new]
@@ -159,7 +176,8 @@ def prepare(source: PrepareSource, out: Path, variants: Sequence[str] = VARIANTS
                             "with BGE_M3_PREPARE=0 and report the graph's origin")
     made = [v for v in wanted if v in kept or v in new]
     outcome = Outcome(made, skipped, round(time.monotonic() - started, 1), run.measured,
-                      weights, list(kept), sorted(v for v in skip or {} if v in skipped))
+                      weights, {v: q for v, q in quantization.items() if v in made},
+                      list(kept), sorted(v for v in skip or {} if v in skipped))
     _write_manifest(out, source, dims, agreement, outcome, source_hashes or {})
     shutil.rmtree(work)
     return outcome
@@ -265,10 +283,10 @@ def _write_manifest(out: Path, source: PrepareSource, dims: dict[str, Any],
             "agreement": agreement[variant]}
         if variant in RUNTIMES:
             entry.update(runtime=RUNTIMES[variant], attention="plain (the runtime fuses it)")
-        if variant == "int8":
+        if variant in outcome.quantization:
             # As an export records it: a standalone copy (`bgeserve prepare --out`) may be
             # served on another CPU, where signed 8-bit weights could saturate (runtime.select).
-            entry["quantization"] = {"weights": outcome.weights}
+            entry["quantization"] = outcome.quantization[variant]
         variants[variant] = entry
     model = {k: dims[k] for k in ("hidden", "heads", "intermediate", "layers", "max_positions",
                                   "attention_block", "ffn_rows") if k in dims}

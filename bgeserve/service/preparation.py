@@ -14,6 +14,7 @@ served as it is and ``status`` says why (``/health`` shows it, the log too).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import shutil
@@ -36,6 +37,7 @@ from bgeserve.model.prepared import (
     file_digests,
     int8_weights,
     source_key,
+    sums_int8_in_int32,
     write_heads,
 )
 from bgeserve.progress import Progress
@@ -48,13 +50,15 @@ log = logging.getLogger("bgeserve.prepare")
 GiB = 1 << 30
 # Peak memory of each step against the fp32 weights' size W (measured, full-size bge-m3,
 # W = 2.27 GB; docs/benchmarks.md): int8 holds the weights twice while quantizing, the
-# OpenVINO conversion about twice, validation one session at a time.
-PEAK = {"int8": (3.0, 1 * GiB), "bf16": (2.5, 1 * GiB), "fp32": (1.5, 1 * GiB)}
+# OpenVINO conversion about twice, validation one session at a time; NNCF's ov-int8 peaked at
+# 7.0 GB (the model, its statistics-collecting copy and the int8 IR being written).
+PEAK = {"int8": (3.0, 1 * GiB), "bf16": (2.5, 1 * GiB), "ov-int8": (3.0, 1 * GiB),
+        "fp32": (1.5, 1 * GiB)}
 
 
 # Disk each variant takes against W (full-size: fp32 a copy of the weights, int8 1.37 GB,
-# the bf16 IR 1.14 GB for W = 2.27 GB).
-DISK = {"fp32": 1.02, "int8": 0.62, "bf16": 0.52}
+# the bf16 IR 1.14 GB, the ov-int8 IR 0.58 GB for W = 2.27 GB).
+DISK = {"fp32": 1.02, "int8": 0.62, "bf16": 0.52, "ov-int8": 0.26}
 
 
 def peak_bytes(step: str, weights: int) -> int:
@@ -109,7 +113,9 @@ class Preparation:
             return s
         variants = export_variants(prepared)
         if not choose and s.variant not in variants:
-            why = outcome.get("skipped", {}).get(s.variant, "not made")
+            why = outcome.get("skipped", {}).get(s.variant) or (
+                "it is made with OpenVINO and NNCF, which are not both installed"
+                if s.variant == "ov-int8" and not _nncf() else "not made")
             self._fallback("skipped", f"BGE_M3_MODEL={s.variant} was not prepared ({why})")
             return s
         self.status.update(path=str(prepared), variants=sorted(variants))
@@ -208,15 +214,15 @@ def _limits(weights: int, available: int, root: Path, variants: list[str]) -> di
 
 
 def _disk_skips(root: Path, weights: int, wanted: list[str]) -> dict[str, str]:
-    """Variants left out because the cache's file system cannot hold them (bf16, then int8);
-    _Skip when not even fp32 fits."""
+    """Variants left out because the cache's file system cannot hold them (ov-int8, bf16, then
+    int8); _Skip when not even fp32 fits."""
     free = shutil.disk_usage(root).free
     need = {v: int(DISK[v] * weights) for v in wanted}
     if free < need["fp32"]:
         raise _Skip(f"the prepared graphs need ~{need['fp32'] / GiB:.1f} GiB on "
                     f"BGE_M3_CACHE_DIR ({root}), {free / GiB:.1f} GiB are free")
     skips: dict[str, str] = {}
-    for variant in ("bf16", "int8"):
+    for variant in ("ov-int8", "bf16", "int8"):
         if variant in need and sum(need.values()) > free:
             skips[variant] = (f"needs ~{need.pop(variant) / GiB:.1f} GiB of disk in "
                               f"BGE_M3_CACHE_DIR, {free / GiB:.1f} GiB free")
@@ -302,12 +308,24 @@ def _not_needed(s: Settings) -> str | None:
 
 def _wanted(s: Settings) -> list[str]:
     """fp32 and int8 always; bf16 where OpenVINO is installed and this CPU computes in bf16
-    (or bf16 is asked for)."""
+    (or bf16 is asked for); ov-int8 where NNCF is installed too and this CPU sums int8
+    products in int32 (VNNI, AMX-INT8: where OpenVINO's int8 is fast and its 8-bit weights
+    compute right), or ov-int8 is asked for. Elsewhere it would cost minutes of quantizing
+    for a graph that is slower than ONNX Runtime's int8 and under the bar (7-bit weights,
+    dense cosine 0.9973 on full-size random bge-m3, docs/benchmarks.md)."""
     wanted = ["fp32", "int8"]
     asked = s.variant == "bf16" or s.execution_provider == "openvino"
     if openvino.available() and (asked or openvino.native_bf16()):
         wanted.append("bf16")
+    if _nncf() and (s.variant == "ov-int8" or sums_int8_in_int32()):
+        wanted.append("ov-int8")
     return wanted
+
+
+def _nncf() -> bool:
+    """Whether ov-int8 can be made here: OpenVINO and NNCF installed (looked up, not imported:
+    the prepare child imports NNCF, the server never does)."""
+    return openvino.available() and importlib.util.find_spec("nncf") is not None
 
 
 def _refit(manifest: dict[str, Any], new: list[str],
