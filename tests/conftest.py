@@ -73,14 +73,14 @@ def tiny_export_bf16(tiny_model: Path, models_root: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_export_ov_int8(tiny_model: Path, models_root: Path) -> Path:
     """``bgeserve export --variant fp32 --variant ov-int8`` of the tiny model (NNCF's int8 IR,
-    validated against the fp32 graph); skips without openvino or nncf (the dev extra has
-    both)."""
+    validated against the fp32 graph); skips without openvino or nncf (bgeserve's own
+    dependencies on x86-64)."""
     from bgeserve.export import ovint8
     from bgeserve.export.main import export
     from bgeserve.runtime import openvino
 
     if not (openvino.available() and ovint8.available()):
-        pytest.skip("ov-int8 needs openvino and nncf: pip install 'bgeserve[export]'")
+        pytest.skip("ov-int8 needs openvino and nncf (bgeserve installs both on x86-64)")
     out = models_root / "tiny-export-ov-int8"
     if not (out / "manifest.json").exists():
         export(str(tiny_model), out, ("fp32", "ov-int8"))

@@ -1,6 +1,6 @@
 """The ov-int8 variant (export/ovint8.py): NNCF's int8 IR, what it leaves in float, its manifest
 entry, and serving it. Parity with FlagEmbedding is in test_parity.py (case export-ov-int8).
-Everything skips without openvino and nncf (both in the dev extra)."""
+Everything skips without openvino and nncf (bgeserve installs both on x86-64)."""
 
 from __future__ import annotations
 

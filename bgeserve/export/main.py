@@ -132,8 +132,8 @@ def default_variants() -> tuple[str, ...]:
               f"({openvino.INSTALL_HINT})", file=sys.stderr, flush=True)
         skip = ["bf16", "ov-int8"]
     elif not ovint8.available():
-        print("    ov-int8 (OpenVINO) skipped: nncf is not installed "
-              "(`pip install 'bgeserve[export]'`)", file=sys.stderr, flush=True)
+        print("    ov-int8 (OpenVINO) skipped: nncf is not installed (bgeserve installs it "
+              "on x86-64; elsewhere `pip install nncf`)", file=sys.stderr, flush=True)
         skip = ["ov-int8"]
     return tuple(v for v in CPU_VARIANTS if v not in skip)
 

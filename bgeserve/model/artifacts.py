@@ -254,8 +254,8 @@ def _resolve_export(root: Path, manifest: dict[str, Any], variant: str) -> Model
     entry = variants.get(variant)
     if not isinstance(entry, dict):
         if variant in EXPORT_ONLY_VARIANTS:
-            hint = ("(it needs `pip install 'bgeserve[export]'`, which has openvino and nncf, "
-                    "when exporting)")
+            hint = ("(written where openvino, and for ov-int8 nncf, are installed: bgeserve "
+                    "installs both on x86-64)")
         else:
             hint = ""
         source = manifest.get("source")
