@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bgeserve.engine import Engine
@@ -150,3 +151,20 @@ def test_the_emulation_computes_what_an_int32_accumulating_kernel_does(
     fp32, _ = validate.outputs_of(tiny_export_ov_int8 / "fp32" / "model.onnx", "onnxruntime",
                                   rows)
     assert np.abs(fp32 - got).max() > 1e-3  # the quantization is still there
+
+
+def test_each_calibration_pass_reports_its_progress(capsys) -> None:
+    """NNCF's passes over the calibration texts are reported a quarter at a time on stderr
+    (what `prepare` relays during its longest step); NNCF's peek at one sample is no pass, and
+    a pass that stops at the last text without asking for more still reports it."""
+    import itertools
+
+    from bgeserve.export.ovint8 import _Progress
+
+    samples = [{"input_ids": np.full((1, 3), k)} for k in range(8)]
+    progress = _Progress(samples)
+    next(iter(progress))
+    assert list(progress) == samples and list(itertools.islice(progress, 8)) == samples
+    assert len(progress) == 8
+    assert capsys.readouterr().err.splitlines() == [
+        f"[ov-int8] statistics pass {p}: text {i}/8" for p in (1, 2) for i in (2, 4, 6, 8)]

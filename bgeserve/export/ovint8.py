@@ -86,6 +86,31 @@ def calibration(tokenizer: Path, n: int, max_tokens: int) -> list[dict[str, np.n
             for r in rows]
 
 
+class _Progress:
+    """The calibration samples, saying on stderr how far each of NNCF's passes over them got:
+    a pass over the full-size model takes ~1.5 minutes on 2 cores, and NNCF's own progress bars
+    draw only on a terminal (``prepare`` relays these lines to the server's log)."""
+
+    def __init__(self, samples: list[dict[str, np.ndarray]], reports: int = 4):
+        self.samples = samples
+        self.every = max(1, len(samples) // reports)
+        self.passes = 0
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __iter__(self):
+        # Said as each report's text is handed over (NNCF may stop iterating at the last one
+        # without asking for more); a pass is counted at its first report, since NNCF also
+        # peeks at a single sample.
+        for i, sample in enumerate(self.samples, 1):
+            if i % self.every == 0:
+                self.passes += i == self.every
+                print(f"[ov-int8] statistics pass {self.passes}: text {i}/{len(self)}",
+                      file=sys.stderr, flush=True)
+            yield sample
+
+
 def quantize(plain_fp32: Path, out: Path, tokenizer: Path, *, max_tokens: int | None = None,
              texts: int = CALIBRATION_TEXTS, weights: str = "7-bit") -> dict[str, object]:
     """Quantize ``plain_fp32`` (an ONNX graph with plain attention) into the IR ``out`` with
@@ -104,7 +129,7 @@ def quantize(plain_fp32: Path, out: Path, tokenizer: Path, *, max_tokens: int | 
     print(f"[ov-int8] {len(samples)} calibration texts, {len(attention)} attention MatMuls "
           "kept in float", file=sys.stderr, flush=True)
     quantized = nncf.quantize(
-        model, nncf.Dataset(samples), subset_size=len(samples),
+        model, nncf.Dataset(_Progress(samples)), subset_size=len(samples),
         model_type=nncf.ModelType.TRANSFORMER, preset=nncf.QuantizationPreset.MIXED,
         ignored_scope=nncf.IgnoredScope(names=attention, patterns=HEAD_PATTERNS,
                                         validate=False),
