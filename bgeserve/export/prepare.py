@@ -3,10 +3,11 @@
 No torch, no transformers: the hub's fp32 graph is rewritten with ``onnx`` (heads inside, the
 export's bounded attention and FFN row blocks) and the fast variants are made from it with ONNX
 Runtime's quantizer (int8: SmoothQuant calibrated on the fp32 graph's own activations),
-OpenVINO (bf16) and NNCF (ov-int8: OpenVINO's int8, as ``bgeserve export`` makes it). Every variant, fp32 included, is validated against the hub graph itself and the
-figures go into the manifest's ``agreement``, so the server's default choice (runtime/select.py)
-reads them as it reads an export's. Each heavy step runs in a process of its own, one at a time,
-so the peak memory is that of one step.
+OpenVINO (bf16) and NNCF (ov-int8: OpenVINO's int8, as ``bgeserve export`` makes it). Every
+variant, fp32 included, is validated against the hub graph itself and the figures go into the
+manifest's ``agreement``, so the server's default choice (runtime/select.py) reads them as it
+reads an export's. Each heavy step runs in a process of its own, one at a time, so the peak
+memory is that of one step.
 
 The server runs this module as a child (service/preparation.py decides, keeps the cache and
 reads the progress this prints: one JSON object per line on stdout, ``{"event": "step" |

@@ -51,7 +51,7 @@ GiB = 1 << 30
 # Peak memory of each step against the fp32 weights' size W (measured, full-size bge-m3,
 # W = 2.27 GB; docs/benchmarks.md): int8 holds the weights twice while quantizing, the
 # OpenVINO conversion about twice, validation one session at a time; NNCF's ov-int8 peaked at
-# 7.0 GB (the model, its statistics-collecting copy and the int8 IR being written).
+# 7,068 MiB (the model, its statistics-collecting copies and the int8 IR being written).
 PEAK = {"int8": (3.0, 1 * GiB), "bf16": (2.5, 1 * GiB), "ov-int8": (3.0, 1 * GiB),
         "fp32": (1.5, 1 * GiB)}
 
