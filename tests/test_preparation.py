@@ -53,6 +53,10 @@ def test_starts_that_do_not_prepare_keep_their_settings(env, status, why, tmp_pa
     # asked for: made on any CPU (7-bit weights without VNNI)
     ({"BGE_M3_MODEL": "ov-int8"}, False, False, True, ["fp32", "int8", "ov-int8"]),
     ({"BGE_M3_MODEL": "bf16"}, False, False, True, ["fp32", "int8", "bf16"]),
+    ({"BGE_M3_EP": "openvino"}, False, False, True, ["fp32", "int8", "bf16"]),
+    # ov-int8 runs on OpenVINO too, but bf16 is not what was asked for
+    ({"BGE_M3_MODEL": "ov-int8", "BGE_M3_EP": "openvino"}, False, False, True,
+     ["fp32", "int8", "ov-int8"]),
 ])
 def test_the_variants_a_start_prepares_follow_the_cpu(env, bf16, int32, nncf, want,
                                                       monkeypatch) -> None:

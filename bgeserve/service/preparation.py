@@ -314,7 +314,8 @@ def _wanted(s: Settings) -> list[str]:
     for a graph that is slower than ONNX Runtime's int8 and under the bar (7-bit weights,
     dense cosine 0.9973 on full-size random bge-m3, docs/benchmarks.md)."""
     wanted = ["fp32", "int8"]
-    asked = s.variant == "bf16" or s.execution_provider == "openvino"
+    # BGE_M3_EP=openvino asks for OpenVINO's variant: bf16, unless ov-int8 is the one named.
+    asked = s.variant == "bf16" or (s.execution_provider == "openvino" and s.variant != "ov-int8")
     if openvino.available() and (asked or openvino.native_bf16()):
         wanted.append("bf16")
     if _nncf() and (s.variant == "ov-int8" or sums_int8_in_int32()):
