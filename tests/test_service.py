@@ -404,7 +404,9 @@ def test_token_budget_setting_is_enforced(tiny_export: Path, tmp_path: Path,
                               offline=True))
     a, b = conservative_coefficients(**dims)
     budget = int(CostModel(a, b, 0).cost(1, MAX_SEQ))
-    env = base_env(tiny_export, tmp_path, BGE_M3_TOKEN_BUDGET=str(budget))
+    # fp32 pinned: compared with the exact engine below, and with the tuning on an unpinned
+    # start would time its candidates (the tiny int8 passes the bar and may win).
+    env = base_env(tiny_export, tmp_path, BGE_M3_TOKEN_BUDGET=str(budget), BGE_M3_MODEL="fp32")
     del env["BGE_M3_DISABLE_AUTO_BUDGET"]
     with serving(env) as (c, service):
         body = wait_health(c)
