@@ -117,10 +117,10 @@ def ov_bf16(weight: np.ndarray, threads: int) -> Callable[[np.ndarray], object]:
 
 
 def ov_int8(weight: np.ndarray, threads: int) -> Callable[[np.ndarray], object]:
-    import nncf
-    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters
-
     from bgeserve.export import ovint8
+
+    nncf = ovint8.import_nncf()  # with its telemetry off, as the export's step imports it
+    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters
 
     rng = np.random.default_rng(1)
     data = [rng.standard_normal((64, HIDDEN)).astype(np.float32) for _ in range(4)]

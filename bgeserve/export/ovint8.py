@@ -54,7 +54,7 @@ def weights_here() -> str:
     return "8-bit" if prepared.sums_int8_in_int32() else "7-bit"
 
 
-def _nncf() -> Any:
+def import_nncf() -> Any:
     """NNCF, imported with its usage telemetry off: it reports each use to OpenVINO's
     telemetry service without asking unless ``NNCF_CI`` is set (whose only effect is to stub
     that out), and a server's first start must not phone home."""
@@ -66,7 +66,7 @@ def _nncf() -> Any:
 
 def overflow_fix(weights: str) -> Any:  # nncf.OverflowFix: nncf is imported only here
     """NNCF's overflow fix for ``weights``: on every layer for 7-bit, off for 8-bit."""
-    _nncf()
+    import_nncf()
     from nncf.quantization.advanced_parameters import OverflowFix
 
     return OverflowFix.ENABLE if weights == "7-bit" else OverflowFix.DISABLE
@@ -117,7 +117,7 @@ def quantize(plain_fp32: Path, out: Path, tokenizer: Path, *, max_tokens: int | 
     ``weights`` (WEIGHTS); returns what was done, for the manifest."""
     if weights not in WEIGHTS:
         raise ValueError(f"ov-int8 weights {weights!r}: expected one of {WEIGHTS}")
-    nncf = _nncf()
+    nncf = import_nncf()
     from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters
 
     from bgeserve.runtime import openvino
