@@ -25,6 +25,12 @@ Modes (each per variant, except ``flag`` and ``ort1``, which are fp32 baselines)
               then a per-text latency pass.
 - ``http``:   ``python -m bgeserve serve`` in a subprocess; ``--http-clients`` concurrent aiohttp
               clients POST ``--http-batch`` texts per request to ``/v1/embeddings:both``.
+- ``serve``:  the same clients against the server as a user starts it: only the model path,
+              the bind address and a cache dir set (the embedding cache off), so it measures
+              its own variant, memory budget and chunk size at start-up (waited for) and
+              serves what it chose; the row's variant is that choice. The cache dir is the
+              run's own (``runs/<id>/serve-cache``): round 1 measures, later rounds start from
+              what it cached, as a restart would. Its threads are the server's default.
 - ``--load``: N concurrent clients (``--clients 1,16,64``), one short text per request, with
               cross-request batching on and off (``BGE_M3_CROSS_REQUEST_BATCHING=0``).
 - ``--rss-vs-length``: one child per variant (``--rss-variants``) and length (512 … 8192) loads
@@ -107,6 +113,18 @@ def server_default_variant(export_dir: Path) -> str | None:
     except (subprocess.SubprocessError, IndexError) as exc:
         log(f"server default variant unknown ({exc}): no 'http <default> / flag' ratio")
         return None
+
+
+def served_line(row: dict[str, Any]) -> str:
+    """What a ``serve`` row's server chose for itself, from its /health once ready."""
+    s = row["served"]
+    timed = ", ".join(f"{v} {r:,.0f}" for v, r in (s.get("candidates") or {}).items())
+    return (f"- {row['name']}: the server chose **{s.get('variant')}** ({s.get('choice')}"
+            + (f"; its candidates' tokens/s on its start-up workload: {timed}" if timed else "")
+            + f"), chunk budget {s.get('chunk_tokens')} padded tokens "
+            f"({s.get('chunk_tokens_source')}), {s.get('threads')} threads; ready after "
+            + " / ".join(f"{x or 0:.0f}" for x in row.get("rounds_load_s") or [row.get("load_s")])
+            + " s (by round: the first start measures, later ones read its cache)\n")
 
 
 def server_max_seq(args: argparse.Namespace, corpus: dict[str, Any]) -> int | None:
@@ -258,9 +276,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if bad:
         p.error(f"unknown mode(s) {bad}; choose from {MODES}")
     if args.ep != "cpu":
-        cpu_only = [m for m in args.modes if m not in ("engine", "http")]
+        cpu_only = [m for m in args.modes if m not in ("engine", "http", "serve")]
         if cpu_only or args.rss_vs_length or args.chunk_sweep:
-            p.error(f"--ep {args.ep} measures the engine, http and load modes only; drop "
+            p.error(f"--ep {args.ep} measures the engine, http, serve and load modes only; drop "
                     f"{', '.join(cpu_only) or '--rss-vs-length / --chunk-sweep'}")
     if args.http_max_seq not in ("auto", "server") and not args.http_max_seq.isdigit():
         p.error("--http-max-seq must be auto, server or a number of tokens")
@@ -323,6 +341,8 @@ def main(argv: list[str]) -> int:
         if "ort1" in args.modes and args.plain_graph:
             plan_.append(("ort1", "fp32"))
         plan_ += [(m, v) for v in args.variants for m in VARIANT_MODES if m in args.modes]
+        if "serve" in args.modes:
+            plan_.append(("serve", "default"))
         if "flag" in args.modes and model_dir is None:
             plan_.remove(("flag", "fp32"))
             rows.append({"name": f"{kind}-flag", "mode": "flag", "variant": "fp32",
@@ -337,11 +357,14 @@ def main(argv: list[str]) -> int:
                 name = f"{kind}-{mode}-{variant}" + (f"-r{r + 1}" if args.rounds > 1 else "")
                 res = runner.child(name, {"mode": mode, "variant": variant,
                                           "corpus": str(cpath),
-                                          "max_seq": server_max_seq(args, corpus)})
+                                          "max_seq": server_max_seq(args, corpus),
+                                          "serve_cache": str(runner.run_dir / "serve-cache")})
                 row = summarize(name, mode, variant, kind, corpus, res)
                 if row.get("ok"):
+                    chose = (f" (served {row['variant']}, ready in {row['load_s']:.0f} s)"
+                             if mode == "serve" else "")
                     log(f"{name}: {row['tokens_per_s']:.1f} tokens/s, peak RSS "
-                        f"{_mib(row['peak_rss'])} MiB")
+                        f"{_mib(row['peak_rss'])} MiB{chose}")
                 rounds[(mode, variant)].append(row)
         for key in plan_:
             row = median_row(rounds[key])
@@ -438,6 +461,7 @@ def main(argv: list[str]) -> int:
                     + (f" ({r['rounds_failed']} failed)" if r.get("rounds_failed") else "")
                     for r in rows if r.get("rounds_tokens_per_s")]
             out += [""]
+        out += [served_line(r) for r in rows if r.get("mode") == "serve" and r.get("served")]
     if shares:
         out += [("## Each path: tokens/s, × FlagEmbedding fp32, share of its precision's "
                  "roofline (useful GFLOP/s ÷ its GEMM ceiling)"), "",

@@ -8,9 +8,10 @@ taken within a round, so a machine that drifts between rounds does not bias them
 Measurements (per variant):
 
 - ``raw``: the runtime called directly, as ``scripts/bench.py``'s ``raw`` mode calls it: the
-  tokenizer, ``binpack.plan`` with the scheduler's default caps, ``pad_chunk`` and one
-  ``session.run`` (ONNX Runtime, bgeserve's session options) or ``infer`` (OpenVINO, bgeserve's
-  compile options) per chunk; timed from tokenizing to the last run.
+  tokenizer, ``binpack.plan`` with the scheduler's rules at the runtime's chunk tokens (as the
+  engine packs), ``pad_chunk`` and one ``session.run`` (ONNX Runtime, bgeserve's session
+  options) or ``infer`` (OpenVINO, bgeserve's compile options) per chunk; timed from
+  tokenizing to the last run.
 - ``engine``: ``bgeserve.Engine`` configured as bench.py's ``engine`` mode (the runtime's chunk
   tokens), one ``embed(texts, dense, sparse)``.
 - ``httpN``: ``python -m bgeserve serve`` (as bench.py starts it) and N aiohttp clients, one
@@ -123,6 +124,8 @@ def _open_raw(export_dir: Path, variant: str, threads: int):
 
 
 def child_raw(spec: dict[str, Any]) -> dict[str, Any]:
+    from benchkit.raw import engine_chunk_tokens
+
     from bgeserve.engine.binpack import plan
     from bgeserve.engine.forward import pad_chunk
     from bgeserve.engine.scheduler import SchedulerConfig
@@ -142,7 +145,8 @@ def child_raw(spec: dict[str, Any]) -> dict[str, Any]:
     dense = np.zeros((len(texts), 0), np.float32)
     inside = 0.0
     for chunk in plan([len(x) for x in ids], fits=lambda b, s: True, max_chunk=cfg.max_chunk,
-                      max_tokens=cfg.max_chunk_tokens, min_fill=cfg.min_fill):
+                      max_tokens=engine_chunk_tokens(export_dir, spec["variant"]),
+                      min_fill=cfg.min_fill):
         feeds = pad_chunk([ids[i] for i in chunk.indices], chunk.pad_to)
         t = time.perf_counter()
         d, _ = run(*feeds)

@@ -201,3 +201,64 @@ def test_a_repeated_mode_reports_its_median_round(bench):
     assert row["rounds_tokens_per_s"] == [300.0, 100.0, 200.0] and row["rounds_failed"] == 1
     assert median_row(rounds[:2])["tokens_per_s"] == 100.0  # even: the lower middle
     assert median_row([{"ok": False, "error": "x"}])["error"] == "x"
+
+
+def test_serve_starts_the_server_as_a_user_does(bench, tmp_path, monkeypatch):
+    """``serve`` (issue 17's default-variant figure): only the model path, the bind address and
+    the cache dir set, with the embedding cache off; no variant, threads or budget pinned, so
+    the server measures and chooses for itself. ``http`` pins them."""
+    from benchkit import http
+
+    started: list[dict[str, str]] = []
+
+    class Popen:
+        def __init__(self, argv, env, **kwargs):
+            started.append(env)
+
+    monkeypatch.setattr(http.subprocess, "Popen", Popen)
+    monkeypatch.setenv("BGE_M3_MODEL", "fp32")  # the caller's own settings never leak in
+    spec = {"work_dir": str(tmp_path), "export_dir": "/models/m3", "mode": "serve",
+            "serve_cache": str(tmp_path / "serve-cache"), "variant": "default", "threads": 2,
+            "http_budget": "disabled"}
+    http.Server(spec, {}, "serve")
+    http.Server({**spec, "mode": "http", "variant": "int8"}, {}, "http-int8")
+    serve, pinned = ({k: v for k, v in env.items() if k.startswith("BGE_M3_")}
+                     for env in started)
+    assert set(serve) == {"BGE_M3_MODEL_PATH", "BGE_M3_BIND", "BGE_M3_CACHE_DIR",
+                          "BGE_M3_CACHE_MB", "BGE_M3_LOG_FORMAT"}
+    assert (serve["BGE_M3_MODEL_PATH"], serve["BGE_M3_CACHE_DIR"], serve["BGE_M3_CACHE_MB"]) \
+        == ("/models/m3", str(tmp_path / "serve-cache"), "0")
+    assert (pinned["BGE_M3_MODEL"], pinned["BGE_M3_DISABLE_AUTO_BUDGET"]) == ("int8", "1")
+
+
+def test_a_serve_row_is_the_variant_the_server_chose(bench):
+    """The row and its ratios carry the server's own choice (its /health), and the server's
+    peak RSS, not the client's."""
+    from benchkit.report import ratios, summarize
+
+    corpus = {"texts": ["a"] * 4, "lengths": [100] * 4}
+    res = {"ok": True, "wall_s": 2.0, "latencies": [0.1] * 4, "peak_rss_server": 7 << 20,
+           "peak_rss": 1 << 20, "served": {"variant": "int8", "choice": "measured"}}
+    row = summarize("mixed-serve-default", "serve", "default", "mixed", corpus, res)
+    assert (row["variant"], row["peak_rss"], row["served"]["choice"]) == \
+        ("int8", 7 << 20, "measured")
+    flag = {"ok": True, "corpus": "mixed", "mode": "flag", "variant": "fp32",
+            "tokens_per_s": 50.0}
+    http = {"ok": True, "corpus": "mixed", "mode": "http", "variant": "int8",
+            "tokens_per_s": 190.0}
+    got = ratios([flag, http, row])
+    assert got["mixed: serve (the server's own choice, int8) / flag fp32"] == pytest.approx(4.0)
+    assert got["mixed: serve (int8) / http int8 (pinned, fixed budget)"] == \
+        pytest.approx(200 / 190)
+    assert "the server chose **int8** (measured" in bench.served_line(
+        {**row, "rounds_load_s": [120.0, 6.0]})
+
+
+@pytest.mark.parametrize("runtime, budget", [("onnxruntime", 256), ("openvino", 1024)])
+def test_raw_packs_at_the_budget_the_engine_gives_its_runtime(bench, tmp_path, runtime, budget):
+    """raw is the engine's work without the server: the same packing budget per runtime."""
+    from benchkit.raw import engine_chunk_tokens
+
+    entry = {"path": "v/model"} | ({"runtime": "openvino"} if runtime == "openvino" else {})
+    (tmp_path / "manifest.json").write_text(json.dumps({"variants": {"v": entry}}))
+    assert engine_chunk_tokens(tmp_path, "v") == budget

@@ -21,7 +21,7 @@ import numpy as np
 from bgeserve.tuning.memory import parse_meminfo, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 REPO = Path(__file__).resolve().parent.parent.parent
-MODES = ("flag", "ort1", "raw", "raw1", "engine", "http")
+MODES = ("flag", "ort1", "raw", "raw1", "engine", "http", "serve")
 VARIANT_MODES = ("raw", "raw1", "engine", "http")  # once per variant; flag and ort1 once
 RSS_VARIANTS = ("fp32", "bf16")
 CORPUS_SEED = 20240

@@ -31,6 +31,18 @@ class Server:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("BGE_M3_")}
+        if spec["mode"] == "serve":
+            # Issue 17's "default variant over HTTP": `bgeserve serve` with only the model
+            # path, the bind address and the cache dir set (the embedding cache off), so the
+            # server measures and picks its variant, budget and chunk size as a user's does.
+            env.update({"BGE_M3_MODEL_PATH": spec["export_dir"], "BGE_M3_CACHE_MB": "0",
+                        "BGE_M3_BIND": f"127.0.0.1:{self.port}",
+                        "BGE_M3_CACHE_DIR": spec["serve_cache"], "BGE_M3_LOG_FORMAT": "json",
+                        "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+            if spec.get("ep", "cpu") != "cpu":
+                env["BGE_M3_EP"] = spec["ep"]
+            self._start(env, work, label)
+            return
         env.update({
             "BGE_M3_MODEL_PATH": spec["export_dir"], "BGE_M3_MODEL": spec["variant"],
             "BGE_M3_INTRA_THREADS": str(max(1, spec["threads"] // spec.get("workers", 1))),
@@ -51,6 +63,9 @@ class Server:
             env["BGE_M3_MAX_SEQ_LENGTH"] = str(spec["max_seq"])
         env.update(spec.get("http_env") or {})
         env.update(extra_env)
+        self._start(env, work, label)
+
+    def _start(self, env: dict[str, str], work: Path, label: str) -> None:
         self.env = {k: v for k, v in env.items() if k.startswith(("BGE_M3_", "HF_"))}
         self.log_path = work / "logs" / f"server-{label}-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -203,9 +218,11 @@ def child_http(spec: dict[str, Any], corpus: dict[str, Any]) -> dict[str, Any]:
     texts = corpus["texts"]
     batch = max(1, spec["http_batch"])
     groups = [list(range(i, min(i + batch, len(texts)))) for i in range(0, len(texts), batch)]
-    server = Server(spec, {}, f"http-{spec['variant']}")
+    serve = spec["mode"] == "serve"
+    server = Server(spec, {}, "serve" if serve else f"http-{spec['variant']}")
     try:
-        server.wait_ready(spec["server_timeout"], spec["http_budget"] == "probe")
+        # serve: its own start-up measurements (probe, variant choice) finish first
+        server.wait_ready(spec["server_timeout"], serve or spec["http_budget"] == "probe")
         rss_load = server.status().get("VmRSS", 0)
         asyncio.run(_drive(server.base, [_body(["warm up"])], 1, spec["request_timeout"]))
         before = scrape(server.base)
@@ -235,7 +252,17 @@ def child_http(spec: dict[str, Any], corpus: dict[str, Any]) -> dict[str, Any]:
             "errors": len(errors), "error_samples": errors[:5], "tokens_reported": tokens,
             "requests": len(groups), "clients": spec["http_clients"], "http_batch": batch,
             "server_env": env, "server_exit": rc, **chunks,
-            "tuning": (health.get("tuning") or {}).get("probe_status")}
+            "tuning": (health.get("tuning") or {}).get("probe_status"),
+            **({"served": _served(health)} if serve else {})}
+
+
+def _served(health: dict[str, Any]) -> dict[str, Any]:
+    """What a ``serve`` row's server chose for itself (its /health once ready)."""
+    model, tuning = health.get("model") or {}, health.get("tuning") or {}
+    return {"variant": model.get("variant"), "choice": model.get("choice"),
+            "candidates": model.get("candidates"), "threads": model.get("threads_per_worker"),
+            "chunk_tokens": tuning.get("chunk_tokens"),
+            "chunk_tokens_source": tuning.get("chunk_tokens_source")}
 
 
 def child_load(spec: dict[str, Any], corpus: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,16 @@ def variant_runtime(export_dir: Path, variant: str) -> str:
     return manifest["variants"][variant].get("runtime", "onnxruntime")
 
 
+def engine_chunk_tokens(export_dir: Path, variant: str) -> int:
+    """The padded-token budget the engine gives this variant's runtime on the CPU (ONNX
+    Runtime 256, OpenVINO 1,024): raw packs with it, so engine / raw measures the engine,
+    not another packing."""
+    from bgeserve import runtime
+
+    return runtime.get("openvino" if variant_runtime(export_dir, variant) == "openvino"
+                       else "cpu").chunk_tokens
+
+
 def _export_graph(export_dir: Path, variant: str) -> Path:
     manifest = json.loads((export_dir / "manifest.json").read_text())
     return export_dir / manifest["variants"][variant]["path"]
@@ -139,12 +149,13 @@ def child_raw(spec: dict[str, Any], corpus: dict[str, Any], batch1: bool) -> dic
             latencies.append(time.perf_counter() - s)
         wall = time.perf_counter() - t0
     else:
-        cfg = SchedulerConfig()  # the engine's packing defaults (max_tokens: --chunk-sweep)
+        cfg = SchedulerConfig()  # the engine's packing rules (max_tokens: --chunk-sweep)
         t0 = time.perf_counter()
         all_ids = tokenizer.encode(texts).ids
         for chunk in plan([len(x) for x in all_ids], fits=lambda b, s: True,
                           max_chunk=cfg.max_chunk,
-                          max_tokens=spec.get("max_tokens") or cfg.max_chunk_tokens,
+                          max_tokens=(spec.get("max_tokens")
+                                      or engine_chunk_tokens(export_dir, variant)),
                           min_fill=cfg.min_fill):
             d, w = run([all_ids[i] for i in chunk.indices])
             if dense.shape[1] == 0:

@@ -20,7 +20,10 @@ def summarize(name: str, mode: str, variant: str, corpus_kind: str, corpus: dict
         return row
     wall = res["wall_s"]
     p50, p99 = percentiles(res.get("latencies") or [])
-    peak = res.get("peak_rss_server") if mode == "http" else res.get("peak_rss")
+    server = mode in ("http", "serve")
+    if mode == "serve" and (res.get("served") or {}).get("variant"):
+        row["variant"] = res["served"]["variant"]  # the server's own choice
+    peak = res.get("peak_rss_server") if server else res.get("peak_rss")
     chunks = res.get("chunks")
     padded = sum(b * s for b, s in chunks) if chunks else None
     row.update({
@@ -30,12 +33,12 @@ def summarize(name: str, mode: str, variant: str, corpus_kind: str, corpus: dict
         "padding_pct": 100.0 * (1 - tokens / padded) if padded else None,
         "errors": res.get("errors", 0), "vectors": res.get("vectors"),
     })
-    if mode == "http" and res.get("server_chunks"):
+    if server and res.get("server_chunks"):
         row["chunks"], row["padding_pct"] = res["server_chunks"], res["server_padding_pct"]
     for key in ("tokens_reported", "requests", "clients", "http_batch", "error_samples",
-                "server_env", "tuning", "peak_rss", "texts_per_chunk"):
+                "server_env", "tuning", "peak_rss", "texts_per_chunk", "served"):
         if key in res:
-            row["client_peak_rss" if (key == "peak_rss" and mode == "http") else key] = res[key]
+            row["client_peak_rss" if (key == "peak_rss" and server) else key] = res[key]
     return row
 
 
@@ -49,6 +52,7 @@ def median_row(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         return rounds[0]
     row = dict(good[(len(good) - 1) // 2])
     row["rounds_tokens_per_s"] = [r["tokens_per_s"] for r in rounds if r.get("ok")]
+    row["rounds_load_s"] = [r.get("load_s") for r in rounds if r.get("ok")]
     row["rounds_failed"] = len(rounds) - len(good)
     return row
 
@@ -117,7 +121,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         lines.append("| " + " | ".join([
             r["corpus"], r["mode"] + (f" ×{r['clients']}c/{r['http_batch']}t"
-                                      if r["mode"] == "http" else ""), r["variant"],
+                                      if r["mode"] in ("http", "serve") else ""),
+            r["variant"] + (" (its choice)" if r["mode"] == "serve" else ""),
             str(r["texts"]), str(r["tokens"]), _fmt(r["wall_s"], ".2f"), _fmt(r["tokens_per_s"]),
             _fmt(r["texts_per_s"], ".2f"), _fmt(r["p50_ms"], ".0f"), _fmt(r["p99_ms"], ".0f"),
             _mib(r["peak_rss"]), _mib(r["rss_after_load"]), _fmt(r["chunks"]),
@@ -153,6 +158,11 @@ def ratios(rows: list[dict[str, Any]], default_variant: str | None = None) -> di
             put(f"{c}: raw {v} / raw1 {v}", (c, "raw", v), (c, "raw1", v))
             if v != "fp32":
                 put(f"{c}: engine {v} / engine fp32", (c, "engine", v), (c, "engine", "fp32"))
+        for v in {r["variant"] for r in rows if r["corpus"] == c and r["mode"] == "serve"}:
+            put(f"{c}: serve (the server's own choice, {v}) / flag fp32", (c, "serve", v),
+                (c, "flag", "fp32"))
+            put(f"{c}: serve ({v}) / http {v} (pinned, fixed budget)", (c, "serve", v),
+                (c, "http", v))
         put(f"{c}: engine fp32 / raw1 fp32 (raw ORT batch 1)", (c, "engine", "fp32"),
             (c, "raw1", "fp32"))
         put(f"{c}: engine fp32 / ort1 (stock ORT, plain attention, batch 1)",

@@ -36,10 +36,10 @@ def _measure(mode: str, spec: dict[str, Any], corpus: dict[str, Any]) -> dict[st
         from benchkit.engine import child_engine, child_rss
 
         return (child_engine if mode == "engine" else child_rss)(spec, corpus)
-    if mode in ("http", "load"):
+    if mode in ("http", "serve", "load"):
         from benchkit.http import child_http, child_load
 
-        return (child_http if mode == "http" else child_load)(spec, corpus)
+        return (child_load if mode == "load" else child_http)(spec, corpus)
     raise ValueError(mode)
 
 
