@@ -262,3 +262,26 @@ def test_raw_packs_at_the_budget_the_engine_gives_its_runtime(bench, tmp_path, r
     entry = {"path": "v/model"} | ({"runtime": "openvino"} if runtime == "openvino" else {})
     (tmp_path / "manifest.json").write_text(json.dumps({"variants": {"v": entry}}))
     assert engine_chunk_tokens(tmp_path, "v") == budget
+
+
+def test_ratios_of_rows_run_in_rounds_are_medians_of_per_round_ratios(bench):
+    """Round i of one row ran beside round i of the other: each ratio is the median of the
+    per-round ratios, not the ratio of the two rows' medians (which may come from different
+    rounds); a row with a failed round falls back to the medians' ratio."""
+    from benchkit.report import ratios
+
+    def row(mode, rates, failed=0):
+        return {"ok": True, "corpus": "mixed", "mode": mode, "variant": "int8",
+                "tokens_per_s": sorted(rates)[(len(rates) - 1) // 2],
+                "rounds_tokens_per_s": rates, "rounds_failed": failed}
+
+    raw, engine = row("raw", [100.0, 200.0, 150.0]), row("engine", [110.0, 180.0, 150.0])
+    per_round: dict[str, list[float]] = {}
+    got = ratios([raw, engine], per_round=per_round)
+    label = "mixed: engine int8 / raw int8 (same packing)"
+    assert per_round[label] == pytest.approx([1.1, 0.9, 1.0])
+    assert got[label] == pytest.approx(1.0)  # the medians' ratio would be 150 / 150 too
+    engine = row("engine", [120.0, 400.0, 140.0])  # per round 1.2, 2.0, 0.933
+    assert ratios([raw, engine])[label] == pytest.approx(1.2)  # not the medians' 140 / 150
+    failed = ratios([raw, row("engine", [300.0, 100.0], failed=1)], per_round=(pr := {}))
+    assert failed[label] == pytest.approx(100 / 150) and label not in pr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,12 @@ def summarize(name: str, mode: str, variant: str, corpus_kind: str, corpus: dict
         if key in res:
             row["client_peak_rss" if (key == "peak_rss" and server) else key] = res[key]
     return row
+
+
+def _rounds(row: dict[str, Any]) -> list[float]:
+    """A row's tokens/s per round, in round order; [] if any round failed (the rounds of two
+    rows then no longer pair up)."""
+    return [] if row.get("rounds_failed") else list(row.get("rounds_tokens_per_s") or [])
 
 
 def median_row(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -132,19 +139,29 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def ratios(rows: list[dict[str, Any]], default_variant: str | None = None) -> dict[str, float]:
+def ratios(rows: list[dict[str, Any]], default_variant: str | None = None,
+           per_round: dict[str, list[float]] | None = None) -> dict[str, float]:
     """tokens/s ratios; ``default_variant``: what the server serves with neither BGE_M3_MODEL
-    nor BGE_M3_EP set (``server_default_variant``)."""
+    nor BGE_M3_EP set (``server_default_variant``). Of rows measured in rounds, the median of
+    the per-round ratios (round i of one against round i of the other: they ran side by side,
+    so the machine's drift cancels), each round's also put in ``per_round``."""
     out: dict[str, float] = {}
-    tps = {(r["corpus"], r["mode"], r["variant"]): r["tokens_per_s"] for r in rows if r.get("ok")}
+    by = {(r["corpus"], r["mode"], r["variant"]): r for r in rows if r.get("ok")}
+    tps = {key: r["tokens_per_s"] for key, r in by.items()}
     corpora = sorted({r["corpus"] for r in rows})
     variants = [v for v in ("fp32", "int8", "bf16", "ov-int8")
                 if any(r["variant"] == v for r in rows)]
     variants += sorted({r["variant"] for r in rows} - set(variants))
 
     def put(label: str, a: tuple[str, str, str], b: tuple[str, str, str]) -> None:
-        if a in tps and b in tps:
-            out[label] = tps[a] / tps[b]
+        if a not in tps or b not in tps:
+            return
+        out[label] = tps[a] / tps[b]
+        each = [x / y for x, y in zip(*(_rounds(by[k]) for k in (a, b)))]
+        if len(each) > 1 and len(each) == len(_rounds(by[a])) == len(_rounds(by[b])):
+            out[label] = statistics.median(each)
+            if per_round is not None:
+                per_round[label] = each
 
     for c in corpora:
         for v in variants:
