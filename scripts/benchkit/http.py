@@ -1,6 +1,8 @@
-"""``http`` and ``load``: ``python -m bgeserve serve`` in a subprocess, driven over loopback.
+"""``http``, ``serve`` and ``load``: ``python -m bgeserve serve`` in a subprocess, over loopback.
 
-``http`` posts the corpus (``--http-batch`` texts per request, ``--http-clients`` at once);
+``http`` posts the corpus (``--http-batch`` texts per request, ``--http-clients`` at once) to a
+server pinned to the variant; ``serve`` the same to a server started with only the model path,
+bind address and cache dir, which chooses its variant itself (``/health`` says which);
 ``load`` posts one short text per request at each client count, with cross-request batching
 on and off. The client is aiohttp (``_drive``); the server's own counters come from /metrics.
 """
