@@ -122,9 +122,13 @@ def served_line(row: dict[str, Any]) -> str:
     return (f"- {row['name']}: the server chose **{s.get('variant')}** ({s.get('choice')}"
             + (f"; its candidates' tokens/s on its start-up workload: {timed}" if timed else "")
             + f"), chunk budget {s.get('chunk_tokens')} padded tokens "
-            f"({s.get('chunk_tokens_source')}), {s.get('threads')} threads; ready after "
+            f"({s.get('chunk_tokens_source')}), {s.get('threads')} threads; by round (the "
+            "first start measures, later ones read its cache), answering after "
+            + " / ".join(f"{x or 0:.0f}" for x in row.get("rounds_serving_s")
+                         or [s.get("serving_s")])
+            + " s, its start-up measurements done after "
             + " / ".join(f"{x or 0:.0f}" for x in row.get("rounds_load_s") or [row.get("load_s")])
-            + " s (by round: the first start measures, later ones read its cache)\n")
+            + " s\n")
 
 
 def server_max_seq(args: argparse.Namespace, corpus: dict[str, Any]) -> int | None:

@@ -250,8 +250,10 @@ def test_a_serve_row_is_the_variant_the_server_chose(bench):
     assert got["mixed: serve (the server's own choice, int8) / flag fp32"] == pytest.approx(4.0)
     assert got["mixed: serve (int8) / http int8 (pinned, fixed budget)"] == \
         pytest.approx(200 / 190)
-    assert "the server chose **int8** (measured" in bench.served_line(
-        {**row, "rounds_load_s": [120.0, 6.0]})
+    line = bench.served_line({**row, "rounds_load_s": [120.0, 6.0],
+                              "rounds_serving_s": [70.0, 5.0]})
+    assert "the server chose **int8** (measured" in line
+    assert "answering after 70 / 5 s, its start-up measurements done after 120 / 6 s" in line
 
 
 @pytest.mark.parametrize("runtime, budget", [("onnxruntime", 256), ("openvino", 1024)])

@@ -76,6 +76,7 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "bgeserve", "serve"], env=env,
                                      cwd=str(REPO), stdout=self._log, stderr=subprocess.STDOUT)
         self.ready_s: float | None = None
+        self.serving_s: float | None = None
         self.health: dict[str, Any] = {}
 
     def wait_ready(self, timeout: float, wait_probe: bool) -> None:
@@ -91,6 +92,9 @@ class Server:
                     r = client.get("/health")
                     body = r.json()
                     tuning = (body.get("tuning") or {}).get("probe_status")
+                    if r.status_code == 200 and self.serving_s is None:
+                        # answering requests (a probe may still run behind it)
+                        self.serving_s = time.perf_counter() - self.started
                     if r.status_code == 200 and (not wait_probe or tuning != "running"):
                         self.ready_s = time.perf_counter() - self.started
                         self.health = body
@@ -255,7 +259,7 @@ def child_http(spec: dict[str, Any], corpus: dict[str, Any]) -> dict[str, Any]:
             "requests": len(groups), "clients": spec["http_clients"], "http_batch": batch,
             "server_env": env, "server_exit": rc, **chunks,
             "tuning": (health.get("tuning") or {}).get("probe_status"),
-            **({"served": _served(health)} if serve else {})}
+            **({"served": {**_served(health), "serving_s": server.serving_s}} if serve else {})}
 
 
 def _served(health: dict[str, Any]) -> dict[str, Any]:

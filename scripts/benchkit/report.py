@@ -60,6 +60,8 @@ def median_row(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     row = dict(good[(len(good) - 1) // 2])
     row["rounds_tokens_per_s"] = [r["tokens_per_s"] for r in rounds if r.get("ok")]
     row["rounds_load_s"] = [r.get("load_s") for r in rounds if r.get("ok")]
+    row["rounds_serving_s"] = [(r.get("served") or {}).get("serving_s") for r in rounds
+                               if r.get("ok")]
     row["rounds_failed"] = len(rounds) - len(good)
     return row
 
