@@ -362,7 +362,8 @@ def main(argv: list[str]) -> int:
                 res = runner.child(name, {"mode": mode, "variant": variant,
                                           "corpus": str(cpath),
                                           "max_seq": server_max_seq(args, corpus),
-                                          "serve_cache": str(runner.run_dir / "serve-cache")})
+                                          **({"serve_cache": str(runner.run_dir / "serve-cache")}
+                                             if mode == "serve" else {})})
                 row = summarize(name, mode, variant, kind, corpus, res)
                 if row.get("ok"):
                     chose = (f" (served {row['variant']}, ready in {row['load_s']:.0f} s)"

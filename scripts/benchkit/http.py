@@ -33,41 +33,35 @@ class Server:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("BGE_M3_")}
-        if spec["mode"] == "serve":
-            # Issue 17's "default variant over HTTP": `bgeserve serve` with only the model
-            # path, the bind address and the cache dir set (the embedding cache off), so the
-            # server measures and picks its variant, budget and chunk size as a user's does.
-            env.update({"BGE_M3_MODEL_PATH": spec["export_dir"], "BGE_M3_CACHE_MB": "0",
-                        "BGE_M3_BIND": f"127.0.0.1:{self.port}",
-                        "BGE_M3_CACHE_DIR": spec["serve_cache"], "BGE_M3_LOG_FORMAT": "json",
-                        "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
-            if spec.get("ep", "cpu") != "cpu":
-                env["BGE_M3_EP"] = spec["ep"]
-            self._start(env, work, label)
-            return
         env.update({
-            "BGE_M3_MODEL_PATH": spec["export_dir"], "BGE_M3_MODEL": spec["variant"],
-            "BGE_M3_INTRA_THREADS": str(max(1, spec["threads"] // spec.get("workers", 1))),
-            "BGE_M3_WORKERS": str(spec.get("workers", 1)),
-            "BGE_M3_CACHE_DIR": str(work / "cache"), "BGE_M3_BIND": f"127.0.0.1:{self.port}",
-            "BGE_M3_IDLE_TIMEOUT_SECS": "0", "BGE_M3_HEARTBEAT_SECS": "0",
-            "BGE_M3_LOG_FORMAT": "json", "HF_HUB_OFFLINE": "1",
-            "OMP_NUM_THREADS": str(spec["threads"]), "PYTHONUNBUFFERED": "1",
+            "BGE_M3_MODEL_PATH": spec["export_dir"], "BGE_M3_BIND": f"127.0.0.1:{self.port}",
+            "BGE_M3_LOG_FORMAT": "json", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
             # The load test cycles the corpus's texts: with the embedding cache on it would
-            # time cache hits.
+            # time cache hits (and issue 17's default-variant figure is asked with it off).
             "BGE_M3_CACHE_MB": "0",
         })
         if spec.get("ep", "cpu") != "cpu":
             env["BGE_M3_EP"] = spec["ep"]
-        if spec["http_budget"] == "disabled":
-            env["BGE_M3_DISABLE_AUTO_BUDGET"] = "1"
-        if spec.get("max_seq"):
-            env["BGE_M3_MAX_SEQ_LENGTH"] = str(spec["max_seq"])
-        env.update(spec.get("http_env") or {})
-        env.update(extra_env)
-        self._start(env, work, label)
-
-    def _start(self, env: dict[str, str], work: Path, label: str) -> None:
+        if spec["mode"] == "serve":
+            # Issue 17's "default variant over HTTP": `bgeserve serve` with only the model
+            # path, the bind address and the cache dir set, so the server measures and picks
+            # its variant, budget and chunk size as a user's does.
+            env["BGE_M3_CACHE_DIR"] = spec["serve_cache"]
+        else:
+            env.update({
+                "BGE_M3_MODEL": spec["variant"],
+                "BGE_M3_INTRA_THREADS": str(max(1, spec["threads"] // spec.get("workers", 1))),
+                "BGE_M3_WORKERS": str(spec.get("workers", 1)),
+                "BGE_M3_CACHE_DIR": str(work / "cache"),
+                "BGE_M3_IDLE_TIMEOUT_SECS": "0", "BGE_M3_HEARTBEAT_SECS": "0",
+                "OMP_NUM_THREADS": str(spec["threads"]),
+            })
+            if spec["http_budget"] == "disabled":
+                env["BGE_M3_DISABLE_AUTO_BUDGET"] = "1"
+            if spec.get("max_seq"):
+                env["BGE_M3_MAX_SEQ_LENGTH"] = str(spec["max_seq"])
+            env.update(spec.get("http_env") or {})
+            env.update(extra_env)
         self.env = {k: v for k, v in env.items() if k.startswith(("BGE_M3_", "HF_"))}
         self.log_path = work / "logs" / f"server-{label}-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

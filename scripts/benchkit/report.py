@@ -159,8 +159,9 @@ def ratios(rows: list[dict[str, Any]], default_variant: str | None = None,
         if a not in tps or b not in tps:
             return
         out[label] = tps[a] / tps[b]
-        each = [x / y for x, y in zip(*(_rounds(by[k]) for k in (a, b)))]
-        if len(each) > 1 and len(each) == len(_rounds(by[a])) == len(_rounds(by[b])):
+        ra, rb = _rounds(by[a]), _rounds(by[b])
+        if len(ra) > 1 and len(ra) == len(rb):
+            each = [x / y for x, y in zip(ra, rb)]
             out[label] = statistics.median(each)
             if per_round is not None:
                 per_round[label] = each
