@@ -1,6 +1,6 @@
 """The strict, boring tooling (STYLE.md rule 10): ruff over the package, the scripts, the
 examples and the tests; the layer contracts (import-linter, ``[tool.importlinter]`` in
-pyproject.toml); mypy over the package.
+pyproject.toml); mypy over the package and the bench kit.
 
 All three come with the dev extra, pinned, so their rules do not move under the code; every
 ignore in pyproject.toml, a ``# noqa`` or a ``# type: ignore`` carries its reason.
@@ -51,7 +51,8 @@ def test_the_layer_contracts_hold():
 
 
 def test_mypy_finds_nothing():
-    """``mypy`` (configured in pyproject.toml) type-checks bgeserve/ clean."""
+    """``mypy`` (configured in pyproject.toml) type-checks bgeserve/ and the bench kit
+    (scripts/benchkit) clean."""
     result = subprocess.run([_tool("mypy")], cwd=ROOT, capture_output=True, text=True,
                             timeout=600, check=False)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -86,7 +86,7 @@ def save_vectors(path: Path, dense: np.ndarray | None,
                                 if sparse else np.empty(0, np.int64))
         arrays["sparse_values"] = (np.concatenate([np.asarray(v, np.float32) for _, v in sparse])
                                    if sparse else np.empty(0, np.float32))
-    np.savez(path, **arrays)
+    np.savez(path, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as bool
 
 
 def load_vectors(path: Path) -> tuple[np.ndarray | None, list[dict[int, float]] | None]:
@@ -118,7 +118,7 @@ def machine_info() -> dict[str, Any]:
         pass
     from importlib.metadata import PackageNotFoundError, version
 
-    versions = {}
+    versions: dict[str, str | None] = {}
     for pkg in ("bgeserve", "onnxruntime", "openvino", "torch", "FlagEmbedding", "transformers",
                 "tokenizers", "numpy", "aiohttp", "uvicorn",
                 "onnxruntime-gpu"):  # installed instead of (or, wrongly, beside) onnxruntime

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +135,7 @@ async def _drive(base: str, bodies: list[bytes], clients: int,
     try:
         import orjson
 
-        loads = orjson.loads
+        loads: Callable[[bytes | str], Any] = orjson.loads
     except ImportError:  # pragma: no cover
         loads = json.loads
     results: list[Any] = [None] * len(bodies)

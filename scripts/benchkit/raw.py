@@ -165,7 +165,10 @@ def child_raw(spec: dict[str, Any], corpus: dict[str, Any], batch1: bool) -> dic
                 sparse_rows[i] = w[row, : len(all_ids[i])]
             chunks.append((len(chunk.indices), chunk.pad_to))
         wall = time.perf_counter() - t0
-    sparse = [sparse_vector(all_ids[i], sparse_rows[i]) for i in range(len(texts))]
+    # every text ran in exactly one chunk above, so each row is set
+    sparse = [sparse_vector(all_ids[i], row) for i, row in enumerate(sparse_rows)
+              if row is not None]
+    assert len(sparse) == len(texts), "a text ran in no chunk"
     save_vectors(Path(spec["vectors"]), dense, sparse)
     return {"wall_s": wall, "load_s": load_s, "rss_after_load": rss_load,
             "latencies": latencies if batch1 else [], "chunks": chunks}
