@@ -16,28 +16,54 @@ class Clock:
         return self.t
 
 
-def test_the_drain_rate_is_tokens_finished_per_second_in_the_window() -> None:
-    """Two chunks 2 s apart: their tokens over the 2 s; a lone burst counts over 1 s at least;
-    once the window has passed, the last rate stays (the queue is idle, not infinitely slow)."""
+def test_the_drain_rate_is_tokens_per_second_of_running() -> None:
+    """Tokens of the chunks in the window over the time they ran: idle gaps between them do
+    not count, and once the window has passed the last rate stays (the queue is idle, not
+    infinitely slow)."""
     clock = Clock()
     meter = DrainMeter(window=10.0, clock=clock)
     assert meter.rate() == 0.0
-    meter.record(1000)
-    assert meter.rate() == 1000.0  # one chunk just now: over the 1 s floor
-    clock.t += 2
-    meter.record(1000)
-    assert meter.rate() == pytest.approx(1000.0)
+    meter.record(1000, 0.5)
+    assert meter.rate() == pytest.approx(2000.0)
+    clock.t += 2  # 1.5 s idle, then another chunk of 0.5 s
+    meter.record(1000, 0.5)
+    assert meter.rate() == pytest.approx(2000.0)
     clock.t += 30
-    assert meter.rate() == pytest.approx(1000.0)
-    meter.record(600)
+    assert meter.rate() == pytest.approx(2000.0)
+    meter.record(600, 1.0)
     assert meter.rate() == pytest.approx(600.0)
+
+
+def test_runs_of_workers_at_once_count_their_time_once() -> None:
+    """Two workers each running 1,000 tokens in the same second drain 2,000 tokens/s; a third
+    chunk overlapping the second half of theirs adds only its own new half second."""
+    clock = Clock()
+    meter = DrainMeter(clock=clock)
+    meter.record(1000, 1.0)
+    meter.record(1000, 1.0)
+    assert meter.rate() == pytest.approx(2000.0)
+    clock.t += 0.5
+    meter.record(1000, 1.0)  # ran [t-0.5 .. t+0.5] of the others' [t-1 .. t]
+    assert meter.rate() == pytest.approx(3000.0 / 1.5)
+
+
+def test_a_burst_after_an_idle_spell_reads_its_own_speed() -> None:
+    """The first chunk of a flood after an idle spell: its tokens over its own run time, not
+    over a second of wall clock, so Retry-After says how long the queue really takes (it said
+    22-60 s for a queue that drained in 0.2 s)."""
+    clock = Clock()
+    drain = DrainMeter(clock=clock)
+    drain.record(900, 0.01)  # one small chunk of a fast backend, long after the last
+    gate = AdmissionGate(20_000, lambda: 20_000, drain)
+    assert drain.rate() == pytest.approx(90_000.0)
+    assert gate.retry_after(40_000) == 1.0
 
 
 def _gate(max_tokens: int = 20_000, queued: int = 0, rate: float = 0.0) -> AdmissionGate:
     clock = Clock()
     drain = DrainMeter(clock=clock)
     if rate:
-        drain.record(int(rate))  # one chunk finished now: `rate` tokens over the 1 s floor
+        drain.record(int(rate), 1.0)  # one chunk of `rate` tokens ran for 1 s
     state = {"queued": queued}
     gate = AdmissionGate(max_tokens, lambda: state["queued"], drain)
     gate.state = state  # type: ignore[attr-defined]

@@ -138,6 +138,20 @@ def test_token_ids_are_refused_by_default(client: TestClient, path: str, value: 
     assert client.fake.calls == []  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("value", [[["a"]], [["a", "b"], "c"], [[None]], [[{"text": "a"}]]])
+@pytest.mark.parametrize("accept", [False, True])
+def test_nested_strings_are_no_token_ids(value: Any, accept: bool) -> None:
+    """An array whose first item is an array of non-numbers (nested strings, say) is a 400
+    naming input[0][0] and saying what input[0] must be, whatever BGE_M3_ACCEPT_TOKEN_IDS says: not the token-id
+    refusal, which would send the caller after a LangChain setting."""
+    with serve(accept_token_ids=accept) as c:
+        error = assert_error(c.post("/v1/embeddings", json={"input": value}), 400,
+                             "invalid_input", "input[0][0]")
+        assert "input[0] must be a string or an array of integer token ids" in error["message"]
+        assert "LangChain" not in error["message"]
+        assert c.fake.calls == []  # type: ignore[attr-defined]
+
+
 def test_model_names() -> None:
     """bge-m3, BAAI/bge-m3 and configured aliases are accepted; others are 404."""
     with serve(model_aliases=("text-embedding-3-small",)) as c:
@@ -156,6 +170,10 @@ def test_model_names() -> None:
         assert models["data"][0] == {
             "id": "bge-m3", "object": "model", "owned_by": "BAAI", "created": 0
         }
+        # An OpenAI client given the bare host (no /v1) lists and retrieves there.
+        assert c.get("/models").json() == models
+        assert c.get("/models/BAAI/bge-m3").json() == c.get("/v1/models/BAAI/bge-m3").json()
+        assert_error(c.get("/models/gpt-4"), 404, "model_not_found")
 
 
 def test_dimensions(client: TestClient) -> None:
@@ -754,7 +772,8 @@ def test_http_imports_only_leaves_and_service() -> None:
 
 def test_a_trailing_slash_is_an_unknown_route_not_a_redirect(client: TestClient) -> None:
     """No 307 to a URL built from the Host header (plain http behind a TLS proxy)."""
-    for method, path in (("post", "/v1/embeddings/"), ("get", "/health/"), ("get", "/v1/models/")):
+    for method, path in (("post", "/v1/embeddings/"), ("get", "/health/"), ("get", "/v1/models/"),
+                         ("get", "/models/")):
         r = getattr(client, method)(path, follow_redirects=False)
         assert_error(r, 404, "not_found")
 

@@ -43,6 +43,9 @@ openai_routes = [
     Route("/v2/rerank", rerank.rerank, methods=["POST"], name="rerank_v2"),
     Route("/v1/models", handlers.models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", handlers.model, methods=["GET"]),
+    # Without /v1 too, as /embeddings: an OpenAI client given the bare host lists models there.
+    Route("/models", handlers.models, methods=["GET"]),
+    Route("/models/{model_id:path}", handlers.model, methods=["GET"]),
     Route("/health", handlers.health, methods=["GET"]),
     Route("/health/deep", handlers.deep_health, methods=["GET"]),
     Route("/metrics", handlers.metrics, methods=["GET"]),

@@ -200,7 +200,14 @@ def parse_input(value: Any, settings: Settings, name: str = "input") -> list[str
         raise InvalidInput(f"{name} must be {_INPUT_SHAPES}", param=name)
     if not value:
         raise InvalidInput(f"{name} must not be empty", param=name, code="empty_input")
-    ids = _as_int(value[0]) is not None or isinstance(value[0], list)
+    first = value[0]
+    if isinstance(first, list) and first and _as_int(first[0]) is None:
+        # Nested strings ([["a"]]) and the like are no token ids: say what is wrong with them
+        # rather than explain the token-id setting.
+        raise InvalidInput(f"{name}[0] must be a string or an array of integer token ids "
+                           f"({name}[0][0] is not an integer): {name} must be {_INPUT_SHAPES}",
+                           param=f"{name}[0][0]")
+    ids = _as_int(first) is not None or isinstance(first, list)
     if ids and not settings.accept_token_ids:
         raise InvalidInput(TOKEN_IDS_REFUSED.format(name=name), param=name,
                            code="token_ids_not_accepted")
