@@ -47,6 +47,19 @@ def test_runs_of_workers_at_once_count_their_time_once() -> None:
     assert meter.rate() == pytest.approx(3000.0 / 1.5)
 
 
+def test_the_rate_reads_the_newest_chunks_only() -> None:
+    """Past MAX_EVENTS chunks in the window (a GPU's), the oldest leave the rate: 600 slow
+    chunks then MAX_EVENTS fast ones, one after another, read the fast ones' rate."""
+    from bgeserve.service.admission import MAX_EVENTS
+
+    clock = Clock()
+    meter = DrainMeter(clock=clock)
+    for seconds in [0.01] * 600 + [0.001] * MAX_EVENTS:  # one token each: 100, then 1,000/s
+        clock.t += seconds
+        meter.record(1, seconds)
+    assert meter.rate() == pytest.approx(1000.0)
+
+
 def test_a_burst_after_an_idle_spell_reads_its_own_speed() -> None:
     """The first chunk of a flood after an idle spell: its tokens over its own run time, not
     over a second of wall clock, so Retry-After says how long the queue really takes (it said

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 BOUND_ON_LOOP_CHARS = 256 * 1024
 DRAIN_WINDOW_S = 10.0  # finished chunks younger than this measure the rate
 MIN_BUSY_S = 1e-3  # a rate is never read off less busy time than this
+# The newest chunks the rate is read from at most: a GPU finishing a chunk every few ms fills
+# the window with thousands, and a flood's refusals each read the rate on the event loop.
+MAX_EVENTS = 512
 MAX_RETRY_AFTER_S = 60.0
 
 
@@ -56,8 +59,10 @@ class DrainMeter:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.window = window
         self.clock = clock
-        self._events: deque[tuple[float, float, int]] = deque()  # (finish, start, tokens)
+        # (finish, start, tokens), oldest first
+        self._events: deque[tuple[float, float, int]] = deque(maxlen=MAX_EVENTS)
         self._last_rate = 0.0
+        self._stale = False  # the events changed since _last_rate was read off them
         self._lock = threading.Lock()
 
     def record(self, tokens: int, seconds: float) -> None:
@@ -65,11 +70,13 @@ class DrainMeter:
         with self._lock:
             now = self.clock()
             self._events.append((now, now - max(0.0, seconds), tokens))
+            self._stale = True
             self._expire(now)
 
     def _expire(self, now: float) -> None:
         while self._events and self._events[0][0] < now - self.window:
             self._events.popleft()
+            self._stale = True
 
     def recent(self) -> bool:
         """Whether a chunk finished within the window (the queue is draining)."""
@@ -82,9 +89,10 @@ class DrainMeter:
         (0.0 until a first chunk finished)."""
         with self._lock:
             self._expire(self.clock())
-            if self._events:
+            if self._events and self._stale:
                 tokens = sum(e[2] for e in self._events)
                 self._last_rate = tokens / max(MIN_BUSY_S, _busy(self._events))
+                self._stale = False
             return self._last_rate
 
 
