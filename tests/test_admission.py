@@ -166,6 +166,47 @@ def test_admission_refuses_before_tokenizing_what_cannot_fit() -> None:
     admission.close()
 
 
+def test_an_abort_answers_those_waiting_to_tokenize_at_once() -> None:
+    """A shutdown's time is up: requests waiting for a tokenizing slot behind big ones get
+    its error now, and so does every later request, while those tokenizing finish (they were
+    left waiting until the HTTP server's grace cancelled them: plain-text 500s)."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from bgeserve.errors import NotReady
+    from bgeserve.results import EmbedOptions
+    from bgeserve.service.admission import Admission
+
+    release = threading.Event()
+
+    def make_job(inputs: object, options: object, request_id: str, arrived: float) -> object:
+        release.wait(10)  # a big request's tokenizing
+        return SimpleNamespace(ids=[[0, 5, 2]])
+
+    engine = SimpleNamespace(
+        queued_tokens=lambda: 0, make_job=make_job, submit=lambda job: "future",
+        tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 3, max_seq=512))
+    admission = Admission(engine, 10**9, DrainMeter(), slots=2)  # type: ignore[arg-type]
+    big = ["word " * 200]  # past what is tokenized on the loop
+
+    async def main() -> list[object]:
+        tasks = [asyncio.ensure_future(admission.submit(big, EmbedOptions(), f"r{i}", 0.0))
+                 for i in range(6)]
+        await asyncio.sleep(0.2)  # two tokenize, four wait for a slot
+        error = NotReady("shutting down")
+        assert admission.abort(error) == 4
+        waited = await asyncio.wait_for(asyncio.gather(*tasks[2:], return_exceptions=True), 1)
+        assert all(result is error for result in waited)
+        with pytest.raises(NotReady):
+            await admission.submit(["a"], EmbedOptions(), "late", 0.0)
+        release.set()
+        return [await task for task in tasks[:2]]
+
+    assert [future for _, future in asyncio.run(main())] == ["future", "future"]
+    admission.close()
+
+
 # -- a flood against a live server ------------------------------------------------------------
 def _flood(port: int, bodies: list[bytes], server_pid: int) -> tuple[list[tuple[int, float,
                                                                          str | None]], float]:

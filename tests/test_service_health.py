@@ -247,6 +247,38 @@ def test_sigterm_answers_503_only_past_a_nonzero_bound(bound: float) -> None:
     assert flushed == [True]
 
 
+def test_sigterm_flushes_and_aborts_the_rerankers_queue_too() -> None:
+    """A rerank request still queued when the bound runs out gets the same JSON 503 as an
+    embedding request: the reranker's engine is flushed and aborted with bge-m3's (it was
+    left queued, and the HTTP server's own grace then cancelled it: a plain-text 500)."""
+    import asyncio
+    import dataclasses
+
+    from bgeserve.errors import NotReady
+
+    calls: list[tuple[str, str]] = []
+
+    def engine(name: str) -> Any:
+        def abort(error: Exception) -> int:
+            assert isinstance(error, NotReady)
+            calls.append((name, "abort"))
+            return 1
+        return SimpleNamespace(flush=lambda: calls.append((name, "flush")), abort=abort)
+
+    service = ready_service(dict)
+    service.settings = dataclasses.replace(service.settings, shutdown_timeout_secs=0.01)
+    service.engine = engine("m3")
+    service.reranking.reranker = SimpleNamespace(engine=engine("reranker"))  # type: ignore
+
+    async def main() -> None:
+        service.begin_shutdown()
+        await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    assert sorted(calls) == [("m3", "abort"), ("m3", "flush"),
+                             ("reranker", "abort"), ("reranker", "flush")]
+
+
 def test_health_says_draining_with_503_once_sigterm_came() -> None:
     """After SIGTERM (begin_shutdown) /health reports ``draining``, which the HTTP layer
     answers 503: a readiness probe takes the replica out while its requests finish."""

@@ -224,19 +224,25 @@ class Service:
         grace timeout.
         """
         self._draining = True
-        if self.engine is not None:
-            self.engine.flush()
+        for engine in self._engines():
+            engine.flush()
         if self.settings.shutdown_timeout_secs:  # 0: no bound, everything is finished
             loop = asyncio.get_running_loop()
             self._abort_timer = loop.call_later(self.settings.shutdown_timeout_secs,
                                                 self._abort_waiting)
 
+    def _engines(self) -> list[Engine]:
+        """bge-m3's engine and the reranker's, those that exist."""
+        return [e for e in (self.engine, self.reranking.engine) if e is not None]
+
     def _abort_waiting(self) -> None:
-        if self.engine is None:
-            return
-        answered = self.engine.abort(NotReady(
-            "the server is shutting down and this request did not finish within "
-            "BGE_M3_SHUTDOWN_TIMEOUT_SECS; retry (another instance will answer)"))
+        # The reranker's too: a rerank request still queued when the HTTP server's own grace
+        # ran out was cancelled, a plain-text 500 instead of this JSON 503.
+        error = NotReady("the server is shutting down and this request did not finish within "
+                         "BGE_M3_SHUTDOWN_TIMEOUT_SECS; retry (another instance will answer)")
+        answered = sum(engine.abort(error) for engine in self._engines())
+        if self.admission is not None:  # and those still waiting to tokenize
+            answered += self.admission.abort(error)
         if answered:
             log.warning("shutdown: %d requests were still waiting after %gs and were answered "
                         "503", answered, self.settings.shutdown_timeout_secs)

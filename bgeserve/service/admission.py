@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from bgeserve.engine import normalize_inputs
-from bgeserve.errors import Overloaded
+from bgeserve.errors import BgeServeError, Overloaded
 
 if TYPE_CHECKING:
     from bgeserve.engine import Engine, Inputs
@@ -178,6 +178,8 @@ class Admission:
         self._lock = threading.Lock()
         self._slots = slots
         self._tokenizing: asyncio.Semaphore | None = None  # made on the loop that serves
+        self._waiting = 0  # requests waiting for a tokenizing slot
+        self._aborted: BgeServeError | None = None
         self._bounds = ThreadPoolExecutor(1, thread_name_prefix="bgeserve-admission")
 
     def lower_bound(self, inputs: Inputs, stop_above: int) -> int:
@@ -232,6 +234,8 @@ class Admission:
         bound of its tokens does not fit beside what is queued and being tokenized, or after
         tokenizing when its exact tokens do not fit the queue.
         """
+        if self._aborted is not None:
+            raise self._aborted
         bound = await self._reserve(inputs)
         try:
             job = await self._tokenize(inputs, options, request_id, arrived)
@@ -254,7 +258,14 @@ class Admission:
             return self.engine.make_job(inputs, options, request_id, arrived)
         if self._tokenizing is None:
             self._tokenizing = asyncio.Semaphore(self._slots)
-        async with self._tokenizing:
+        self._waiting += 1
+        try:
+            await self._tokenizing.acquire()
+        finally:
+            self._waiting -= 1
+        try:
+            if self._aborted is not None:
+                raise self._aborted
             work = asyncio.ensure_future(asyncio.to_thread(
                 self.engine.make_job, inputs, options, request_id, arrived))
             try:
@@ -267,6 +278,20 @@ class Admission:
                 if not work.cancelled():
                     work.exception()  # retrieved: its error has no one to go to
                 raise
+        finally:
+            self._tokenizing.release()
+
+    def abort(self, error: BgeServeError) -> int:
+        """Answer ``error`` to every request waiting for a tokenizing slot, and to every
+        request from now on; returns how many were waiting. A shutdown's time is up: behind a
+        backlog of big requests they would wait past the HTTP server's grace, which cancels
+        them (a plain-text 500). Those tokenizing now go on; the engine refuses their jobs."""
+        self._aborted = error
+        waiting = self._waiting
+        if self._tokenizing is not None:
+            for _ in range(waiting):  # each wakes, sees the error and gives its slot back
+                self._tokenizing.release()
+        return waiting
 
     def close(self) -> None:
         self._bounds.shutdown(wait=False)
