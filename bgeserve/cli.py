@@ -31,7 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from bgeserve.config import Settings
+    from bgeserve.config import Settings, parse_bind
     from bgeserve.errors import BgeServeError
     from bgeserve.http import tls
     from bgeserve.http.app import create_app
@@ -40,11 +40,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         settings = Settings.from_env(os.environ)
+        if args.bind:  # checked as BGE_M3_BIND is (it was taken as given: a traceback)
+            settings = dataclasses.replace(settings, bind=parse_bind("--bind", args.bind))
     except BgeServeError as exc:
         print(f"bgeserve: {exc}", file=sys.stderr)
         return 2
-    if args.bind:
-        settings = settings.__class__(**{**vars(settings), "bind": args.bind})
     setup_logging(settings.log_format, settings.log_level, background=True)
     log = logging.getLogger("bgeserve")
     try:  # before any port is bound: a missing GPU EP fails fast, naming BGE_M3_EP
@@ -64,6 +64,12 @@ def _serve(args: argparse.Namespace) -> int:
         from bgeserve.service.warmup import run as warmup
 
         return warmup(settings)
+    # Before the model loads: uvicorn binds only after the lifespan started the loader, and
+    # its exit on a taken port then met ONNX Runtime's threads mid-load (an abort, exit 134).
+    taken = port_taken(settings.bind, "--bind" if args.bind else "BGE_M3_BIND")
+    if taken:
+        print(f"bgeserve: {taken}", file=sys.stderr)
+        return 2
     host, _, port = settings.bind.rpartition(":")
     holder: dict[str, uvicorn.Server] = {}
 
@@ -107,10 +113,36 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, on_hangup)
-    server.run()
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn's own exit when it cannot listen (a port taken since)
+        code = exc.code if isinstance(exc.code, int) and exc.code else 1
+        print(f"bgeserve: could not listen on {settings.bind} (--bind / BGE_M3_BIND); "
+              "see the error above", file=sys.stderr)
+        _leave_if_runs_remain(code)
+        return code
     code = 3 if service.fatal_error is not None else 0
     _leave_if_runs_remain(code)
     return code
+
+
+def port_taken(bind: str, source: str) -> str | None:
+    """Why ``bind`` (HOST:PORT, from ``source``) cannot be listened on, or None: bound and
+    released at once, the way uvicorn binds it (IPv6 when the host has a colon)."""
+    import socket
+
+    host, _, port = bind.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, int(port)))
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        return (f"cannot listen on {bind} ({source}): {why}; stop what holds it or choose "
+                "another HOST:PORT")
+    return None
 
 
 def _leave_if_runs_remain(code: int) -> None:

@@ -80,7 +80,8 @@ def _keys(name: str, raw: str) -> tuple[str, ...]:
     return tuple(k.strip() for k in raw.split(",") if k.strip())
 
 
-def _bind(name: str, raw: str) -> str:
+def parse_bind(name: str, raw: str) -> str:
+    """``HOST:PORT`` with a port in 1-65535; ``name`` (the variable or flag) in the error."""
     host, sep, port = raw.strip().rpartition(":")
     # isascii: str.isdigit() accepts "²", which int() then rejects with a bare ValueError.
     if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
@@ -168,7 +169,7 @@ class Settings:
     onnx_batch_size: int | None = _var("BGE_M3_ONNX_BATCH_SIZE", _number(int, 1), None,
                                        "deprecated: translated to BGE_M3_TOKEN_BUDGET")
     # http
-    bind: str = _var("BGE_M3_BIND", _bind, "0.0.0.0:8081", "HOST:PORT to listen on")
+    bind: str = _var("BGE_M3_BIND", parse_bind, "0.0.0.0:8081", "HOST:PORT to listen on")
     max_batch: int = _var("BGE_M3_MAX_BATCH", _number(int, 1, 100_000), 2048,
                           "texts per request (OpenAI's own limit; LangChain sends 1,000)")
     accept_token_ids: bool = _var("BGE_M3_ACCEPT_TOKEN_IDS", _bool, False,

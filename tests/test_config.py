@@ -363,3 +363,41 @@ def test_the_environment_records_which_variables_it_set():
     assert Settings.from_env({}) == Settings() and Settings.from_env({}).explicit == frozenset()
     assert {f.name for f in dataclasses.fields(Settings)} - {f.name for f in VARIABLE_FIELDS} \
         == RECORDS
+
+
+@pytest.mark.parametrize("bind", ["nonsense", "127.0.0.1:99999", ":8081"])
+def test_a_bad_bind_flag_stops_serve_as_a_bad_variable_does(
+        bind: str, capsys: pytest.CaptureFixture) -> None:
+    """``--bind`` is checked as BGE_M3_BIND is: exit 2 with its message (it was taken as
+    given: a traceback, or port 99999 listening on 34463)."""
+    from bgeserve.cli import main
+
+    assert main(["serve", "--bind", bind]) == 2
+    err = capsys.readouterr().err
+    assert "--bind" in err and "HOST:PORT" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_port_in_use_stops_serve_before_the_model_loads(
+        flag: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """A port something listens on is refused at once, exit 2, naming where the address came
+    from: uvicorn found it only after the model began loading, and its exit met ONNX
+    Runtime's threads mid-load (exit 134 in about half the runs)."""
+    import socket
+
+    from bgeserve import service
+    from bgeserve.cli import main
+
+    monkeypatch.setattr(service, "Service", None)  # never reached: nothing loads
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        bind = f"127.0.0.1:{held.getsockname()[1]}"
+        if flag:
+            code = main(["serve", "--bind", bind])
+        else:
+            monkeypatch.setenv("BGE_M3_BIND", bind)
+            code = main(["serve"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on {bind}" in err and ("--bind" if flag else "BGE_M3_BIND") in err
