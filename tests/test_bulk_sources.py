@@ -86,3 +86,101 @@ def test_a_missing_column_fails_before_any_row_naming_the_flag(tmp_path: Path):
     with pytest.raises(InvalidInput, match="--text-column"):
         check_columns(Source(tmp_path / "c.csv", "csv"), "text", "id")
     check_columns(Source(tmp_path / "c.csv", "csv"), "body", "id")
+
+
+def _csv_oracle(data: bytes) -> tuple[list[int], list, list, list]:
+    """What the stdlib's csv module reads from ``data`` (id,text): each record's number,
+    and its cells or why it is bad, the way read() is expected to report them."""
+    import csv
+    import io
+
+    records = list(csv.reader(io.TextIOWrapper(io.BytesIO(data), "utf-8", "surrogateescape",
+                                               newline="")))[1:]
+    rows, ids, texts, errors = [], [], [], []
+    for n, cells in enumerate(records):
+        rows.append(n)
+        if len(cells) != 2:
+            ids.append(None), texts.append(None)
+            errors.append(f"expected 2 cells, found {len(cells)}")
+            continue
+        utf8 = [not any("\udc80" <= ch <= "\udcff" for ch in c) for c in cells]
+        # An empty cell is a missing value (no quoted "" is written here).
+        error = ("'id' is not valid UTF-8" if not utf8[0] else "'text' is not valid UTF-8"
+                 if not utf8[1] else "no 'id'" if not cells[0] else "no 'text'"
+                 if not cells[1] else None)
+        ids.append(cells[0] if utf8[0] and cells[0] else None)
+        texts.append(cells[1] if error is None else None)
+        errors.append(error)
+    return rows, ids, texts, errors
+
+
+@pytest.mark.parametrize("block", [4 << 20, 1000, 200])
+def test_csv_bytes_that_are_not_utf8_and_lines_with_other_cell_counts_are_bad_rows(
+        tmp_path: Path, block: int, monkeypatch: pytest.MonkeyPatch):
+    """A cell that is not UTF-8 or a line with too many or too few cells is one bad row in its
+    place, numbered as the stdlib's csv reader counts records, and the rows after it keep
+    theirs, across read blocks too (both stopped the whole job: pyarrow's reader raised), as
+    does a quoted text over lines that a block ends inside (pyarrow's chunker split it)."""
+    import random
+
+    from bgeserve.bulk import sources
+
+    monkeypatch.setattr(sources, "CSV_BLOCK_BYTES", block)
+    rnd = random.Random(7)
+    lines = [b"id,text"]
+    for i in range(300):
+        kind = rnd.random()
+        if kind < 0.1:
+            lines.append(b"%d,caf\xe9 %d" % (i, i))  # Latin-1, not UTF-8
+        elif kind < 0.15:
+            lines.append(b"\xff%d,fine text" % i)  # the id is not UTF-8
+        elif kind < 0.25:
+            lines.append(b"%d,one,two" % i)
+        elif kind < 0.3:
+            lines.append(b"%d" % i)
+        elif kind < 0.33:
+            lines.append(b"%d," % i)  # no text
+        elif kind < 0.45:  # a quoted text over lines (and over a block's end)
+            lines.append(b'%d,"a quoted\n%s\nline, with a comma"' % (i, b"x" * rnd.randrange(90)))
+        else:
+            lines.append(f"{i},text número {i}".encode())
+    data = b"\n".join(lines) + b"\n"
+    path = tmp_path / "mixed.csv"
+    path.write_bytes(data)
+    got = rows_of(Source(path, "csv"))
+    want = _csv_oracle(data)
+    assert got[0] == want[0] and got[3] == want[3]
+    assert got[1] == want[1] and got[2] == want[2]
+    assert {e for e in got[3] if e} == {"'text' is not valid UTF-8", "'id' is not valid UTF-8",
+                                        "expected 2 cells, found 3", "expected 2 cells, found 1",
+                                        "no 'text'"}
+
+
+def test_an_empty_csv_has_no_rows_and_a_header_only_one_neither(tmp_path: Path):
+    """A 0-byte CSV is read as no rows, as an empty JSONL is (it stopped a folder's job with
+    pyarrow's "Empty CSV file", naming no file); a header alone has no rows either."""
+    empty, header = tmp_path / "empty.csv", tmp_path / "header.csv"
+    empty.write_bytes(b"")
+    header.write_text("id,text\n")
+    for path in (empty, header):
+        check_columns(Source(path, "csv"), "text", "id")
+        assert rows_of(Source(path, "csv")) == ([], [], [], [])
+
+
+def test_a_file_that_is_not_csv_or_parquet_is_refused_naming_it(tmp_path: Path):
+    """A .parquet that is not Parquet is an error naming the file, not pyarrow's bare one."""
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"not parquet at all")
+    with pytest.raises(InvalidInput, match="broken.parquet"):
+        check_columns(Source(path, "parquet"), "text", "id")
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "csv"])
+def test_a_utf8_byte_order_mark_starts_no_bad_row(tmp_path: Path, suffix: str):
+    """Files saved by Windows tools begin with a BOM: the first row is still read (JSONL's
+    first line was "not valid JSON")."""
+    path = tmp_path / f"bom.{suffix}"
+    body = '{"id": "a", "text": "x"}\n' if suffix == "jsonl" else "id,text\na,x\n"
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    check_columns(Source(path, suffix), "text", "id")
+    assert rows_of(Source(path, suffix)) == ([0], ["a"], ["x"], [None])

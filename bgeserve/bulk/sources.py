@@ -2,8 +2,9 @@
 
 A row is known by its source file and its row number there (JSONL: the line number; CSV: the
 data row; Parquet: the row), so a rerun can skip exactly the rows finished shards hold, whatever
-the ids. Bad rows (no text, a text that is not a string, no id, a line that is not JSON) come
-back with ``errors[i]`` saying why, never as an exception: one bad row never stops a job.
+the ids. Bad rows (no text, a text that is not a string, no id, a line that is not JSON, a
+CSV line with too many or too few cells, a cell that is not UTF-8) come back with
+``errors[i]`` saying why, never as an exception: one bad row never stops a job.
 
 Readers are pyarrow's (Parquet's row groups, the streaming CSV reader) and orjson per line for
 JSONL: pyarrow's JSON reader infers one type per column and fails the whole block when one row
@@ -23,7 +24,8 @@ from bgeserve.errors import InvalidInput
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet",
            ".csv": "csv"}
-READ_ROWS = 8192  # rows per read from a CSV or Parquet file
+READ_ROWS = 8192  # rows per read from a JSONL or Parquet file
+CSV_BLOCK_BYTES = 4 << 20  # bytes per read from a CSV file
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,10 @@ class Rows:
 
     def select(self, keep: np.ndarray) -> Rows:
         """The rows where ``keep`` (a boolean mask) is true."""
-        idx = np.flatnonzero(keep)
+        return self.take(np.flatnonzero(keep))
+
+    def take(self, idx: np.ndarray) -> Rows:
+        """The rows at positions ``idx``, in that order."""
         return Rows(self.source, self.rows[idx], [self.ids[i] for i in idx],
                     [self.texts[i] for i in idx], [self.errors[i] for i in idx])
 
@@ -98,7 +103,7 @@ def discover(inputs: Sequence[str | Path], exclude: Path | None = None) -> list[
 def check_columns(source: Source, text_column: str, id_column: str) -> None:
     """Fail fast (before any model loads) when a CSV or Parquet file lacks a column; JSONL
     rows are checked one by one."""
-    if source.format == "jsonl":
+    if source.format == "jsonl" or _empty(source):
         return
     names = set(_schema(source).names)
     for column, flag in ((text_column, "--text-column"), (id_column, "--id-column")):
@@ -108,13 +113,21 @@ def check_columns(source: Source, text_column: str, id_column: str) -> None:
 
 
 def _schema(source: Source):
+    import pyarrow as pa
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
-    if source.format == "parquet":
-        return pq.read_schema(source.path)
-    with pacsv.open_csv(source.path) as reader:
-        return reader.schema
+    try:
+        if source.format == "parquet":
+            return pq.read_schema(source.path)
+        # Its header is what counts here: malformed lines wait for read() to report them.
+        with pacsv.open_csv(source.path, parse_options=pacsv.ParseOptions(
+                invalid_row_handler=lambda row: "skip")) as reader:
+            return reader.schema
+    except (pa.ArrowInvalid, OSError) as exc:
+        kind = "Parquet" if source.format == "parquet" else "CSV"
+        raise InvalidInput(f"{source.path}: not a {kind} file bgeserve can read ({exc})",
+                           param="INPUT") from None
 
 
 def read(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
@@ -134,6 +147,8 @@ def _jsonl(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
     errors: list[str | None] = []
     with open(source.path, "rb") as f:
         for line_no, line in enumerate(f):
+            if line_no == 0:  # a byte-order mark (Windows tools write one) is no JSON
+                line = line.removeprefix(b"\xef\xbb\xbf")
             if not line.strip():
                 continue  # a blank line (a trailing newline) is no row
             rows.append(line_no)
@@ -222,16 +237,104 @@ def _csv(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
-    # Both columns read as text: a CSV has no types, and an id column inferred as integers
-    # from the first block would fail the read at the first id that is not one. An empty
+    if _empty(source):
+        return
+    # Both columns read as bytes: a CSV has no types (an id column inferred as integers from
+    # the first block would fail at the first id that is not one), and a cell that is not
+    # UTF-8 is one bad row (read as strings, it failed the whole file, every rerun). An empty
     # text cell is a missing text (null), not an empty string.
-    convert = pacsv.ConvertOptions(column_types={text_column: pa.string(), id_column: pa.string()},
+    convert = pacsv.ConvertOptions(column_types={text_column: pa.binary(), id_column: pa.binary()},
                                    include_columns=[id_column, text_column],
                                    strings_can_be_null=True, quoted_strings_can_be_null=False)
-    start = 0
-    with pacsv.open_csv(source.path, convert_options=convert,
-                        read_options=pacsv.ReadOptions(block_size=4 << 20)) as reader:
-        for batch in reader:
-            table = pa.Table.from_batches([batch])
-            yield _columns(table, source, start, text_column, id_column)
-            start += table.num_rows
+    # A line with too many or too few cells is a bad row too. Parsed on one thread, the
+    # reader tells its record number (1: the header), so the rows keep their places.
+    malformed: dict[int, str] = {}
+
+    def invalid(row) -> str:
+        if row.number is None or row.number < 2:
+            return "error"  # no place to give it: the reader's own error names the file
+        malformed[row.number - 2] = (f"expected {row.expected_columns} cells, found "
+                                     f"{row.actual_columns}")
+        return "skip"
+
+    start = 0  # the next data row's number
+    try:
+        with pacsv.open_csv(source.path, convert_options=convert,
+                            read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES,
+                                                           use_threads=False),
+                            parse_options=pacsv.ParseOptions(newlines_in_values=True,
+                                                             invalid_row_handler=invalid)) as reader:
+            for batch in reader:
+                table = pa.Table.from_batches([batch])
+                rows = np.empty(table.num_rows, dtype=np.int64)
+                row = start
+                for i in range(table.num_rows):  # the good rows fill the places between
+                    while row in malformed:
+                        row += 1
+                    rows[i], row = row, row + 1
+                found = _text_columns(table, rows, source, text_column, id_column)
+                if table.num_rows:
+                    # Malformed rows before the last good one are this piece's; later ones
+                    # wait (they may follow rows of the next piece's block).
+                    yield _with_malformed(found, malformed, int(rows[-1]) + 1)
+                    start = int(rows[-1]) + 1
+    except pa.ArrowInvalid as exc:
+        raise InvalidInput(f"{source.path}: not a CSV file bgeserve can read ({exc})",
+                           param="INPUT") from None
+    if malformed:
+        yield _with_malformed(Rows(source.key, np.empty(0, np.int64), [], [], []), malformed,
+                              None)
+
+
+def _empty(source: Source) -> bool:
+    """A 0-byte file: no rows (pyarrow's CSV reader refuses it, "Empty CSV file")."""
+    return source.path.stat().st_size == 0
+
+
+def _with_malformed(found: Rows, malformed: dict[int, str], before: int | None) -> Rows:
+    """``found`` with the malformed rows numbered below ``before`` (None: all) taken from
+    ``malformed`` and put in their places as bad rows."""
+    taken = sorted(r for r in malformed if before is None or r < before)
+    if not taken:
+        return found
+    n = len(taken)
+    merged = Rows(found.source, np.concatenate([found.rows, np.array(taken, np.int64)]),
+                  [*found.ids, *[None] * n], [*found.texts, *[None] * n],
+                  [*found.errors, *(malformed.pop(r) for r in taken)])
+    return merged.take(np.argsort(merged.rows, kind="stable"))
+
+
+def _text_columns(table, rows: np.ndarray, source: Source, text_column: str,
+                  id_column: str) -> Rows:
+    """Rows of a CSV piece whose two columns are bytes: each cell decoded as UTF-8, a cell
+    that is not UTF-8 making its row bad."""
+    n = table.num_rows
+    ids, id_bad = _decode(table.column(id_column).to_pylist())
+    texts, text_bad = _decode(table.column(text_column).to_pylist())
+    errors: list[str | None] = []
+    for i in range(n):
+        if id_bad[i] or text_bad[i]:
+            column = id_column if id_bad[i] else text_column
+            errors.append(f"{column!r} is not valid UTF-8")
+        elif ids[i] is None:
+            errors.append(f"no {id_column!r}")
+        elif texts[i] is None:
+            errors.append(f"no {text_column!r}")
+        else:
+            errors.append(None)
+    return Rows(source.key, rows, ids,
+                [t if e is None else None for t, e in zip(texts, errors, strict=True)], errors)
+
+
+def _decode(cells: list[bytes | None]) -> tuple[list[str | None], list[bool]]:
+    """Each cell as text (None stays None) and whether it was not UTF-8."""
+    texts: list[str | None] = []
+    bad: list[bool] = []
+    for cell in cells:
+        try:
+            texts.append(None if cell is None else cell.decode("utf-8"))
+            bad.append(False)
+        except UnicodeDecodeError:
+            texts.append(None)
+            bad.append(True)
+    return texts, bad
