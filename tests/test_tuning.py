@@ -734,3 +734,28 @@ def test_the_plan_reserves_the_cache_where_the_engine_keeps_one(
     assert serving.tuning.reserved_bytes == reserved
     engine = Engine(artifacts=artifacts, config=serving.engine, start=False, auto_budget=False)
     assert engine.reserved_bytes == reserved
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_a_probe_child_stopped_on_request_is_not_called_out_of_memory(
+        asked: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed because the server or a bulk job was ending, the probe child's death says so;
+    killed by a signal otherwise, it may be the OOM killer (every bulk job ended warning
+    "the probe process ended by signal 9 (out of memory?)")."""
+    import threading
+
+    from bgeserve.tuning import child
+
+    (tmp_path / "fakeprobe.py").write_text(
+        "import os, signal, sys, time\n"
+        "if sys.argv[1] == '\"die\"':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(30)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(child, "CHILD_MODULE", "fakeprobe")
+    stop = threading.Event()
+    if asked:
+        threading.Timer(0.3, stop.set).start()
+    with pytest.raises(child.ChildDied) as died:
+        child.run_json("sleep" if asked else "die", stop)  # type: ignore[arg-type]
+    assert ("asked to stop" in str(died.value)) is asked
+    assert ("out of memory?" in str(died.value)) is not asked

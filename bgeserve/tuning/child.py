@@ -49,7 +49,8 @@ def run_json(spec: dict[str, Any], stop: threading.Event) -> dict[str, Any]:
     out = proc.stdout.read() if proc.stdout else ""
     reader.join(1.0)
     if proc.returncode != 0:
-        reason = (f"by signal {-proc.returncode} (out of memory?)" if proc.returncode < 0
+        reason = ("when asked to stop" if stop.is_set() else
+                  f"by signal {-proc.returncode} (out of memory?)" if proc.returncode < 0
                   else f"with exit code {proc.returncode}")
         raise ChildDied(reason)
     lines = out.strip().splitlines()

@@ -348,7 +348,11 @@ class Tuner:
                           "runtime and settings)")
             self.state.probe_status, self.state.probe_error = "failed", error
             self._publish(CostModel(a, b, self.budget(model_cost)))
-            log.warning("probe gave no usable fit (%s); keeping the conservative model", error)
+            if self._stop.is_set():  # the server or a bulk job ending: no fault to warn of
+                log.info("probe stopped before it finished (%s)", error)
+            else:
+                log.warning("probe gave no usable fit (%s); keeping the conservative model",
+                            error)
             return
         fitted = CostModel(result.fit.a, result.fit.b, self.budget(model_cost), result.fit.c)
         if not fitted.fits(1, c.max_seq):
