@@ -370,7 +370,7 @@ def test_onnx_batch_size_becomes_a_token_budget(tiny_export: Path, tmp_path: Pat
 
 # -- the start-up floor -------------------------------------------------------------------------
 def test_tiny_memory_refuses_to_start(tiny_export: Path, tmp_path: Path) -> None:
-    settings = Settings.from_env(env_for(tiny_export, tmp_path,
+    settings = Settings.from_env(env_for(tiny_export, tmp_path, BGE_M3_MODEL="fp32",
                                          BGE_M3_AVAILABLE_MEMORY_BYTES=str(64 << 20)))
     service = Service(settings)
     with pytest.raises(ConfigError) as info:
@@ -382,6 +382,12 @@ def test_tiny_memory_refuses_to_start(tiny_export: Path, tmp_path: Path) -> None
     # No measurement cached yet: the refusal says how to get one (the conservative model is
     # far above what the probe measures).
     assert "`bgeserve probe`" in str(info.value)
+    # The whole sum is shown, the memory held beside the model named with its variable.
+    message = str(info.value)
+    assert "0.06 GiB available from BGE_M3_AVAILABLE_MEMORY_BYTES" in message, message
+    assert "256 MiB headroom" in message and "safety factor 0.7" in message
+    assert "128 MiB embedding cache (BGE_M3_CACHE_MB)" in message
+    assert "set BGE_M3_CACHE_MB=0" in message
     health = service.health()
     assert health["status"] == "fail" and "BGE_M3_MAX_SEQ_LENGTH" in health["error"]
     assert service.engine is None

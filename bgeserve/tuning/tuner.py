@@ -27,7 +27,7 @@ from typing import Any
 
 from bgeserve.errors import ConfigError
 from bgeserve.tuning import cache, memory, probe
-from bgeserve.tuning.budget import budget
+from bgeserve.tuning.budget import HEADROOM_BYTES, budget
 from bgeserve.tuning.costmodel import CostModel, Fit, conservative_coefficients
 from bgeserve.tuning.probe import ProbeRequest, ProbeResult
 from bgeserve.tuning.sources import Source, as_source
@@ -236,14 +236,29 @@ class Tuner:
         if cost.fits(1, c.max_seq):
             return
         unmeasured = self.state.probe_status == "running"
+        # The whole sum, so that the one term to change can be seen (each worker gets
+        # (available - cache - models - headroom) x safety / workers).
+        host = c.token_budget is None and not c.gpu
+        held = [f"{c.workers} x {model_cost / 2**30:.2f} GiB model",
+                f"{HEADROOM_BYTES >> 20} MiB headroom"]
+        if c.reserved_bytes:
+            held.insert(0, f"{c.reserved_bytes >> 20} MiB embedding cache (BGE_M3_CACHE_MB)")
+        if c.token_budget is not None:
+            why = "BGE_M3_TOKEN_BUDGET"
+        elif c.gpu:
+            why = "the GPU's budget, BGE_M3_GPU_VRAM_BUDGET_BYTES"
+        else:
+            source = self.state.memory_source
+            source = "BGE_M3_AVAILABLE_MEMORY_BYTES" if source == "override" else source
+            why = (f"{self.state.available_bytes / 2**30:.2f} GiB available from {source}, less {', '.join(held)}, x safety factor "
+                   f"{c.safety_factor:g} (BGE_M3_MEMORY_SAFETY_FACTOR), / {c.workers} worker(s)")
         raise (UnmeasuredFloor if unmeasured else ConfigError)(
             f"one {c.max_seq}-token text needs ~{cost.cost(1, c.max_seq) / 2**20:.0f} MiB of "
             f"workspace but each of the {c.workers} worker(s) gets "
-            f"{cost.max_workspace_bytes / 2**20:.0f} MiB ({self.state.available_bytes / 2**30:.1f}"
-            f" GiB available from {self.state.memory_source}, {model_cost / 2**30:.2f} GiB per "
-            f"model copy). Lower {c.length_variable} (longest that fits: {cost.max_seq()}), "
-            f"reduce {c.workers_variable}, or raise the memory limit / "
-            "BGE_M3_MEMORY_SAFETY_FACTOR"
+            f"{cost.max_workspace_bytes / 2**20:.0f} MiB ({why}). Lower {c.length_variable} "
+            f"(longest that fits: {cost.max_seq()}), reduce {c.workers_variable}"
+            + (", set BGE_M3_CACHE_MB=0" if c.reserved_bytes and host else "")
+            + ", or raise the memory limit / BGE_M3_MEMORY_SAFETY_FACTOR"
             + ("" if self.state.probe_status not in ("running", "failed") else
                ". This is the conservative estimate (no probe measurement is cached yet); the "
                "measured cost is usually far lower: run `bgeserve probe` once with the same "
