@@ -72,8 +72,39 @@ def test_a_closed_engine_cannot_be_restarted(tiny_export: Path, tmp_path: Path) 
     engine.close()
     with pytest.raises(NotReady, match="closed"):
         engine.start()
-    with pytest.raises(NotReady):
-        engine.embed("x")
+    with pytest.raises(NotReady, match="closed; create a new one"):
+        engine.embed("x")  # it said "the engine is not started"
+
+
+EXIT_SCRIPT = """
+import sys, threading, time
+from bgeserve import Engine
+engine = Engine(sys.argv[1], "fp32", cache_dir=sys.argv[2])
+texts = [" ".join(f"word{i}" for i in range(2000))] * 400
+threading.Thread(target=lambda: engine.embed(texts), daemon=True).start()
+time.sleep(0.5)
+if sys.argv[3] == "close":
+    engine.close(timeout=0.05)
+print("leaving", flush=True)
+"""
+
+
+@pytest.mark.parametrize("close", ["close", "no close"])
+def test_a_script_may_end_while_another_thread_embeds(tiny_export: Path, tmp_path: Path,
+                                                      close: str) -> None:
+    """Exit while a daemon thread is inside the tokenizer (Rust, the GIL released) or a run:
+    the interpreter waits for that call and ends cleanly. It aborted (exit 134, "FATAL:
+    exception not rethrown") in 12 of 12 runs, with or without Engine.close(timeout)."""
+    import os
+    import subprocess
+    import sys
+
+    # Unset as in a user's script: with it, tokenizers encodes without releasing the GIL.
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tiny_export), str(tmp_path),
+                           close], capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "leaving" in done.stdout
 
 
 # ------------------------------------------------------------------------- embedding cache

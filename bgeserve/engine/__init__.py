@@ -246,7 +246,8 @@ class Engine:
         """Queue a job; returns its concurrent future (already answered when the cache held
         every text)."""
         if not self._started:
-            raise NotReady("the engine is not started")
+            raise NotReady("this Engine was closed; create a new one" if self._closed else
+                           "the engine is not started; call start()")
         if job.ids and job.remaining == 0:  # nothing to run: never touches the queue
             job.done = True
             answer(job.future, result=job.result())

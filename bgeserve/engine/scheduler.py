@@ -12,10 +12,12 @@ NotReady. The worker threads and their supervision are in ``workers``.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -38,6 +40,9 @@ from bgeserve.errors import (
 from bgeserve.tuning.audit import WorkspaceAudit
 
 log = logging.getLogger("bgeserve.scheduler")
+
+
+SHUTTING_DOWN = "the engine is shutting down (the server is stopping, or Engine.close() was called)"
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,7 @@ class Scheduler(Workers):
                 self._forwards[w] = self._open_forward(w)
         for w in range(self.config.workers):
             self._spawn(w, delay=0.0)
+        _STARTED.add(self)
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """Stop accepting, finish what is queued within ``timeout`` (None: all of it), fail
@@ -129,7 +135,7 @@ class Scheduler(Workers):
                 t = self._threads[w]
             if t is not None:
                 t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        self._fail_pending(NotReady("the server is shutting down"))
+        self._fail_pending(NotReady(SHUTTING_DOWN))
         for w, t in enumerate(self._threads):
             if t is None or not t.is_alive():
                 self._drop_session(w)
@@ -191,7 +197,7 @@ class Scheduler(Workers):
         now = time.monotonic()
         with self._cond:
             if self._stopping:
-                raise NotReady("the server is shutting down")
+                raise NotReady(SHUTTING_DOWN)
             if self._no_worker_left():
                 raise NotReady("no worker is left to run the model (see /health)")
             self._check_room(tokens)
@@ -379,3 +385,25 @@ class Scheduler(Workers):
             job.done = True
         answer(job.future, error=error)
 
+
+
+# Schedulers whose worker threads may still run. The workers are daemon threads (an engine
+# never closed must not hang the interpreter's exit), but one still inside ``session.run``
+# when the interpreter finalizes aborts the process ("terminate called without an active
+# exception", exit 134): a script that ended right after Engine.close(timeout) with work in
+# flight, or without closing at all. At exit, queued work is dropped and running chunks end.
+_STARTED: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+
+
+@atexit.register
+def _end_runs_at_exit() -> None:
+    schedulers = list(_STARTED)
+    for scheduler in schedulers:
+        scheduler.abort(NotReady("the Python interpreter is exiting"))
+    me = threading.current_thread()
+    running = [t for scheduler in schedulers for t in scheduler._threads
+               if t is not None and t is not me and t.is_alive()]
+    if running:
+        log.info("exiting: waiting for %d worker(s) to end the run in progress", len(running))
+    for t in running:
+        t.join()

@@ -8,18 +8,21 @@ what FlagEmbedding's ``tokenizer(..., truncation=True, max_length=max_seq)`` pro
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import itertools
 import json
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import tokenizers
 
-from bgeserve.errors import InvalidInput, ModelUnavailable, TooLarge
+from bgeserve.errors import InvalidInput, ModelUnavailable, NotReady, TooLarge
 from bgeserve.results import Token
 from bgeserve.vocab import CLS_ID, EOS_ID
 
@@ -37,6 +40,40 @@ _CLASSES = bytes(0x61 if b < 0x80 and chr(b).isalnum() else 0x20 if b == 0x20 el
 # numpy's masks ~1 ns (13 us); below it numpy's fixed cost loses (measured, 2-core Zen 3).
 _NUMPY_COUNT_BYTES = 4096
 _WORD_SPLITTERS = {"WhitespaceSplit", "Whitespace", "BertPreTokenizer"}
+EXIT_WAIT_S = 60.0  # the longest interpreter exit waits for tokenizing in progress
+
+
+# ``tokenizers`` encodes in Rust with the GIL released. A thread still in there when the
+# interpreter finalizes (a caller's daemon thread: a script that ends while another thread
+# embeds) is ended as it takes the GIL back, and the forced unwind through Rust's frames
+# aborts the process ("FATAL: exception not rethrown", exit 134). So calls are counted, exit
+# waits for those in progress, and none starts once it began.
+_calls = threading.Condition()
+_inside = 0
+_exiting = False
+
+
+@contextlib.contextmanager
+def _native() -> Iterator[None]:
+    global _inside
+    with _calls:
+        if _exiting:
+            raise NotReady("the Python interpreter is exiting")
+        _inside += 1
+    try:
+        yield
+    finally:
+        with _calls:
+            _inside -= 1
+            _calls.notify_all()
+
+
+@atexit.register
+def _wait_for_native_calls() -> None:
+    global _exiting
+    with _calls:
+        _exiting = True
+        _calls.wait_for(lambda: _inside == 0, timeout=EXIT_WAIT_S)
 
 
 # Normalizers that act on each character alone (or only at the start, or on runs of spaces
@@ -174,7 +211,10 @@ class Tokenizer:
         for text in [*texts, None]:
             if group and (text is None or chars + len(text) > GROUP_CHARS):
                 try:
-                    encodings = self._tk.encode_batch(group, add_special_tokens=True)
+                    with _native():
+                        encodings = self._tk.encode_batch(group, add_special_tokens=True)
+                except NotReady:
+                    raise
                 except Exception as exc:
                     raise InvalidInput(f"cannot tokenize input: {exc}", param="input") from exc
                 out += [np.asarray(e.ids, dtype=np.int64) for e in encodings]
@@ -292,7 +332,11 @@ class Tokenizer:
         for start in range(0, len(texts), 64):
             group = list(texts[start:start + 64])
             try:
-                encodings = self._tk.encode_batch(group, add_special_tokens=add_special_tokens)
+                with _native():
+                    encodings = self._tk.encode_batch(group,
+                                                      add_special_tokens=add_special_tokens)
+            except NotReady:
+                raise
             except Exception as exc:
                 raise InvalidInput(f"cannot tokenize input: {exc}", param="inputs") from exc
             for text, enc in zip(group, encodings, strict=True):
@@ -313,8 +357,9 @@ class Tokenizer:
             if bad:
                 raise InvalidInput(f"ids[{i}] has token id {bad[0]} outside the vocabulary "
                                    f"[0, {self.vocab_size})", param=f"ids[{i}]")
-        return self._tk.decode_batch([list(s) for s in sequences],
-                                     skip_special_tokens=skip_special_tokens)
+        with _native():
+            return self._tk.decode_batch([list(s) for s in sequences],
+                                         skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, ids: Sequence[int]) -> list[str]:
         """Token strings for ids (``<unk>`` for an id the vocabulary lacks)."""
