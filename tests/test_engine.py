@@ -76,6 +76,17 @@ def test_a_closed_engine_cannot_be_restarted(tiny_export: Path, tmp_path: Path) 
         engine.embed("x")  # it said "the engine is not started"
 
 
+def test_no_texts_give_empty_results_of_the_usual_shapes(tiny_export: Path,
+                                                         tmp_path: Path) -> None:
+    """embed([]) gives a (0, width) dense array (it gave None) and empty lists."""
+    with Engine(tiny_export, "fp32", cache_dir=tmp_path) as engine:
+        width = engine.embed(["x"]).dense.shape[1]  # type: ignore[union-attr]
+        out = engine.embed([], sparse=True, colbert=True)
+        assert out.dense is not None and out.dense.shape == (0, width)
+        assert out.dense.dtype == np.float32 and out.sparse == [] and out.colbert == []
+        assert engine.embed([], dense=False, sparse=True).dense is None
+
+
 EXIT_SCRIPT = """
 import sys, threading, time
 from bgeserve import Engine

@@ -238,6 +238,8 @@ class Engine:
         timeout = self.config.request_timeout_s if timed else None
         deadline = start + timeout if timeout else None
         job = Job(encoded.ids, encoded.truncated, options, deadline, request_id, solo=solo)
+        if options.dense and not encoded.ids:  # no chunk will size it: (0, width), not None
+            job.dense = np.empty((0, self.width), dtype=np.float32)
         if self.cache is not None and not solo:  # a canary (solo) must run, never be a hit
             job.reuse(self.cache)
         return job
