@@ -125,3 +125,20 @@ def test_the_command_line_refuses_bad_arguments_with_exit_2(tmp_path: Path, caps
     assert "--outputs" in capsys.readouterr().err
     assert main(["bulk", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_ctrl_c_ends_the_command_with_130_and_how_to_go_on(
+        tmp_path: Path, capsys, monkeypatch) -> None:
+    """An interrupt is expected in a long job: one line saying the shards are kept and how to
+    resume, exit 130 (it printed a KeyboardInterrupt traceback)."""
+    from bgeserve.bulk import local
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(local, "run", interrupted)
+    (tmp_path / "a.jsonl").write_text('{"id": "a", "text": "x"}\n')
+    assert main(["bulk", str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "o")]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "run the same command again" in err
+    assert "Traceback" not in err

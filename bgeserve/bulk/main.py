@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the job; 0 when every row was embedded or reported, 2 on a usage error."""
+    """Run the job; 0 when every row was embedded or reported, 2 on a usage error, 130 when
+    interrupted (Ctrl-C)."""
     from bgeserve.bulk.columns import parse_outputs
     from bgeserve.bulk.job import BulkJob
     from bgeserve.bulk.model import resolve_settings
@@ -78,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
     except (BgeServeError, ValueError) as exc:
         print(f"bgeserve bulk: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: expected, and resumable; no traceback
+        print("bgeserve bulk: interrupted; finished shards are kept, run the same command "
+              "again to go on", file=sys.stderr)
+        return 130
     except ImportError as exc:
         if exc.name not in ("pyarrow", "tqdm", "ray"):
             raise
