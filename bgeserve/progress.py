@@ -58,7 +58,10 @@ class Progress:
             if total:
                 self._fraction = min(1.0, done / total)
             self._detail = {"file": name, "bytes_done": done, "bytes_total": total}
-            due = now - self._logged.get(name, 0.0) >= self.period or finished
+            # The first report is due whatever the clock reads (monotonic time starts near 0
+            # at boot: under an hour after it, a period of 3600 s logged nothing).
+            last = self._logged.get(name)
+            due = last is None or now - last >= self.period or finished
             if due:
                 self._logged[name] = now
         if entering:

@@ -122,7 +122,7 @@ def _schema(source: Source):
             return pq.read_schema(source.path)
         # Its header is what counts here: malformed lines wait for read() to report them.
         with pacsv.open_csv(source.path, parse_options=pacsv.ParseOptions(
-                invalid_row_handler=lambda row: "skip")) as reader:
+                newlines_in_values=True, invalid_row_handler=lambda row: "skip")) as reader:
             return reader.schema
     except (pa.ArrowInvalid, OSError) as exc:
         kind = "Parquet" if source.format == "parquet" else "CSV"

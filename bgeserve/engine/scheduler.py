@@ -386,13 +386,13 @@ class Scheduler(Workers):
         answer(job.future, error=error)
 
 
-
 # Schedulers whose worker threads may still run. The workers are daemon threads (an engine
 # never closed must not hang the interpreter's exit), but one still inside ``session.run``
 # when the interpreter finalizes aborts the process ("terminate called without an active
 # exception", exit 134): a script that ended right after Engine.close(timeout) with work in
 # flight, or without closing at all. At exit, queued work is dropped and running chunks end.
 _STARTED: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+EXIT_WAIT_S = 60.0
 
 
 @atexit.register
@@ -405,5 +405,6 @@ def _end_runs_at_exit() -> None:
                if t is not None and t is not me and t.is_alive()]
     if running:
         log.info("exiting: waiting for %d worker(s) to end the run in progress", len(running))
-    for t in running:
-        t.join()
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for t in running:  # bounded: a run that never ends must not hang the exit
+        t.join(max(0.0, deadline - time.monotonic()))
