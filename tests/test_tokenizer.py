@@ -165,6 +165,18 @@ def test_from_ids_adds_only_the_missing_special_end():
     assert tok.from_ids([cut]).ids[0].tolist() == [*cut, 2]
 
 
+def test_ids_past_int64_are_outside_the_vocabulary():
+    """2**63 is an integer too big for the vocabulary, not "not an integer"."""
+    from bgeserve.errors import InvalidInput
+
+    tok = make()
+    for ids in ([5, 2**63], [2**64], (2**63,)):
+        with pytest.raises(InvalidInput, match=f"token id {ids[-1]} outside the vocabulary"):
+            tok.from_ids([ids])
+    with pytest.raises(InvalidInput, match="integer token ids"):
+        tok.from_ids([[5, "x"]])
+
+
 def test_min_tokens_is_a_lower_bound_of_encode():
     """The cheap bound the overload check uses never exceeds the real count: words the
     vocabulary lacks, punctuation-only words, spacing, unicode, truncation."""

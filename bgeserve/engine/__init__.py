@@ -23,7 +23,7 @@ from bgeserve import runtime
 from bgeserve.engine import cache as cache_rules
 from bgeserve.engine.cache import EmbeddingCache
 from bgeserve.engine.forward import forward_factory
-from bgeserve.engine.inputs import Inputs, normalize_inputs
+from bgeserve.engine.inputs import Inputs, normalize_inputs, rerank_inputs
 from bgeserve.engine.jobs import Job, answer
 from bgeserve.engine.scheduler import ChunkStats, Scheduler, SchedulerConfig
 from bgeserve.engine.tokenizer import Encoded, Tokenizer
@@ -288,7 +288,7 @@ class Engine:
         (``engine/m3rerank.py``). A cross-encoder is ``bgeserve.Reranker``."""
         from bgeserve.engine.m3rerank import rerank_m3
 
-        return rerank_m3(self, query, documents, RerankOptions(
+        return rerank_m3(self, query, rerank_inputs(query, documents), RerankOptions(
             mode=mode, weights=weights, long_documents=long_documents))
 
     async def arerank(self, query: str, documents: list[str], *, mode: str = "hybrid",
@@ -297,7 +297,7 @@ class Engine:
         """Async ``rerank``."""
         from bgeserve.engine.m3rerank import arerank_m3
 
-        return await arerank_m3(self, query, documents, RerankOptions(
+        return await arerank_m3(self, query, rerank_inputs(query, documents), RerankOptions(
             mode=mode, weights=weights, long_documents=long_documents))
 
     async def await_job(self, job: Job, future: Future | None = None) -> Embeddings:

@@ -19,6 +19,7 @@ import numpy as np
 
 from bgeserve.engine import Engine, EngineConfig
 from bgeserve.engine.crossencoder import finish_pairs, plan_pairs
+from bgeserve.engine.inputs import rerank_inputs
 from bgeserve.engine.jobs import Job
 from bgeserve.engine.pairs import PairConfig, PairPlan
 from bgeserve.engine.tokenizer import untruncated
@@ -121,7 +122,7 @@ class Reranker:
                                 long_documents=long_documents,
                                 truncation_direction=truncation_direction,
                                 max_tokens_per_doc=max_tokens_per_doc)
-        plan, job = self.make_job(query, list(documents), options)
+        plan, job = self.make_job(query, rerank_inputs(query, documents), options)
         future = self.submit(job)
         try:
             return self.finish(plan, future.result(), options)
@@ -138,6 +139,7 @@ class Reranker:
                                 long_documents=long_documents,
                                 truncation_direction=truncation_direction,
                                 max_tokens_per_doc=max_tokens_per_doc)
-        plan, job = await asyncio.to_thread(self.make_job, query, list(documents), options,
+        plan, job = await asyncio.to_thread(self.make_job, query,
+                                            rerank_inputs(query, documents), options,
                                             request_id)
         return self.finish(plan, await self.engine.await_job(job), options)

@@ -285,6 +285,13 @@ class Tokenizer:
                 ids = np.asarray(seq)
             except ValueError:  # ragged nesting
                 ids = np.empty(0)
+            if ids.dtype.kind in "fO" and isinstance(seq, (list, tuple)) and seq and all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in seq):
+                # Integers past int64 (2**63: numpy makes floats or objects of them) are
+                # outside the vocabulary, not "not integers".
+                big = next(x for x in seq if not 0 <= x < self.vocab_size)
+                raise InvalidInput(f"input[{i}] has token id {big} outside the vocabulary "
+                                   f"[0, {self.vocab_size})", param=f"input[{i}]")
             if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
                 raise InvalidInput(f"input[{i}] must be a non-empty list of integer token ids",
                                    param=f"input[{i}]")
