@@ -103,6 +103,8 @@ class RerankOptions:
     max_tokens_per_doc: int | None = None
     mode: str = "hybrid"
     weights: tuple[float, float, float] = (0.4, 0.2, 0.4)
+    # The fields a request set (not defaulted): a scorer refuses those it does not read.
+    given: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.long_documents not in LONG_DOCUMENTS:

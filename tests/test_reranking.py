@@ -127,3 +127,31 @@ def test_a_refusing_estimate_is_measured_on_the_rerankers_serving_sessions(
         assert np.isfinite(cross.scores).all()
     finally:
         asyncio.run(service.stop())
+
+
+def test_bge_m3_options_sent_to_the_cross_encoder_are_refused() -> None:
+    """``mode`` and ``weights`` are bge-m3's: given to a request the cross-encoder scores, a
+    400 naming them and how to get bge-m3 (they were dropped without a word). Parsed from
+    the body, only the fields sent count as given."""
+    from types import SimpleNamespace
+
+    from bgeserve.errors import InvalidInput
+    from bgeserve.http.rerank_schemas import parse_rerank_request
+    from bgeserve.service.metrics import Metrics
+    from bgeserve.service.reranking import Reranking
+
+    ids = ("bge-m3", "bge-reranker-v2-m3")
+    body = {"query": "q", "documents": ["a"], "mode": "sparse"}
+    parsed = parse_rerank_request(json.dumps(body).encode(), Settings(), ids)
+    assert parsed.options.given == {"mode"}
+    plain = parse_rerank_request(b'{"query": "q", "documents": ["a"]}', Settings(), ids)
+    assert plain.options.given == frozenset()
+
+    reranking = Reranking(Metrics())
+    reranking.reranker = SimpleNamespace()  # type: ignore[assignment]  # loaded: the default
+    for options, param in ((parsed.options, "mode"),
+                           (RerankOptions(model="bge-reranker-v2-m3", given=frozenset(
+                               {"weights"})), "weights")):
+        with pytest.raises(InvalidInput, match='"model": "bge-m3"') as info:
+            asyncio.run(reranking.rerank(None, "q", ["a"], options, None))  # type: ignore
+        assert info.value.param == param

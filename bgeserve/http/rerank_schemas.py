@@ -134,6 +134,7 @@ def parse_rerank_request(raw: bytes, settings: Settings,
         mode=mode or "hybrid",
         weights=_weights(body["weights"]) if body.get("weights") is not None
         else RerankOptions.weights,
+        given=frozenset(k for k in ("mode", "weights") if body.get(k) is not None),
     )
     return RerankRequest(_query(body), _documents(body.get("documents"), "documents", settings,
                                                   objects=True),

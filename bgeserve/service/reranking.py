@@ -24,7 +24,7 @@ from bgeserve.config import Settings
 from bgeserve.engine import Engine
 from bgeserve.engine.m3rerank import arerank_m3
 from bgeserve.engine.reranker import Reranker
-from bgeserve.errors import DeadlineExceeded
+from bgeserve.errors import DeadlineExceeded, InvalidInput
 from bgeserve.model.rerank_artifacts import RERANK_MODEL_ID, RERANK_MODEL_IDS, resolve_reranker
 from bgeserve.results import RerankOptions, RerankResult
 from bgeserve.service import plan
@@ -37,6 +37,7 @@ from bgeserve.tuning.tuner import Tuner, UnmeasuredFloor
 log = logging.getLogger("bgeserve.rerank")
 PRIMING_PAIR = [0, 5, 2, 2, 6, 2]  # <s> a </s></s> b </s>: one tiny row primes the sessions
 PROBE_CACHE_DIR = "reranker"  # under BGE_M3_CACHE_DIR
+M3_ONLY = frozenset({"mode", "weights"})  # what only bge-m3's own scores read
 
 
 def configured(settings: Settings) -> bool:
@@ -164,6 +165,13 @@ class Reranking:
                      request_id: str = "") -> RerankResult:
         """Score ``documents`` against ``query`` with the scorer ``options.model`` names."""
         started = time.perf_counter()
+        if self.cross_encoder(options.model):
+            ignored = sorted(options.given & M3_ONLY)
+            if ignored:  # it was dropped without a word
+                raise InvalidInput(
+                    f"{ignored[0]} applies to bge-m3's own scores; this request is scored by "
+                    f"the cross-encoder {RERANK_MODEL_ID}. Send \"model\": \"bge-m3\" to use "
+                    f"{ignored[0]}, or leave it out", param=ignored[0])
         try:
             if self.cross_encoder(options.model):
                 result = await self._cross(query, documents, options, timeout, request_id)
