@@ -156,3 +156,26 @@ def test_the_cache_applies_only_where_results_do_not_depend_on_batch_mates(
     """fp32 / fp16 / bf16 always; int8 (activation scales per run) only when each text runs
     alone and unpadded."""
     assert applies(variant, max_chunk, pad_multiple) is expected
+
+
+def test_storing_entries_gives_the_heap_back_at_most_once_a_period(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entries kept among the chunks' freed buffers pin glibc's heap (RSS 2-20x the cache's
+    bytes): stores trim it, at most once per period, whatever the number of stores."""
+    clock = [1000.0]
+    monkeypatch.setattr(cache_mod.time, "monotonic", lambda: clock[0])
+    trims: list[float] = []
+    cache = EmbeddingCache(1 << 20, trim=lambda: trims.append(clock[0]), trim_every_s=10.0)
+    for i in range(50):  # 5 s of stores: none due yet
+        cache.put(ids(i), dense=vec(i))
+        clock[0] += 0.1
+    assert trims == []
+    clock[0] = 1010.0
+    for i in range(50, 60):
+        cache.put(ids(i), dense=vec(i))
+    assert trims == [1010.0]
+    clock[0] = 1025.0
+    cache.get(ids(1), EmbedOptions())  # lookups never trim
+    assert trims == [1010.0]
+    cache.put(ids(99), dense=vec(99))
+    assert trims == [1010.0, 1025.0]
