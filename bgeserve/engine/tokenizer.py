@@ -210,13 +210,12 @@ class Tokenizer:
         chars = 0
         for text in [*texts, None]:
             if group and (text is None or chars + len(text) > GROUP_CHARS):
-                try:
-                    with _native():
+                with _native():
+                    try:
                         encodings = self._tk.encode_batch(group, add_special_tokens=True)
-                except NotReady:
-                    raise
-                except Exception as exc:
-                    raise InvalidInput(f"cannot tokenize input: {exc}", param="input") from exc
+                    except Exception as exc:
+                        raise InvalidInput(f"cannot tokenize input: {exc}",
+                                           param="input") from exc
                 out += [np.asarray(e.ids, dtype=np.int64) for e in encodings]
                 del encodings
                 group, chars = [], 0
@@ -338,14 +337,12 @@ class Tokenizer:
         total = 0
         for start in range(0, len(texts), 64):
             group = list(texts[start:start + 64])
-            try:
-                with _native():
+            with _native():
+                try:
                     encodings = self._tk.encode_batch(group,
                                                       add_special_tokens=add_special_tokens)
-            except NotReady:
-                raise
-            except Exception as exc:
-                raise InvalidInput(f"cannot tokenize input: {exc}", param="inputs") from exc
+                except Exception as exc:
+                    raise InvalidInput(f"cannot tokenize input: {exc}", param="inputs") from exc
             for text, enc in zip(group, encodings, strict=True):
                 total += len(enc.ids)
                 if max_tokens is not None and total > max_tokens:
