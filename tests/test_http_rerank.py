@@ -62,9 +62,14 @@ def test_model_picks_the_scorer_and_unknown_models_are_404() -> None:
                      "model")
         models = [m["id"] for m in c.get("/v1/models").json()["data"]]
         assert "bge-reranker-v2-m3" in models and "bge-m3" in models
+        for name in models:  # every listed id can be retrieved (client.models.retrieve)
+            for route in (f"/v1/models/{name}", f"/models/{name}"):
+                r = c.get(route)
+                assert r.status_code == 200 and r.json()["id"] == name, (route, r.text)
     with serve() as c:
         assert_error(c.post("/v1/rerank", json={"model": "bge-reranker-v2-m3", "query": "q",
                                                 "documents": DOCS}), 404, "model_not_found")
+        assert_error(c.get("/v1/models/bge-reranker-v2-m3"), 404, "model_not_found", "model")
 
 
 def test_bad_bodies_are_enveloped_400s() -> None:

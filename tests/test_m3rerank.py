@@ -109,3 +109,23 @@ def test_colbert_groups_bound_what_one_job_holds(engine, tokenizer) -> None:
         engine.config = saved
     np.testing.assert_allclose(grouped.scores, whole.scores, atol=1e-6)
     assert len(concat([rows(engine.embed(["a", "b"]), [0]), rows(engine.embed(["c"]), [0])])) == 2
+
+
+@pytest.mark.parametrize(("mode", "weights", "param"), [
+    ("sparse+dense", (0.0, 0.0, 5.0), "weights"),
+    ("hybrid", (0.0, 0.0, 0.0), "weights"),
+    ("bm25", (0.4, 0.2, 0.4), "mode")])
+def test_bad_mode_or_weights_are_refused_before_any_text_is_embedded(engine, monkeypatch, mode,
+                                                                     weights, param) -> None:
+    """Weights the mode divides by 0 with (or an unknown mode) are an InvalidInput naming the
+    field before a job is submitted: over HTTP they were a 500 after the whole request had been
+    embedded."""
+    from bgeserve.errors import InvalidInput
+
+    def submit(*args, **kwargs):
+        raise AssertionError("a job was submitted")
+
+    monkeypatch.setattr(engine, "submit", submit)
+    with pytest.raises(InvalidInput) as caught:
+        engine.rerank("q", ["a", "b"], mode=mode, weights=weights)
+    assert caught.value.param == param

@@ -93,7 +93,7 @@ def test_modes_weights_and_needs_are_checked() -> None:
     for bad in ((1, 1), (1, -1, 1), (float("nan"), 1, 1)):
         with pytest.raises(ValueError, match="three numbers"):
             check_weights(bad, "hybrid")
-    with pytest.raises(ValueError, match="sum to 0"):
+    with pytest.raises(ValueError, match="dense and sparse weights, which is 0"):
         check_weights((0, 0, 1), "sparse+dense")
     assert check_weights((0, 0, 1), "colbert") == (0.0, 0.0, 1.0)
     assert needs("dense") == (True, False, False) and needs("hybrid") == (True, True, True)

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from bgeserve.engine.jobs import Job
-from bgeserve.engine.m3score import m3_scores, needs
+from bgeserve.engine.m3score import canonical_mode, check_weights, m3_scores, needs
 from bgeserve.engine.pairs import CLS_ID, EOS_ID, content_ids, document_windows
 from bgeserve.engine.tokenizer import Tokenizer, untruncated
-from bgeserve.errors import TooLarge
+from bgeserve.errors import InvalidInput, TooLarge
 from bgeserve.results import M3_SCORER, Embeddings, EmbedOptions, RerankOptions, RerankResult
 
 if TYPE_CHECKING:
@@ -139,10 +139,24 @@ def admit(engine: Engine, plan: M3Plan) -> None:
             "give the server more memory", param="documents")
 
 
+def check_options(options: RerankOptions) -> None:
+    """Refuse an unknown mode or weights the mode cannot combine before any text is embedded
+    (``M3Scores.combined`` would find them only after)."""
+    try:
+        canonical_mode(options.mode)
+    except ValueError as exc:
+        raise InvalidInput(str(exc), param="mode") from exc
+    try:
+        check_weights(options.weights, options.mode)
+    except ValueError as exc:
+        raise InvalidInput(str(exc), param="weights") from exc
+
+
 def make_jobs(engine: Engine, query: str, documents: Sequence[str], options: RerankOptions,
               request_id: str = "", arrived: float | None = None) -> tuple[M3Plan, list[Job]]:
     """Tokenize, window and admit: the jobs to run one after the other (see ``groups``)."""
     start = time.monotonic() if arrived is None else arrived
+    check_options(options)
     plan = plan_m3(untruncated(engine.artifacts.tokenizer_path), query, documents,
                    engine.config.max_seq, options)
     admit(engine, plan)

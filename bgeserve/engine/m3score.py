@@ -57,15 +57,17 @@ def check_weights(weights: Sequence[float], mode: str) -> tuple[float, float, fl
     """``[w_dense, w_sparse, w_colbert]`` as floats, checked for ``mode``.
 
     Raises:
-        ValueError: not three finite numbers >= 0, or the weights ``mode`` divides by sum to 0.
+        ValueError: not three finite numbers >= 0, or the weights ``mode`` divides by sum to 0 (the message names them).
     """
     values = tuple(float(w) for w in weights)
     if len(values) != 3 or not all(np.isfinite(values)) or min(values) < 0:
         raise ValueError("weights must be three numbers >= 0: [dense, sparse, colbert]")
     mode = canonical_mode(mode)
-    used = {"sparse+dense": values[0] + values[1], "colbert+sparse+dense": sum(values)}
-    if used.get(mode, 1.0) <= 0:
-        raise ValueError(f"the weights mode {mode!r} combines sum to 0")
+    used = {"sparse+dense": (values[0] + values[1], "dense and sparse weights"),
+            "colbert+sparse+dense": (sum(values), "weights")}
+    total, which = used.get(mode, (1.0, ""))
+    if total <= 0:
+        raise ValueError(f"mode {mode!r} divides by the sum of its {which}, which is 0")
     top = max(values)
     if top > 1:  # only their ratios count: scaled down, huge weights cannot overflow the sum
         values = tuple(v / top for v in values)

@@ -128,13 +128,15 @@ async def models(request: Request) -> Response:
 
 
 async def model(request: Request) -> Response:
-    """``GET /v1/models/{id}`` (``client.models.retrieve``): one accepted name, else 404."""
+    """``GET /v1/models/{id}`` (``client.models.retrieve``): any name ``/v1/models`` lists
+    (the reranker's too), else 404."""
     name = request.path_params["model_id"]
     if not name:  # `/v1/models/`: an unknown route, as every trailing slash is
         raise HTTPException(404)
-    if name not in request.state.model_ids:
+    names = (*request.state.model_ids, *request.state.service.rerank_model_ids())
+    if name not in names:
         raise ModelNotFound(f"the model {name!r} does not exist; this server serves "
-                            f"{', '.join(request.state.model_ids)}", param="model")
+                            f"{', '.join(names)}", param="model")
     return Response(render_json(_model_entry(name)), media_type="application/json")
 
 
