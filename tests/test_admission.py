@@ -207,6 +207,45 @@ def test_an_abort_answers_those_waiting_to_tokenize_at_once() -> None:
     admission.close()
 
 
+def test_a_request_cancelled_while_its_bound_is_walked_releases_its_reservation() -> None:
+    """A big request's bound is walked on the admission thread; a client that leaves then
+    (the handler cancelled) must not leave its reservation behind: each one shrank the
+    queue's room for good until every request was a 429 on an empty queue."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from bgeserve.results import EmbedOptions
+    from bgeserve.service.admission import Admission
+
+    walking, release = threading.Event(), threading.Event()
+
+    def min_tokens(texts: list[str], stop_above: int) -> int:
+        walking.set()
+        release.wait(10)  # the walk outlives the client
+        return 700
+
+    engine = SimpleNamespace(
+        queued_tokens=lambda: 0, make_job=lambda *a: SimpleNamespace(ids=[[0, 5, 2]]),
+        submit=lambda job: "future",
+        tokenizer=SimpleNamespace(min_tokens=min_tokens, max_seq=512))
+    admission = Admission(engine, 1000, DrainMeter(), slots=2)  # type: ignore[arg-type]
+    big = ["word " * 60_000]  # past what is bounded on the loop
+
+    async def main() -> None:
+        task = asyncio.ensure_future(admission.submit(big, EmbedOptions(), "r", 0.0))
+        await asyncio.to_thread(walking.wait, 10)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert admission.gate.reserved == 0
+    admission.close()
+
+
 # -- a flood against a live server ------------------------------------------------------------
 def _flood(port: int, bodies: list[bytes], server_pid: int) -> tuple[list[tuple[int, float,
                                                                          str | None]], float]:

@@ -219,7 +219,17 @@ class Admission:
         if refusal is not None:
             raise self._refuse(refusal)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._bounds, self._admit, inputs)
+        work = loop.run_in_executor(self._bounds, self._admit, inputs)
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            # The caller left (client gone) while its bound was being walked: the thread
+            # still reserves it, and no one else would release it (each leak shrank the
+            # queue's room for good, invisible in /metrics, until every request was a 429).
+            await asyncio.wait({work})
+            if not work.cancelled() and work.exception() is None:
+                self.gate.release(work.result())
+            raise
 
     def _refuse(self, refusal: Overloaded) -> Overloaded:
         with self._lock:
