@@ -95,3 +95,23 @@ def test_the_embedding_cache_is_exported() -> None:
     assert got["bgeserve_cache_capacity_bytes"] == 1 << 20
     assert off["bgeserve_cache_capacity_bytes"] == 0
     assert not any(name.startswith("bgeserve_cache_hits") for name in off)
+
+
+def test_the_rerankers_refusals_count_with_bge_m3s() -> None:
+    """bgeserve_rejected_requests_total is every 429: the admission's, bge-m3's scheduler's and
+    the reranker's scheduler's (its 429s were missing: 290 counted for 327 answered)."""
+    from collections import Counter
+
+    stats = {"total": 1, "live": 1, "loaded": 1, "busy": 0, "queue_texts": 0,
+             "queue_tokens": 0}
+    engine = SimpleNamespace(stats=lambda: stats, counters=Counter(rejected=4, oom_splits=1),
+                             cache_stats=lambda: None)
+    reranker = SimpleNamespace(stats=lambda: stats,
+                               counters=Counter(rejected=3, cancelled_texts=2))
+    metrics = Metrics()
+    metrics.update_state(SimpleNamespace(engine=engine, tuner=None, rejected_at_admission=5,
+                                         reranking=SimpleNamespace(engine=reranker)))
+    got = samples(metrics)
+    assert got["bgeserve_rejected_requests_total"] == 4 + 3 + 5
+    assert got["bgeserve_cancelled_texts_total"] == 2
+    assert got["bgeserve_oom_splits_total"] == 1

@@ -6,6 +6,8 @@ workers, tuning and RSS are read at scrape time by a collector, so they cannot d
 
 from __future__ import annotations
 
+import collections
+
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -152,10 +154,16 @@ class _StateCollector:
             yield GaugeMetricFamily("bgeserve_queue_tokens", "Tokens waiting",
                                     value=stats["queue_tokens"])
             counters = engine.counters
-            # 429s decided before tokenizing are the admission's, not the scheduler's.
-            extra = {"rejected": getattr(service, "rejected_at_admission", 0)}
+            # 429s decided before tokenizing are the admission's, not the scheduler's; the
+            # reranker's engine has its own scheduler (its 429s, drops, splits, restarts are
+            # the server's too: these counters answer for every route).
+            extra = collections.Counter(rejected=getattr(service, "rejected_at_admission", 0))
+            reranking = getattr(getattr(service, "reranking", None), "engine", None)
+            if reranking is not None:
+                extra.update(reranking.counters)
             for name, key, doc in (
-                ("bgeserve_rejected_requests", "rejected", "Requests answered 429 (queue full)"),
+                ("bgeserve_rejected_requests", "rejected",
+                 "Requests answered 429 (queue full; embedding and rerank routes)"),
                 ("bgeserve_cancelled_texts", "cancelled_texts",
                  "Texts dropped before running (client gone or deadline)"),
                 ("bgeserve_oom_splits", "oom_splits", "Chunks split after an allocation failure"),
