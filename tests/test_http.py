@@ -482,6 +482,24 @@ def test_content_type(client: TestClient, content_type: str | None, status: int)
     assert r.status_code == status, r.text
 
 
+@pytest.mark.parametrize("route", ["/v1/embeddings", "/embed", "/v1/rerank"])
+def test_compressed_bodies_are_415_and_bad_utf8_is_named(client: TestClient, route: str) -> None:
+    """A Content-Encoding other than identity is a 415 naming it (a gzip body was a 400 about
+    "surrogates", and `br` over a plain body was taken as if uncompressed); bytes that are not
+    UTF-8 are a 400 that says so and where."""
+    import gzip
+
+    body = b'{"input": "x", "inputs": "x", "query": "q", "documents": ["d"]}'
+    for coding, content in (("gzip", gzip.compress(body)), ("br", body)):
+        r = client.post(route, content=content,
+                        headers={**JSON, "content-encoding": coding})
+        assert r.status_code == 415 and coding in r.text, (coding, r.text)
+    r = client.post(route, content=body, headers={**JSON, "content-encoding": "identity"})
+    assert r.status_code == 200, r.text
+    r = client.post(route, content=b'{"input": "caf\xe9"}', headers=JSON)
+    assert r.status_code in (400, 422) and "not valid UTF-8 (byte 14" in r.text, r.text
+
+
 def test_body_limit_by_content_length() -> None:
     """A declared Content-Length over the limit is refused before the handler runs."""
     with serve(max_body_bytes=2048) as c:

@@ -38,7 +38,8 @@ async def _maybe_offload(heavy: bool, fn: Callable[..., T], *args: Any) -> T:
 
 
 async def read_json_body(request: Request) -> bytes:
-    """The raw body, after checking it is declared as UTF-8 JSON (a missing type is allowed)."""
+    """The raw body, after checking it is declared as UTF-8 JSON (a missing type is allowed),
+    not compressed."""
     declared = request.headers.get("content-type")
     if declared is not None:
         media, *params = (part.strip().lower() for part in declared.split(";"))
@@ -47,6 +48,12 @@ async def read_json_body(request: Request) -> bytes:
             raise UnsupportedMediaType(
                 f"Content-Type {declared!r} is not supported; send application/json (UTF-8)"
             )
+    coding = request.headers.get("content-encoding", "identity").strip().lower()
+    if coding not in ("identity", ""):
+        # Read as it is, a compressed body was a 400 about UTF-8 (gzip) or, where the bytes
+        # happened to be JSON, silently taken as if it were not compressed.
+        raise UnsupportedMediaType(
+            f"Content-Encoding {coding!r} is not supported; send the body uncompressed")
     try:
         return await request.body()
     except ClientDisconnect:

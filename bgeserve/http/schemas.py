@@ -261,6 +261,12 @@ def load_object(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:  # also raised for recursion past orjson's limit
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as bad:  # orjson words it as "surrogates not allowed"
+            raise InvalidInput(f"request body is not valid UTF-8 (byte {bad.start}: "
+                               f"{raw[bad.start:bad.start + 1]!r}); send UTF-8 JSON",
+                               code="invalid_json") from None
         raise InvalidInput(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidInput("request body must be a JSON object", code="invalid_json")
