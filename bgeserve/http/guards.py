@@ -144,8 +144,9 @@ class InflightLimit:
 
     def _refusal(self, size: int) -> Overloaded:
         return Overloaded(
-            f"{self.held >> 20} MiB of request bodies are in progress and this one "
-            f"({size >> 20} MiB) would pass the {self.max_bytes >> 20} MiB allowed at once "
+            f"{self.held / 2**20:.1f} MiB of request bodies are in progress and this one "
+            f"({size / 2**20:.1f} MiB) would pass the {self.max_bytes / 2**20:.1f} MiB allowed "
+            "at once "
             "(BGE_M3_MAX_INFLIGHT_MB); retry shortly", retry_after=1.0)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -134,12 +134,14 @@ class AdmissionGate:
         return float(min(MAX_RETRY_AFTER_S, max(1, math.ceil(needed / rate))))
 
     def refusal(self, bound: int, room: int | None = None) -> Overloaded:
-        """The 429 for a request of at least ``bound`` tokens."""
+        """The 429 for a request of at least ``bound`` tokens, more than ``room``."""
         room = self.room() if room is None else room
+        # Not the bound itself: it stops counting once past the room (a request of 2,880
+        # tokens was said to need "at least 448").
         return Overloaded(
-            f"the queue is full: {self.max_tokens - room} of {self.max_tokens} tokens are "
-            f"queued or being admitted and this request needs at least {bound} "
-            "(BGE_M3_MAX_QUEUE_TOKENS); retry after the Retry-After seconds",
+            f"the queue is full: {self.max_tokens - room} of {self.max_tokens} tokens "
+            f"(BGE_M3_MAX_QUEUE_TOKENS) are queued or being admitted and this request needs "
+            f"more than the {max(room, 0)} free; retry after the Retry-After seconds",
             retry_after=self.retry_after(bound - room))
 
     def full(self) -> Overloaded | None:
