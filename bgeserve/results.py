@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bgeserve.errors import InvalidInput
+
 
 @dataclass(frozen=True)
 class EmbedOptions:
@@ -108,9 +110,17 @@ class RerankOptions:
 
     def __post_init__(self) -> None:
         if self.long_documents not in LONG_DOCUMENTS:
-            raise ValueError(f"long_documents must be one of {LONG_DOCUMENTS}")
+            raise InvalidInput(f"long_documents must be one of {LONG_DOCUMENTS}",
+                               param="long_documents")
         if self.truncation_direction not in ("left", "right"):
-            raise ValueError("truncation_direction must be left or right")
+            raise InvalidInput("truncation_direction must be left or right",
+                               param="truncation_direction")
+        limit = self.max_tokens_per_doc
+        # 0 or less cut every document to nothing (or a negative slice): every score the same.
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                                  or limit < 1):
+            raise InvalidInput(f"max_tokens_per_doc must be an integer >= 1 or None, not "
+                               f"{limit!r}", param="max_tokens_per_doc")
 
 
 @dataclass

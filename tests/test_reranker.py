@@ -95,3 +95,16 @@ def test_refuses_a_bge_m3_graph(tiny_export, tmp_path) -> None:
     with (Engine(tiny_export, "fp32", cache_dir=tmp_path, offline=True, start=False) as engine,
           pytest.raises(ModelUnavailable, match="not a reranker")):
         Reranker(engine=engine)
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("max_tokens_per_doc", 0), ("max_tokens_per_doc", -5), ("max_tokens_per_doc", 2.5),
+    ("long_documents", "all"), ("truncation_direction", "up")])
+def test_bad_options_are_refused_naming_them(reranker, option, value) -> None:
+    """A document limit of 0 or less cut every document to nothing (every score the same) and
+    was accepted by the library, though a 400 over HTTP; every option is checked alike."""
+    from bgeserve.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match=option) as caught:
+        reranker.rerank("q", ["a", "b"], **{option: value})
+    assert caught.value.param == option
