@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import ClassVar
 
 import numpy as np
@@ -553,6 +554,32 @@ def test_a_failed_probe_is_retried_once_then_served_from_the_cache(tiny_export: 
                    apply=lambda cost: None)
     forced.initial(model_cost=16 << 20, fingerprint="a" * 64)
     assert forced.state.probe_status == "running"
+
+
+def test_a_probe_starved_of_memory_is_not_remembered(tiny_export: Path, tmp_path: Path) -> None:
+    """A probe whose budget let fewer than two shapes run (the others skipped for their
+    predicted cost) says nothing of the model: it is not cached as a failure, so starts after
+    it, with more memory, probe again (two starts capped at 300 MB made every later start on
+    that cache serve the conservative model, or refuse)."""
+    from bgeserve.tuning.probe import ProbeResult
+
+    config = TuningConfig(max_seq=512, cache_dir=tmp_path, dims=tiny_dims(tiny_export),
+                          available_override=8 << 30)
+    skipped = [(1, 64, "predicted 900 MiB exceeds the 0 MiB per-worker budget"),
+               (4, 512, "predicted 950 MiB exceeds the 0 MiB per-worker budget")]
+    starved = SimpleNamespace(measure=lambda request, stop: ProbeResult(
+        [], skipped, None, None, "need at least 2 measured shapes to fit a and b, got 0", 0.1))
+    assert ProbeResult([], skipped, None, None, "x", 0.1).starved
+    assert not ProbeResult([], [(1, 64, "RuntimeError: boom")], None, None, "x", 0.1).starved
+    for _ in range(MAX_ATTEMPTS + 1):
+        tuner = Tuner(config, apply=lambda cost: None)
+        tuner.initial(model_cost=16 << 20, fingerprint="c" * 64)
+        assert tuner.state.probe_status == "running"
+        tuner.start_probe(starved, 16 << 20, "c" * 64, {"max_seq": 512})
+        assert tuner.wait(PROBE_TIMEOUT)
+        assert tuner.state.probe_status == "failed"
+        assert "not remembered" in (tuner.state.probe_error or "")
+    assert ProbeCache(tmp_path / "probe-coefficients.json").outcome("c" * 64) is None
 
 
 def test_a_probe_child_that_died_means_measuring_in_process_next_time(tmp_path: Path) -> None:

@@ -82,6 +82,9 @@ def default_held_out(max_seq: int) -> tuple[int, int]:
     return (2, 768) if max_seq >= 768 else (3, max(1, max_seq * 3 // 4))
 
 
+GUARD_SKIP = "predicted "  # how a shape skipped for its predicted cost is reported
+
+
 @dataclass(frozen=True)
 class ProbeResult:
     """What the probe measured and concluded.
@@ -99,6 +102,14 @@ class ProbeResult:
     seconds: float
     chunk_rates: dict[int, float] = field(default_factory=dict)  # padded tokens → tokens/s
     process_died: bool = False
+
+    @property
+    def starved(self) -> bool:
+        """No fit because the budget let too few shapes run (fewer than the two a fit needs,
+        the others skipped for their predicted cost): a fact about the memory this start had,
+        not about the model, so not a failure to remember for later starts."""
+        return (self.fit is None and not self.process_died and len(self.samples) < 2
+                and any(reason.startswith(GUARD_SKIP) for _, _, reason in self.skipped))
 
     def to_json(self) -> dict[str, Any]:
         """Plain data (the probe process's answer to the server)."""
@@ -234,7 +245,7 @@ def run_probe(
     def measure(batch: int, seq: int) -> Sample | None:
         if not guard.fits(batch, seq):
             reason = (
-                f"predicted {guard.cost(batch, seq) / MiB:.0f} MiB exceeds the "
+                f"{GUARD_SKIP}{guard.cost(batch, seq) / MiB:.0f} MiB exceeds the "
                 f"{guard.max_workspace_bytes / MiB:.0f} MiB per-worker budget"
             )
             skipped.append((batch, seq, reason))

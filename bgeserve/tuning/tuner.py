@@ -355,12 +355,19 @@ class Tuner:
         caching = bool(fingerprint) and c.cache_dir is not None and not c.disable_probe_cache
         if result.fit is None:
             error = result.error or "the probe gave no fit"
-            if caching and not self._stop.is_set():  # a probe stopped by shutdown proves nothing
+            # A probe stopped by shutdown proves nothing, nor one whose budget let too few
+            # shapes run: remembered, it kept later starts with more memory from probing
+            # (two starts capped at 300 MB made an uncapped start serve the conservative
+            # model, and a 430 MB start refuse, for good on that cache).
+            if caching and not self._stop.is_set() and not result.starved:
                 failure = cache.ProbeCache(self.cache_path).save_failure(
                     fingerprint or "", error, parts, result.samples, held_out=result.held_out,
                     process_died=result.process_died)
                 error += (f" (attempt {failure.attempts} of {MAX_ATTEMPTS} for this model, "
                           "runtime and settings)")
+            elif result.starved:
+                error += (" (the memory budget let too few shapes run: not remembered, the "
+                          "next start probes again)")
             self.state.probe_status, self.state.probe_error = "failed", error
             self._publish(CostModel(a, b, self.budget(model_cost)))
             if self._stop.is_set():  # the server or a bulk job ending: no fault to warn of
