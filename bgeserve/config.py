@@ -58,6 +58,12 @@ def _number(cast: Callable[[str], T], lo: float | None = None, hi: float | None 
     return parse
 
 
+# Durations: past threading.TIMEOUT_MAX (~292 years) a wait raises OverflowError in the thread
+# that waits (workers died in a loop, the shutdown failed), so a year is the most; 0 = none.
+MAX_SECONDS = 365 * 24 * 3600.0
+_SECONDS = _number(float, 0.0, MAX_SECONDS)
+
+
 def _choice(*allowed: str):
     def parse(name: str, raw: str) -> str:
         value = raw.strip().lower()
@@ -205,10 +211,10 @@ class Settings:
                          "the model); 0 = off. Off for int8 unless BGE_M3_MAX_CHUNK=1: its "
                          "vectors move with their batch-mates")
     request_timeout_secs: float = _var("BGE_M3_REQUEST_TIMEOUT_SECS",
-                                       _number(float, 0.0), 300.0, "per-request deadline; 0 = none")
-    idle_timeout_secs: float = _var("BGE_M3_IDLE_TIMEOUT_SECS", _number(float, 0.0), 300.0,
+                                       _SECONDS, 300.0, "per-request deadline; 0 = none")
+    idle_timeout_secs: float = _var("BGE_M3_IDLE_TIMEOUT_SECS", _SECONDS, 300.0,
                                     "unload sessions after this idle time; 0 = never")
-    shutdown_timeout_secs: float = _var("BGE_M3_SHUTDOWN_TIMEOUT_SECS", _number(float, 0.0),
+    shutdown_timeout_secs: float = _var("BGE_M3_SHUTDOWN_TIMEOUT_SECS", _SECONDS,
                                         30.0, "SIGTERM: in-flight work gets this long, then what "
                                         "is left is answered 503; 0 = no bound")
     # rerank (docs/rerank.md)
@@ -234,7 +240,7 @@ class Settings:
     log_format: str = _var("BGE_M3_LOG_FORMAT", _choice(*LOG_FORMATS), "auto", "json|text|auto")
     log_level: str = _var("BGE_M3_LOG_LEVEL", _choice("debug", "info", "warning", "error"),
                           "info", "log level")
-    heartbeat_secs: float = _var("BGE_M3_HEARTBEAT_SECS", _number(float, 0.0), 60.0,
+    heartbeat_secs: float = _var("BGE_M3_HEARTBEAT_SECS", _SECONDS, 60.0,
                                  "heartbeat log period; 0 = off")
     # gpu
     gpu_count: int | None = _var("BGE_M3_GPU_COUNT", _number(int, 1, 1024), None,

@@ -215,6 +215,11 @@ def test_a_malformed_number_is_refused(var, raw):
     ("BGE_M3_BATCH_DELAY_MS", "10001"),
     ("BGE_M3_MAX_BODY_BYTES", "1023"),
     ("BGE_M3_REQUEST_TIMEOUT_SECS", "-1"),
+    # past threading.TIMEOUT_MAX a wait raised OverflowError in the thread (workers died)
+    ("BGE_M3_REQUEST_TIMEOUT_SECS", "1e10"),
+    ("BGE_M3_IDLE_TIMEOUT_SECS", "1e10"),
+    ("BGE_M3_SHUTDOWN_TIMEOUT_SECS", "31536001"),
+    ("BGE_M3_HEARTBEAT_SECS", "1e300"),
     ("BGE_M3_COST_MODEL_A", "-0.1"),
 ])
 def test_an_out_of_range_number_is_refused(var, raw):
