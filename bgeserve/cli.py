@@ -31,7 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from bgeserve.config import Settings, parse_bind
+    from bgeserve.config import Settings, parse_bind, warn_unknown_variables
     from bgeserve.errors import BgeServeError
     from bgeserve.http import tls
     from bgeserve.http.app import create_app
@@ -47,6 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     setup_logging(settings.log_format, settings.log_level, background=True)
     log = logging.getLogger("bgeserve")
+    warn_unknown_variables(os.environ)
     try:  # before any port is bound: a missing GPU EP fails fast, naming BGE_M3_EP
         settings = plan.resolve(settings)
     except BgeServeError as exc:
@@ -165,7 +166,7 @@ def _probe(args: argparse.Namespace) -> int:
     """Run the startup probe in the foreground and print what it measured."""
     import os
 
-    from bgeserve.config import Settings
+    from bgeserve.config import Settings, warn_unknown_variables
     from bgeserve.errors import BgeServeError
     from bgeserve.logs import setup_logging
     from bgeserve.service import foreground_probe, plan
@@ -173,6 +174,7 @@ def _probe(args: argparse.Namespace) -> int:
     try:
         settings = Settings.from_env(os.environ)
         setup_logging("text", settings.log_level)
+        warn_unknown_variables(os.environ)
         settings = plan.resolve(settings)
         shapes = foreground_probe.parse_shapes(args.shapes) if args.shapes else None
     except BgeServeError as exc:  # a bad variable: its message, not a traceback
@@ -185,7 +187,7 @@ def _prepare(args: argparse.Namespace) -> int:
     """Make (or find) the prepared export of the configured snapshot; print its directory."""
     import os
 
-    from bgeserve.config import Settings
+    from bgeserve.config import Settings, warn_unknown_variables
     from bgeserve.errors import BgeServeError
     from bgeserve.logs import setup_logging
     from bgeserve.model.artifacts import validate_cache_dir
@@ -198,6 +200,7 @@ def _prepare(args: argparse.Namespace) -> int:
         print(f"bgeserve: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.log_format, settings.log_level)
+    warn_unknown_variables(os.environ)
     try:
         path = prepare_command(settings, validate_cache_dir(settings.cache_dir), args.variant,
                                force=args.force, out=args.out,

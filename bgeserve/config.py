@@ -8,6 +8,8 @@ variable and the allowed values.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import math
 import os
 import warnings
@@ -330,3 +332,22 @@ class Settings:
 def _env_fields(cls: Any) -> list[dataclasses.Field]:
     """The fields bound to an environment variable (not ``explicit``, ``variant_choice``)."""
     return [f for f in dataclasses.fields(cls) if "env" in f.metadata]
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A line for each ``BGE_M3_*`` variable that is no setting (a misspelt one was ignored
+    without a word: two letters swapped in BGE_M3_MAX_SEQ_LENGTH served 8,192-token texts),
+    with the closest real name."""
+    known = [f.metadata["env"] for f in _env_fields(Settings)]
+    lines = []
+    for name in sorted(n for n in environ if n.startswith("BGE_M3_") and n not in known):
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        lines.append(f"{name} is not a bgeserve setting and is ignored{hint}")
+    return lines
+
+
+def warn_unknown_variables(environ: Mapping[str, str]) -> None:
+    """Log ``unknown_variables`` as warnings (the commands call it once logging is set up)."""
+    for line in unknown_variables(environ):
+        logging.getLogger("bgeserve").warning("%s", line)

@@ -406,3 +406,22 @@ def test_a_port_in_use_stops_serve_before_the_model_loads(
     assert code == 2
     err = capsys.readouterr().err
     assert f"cannot listen on {bind}" in err and ("--bind" if flag else "BGE_M3_BIND") in err
+
+
+def test_unknown_bge_m3_variables_are_named_with_the_closest_setting(caplog):
+    """A misspelt variable was ignored without a word (BGE_M3_MAX_SEQ_LENGHT=512 served
+    8,192-token texts): each BGE_M3_* name that is no setting is warned of, with the setting
+    it is closest to; other variables and real settings are not."""
+    import logging
+
+    from bgeserve.config import unknown_variables, warn_unknown_variables
+
+    environ = {"BGE_M3_MAX_SEQ_LENGHT": "512", "BGE_M3_MODEL": "fp32", "BGE_M3_XYZZY": "1",
+               "PATH": "/bin"}
+    assert unknown_variables(environ) == [
+        "BGE_M3_MAX_SEQ_LENGHT is not a bgeserve setting and is ignored; did you mean "
+        "BGE_M3_MAX_SEQ_LENGTH?", "BGE_M3_XYZZY is not a bgeserve setting and is ignored"]
+    with caplog.at_level(logging.WARNING, logger="bgeserve"):
+        warn_unknown_variables(environ)
+    assert [r.getMessage() for r in caplog.records] == unknown_variables(environ)
+    assert unknown_variables({"BGE_M3_MODEL": "fp32", "HOME": "/root"}) == []

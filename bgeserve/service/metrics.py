@@ -7,7 +7,6 @@ workers, tuning and RSS are read at scrape time by a collector, so they cannot d
 from __future__ import annotations
 
 import collections
-
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
