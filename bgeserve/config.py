@@ -141,7 +141,7 @@ class Settings:
     execution_provider: str = _var("BGE_M3_EP", _choice(*EXECUTION_PROVIDERS), "cpu",
                                    "cpu|cuda|tensorrt|coreml (ONNX Runtime) or openvino")
     workers: int = _var("BGE_M3_WORKERS", _number(int, 1, 256), 1,
-                        "inference sessions, one thread each")
+                        "inference sessions (each runs on BGE_M3_INTRA_THREADS threads)")
     intra_threads: int = _var("BGE_M3_INTRA_THREADS", _number(int, 0, 1024), 0,
                               "threads per session; 0 = CPU cores / workers")
     max_chunk: int = _var("BGE_M3_MAX_CHUNK", _number(int, 1, 4096), 64,
@@ -191,7 +191,8 @@ class Settings:
                                "ColBERT output per request (float32 MiB) before 413")
     max_inflight_mb: int | None = _var(
         "BGE_M3_MAX_INFLIGHT_MB", _number(int, 1), None,
-        "MiB of request bodies in progress before 429 (unset: 1/8 of the memory, <= 512)")
+        "MiB of request bodies in progress before 429 (unset: 1/8 of the memory, <= 512; "
+        "never below BGE_M3_MAX_BODY_BYTES, so the largest body always fits)")
     api_keys: tuple[str, ...] = _var("BGE_M3_API_KEY", _keys, (),
                                      "comma-separated bearer keys; empty = no auth")
     metrics_auth: bool = _var("BGE_M3_METRICS_AUTH", _bool, False,
@@ -325,7 +326,11 @@ class Settings:
         """One line per variable, for ``bgeserve serve --help``."""
         lines = []
         for f in _env_fields(cls):
-            lines.append(f"  {f.metadata['env']:<34} {f.metadata['doc']} (default: {f.default})")
+            doc = f.metadata["doc"]
+            # A doc that says what unset means already says the default ("(default: fp32)"
+            # after "unset: the fastest ..." read as if fp32 were served when unset).
+            default = "" if "unset" in doc or "default" in doc else f" (default: {f.default})"
+            lines.append(f"  {f.metadata['env']:<34} {doc}{default}")
         return "\n".join(lines)
 
 
