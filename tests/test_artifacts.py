@@ -308,7 +308,7 @@ def test_unrecognised_and_missing_directories_are_refused(tmp_path: Path) -> Non
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelUnavailable, match="looked for manifest.json"):
         resolve(model_path=tmp_path / "empty", variant="fp32", cache_dir=tmp_path / "cache")
-    with pytest.raises(ModelUnavailable, match="does not exist"):
+    with pytest.raises(ModelUnavailable, match=r"\(BGE_M3_MODEL_PATH\) does not exist"):
         resolve(model_path=tmp_path / "nope", variant="fp32", cache_dir=tmp_path / "cache")
 
 

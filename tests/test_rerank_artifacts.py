@@ -52,7 +52,7 @@ def test_pytorch_weights_alone_say_to_export(tiny_reranker, tmp_path) -> None:
     (other / "config.json").write_text(json.dumps({"architectures": ["XLMRobertaModel"]}))
     with pytest.raises(ModelUnavailable, match="not a reranker"):
         resolve_reranker(model_path=other, variant="fp32", cache_dir=tmp_path)
-    with pytest.raises(ModelUnavailable, match="does not exist"):
+    with pytest.raises(ModelUnavailable, match=r"\(BGE_M3_RERANK_MODEL_PATH\) does not exist"):
         resolve_reranker(model_path=tmp_path / "nowhere", variant="fp32", cache_dir=tmp_path)
 
 

@@ -172,7 +172,8 @@ def resolve(
 def _resolve_local(root: Path, variant: str, fetch: Fetcher) -> ModelArtifacts:
     if not root.is_dir():
         raise ModelUnavailable(
-            f"model directory {root} does not exist or is not a directory",
+            f"model directory {root} (BGE_M3_MODEL_PATH) does not exist or is not a "
+            "directory",
             param="BGE_M3_MODEL_PATH",
         )
     manifest = _read_manifest(root / "manifest.json")

@@ -61,7 +61,8 @@ def resolve_reranker(*, model_path: Path | None, variant: str, cache_dir: Path,
         return resolve(model_path=root, variant=variant, cache_dir=cache_dir, offline=offline,
                        endpoint=endpoint, progress=progress, reranker=True)
     if not root.is_dir():
-        raise ModelUnavailable(f"reranker directory {root} does not exist", param=PARAM)
+        raise ModelUnavailable(f"reranker directory {root} ({PARAM}) does not exist",
+                               param=PARAM)
     if kind != RERANKER:
         raise ModelUnavailable(f"{root} is not a reranker: its config.json names no "
                                "...ForSequenceClassification architecture", param=PARAM)
