@@ -142,3 +142,106 @@ def test_ctrl_c_ends_the_command_with_130_and_how_to_go_on(
     err = capsys.readouterr().err
     assert "interrupted" in err and "run the same command again" in err
     assert "Traceback" not in err
+
+
+def write_jsonl(path: Path, rows: dict[str, str], key: str = "text") -> Path:
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"id": k, key: v}) + "\n" for k, v in rows.items()))
+    return path
+
+
+def test_another_model_put_at_the_same_path_is_refused(tiny_export: Path, tmp_path: Path):
+    """Shards of one model, then other model files at the same BGE_M3_MODEL_PATH (same
+    settings): the rerun is refused naming BGE_M3_MODEL_PATH (the two were mixed silently)."""
+    import json
+    import shutil
+
+    from bgeserve.errors import InvalidInput
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_export, model)
+    write_jsonl(tmp_path / "in" / "a.jsonl", {f"t{i}": f"text {i}" for i in range(10)})
+    job = BulkJob(inputs=(str(tmp_path / "in"),), output=tmp_path / "out", shard_rows=4)
+    settings = resolve_settings(env(model, tmp_path / "cache"))
+    local.run(job, settings, bar=False)
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["variants"]["fp32"]["sha256"] = "0" * 64  # what another export's manifest says
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(InvalidInput, match="another model.*BGE_M3_MODEL_PATH"):
+        local.run(job, settings, bar=False)
+
+
+def test_a_first_run_that_cannot_load_the_model_leaves_nothing_behind(
+        tiny_export: Path, tmp_path: Path):
+    """A wrong BGE_M3_MODEL_PATH fails the first run; its output folder is gone and the
+    corrected rerun runs (it was refused: the manifest named the wrong path)."""
+    from bgeserve.errors import BgeServeError
+
+    write_jsonl(tmp_path / "in" / "a.jsonl", {"a": "x", "b": "y"})
+    job = BulkJob(inputs=(str(tmp_path / "in"),), output=tmp_path / "out")
+    with pytest.raises(BgeServeError):
+        local.run(job, resolve_settings(env(tmp_path / "nope", tmp_path / "cache")), bar=False)
+    assert not job.output.exists()
+    job.output.mkdir()  # a folder made by hand, then a wrong path: the same
+    with pytest.raises(BgeServeError):
+        local.run(job, resolve_settings(env(tmp_path / "nope", tmp_path / "cache")), bar=False)
+    summary = local.run(job, resolve_settings(env(tiny_export, tmp_path / "cache")), bar=False)
+    assert summary.rows == 2
+
+
+def test_a_mistyped_text_column_exits_2_naming_the_flag_and_blocks_no_rerun(
+        tiny_export: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """On JSONL (no header to check first), --text-column txet makes every row bad: exit 2
+    naming the flag (it was 0 with 0 rows), and the corrected rerun is not refused."""
+    for name, value in env(tiny_export, tmp_path / "cache").items():
+        monkeypatch.setenv(name, value)
+    write_jsonl(tmp_path / "in" / "a.jsonl", {"a": "x", "b": "y"})
+    args = ["bulk", str(tmp_path / "in"), "--output", str(tmp_path / "out"), "--progress", "log"]
+    assert main([*args, "--text-column", "txet"]) == 2
+    assert "--text-column" in capsys.readouterr().err
+    assert main(args) == 0
+    assert read_output(tmp_path / "out").num_rows == 2
+
+
+def test_repeated_ids_and_a_moved_input_are_reported(
+        tiny_export: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Ids repeated across files are written as they come and counted in the summary; an
+    input moved between runs is embedded again, warned about and counted."""
+    write_jsonl(tmp_path / "in" / "a.jsonl", {"a": "x", "b": "y"})
+    write_jsonl(tmp_path / "in" / "b.jsonl", {"b": "z", "c": "w"})
+    settings = resolve_settings(env(tiny_export, tmp_path / "cache"))
+    job = BulkJob(inputs=(str(tmp_path / "in"),), output=tmp_path / "out")
+    with caplog.at_level(logging.WARNING, logger="bgeserve.bulk"):
+        summary = local.run(job, settings, bar=False)
+    assert (summary.rows, summary.duplicate_ids) == (4, 1)
+    assert "1 rows have an id written before" in caplog.text and "'b'" in caplog.text
+    (tmp_path / "in").rename(tmp_path / "moved")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="bgeserve.bulk"):
+        again = local.run(BulkJob(inputs=(str(tmp_path / "moved"),), output=job.output),
+                          settings, bar=False)
+    assert (again.rows, again.duplicate_ids) == (4, 4)
+    assert "looks like" in caplog.text and "moved" in caplog.text
+
+
+def test_a_disk_error_is_one_line_naming_the_path_with_exit_2(
+        tmp_path: Path, capsys, monkeypatch) -> None:
+    """An OSError of the output (the disk filled up while a shard was written; --output is a
+    file) is one line, exit 2, no traceback; disk full says a rerun resumes."""
+    import errno
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(local, "run", disk_full)
+    (tmp_path / "a.jsonl").write_text('{"id": "a", "text": "x"}\n')
+    assert main(["bulk", str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "no space left" in err and str(tmp_path / "o") in err and "resumes" in err
+    assert "Traceback" not in err
+    monkeypatch.undo()
+    (tmp_path / "file").write_text("")
+    assert main(["bulk", str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "file")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err

@@ -3,9 +3,11 @@ shards (no model)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
+import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -82,6 +84,7 @@ def test_the_manifest_refuses_other_options_and_changed_inputs(tmp_path: Path):
     out_dir = tmp_path / "out"
     with OutputDir(out_dir) as out:
         out.check_manifest(SPEC, [Source(src, "jsonl")])
+        write_shard(out_dir, table(1), {str(src): [[0, 1]]}, [])
         with pytest.raises(InvalidInput, match="outputs"):
             out.check_manifest({**SPEC, "outputs": ["dense", "sparse"]}, [Source(src, "jsonl")])
         with pytest.raises(InvalidInput, match="model"):
@@ -92,3 +95,81 @@ def test_the_manifest_refuses_other_options_and_changed_inputs(tmp_path: Path):
         src.write_text('{"id": 1, "text": "x"}\n{"id": 2, "text": "y"}\n')
         with pytest.raises(InvalidInput, match="changed since this job started"):
             out.check_manifest(SPEC, [Source(src, "jsonl")])
+
+
+def test_a_manifest_without_shards_is_replaced_not_obeyed(tmp_path: Path):
+    """A first run that failed before writing a shard (a wrong BGE_M3_MODEL_PATH) leaves a
+    manifest; the corrected rerun replaces it instead of being refused as another job."""
+    src = tmp_path / "a.jsonl"
+    src.write_text('{"id": 1, "text": "x"}\n')
+    with OutputDir(tmp_path / "out") as out:
+        out.check_manifest({**SPEC, "model": {"v": "wrong"}}, [Source(src, "jsonl")])
+        out.check_manifest(SPEC, [Source(src, "jsonl")])  # no shard yet: accepted
+        write_shard(out.path, table(1), {str(src): [[0, 1]]}, [])
+        with pytest.raises(InvalidInput, match="model"):
+            out.check_manifest({**SPEC, "model": {"v": "wrong"}}, [Source(src, "jsonl")])
+
+
+def test_another_model_at_the_same_path_is_refused(tmp_path: Path):
+    """Shards of one model's files and a rerun with other files at the same path (same
+    settings) are refused, naming BGE_M3_MODEL_PATH; a manifest of an older bgeserve, with no
+    identity, is accepted and gets this run's."""
+    src = tmp_path / "a.jsonl"
+    src.write_text('{"id": 1, "text": "x"}\n')
+    sources = [Source(src, "jsonl")]
+    with OutputDir(tmp_path / "out") as out:
+        out.check_manifest(SPEC, sources, "sha256:aaa")
+        write_shard(out.path, table(1), {str(src): [[0, 1]]}, [])
+        out.check_manifest(SPEC, sources, "sha256:aaa")
+        out.check_manifest(SPEC, sources, None)  # not known yet: checked again once it is
+        with pytest.raises(InvalidInput, match="BGE_M3_MODEL_PATH"):
+            out.check_manifest(SPEC, sources, "sha256:bbb")
+        manifest = out.path / "_bulk.json"
+        old = orjson.loads(manifest.read_bytes())
+        assert old["model_identity"] == "sha256:aaa"
+        del old["model_identity"]
+        manifest.write_bytes(orjson.dumps(old))
+        out.check_manifest(SPEC, sources, "sha256:bbb")
+        assert orjson.loads(manifest.read_bytes())["model_identity"] == "sha256:bbb"
+
+
+def test_an_input_that_looks_moved_is_warned_about(tmp_path: Path, caplog):
+    """A new input with the name, size and mtime of one the manifest holds under another path
+    is embedded again (shards name inputs by path): a warning says so and names both."""
+    (tmp_path / "x").mkdir()
+    src = tmp_path / "x" / "a.jsonl"
+    src.write_text('{"id": 1, "text": "x"}\n')
+    with OutputDir(tmp_path / "out") as out:
+        out.check_manifest(SPEC, [Source(src, "jsonl")])
+        write_shard(out.path, table(1), {str(src): [[0, 1]]}, [])
+        moved = tmp_path / "y" / "a.jsonl"
+        moved.parent.mkdir()
+        src.rename(moved)
+        with caplog.at_level(logging.WARNING, logger="bgeserve.bulk"):
+            out.check_manifest(SPEC, [Source(moved, "jsonl")], write=False)
+            out.check_manifest(SPEC, [Source(moved, "jsonl")])  # checked again: warned once
+    assert caplog.text.count(f"{moved} looks like {src} moved") == 1
+
+
+def test_an_output_that_is_a_file_or_cannot_be_made_is_refused(tmp_path: Path):
+    """--output naming a file, or a folder that cannot be made, is an InvalidInput naming
+    --output and the path (it was an OSError traceback)."""
+    (tmp_path / "f").write_text("")
+    with pytest.raises(InvalidInput, match="is a file, not a folder") as exc:
+        OutputDir(tmp_path / "f")
+    assert exc.value.param == "--output"
+    with pytest.raises(InvalidInput, match="cannot make the folder"):
+        OutputDir(tmp_path / "f" / "below")
+
+
+def test_a_failed_run_removes_the_folder_it_made(tmp_path: Path):
+    """A run refused before its first shard leaves no folder behind if it made it, and never
+    removes a folder that was there before."""
+    with pytest.raises(InvalidInput), OutputDir(tmp_path / "new") as out:
+        out.check_manifest(SPEC, [])
+        raise InvalidInput("refused")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "old").mkdir()
+    with pytest.raises(InvalidInput), OutputDir(tmp_path / "old"):
+        raise InvalidInput("refused")
+    assert (tmp_path / "old").is_dir()

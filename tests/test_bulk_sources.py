@@ -4,6 +4,7 @@ row cannot be embedded (no model)."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pyarrow as pa
@@ -184,3 +185,88 @@ def test_a_utf8_byte_order_mark_starts_no_bad_row(tmp_path: Path, suffix: str):
     path.write_bytes(b"\xef\xbb\xbf" + body.encode())
     check_columns(Source(path, suffix), "text", "id")
     assert rows_of(Source(path, suffix)) == ([0], ["a"], ["x"], [None])
+
+
+@pytest.mark.parametrize("kind", ["dictionary", "large_string", "string_view"])
+def test_encoded_string_columns_are_read_as_their_strings(tmp_path: Path, kind: str):
+    """A pandas Categorical (dictionary), large_string or string_view text and id column is
+    read as the strings it holds (every row was bad: "'text' is dictionary<...>")."""
+    ids, texts = pa.array(["a", "b", "a"]), pa.array(["x", None, "z"])
+    if kind == "dictionary":
+        ids, texts = ids.dictionary_encode(), texts.dictionary_encode()
+    else:
+        target = pa.large_string() if kind == "large_string" else pa.string_view()
+        ids, texts = ids.cast(target), texts.cast(target)
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"id": ids, "text": texts}), path)
+    if kind == "string_view":  # Parquet reads it back as string: test the reader's input
+        from bgeserve.bulk.sources import _columns
+
+        part = _columns(pa.table({"id": ids, "text": texts}), Source(path, "parquet"), 0,
+                        "text", "id")
+        got = ([int(r) for r in part.rows], part.ids, part.texts, part.errors)
+    else:
+        got = rows_of(Source(path, "parquet"))
+    assert got == ([0, 1, 2], ["a", "b", "a"], ["x", None, "z"], [None, "no 'text'", None])
+
+
+def test_a_dictionary_of_integer_ids_gives_decimal_ids(tmp_path: Path):
+    """Dictionary-encoded integer ids are ids, as plain integer ids are (Parquet reads them
+    back plain: the reader's input is tested)."""
+    from bgeserve.bulk.sources import _columns
+
+    table = pa.table({"id": pa.array([7, 8]).dictionary_encode(), "text": ["x", "y"]})
+    part = _columns(table, Source(tmp_path / "t.parquet", "parquet"), 0, "text", "id")
+    assert part.ids == ["7", "8"] and part.errors == [None, None]
+
+
+def test_an_empty_parquet_file_has_no_rows(tmp_path: Path):
+    """A 0-byte .parquet is read as no rows, as an empty JSONL or CSV is (it stopped the whole
+    job with pyarrow's "Parquet file size is 0 bytes", naming no file)."""
+    from bgeserve.bulk.job import total_rows
+
+    path = tmp_path / "empty.parquet"
+    path.write_bytes(b"")
+    source = Source(path, "parquet")
+    check_columns(source, "text", "id")
+    assert rows_of(source) == ([], [], [], [])
+    assert total_rows([source]) == 0
+
+
+def test_gzipped_jsonl_and_csv_are_read_like_the_plain_files(tmp_path: Path):
+    """``a.jsonl.gz`` and ``b.csv.gz`` are inputs, named or found in a folder; their rows are
+    numbered as in the decompressed file, so resuming works as for the plain file."""
+    import gzip
+
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
+        f.write('{"id": "a", "text": "x"}\n\n{"id": "b"}\n')
+    with gzip.open(tmp_path / "b.csv.gz", "wt") as f:
+        f.write("id,text\nc,y\n")
+    found = discover([tmp_path])
+    assert [(s.path.name, s.format) for s in found] == [("a.jsonl.gz", "jsonl"),
+                                                        ("b.csv.gz", "csv")]
+    assert discover([tmp_path / "a.jsonl.gz"]) == found[:1]
+    for s in found:
+        check_columns(s, "text", "id")
+    assert rows_of(found[0]) == ([0, 2], ["a", "b"], ["x", None], [None, "no 'text'"])
+    assert rows_of(found[1]) == ([0], ["c"], ["y"], [None])
+
+
+def test_a_gz_file_that_is_not_gzip_is_refused_naming_it(tmp_path: Path):
+    """A .jsonl.gz that is not gzip is an error naming the file, not an OSError."""
+    (tmp_path / "bad.jsonl.gz").write_bytes(b"plain text\n")
+    with pytest.raises(InvalidInput, match="bad.jsonl.gz"):
+        rows_of(discover([tmp_path / "bad.jsonl.gz"])[0])
+
+
+def test_files_of_no_known_format_in_a_folder_are_named_in_a_warning(tmp_path: Path, caplog):
+    """A folder's files that are not read (a.tsv, b.jsonl.bz2) are named, not skipped
+    silently; a parquet.gz is no format either."""
+    for name in ("a.tsv", "b.jsonl.bz2", "c.parquet.gz", "d.jsonl"):
+        (tmp_path / name).write_text("")
+    with caplog.at_level(logging.WARNING, logger="bgeserve.bulk"):
+        found = discover([tmp_path])
+    assert [s.path.name for s in found] == ["d.jsonl"]
+    assert "skipped 3 files" in caplog.text
+    for name in ("a.tsv", "b.jsonl.bz2", "c.parquet.gz"):
+        assert name in caplog.text

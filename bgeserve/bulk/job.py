@@ -76,11 +76,16 @@ def blocks(source: Source, job: BulkJob, coverage: Coverage) -> Iterator[Rows]:
 
 
 def total_rows(sources: list[Source]) -> int | None:
-    """Rows in the inputs when cheap to know (Parquet footers; JSONL lines), else None."""
+    """Rows in the inputs when cheap to know (Parquet footers; uncompressed JSONL lines),
+    else None."""
     import pyarrow.parquet as pq
 
     total = 0
     for s in sources:
+        if s.is_empty():
+            continue
+        if s.compressed:
+            return None  # counting its lines would decompress it twice
         if s.format == "parquet":
             total += pq.read_metadata(s.path).num_rows
         elif s.format == "jsonl":

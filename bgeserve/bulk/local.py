@@ -10,22 +10,26 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any
+from concurrent.futures import wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
 
 import pyarrow as pa
 
 from bgeserve.bulk import columns
 from bgeserve.bulk.coverage import spans_of
+from bgeserve.bulk.dupes import Duplicates
 from bgeserve.bulk.job import BulkJob, blocks, total_rows
 from bgeserve.bulk.model import BulkModel, model_spec
-from bgeserve.bulk.output import OutputDir, log_bad_rows, log_earlier_bad_rows
+from bgeserve.bulk.output import MANIFEST, OutputDir, log_bad_rows, log_earlier_bad_rows
 from bgeserve.bulk.progress import Progress, Summary
 from bgeserve.bulk.shards import write_shard
 from bgeserve.bulk.sources import Rows, check_columns, discover
 from bgeserve.config import Settings
-from bgeserve.errors import NotReady
+from bgeserve.engine.jobs import Job
+from bgeserve.errors import InvalidInput, NotReady
+from bgeserve.results import Embeddings
 
 log = logging.getLogger("bgeserve.bulk")
 IN_FLIGHT = 3  # blocks submitted to the engine at once
@@ -36,7 +40,30 @@ MAX_BAD_EXAMPLES = 20
 class _Pending:
     rows: Rows
     good: list[int]  # positions in rows of the texts submitted
-    future: Future | None
+    job: Job | None
+
+    def done_so_far(self) -> tuple[int, int]:
+        """Texts of the engine job answered so far (read unlocked: only a progress figure),
+        and their tokens, estimated as that share of the job's."""
+        if self.job is None:
+            return 0, 0
+        total = len(self.job.pending())
+        rows = total - self.job.remaining
+        tokens = sum(len(self.job.ids[i]) for i in self.job.pending())
+        return rows, tokens * rows // max(total, 1)
+
+
+@dataclass
+class _Run:
+    """What every shard of a run writes to or counts in."""
+
+    job: BulkJob
+    out: OutputDir
+    width: int
+    progress: Progress
+    ids: Duplicates
+    written: list[Path] = field(default_factory=list)
+    missing_column: int = 0  # bad rows that lack the text or id column
 
 
 def bad_rows(rows: Rows) -> list[list[Any]]:
@@ -46,28 +73,59 @@ def bad_rows(rows: Rows) -> list[list[Any]]:
     return bad
 
 
-def finish(p: _Pending, job: BulkJob, out: OutputDir, width: int, progress: Progress) -> None:
+def _vectors(p: _Pending, progress: Progress) -> Embeddings:
+    """The block's vectors, logging progress while a long block runs (its rows count as
+    they are answered, not only once the whole shard is written)."""
+    assert p.job is not None
+    while not p.job.future.done():
+        wait([p.job.future], timeout=progress.every_s)
+        progress.tick(*p.done_so_far())
+    return p.job.future.result()
+
+
+def finish(p: _Pending, run: _Run) -> None:
     """Wait for a block's vectors and write its shard."""
-    schema = columns.schema(job.outputs, width)
+    job, progress = run.job, run.progress
+    schema = columns.schema(job.outputs, run.width)
     rows = p.rows
-    if p.future is not None:
-        emb = p.future.result()
-        data = {"id": pa.array([rows.ids[i] for i in p.good], pa.string()),
-                **columns.arrays(emb, job.outputs, width)}
+    if p.job is not None:
+        emb = _vectors(p, progress)
+        ids = [rows.ids[i] for i in p.good]
+        data = {"id": pa.array(ids, pa.string()), **columns.arrays(emb, job.outputs, run.width)}
         table = pa.Table.from_arrays([data[name] for name in schema.names], schema=schema)
         tokens = emb.prompt_tokens
+        run.ids.add(cast(list[str], ids))
     else:
         table, tokens = schema.empty_table(), 0
     bad = bad_rows(rows)
-    write_shard(out.path, table, {rows.source: spans_of(rows.rows)}, bad)
+    run.written.append(write_shard(run.out.path, table, {rows.source: spans_of(rows.rows)}, bad))
     progress.add(len(p.good), tokens, len(bad))
+    missing = {f"no {job.text_column!r}", f"no {job.id_column!r}"}
+    run.missing_column += sum(why in missing for *_, why in bad)
     examples = progress.summary.bad_examples
     for source, row, row_id, why in bad[:max(0, MAX_BAD_EXAMPLES - len(examples))]:
         examples.append({"source": source, "row": row, "id": row_id, "reason": why})
 
 
 def _ready(p: _Pending) -> bool:
-    return p.future is None or p.future.done()
+    return p.job is None or p.job.future.done()
+
+
+def _refuse_missing_column(summary: Summary, run: _Run) -> None:
+    """InvalidInput naming the flags when no row was embedded and every row lacked the text or
+    id column (a mistyped --text-column on JSONL, where no header is checked up front). The
+    shards this run wrote hold nothing but those bad rows: they are removed, so the corrected
+    rerun starts afresh instead of being refused as another job."""
+    if summary.rows or summary.skipped or not summary.bad or run.missing_column < summary.bad:
+        return
+    for path in run.written:
+        path.unlink(missing_ok=True)
+    (run.out.path / MANIFEST).unlink(missing_ok=True)
+    job = run.job
+    raise InvalidInput(f"no row of the inputs has both keys {job.text_column!r} and "
+                       f"{job.id_column!r} ({summary.bad} rows, none embedded): name the "
+                       "texts' key with --text-column and the ids' with --id-column",
+                       param="--text-column")
 
 
 def run(job: BulkJob, settings: Settings, bar: bool | None = None) -> Summary:
@@ -76,7 +134,10 @@ def run(job: BulkJob, settings: Settings, bar: bool | None = None) -> Summary:
         sources = discover(job.inputs, exclude=out.path)
         for s in sources:
             check_columns(s, job.text_column, job.id_column)
-        out.check_manifest(job.spec(model_spec(settings)), sources)
+        spec = job.spec(model_spec(settings))
+        # Checked before the model loads (a refusal costs no load), recorded only once it
+        # has: a first run with a wrong model path leaves no manifest behind.
+        out.check_manifest(spec, sources, write=False)
         coverage, shards = out.scan()
         log_earlier_bad_rows(shards)
         total = total_rows(sources)
@@ -88,19 +149,25 @@ def run(job: BulkJob, settings: Settings, bar: bool | None = None) -> Summary:
         # seconds on a small machine, paid here with the model's load, not in the first shard.
         pa.array(["start"])
         with BulkModel(settings) as model:
+            out.check_manifest(spec, sources, model.identity)
             progress = Progress(None if total is None else total - skipped, skipped, bar=bar)
+            state = _Run(job, out, model.width, progress, Duplicates.of_shards(shards))
             pending: deque[_Pending] = deque()
             try:
                 for source in sources:
                     for block in blocks(source, job, coverage):
-                        good, future = model.submit(block.texts, block.errors, options)
-                        pending.append(_Pending(block, good, future))
+                        good, engine_job = model.submit_job(block.texts, block.errors, options)
+                        pending.append(_Pending(block, good, engine_job))
                         while len(pending) > IN_FLIGHT or (pending and _ready(pending[0])):
-                            finish(pending.popleft(), job, out, model.width, progress)
+                            finish(pending.popleft(), state)
                 while pending:
-                    finish(pending.popleft(), job, out, model.width, progress)
+                    finish(pending.popleft(), state)
             except BaseException:
                 # Interrupted or failed: what is queued is dropped, finished shards stay.
                 model.engine.abort(NotReady("the bulk job stopped"))
                 raise
-            return progress.close()
+            state.ids.warn()
+            progress.summary.duplicate_ids = state.ids.count
+            summary = progress.close()
+        _refuse_missing_column(summary, state)
+        return summary

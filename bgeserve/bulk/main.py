@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
@@ -15,8 +16,11 @@ BGE_M3_MAX_SEQ_LENGTH tokens are truncated and flagged (column `truncated`).
 Output: Parquet shards in DIR, each written under a temporary name and renamed when complete,
 with columns id (string), n_tokens, truncated, and per output dense (fixed-size float32
 list), sparse_indices / sparse_values, colbert. A rerun with the same arguments resumes: it
-keeps every finished shard and embeds only the rows they do not hold. Rows without a string
-text or without an id are reported in the log and written to no shard.
+keeps every finished shard and embeds only the rows they do not hold; another model (even at
+the same path), other options or a changed input is refused. Inputs are known by absolute path:
+a moved input is embedded again (a warning says so). Rows without a string text or without an
+id are reported in the log and written to no shard; ids are not deduplicated, but ids written
+more than once are counted in the summary and named in a warning.
 """
 
 
@@ -25,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
-                        help="JSONL (.jsonl/.ndjson/.json), Parquet or CSV files, or folders of "
-                        "them")
+                        help="JSONL (.jsonl/.ndjson/.json), Parquet or CSV files (.jsonl.gz and "
+                        ".csv.gz too), or folders of them")
     parser.add_argument("--output", required=True, metavar="DIR", help="folder of the shards")
     parser.add_argument("--text-column", default="text", help="column (key) of the texts")
     parser.add_argument("--id-column", default="id", help="column (key) of the row ids")
@@ -48,19 +52,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "all its CPUs but one, which reads and writes)")
 
 
+def os_error_message(exc: OSError, output: str) -> str:
+    """What failed, naming the file (or, when the error names none, the --output folder)."""
+    where = exc.filename if exc.filename is not None else f"--output {output}"
+    if exc.errno == errno.ENOSPC or "No space left" in str(exc):
+        return (f"no space left on the device writing {where}: free some space and run the "
+                "same command again; it keeps the finished shards and resumes")
+    return f"{exc.strerror or exc}: {where}"
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the job; 0 when every row was embedded or reported, 2 on a usage error, 130 when
-    interrupted (Ctrl-C)."""
+    """Run the job; 0 when every row was embedded or reported, 2 on a usage error or a file
+    that cannot be read or written, 130 when interrupted (Ctrl-C)."""
     from bgeserve.bulk.columns import parse_outputs
     from bgeserve.bulk.job import BulkJob
     from bgeserve.bulk.model import resolve_settings
-    from bgeserve.config import Settings
+    from bgeserve.config import Settings, warn_unknown_variables
     from bgeserve.errors import BgeServeError
     from bgeserve.logs import setup_logging
 
     try:
         logs = Settings.from_env(os.environ)  # logging first: resolving logs its choice
         setup_logging(logs.log_format, logs.log_level)
+        warn_unknown_variables(os.environ)
         settings = resolve_settings(os.environ)
         if args.shard_rows is not None and args.shard_rows < 1:
             raise ValueError("--shard-rows must be at least 1")
@@ -78,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
             run_local(job, settings, bar=bar)
     except (BgeServeError, ValueError) as exc:
         print(f"bgeserve bulk: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the output folder (or an input) on a disk that refuses
+        print(f"bgeserve bulk: {os_error_message(exc, args.output)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: expected, and resumable; no traceback
         print("bgeserve bulk: interrupted; finished shards are kept, run the same command "

@@ -17,7 +17,9 @@ from typing import Self, cast
 
 from bgeserve.config import Settings, _env_fields
 from bgeserve.engine import Engine
+from bgeserve.engine.jobs import Job
 from bgeserve.errors import BgeServeError
+from bgeserve.model.artifacts import ModelArtifacts, export_variants
 from bgeserve.results import EmbedOptions
 from bgeserve.service import Service, plan
 
@@ -65,6 +67,15 @@ def model_spec(settings: Settings) -> dict[str, object]:
             "max_seq": settings.max_seq_length}
 
 
+def model_identity(settings: Settings, artifacts: ModelArtifacts) -> str:
+    """Which model files these are, to tell another model put at the same path: the graph's
+    sha256 from the export's manifest.json, else the graph files' names, sizes and mtimes."""
+    entry = export_variants(settings.model_path).get(artifacts.variant, {})
+    if isinstance(entry.get("sha256"), str):
+        return f"sha256:{entry['sha256']}"
+    return artifacts.identity()
+
+
 class BulkModel:
     """A loaded engine for a job; ``close()`` (or ``with``) releases it."""
 
@@ -74,6 +85,7 @@ class BulkModel:
         assert self.service.engine is not None
         self.engine: Engine = self.service.engine
         self.width = self.service.dense_width()
+        self.identity = model_identity(settings, self.engine.artifacts)
         tuner = self.service.tuner
         if tuner is not None:
             log.info("model ready: %s, probe %s, %d MiB workspace per worker",
@@ -82,10 +94,16 @@ class BulkModel:
 
     def submit(self, texts: list[str | None], errors: list[str | None],
                options: EmbedOptions) -> tuple[list[int], Future | None]:
+        """``submit_job``, answering the job's future (what a Ray actor waits on)."""
+        good, job = self.submit_job(texts, errors, options)
+        return good, (job.future if job is not None else None)
+
+    def submit_job(self, texts: list[str | None], errors: list[str | None],
+                   options: EmbedOptions) -> tuple[list[int], Job | None]:
         """Queue the texts whose ``errors[i]`` is None as one engine job: (their positions,
-        the job's future; None when there is none). A text the tokenizer refuses (rare: the
-        engine checks a job whole) is found by trying the texts one by one; its ``errors[i]``
-        says why and its ``texts[i]`` becomes None."""
+        the submitted job, whose ``future`` gets the vectors; None when there is none). A
+        text the tokenizer refuses (rare: the engine checks a job whole) is found by trying
+        the texts one by one; its ``errors[i]`` says why and its ``texts[i]`` becomes None."""
         engine = self.engine
         good = [i for i, e in enumerate(errors) if e is None]
 
@@ -102,7 +120,9 @@ class BulkModel:
                     errors[i], texts[i] = f"refused: {exc}", None
             good = [i for i, e in enumerate(errors) if e is None]
             job = engine.make_job(strings(good), options) if good else None
-        return good, (engine.submit(job) if job is not None else None)
+        if job is not None:
+            engine.submit(job)
+        return good, job
 
     def close(self) -> None:
         asyncio.run(self.service.stop())

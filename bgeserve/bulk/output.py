@@ -34,8 +34,17 @@ class OutputDir:
 
     def __init__(self, path: Path):
         self.path = Path(path).expanduser().resolve()
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        if self.path.exists() and not self.path.is_dir():
+            raise InvalidInput(f"--output {self.path} is a file, not a folder: name a folder "
+                               "(one that does not exist yet is made)", param="--output")
+        self.created = not self.path.exists()
+        self._moved: dict[str, str] = {}  # inputs already warned about as moved
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise InvalidInput(f"--output {self.path}: cannot make the folder or open its lock "
+                               f"file {LOCK} in it ({exc.strerror})", param="--output") from None
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -43,42 +52,60 @@ class OutputDir:
             raise InvalidInput(f"another bulk job is writing to {self.path}; wait for it or "
                                "choose another --output", param="--output") from None
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Release the lock; after a ``failed`` run, remove the folder if this run made it and
+        wrote no shard (a refused first run leaves nothing to trip over)."""
         os.close(self._lock)  # releases the lock
+        if failed and self.created and not self.has_shards():
+            for name in (LOCK, MANIFEST):
+                (self.path / name).unlink(missing_ok=True)
+            try:
+                self.path.rmdir()
+            except OSError:
+                pass  # something else is in it now: left as it is
 
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self.close(failed=kind is not None)
 
     # -- the manifest ----------------------------------------------------------------------
-    def check_manifest(self, spec: dict[str, Any], sources: Sequence[Source]) -> None:
-        """Refuse a rerun that would mix shards of another job; record this one."""
+    def check_manifest(self, spec: dict[str, Any], sources: Sequence[Source],
+                       model_identity: str | None = None, *, write: bool = True) -> None:
+        """Refuse a rerun that would mix shards of another job (another spec, another model
+        at the same path, a changed input); record this one unless ``write`` is false.
+
+        The manifest only guards shards: in a folder without any (a first run that failed
+        before writing one, e.g. a wrong BGE_M3_MODEL_PATH) it is replaced, never obeyed."""
         path = self.path / MANIFEST
-        old = orjson.loads(path.read_bytes()) if path.exists() else None
+        old = orjson.loads(path.read_bytes()) if path.exists() and self.has_shards() else None
         files = {s.key: s.fingerprint() for s in sources}
         if old is not None:
-            before = old.get("spec", {})
-            for key in sorted(set(before) | set(spec)):
-                if before.get(key) != spec.get(key):
-                    raise InvalidInput(
-                        f"{self.path} holds shards of a job with {key}={before.get(key)!r}, "
-                        f"this run has {spec.get(key)!r}: rerun with the same options and "
-                        "BGE_M3_* model settings, or write to a new --output", param="--output")
-            for key, fingerprint in files.items():
-                seen = old.get("sources", {}).get(key)
-                if seen is not None and seen != fingerprint:
-                    raise InvalidInput(
-                        f"{key} changed since this job started (size/mtime {seen} → "
-                        f"{fingerprint}): its row numbers no longer name the rows the shards "
-                        "hold; restore it, or write to a new --output", param="INPUT")
+            _check_spec(self.path, old.get("spec", {}), spec)
+            _check_identity(self.path, old.get("model_identity"), model_identity)
+            moved = _check_sources(old.get("sources", {}), files)
+            for key, old_key in moved.items() - self._moved.items():  # once per run
+                log.warning("%s looks like %s moved or copied (same name, size and mtime): "
+                            "shards name inputs by path, so its rows are embedded again and "
+                            "the output will hold them twice; to resume instead, put it back "
+                            "at %s", key, old_key, old_key)
+            self._moved.update(moved)
             files = {**old.get("sources", {}), **files}
-        body = orjson.dumps({"bgeserve_bulk": 1, "spec": spec, "sources": files},
-                            option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+            if model_identity is None:  # not known yet (or a Ray job): keep what was recorded
+                model_identity = old.get("model_identity")
+        if not write:
+            return
+        body = {"bgeserve_bulk": 1, "spec": spec, "sources": files}
+        if model_identity is not None:
+            body["model_identity"] = model_identity
         temp = self.path / f".{MANIFEST}.tmp"
-        temp.write_bytes(body)
+        temp.write_bytes(orjson.dumps(body, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
         os.replace(temp, path)
+
+    def has_shards(self) -> bool:
+        """Whether a finished shard is in the folder."""
+        return any(_is_shard(entry) for entry in self.path.iterdir())
 
     # -- the shards ------------------------------------------------------------------------
     def scan(self) -> tuple[Coverage, list[ShardInfo]]:
@@ -90,7 +117,7 @@ class OutputDir:
             if is_temp(entry):
                 log.info("removing %s, left unfinished by an earlier run", entry.name)
                 entry.unlink(missing_ok=True)
-            elif entry.suffix == ".parquet" and not entry.name.startswith((".", "_")):
+            elif _is_shard(entry):
                 info = read_info(entry)
                 if info is None:
                     raise InvalidInput(f"{entry} is not a bgeserve bulk shard: the output "
@@ -100,6 +127,58 @@ class OutputDir:
                 shards.append(info)
         coverage.verify()
         return coverage, shards
+
+
+def _is_shard(entry: Path) -> bool:
+    return entry.suffix == ".parquet" and not entry.name.startswith((".", "_"))
+
+
+def _check_spec(folder: Path, before: dict[str, Any], spec: dict[str, Any]) -> None:
+    for key in sorted(set(before) | set(spec)):
+        if before.get(key) != spec.get(key):
+            raise InvalidInput(
+                f"{folder} holds shards of a job with {key}={before.get(key)!r}, this run has "
+                f"{spec.get(key)!r}: rerun with the same options and BGE_M3_* model settings, "
+                "or write to a new --output", param="--output")
+
+
+def _check_identity(folder: Path, before: str | None, now: str | None) -> None:
+    # A manifest written before identities were recorded has none: it is accepted (refusing
+    # would strand every folder of an older bgeserve mid-job), and this run records its own.
+    if before is None or now is None or before == now:
+        return
+    raise InvalidInput(
+        f"{folder} holds shards of another model than the one at BGE_M3_MODEL_PATH now "
+        f"(model files {before} then, {now} now; the path and settings are the same): "
+        "restore that model, or write to a new --output", param="BGE_M3_MODEL_PATH")
+
+
+def _check_sources(before: dict[str, Any], files: dict[str, dict[str, int]]
+                   ) -> dict[str, str]:
+    """Refuse an input changed since its rows were written; return the new inputs that look
+    like old ones moved (new path → old path)."""
+    moved = {}
+    for key, fingerprint in files.items():
+        seen = before.get(key)
+        if seen is not None and seen != fingerprint:
+            raise InvalidInput(
+                f"{key} changed since this job started (size/mtime {seen} → {fingerprint}): "
+                "its row numbers no longer name the rows the shards hold; restore it, or "
+                "write to a new --output", param="INPUT")
+        old_key = _moved_from(key, fingerprint, before) if seen is None else None
+        if old_key is not None:
+            moved[key] = old_key
+    return moved
+
+
+def _moved_from(key: str, fingerprint: dict[str, int], before: dict[str, Any]) -> str | None:
+    # Shards name sources by absolute path, so a moved input is a new source: its rows are
+    # embedded again, beside the old ones. Warned, not refused: a deliberate copy is allowed.
+    name = Path(key).name
+    for old_key, seen in before.items():
+        if old_key != key and Path(old_key).name == name and seen == fingerprint:
+            return old_key
+    return None
 
 
 def log_bad_rows(source: str, bad: Sequence[Sequence[Any]], *, earlier: bool = False) -> None:

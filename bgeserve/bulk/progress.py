@@ -23,6 +23,7 @@ class Summary:
     bad: int = 0
     shards: int = 0
     skipped: int = 0  # rows finished shards held before this run
+    duplicate_ids: int = 0  # rows written whose id was written before (see bulk.dupes)
     seconds: float = 0.0
     peak_rss_bytes: int = 0
     bad_examples: list[dict[str, Any]] = field(default_factory=list)
@@ -48,11 +49,13 @@ def peak_rss_bytes() -> int:
 
 
 class Progress:
-    """Counts rows, tokens and bad rows as shards finish; shows them as it goes."""
+    """Counts rows, tokens and bad rows as shards finish; shows them as it goes, and every
+    ``every_s`` while a shard runs (``tick``)."""
 
     def __init__(self, total: int | None, skipped: int = 0, stream: TextIO | None = None,
-                 bar: bool | None = None):
+                 bar: bool | None = None, every_s: float = LOG_EVERY_S):
         self.summary = Summary(skipped=skipped)
+        self.every_s = every_s
         self._started = time.monotonic()
         self._logged = self._started
         stream = stream or sys.stderr
@@ -75,12 +78,32 @@ class Progress:
             self._bar.update(rows + bad)
             self._bar.set_postfix_str(f"{s.tokens_per_s:,.0f} tokens/s, {s.bad} bad",
                                       refresh=False)
-        elif now - self._logged >= LOG_EVERY_S:
-            self._logged = now
-            log.info("bulk: %d rows, %.1f rows/s, %.0f tokens/s, %d bad, %d shards", s.rows,
-                     s.rows_per_s, s.tokens_per_s, s.bad, s.shards,
-                     extra={"rows": s.rows, "rows_per_s": round(s.rows_per_s, 2),
-                            "tokens_per_s": round(s.tokens_per_s, 1), "bad": s.bad})
+        else:
+            self._log(now)
+
+    def tick(self, in_flight: int, tokens: int = 0) -> None:
+        """Show progress while a shard is still running: ``in_flight`` of its rows (``tokens``
+        tokens) are done (a shard of long texts takes minutes; nothing else would be shown
+        meanwhile)."""
+        now = time.monotonic()
+        self.summary.seconds = now - self._started
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"{in_flight} rows of the next shard done", refresh=True)
+        else:
+            self._log(now, in_flight, tokens)
+
+    def _log(self, now: float, in_flight: int = 0, in_flight_tokens: int = 0) -> None:
+        if now - self._logged < self.every_s:
+            return
+        self._logged = now
+        s = self.summary
+        rows = s.rows + in_flight
+        rate = rows / s.seconds if s.seconds else 0.0
+        tokens_rate = (s.tokens + in_flight_tokens) / s.seconds if s.seconds else 0.0
+        log.info("bulk: %d rows (%d in the shard being written), %.1f rows/s, %.0f tokens/s, "
+                 "%d bad, %d shards", rows, in_flight, rate, tokens_rate, s.bad, s.shards,
+                 extra={"rows": rows, "rows_per_s": round(rate, 2),
+                        "tokens_per_s": round(tokens_rate, 1), "bad": s.bad})
 
     def close(self) -> Summary:
         """Stop the clock; the summary is logged and returned."""
@@ -90,7 +113,8 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
         log.info("bulk done: %d rows embedded in %d shards (%.1f rows/s, %.0f tokens/s), %d "
-                 "bad rows skipped, %d rows already done, peak RSS %d MiB", s.rows, s.shards,
-                 s.rows_per_s, s.tokens_per_s, s.bad, s.skipped, s.peak_rss_bytes >> 20,
+                 "bad rows skipped, %d rows already done, %d repeated ids, peak RSS %d MiB", s.rows,
+                 s.shards, s.rows_per_s, s.tokens_per_s, s.bad, s.skipped, s.duplicate_ids,
+                 s.peak_rss_bytes >> 20,
                  extra={"summary": s.as_dict()})
         return s

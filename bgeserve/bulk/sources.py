@@ -13,6 +13,8 @@ differs (``"text": 5`` among strings), which is exactly the row this job must re
 
 from __future__ import annotations
 
+import gzip
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +24,13 @@ import orjson
 
 from bgeserve.errors import InvalidInput
 
+log = logging.getLogger("bgeserve.bulk")
+
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet",
            ".csv": "csv"}
+# Text formats may be gzipped (``a.jsonl.gz``): row numbers count the decompressed lines, so
+# resuming works as for the plain file. Parquet compresses inside the file.
+GZIPPED = ("jsonl", "csv")
 READ_ROWS = 8192  # rows per read from a JSONL or Parquet file
 CSV_BLOCK_BYTES = 4 << 20  # bytes per read from a CSV file
 
@@ -38,6 +45,16 @@ class Source:
     @property
     def key(self) -> str:
         return str(self.path)
+
+    @property
+    def compressed(self) -> bool:
+        """A gzipped JSONL or CSV file (its rows are numbered as decompressed)."""
+        return self.path.name.lower().endswith(".gz")
+
+    def is_empty(self) -> bool:
+        """A 0-byte file: no rows (pyarrow refuses it: "Empty CSV file", "Parquet file size
+        is 0 bytes"), as an empty JSONL file has none."""
+        return self.path.stat().st_size == 0
 
     def fingerprint(self) -> dict[str, int]:
         """Size and mtime: a file that changed between runs no longer matches its shards."""
@@ -73,37 +90,62 @@ class Rows:
         return [i for i, e in enumerate(self.errors) if e is not None]
 
 
+def format_of(path: Path) -> str | None:
+    """The format a file's name says (``.jsonl``, ``.csv.gz``, ...); None for another name."""
+    suffixes = [x.lower() for x in path.suffixes]
+    if suffixes[-1:] == [".gz"]:
+        fmt = FORMATS.get(suffixes[-2]) if len(suffixes) > 1 else None
+        return fmt if fmt in GZIPPED else None
+    return FORMATS.get(path.suffix.lower())
+
+
+def _known_names() -> str:
+    return ", ".join([*FORMATS, *(f"{k}.gz" for k, v in FORMATS.items() if v in GZIPPED)])
+
+
 def discover(inputs: Sequence[str | Path], exclude: Path | None = None) -> list[Source]:
     """Files named, and files with a known suffix under folders named (sorted, hidden files
-    and anything under ``exclude`` — the output folder — left out), each once."""
+    and anything under ``exclude`` — the output folder — left out; others named in a
+    warning), each once."""
     found: dict[Path, Source] = {}
     skip = exclude.resolve() if exclude is not None else None
     for item in inputs:
         path = Path(item).expanduser().resolve()
         if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file()
-                           and p.suffix.lower() in FORMATS
-                           and not any(part.startswith(".") for part in p.relative_to(path).parts)
-                           and not (skip and p.is_relative_to(skip)))
-            if not files:
-                raise InvalidInput(f"{item}: no .jsonl, .parquet or .csv files in this folder",
-                                   param="INPUT")
+            files = _folder(path, item, skip)
         elif path.is_file():
-            if path.suffix.lower() not in FORMATS:
-                raise InvalidInput(f"{item}: unknown format {path.suffix!r}; name files "
-                                   f"{', '.join(FORMATS)}", param="INPUT")
+            if format_of(path) is None:
+                raise InvalidInput(f"{item}: unknown format {''.join(path.suffixes)!r}; name "
+                                   f"files {_known_names()}", param="INPUT")
             files = [path]
         else:
             raise InvalidInput(f"{item}: no such file or folder", param="INPUT")
         for p in files:
-            found.setdefault(p, Source(p, FORMATS[p.suffix.lower()]))
+            found.setdefault(p, Source(p, format_of(p) or ""))
     return list(found.values())
+
+
+def _folder(path: Path, item: str | Path, skip: Path | None) -> list[Path]:
+    """The input files under folder ``path`` (named ``item`` by the caller)."""
+    candidates = sorted(p for p in path.rglob("*") if p.is_file()
+                        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                        and not (skip and p.is_relative_to(skip)))
+    files = [p for p in candidates if format_of(p) is not None]
+    unknown = [p for p in candidates if format_of(p) is None]
+    if unknown:  # a file a user expects read (a.jsonl.bz2, a.tsv) must not vanish silently
+        log.warning("%s: skipped %d files of no known format (%s%s); known: %s", item,
+                    len(unknown), ", ".join(str(p.relative_to(path)) for p in unknown[:5]),
+                    ", ..." if len(unknown) > 5 else "", _known_names())
+    if not files:
+        raise InvalidInput(f"{item}: no .jsonl, .parquet or .csv files in this folder",
+                           param="INPUT")
+    return files
 
 
 def check_columns(source: Source, text_column: str, id_column: str) -> None:
     """Fail fast (before any model loads) when a CSV or Parquet file lacks a column; JSONL
     rows are checked one by one."""
-    if source.format == "jsonl" or _empty(source):
+    if source.format == "jsonl" or source.is_empty():
         return
     names = set(_schema(source).names)
     for column, flag in ((text_column, "--text-column"), (id_column, "--id-column")):
@@ -145,34 +187,47 @@ def _jsonl(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
     ids: list[str | None] = []
     texts: list[str | None] = []
     errors: list[str | None] = []
-    with open(source.path, "rb") as f:
-        for line_no, line in enumerate(f):
-            if line_no == 0:  # a byte-order mark (Windows tools write one) is no JSON
-                line = line.removeprefix(b"\xef\xbb\xbf")
-            if not line.strip():
-                continue  # a blank line (a trailing newline) is no row
-            rows.append(line_no)
-            try:
-                obj = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                obj = None
-                error: str | None = "not valid JSON"
-            else:
-                error = None if isinstance(obj, dict) else "not a JSON object"
-            if error is None:
-                row_id, error = _id(obj.get(id_column), id_column)
-                text, text_error = _text(obj.get(text_column), text_column)
-                error = error or text_error
-            else:
-                row_id, text = None, None
-            ids.append(row_id)
-            texts.append(text if error is None else None)
-            errors.append(error)
-            if len(rows) >= READ_ROWS:
-                yield Rows(source.key, np.array(rows, dtype=np.int64), ids, texts, errors)
-                rows, ids, texts, errors = [], [], [], []
+    for line_no, line in enumerate(_lines(source)):
+        if line_no == 0:  # a byte-order mark (Windows tools write one) is no JSON
+            line = line.removeprefix(b"\xef\xbb\xbf")
+        if not line.strip():
+            continue  # a blank line (a trailing newline) is no row
+        rows.append(line_no)
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            obj = None
+            error: str | None = "not valid JSON"
+        else:
+            error = None if isinstance(obj, dict) else "not a JSON object"
+        if error is None:
+            row_id, error = _id(obj.get(id_column), id_column)
+            text, text_error = _text(obj.get(text_column), text_column)
+            error = error or text_error
+        else:
+            row_id, text = None, None
+        ids.append(row_id)
+        texts.append(text if error is None else None)
+        errors.append(error)
+        if len(rows) >= READ_ROWS:
+            yield Rows(source.key, np.array(rows, dtype=np.int64), ids, texts, errors)
+            rows, ids, texts, errors = [], [], [], []
     if rows:
         yield Rows(source.key, np.array(rows, dtype=np.int64), ids, texts, errors)
+
+
+def _lines(source: Source) -> Iterator[bytes]:
+    """The lines of a JSONL file, decompressed if it is gzipped."""
+    if not source.compressed:
+        with open(source.path, "rb") as f:
+            yield from f
+        return
+    try:
+        with gzip.open(source.path, "rb") as f:
+            yield from f
+    except (OSError, EOFError) as exc:  # not gzip, or cut short
+        raise InvalidInput(f"{source.path}: not a gzip file bgeserve can read ({exc})",
+                           param="INPUT") from None
 
 
 def _id(value: object, column: str) -> tuple[str | None, str | None]:
@@ -202,15 +257,14 @@ def _columns(table, source: Source, start: int, text_column: str, id_column: str
 
     n = table.num_rows
     rows = np.arange(start, start + n, dtype=np.int64)
-    id_col, text_col = table.column(id_column), table.column(text_column)
-    if pa.types.is_integer(id_col.type) or pa.types.is_string(id_col.type) or \
-            pa.types.is_large_string(id_col.type):
+    id_col, text_col = _plain(table.column(id_column)), _plain(table.column(text_column))
+    if pa.types.is_integer(id_col.type) or pa.types.is_string(id_col.type):
         ids = pc.cast(id_col, pa.string()).to_pylist()
         id_errors = [None if i is not None else f"no {id_column!r}" for i in ids]
     else:
         ids = [None] * n
         id_errors = [f"{id_column!r} is {id_col.type}, not a string or an integer"] * n
-    if pa.types.is_string(text_col.type) or pa.types.is_large_string(text_col.type):
+    if pa.types.is_string(text_col.type):
         texts = text_col.to_pylist()
         text_errors = [None if t is not None else f"no {text_column!r}" for t in texts]
     else:
@@ -221,10 +275,26 @@ def _columns(table, source: Source, start: int, text_column: str, id_column: str
     return Rows(source.key, rows, ids, texts, errors)
 
 
+def _plain(column):
+    """``column`` without its encoding: a dictionary (a pandas Categorical) as its values, a
+    large_string or string_view as a string; the rows are the same, and the type checks only
+    know plain strings and integers."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_dictionary(column.type):
+        column = pc.cast(column, column.type.value_type)
+    if pa.types.is_large_string(column.type) or pa.types.is_string_view(column.type):
+        column = pc.cast(column, pa.string())
+    return column
+
+
 def _parquet(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    if source.is_empty():
+        return
     start = 0
     with pq.ParquetFile(source.path) as f:
         for batch in f.iter_batches(batch_size=READ_ROWS, columns=[id_column, text_column]):
@@ -237,7 +307,7 @@ def _csv(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
-    if _empty(source):
+    if source.is_empty():
         return
     # Both columns read as bytes: a CSV has no types (an id column inferred as integers from
     # the first block would fail at the first id that is not one), and a cell that is not
@@ -278,17 +348,12 @@ def _csv(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
                     # wait (they may follow rows of the next piece's block).
                     yield _with_malformed(found, malformed, int(rows[-1]) + 1)
                     start = int(rows[-1]) + 1
-    except pa.ArrowInvalid as exc:
+    except (pa.ArrowInvalid, OSError) as exc:  # OSError: a .csv.gz that is not gzip
         raise InvalidInput(f"{source.path}: not a CSV file bgeserve can read ({exc})",
                            param="INPUT") from None
     if malformed:
         yield _with_malformed(Rows(source.key, np.empty(0, np.int64), [], [], []), malformed,
                               None)
-
-
-def _empty(source: Source) -> bool:
-    """A 0-byte file: no rows (pyarrow's CSV reader refuses it, "Empty CSV file")."""
-    return source.path.stat().st_size == 0
 
 
 def _with_malformed(found: Rows, malformed: dict[int, str], before: int | None) -> Rows:
