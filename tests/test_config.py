@@ -425,8 +425,9 @@ def test_unknown_bge_m3_variables_are_named_with_the_closest_setting(caplog):
     environ = {"BGE_M3_MAX_SEQ_LENGHT": "512", "BGE_M3_MODEL": "fp32", "BGE_M3_XYZZY": "1",
                "PATH": "/bin"}
     assert unknown_variables(environ) == [
-        "BGE_M3_MAX_SEQ_LENGHT is not a bgeserve setting and is ignored; did you mean "
-        "BGE_M3_MAX_SEQ_LENGTH?", "BGE_M3_XYZZY is not a bgeserve setting and is ignored"]
+        ("BGE_M3_MAX_SEQ_LENGHT is not a bgeserve setting and is ignored; did you mean "
+         "BGE_M3_MAX_SEQ_LENGTH?"),
+        "BGE_M3_XYZZY is not a bgeserve setting and is ignored"]
     with caplog.at_level(logging.WARNING, logger="bgeserve"):
         warn_unknown_variables(environ)
     assert [r.getMessage() for r in caplog.records] == unknown_variables(environ)
