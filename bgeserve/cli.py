@@ -120,9 +120,12 @@ def _serve(args: argparse.Namespace) -> int:
         code = exc.code if isinstance(exc.code, int) and exc.code else 1
         print(f"bgeserve: could not listen on {settings.bind} (--bind / BGE_M3_BIND); "
               "see the error above", file=sys.stderr)
-        _leave_if_runs_remain(code)
-        return code
-    code = 3 if service.fatal_error is not None else 0
+    else:
+        code = 3 if service.fatal_error is not None else 0
+    # A preparation still running (stopped mid-start) lives in processes of its own, which the
+    # exit below would leave running: they end with the server (Service.stop does it too, when
+    # the lifespan got as far as stopping the service).
+    service.preparation.stop()
     _leave_if_runs_remain(code)
     return code
 

@@ -7,8 +7,10 @@ and prepares with its progress in /health and the log, the second serves from th
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 
 from bgeserve.config import Settings
 from bgeserve.engine import Engine
+from bgeserve.model import prepared as prepared_module
 from bgeserve.model.artifacts import BAAI_REPO, BAAI_REVISION, HUB_SOURCES
 from bgeserve.model.layout import Layout
 from bgeserve.model.prepared import PrepareSource
@@ -120,6 +123,21 @@ def _source(root: Path) -> PrepareSource:
                          "test source", (root / "model.onnx_data",))
 
 
+def _write_export(out: Path, variants, prepared: dict) -> None:
+    """What a fake ``run_recipe`` leaves: a graph and weights per variant, a tokenizer, and a
+    manifest recording their sizes as ``export/prepare.py`` writes them."""
+    entries = {}
+    for variant in variants:
+        (out / variant).mkdir(parents=True, exist_ok=True)
+        (out / variant / "model.onnx").write_bytes(b"g" * 10)
+        (out / variant / "model.onnx_data").write_bytes(b"w" * 90)
+        entries[variant] = {"path": f"{variant}/model.onnx", "bytes": 10, "total_bytes": 100}
+    (out / "tokenizer.json").write_text("{}")
+    (out / "manifest.json").write_text(json.dumps(
+        {"format": "bgeserve-export", "variants": entries, "tokenizer": "tokenizer.json",
+         "prepared": prepared}))
+
+
 def test_the_cache_is_keyed_by_the_sources_content(tmp_path, monkeypatch) -> None:
     """Prepared once, found the next time (no steps run), prepared again when a source file's
     content changes; asking for a variant the cached export lacks prepares again, from the
@@ -133,9 +151,7 @@ def test_the_cache_is_keyed_by_the_sources_content(tmp_path, monkeypatch) -> Non
         calls.append(out)
         reused.append(kwargs["reuse"])
         skips.append(kwargs["skip"])
-        (out / "manifest.json").write_text(json.dumps(
-            {"format": "bgeserve-export", "variants": {v: {} for v in variants},
-             "prepared": {"skipped": {}}}))
+        _write_export(out, variants, {"skipped": {}})
         return {"variants": list(variants), "skipped": {}, "seconds": 0.0}
 
     monkeypatch.setattr(preparation, "run_recipe", fake_recipe)
@@ -181,9 +197,7 @@ def test_a_variant_left_out_for_room_is_made_when_a_later_start_has_it(tmp_path,
         calls.append((reuse, dict(skip)))
         failed = {v: "step failed" for v in variants if v in failing and v not in skip}
         made = [v for v in variants if v not in skip and v not in failed]
-        (out / "manifest.json").write_text(json.dumps(
-            {"format": "bgeserve-export", "variants": {v: {} for v in made},
-             "prepared": {"skipped": {**skip, **failed}, "limited": sorted(skip)}}))
+        _write_export(out, made, {"skipped": {**skip, **failed}, "limited": sorted(skip)})
         return {"variants": made, "skipped": {**skip, **failed}, "seconds": 0.0}
 
     monkeypatch.setattr(preparation, "run_recipe", fake_recipe)
@@ -234,9 +248,7 @@ def test_a_failed_addition_serves_the_export_made_before(tmp_path, monkeypatch) 
         if made:
             raise preparation.PrepareFailed("graphs", "disk full")
         made.append(out)
-        (out / "manifest.json").write_text(json.dumps(
-            {"format": "bgeserve-export", "variants": {"fp32": {}},
-             "prepared": {"skipped": {}}}))
+        _write_export(out, ["fp32"], {"skipped": {}})
         return {"variants": ["fp32"], "skipped": {}, "seconds": 0.0}
 
     monkeypatch.setattr(preparation, "run_recipe", fake_recipe)
@@ -370,19 +382,186 @@ def test_first_start_downloads_and_prepares_the_second_serves_from_the_cache(
 def test_a_full_disk_leaves_variants_out_before_anything_is_written(tmp_path,
                                                                     monkeypatch) -> None:
     """Free space for fp32 and int8 but not bf16: bf16 is skipped (the reason names
-    BGE_M3_CACHE_DIR), and ov-int8 before it; not even room for fp32: nothing is prepared."""
+    BGE_M3_CACHE_DIR), and ov-int8 before it; not even room for fp32: nothing is prepared.
+    Room counts int8's scratch (the smoothed fp32 copy and the quantized graph, beside the
+    files left) and, from another file system, the plain graph's copy of the weights."""
     import shutil as shutil_module
 
     weights = 1 << 30
     usage = shutil_module.disk_usage(tmp_path)
-    room = int((preparation.DISK["fp32"] + preparation.DISK["int8"] + 0.1) * weights)
-    monkeypatch.setattr(preparation.shutil, "disk_usage",
-                        lambda path: usage._replace(free=room))
+    disk, scratch = preparation.DISK, preparation.SCRATCH["int8"]
+    room = int((disk["fp32"] + disk["int8"] + scratch + 0.1) * weights)
+    free = room
+
+    monkeypatch.setattr(preparation.shutil, "disk_usage", lambda path: usage._replace(free=free))
     skips = preparation._disk_skips(tmp_path, weights, ["fp32", "int8", "bf16"])
     assert list(skips) == ["bf16"] and "BGE_M3_CACHE_DIR" in skips["bf16"]
     skips = preparation._disk_skips(tmp_path, weights, ["fp32", "int8", "bf16", "ov-int8"])
     assert list(skips) == ["ov-int8", "bf16"]
-    monkeypatch.setattr(preparation.shutil, "disk_usage",
-                        lambda path: usage._replace(free=weights // 2))
+    # Enough for the files int8 leaves, not for making it (ENOSPC mid-step before).
+    free = int((disk["fp32"] + disk["int8"] + 0.1) * weights)
+    assert list(preparation._disk_skips(tmp_path, weights, ["fp32", "int8"])) == ["int8"]
+    free = room  # ... and the plain graph's copy of the weights from another file system
+    assert list(preparation._disk_skips(tmp_path, weights, ["fp32", "int8"],
+                                        copied=weights)) == ["int8"]
+    free = weights // 2
     with pytest.raises(preparation._Skip, match="BGE_M3_CACHE_DIR"):
         preparation._disk_skips(tmp_path, weights, ["fp32", "int8"])
+    # A small model's sizes read in MiB, not "~0.0 GiB".
+    free = 1 << 20
+    with pytest.raises(preparation._Skip, match=r"needs ~2 MiB .* 1 MiB are free"):
+        preparation._disk_skips(tmp_path, 2 << 20, ["fp32"])
+
+
+def test_sizes_read_in_a_unit_that_shows_them() -> None:
+    """MiB below 1 GiB (what a small model's messages need), GiB from there."""
+    assert preparation.size(1000) == "0 MiB" and preparation.size(900 << 20) == "900 MiB"
+    assert preparation.size(3 * (1 << 30) // 2) == "1.5 GiB"
+
+
+def _read_only(monkeypatch, root: Path) -> None:
+    """Writes under ``root`` fail as on a read-only mount (EROFS): chmod would not stop the
+    tests' root user in CI."""
+    real_open, path_open, path_mkdir = open, Path.open, Path.mkdir
+
+    def refuse(path) -> None:
+        if Path(path).absolute().is_relative_to(root.absolute()):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    def opener(file, mode="r", *args, **kwargs):
+        if set(mode) & set("wax+"):
+            refuse(file)
+        return real_open(file, mode, *args, **kwargs)
+
+    def path_opener(self, mode="r", *args, **kwargs):
+        if set(mode) & set("wax+"):
+            refuse(self)
+        return path_open(self, mode, *args, **kwargs)
+
+    def mkdir(self, *args, **kwargs):
+        refuse(self)
+        return path_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(prepared_module, "open", opener, raising=False)
+    monkeypatch.setattr(Path, "open", path_opener)
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+
+
+def _counting_recipe(monkeypatch) -> list[Path]:
+    """``run_recipe`` replaced by one that writes a fake export; returns the list of its runs."""
+    calls: list[Path] = []
+
+    def fake_recipe(source, out, variants, **kwargs):
+        calls.append(out)
+        _write_export(out, variants, {"skipped": {}})
+        return {"variants": list(variants), "skipped": {}, "seconds": 0.0}
+
+    monkeypatch.setattr(preparation, "run_recipe", fake_recipe)
+    return calls
+
+
+def test_a_read_only_cache_that_holds_the_export_serves_it(tmp_path, monkeypatch,
+                                                           caplog) -> None:
+    """A cache prepared before (``bgeserve prepare`` in an init container) and mounted
+    read-only: the export is found and served without a lock, the digests are hashed without
+    being saved (a warning); one without the export says how to make it."""
+    calls = _counting_recipe(monkeypatch)
+    source = _source(tmp_path / "src")
+    cache = tmp_path / "cache"
+    s = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": str(64 << 30)})
+    first, _ = Preparation().find_or_make(s, cache, source, ["fp32", "int8"])
+    (cache / "prepared" / "digests.json").unlink()  # e.g. the snapshot copied: hashed again
+    for lock in (cache / "prepared").glob(".*.lock"):
+        lock.unlink()
+    _read_only(monkeypatch, cache)
+    prep = Preparation()
+
+    with caplog.at_level("WARNING", logger="bgeserve.prepare"):
+        found, _ = prep.find_or_make(s, cache, source, ["fp32", "int8", "bf16"])
+
+    assert found == first and len(calls) == 1
+    assert prep.status == {"status": "cached", "key": first.name, "read_only": True}
+    assert any("digests.json" in r.getMessage() for r in caplog.records)
+    assert not (cache / "prepared" / "digests.json").exists()
+    _read_only(monkeypatch, tmp_path / "other")
+    with pytest.raises(preparation.PrepareFailed, match="cannot be written.*bgeserve prepare"):
+        prep.find_or_make(s, tmp_path / "other", source, ["fp32"])
+
+
+def test_a_damaged_export_is_prepared_again(tmp_path, monkeypatch, caplog) -> None:
+    """A graph cut short or a weight file deleted in the cached export: a warning names the
+    file and the export is prepared again; in a read-only cache the reason says how to mend
+    it."""
+    calls = _counting_recipe(monkeypatch)
+    source = _source(tmp_path / "src")
+    cache = tmp_path / "cache"
+    s = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": str(64 << 30)})
+    prep = Preparation()
+    first, _ = prep.find_or_make(s, cache, source, ["fp32", "int8"])
+
+    (first / "int8" / "model.onnx").write_bytes(b"g" * 3)
+    with caplog.at_level("WARNING", logger="bgeserve.prepare"):
+        again, _ = prep.find_or_make(s, cache, source, ["fp32", "int8"])
+    assert (again, prep.status["status"], len(calls)) == (first, "prepared", 2)
+    assert any("damaged" in r.getMessage() and "int8/model.onnx is 3 bytes" in r.getMessage()
+               for r in caplog.records)
+
+    (first / "fp32" / "model.onnx_data").unlink()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="bgeserve.prepare"):
+        prep.find_or_make(s, cache, source, ["fp32", "int8"])
+    assert prep.status["status"] == "prepared" and len(calls) == 3
+    assert any("fp32/ holds model.onnx: 10 bytes" in r.getMessage()
+               for r in caplog.records)
+
+    (first / "fp32" / "model.onnx_data").unlink()
+    _read_only(monkeypatch, cache)
+    with pytest.raises(preparation.PrepareFailed,
+                       match=r"damaged .*bgeserve prepare --force.* or delete"):
+        prep.find_or_make(s, cache, source, ["fp32", "int8"])
+    assert len(calls) == 3
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie not yet reaped counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def test_stop_ends_the_prepare_child_its_step_and_its_staging(tmp_path, monkeypatch) -> None:
+    """The server shutting down mid-preparation: the prepare child and the step it runs end
+    (SIGTERM to their process group) and the staging directory is removed, instead of both
+    running on, orphaned, for minutes."""
+    pids = tmp_path / "pids"
+    child = tmp_path / "python"  # stands in for `python -m bgeserve.export.prepare`
+    child.write_text(f"#!/bin/sh\nsleep 120 &\necho $$ $! > {pids}\n"
+                     'echo \'{"event": "step", "name": "graphs", "index": 1, "of": 4}\'\n'
+                     "wait\n")
+    child.chmod(0o755)
+    monkeypatch.setattr(preparation, "sys", type("Sys", (), {"executable": str(child)}))
+    source = _source(tmp_path / "src")
+    s = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": str(64 << 30)})
+    prep = Preparation()
+    failures: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            prep.find_or_make(s, tmp_path / "cache", source, ["fp32"])
+        except Exception as exc:  # noqa: BLE001 - what the start saw, checked below
+            failures.append(exc)
+
+    loader = threading.Thread(target=start)
+    loader.start()
+    deadline = time.monotonic() + 30
+    while not (pids.exists() and pids.read_text().endswith("\n")):
+        assert time.monotonic() < deadline, "the fake prepare child never started"
+        time.sleep(0.05)
+    started = time.monotonic()
+    prep.stop()
+    assert time.monotonic() - started < preparation.STOP_GRACE_SECS + 2
+    loader.join(10)
+    assert all(_gone(int(pid)) for pid in pids.read_text().split())
+    assert list((tmp_path / "cache" / "prepared").glob(".*.tmp")) == []
+    assert len(failures) == 1 and isinstance(failures[0], preparation.PrepareFailed)

@@ -229,3 +229,46 @@ def test_a_xenova_snapshot_is_prepared_from_its_fp32_graph(hub_snapshots, tmp_pa
     assert (out / "fp32" / "model.onnx").is_file() and (out / "tokenizer.json").is_file()
     assert manifest["variants"]["fp32"]["agreement"]["dense_cos_min"] >= 0.99999
 
+
+
+# The prepare child running one step (a sleep that prints its pid), as ``main`` sets it up.
+STEP_CHILD = (
+    "import sys\nfrom bgeserve.export import prepare as p\n"
+    "p._stop_on_sigterm()\np.die_with_parent()\n"
+    "step = 'import os, sys, time; print(os.getpid(), file=sys.stderr, flush=True); "
+    "time.sleep(120)'\n"
+    "p._Runner(['step'], None, lambda line: print(line, flush=True))("
+    "'step', ['timeit', '-n1', '-r1', step])\n")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_step_ends_with_the_prepare_child(sig) -> None:
+    """SIGTERM (the server stopping it, or dying: die_with_parent) or SIGKILL to the prepare
+    child: the step it runs ends too (SIGKILL: by the step's own parent-death signal), never
+    orphaned holding gigabytes."""
+    import signal
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", STEP_CHILD], stdout=subprocess.PIPE,
+                             text=True, cwd=REPO)
+    assert child.stdout is not None
+    step = int(child.stdout.readline())
+    try:
+        os.kill(child.pid, getattr(signal, sig))
+        child.wait(10)
+        deadline = time.monotonic() + 10
+        while not _gone(step) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(step) and child.returncode == (143 if sig == "SIGTERM" else -9)
+    finally:  # nothing left running when it fails
+        for pid in (child.pid, step):
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        child.wait()

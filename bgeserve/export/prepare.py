@@ -17,9 +17,11 @@ reads the progress this prints: one JSON object per line on stdout, ``{"event": 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -35,7 +37,7 @@ from bgeserve.export.main import GRAPH_PATHS, MANIFEST_SCHEMA, OUTPUTS, RUNTIMES
 from bgeserve.export.steps import INT8_WEIGHTS
 from bgeserve.model import prepared
 from bgeserve.model.layout import Layout
-from bgeserve.model.prepared import PrepareSource
+from bgeserve.model.prepared import PrepareSource, graph_files
 
 VARIANTS = ("fp32", "int8", "bf16", "ov-int8")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -44,6 +46,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 FP32_MIN_DENSE_COS = 0.99999
 FP32_MAX_SPARSE_ABS = 1e-4
 WORK = ".work"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class PrepareFailed(Exception):
@@ -203,15 +206,22 @@ class _Runner:
             self.on_step(name, self.steps.index(name) + 1, len(self.steps))
         tail: deque[str] = deque(maxlen=12)
         started = time.monotonic()
+        # The step dies with this process, even SIGKILLed. preexec_fn is safe here: this
+        # process runs no other thread.
         with subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, errors="replace") as child:
+                              stderr=subprocess.PIPE, text=True, errors="replace",
+                              preexec_fn=die_with_parent) as child:  # noqa: PLW1509
             assert child.stderr is not None
-            for line in child.stderr:
-                line = line.rstrip()
-                if line:
-                    tail.append(line)
-                    if self.on_line is not None:
-                        self.on_line(line)
+            try:
+                for line in child.stderr:
+                    line = line.rstrip()
+                    if line:
+                        tail.append(line)
+                        if self.on_line is not None:
+                            self.on_line(line)
+            except BaseException:  # SIGTERM (the server stopping): the step ends with us
+                child.kill()
+                raise
             # Reaped here rather than by Popen, for this child's own peak RSS (wait4).
             _, status, usage = os.wait4(child.pid, 0)
             child.returncode = os.waitstatus_to_exitcode(status)
@@ -259,16 +269,7 @@ def _reusable(reuse: Path | None, asked: Sequence[str]) -> dict[str, dict[str, A
 
 def _whole(root: Path, entry: dict[str, Any]) -> bool:
     """Whether an export's variant ``entry`` is all there (a cheap check: sizes, not hashes)."""
-    graph = root / entry["path"]
-    return (graph.is_file() and "agreement" in entry
-            and sum(p.stat().st_size for p in graph_files(graph)) == entry["total_bytes"])
-
-
-def graph_files(graph: Path) -> list[Path]:
-    """A prepared graph and the weight files beside it that belong to it."""
-    if graph.suffix == ".xml":
-        return [graph, graph.with_suffix(".bin")]
-    return [graph, *sorted(p for p in graph.parent.iterdir() if p != graph and p.is_file())]
+    return "agreement" in entry and prepared.damage(root, entry) is None
 
 
 def _write_manifest(out: Path, source: PrepareSource, dims: dict[str, Any],
@@ -315,6 +316,27 @@ def _write_manifest(out: Path, source: PrepareSource, dims: dict[str, Any],
     os.replace(tmp, path)
 
 
+def die_with_parent() -> None:
+    """Have the kernel send this process SIGTERM when the process that started it ends (Linux;
+    a no-op elsewhere): a server killed outright must not leave a preparation running, holding
+    gigabytes for minutes, with nobody to read its result."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # no prctl (another libc): the parent's stop() still ends this process
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (the server stopping, or dying: ``die_with_parent``) raises SystemExit in the
+    main thread, so the step running now is killed on the way out (``_Runner``), not orphaned."""
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def _event(kind: str, **fields: object) -> None:
     """One progress event for the parent, on stdout."""
     print(json.dumps({"event": kind, **fields}), flush=True)
@@ -339,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse", type=Path, default=None,
                         help="an earlier preparation of the same source: link what it has")
     args = parser.parse_args(argv)
+    _stop_on_sigterm()
+    die_with_parent()
     source = PrepareSource(args.graph, Layout(args.layout), args.tokenizer,
                            prepared.read_heads(args.heads), args.description,
                            tuple(args.external_data), args.config)

@@ -6,7 +6,10 @@ head weights, the recipe (``RECIPE``) and the choices made for this machine: a c
 file means a new key, so a new preparation. Hashing 2.3 GB takes seconds, so each file's digest
 is remembered in ``prepared/digests.json`` against its path, size, mtime and inode; a second
 start re-hashes nothing. Builds take an exclusive lock per key (two servers starting together
-prepare once) and are staged in a temporary directory renamed into place when complete.
+prepare once) and are staged in a temporary directory renamed into place when complete. A
+cache that cannot be written (mounted read-only once ``bgeserve prepare`` filled it) is read
+without the lock and without saving digests; an export whose files do not have the sizes its
+manifest records is ``damage``d (prepared again where the cache can be written).
 
 This is the serving side; the graphs themselves are made by ``python -m
 bgeserve.export.prepare`` in a child process (serving never imports the build tools).
@@ -14,9 +17,11 @@ bgeserve.export.prepare`` in a child process (serving never imports the build to
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterator, Sequence
@@ -31,8 +36,10 @@ from bgeserve.model.artifacts import ModelArtifacts
 from bgeserve.model.layout import Layout
 from bgeserve.model.ptload import HeadWeights
 
-__all__ = ["RECIPE", "PrepareSource", "PreparedStore", "file_digests", "int8_weights",
-           "source_key", "sums_int8_in_int32", "write_heads"]
+log = logging.getLogger("bgeserve.prepare")
+
+__all__ = ["RECIPE", "PrepareSource", "PreparedStore", "damage", "file_digests", "graph_files",
+           "int8_weights", "source_key", "sums_int8_in_int32", "write_heads"]
 
 # What a prepared graph holds besides its sources; part of the key. Bump "schema" whenever the
 # recipe changes what a prepared graph holds (a test checks the block sizes against export/).
@@ -152,11 +159,27 @@ def file_digests(files: Sequence[Path], memo: Path) -> dict[str, str]:
         name = path.name if path.name not in found else f"{path.parent.name}/{path.name}"
         found[name] = entry["sha256"]
     if changed:
+        _remember(known, memo)
+    return found
+
+
+# What writing into a cache that cannot be written raises: a read-only mount, no permission.
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _remember(known: dict[str, Any], memo: Path) -> None:
+    """Save the digests to ``memo``; a cache that cannot be written only costs the next start
+    the hashing again (a prepared cache is often mounted read-only), so that is a warning."""
+    tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+    try:
         memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
         tmp.write_text(json.dumps(known, indent=1))
         os.replace(tmp, memo)
-    return found
+    except OSError as exc:
+        if exc.errno not in NOT_WRITABLE:
+            raise
+        log.warning("cannot save the model files' digests to %s (%s): the next start hashes "
+                    "them again", memo, exc.strerror or exc)
 
 
 def heads_digest(heads: HeadWeights) -> str:
@@ -173,6 +196,35 @@ def source_key(digests: dict[str, str], heads: HeadWeights, **recipe_parts: obje
     choices made for this machine (``recipe_parts``, e.g. int8's weight encoding)."""
     recipe = {**RECIPE, "files": digests, "heads": heads_digest(heads), **recipe_parts}
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def graph_files(graph: Path) -> list[Path]:
+    """A prepared graph and the weight files beside it that belong to it."""
+    if graph.suffix == ".xml":
+        return [graph, graph.with_suffix(".bin")]
+    return [graph, *sorted(p for p in graph.parent.iterdir() if p != graph and p.is_file())]
+
+
+def damage(root: Path, entry: dict[str, Any]) -> str | None:
+    """What is wrong with the files of an export's variant ``entry`` (its ``manifest.json``
+    record), or None when they are all there at their recorded sizes (a cheap check: sizes,
+    not hashes: a truncated copy or a deleted weight file, not a flipped bit)."""
+    graph = root / entry["path"]
+    if not graph.is_file():
+        return f"{graph} is missing"
+    if "bytes" in entry and graph.stat().st_size != entry["bytes"]:
+        return (f"{graph} is {graph.stat().st_size} bytes but manifest.json says "
+                f"{entry['bytes']}")
+    files = graph_files(graph)
+    missing = [p.name for p in files if not p.is_file()]
+    if missing:
+        return f"{graph.parent} lacks {', '.join(missing)}"
+    total = sum(p.stat().st_size for p in files)
+    if "total_bytes" in entry and total != entry["total_bytes"]:
+        return (f"{graph.parent}/ holds {', '.join(p.name for p in files)}: {total} bytes, but "
+                f"manifest.json says {entry['total_bytes']}: a weight file is missing or cut "
+                "short")
+    return None
 
 
 class PreparedStore:
@@ -198,11 +250,32 @@ class PreparedStore:
         return data if isinstance(data, dict) and data.get("format") == "bgeserve-export" \
             else None
 
+    def damage(self, key: str, manifest: dict[str, Any]) -> str | None:
+        """What is wrong with the files of ``key``'s export (``manifest`` its manifest), or
+        None when every variant's files are there at their recorded sizes (``damage``)."""
+        root = self.path(key)
+        if not (root / str(manifest.get("tokenizer", "tokenizer.json"))).is_file():
+            return f"{root / 'tokenizer.json'} is missing"
+        try:
+            return next((why for entry in (manifest.get("variants") or {}).values()
+                         if (why := damage(root, entry)) is not None), None)
+        except (OSError, KeyError, TypeError) as exc:
+            return f"its files cannot be checked against {root / 'manifest.json'}: {exc}"
+
     @contextmanager
-    def lock(self, key: str, on_wait: Any = None) -> Iterator[None]:
-        """Hold the build lock of ``key`` (waiting for another process that holds it)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / f".{key}.lock", "w") as handle:
+    def lock(self, key: str, on_wait: Any = None) -> Iterator[bool]:
+        """Hold the build lock of ``key`` (waiting for another process that holds it); yields
+        True, or False without a lock when the cache cannot be written (a read-only mount):
+        nothing can build there either, so what it holds is read without a race."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            handle = open(self.root / f".{key}.lock", "w")  # noqa: SIM115 - closed below
+        except OSError as exc:
+            if exc.errno not in NOT_WRITABLE:
+                raise
+            yield False
+            return
+        with handle:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -210,7 +283,7 @@ class PreparedStore:
                     on_wait()
                 fcntl.flock(handle, fcntl.LOCK_EX)
             try:
-                yield
+                yield True
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 

@@ -252,6 +252,8 @@ class Service:
         if self._abort_timer is not None:
             self._abort_timer.cancel()
         self._stopping.set()
+        # A preparation still running (stopped mid-start) lives in processes of its own.
+        await asyncio.to_thread(self.preparation.stop)
         if self.tuner is not None:
             self.tuner.stop()
         await asyncio.to_thread(self.reranking.close, self.settings.shutdown_timeout_secs or None)

@@ -17,7 +17,9 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -48,6 +50,9 @@ from bgeserve.tuning import memory
 log = logging.getLogger("bgeserve.prepare")
 
 GiB = 1 << 30
+MiB = 1 << 20
+# How long a prepare child has to end after SIGTERM (its step's own cleanup) before SIGKILL.
+STOP_GRACE_SECS = 3.0
 # Peak memory of each step against the fp32 weights' size W (measured, full-size bge-m3,
 # W = 2.27 GB; docs/benchmarks.md): int8 holds the weights twice while quantizing, the
 # OpenVINO conversion about twice, validation one session at a time; NNCF's ov-int8 peaked at
@@ -59,6 +64,16 @@ PEAK = {"int8": (3.0, 1 * GiB), "bf16": (2.5, 1 * GiB), "ov-int8": (3.0, 1 * GiB
 # Disk each variant takes against W (full-size: fp32 a copy of the weights, int8 1.37 GB,
 # the bf16 IR 1.14 GB, the ov-int8 IR 0.58 GB for W = 2.27 GB).
 DISK = {"fp32": 1.02, "int8": 0.62, "bf16": 0.52, "ov-int8": 0.26}
+# Disk a step needs for a while besides what it leaves: int8's writes the smoothed fp32 graph
+# (a copy of the weights) and the quantized graph into a temporary directory beside its output
+# before saving that in place (export/steps.py export_int8). The tiny model's preparation
+# peaked at 4.2 W for 2.1 W left, as these predict (int8 there is ~W: its embeddings stay fp32).
+SCRATCH = {"int8": 1.0 + DISK["int8"]}
+
+
+def size(n: float) -> str:
+    """``n`` bytes in a unit that shows it: MiB below 1 GiB, else GiB."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
 
 
 def peak_bytes(step: str, weights: int) -> int:
@@ -81,6 +96,34 @@ class Preparation:
     def __init__(self, progress: Progress | None = None):
         self.progress = progress or Progress()
         self.status: dict[str, Any] = {"status": "not_run"}
+        # The prepare child now running and the directory it builds in, for ``stop``.
+        self._guard = threading.Lock()
+        self._child: subprocess.Popen[str] | None = None
+        self._staged: Path | None = None
+        self._stopping = False
+
+    def stop(self) -> None:
+        """End a preparation still running (the server is shutting down): the prepare child
+        and its step get SIGTERM, then SIGKILL after ``STOP_GRACE_SECS``, and the directory it
+        was building in is removed. Without this they outlive the server (holding up to
+        3 W of memory for minutes) and leave their staging directory behind."""
+        with self._guard:
+            self._stopping = True
+            child, staged = self._child, self._staged
+        if child is None:
+            return
+        log.info("stopping the preparation in progress (pid %d)", child.pid)
+        end_group(child, STOP_GRACE_SECS)
+        if staged is not None:
+            shutil.rmtree(staged, ignore_errors=True)
+
+    def _started(self, child: subprocess.Popen[str] | None, staged: Path | None = None) -> None:
+        """Remember the prepare child (None: it ended); one started after ``stop`` ends now."""
+        with self._guard:
+            self._child, self._staged = child, staged
+            stopping = self._stopping
+        if child is not None and stopping:
+            end_group(child, STOP_GRACE_SECS)
 
     def apply(self, s: Settings, cache_dir: Path) -> Settings:
         """Settings serving the prepared export of ``s``'s snapshot, or ``s`` unchanged."""
@@ -135,19 +178,22 @@ class Preparation:
         encoding = int8_weights()
         key = source_key(digests, source.heads, int8_weights=encoding)
         with store.lock(key, on_wait=lambda: log.info(
-                "another bgeserve is preparing %s: waiting for it", source.description)):
+                "another bgeserve is preparing %s: waiting for it", source.description)) \
+                as writable:
+            if not writable:
+                return self._read_only(store, key, wanted, force=force)
             # An earlier preparation of this key (unless forced): served as it is when it
             # covers what is wanted, else what it has is linked, not made again (prepare.py
             # checks it is whole), so only the others are weighed against memory and disk
             # (fp32 always: its graphs are rewritten again to make the others from).
-            earlier = None if force else store.manifest(key)
+            earlier = None if force else _earlier(store, key)
             have = set(earlier["variants"]) - {"fp32"} if earlier is not None else set()
             new = [v for v in wanted if v not in have]
             weights = source.weight_bytes
             available = memory.detect_available_memory(s.available_memory_bytes).available_bytes
             if earlier is not None:
-                refit = _refit(earlier, new, lambda: _limits(weights, available, store.root,
-                                                             new))
+                refit = _refit(earlier, new, lambda: _limits(
+                    weights, available, store.root, new, copied=_copied(source, store.root)))
                 if _covers(earlier, wanted) and not refit:
                     self.status = {"status": "cached", "key": key}
                     log.info("prepared export found: %s (variants %s)", store.path(key),
@@ -158,11 +204,12 @@ class Preparation:
                              "there is room now: adding it", store.path(key), ", ".join(refit))
             need = peak_bytes("fp32", weights)
             if available < need:
-                raise _Skip(f"preparing needs ~{need / GiB:.1f} GiB and {available / GiB:.1f} "
-                            "GiB are available: serving the snapshot's own graph (plain "
+                raise _Skip(f"preparing needs ~{size(need)} and {size(available)} are "
+                            "available: serving the snapshot's own graph (plain "
                             "attention)")
             reuse = store.path(key) if earlier is not None else None
-            skip = _limits(weights, available, store.root, new)
+            skip = _limits(weights, available, store.root, new,
+                           copied=_copied(source, store.root))
             log.info("preparing %s (variants %s%s%s) into %s", source.description,
                      ", ".join(new), f"; skipping {skip}" if skip else "",
                      f"; {', '.join(sorted(have))} kept from {reuse}" if have else "",
@@ -170,7 +217,8 @@ class Preparation:
             staged = store.staging(key)
             try:
                 outcome = run_recipe(source, staged, wanted, skip=skip, hashes=digests,
-                                     weights=encoding, progress=self.progress, reuse=reuse)
+                                     weights=encoding, progress=self.progress, reuse=reuse,
+                                     on_start=lambda child: self._started(child, staged))
             except Exception as exc:
                 shutil.rmtree(staged, ignore_errors=True)
                 if earlier is None:
@@ -185,6 +233,8 @@ class Preparation:
             except BaseException:
                 shutil.rmtree(staged, ignore_errors=True)
                 raise
+            finally:
+                self._started(None)
             final = store.commit(key, staged)
         skipped = outcome.get("skipped") or {}
         self.status = {"status": "prepared", "key": key, "seconds": outcome.get("seconds"),
@@ -195,7 +245,36 @@ class Preparation:
                      "reused": outcome.get("reused") or None})
         return final, {"skipped": skipped}
 
+    def _read_only(self, store: PreparedStore, key: str, wanted: list[str], *,
+                   force: bool) -> tuple[Path, dict[str, Any]]:
+        """The export of ``key`` as a cache that cannot be written holds it (an init container
+        ran ``bgeserve prepare``, the volume is mounted read-only): nothing is made or added.
+        Raises PrepareFailed when it holds no whole export of ``key``."""
+        where = f"BGE_M3_CACHE_DIR ({store.root.parent}) cannot be written"
+        if force:
+            raise PrepareFailed("prepare", f"{where}: nothing can be prepared again there")
+        earlier = store.manifest(key)
+        if earlier is None:
+            raise PrepareFailed("prepare", f"{where} and holds no prepared export of this "
+                                "snapshot: run `bgeserve prepare` with it writable first "
+                                "(docs/prepare.md)")
+        damaged = store.damage(key, earlier)
+        if damaged is not None:
+            raise PrepareFailed("prepare", f"the prepared export {store.path(key)} is damaged "
+                                f"({damaged}) and {where}: run `bgeserve prepare --force` "
+                                f"with it writable, or delete {store.path(key)}")
+        lacking = [v for v in wanted if not _covers(earlier, [v])]
+        self.status = {"status": "cached", "key": key, "read_only": True}
+        log.info("prepared export found: %s (variants %s; read-only cache%s)", store.path(key),
+                 ", ".join(sorted(earlier["variants"])),
+                 f": {', '.join(lacking)} cannot be added" if lacking else "")
+        return store.path(key), earlier.get("prepared", {})
+
     def _fallback(self, status: str, reason: str, error: BaseException | None = None) -> None:
+        if self._stopping:  # stop() ended the child: the server is going, nothing failed
+            self.status = {"status": "stopped", "reason": "the server is shutting down"}
+            log.info("preparation stopped: the server is shutting down")
+            return
         self.status = {"status": status, "reason": reason}
         log.warning("not serving a prepared graph: %s. Serving the snapshot as it is (stock "
                     "graph: plain attention, exact fp32); BGE_M3_PREPARE=0 skips this step",
@@ -203,38 +282,73 @@ class Preparation:
                         error, (PrepareFailed, ModelUnavailable)))
 
 
-def _limits(weights: int, available: int, root: Path, variants: list[str]) -> dict[str, str]:
+def _earlier(store: PreparedStore, key: str) -> dict[str, Any] | None:
+    """The manifest of ``key``'s export when its files are whole; None (so it is prepared
+    again) when there is none, or one of its files is missing or of the wrong size."""
+    earlier = store.manifest(key)
+    damaged = store.damage(key, earlier) if earlier is not None else None
+    if damaged is not None:
+        log.warning("the prepared export %s is damaged (%s): preparing it again",
+                    store.path(key), damaged)
+        return None
+    return earlier
+
+
+def _limits(weights: int, available: int, root: Path, variants: list[str], *,
+            copied: int = 0) -> dict[str, str]:
     """The variants of ``variants`` (never fp32) this machine has no room to make now, with
-    why: memory for their step, then disk for their files. _Skip when not even fp32 fits."""
-    skip = {v: f"needs ~{peak_bytes(v, weights) / GiB:.1f} GiB, "
-               f"{available / GiB:.1f} GiB available"
+    why: memory for their step, then disk for their files (``_disk_skips``). _Skip when not
+    even fp32 fits."""
+    skip = {v: f"needs ~{size(peak_bytes(v, weights))}, {size(available)} available"
             for v in variants if v != "fp32" and available < peak_bytes(v, weights)}
-    skip.update(_disk_skips(root, weights, [v for v in variants if v not in skip]))
+    skip.update(_disk_skips(root, weights, [v for v in variants if v not in skip],
+                            copied=copied))
     return skip
 
 
-def _disk_skips(root: Path, weights: int, wanted: list[str]) -> dict[str, str]:
-    """Variants left out because the cache's file system cannot hold them (ov-int8, bf16, then
-    int8); _Skip when not even fp32 fits."""
+def _copied(source: PrepareSource, root: Path) -> int:
+    """Bytes of the snapshot's weights the graphs step copies besides fp32's: its plain graph
+    (the reference) hard-links them, which fails from another file system."""
+    try:
+        same = source.graph.resolve().stat().st_dev == root.stat().st_dev
+    except OSError:
+        same = False
+    return 0 if same else source.weight_bytes
+
+
+def _disk_skips(root: Path, weights: int, wanted: list[str], *,
+                copied: int = 0) -> dict[str, str]:
+    """Variants left out because the cache's file system cannot hold them while they are made
+    (ov-int8, bf16, then int8): the files left (``DISK``), the weights ``copied`` for the plain
+    graph and the largest step's scratch (``SCRATCH``). _Skip when not even fp32 fits."""
     free = shutil.disk_usage(root).free
-    need = {v: int(DISK[v] * weights) for v in wanted}
-    if free < need["fp32"]:
-        raise _Skip(f"the prepared graphs need ~{need['fp32'] / GiB:.1f} GiB on "
-                    f"BGE_M3_CACHE_DIR ({root}), {free / GiB:.1f} GiB are free")
+    need = {v: int(DISK[v] * weights) for v in ("fp32", *wanted)}
+
+    def peak() -> int:
+        return copied + sum(need.values()) + max(int(SCRATCH.get(v, 0) * weights)
+                                                 for v in need)
+
+    if free < copied + need["fp32"]:
+        raise _Skip(f"preparing needs ~{size(copied + need['fp32'])} on BGE_M3_CACHE_DIR "
+                    f"({root}) for fp32 alone, {size(free)} are free")
     skips: dict[str, str] = {}
     for variant in ("ov-int8", "bf16", "int8"):
-        if variant in need and sum(need.values()) > free:
-            skips[variant] = (f"needs ~{need.pop(variant) / GiB:.1f} GiB of disk in "
-                              f"BGE_M3_CACHE_DIR, {free / GiB:.1f} GiB free")
+        if variant in need and peak() > free:
+            skips[variant] = (f"needs ~{size(peak())} of disk in BGE_M3_CACHE_DIR with the "
+                              f"others while it is made, {size(free)} free")
+            need.pop(variant)
     return skips
 
 
 def run_recipe(source: PrepareSource, out: Path, wanted: list[str], *, skip: dict[str, str],
                hashes: dict[str, str], weights: str, progress: Progress,
-               reuse: Path | None = None) -> dict[str, Any]:
+               reuse: Path | None = None,
+               on_start: Callable[[subprocess.Popen[str]], None] | None = None,
+               ) -> dict[str, Any]:
     """Make the export in ``out`` with ``python -m bgeserve.export.prepare`` (a child: the
     build tools never load into the server), relaying its steps and lines to ``progress``;
-    ``reuse``: an earlier export of the same key whose variants are linked, not made again.
+    ``reuse``: an earlier export of the same key whose variants are linked, not made again;
+    ``on_start`` gets the child (``Preparation.stop`` ends it and its step).
     Returns its outcome (variants, skipped, seconds, steps, reused). Raises PrepareFailed."""
     inputs = out / ".inputs"
     inputs.mkdir(parents=True, exist_ok=True)
@@ -253,8 +367,9 @@ def run_recipe(source: PrepareSource, out: Path, wanted: list[str], *, skip: dic
     tail: deque[str] = deque(maxlen=8)
     outcome: dict[str, Any] | None = None
     failed: dict[str, Any] | None = None
+    # A process group of its own, with its step children: ``end_group`` reaches them all.
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          errors="replace") as child:
+                          errors="replace", start_new_session=True) as child:
         assert child.stdout is not None and child.stderr is not None
         errors = child.stderr
 
@@ -263,20 +378,28 @@ def run_recipe(source: PrepareSource, out: Path, wanted: list[str], *, skip: dic
 
         drain = threading.Thread(target=keep_tail, daemon=True)
         drain.start()
-        for line in child.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue  # a stray print: not a progress event
-            kind = event.get("event")
-            if kind == "step":
-                progress.step(f"prepare: {event['name']}", event["index"], event["of"])
-            elif kind == "line":
-                progress.note(event["text"])
-            elif kind == "done":
-                outcome = event["outcome"]
-            elif kind == "failed":
-                failed = event
+        if on_start is not None:
+            on_start(child)
+        try:
+            for line in child.stdout:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue  # a stray print: not a progress event
+                kind = event.get("event")
+                if kind == "step":
+                    progress.step(f"prepare: {event['name']}", event["index"], event["of"])
+                elif kind == "line":
+                    progress.note(event["text"])
+                elif kind == "done":
+                    outcome = event["outcome"]
+                elif kind == "failed":
+                    failed = event
+        except BaseException:
+            # Ctrl-C in `bgeserve prepare`: the terminal's SIGINT no longer reaches the child
+            # in its own session, so it is ended here.
+            end_group(child, STOP_GRACE_SECS)
+            raise
         drain.join(5)
     shutil.rmtree(inputs, ignore_errors=True)
     if failed is not None:
@@ -287,6 +410,20 @@ def run_recipe(source: PrepareSource, out: Path, wanted: list[str], *, skip: dic
         raise PrepareFailed("prepare", f"the prepare process ended: {reason}"
                             + (f": {' | '.join(tail)}" if tail else ""))
     return outcome
+
+
+def end_group(child: subprocess.Popen[str], grace: float) -> None:
+    """SIGTERM to ``child``'s process group (it and the step it runs), then SIGKILL to what is
+    left of it after ``grace`` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(child.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return  # the group is gone already
+        try:
+            child.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 class _Skip(Exception):
