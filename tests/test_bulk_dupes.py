@@ -36,6 +36,23 @@ def test_ids_of_earlier_shards_count_as_written(tmp_path: Path):
     assert ids.count == 1 and ids.examples == ["y"]
 
 
+def test_earlier_shards_are_read_no_further_than_the_bound(tmp_path: Path, monkeypatch):
+    """Resuming a big job reads the finished shards' ids one shard at a time, and stops once
+    as many as are remembered were read (all of them went into one list first)."""
+    import pyarrow.parquet as pq
+
+    for start in range(0, 6, 2):
+        write_shard(tmp_path, pa.table({"id": [f"i{start}", f"i{start + 1}"]}),
+                    {"s": [[start, start + 2]]}, [])
+    with OutputDir(tmp_path) as out:
+        _, shards = out.scan()
+    read = []
+    real = pq.read_table
+    monkeypatch.setattr(pq, "read_table", lambda *a, **k: read.append(a) or real(*a, **k))
+    ids = Duplicates.of_shards(shards, max_tracked=3)
+    assert len(read) == 2 and ids.full and ids.count == 0
+
+
 def test_no_repeats_no_warning(caplog: pytest.LogCaptureFixture):
     """Distinct ids: nothing is logged."""
     ids = Duplicates()

@@ -169,7 +169,7 @@ def test_another_model_put_at_the_same_path_is_refused(tiny_export: Path, tmp_pa
     manifest = json.loads((model / "manifest.json").read_text())
     manifest["variants"]["fp32"]["sha256"] = "0" * 64  # what another export's manifest says
     (model / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(InvalidInput, match="another model.*BGE_M3_MODEL_PATH"):
+    with pytest.raises(InvalidInput, match="other model files.*BGE_M3_MODEL_PATH"):
         local.run(job, settings, bar=False)
 
 
@@ -202,6 +202,16 @@ def test_a_mistyped_text_column_exits_2_naming_the_flag_and_blocks_no_rerun(
     assert main([*args, "--text-column", "txet"]) == 2
     assert "--text-column" in capsys.readouterr().err
     assert main(args) == 0
+    assert read_output(tmp_path / "out").num_rows == 2
+    # Shards of that run are in the folder now: a later run of the same job whose new input
+    # lacks the key is refused the same way but leaves the manifest that guards them
+    # (removing it let any other job in).
+    (tmp_path / "more").mkdir()
+    (tmp_path / "more" / "b.jsonl").write_text('{"id": "c", "body": "z"}\n')
+    later = ["bulk", str(tmp_path / "more"), "--output", str(tmp_path / "out"),
+             "--progress", "log"]
+    assert main(later) == 2
+    assert (tmp_path / "out" / "_bulk.json").is_file()
     assert read_output(tmp_path / "out").num_rows == 2
 
 

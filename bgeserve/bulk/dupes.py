@@ -34,15 +34,26 @@ class Duplicates:
         self.count, self.examples = 0, []  # earlier shards' own repeats were told then
 
     @classmethod
-    def of_shards(cls, shards: Sequence[ShardInfo]) -> Duplicates:
-        """The ids the finished ``shards`` hold (their ``id`` column alone is read)."""
+    def of_shards(cls, shards: Sequence[ShardInfo], max_tracked: int = MAX_TRACKED
+                  ) -> Duplicates:
+        """The ids the finished ``shards`` hold (their ``id`` column alone is read, shard by
+        shard, no further than ``max_tracked`` ids: a resumed job of millions of rows read them
+        all into one list before)."""
         import pyarrow.parquet as pq
 
-        earlier: list[str] = []
-        for shard in shards:
+        ids = cls(max_tracked=max_tracked)
+        for shard in shards:  # one at a time, and no further than what is remembered
+            if ids.full:
+                break
             if shard.rows:
-                earlier += pq.read_table(shard.path, columns=["id"])["id"].to_pylist()
-        return cls(earlier)
+                ids.add(pq.read_table(shard.path, columns=["id"])["id"].to_pylist())
+        ids.count, ids.examples = 0, []  # earlier shards' own repeats were told then
+        return ids
+
+    @property
+    def full(self) -> bool:
+        """Whether no more ids are remembered (``max_tracked``)."""
+        return len(self._seen) >= self._max
 
     def add(self, ids: Iterable[str]) -> None:
         """Record ``ids`` as written; count those written before."""

@@ -120,7 +120,8 @@ def _refuse_missing_column(summary: Summary, run: _Run) -> None:
         return
     for path in run.written:
         path.unlink(missing_ok=True)
-    (run.out.path / MANIFEST).unlink(missing_ok=True)
+    if not run.out.has_shards():  # earlier runs' shards stay guarded by it
+        (run.out.path / MANIFEST).unlink(missing_ok=True)
     job = run.job
     raise InvalidInput(f"no row of the inputs has both keys {job.text_column!r} and "
                        f"{job.id_column!r} ({summary.bad} rows, none embedded): name the "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import os
 import sys
 from pathlib import Path
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"bgeserve bulk: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # the output folder (or an input) on a disk that refuses
+        logging.getLogger("bgeserve.bulk").debug("the error's traceback", exc_info=True)
         print(f"bgeserve bulk: {os_error_message(exc, args.output)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: expected, and resumable; no traceback

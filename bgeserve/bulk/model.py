@@ -67,13 +67,15 @@ def model_spec(settings: Settings) -> dict[str, object]:
             "max_seq": settings.max_seq_length}
 
 
-def model_identity(settings: Settings, artifacts: ModelArtifacts) -> str:
-    """Which model files these are, to tell another model put at the same path: the graph's
-    sha256 from the export's manifest.json, else the graph files' names, sizes and mtimes."""
-    entry = export_variants(settings.model_path).get(artifacts.variant, {})
-    if isinstance(entry.get("sha256"), str):
-        return f"sha256:{entry['sha256']}"
-    return artifacts.identity()
+def model_identity(loaded: Settings, artifacts: ModelArtifacts) -> str:
+    """Which variant and graph files a job runs, to tell another model put at the same path:
+    the graph's sha256 from the manifest of the export ``loaded`` serves (the service's
+    settings: for a snapshot or the hub, its prepared export), else the graph files' names,
+    sizes and mtimes."""
+    entry = export_variants(loaded.model_path).get(artifacts.variant, {})
+    files = f"sha256:{entry['sha256']}" if isinstance(entry.get("sha256"), str) \
+        else artifacts.identity()
+    return f"{artifacts.variant} {files}"
 
 
 class BulkModel:
@@ -85,7 +87,7 @@ class BulkModel:
         assert self.service.engine is not None
         self.engine: Engine = self.service.engine
         self.width = self.service.dense_width()
-        self.identity = model_identity(settings, self.engine.artifacts)
+        self.identity = model_identity(self.service.settings, self.engine.artifacts)
         tuner = self.service.tuner
         if tuner is not None:
             log.info("model ready: %s, probe %s, %d MiB workspace per worker",

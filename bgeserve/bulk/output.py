@@ -148,9 +148,11 @@ def _check_identity(folder: Path, before: str | None, now: str | None) -> None:
     if before is None or now is None or before == now:
         return
     raise InvalidInput(
-        f"{folder} holds shards of another model than the one at BGE_M3_MODEL_PATH now "
-        f"(model files {before} then, {now} now; the path and settings are the same): "
-        "restore that model, or write to a new --output", param="BGE_M3_MODEL_PATH")
+        f"{folder} holds shards made with other model files than this run's ({before} then, "
+        f"{now} now; the settings are the same): the model at BGE_M3_MODEL_PATH (or in the "
+        "cache) changed, or another variant was chosen for it. Restore that model, pin "
+        "BGE_M3_MODEL to the earlier variant, or write to a new --output",
+        param="BGE_M3_MODEL_PATH")
 
 
 def _check_sources(before: dict[str, Any], files: dict[str, dict[str, int]]
@@ -158,6 +160,9 @@ def _check_sources(before: dict[str, Any], files: dict[str, dict[str, int]]
     """Refuse an input changed since its rows were written; return the new inputs that look
     like old ones moved (new path → old path)."""
     moved = {}
+    # Earlier inputs by (name, size/mtime): a moved one is found without comparing every pair.
+    known = {(Path(k).name, orjson.dumps(v, option=orjson.OPT_SORT_KEYS)): k
+             for k, v in before.items()}
     for key, fingerprint in files.items():
         seen = before.get(key)
         if seen is not None and seen != fingerprint:
@@ -165,20 +170,13 @@ def _check_sources(before: dict[str, Any], files: dict[str, dict[str, int]]
                 f"{key} changed since this job started (size/mtime {seen} → {fingerprint}): "
                 "its row numbers no longer name the rows the shards hold; restore it, or "
                 "write to a new --output", param="INPUT")
-        old_key = _moved_from(key, fingerprint, before) if seen is None else None
-        if old_key is not None:
+        # Shards name sources by absolute path, so a moved input is a new source: its rows are
+        # embedded again, beside the old ones. Warned, not refused: a copy may be deliberate.
+        old_key = None if seen is not None else known.get(
+            (Path(key).name, orjson.dumps(fingerprint, option=orjson.OPT_SORT_KEYS)))
+        if old_key is not None and old_key != key:
             moved[key] = old_key
     return moved
-
-
-def _moved_from(key: str, fingerprint: dict[str, int], before: dict[str, Any]) -> str | None:
-    # Shards name sources by absolute path, so a moved input is a new source: its rows are
-    # embedded again, beside the old ones. Warned, not refused: a deliberate copy is allowed.
-    name = Path(key).name
-    for old_key, seen in before.items():
-        if old_key != key and Path(old_key).name == name and seen == fingerprint:
-            return old_key
-    return None
 
 
 def log_bad_rows(source: str, bad: Sequence[Sequence[Any]], *, earlier: bool = False) -> None:
