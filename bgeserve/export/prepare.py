@@ -206,11 +206,12 @@ class _Runner:
             self.on_step(name, self.steps.index(name) + 1, len(self.steps))
         tail: deque[str] = deque(maxlen=12)
         started = time.monotonic()
-        # The step dies with this process, even SIGKILLed. preexec_fn is safe here: this
-        # process runs no other thread.
+        # The step dies with this process, even SIGKILLed. Between fork and exec only the
+        # system call runs (libc's prctl is looked up here, before the fork): no lock a
+        # thread of this process (numpy's BLAS, say) might hold is needed.
         with subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, errors="replace",
-                              preexec_fn=die_with_parent) as child:  # noqa: PLW1509
+                              preexec_fn=parent_death_signal()) as child:  # noqa: PLW1509
             assert child.stderr is not None
             try:
                 for line in child.stderr:
@@ -316,16 +317,31 @@ def _write_manifest(out: Path, source: PrepareSource, dims: dict[str, Any],
     os.replace(tmp, path)
 
 
+def parent_death_signal() -> Callable[[], None]:
+    """A function that has the kernel send the process calling it SIGTERM when the process
+    that started it ends (Linux; a no-op elsewhere), libc's prctl looked up now, so that
+    called after a fork (``preexec_fn``) it makes the system call and nothing else."""
+    prctl = None
+    if sys.platform.startswith("linux"):
+        try:
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            pass  # no prctl (another libc): the parent's stop() still ends the process
+
+    def arm() -> None:
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return arm
+
+
 def die_with_parent() -> None:
-    """Have the kernel send this process SIGTERM when the process that started it ends (Linux;
-    a no-op elsewhere): a server killed outright must not leave a preparation running, holding
-    gigabytes for minutes, with nobody to read its result."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # no prctl (another libc): the parent's stop() still ends this process
+    """Have the kernel send this process SIGTERM when the process that started it ends: a
+    server killed outright must not leave a preparation running, holding gigabytes for
+    minutes, with nobody to read its result. (A parent gone in the moment before this runs is
+    not caught: this process would then see parent pid 1, which is also what it sees while the
+    server runs as a container's process 1, so that cannot tell.)"""
+    parent_death_signal()()
 
 
 def _stop_on_sigterm() -> None:

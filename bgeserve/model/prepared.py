@@ -273,6 +273,8 @@ class PreparedStore:
         except OSError as exc:
             if exc.errno not in NOT_WRITABLE:
                 raise
+            handle = None
+        if handle is None:  # yielded outside the except: errors after are not "during" it
             yield False
             return
         with handle:

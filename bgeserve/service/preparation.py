@@ -114,8 +114,12 @@ class Preparation:
             return
         log.info("stopping the preparation in progress (pid %d)", child.pid)
         end_group(child, STOP_GRACE_SECS)
-        if staged is not None:
-            shutil.rmtree(staged, ignore_errors=True)
+        # Under the lock, and only while the loader still names it: once the child has ended
+        # the loader forgets it (``_started(None)``) before committing the export, so a child
+        # that finished just before the stop is committed whole, never emptied mid-rename.
+        with self._guard:
+            if self._staged is not None and self._staged == staged:
+                shutil.rmtree(staged, ignore_errors=True)
 
     def _started(self, child: subprocess.Popen[str] | None, staged: Path | None = None) -> None:
         """Remember the prepare child (None: it ended); one started after ``stop`` ends now."""
