@@ -12,6 +12,7 @@ import difflib
 import logging
 import math
 import os
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -61,9 +62,14 @@ def _number(cast: Callable[[str], T], lo: float | None = None, hi: float | None 
 
 
 # Durations: past threading.TIMEOUT_MAX (~292 years) a wait raises OverflowError in the thread
-# that waits (workers died in a loop, the shutdown failed), so a year is the most; 0 = none.
-MAX_SECONDS = 365 * 24 * 3600.0
+# that waits (workers died in a loop, the shutdown failed); 1e9 s (~31 years) is the most a
+# deadline added to the clock stays clear of it; 0 = none.
+MAX_SECONDS = 1e9
 _SECONDS = _number(float, 0.0, MAX_SECONDS)
+
+
+# A doc that says what an unset variable means ("unset: ...", "default: ...", "(default ...").
+SAYS_DEFAULT = re.compile(r"unset:|default:|\(default")
 
 
 def _choice(*allowed: str):
@@ -329,7 +335,7 @@ class Settings:
             doc = f.metadata["doc"]
             # A doc that says what unset means already says the default ("(default: fp32)"
             # after "unset: the fastest ..." read as if fp32 were served when unset).
-            default = "" if "unset" in doc or "default" in doc else f" (default: {f.default})"
+            default = "" if SAYS_DEFAULT.search(doc) else f" (default: {f.default})"
             lines.append(f"  {f.metadata['env']:<34} {doc}{default}")
         return "\n".join(lines)
 

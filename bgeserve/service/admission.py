@@ -228,10 +228,12 @@ class Admission:
             # The caller left (client gone) while its bound was being walked: the thread
             # still reserves it, and no one else would release it (each leak shrank the
             # queue's room for good, invisible in /metrics, until every request was a 429).
-            await asyncio.wait({work})
-            if not work.cancelled() and work.exception() is None:
-                self.gate.release(work.result())
+            work.add_done_callback(self._release_orphan)
             raise
+
+    def _release_orphan(self, work: asyncio.Future[int]) -> None:
+        if not work.cancelled() and work.exception() is None:
+            self.gate.release(work.result())
 
     def _refuse(self, refusal: Overloaded) -> Overloaded:
         with self._lock:

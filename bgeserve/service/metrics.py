@@ -158,8 +158,9 @@ class _StateCollector:
             # the server's too: these counters answer for every route).
             extra = collections.Counter(rejected=getattr(service, "rejected_at_admission", 0))
             reranking = getattr(getattr(service, "reranking", None), "engine", None)
-            if reranking is not None:
-                extra.update(reranking.counters)
+            if reranking is not None:  # read key by key: its workers may add keys meanwhile
+                extra.update({key: reranking.counters.get(key, 0) for key in (
+                    "rejected", "cancelled_texts", "oom_splits", "worker_restarts")})
             for name, key, doc in (
                 ("bgeserve_rejected_requests", "rejected",
                  "Requests answered 429 (queue full; embedding and rerank routes)"),

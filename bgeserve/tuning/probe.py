@@ -108,8 +108,10 @@ class ProbeResult:
         """No fit because the budget let too few shapes run (fewer than the two a fit needs,
         the others skipped for their predicted cost): a fact about the memory this start had,
         not about the model, so not a failure to remember for later starts."""
+        guarded = [reason.startswith(GUARD_SKIP) for _, _, reason in self.skipped]
+        # A shape that failed when run is about the model or runtime: that is remembered.
         return (self.fit is None and not self.process_died and len(self.samples) < 2
-                and any(reason.startswith(GUARD_SKIP) for _, _, reason in self.skipped))
+                and any(guarded) and all(guarded))
 
     def to_json(self) -> dict[str, Any]:
         """Plain data (the probe process's answer to the server)."""
