@@ -571,6 +571,9 @@ def test_a_probe_starved_of_memory_is_not_remembered(tiny_export: Path, tmp_path
         [], skipped, None, None, "need at least 2 measured shapes to fit a and b, got 0", 0.1))
     assert ProbeResult([], skipped, None, None, "x", 0.1).starved
     assert not ProbeResult([], [(1, 64, "RuntimeError: boom")], None, None, "x", 0.1).starved
+    # a shape that failed when run is about the model or runtime, whatever else was skipped
+    assert not ProbeResult([], [*skipped, (1, 16, "RuntimeError: boom")], None, None, "x",
+                           0.1).starved
     for _ in range(MAX_ATTEMPTS + 1):
         tuner = Tuner(config, apply=lambda cost: None)
         tuner.initial(model_cost=16 << 20, fingerprint="c" * 64)
