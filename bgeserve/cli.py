@@ -189,6 +189,7 @@ def _probe(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     """Make (or find) the prepared export of the configured snapshot; print its directory."""
     import os
+    import signal
 
     from bgeserve.config import Settings, warn_unknown_variables
     from bgeserve.errors import BgeServeError
@@ -204,6 +205,13 @@ def _prepare(args: argparse.Namespace) -> int:
         return 2
     setup_logging(settings.log_format, settings.log_level)
     warn_unknown_variables(os.environ)
+
+    def stop(signum: int, frame: object) -> None:
+        # SIGTERM unwinds like Ctrl-C (exit 143): the prepare child and its step are ended and
+        # the staging directory removed on the way out (the default action left it behind).
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         path = prepare_command(settings, validate_cache_dir(settings.cache_dir), args.variant,
                                force=args.force, out=args.out,
@@ -211,6 +219,10 @@ def _prepare(args: argparse.Namespace) -> int:
     except (BgeServeError, PrepareFailed) as exc:
         print(f"bgeserve: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: expected; nothing half-made is kept, no traceback
+        print("bgeserve prepare: interrupted; nothing half-made was kept, run it again to "
+              "prepare", file=sys.stderr)
+        return 130
     print(path)
     return 0
 

@@ -565,3 +565,24 @@ def test_stop_ends_the_prepare_child_its_step_and_its_staging(tmp_path, monkeypa
     assert all(_gone(int(pid)) for pid in pids.read_text().split())
     assert list((tmp_path / "cache" / "prepared").glob(".*.tmp")) == []
     assert len(failures) == 1 and isinstance(failures[0], preparation.PrepareFailed)
+
+
+def test_prepare_interrupted_is_one_line_and_exit_130(tmp_path: Path, monkeypatch, capsys):
+    """Ctrl-C in `bgeserve prepare` is one line and exit 130, not a KeyboardInterrupt
+    traceback (the staging directory is removed on the way out, by find_or_make)."""
+    import signal
+
+    from bgeserve.cli import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(preparation, "prepare_command", interrupted)
+    monkeypatch.setenv("BGE_M3_CACHE_DIR", str(tmp_path / "cache"))
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(["prepare"]) == 130
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err
