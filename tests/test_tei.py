@@ -363,6 +363,24 @@ def test_service_errors_map_to_tei_statuses(path: str, error: Exception, status:
         assert r.headers["retry-after"] == "3"
 
 
+@pytest.mark.parametrize(("path", "error", "said"), [
+    ("/embed", TooLarge("input[2] has more than the 8 tokens allowed", param="input[2]"),
+     "inputs[2] has more than"),
+    ("/rerank", TooLarge("documents[1] is too long", param="documents[1]"), "texts[1] is too"),
+    ("/embed", TooLarge("over the budget (input[9] spelled elsewhere)", param="outputs"),
+     "(input[9] spelled elsewhere)"),
+])
+def test_tei_errors_name_the_field_as_tei_spells_it(path: str, error: Exception,
+                                                    said: str) -> None:
+    """The engine names texts ``input[i]`` / ``documents[i]`` (OpenAI's and Cohere's fields);
+    on TEI's routes the message names TEI's own (``inputs[i]``, ``texts[i]``); only the
+    field at fault is renamed."""
+    body = {"query": "q", "texts": ["a", "b"]} if path == "/rerank" else {"inputs": "x"}
+    with serve(FakeService(fail_with=error)) as c:
+        message = tei_error(c.post(path, json=body), 413, "Validation")
+    assert said in message
+
+
 def test_framework_errors_use_tei_shape(client: TestClient) -> None:
     """A wrong method (405 with Allow) and a non-JSON Content-Type (415) on TEI paths are in
     TEI's shape; the OpenAI paths keep bgeserve's envelope."""

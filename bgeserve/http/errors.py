@@ -112,6 +112,9 @@ TEI_CODES: dict[str, tuple[int, str]] = {
     "bad_request": (400, "Validation"),
 }
 TEI_STYLE = "tei"
+# The engine names the texts as the OpenAI and Cohere-style bodies do; TEI's bodies call them
+# ``inputs`` (embed, tokenize, predict) and ``texts`` (rerank).
+_TEI_FIELDS = {"input": "inputs", "documents": "texts"}
 OPENAI_STYLE = "openai"
 
 # 500s and a missing model may carry internals (paths, runtime errors) in their message: the
@@ -139,6 +142,15 @@ def tei_status(exc: BgeServeError) -> tuple[int, str]:
             return TEI_ERRORS[cls]
     status = status_for(exc)
     return status, "Backend" if status >= 500 else "Validation"
+
+
+def _tei_names(message: str, param: str | None) -> str:
+    """``message`` with the engine's name for the field at fault (``input[3]``,
+    ``documents[2]``) spelled as TEI's request names it (``inputs[3]``, ``texts[2]``)."""
+    for ours, theirs in _TEI_FIELDS.items():
+        if param and param.startswith(ours + "["):
+            return message.replace(param, theirs + param[len(ours):])
+    return message
 
 
 def tei_body(message: str, error_type: str) -> dict[str, Any]:
@@ -182,7 +194,7 @@ def error_response(exc: BgeServeError, request_id: str | None = None,
                 exc.code, exc.param, extra={"request_id": request_id})
     if style == TEI_STYLE:
         tei, error_type = tei_status(exc)
-        return json_error(tei, tei_body(message, error_type), headers)
+        return json_error(tei, tei_body(_tei_names(message, exc.param), error_type), headers)
     return json_error(status, envelope(status, message, exc.code, exc.param), headers)
 
 
