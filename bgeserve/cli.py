@@ -228,6 +228,17 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``bgeserve`` command. Ctrl-C before a command handles it itself (``serve`` does
+    once uvicorn runs; ``prepare`` and ``bulk`` do) is one line and exit 130: seconds of
+    imports and planning come first, and a traceback there reads as a crash."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("bgeserve: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     from bgeserve.config import Settings
 
     parser = argparse.ArgumentParser(prog="bgeserve", description=__doc__)
