@@ -1,5 +1,5 @@
-"""``bgeserve.bulk.sources``: which files a job reads, and their rows with the reason a bad
-row cannot be embedded (no model)."""
+"""``bgeserve.bulk.sources`` and ``readers``: which files a job reads, and their rows with the
+reason a bad row cannot be embedded (no model)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from bgeserve.bulk.sources import Source, check_columns, discover, read
+from bgeserve.bulk.readers import read
+from bgeserve.bulk.sources import Source, check_columns, discover
 from bgeserve.errors import InvalidInput
 
 
@@ -124,9 +125,9 @@ def test_csv_bytes_that_are_not_utf8_and_lines_with_other_cell_counts_are_bad_ro
     does a quoted text over lines that a block ends inside (pyarrow's chunker split it)."""
     import random
 
-    from bgeserve.bulk import sources
+    from bgeserve.bulk import readers
 
-    monkeypatch.setattr(sources, "CSV_BLOCK_BYTES", block)
+    monkeypatch.setattr(readers, "CSV_BLOCK_BYTES", block)
     rnd = random.Random(7)
     lines = [b"id,text"]
     for i in range(300):
@@ -200,7 +201,7 @@ def test_encoded_string_columns_are_read_as_their_strings(tmp_path: Path, kind: 
     path = tmp_path / "t.parquet"
     pq.write_table(pa.table({"id": ids, "text": texts}), path)
     if kind == "string_view":  # Parquet reads it back as string: test the reader's input
-        from bgeserve.bulk.sources import _columns
+        from bgeserve.bulk.readers import _columns
 
         part = _columns(pa.table({"id": ids, "text": texts}), Source(path, "parquet"), 0,
                         "text", "id")
@@ -213,7 +214,7 @@ def test_encoded_string_columns_are_read_as_their_strings(tmp_path: Path, kind: 
 def test_a_dictionary_of_integer_ids_gives_decimal_ids(tmp_path: Path):
     """Dictionary-encoded integer ids are ids, as plain integer ids are (Parquet reads them
     back plain: the reader's input is tested)."""
-    from bgeserve.bulk.sources import _columns
+    from bgeserve.bulk.readers import _columns
 
     table = pa.table({"id": pa.array([7, 8]).dictionary_encode(), "text": ["x", "y"]})
     part = _columns(table, Source(tmp_path / "t.parquet", "parquet"), 0, "text", "id")

@@ -24,8 +24,9 @@ from bgeserve.model.layout import Layout
 from bgeserve.model.prepared import PrepareSource
 from bgeserve.model.ptload import HeadWeights
 from bgeserve.progress import Progress
-from bgeserve.service import preparation
-from bgeserve.service.preparation import Preparation, peak_bytes
+from bgeserve.service import preparation, prepare_plan, recipe
+from bgeserve.service.preparation import Preparation
+from bgeserve.service.prepare_plan import peak_bytes
 from tests.fakehub import FakeHub
 from tests.graphs import BAAI_OUTPUTS, graph_bytes
 from tests.oracle import FP32, INT8, assert_matches, reference
@@ -65,12 +66,12 @@ def test_the_variants_a_start_prepares_follow_the_cpu(env, bf16, int32, nncf, wa
                                                       monkeypatch) -> None:
     """fp32 and int8 always; bf16 where the CPU computes in bf16; ov-int8 where it sums int8
     products in int32 and NNCF is installed; either one when it is the variant asked for."""
-    monkeypatch.setattr(preparation.openvino, "available", lambda: True)
-    monkeypatch.setattr(preparation.openvino, "native_bf16", lambda: bf16)
-    monkeypatch.setattr(preparation, "sums_int8_in_int32", lambda: int32)
-    monkeypatch.setattr(preparation.importlib.util, "find_spec",
+    monkeypatch.setattr(prepare_plan.openvino, "available", lambda: True)
+    monkeypatch.setattr(prepare_plan.openvino, "native_bf16", lambda: bf16)
+    monkeypatch.setattr(prepare_plan, "sums_int8_in_int32", lambda: int32)
+    monkeypatch.setattr(prepare_plan.importlib.util, "find_spec",
                         lambda name: object() if nncf and name == "nncf" else None)
-    assert preparation._wanted(Settings.from_env(env)) == want
+    assert prepare_plan.wanted(Settings.from_env(env)) == want
 
 
 def test_an_export_is_served_as_it_is(tiny_export, tmp_path) -> None:
@@ -171,8 +172,8 @@ def test_the_cache_is_keyed_by_the_sources_content(tmp_path, monkeypatch) -> Non
     # GiB): the cached int8 is kept, not skipped; bf16 alone is weighed.
     weights = source.weight_bytes
     tight = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": str(
-        preparation.peak_bytes("bf16", weights) + 1)})
-    assert preparation.peak_bytes("int8", weights) > preparation.peak_bytes("bf16", weights) + 1
+        prepare_plan.peak_bytes("bf16", weights) + 1)})
+    assert prepare_plan.peak_bytes("int8", weights) > prepare_plan.peak_bytes("bf16", weights) + 1
     added, _ = prep.find_or_make(tight, tmp_path / "cache", source, ["fp32", "int8", "bf16"])
     assert prep.status["status"] == "prepared" and len(calls) == 2
     assert added == first and reused[-1] == first and skips[-1] == {}
@@ -389,34 +390,34 @@ def test_a_full_disk_leaves_variants_out_before_anything_is_written(tmp_path,
 
     weights = 1 << 30
     usage = shutil_module.disk_usage(tmp_path)
-    disk, scratch = preparation.DISK, preparation.SCRATCH["int8"]
+    disk, scratch = prepare_plan.DISK, prepare_plan.SCRATCH["int8"]
     room = int((disk["fp32"] + disk["int8"] + scratch + 0.1) * weights)
     free = room
 
-    monkeypatch.setattr(preparation.shutil, "disk_usage", lambda path: usage._replace(free=free))
-    skips = preparation._disk_skips(tmp_path, weights, ["fp32", "int8", "bf16"])
+    monkeypatch.setattr(prepare_plan.shutil, "disk_usage", lambda path: usage._replace(free=free))
+    skips = prepare_plan.disk_skips(tmp_path, weights, ["fp32", "int8", "bf16"])
     assert list(skips) == ["bf16"] and "BGE_M3_CACHE_DIR" in skips["bf16"]
-    skips = preparation._disk_skips(tmp_path, weights, ["fp32", "int8", "bf16", "ov-int8"])
+    skips = prepare_plan.disk_skips(tmp_path, weights, ["fp32", "int8", "bf16", "ov-int8"])
     assert list(skips) == ["ov-int8", "bf16"]
     # Enough for the files int8 leaves, not for making it (ENOSPC mid-step before).
     free = int((disk["fp32"] + disk["int8"] + 0.1) * weights)
-    assert list(preparation._disk_skips(tmp_path, weights, ["fp32", "int8"])) == ["int8"]
+    assert list(prepare_plan.disk_skips(tmp_path, weights, ["fp32", "int8"])) == ["int8"]
     free = room  # ... and the plain graph's copy of the weights from another file system
-    assert list(preparation._disk_skips(tmp_path, weights, ["fp32", "int8"],
+    assert list(prepare_plan.disk_skips(tmp_path, weights, ["fp32", "int8"],
                                         copied=weights)) == ["int8"]
     free = weights // 2
-    with pytest.raises(preparation._Skip, match="BGE_M3_CACHE_DIR"):
-        preparation._disk_skips(tmp_path, weights, ["fp32", "int8"])
+    with pytest.raises(prepare_plan.Skip, match="BGE_M3_CACHE_DIR"):
+        prepare_plan.disk_skips(tmp_path, weights, ["fp32", "int8"])
     # A small model's sizes read in MiB, not "~0.0 GiB".
     free = 1 << 20
-    with pytest.raises(preparation._Skip, match=r"needs ~2 MiB .* 1 MiB are free"):
-        preparation._disk_skips(tmp_path, 2 << 20, ["fp32"])
+    with pytest.raises(prepare_plan.Skip, match=r"needs ~2 MiB .* 1 MiB are free"):
+        prepare_plan.disk_skips(tmp_path, 2 << 20, ["fp32"])
 
 
 def test_sizes_read_in_a_unit_that_shows_them() -> None:
     """MiB below 1 GiB (what a small model's messages need), GiB from there."""
-    assert preparation.size(1000) == "0 MiB" and preparation.size(900 << 20) == "900 MiB"
-    assert preparation.size(3 * (1 << 30) // 2) == "1.5 GiB"
+    assert prepare_plan.size(1000) == "0 MiB" and prepare_plan.size(900 << 20) == "900 MiB"
+    assert prepare_plan.size(3 * (1 << 30) // 2) == "1.5 GiB"
 
 
 def _read_only(monkeypatch, root: Path) -> None:
@@ -540,7 +541,7 @@ def test_stop_ends_the_prepare_child_its_step_and_its_staging(tmp_path, monkeypa
                      'echo \'{"event": "step", "name": "graphs", "index": 1, "of": 4}\'\n'
                      "wait\n")
     child.chmod(0o755)
-    monkeypatch.setattr(preparation, "sys", type("Sys", (), {"executable": str(child)}))
+    monkeypatch.setattr(recipe, "sys", type("Sys", (), {"executable": str(child)}))
     source = _source(tmp_path / "src")
     s = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": str(64 << 30)})
     prep = Preparation()
@@ -560,7 +561,7 @@ def test_stop_ends_the_prepare_child_its_step_and_its_staging(tmp_path, monkeypa
         time.sleep(0.05)
     started = time.monotonic()
     prep.stop()
-    assert time.monotonic() - started < preparation.STOP_GRACE_SECS + 2
+    assert time.monotonic() - started < recipe.STOP_GRACE_SECS + 2
     loader.join(10)
     assert all(_gone(int(pid)) for pid in pids.read_text().split())
     assert list((tmp_path / "cache" / "prepared").glob(".*.tmp")) == []

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from bgeserve.bulk.coverage import Coverage
-from bgeserve.bulk.sources import Rows, Source, read
+from bgeserve.bulk.readers import read
+from bgeserve.bulk.sources import Rows, Source
 
 SHARD_ROWS = 1024
 # ColBERT keeps one vector (4 KiB for bge-m3) per token: 64 texts of 512 tokens are 128 MiB.

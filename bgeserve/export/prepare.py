@@ -9,9 +9,10 @@ manifest's ``agreement``, so the server's default choice (runtime/select.py) rea
 reads an export's. Each heavy step runs in a process of its own, one at a time, so the peak
 memory is that of one step.
 
-The server runs this module as a child (service/preparation.py decides, keeps the cache and
-reads the progress this prints: one JSON object per line on stdout, ``{"event": "step" |
-"line" | "done" | "failed", ...}``); serving code never imports the build tools.
+The server runs this module as a child (service/preparation.py decides and keeps the cache;
+service/recipe.py runs the child and reads the progress this prints: one JSON object per line
+on stdout, ``{"event": "step" | "line" | "done" | "failed", ...}``); serving code never
+imports the build tools.
 """
 
 from __future__ import annotations

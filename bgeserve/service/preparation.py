@@ -9,23 +9,19 @@ returns settings that serve it; with neither
 measured agreement (runtime/select.py), as for a ``bgeserve export``. Whenever it cannot
 (``BGE_M3_PREPARE=0``, too little memory for a step, a graph it cannot rewrite) the snapshot is
 served as it is and ``status`` says why (``/health`` shows it, the log too).
+
+Which variants, and whether there is room to make them, is prepare_plan.py's to say; running
+the child that makes them is recipe.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import json
 import logging
-import os
 import shutil
-import signal
 import subprocess
-import sys
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,61 +29,19 @@ from bgeserve.config import Settings
 from bgeserve.errors import ModelUnavailable
 from bgeserve.model.artifacts import export_variants, resolve
 from bgeserve.model.prepared import (
-    HEADS_FILE,
     PreparedStore,
     PrepareSource,
     file_digests,
     int8_weights,
     source_key,
-    sums_int8_in_int32,
-    write_heads,
 )
 from bgeserve.progress import Progress
-from bgeserve.runtime import openvino
-from bgeserve.service import plan
+from bgeserve.service import plan, prepare_plan
+from bgeserve.service.prepare_plan import Skip, peak_bytes, size
+from bgeserve.service.recipe import STOP_GRACE_SECS, PrepareFailed, end_group, run_recipe
 from bgeserve.tuning import memory
 
 log = logging.getLogger("bgeserve.prepare")
-
-GiB = 1 << 30
-MiB = 1 << 20
-# How long a prepare child has to end after SIGTERM (its step's own cleanup) before SIGKILL.
-STOP_GRACE_SECS = 3.0
-# Peak memory of each step against the fp32 weights' size W (measured, full-size bge-m3,
-# W = 2.27 GB; docs/benchmarks.md): int8 holds the weights twice while quantizing, the
-# OpenVINO conversion about twice, validation one session at a time; NNCF's ov-int8 peaked at
-# 7,068 MiB (the model, its statistics-collecting copies and the int8 IR being written).
-PEAK = {"int8": (3.0, 1 * GiB), "bf16": (2.5, 1 * GiB), "ov-int8": (3.0, 1 * GiB),
-        "fp32": (1.5, 1 * GiB)}
-
-
-# Disk each variant takes against W (full-size: fp32 a copy of the weights, int8 1.37 GB,
-# the bf16 IR 1.14 GB, the ov-int8 IR 0.58 GB for W = 2.27 GB).
-DISK = {"fp32": 1.02, "int8": 0.62, "bf16": 0.52, "ov-int8": 0.26}
-# Disk a step needs for a while besides what it leaves: int8's writes the smoothed fp32 graph
-# (a copy of the weights) and the quantized graph into a temporary directory beside its output
-# before saving that in place (export/steps.py export_int8). The tiny model's preparation
-# peaked at 4.2 W for 2.1 W left, as these predict (int8 there is ~W: its embeddings stay fp32).
-SCRATCH = {"int8": 1.0 + DISK["int8"]}
-
-
-def size(n: float) -> str:
-    """``n`` bytes in a unit that shows it: MiB below 1 GiB, else GiB."""
-    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
-
-
-def peak_bytes(step: str, weights: int) -> int:
-    """The memory ``step`` is expected to need for fp32 weights of ``weights`` bytes."""
-    factor, extra = PEAK[step]
-    return int(factor * weights + extra)
-
-
-class PrepareFailed(Exception):
-    """The prepare child failed; ``step`` names the step, the message says why."""
-
-    def __init__(self, step: str, message: str):
-        super().__init__(message)
-        self.step = step
 
 
 class Preparation:
@@ -134,7 +88,7 @@ class Preparation:
         # Neither BGE_M3_MODEL nor BGE_M3_EP given: the variant is chosen again, from what the
         # prepared export measured.
         choose = not s.is_explicit("BGE_M3_MODEL") and not s.is_explicit("BGE_M3_EP")
-        reason = _not_needed(s)
+        reason = prepare_plan.not_needed(s)
         if reason is not None:
             self.status = {"status": "disabled" if not s.prepare else "not_needed",
                            "reason": reason}
@@ -150,9 +104,9 @@ class Preparation:
                            f"from: {exc.message}"}
             return s
         try:
-            prepared, outcome = self.find_or_make(s, cache_dir,
-                                                  PrepareSource.from_artifacts(art), _wanted(s))
-        except _Skip as exc:
+            prepared, outcome = self.find_or_make(s, cache_dir, PrepareSource.from_artifacts(art),
+                                                  prepare_plan.wanted(s))
+        except Skip as exc:
             self._fallback("skipped", str(exc))
             return s
         except Exception as exc:  # noqa: BLE001 - any failure: serve the stock graph, say why
@@ -162,7 +116,7 @@ class Preparation:
         if not choose and s.variant not in variants:
             why = outcome.get("skipped", {}).get(s.variant) or (
                 "it is made with OpenVINO and NNCF, which are not both installed"
-                if s.variant == "ov-int8" and not _nncf() else "not made")
+                if s.variant == "ov-int8" and not prepare_plan.nncf() else "not made")
             self._fallback("skipped", f"BGE_M3_MODEL={s.variant} was not prepared ({why})")
             return s
         self.status.update(path=str(prepared), variants=sorted(variants))
@@ -196,9 +150,10 @@ class Preparation:
             weights = source.weight_bytes
             available = memory.detect_available_memory(s.available_memory_bytes).available_bytes
             if earlier is not None:
-                refit = _refit(earlier, new, lambda: _limits(
-                    weights, available, store.root, new, copied=_copied(source, store.root)))
-                if _covers(earlier, wanted) and not refit:
+                refit = prepare_plan.refit(earlier, new, lambda: prepare_plan.limits(
+                    weights, available, store.root, new,
+                    copied=prepare_plan.copied(source, store.root)))
+                if prepare_plan.covers(earlier, wanted) and not refit:
                     self.status = {"status": "cached", "key": key}
                     log.info("prepared export found: %s (variants %s)", store.path(key),
                              ", ".join(sorted(earlier["variants"])))
@@ -208,12 +163,11 @@ class Preparation:
                              "there is room now: adding it", store.path(key), ", ".join(refit))
             need = peak_bytes("fp32", weights)
             if available < need:
-                raise _Skip(f"preparing needs ~{size(need)} and {size(available)} are "
-                            "available: serving the snapshot's own graph (plain "
-                            "attention)")
+                raise Skip(f"preparing needs ~{size(need)} and {size(available)} are "
+                           "available: serving the snapshot's own graph (plain attention)")
             reuse = store.path(key) if earlier is not None else None
-            skip = _limits(weights, available, store.root, new,
-                           copied=_copied(source, store.root))
+            skip = prepare_plan.limits(weights, available, store.root, new,
+                                       copied=prepare_plan.copied(source, store.root))
             log.info("preparing %s (variants %s%s%s) into %s", source.description,
                      ", ".join(new), f"; skipping {skip}" if skip else "",
                      f"; {', '.join(sorted(have))} kept from {reuse}" if have else "",
@@ -267,7 +221,7 @@ class Preparation:
             raise PrepareFailed("prepare", f"the prepared export {store.path(key)} is damaged "
                                 f"({damaged}) and {where}: run `bgeserve prepare --force` "
                                 f"with it writable, or delete {store.path(key)}")
-        lacking = [v for v in wanted if not _covers(earlier, [v])]
+        lacking = [v for v in wanted if not prepare_plan.covers(earlier, [v])]
         self.status = {"status": "cached", "key": key, "read_only": True}
         log.info("prepared export found: %s (variants %s; read-only cache%s)", store.path(key),
                  ", ".join(sorted(earlier["variants"])),
@@ -298,202 +252,6 @@ def _earlier(store: PreparedStore, key: str) -> dict[str, Any] | None:
     return earlier
 
 
-def _limits(weights: int, available: int, root: Path, variants: list[str], *,
-            copied: int = 0) -> dict[str, str]:
-    """The variants of ``variants`` (never fp32) this machine has no room to make now, with
-    why: memory for their step, then disk for their files (``_disk_skips``). _Skip when not
-    even fp32 fits."""
-    skip = {v: f"needs ~{size(peak_bytes(v, weights))}, {size(available)} available"
-            for v in variants if v != "fp32" and available < peak_bytes(v, weights)}
-    skip.update(_disk_skips(root, weights, [v for v in variants if v not in skip],
-                            copied=copied))
-    return skip
-
-
-def _copied(source: PrepareSource, root: Path) -> int:
-    """Bytes of the snapshot's weights the graphs step copies besides fp32's: its plain graph
-    (the reference) hard-links them, which fails from another file system."""
-    try:
-        same = source.graph.resolve().stat().st_dev == root.stat().st_dev
-    except OSError:
-        same = False
-    return 0 if same else source.weight_bytes
-
-
-def _disk_skips(root: Path, weights: int, wanted: list[str], *,
-                copied: int = 0) -> dict[str, str]:
-    """Variants left out because the cache's file system cannot hold them while they are made
-    (ov-int8, bf16, then int8): the files left (``DISK``), the weights ``copied`` for the plain
-    graph and the largest step's scratch (``SCRATCH``). _Skip when not even fp32 fits."""
-    free = shutil.disk_usage(root).free
-    need = {v: int(DISK[v] * weights) for v in ("fp32", *wanted)}
-
-    def peak() -> int:
-        return copied + sum(need.values()) + max(int(SCRATCH.get(v, 0) * weights)
-                                                 for v in need)
-
-    if free < copied + need["fp32"]:
-        raise _Skip(f"preparing needs ~{size(copied + need['fp32'])} on BGE_M3_CACHE_DIR "
-                    f"({root}) for fp32 alone, {size(free)} are free")
-    skips: dict[str, str] = {}
-    for variant in ("ov-int8", "bf16", "int8"):
-        if variant in need and peak() > free:
-            skips[variant] = (f"needs ~{size(peak())} of disk in BGE_M3_CACHE_DIR with the "
-                              f"others while it is made, {size(free)} free")
-            need.pop(variant)
-    return skips
-
-
-def run_recipe(source: PrepareSource, out: Path, wanted: list[str], *, skip: dict[str, str],
-               hashes: dict[str, str], weights: str, progress: Progress,
-               reuse: Path | None = None,
-               on_start: Callable[[subprocess.Popen[str]], None] | None = None,
-               ) -> dict[str, Any]:
-    """Make the export in ``out`` with ``python -m bgeserve.export.prepare`` (a child: the
-    build tools never load into the server), relaying its steps and lines to ``progress``;
-    ``reuse``: an earlier export of the same key whose variants are linked, not made again;
-    ``on_start`` gets the child (``Preparation.stop`` ends it and its step).
-    Returns its outcome (variants, skipped, seconds, steps, reused). Raises PrepareFailed."""
-    inputs = out / ".inputs"
-    inputs.mkdir(parents=True, exist_ok=True)
-    write_heads(source.heads, inputs / HEADS_FILE)
-    (inputs / "hashes.json").write_text(json.dumps(hashes))
-    argv = [sys.executable, "-m", "bgeserve.export.prepare", "--graph", str(source.graph),
-            "--layout", source.layout.value, "--tokenizer", str(source.tokenizer),
-            "--heads", str(inputs / HEADS_FILE), "--hashes", str(inputs / "hashes.json"),
-            "--description", source.description, "--out", str(out),
-            "--weights", weights]
-    argv += [x for p in source.external_data for x in ("--external-data", str(p))]
-    argv += ["--config", str(source.config)] if source.config is not None else []
-    argv += ["--reuse", str(reuse)] if reuse is not None else []
-    argv += [x for v in wanted for x in ("--variant", v)]
-    argv += [x for v, why in skip.items() for x in ("--skip", f"{v}={why}")]
-    tail: deque[str] = deque(maxlen=8)
-    outcome: dict[str, Any] | None = None
-    failed: dict[str, Any] | None = None
-    # A process group of its own, with its step children: ``end_group`` reaches them all.
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          errors="replace", start_new_session=True) as child:
-        assert child.stdout is not None and child.stderr is not None
-        errors = child.stderr
-
-        def keep_tail() -> None:  # the child's own stderr: only its last lines, for the error
-            tail.extend(line.rstrip() for line in errors)
-
-        drain = threading.Thread(target=keep_tail, daemon=True)
-        drain.start()
-        if on_start is not None:
-            on_start(child)
-        try:
-            for line in child.stdout:
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue  # a stray print: not a progress event
-                kind = event.get("event")
-                if kind == "step":
-                    progress.step(f"prepare: {event['name']}", event["index"], event["of"])
-                elif kind == "line":
-                    progress.note(event["text"])
-                elif kind == "done":
-                    outcome = event["outcome"]
-                elif kind == "failed":
-                    failed = event
-        except BaseException:
-            # Ctrl-C in `bgeserve prepare`: the terminal's SIGINT no longer reaches the child
-            # in its own session, so it is ended here.
-            end_group(child, STOP_GRACE_SECS)
-            raise
-        drain.join(5)
-    shutil.rmtree(inputs, ignore_errors=True)
-    if failed is not None:
-        raise PrepareFailed(failed.get("step", "prepare"), failed.get("message", ""))
-    if child.returncode != 0 or outcome is None:
-        reason = ("killed (SIGKILL: most likely out of memory)" if child.returncode in (-9, 137)
-                  else f"exit code {child.returncode}")
-        raise PrepareFailed("prepare", f"the prepare process ended: {reason}"
-                            + (f": {' | '.join(tail)}" if tail else ""))
-    return outcome
-
-
-def end_group(child: subprocess.Popen[str], grace: float) -> None:
-    """SIGTERM to ``child``'s process group (it and the step it runs), then SIGKILL to what is
-    left of it after ``grace`` seconds."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(child.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return  # the group is gone already
-        try:
-            child.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-class _Skip(Exception):
-    """Preparing is not attempted (the reason is the message)."""
-
-
-def _not_needed(s: Settings) -> str | None:
-    """Why this start serves without preparing, or None if it prepares."""
-    if not s.prepare:
-        return "BGE_M3_PREPARE=0"
-    if s.execution_provider not in ("cpu", "openvino"):
-        return f"BGE_M3_EP={s.execution_provider} serves the hub's fp16 graph"
-    if s.variant == "fp16":
-        return "BGE_M3_MODEL=fp16 is the hub's own graph"
-    if s.model_path is not None and export_variants(s.model_path):
-        return "BGE_M3_MODEL_PATH is a `bgeserve export` already"
-    return None
-
-
-def _wanted(s: Settings) -> list[str]:
-    """fp32 and int8 always; bf16 where OpenVINO is installed and this CPU computes in bf16
-    (or bf16 is asked for); ov-int8 where NNCF is installed too and this CPU sums int8
-    products in int32 (VNNI, AMX-INT8: where OpenVINO's int8 is fast and its 8-bit weights
-    compute right), or ov-int8 is asked for. Elsewhere it would cost minutes of quantizing
-    for a graph that is slower than ONNX Runtime's int8 and under the bar (7-bit weights,
-    dense cosine 0.9973 on full-size random bge-m3, docs/benchmarks.md)."""
-    wanted = ["fp32", "int8"]
-    # BGE_M3_EP=openvino asks for OpenVINO's variant: bf16, unless ov-int8 is the one named.
-    asked = s.variant == "bf16" or (s.execution_provider == "openvino" and s.variant != "ov-int8")
-    if openvino.available() and (asked or openvino.native_bf16()):
-        wanted.append("bf16")
-    if _nncf() and (s.variant == "ov-int8" or sums_int8_in_int32()):
-        wanted.append("ov-int8")
-    return wanted
-
-
-def _nncf() -> bool:
-    """Whether ov-int8 can be made here: OpenVINO and NNCF installed (looked up, not imported:
-    the prepare child imports NNCF, the server never does)."""
-    return openvino.available() and importlib.util.find_spec("nncf") is not None
-
-
-def _refit(manifest: dict[str, Any], new: list[str],
-           limits: Callable[[], dict[str, str]]) -> list[str]:
-    """The variants of ``new`` (those ``manifest``'s export lacks) an earlier preparation left
-    out for want of memory or disk (``prepared.limited``) that ``limits`` (this machine's
-    limits for all of ``new``, as the preparation weighs them) finds room for now. A variant
-    whose own step failed is not retried: that takes ``bgeserve prepare --force``."""
-    limited = [v for v in new if v in ((manifest.get("prepared") or {}).get("limited") or [])]
-    if not limited:
-        return []
-    try:
-        still = limits()
-    except _Skip:
-        return []
-    return [v for v in limited if v not in still]
-
-
-def _covers(manifest: dict[str, Any], wanted: list[str]) -> bool:
-    """Whether an export made every variant of ``wanted`` (or recorded why it could not)."""
-    made = manifest.get("variants") or {}
-    prepared = manifest.get("prepared") or {}
-    skipped = prepared.get("skipped") or {}
-    return all(v in made or v in skipped for v in wanted)
-
-
 def prepare_command(s: Settings, cache_dir: Path, variants: list[str] | None, *,
                     force: bool, out: Path | None, progress: Progress) -> Path:
     """``bgeserve prepare``: the prepared export of the configured snapshot (made now if
@@ -507,8 +265,8 @@ def prepare_command(s: Settings, cache_dir: Path, variants: list[str] | None, *,
     prep = Preparation(progress)
     try:
         path, _ = prep.find_or_make(s, cache_dir, PrepareSource.from_artifacts(art),
-                                    variants or _wanted(s), force=force)
-    except _Skip as exc:
+                                    variants or prepare_plan.wanted(s), force=force)
+    except Skip as exc:
         raise PrepareFailed("prepare", str(exc)) from None
     progress.done()
     if out is not None:

@@ -1,0 +1,161 @@
+"""What a preparation makes, and whether this machine has room to make it now.
+
+Kept apart from the making (preparation.py, recipe.py) so the decisions can be read and tested
+without a snapshot or a child: which variants a start wants on this CPU, what each step's peak
+memory and disk cost against the fp32 weights' size W, and which variants to leave out (with a
+reason the manifest and ``/health`` carry) when a step would not fit. ``Skip`` is raised when
+not even fp32 fits, so the start serves the snapshot as it is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bgeserve.config import Settings
+from bgeserve.model.artifacts import export_variants
+from bgeserve.model.prepared import PrepareSource, sums_int8_in_int32
+from bgeserve.runtime import openvino
+
+GiB = 1 << 30
+MiB = 1 << 20
+# Peak memory of each step against the fp32 weights' size W (measured, full-size bge-m3,
+# W = 2.27 GB; docs/benchmarks.md): int8 holds the weights twice while quantizing, the
+# OpenVINO conversion about twice, validation one session at a time; NNCF's ov-int8 peaked at
+# 7,068 MiB (the model, its statistics-collecting copies and the int8 IR being written).
+PEAK = {"int8": (3.0, 1 * GiB), "bf16": (2.5, 1 * GiB), "ov-int8": (3.0, 1 * GiB),
+        "fp32": (1.5, 1 * GiB)}
+
+
+# Disk each variant takes against W (full-size: fp32 a copy of the weights, int8 1.37 GB,
+# the bf16 IR 1.14 GB, the ov-int8 IR 0.58 GB for W = 2.27 GB).
+DISK = {"fp32": 1.02, "int8": 0.62, "bf16": 0.52, "ov-int8": 0.26}
+# Disk a step needs for a while besides what it leaves: int8's writes the smoothed fp32 graph
+# (a copy of the weights) and the quantized graph into a temporary directory beside its output
+# before saving that in place (export/steps.py export_int8). The tiny model's preparation
+# peaked at 4.2 W for 2.1 W left, as these predict (int8 there is ~W: its embeddings stay fp32).
+SCRATCH = {"int8": 1.0 + DISK["int8"]}
+
+
+def size(n: float) -> str:
+    """``n`` bytes in a unit that shows it: MiB below 1 GiB, else GiB."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
+
+
+def peak_bytes(step: str, weights: int) -> int:
+    """The memory ``step`` is expected to need for fp32 weights of ``weights`` bytes."""
+    factor, extra = PEAK[step]
+    return int(factor * weights + extra)
+
+
+class Skip(Exception):
+    """Preparing is not attempted (the reason is the message)."""
+
+
+def not_needed(s: Settings) -> str | None:
+    """Why this start serves without preparing, or None if it prepares."""
+    if not s.prepare:
+        return "BGE_M3_PREPARE=0"
+    if s.execution_provider not in ("cpu", "openvino"):
+        return f"BGE_M3_EP={s.execution_provider} serves the hub's fp16 graph"
+    if s.variant == "fp16":
+        return "BGE_M3_MODEL=fp16 is the hub's own graph"
+    if s.model_path is not None and export_variants(s.model_path):
+        return "BGE_M3_MODEL_PATH is a `bgeserve export` already"
+    return None
+
+
+def wanted(s: Settings) -> list[str]:
+    """fp32 and int8 always; bf16 where OpenVINO is installed and this CPU computes in bf16
+    (or bf16 is asked for); ov-int8 where NNCF is installed too and this CPU sums int8
+    products in int32 (VNNI, AMX-INT8: where OpenVINO's int8 is fast and its 8-bit weights
+    compute right), or ov-int8 is asked for. Elsewhere it would cost minutes of quantizing
+    for a graph that is slower than ONNX Runtime's int8 and under the bar (7-bit weights,
+    dense cosine 0.9973 on full-size random bge-m3, docs/benchmarks.md)."""
+    wanted = ["fp32", "int8"]
+    # BGE_M3_EP=openvino asks for OpenVINO's variant: bf16, unless ov-int8 is the one named.
+    asked = s.variant == "bf16" or (s.execution_provider == "openvino" and s.variant != "ov-int8")
+    if openvino.available() and (asked or openvino.native_bf16()):
+        wanted.append("bf16")
+    if nncf() and (s.variant == "ov-int8" or sums_int8_in_int32()):
+        wanted.append("ov-int8")
+    return wanted
+
+
+def nncf() -> bool:
+    """Whether ov-int8 can be made here: OpenVINO and NNCF installed (looked up, not imported:
+    the prepare child imports NNCF, the server never does)."""
+    return openvino.available() and importlib.util.find_spec("nncf") is not None
+
+
+def limits(weights: int, available: int, root: Path, variants: list[str], *,
+            copied: int = 0) -> dict[str, str]:
+    """The variants of ``variants`` (never fp32) this machine has no room to make now, with
+    why: memory for their step, then disk for their files (``disk_skips``). Skip when not
+    even fp32 fits."""
+    skip = {v: f"needs ~{size(peak_bytes(v, weights))}, {size(available)} available"
+            for v in variants if v != "fp32" and available < peak_bytes(v, weights)}
+    skip.update(disk_skips(root, weights, [v for v in variants if v not in skip],
+                            copied=copied))
+    return skip
+
+
+def copied(source: PrepareSource, root: Path) -> int:
+    """Bytes of the snapshot's weights the graphs step copies besides fp32's: its plain graph
+    (the reference) hard-links them, which fails from another file system."""
+    try:
+        same = source.graph.resolve().stat().st_dev == root.stat().st_dev
+    except OSError:
+        same = False
+    return 0 if same else source.weight_bytes
+
+
+def disk_skips(root: Path, weights: int, wanted: list[str], *,
+                copied: int = 0) -> dict[str, str]:
+    """Variants left out because the cache's file system cannot hold them while they are made
+    (ov-int8, bf16, then int8): the files left (``DISK``), the weights ``copied`` for the plain
+    graph and the largest step's scratch (``SCRATCH``). Skip when not even fp32 fits."""
+    free = shutil.disk_usage(root).free
+    need = {v: int(DISK[v] * weights) for v in ("fp32", *wanted)}
+
+    def peak() -> int:
+        return copied + sum(need.values()) + max(int(SCRATCH.get(v, 0) * weights)
+                                                 for v in need)
+
+    if free < copied + need["fp32"]:
+        raise Skip(f"preparing needs ~{size(copied + need['fp32'])} on BGE_M3_CACHE_DIR "
+                    f"({root}) for fp32 alone, {size(free)} are free")
+    skips: dict[str, str] = {}
+    for variant in ("ov-int8", "bf16", "int8"):
+        if variant in need and peak() > free:
+            skips[variant] = (f"needs ~{size(peak())} of disk in BGE_M3_CACHE_DIR with the "
+                              f"others while it is made, {size(free)} free")
+            need.pop(variant)
+    return skips
+
+
+def refit(manifest: dict[str, Any], new: list[str],
+           limits: Callable[[], dict[str, str]]) -> list[str]:
+    """The variants of ``new`` (those ``manifest``'s export lacks) an earlier preparation left
+    out for want of memory or disk (``prepared.limited``) that ``limits`` (this machine's
+    limits for all of ``new``, as the preparation weighs them) finds room for now. A variant
+    whose own step failed is not retried: that takes ``bgeserve prepare --force``."""
+    limited = [v for v in new if v in ((manifest.get("prepared") or {}).get("limited") or [])]
+    if not limited:
+        return []
+    try:
+        still = limits()
+    except Skip:
+        return []
+    return [v for v in limited if v not in still]
+
+
+def covers(manifest: dict[str, Any], wanted: list[str]) -> bool:
+    """Whether an export made every variant of ``wanted`` (or recorded why it could not)."""
+    made = manifest.get("variants") or {}
+    prepared = manifest.get("prepared") or {}
+    skipped = prepared.get("skipped") or {}
+    return all(v in made or v in skipped for v in wanted)
