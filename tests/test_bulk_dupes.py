@@ -71,3 +71,18 @@ def test_the_ids_remembered_are_bounded():
     ids.add(["a", "e1", "c", "d"])
     assert ids.count == 2 and ids.examples == ["a", "e1"]
     assert len(ids._seen) == 4
+
+
+def test_shards_of_this_run_are_counted_against_the_earlier_ones(tmp_path: Path):
+    """A Ray job's write tasks return no ids: the driver reads its new shards' ids back, and
+    they count against the earlier shards' ids (whose own repeats were told then) and each
+    other's."""
+    write_shard(tmp_path, pa.table({"id": ["x", "x", "y"]}), {"s": [[0, 3]]}, [])
+    with OutputDir(tmp_path) as out:
+        _, shards = out.scan()
+    ids = Duplicates.of_shards(shards)
+    assert ids.count == 0
+    new = [write_shard(tmp_path, pa.table({"id": ["y", "z"]}), {"s": [[3, 5]]}, []),
+           write_shard(tmp_path, pa.table({"id": ["z"]}), {"s": [[5, 6]]}, [])]
+    ids.add_shards(new)
+    assert ids.count == 2 and ids.examples == ["y", "z"]

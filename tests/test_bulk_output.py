@@ -173,3 +173,45 @@ def test_a_failed_run_removes_the_folder_it_made(tmp_path: Path):
     with pytest.raises(InvalidInput), OutputDir(tmp_path / "old"):
         raise InvalidInput("refused")
     assert (tmp_path / "old").is_dir()
+
+
+def test_a_pinned_identity_guards_shards_until_the_manifest_records_it(tmp_path: Path):
+    """A Ray run pins its model's identity before its first shard (the manifest is written
+    before any actor has loaded the model): the first pin wins; a rerun after that run was
+    killed checks it and records it in the manifest, and the pin goes."""
+    from bgeserve.bulk.output import PIN, pin_identity
+
+    src = tmp_path / "a.jsonl"
+    src.write_text('{"id": 1, "text": "x"}\n')
+    sources = [Source(src, "jsonl")]
+    with OutputDir(tmp_path / "out") as out:
+        assert out.check_manifest(SPEC, sources) is None  # a first run: nothing known yet
+        assert pin_identity(out.path, "sha256:aaa") == "sha256:aaa"
+        assert pin_identity(out.path, "sha256:bbb") == "sha256:aaa"  # the first one stays
+        assert not list(out.path.glob("*.tmp")) and not list(out.path.glob(".*.tmp"))
+        write_shard(out.path, table(1), {str(src): [[0, 1]]}, [])
+    with OutputDir(tmp_path / "out") as out:  # the run was killed: its manifest has no identity
+        with pytest.raises(InvalidInput, match="other model files.*sha256:aaa then"):
+            out.check_manifest(SPEC, sources, "sha256:bbb")
+        assert out.check_manifest(SPEC, sources, write=False) == "sha256:aaa"
+        assert (out.path / PIN).exists()  # not recorded yet: still the guard
+        assert out.check_manifest(SPEC, sources) == "sha256:aaa"
+        assert orjson.loads((out.path / "_bulk.json").read_bytes())["model_identity"] == \
+            "sha256:aaa"
+        assert not (out.path / PIN).exists()
+
+
+def test_a_pin_without_shards_is_dropped(tmp_path: Path):
+    """A pin with no shard beside it guards nothing: the next run's manifest removes it, and a
+    failed first run removes it with the folder it made."""
+    from bgeserve.bulk.output import PIN, pin_identity
+
+    with OutputDir(tmp_path / "out") as out:
+        pin_identity(out.path, "sha256:aaa")
+        assert out.check_manifest(SPEC, [], "sha256:bbb") == "sha256:bbb"
+        assert not (out.path / PIN).exists()
+    with pytest.raises(InvalidInput), OutputDir(tmp_path / "new") as out:
+        out.check_manifest(SPEC, [])
+        pin_identity(out.path, "sha256:aaa")
+        raise InvalidInput("refused")
+    assert not (tmp_path / "new").exists()

@@ -80,3 +80,17 @@ def test_an_actor_gets_its_cpus_as_threads_and_their_share_of_memory() -> None:
     whole = actor_environ({}, 8.0, node_cpus=8)  # the whole node: no share is imposed
     assert whole.get("BGE_M3_AVAILABLE_MEMORY_BYTES") == os.environ.get(
         "BGE_M3_AVAILABLE_MEMORY_BYTES")
+
+
+def test_the_identity_column_names_the_model_files_in_every_row(
+        embedder: Embedder, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``identity`` is the variant and the export's graph sha256 (what bgeserve bulk records);
+    ``identity_column`` adds it to every row, bad rows included (bgeserve bulk --ray checks it
+    before writing a shard)."""
+    from bgeserve.model.artifacts import export_variants
+
+    assert embedder.identity == f"fp32 sha256:{export_variants(tiny_export)['fp32']['sha256']}"
+    monkeypatch.setattr(embedder, "identity_column", "_model")
+    out = embedder({"id": np.array(["a", "b"]), "text": np.array([TEXTS[0], None], dtype=object)})
+    assert out["_model"].to_pylist() == [embedder.identity] * 2
+    assert out.column_names[-1] == "_model" and out["n_tokens"].to_pylist()[1] is None

@@ -4,6 +4,7 @@ and the bad rows reported and written nowhere. Ray is part of the dev extra."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -19,7 +20,10 @@ import ray
 from bgeserve import Engine
 from bgeserve.bulk.job import BulkJob
 from bgeserve.bulk.model import resolve_settings
+from bgeserve.bulk.output import PIN
 from bgeserve.engine import EngineConfig
+from bgeserve.errors import InvalidInput
+from bgeserve.model.artifacts import export_variants
 from bgeserve.ray.pipeline import actor_pool
 from bgeserve.ray.pipeline import run as run_ray
 from tests.bulkdata import BAD_IDS, assert_rows_match, make_inputs, read_output
@@ -32,6 +36,21 @@ def env(export: Path, cache: Path) -> dict[str, str]:
     return {"BGE_M3_MODEL_PATH": str(export), "BGE_M3_MODEL": "fp32",
             "BGE_M3_CACHE_DIR": str(cache), "BGE_M3_DISABLE_AUTO_BUDGET": "1",
             "BGE_M3_MAX_SEQ_LENGTH": "128", "HF_HUB_OFFLINE": "1", "BGE_M3_LOG_FORMAT": "text"}
+
+
+def identity(export: Path) -> str:
+    """What the manifest records for the fp32 variant of ``export``."""
+    return f"fp32 sha256:{export_variants(export)['fp32']['sha256']}"
+
+
+def manifest(folder: Path) -> dict:
+    return json.loads((folder / "_bulk.json").read_text())
+
+
+def write_jsonl(path: Path, rows: dict[str, str]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in rows.items()))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +103,59 @@ def test_a_killed_ray_job_reruns_to_every_row_once(cluster: str, tiny_export: Pa
     with caplog.at_level(logging.WARNING, logger="bgeserve.bulk"):
         summary = run_ray(job, resolve_settings(variables))
     assert summary.rows == 500 - first and summary.skipped >= first
+    assert summary.duplicate_ids == 0
+    # The killed run's model was pinned before its first shard; the rerun recorded it.
+    assert manifest(out)["model_identity"] == identity(tiny_export)
+    assert not (out / PIN).exists()
     with Engine(tiny_export, "fp32", config=EngineConfig(max_seq=128)) as engine:
         assert_rows_match(read_output(out), texts, engine)
     reported = (tmp_path / "first.log").read_text() + "\n".join(
         r.getMessage() for r in caplog.records)
     for row_id, why in BAD_IDS.items():
         assert f"(id {row_id!r}): {why}" in reported or f"id {row_id!r}: {why}" in reported
+
+
+def test_a_first_ray_run_records_the_model_and_counts_repeated_ids(
+        cluster: str, tiny_export: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The manifest of a first Ray run records the actors' model identity (it recorded none);
+    ids repeated across files are counted and named, and a moved input's rows are counted
+    against the earlier shards' ids (duplicate_ids was always 0 on Ray)."""
+    write_jsonl(tmp_path / "in" / "a.jsonl", {"a": "x", "b": "y"})
+    write_jsonl(tmp_path / "in" / "b.jsonl", {"b": "z", "c": "w"})
+    settings = resolve_settings(env(tiny_export, tmp_path / "cache"))
+    job = BulkJob(inputs=(str(tmp_path / "in"),), output=tmp_path / "out")
+    with caplog.at_level(logging.WARNING, logger="bgeserve.bulk"):
+        summary = run_ray(job, settings)
+    assert (summary.rows, summary.shards, summary.duplicate_ids) == (4, 2, 1)
+    assert "1 rows have an id written before" in caplog.text and "'b'" in caplog.text
+    assert manifest(job.output)["model_identity"] == identity(tiny_export)
+    assert not (job.output / PIN).exists()
+    (tmp_path / "in").rename(tmp_path / "moved")
+    again = run_ray(BulkJob(inputs=(str(tmp_path / "moved"),), output=job.output), settings)
+    assert (again.rows, again.duplicate_ids) == (4, 4)
+
+
+def test_a_ray_run_into_a_folder_of_another_model_is_refused_and_writes_nothing(
+        cluster: str, tiny_export: Path, tmp_path: Path) -> None:
+    """The manifest records other model files than the actors load (another export put at the
+    same BGE_M3_MODEL_PATH since): the run is refused with the local job's message before any
+    shard is written (the Ray job never checked), and the manifest keeps its record."""
+    from bgeserve.bulk import local
+
+    write_jsonl(tmp_path / "in" / "a.jsonl", {f"t{i}": f"text {i}" for i in range(6)})
+    settings = resolve_settings(env(tiny_export, tmp_path / "cache"))
+    job = BulkJob(inputs=(str(tmp_path / "in"),), output=tmp_path / "out", shard_rows=4)
+    local.run(job, settings, bar=False)
+    other = "fp32 sha256:" + "0" * 64
+    body = manifest(job.output)
+    assert body["model_identity"] == identity(tiny_export)
+    body["model_identity"] = other
+    (job.output / "_bulk.json").write_text(json.dumps(body))
+    before = sorted(p.name for p in job.output.iterdir())
+    write_jsonl(tmp_path / "in" / "b.jsonl", {f"u{i}": f"more {i}" for i in range(6)})
+    with pytest.raises(InvalidInput, match="other model files.*BGE_M3_MODEL_PATH") as exc:
+        run_ray(job, settings)
+    assert type(exc.value) is InvalidInput  # the refusal itself, not Ray's wrapper of it
+    assert sorted(p.name for p in job.output.iterdir()) == before
+    assert manifest(job.output)["model_identity"] == other

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from bgeserve.bulk.shards import ShardInfo
 
@@ -30,8 +31,7 @@ class Duplicates:
         self._max = max_tracked
         self.count = 0  # rows whose id was written before (by this run or an earlier one)
         self.examples: list[str] = []
-        self.add(earlier)
-        self.count, self.examples = 0, []  # earlier shards' own repeats were told then
+        self._record(earlier, repeats=False)
 
     @classmethod
     def of_shards(cls, shards: Sequence[ShardInfo], max_tracked: int = MAX_TRACKED
@@ -39,15 +39,12 @@ class Duplicates:
         """The ids the finished ``shards`` hold (their ``id`` column alone is read, shard by
         shard, no further than ``max_tracked`` ids: a resumed job of millions of rows read them
         all into one list before)."""
-        import pyarrow.parquet as pq
-
         ids = cls(max_tracked=max_tracked)
         for shard in shards:  # one at a time, and no further than what is remembered
             if ids.full:
                 break
             if shard.rows:
-                ids.add(pq.read_table(shard.path, columns=["id"])["id"].to_pylist())
-        ids.count, ids.examples = 0, []  # earlier shards' own repeats were told then
+                ids._record(shard_ids(shard.path), repeats=False)
         return ids
 
     @property
@@ -57,11 +54,23 @@ class Duplicates:
 
     def add(self, ids: Iterable[str]) -> None:
         """Record ``ids`` as written; count those written before."""
+        self._record(ids, repeats=True)
+
+    def add_shards(self, paths: Iterable[Path]) -> None:
+        """``add`` the ids of the shards at ``paths``, read one shard at a time (a Ray job's
+        write tasks return no ids: all of a big job's at once would not fit the driver)."""
+        for path in paths:
+            self.add(shard_ids(path))
+
+    def _record(self, ids: Iterable[str], repeats: bool) -> None:
+        """Remember ``ids``; count the repeats among them when ``repeats`` (earlier shards'
+        own repeats were told by the run that wrote them)."""
         for row_id in ids:
             if row_id in self._seen:
-                self.count += 1
-                if len(self.examples) < EXAMPLES and row_id not in self.examples:
-                    self.examples.append(row_id)
+                if repeats:
+                    self.count += 1
+                    if len(self.examples) < EXAMPLES and row_id not in self.examples:
+                        self.examples.append(row_id)
             elif len(self._seen) < self._max:
                 self._seen.add(row_id)
                 if len(self._seen) == self._max:
@@ -75,3 +84,10 @@ class Duplicates:
                         "(%s): each is embedded and written, so readers see those ids more "
                         "than once", self.count, ", ".join(map(repr, self.examples)),
                         extra={"duplicate_ids": self.count, "examples": self.examples})
+
+
+def shard_ids(path: Path) -> list[str]:
+    """The ``id`` column of the shard at ``path`` (the only column read)."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path, columns=["id"])["id"].to_pylist()

@@ -47,9 +47,10 @@ class _Pending:
         and their tokens, estimated as that share of the job's."""
         if self.job is None:
             return 0, 0
-        total = len(self.job.pending())
+        pending = self.job.pending()
+        total = len(pending)
         rows = total - self.job.remaining
-        tokens = sum(len(self.job.ids[i]) for i in self.job.pending())
+        tokens = sum(len(self.job.ids[i]) for i in pending)
         return rows, tokens * rows // max(total, 1)
 
 

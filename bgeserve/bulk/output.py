@@ -6,6 +6,12 @@ model, or an input that changed since (its row numbers would no longer name the 
 is refused before any model loads; a rerun with more inputs adds them. Names starting with
 ``_`` or ``.`` are skipped by Parquet dataset readers (pyarrow, Spark, Ray, DuckDB), so
 ``pyarrow.parquet.read_table(DIR)`` reads the shards and nothing else.
+
+A Ray job learns which model files it runs (the ``model_identity``) only once its actors have
+loaded them, after the manifest is written: the first of its write tasks records it in
+``.bulk.model`` before writing its shard (``pin_identity``), and every other task's shards must
+match it; the manifest takes it over at the end of the run, or at the start of the next one
+when the run was killed.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Self
@@ -20,13 +27,14 @@ from typing import Any, Self
 import orjson
 
 from bgeserve.bulk.coverage import Coverage
-from bgeserve.bulk.shards import ShardInfo, is_temp, read_info
+from bgeserve.bulk.shards import TEMP_SUFFIX, ShardInfo, is_temp, read_info
 from bgeserve.bulk.sources import Source
 from bgeserve.errors import InvalidInput
 
 log = logging.getLogger("bgeserve.bulk")
 MANIFEST = "_bulk.json"
 LOCK = ".bulk.lock"
+PIN = ".bulk.model"  # the model identity of shards a Ray run wrote before the manifest had it
 
 
 class OutputDir:
@@ -57,7 +65,7 @@ class OutputDir:
         wrote no shard (a refused first run leaves nothing to trip over)."""
         os.close(self._lock)  # releases the lock
         if failed and self.created and not self.has_shards():
-            for name in (LOCK, MANIFEST):
+            for name in (LOCK, MANIFEST, PIN):
                 (self.path / name).unlink(missing_ok=True)
             try:
                 self.path.rmdir()
@@ -72,18 +80,23 @@ class OutputDir:
 
     # -- the manifest ----------------------------------------------------------------------
     def check_manifest(self, spec: dict[str, Any], sources: Sequence[Source],
-                       model_identity: str | None = None, *, write: bool = True) -> None:
+                       model_identity: str | None = None, *, write: bool = True) -> str | None:
         """Refuse a rerun that would mix shards of another job (another spec, another model
         at the same path, a changed input); record this one unless ``write`` is false.
+        Returns the model identity the shards must have (``model_identity``, else the one
+        recorded; None when neither is known).
 
         The manifest only guards shards: in a folder without any (a first run that failed
         before writing one, e.g. a wrong BGE_M3_MODEL_PATH) it is replaced, never obeyed."""
         path = self.path / MANIFEST
-        old = orjson.loads(path.read_bytes()) if path.exists() and self.has_shards() else None
+        shards = self.has_shards()
+        old = orjson.loads(path.read_bytes()) if path.exists() and shards else None
         files = {s.key: s.fingerprint() for s in sources}
         if old is not None:
+            # A Ray run killed before its manifest had the identity left it in the pin.
+            recorded = old.get("model_identity") or _read_pin(self.path)
             _check_spec(self.path, old.get("spec", {}), spec)
-            _check_identity(self.path, old.get("model_identity"), model_identity)
+            check_identity(self.path, recorded, model_identity)
             moved = _check_sources(old.get("sources", {}), files)
             for key, old_key in moved.items() - self._moved.items():  # once per run
                 log.warning("%s looks like %s moved or copied (same name, size and mtime): "
@@ -93,15 +106,18 @@ class OutputDir:
             self._moved.update(moved)
             files = {**old.get("sources", {}), **files}
             if model_identity is None:  # not known yet (or a Ray job): keep what was recorded
-                model_identity = old.get("model_identity")
+                model_identity = recorded
         if not write:
-            return
+            return model_identity
         body = {"bgeserve_bulk": 1, "spec": spec, "sources": files}
         if model_identity is not None:
             body["model_identity"] = model_identity
         temp = self.path / f".{MANIFEST}.tmp"
         temp.write_bytes(orjson.dumps(body, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
         os.replace(temp, path)
+        if model_identity is not None or not shards:  # recorded now, or guarding no shard
+            (self.path / PIN).unlink(missing_ok=True)
+        return model_identity
 
     def has_shards(self) -> bool:
         """Whether a finished shard is in the folder."""
@@ -142,7 +158,8 @@ def _check_spec(folder: Path, before: dict[str, Any], spec: dict[str, Any]) -> N
                 "or write to a new --output", param="--output")
 
 
-def _check_identity(folder: Path, before: str | None, now: str | None) -> None:
+def check_identity(folder: Path, before: str | None, now: str | None) -> None:
+    """Refuse (InvalidInput) shards of model files ``now`` beside those of ``before``."""
     # A manifest written before identities were recorded has none: it is accepted (refusing
     # would strand every folder of an older bgeserve mid-job), and this run records its own.
     if before is None or now is None or before == now:
@@ -153,6 +170,38 @@ def _check_identity(folder: Path, before: str | None, now: str | None) -> None:
         "cache) changed, or another variant was chosen for it. Restore that model, pin "
         "BGE_M3_MODEL to the earlier variant, or write to a new --output",
         param="BGE_M3_MODEL_PATH")
+
+
+def pin_identity(folder: Path, identity: str) -> str:
+    """The identity ``folder``'s shards are made with while its manifest records none (a Ray
+    run's first shards): the one pinned before, else ``identity``, pinned now. The first of
+    several concurrent callers wins (a hard link never replaces a file); every caller reads
+    the winner's."""
+    pinned = _read_pin(folder)
+    if pinned is not None:
+        return pinned
+    temp = folder / f"{PIN}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}"  # scan() removes a leftover
+    try:
+        with open(temp, "w") as f:
+            f.write(identity)
+            f.flush()
+            os.fsync(f.fileno())  # the shard's directory fsync then makes the name durable too
+        try:
+            os.link(temp, folder / PIN)
+        except FileExistsError:
+            pass  # another write task pinned first
+    finally:
+        temp.unlink(missing_ok=True)
+    pinned = _read_pin(folder)
+    assert pinned is not None
+    return pinned
+
+
+def _read_pin(folder: Path) -> str | None:
+    try:
+        return (folder / PIN).read_text() or None
+    except FileNotFoundError:
+        return None
 
 
 def _check_sources(before: dict[str, Any], files: dict[str, dict[str, int]]

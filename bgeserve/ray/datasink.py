@@ -5,7 +5,14 @@ ends in ``.parquet``, and a rerun would write the same rows again under new name
 writes what each write task receives as one shard through ``bgeserve.bulk.shards`` (temporary
 name, renamed when complete, rows recorded in the footer, named by its rows so a retried task
 replaces its own file). Bad rows (null ``n_tokens``) go to no shard; their ids come back to
-the driver in the write results.
+the driver in the write results, with each shard's path (the driver reads its ids to count
+repeats) and the model identity its rows carried.
+
+Each row carries the identity of the model files its actor loaded (``MODEL_COLUMN``, dropped
+here). A write whose rows were made with other model files than the folder's shards (the
+identity the manifest records, or on a first run the one its first write pinned) is refused
+before its shard is written: a node with another model at ``BGE_M3_MODEL_PATH`` never mixes
+its vectors into the output.
 """
 
 from __future__ import annotations
@@ -20,9 +27,22 @@ from ray.data.datasource import Datasink
 
 from bgeserve.bulk import columns
 from bgeserve.bulk.coverage import spans_of
+from bgeserve.bulk.output import check_identity, pin_identity
 from bgeserve.bulk.shards import write_shard
+from bgeserve.errors import InvalidInput
 
-INTERNAL = ("_source", "_row", "_error")
+MODEL_COLUMN = "_model"  # the Embedder's identity_column: which model files made the row
+INTERNAL = ("_source", "_row", "_error", MODEL_COLUMN)
+
+
+def mixed_models(folder: Path, first: str, other: str) -> InvalidInput:
+    """The error of a run whose actors loaded different model files."""
+    return InvalidInput(
+        f"the Embedder actors of this run loaded different model files for {folder} ({first} "
+        f"on one, {other} on another; the settings are the same): BGE_M3_MODEL_PATH (or the "
+        "cache) holds another model on some node, or another variant was chosen there. Put the "
+        "same model at that path on every node, pin BGE_M3_MODEL, or write to a new --output",
+        param="BGE_M3_MODEL_PATH")
 
 
 def shard_table(table: pa.Table) -> tuple[pa.Table, dict[str, list[list[int]]],
@@ -51,24 +71,47 @@ def _width(schema: pa.Schema) -> int:
 
 
 class ShardSink(Datasink):
-    """Writes shards into ``folder``; ``results`` holds each write's counts and bad rows."""
+    """Writes shards into ``folder``; ``results`` holds each write's counts, bad rows, shard
+    and model identity. ``identity``: the one the manifest records (None on a first run)."""
 
-    def __init__(self, folder: Path, outputs: tuple[str, ...]):
+    def __init__(self, folder: Path, outputs: tuple[str, ...], identity: str | None = None):
         self.folder = Path(folder)
         self.outputs = outputs
+        self.identity = identity
         self.results: list[dict[str, Any]] = []
 
     def write(self, blocks: Iterable[pa.Table], ctx: Any) -> dict[str, Any]:
         tables = [b for b in blocks if b.num_rows]
         if not tables:
-            return {"rows": 0, "tokens": 0, "bad": [], "shards": 0}
+            return {"rows": 0, "tokens": 0, "bad": [], "shards": 0, "shard": None,
+                    "identity": None}
         table = pa.concat_tables(tables, promote_options="default")
+        identity = self.check_identity(table)
         good, coverage, bad = shard_table(table)
         schema = columns.schema(self.outputs, _width(good.schema))
         good = good.select(schema.names).cast(schema)
-        write_shard(self.folder, good, coverage, bad)
+        path = write_shard(self.folder, good, coverage, bad)
         tokens = int(pc.sum(good.column("n_tokens")).as_py() or 0)
-        return {"rows": good.num_rows, "tokens": tokens, "bad": bad, "shards": 1}
+        return {"rows": good.num_rows, "tokens": tokens, "bad": bad, "shards": 1,
+                "shard": str(path), "identity": identity}
+
+    def check_identity(self, table: pa.Table) -> str:
+        """The model identity ``table``'s rows carry; InvalidInput when they carry several, or
+        another than the manifest's (or, on a first run, than the one pinned by the first
+        write)."""
+        found = pc.unique(table.column(MODEL_COLUMN)).to_pylist()
+        if not found or None in found:
+            raise ValueError(f"rows without a model identity ({MODEL_COLUMN!r} is null)")
+        if len(found) > 1:
+            raise mixed_models(self.folder, *sorted(found)[:2])
+        identity = found[0]
+        if self.identity is not None:
+            check_identity(self.folder, self.identity, identity)
+        else:
+            pinned = pin_identity(self.folder, identity)
+            if pinned != identity:
+                raise mixed_models(self.folder, pinned, identity)
+        return identity
 
     def on_write_complete(self, write_result: Any) -> None:
         self.results = list(write_result.write_returns)

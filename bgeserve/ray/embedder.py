@@ -15,6 +15,10 @@ The batch comes back as an Arrow table: the input columns but the text, plus ``n
 ``truncated`` and the outputs asked for (see ``bgeserve.bulk.columns``). A row whose text is
 missing or not a string keeps its place with null outputs (``n_tokens`` null) and is named in
 a warning; filter with ``ds.filter(expr="n_tokens is not null")``.
+
+``Embedder.identity`` names the model files the actor loaded (variant and graph sha256, as
+``bgeserve bulk`` records them); ``identity_column`` adds it to every row (``bgeserve bulk
+--ray`` checks it against the output folder's before writing a shard).
 """
 
 from __future__ import annotations
@@ -95,16 +99,19 @@ class Embedder:
         text_column: the column of texts (dropped from the output unless ``keep_text``;
             kept, a text that was not a string is null).
         env: ``BGE_M3_*`` variables for the model (over the actor's own environment).
+        identity_column: a column to add holding ``identity`` in every row (none by default).
     """
 
     def __init__(self, outputs: str | Sequence[str] = ("dense", "sparse"), *,
                  text_column: str = "text", env: Mapping[str, str] | None = None,
-                 keep_text: bool = False):
+                 keep_text: bool = False, identity_column: str | None = None):
         self.outputs = columns.parse_outputs(outputs)
         self.text_column = text_column
         self.keep_text = keep_text
+        self.identity_column = identity_column
         self.options = columns.embed_options(self.outputs)
         self.model = BulkModel(resolve_settings(actor_environ(env, _ray_cpus())))
+        self.identity = self.model.identity  # bgeserve.bulk.model.model_identity
 
     def __call__(self, batch: Any) -> pa.Table:
         given_texts, table = split_batch(batch, self.text_column)
@@ -128,6 +135,8 @@ class Embedder:
         out = table
         if self.keep_text:
             out = out.append_column(self.text_column, pa.array(texts, pa.string()))
+        if self.identity_column:
+            data[self.identity_column] = pa.repeat(pa.scalar(self.identity, pa.string()), n)
         for name, array in data.items():
             if name in out.column_names:
                 out = out.drop_columns([name])

@@ -9,12 +9,21 @@ either. Inputs and the output folder must be on storage every node sees at the s
 Actors: by default one per node, with all its CPUs but one (that one reads and writes);
 ``--cpus-per-actor C`` packs ``(CPUs − 1) // C`` per node. Each actor loads the model and
 sizes its budget with the probe on its own node (``Embedder``).
+
+As in the local job, a folder's shards are all made with one model's files: each row carries
+the identity of its actor's model, and the sink refuses a write of another than the manifest
+records (or, on a first run, than the first write pinned); the manifest records it when the
+run ends. Ids written more than once are counted once the run ends, from the id columns of the
+folder's shards (read one shard at a time, as the local job reads the earlier ones).
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from typing import Any
 
+from bgeserve.bulk.dupes import Duplicates
 from bgeserve.bulk.job import BulkJob
 from bgeserve.bulk.local import MAX_BAD_EXAMPLES
 from bgeserve.bulk.model import model_spec, settings_env
@@ -22,8 +31,8 @@ from bgeserve.bulk.output import OutputDir, log_earlier_bad_rows
 from bgeserve.bulk.progress import Progress, Summary
 from bgeserve.bulk.sources import check_columns, discover
 from bgeserve.config import Settings
-from bgeserve.errors import InvalidInput
-from bgeserve.ray.datasink import ShardSink
+from bgeserve.errors import BgeServeError, InvalidInput
+from bgeserve.ray.datasink import MODEL_COLUMN, ShardSink, mixed_models
 from bgeserve.ray.datasource import BulkSource
 from bgeserve.ray.embedder import Embedder
 
@@ -56,16 +65,30 @@ def actor_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+def run_identity(folder: Path, results: list[dict[str, Any]]) -> str | None:
+    """The one model identity the write ``results`` report (None when no shard was written);
+    InvalidInput when the actors disagreed (the sink refuses that before it writes: this is
+    the driver's own check)."""
+    found = sorted({r["identity"] for r in results if r.get("identity") is not None})
+    if len(found) > 1:
+        raise mixed_models(folder, found[0], found[1])
+    return found[0] if found else None
+
+
 def run(job: BulkJob, settings: Settings, address: str | None = None,
         cpus_per_actor: float | None = None) -> Summary:
     """Run ``job`` on the Ray cluster at ``address`` (None: RAY_ADDRESS, else a local one)."""
     import ray
+    from ray.exceptions import RayTaskError
 
     with OutputDir(job.output) as out:
         sources = discover(job.inputs, exclude=out.path)
         for s in sources:
             check_columns(s, job.text_column, job.id_column)
-        out.check_manifest(job.spec(model_spec(settings)), sources)
+        spec = job.spec(model_spec(settings))
+        # The identity the shards already in the folder were made with (None on a first run):
+        # known to the driver before any actor loads, checked by the sink on every write.
+        recorded = out.check_manifest(spec, sources)
         coverage, shards = out.scan()
         log_earlier_bad_rows(shards)
         skipped = sum(coverage.rows(s.key) for s in sources)
@@ -84,9 +107,18 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
         ds = ds.map_batches(
             Embedder, batch_format="pyarrow", batch_size=None,
             compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=cpus,
-            fn_constructor_kwargs={"outputs": job.outputs, "env": actor_env(settings)})
-        sink = ShardSink(out.path, job.outputs)
-        ds.write_datasink(sink, ray_remote_args={"num_cpus": IO_CPUS})
+            fn_constructor_kwargs={"outputs": job.outputs, "env": actor_env(settings),
+                                   "identity_column": MODEL_COLUMN})
+        sink = ShardSink(out.path, job.outputs, recorded)
+        try:
+            ds.write_datasink(sink, ray_remote_args={"num_cpus": IO_CPUS})
+        except RayTaskError as exc:
+            if isinstance(exc.cause, BgeServeError):  # a refusal: its message, no traceback
+                raise exc.cause from None
+            raise
+        identity = run_identity(out.path, sink.results)
+        if recorded is None and identity is not None:
+            out.check_manifest(spec, sources, identity)
         summary = progress.summary
         for result in sink.results:
             summary.rows += result["rows"]
@@ -98,4 +130,8 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
                     summary.bad_examples.append({"source": source, "row": row, "id": row_id,
                                                  "reason": why})
                 log.warning("skipped bad row %d of %s (id %r): %s", row, source, row_id, why)
+        ids = Duplicates.of_shards(shards)
+        ids.add_shards(dict.fromkeys(Path(r["shard"]) for r in sink.results if r["rows"]))
+        ids.warn()
+        summary.duplicate_ids = ids.count
         return progress.close()

@@ -1,0 +1,76 @@
+"""``bgeserve.ray.datasink.ShardSink`` called as a Ray write task calls it, without a cluster
+or a model: a write of rows made with other model files than the folder's is refused before
+its shard is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from bgeserve.bulk.output import PIN, OutputDir
+from bgeserve.errors import InvalidInput
+from bgeserve.ray.datasink import MODEL_COLUMN, ShardSink
+from bgeserve.ray.pipeline import run_identity
+
+A, B = "fp32 sha256:aaa", "fp32 sha256:bbb"
+
+
+def block(start: int, n: int, *identities: str) -> pa.Table:
+    """``n`` embedded rows of source ``s`` from ``start``, as the Embedder gives them, the
+    rows' model identities taken in turn from ``identities``."""
+    return pa.table({
+        "id": [f"i{start + k}" for k in range(n)], "_source": ["s"] * n,
+        "_row": pa.array(range(start, start + n), pa.int64()), "_error": pa.nulls(n, pa.string()),
+        "n_tokens": pa.array([3] * n, pa.int32()), "truncated": [False] * n,
+        "dense": pa.FixedSizeListArray.from_arrays(pa.array([0.5] * (2 * n), pa.float32()), 2),
+        MODEL_COLUMN: [identities[k % len(identities)] for k in range(n)]})
+
+
+def shards(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("*.parquet"))
+
+
+def test_a_write_of_another_model_than_the_manifests_is_refused_before_writing(
+        tmp_path: Path) -> None:
+    """The manifest records A: a write of B's rows raises the manifest's refusal (naming
+    BGE_M3_MODEL_PATH) and leaves no shard; A's rows are written, without the column."""
+    sink = ShardSink(tmp_path, ("dense",), identity=A)
+    with pytest.raises(InvalidInput, match="other model files.*BGE_M3_MODEL_PATH") as exc:
+        sink.write([block(0, 3, B)], None)
+    assert exc.value.param == "BGE_M3_MODEL_PATH"
+    assert shards(tmp_path) == [] and not (tmp_path / PIN).exists()
+    result = sink.write([block(0, 3, A)], None)
+    assert result["identity"] == A and result["rows"] == 3
+    written = pq.read_table(result["shard"])
+    assert MODEL_COLUMN not in written.column_names and written["id"].to_pylist() == [
+        "i0", "i1", "i2"]
+
+
+def test_on_a_first_run_the_first_write_pins_the_model_for_the_others(tmp_path: Path) -> None:
+    """No identity recorded: the first write pins A; a write task of an actor that loaded B
+    (another node's files) is refused, as is a write mixing both; the pin is what the next
+    run's manifest records if this one is killed."""
+    with OutputDir(tmp_path) as out:
+        out.check_manifest({"outputs": ["dense"]}, [])
+    first, other = ShardSink(tmp_path, ("dense",)), ShardSink(tmp_path, ("dense",))
+    results = [first.write([block(0, 2, A)], None)]
+    with pytest.raises(InvalidInput, match="loaded different model files.*BGE_M3_MODEL"):
+        other.write([block(2, 2, B)], None)
+    with pytest.raises(InvalidInput, match="loaded different model files"):
+        other.write([block(4, 2, A, B)], None)
+    results.append(other.write([block(6, 2, A)], None))
+    assert len(shards(tmp_path)) == 2 and run_identity(tmp_path, results) == A
+    with OutputDir(tmp_path) as out:
+        assert out.check_manifest({"outputs": ["dense"]}, []) == A
+    assert orjson.loads((tmp_path / "_bulk.json").read_bytes())["model_identity"] == A
+
+
+def test_the_driver_refuses_results_of_several_models(tmp_path: Path) -> None:
+    """The driver's own check of the write results: one identity, or an error naming both."""
+    assert run_identity(tmp_path, [{"identity": None}]) is None
+    with pytest.raises(InvalidInput, match=f"{A} on one, {B} on another"):
+        run_identity(tmp_path, [{"identity": B}, {"identity": A}, {"identity": None}])
