@@ -7,6 +7,9 @@ No HTTP codes live here.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+
 
 class BgeServeError(Exception):
     """Base class: every error bgeserve raises on purpose.
@@ -81,3 +84,34 @@ class OutOfMemory(EngineFailed):
     """The runtime failed to allocate memory for a chunk (the engine splits and retries)."""
 
     code = "out_of_memory"
+
+
+# Half of a UTF-16 pair alone (JSON's "\ud800", Python's "\ud800"): a code point but no
+# character; no UTF-8 encodes it, so tokenizers refuse it with a message naming neither the
+# text nor the character.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def surrogate_error(value: object, name: str, code: str = "invalid_input"
+                    ) -> InvalidInput | None:
+    """The refusal of the first string in ``value`` (named ``name``; lists and objects walked,
+    ``name[3]``, ``name.key``) that holds a lone surrogate; None when none does."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        if found is None:
+            return None
+        return InvalidInput(f"{name} holds a lone surrogate (U+{ord(found.group()):04X} at "
+                            f"character {found.start()}), which is no Unicode character: send "
+                            "valid text (in JSON, escape a character outside the BMP as a "
+                            "high and low surrogate pair)", param=name, code=code)
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            found_in = surrogate_error(item, f"{name}.{key}" if name else str(key), code)
+            if found_in is not None:
+                return found_in
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            found_in = surrogate_error(item, f"{name}[{i}]", code)
+            if found_in is not None:
+                return found_in
+    return None

@@ -500,6 +500,28 @@ def test_compressed_bodies_are_415_and_bad_utf8_is_named(client: TestClient, rou
     assert r.status_code in (400, 422) and "not valid UTF-8 (byte 14" in r.text, r.text
 
 
+@pytest.mark.parametrize(("route", "raw", "param"), [
+    ("/v1/embeddings", rb'{"input": ["ok", "a\ud800b", "x"]}', "input[1]"),
+    ("/v1/embeddings", rb'{"input": "\udc00"}', "input"),
+    ("/embed", rb'{"inputs": ["ok", "ok", "\ud83d"]}', "inputs[2]"),
+    ("/v1/rerank", rb'{"query": "q", "documents": ["d", {"text": "\ud800"}]}',
+     "documents[1].text"),
+])
+def test_a_lone_surrogate_is_named_by_its_field(client: TestClient, route: str, raw: bytes,
+                                                param: str) -> None:
+    """JSON's "\ud800" alone is a code point but no character (orjson refuses the body as
+    "no low surrogate in string"): the 400 names the field that holds it and nothing runs."""
+    r = client.post(route, content=raw, headers=JSON)
+    assert r.status_code == 400, r.text
+    assert f"{param} holds a lone surrogate" in r.text, r.text
+    if route.startswith("/v1"):
+        assert r.json()["error"]["param"] == param
+    assert client.fake.calls == []  # type: ignore[attr-defined]
+    # A pair is a character: embedded.
+    ok = client.post("/v1/embeddings", content=rb'{"input": "\ud83d\ude00"}', headers=JSON)
+    assert ok.status_code == 200, ok.text
+
+
 def test_body_limit_by_content_length() -> None:
     """A declared Content-Length over the limit is refused before the handler runs."""
     with serve(max_body_bytes=2048) as c:

@@ -130,6 +130,25 @@ def test_unencodable_input_is_invalid_input():
     assert info.value.param == "input"
 
 
+def test_a_lone_surrogate_is_named_with_its_text_and_place():
+    """tokenizers refuses a lone surrogate in words naming neither ("TextEncodeInput must be
+    Union[...]"): the refusal names the text and the character; a rerank names the query or
+    the document as its request does."""
+    with pytest.raises(InvalidInput, match=r"input\[1\] holds a lone surrogate \(U\+D800 at "
+                       r"character 6\)") as info:
+        make().encode(["hello", "hello \ud800"])
+    assert info.value.param == "input[1]"
+    with pytest.raises(InvalidInput) as info:
+        make().encode_rerank("hello", ["hello", "hello", "\udfff"])
+    assert info.value.param == "documents[2]"
+    with pytest.raises(InvalidInput) as info:
+        make().encode_rerank("\udfff", ["hello"])
+    assert info.value.param == "query"
+    with pytest.raises(InvalidInput) as info:
+        make().tokens(["hello"] * 70 + ["\ud800"])
+    assert info.value.param == "inputs[70]"
+
+
 def test_encoding_nothing_gives_nothing():
     """No texts, no ids; the arrays are still well-typed."""
     enc = make().encode([])

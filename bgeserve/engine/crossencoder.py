@@ -20,7 +20,7 @@ from bgeserve.results import RerankOptions, RerankResult
 def plan_pairs(tokenizer: Tokenizer, query: str, documents: Sequence[str],
                config: PairConfig, options: RerankOptions) -> PairPlan:
     """The pair rows for ``query`` against ``documents`` (``tokenizer`` must not truncate)."""
-    encoded = tokenizer.encode([query, *documents]).ids
+    encoded = tokenizer.encode_rerank(query, documents)
     docs = [content_ids(ids) for ids in encoded[1:]]
     cut = np.zeros(len(docs), dtype=bool)
     if options.max_tokens_per_doc is not None:

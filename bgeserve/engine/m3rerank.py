@@ -51,7 +51,7 @@ def plan_m3(tokenizer: Tokenizer, query: str, documents: Sequence[str], max_seq:
     """Tokenize once (``tokenizer`` must not truncate: its ``max_seq`` above any document) and
     cut each document into windows of ``max_seq - 2`` content tokens."""
     width = max_seq - 2
-    encoded = tokenizer.encode([query, *documents]).ids
+    encoded = tokenizer.encode_rerank(query, documents)
     q = content_ids(encoded[0])
     inputs = [np.concatenate(([CLS_ID], q[:width], [EOS_ID])).astype(np.int64)]
     owner: list[int] = []

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
-from bgeserve.errors import InvalidInput, ModelUnavailable, NotReady, TooLarge
+from bgeserve.errors import InvalidInput, ModelUnavailable, NotReady, TooLarge, surrogate_error
 from bgeserve.results import Token
 from bgeserve.vocab import CLS_ID, EOS_ID
 
@@ -193,6 +193,18 @@ class Tokenizer:
                 ids[i] = self._encode_grouped([text])[0]
         return self._truncate(ids)
 
+    def encode_rerank(self, query: str, documents: Sequence[str]) -> list[np.ndarray]:
+        """The ids of ``query`` and of each document (``encode`` of them in one list), a text
+        the tokenizer refuses named as the rerank request names it (``documents[2]``)."""
+        try:
+            return self.encode([query, *documents]).ids
+        except InvalidInput as exc:
+            found = surrogate_error(query, "query") or surrogate_error(list(documents),
+                                                                        "documents")
+            if found is None:
+                raise
+            raise found from exc
+
     def _prefix(self, text: str) -> str:
         """``text``, or its leading words when it is far longer than ``max_seq`` tokens can
         be: cut at a space (the pre-tokenizer splits there, so every word before the cut
@@ -213,9 +225,9 @@ class Tokenizer:
                 with _native():
                     try:
                         encodings = self._tk.encode_batch(group, add_special_tokens=True)
-                    except Exception as exc:
-                        raise InvalidInput(f"cannot tokenize input: {exc}",
-                                           param="input") from exc
+                    except Exception as exc:  # its words name neither text nor fault
+                        raise surrogate_error(texts, "input") or InvalidInput(
+                            f"cannot tokenize input: {exc}", param="input") from exc
                 out += [np.asarray(e.ids, dtype=np.int64) for e in encodings]
                 del encodings
                 group, chars = [], 0
@@ -342,7 +354,8 @@ class Tokenizer:
                     encodings = self._tk.encode_batch(group,
                                                       add_special_tokens=add_special_tokens)
                 except Exception as exc:
-                    raise InvalidInput(f"cannot tokenize input: {exc}", param="inputs") from exc
+                    raise surrogate_error(texts, "inputs") or InvalidInput(
+                        f"cannot tokenize input: {exc}", param="inputs") from exc
             for text, enc in zip(group, encodings, strict=True):
                 total += len(enc.ids)
                 if max_tokens is not None and total > max_tokens:

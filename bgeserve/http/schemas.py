@@ -8,6 +8,7 @@ send extras.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import orjson
 
 from bgeserve.config import Settings
-from bgeserve.errors import InvalidInput, TooLarge
+from bgeserve.errors import InvalidInput, TooLarge, surrogate_error
 from bgeserve.http.errors import ModelNotFound
 from bgeserve.results import EmbedOptions
 from bgeserve.vocab import VOCAB_SIZE  # bge-m3's; the engine checks the loaded tokenizer's
@@ -267,10 +268,23 @@ def load_object(raw: bytes) -> dict[str, Any]:
             raise InvalidInput(f"request body is not valid UTF-8 (byte {bad.start}: "
                                f"{raw[bad.start:bad.start + 1]!r}); send UTF-8 JSON",
                                code="invalid_json") from None
+        if "surrogate" in str(exc):  # valid JSON, but a string is no text: name which one
+            raise _surrogate(raw) or InvalidInput(f"request body is not valid JSON: {exc}",
+                                                  code="invalid_json") from None
         raise InvalidInput(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidInput("request body must be a JSON object", code="invalid_json")
     return body
+
+
+def _surrogate(raw: bytes) -> InvalidInput | None:
+    """The refusal naming the field of ``raw`` that holds a lone surrogate (``input[1]``),
+    which orjson refuses to decode and the standard library decodes; None if none is found."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    return surrogate_error(body, "", code="invalid_json")  # a body orjson refused: TEI's 400
 
 
 def parse_embed_request(
