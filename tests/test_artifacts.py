@@ -243,6 +243,12 @@ def test_snapshot_without_the_requested_variant_lists_what_it_has(
     assert "onnx/model_quantized.onnx" in info.value.message
     assert "fp32 (onnx/model.onnx)" in info.value.message
     assert "bgeserve export" in info.value.message
+    # int8 can be made from its fp32 graph (what a server's start does; the library does not)
+    assert "bgeserve prepare --variant int8 --out OUT" in info.value.message
+    assert "variant=" in info.value.message  # the library's name for BGE_M3_MODEL
+    with pytest.raises(ModelUnavailable) as info:  # fp16 is no prepared variant
+        resolve(model_path=root, variant="fp16", cache_dir=tmp_path / "cache", offline=True)
+    assert "bgeserve prepare" not in info.value.message
 
 
 @pytest.mark.parametrize(

@@ -217,9 +217,14 @@ def _resolve_local(root: Path, variant: str, fetch: Fetcher) -> ModelArtifacts:
     export = f"run `bgeserve export --model {root} --out OUT` and point BGE_M3_MODEL_PATH at OUT"
     if graphs:
         have = ", ".join(f"{v} ({HUB_SOURCES[v].onnx})" for v in graphs)
+        preparable = variant in ("int8", *EXPORT_ONLY_VARIANTS) and "fp32" in graphs
         raise ModelUnavailable(
             f"{root} has no {variant} graph ({HUB_SOURCES[variant].onnx}); it has {have}: set "
-            f"BGE_M3_MODEL to one of those" + (f", or {export}" if pytorch else ""),
+            f"BGE_M3_MODEL (the library's variant=) to one of those"
+            + (f", or make {variant} from it with `bgeserve prepare --variant {variant} --out "
+               f"OUT` (BGE_M3_MODEL_PATH={root}; a server does it on its first start) and point "
+               "the model path at OUT" if preparable else "")
+            + (f", or {export}" if pytorch else ""),
             param="BGE_M3_MODEL",
         )
     if pytorch:
@@ -263,7 +268,8 @@ def _resolve_export(root: Path, manifest: dict[str, Any], variant: str) -> Model
         model = source.get("model") if isinstance(source, dict) else None
         raise ModelUnavailable(
             f"export {root} has variants {', '.join(sorted(variants)) or 'none'} but not {variant}: "
-            f"set BGE_M3_MODEL to one of those, or add it with `bgeserve export --model "
+            f"set BGE_M3_MODEL (the library's variant=) to one of those, or add it with "
+            f"`bgeserve export --model "
             f"{model if isinstance(model, str) else 'MODEL'} --out {root} --variant {variant}`"
             + (f" {hint}" if hint else ""),
             param="BGE_M3_MODEL",
