@@ -84,3 +84,13 @@ def test_the_hub_model_comes_at_the_pinned_commit(tiny_reranker_stock, tmp_path,
     assert (art.tokenizer_path.parent / "config.json").is_file()
     with pytest.raises(ConfigError, match="fp32 ONNX graph only"):
         resolve_reranker(model_path=None, variant="int8", cache_dir=tmp_path)
+
+
+def test_the_hub_reranker_unreachable_names_the_rerankers_own_path(tmp_path) -> None:
+    """Offline with nothing cached, the refusal points at BGE_M3_RERANK_MODEL_PATH (it named
+    bge-m3's BGE_M3_MODEL_PATH, which the reranker does not read)."""
+    with pytest.raises(ModelUnavailable) as info:
+        resolve_reranker(model_path=None, variant="fp32", cache_dir=tmp_path / "bgeserve",
+                         offline=True, progress=False, hub_cache=tmp_path / "hub")
+    assert "Set BGE_M3_RERANK_MODEL_PATH to a local copy" in info.value.message
+    assert "BGE_M3_MODEL_PATH" not in info.value.message.replace("BGE_M3_RERANK_MODEL_PATH", "")

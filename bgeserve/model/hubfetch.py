@@ -48,6 +48,8 @@ class Fetcher:
     legacy_cache: Path | None = None
     # Called with (file, bytes done, bytes total or None) while a file downloads.
     report: Callable[[str, int, int | None], None] | None = None
+    # The setting that points at a local copy instead (the reranker has its own).
+    path_variable: str = "BGE_M3_MODEL_PATH"
 
     def __call__(self, repo_id: str, revision: str, filename: str) -> Path:
         cached = self.cached(repo_id, revision, filename)
@@ -90,8 +92,8 @@ class Fetcher:
         raise ModelUnavailable(
             f"cannot get {filename} from {repo_id}@{revision} into the Hugging Face cache "
             f"{self._cache_name()}: {_explain(error, offline=self.offline)}. Set "
-            "BGE_M3_MODEL_PATH to a local copy of the model, pre-fill the cache (HF_HUB_CACHE / "
-            "HF_HOME), or allow downloads (HF_HUB_OFFLINE=0)"
+            f"{self.path_variable} to a local copy of the model, pre-fill the cache "
+            "(HF_HUB_CACHE / HF_HOME), or allow downloads (HF_HUB_OFFLINE=0)"
         ) from error
 
     def cached(self, repo_id: str, revision: str, filename: str) -> Path | None:
@@ -128,7 +130,7 @@ class Fetcher:
             raise ModelUnavailable(
                 f"cannot get {filename} from {repo_id}@{revision}: the hub's host {host} does "
                 f"not resolve (no network?) and the file is not in the Hugging Face cache "
-                f"{self._cache_name()}. Set BGE_M3_MODEL_PATH to a local copy of the model, or "
+                f"{self._cache_name()}. Set {self.path_variable} to a local copy of the model, or "
                 "fill the cache where there is a network and set HF_HUB_OFFLINE=1")
 
     def _size(self, repo_id: str, revision: str, filename: str) -> int | None:

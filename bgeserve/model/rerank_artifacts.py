@@ -49,7 +49,8 @@ def resolve_reranker(*, model_path: Path | None, variant: str, cache_dir: Path,
         # The Hugging Face cache, as for bge-m3 (model/artifacts.py): files downloaded into
         # bgeserve's cache directory by an earlier version are still found there.
         return _hub(variant, Fetcher(hub_cache, offline, endpoint, progress,
-                                     legacy_cache=validate_cache_dir(cache_dir)))
+                                     legacy_cache=validate_cache_dir(cache_dir),
+                                     path_variable="BGE_M3_RERANK_MODEL_PATH"))
     root = Path(model_path).expanduser()
     kind = directory_kind(root) if root.is_dir() else None
     if (root / "manifest.json").is_file():
