@@ -309,7 +309,7 @@ class Settings:
         if self.onnx_batch_size is not None:
             warnings.warn(
                 "BGE_M3_ONNX_BATCH_SIZE is deprecated; it is translated to BGE_M3_TOKEN_BUDGET "
-                "(that many texts of BGE_M3_MAX_SEQ_LENGTH tokens)",
+                "(the workspace of that many 512-token texts; the server logs the figure)",
                 DeprecationWarning,
                 stacklevel=3,
             )
