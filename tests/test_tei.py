@@ -232,6 +232,26 @@ def test_similarity_batch_counts_the_source() -> None:
                                                "Validation")
 
 
+@pytest.mark.parametrize(("inputs", "status", "error_type", "param"), [
+    ({"source_sentence": "q"}, 422, "Validation", "inputs.sentences"),
+    ({"source_sentence": "q", "sentences": "a"}, 422, "Validation", "inputs.sentences"),
+    ({"source_sentence": "q", "sentences": []}, 400, "Empty", "inputs.sentences"),
+    ({"source_sentence": "q", "sentences": ["a", 5]}, 422, "Validation", "inputs.sentences[1]"),
+    ({"source_sentence": "", "sentences": ["a"]}, None, None, None),
+])
+def test_similarity_errors_name_the_sentence(client: TestClient, inputs: dict, status: int | None,
+                                             error_type: str | None, param: str | None) -> None:
+    """A missing or mistyped ``sentences`` is TEI's 422 (its body type refuses it), an empty
+    one its 400 Empty; a bad sentence is named by its place in ``sentences`` (the batch puts
+    the source sentence first: it said ``inputs[2]``)."""
+    r = client.post("/similarity", json={"inputs": inputs})
+    if status is None:
+        assert r.status_code == 200, r.text
+        return
+    message = tei_error(r, status, error_type)
+    assert param in message and "inputs[" not in message, message
+
+
 # -- /tokenize, /decode, /info ----------------------------------------------------------------
 def test_tokenize_gives_byte_offsets_and_special_tokens(client: TestClient) -> None:
     """``[[{id, text, special, start, stop}]]``: UTF-8 byte offsets (TEI's), specials with null

@@ -10,11 +10,12 @@ other than its width.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from bgeserve.config import Settings
-from bgeserve.errors import InvalidInput
+from bgeserve.errors import BgeServeError, InvalidInput
 from bgeserve.http.schemas import OPTION_PARSERS, _as_int, flag, load_object, parse_input
 
 DIRECTIONS = {"right": False, "Right": False, "left": True, "Left": True}
@@ -107,15 +108,32 @@ def similarity_inputs(body: dict[str, Any], settings: Settings) -> TeiEmbedReque
         raise InvalidInput("inputs must be an object with source_sentence (a string) and "
                            "sentences (an array of strings)", param="inputs")
     sentences = inputs.get("sentences")
-    if not isinstance(sentences, list) or not sentences:
+    if not isinstance(sentences, list):  # TEI's body type refuses it: 422, not "Empty"
+        raise InvalidInput("inputs.sentences must be an array of strings",
+                           param="inputs.sentences")
+    if not sentences:
         raise InvalidInput("inputs.sentences must be a non-empty array of strings",
                            param="inputs.sentences", code="empty_input")
     parameters = body.get("parameters")
     parameters = {} if parameters is None else parameters
     if not isinstance(parameters, dict):
         raise InvalidInput("parameters must be an object", param="parameters")
-    return embed_fields({**parameters, "inputs": [inputs["source_sentence"], *sentences]},
-                        settings)
+    try:
+        return embed_fields({**parameters, "inputs": [inputs["source_sentence"], *sentences]},
+                            settings)
+    except BgeServeError as exc:
+        raise _as_similarity(exc) from None
+
+
+def _as_similarity(exc: BgeServeError) -> BgeServeError:
+    """``exc`` naming a text as the similarity body does (``inputs[2]`` of the batch is
+    ``inputs.sentences[1]``: the source sentence comes first)."""
+    found = re.fullmatch(r"inputs\[(\d+)\]", exc.param or "")
+    if found is None:
+        return exc
+    i = int(found.group(1))
+    name = "inputs.source_sentence" if i == 0 else f"inputs.sentences[{i - 1}]"
+    return type(exc)(exc.message.replace(exc.param or "", name), param=name, code=exc.code)
 
 
 def parse_similarity(raw: bytes, settings: Settings) -> TeiEmbedRequest:
