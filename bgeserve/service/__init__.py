@@ -59,7 +59,9 @@ class Service:
         self.on_fatal = on_fatal
         self._ready = threading.Event()
         self._stopping = threading.Event()
-        self._draining = False  # SIGTERM came: /health says draining (503)
+        # SIGTERM came: /health says draining (503), seen only by a request already on an open
+        # connection (the listener closes at once: docs/deployment.md, "Stopping a pod").
+        self._draining = False
         self._loader: threading.Thread | None = None
         self._abort_timer: asyncio.TimerHandle | None = None
         # Reliability (issue 22): admission before tokenizing with Retry-After from the drain
