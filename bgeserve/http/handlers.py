@@ -83,15 +83,23 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) ->
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # this handler was cancelled: so is its work
-        task.cancel()
+        _abandon(task)
         raise
     finally:
         watch.cancel()
     if task.done():
         return task.result()
-    task.cancel()
+    _abandon(task)
     await asyncio.wait({task})  # the cancellation reaches the engine before we answer
     raise ClientGone("client disconnected before the answer; its texts were dropped")
+
+
+def _abandon(task: asyncio.Future[Any]) -> None:
+    """Cancel work nobody will await. It may still end in an error rather than cancelled (a
+    job refused 429 as the cancellation arrived: ``wait_for`` then raises the job's error):
+    that error is read here, so asyncio does not log it as never retrieved."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def embed_endpoint(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
