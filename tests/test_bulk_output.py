@@ -215,3 +215,14 @@ def test_a_pin_without_shards_is_dropped(tmp_path: Path):
         pin_identity(out.path, "sha256:aaa")
         raise InvalidInput("refused")
     assert not (tmp_path / "new").exists()
+
+
+def test_an_identity_by_names_sizes_and_mtimes_is_not_compared_with_content(tmp_path: Path):
+    """A folder an earlier bgeserve recorded by the graph files' names, sizes and mtimes (a
+    snapshot served as it is) resumes: that says nothing of the content the identity is now.
+    Two content identities still must agree."""
+    from bgeserve.bulk.output import check_identity
+
+    check_identity(tmp_path, "fp32 model.onnx:5:1796300000000000000", "fp32 sha256:abc")
+    with pytest.raises(InvalidInput, match="other model files"):
+        check_identity(tmp_path, "fp32 sha256:abc", "fp32 sha256:abd")

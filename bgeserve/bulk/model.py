@@ -20,6 +20,7 @@ from bgeserve.engine import Engine
 from bgeserve.engine.jobs import Job
 from bgeserve.errors import BgeServeError
 from bgeserve.model.artifacts import ModelArtifacts, export_variants
+from bgeserve.model.prepared import PreparedStore, file_digests
 from bgeserve.results import EmbedOptions
 from bgeserve.service import Service, plan
 
@@ -70,12 +71,15 @@ def model_spec(settings: Settings) -> dict[str, object]:
 def model_identity(loaded: Settings, artifacts: ModelArtifacts) -> str:
     """Which variant and graph files a job runs, to tell another model put at the same path:
     the graph's sha256 from the manifest of the export ``loaded`` serves (the service's
-    settings: for a snapshot or the hub, its prepared export), else the graph files' names,
-    sizes and mtimes."""
+    settings: for a snapshot or the hub, its prepared export), else the sha256 of the graph
+    files themselves (a snapshot served as it is). By content, not by names, sizes and mtimes:
+    each node of a Ray job has its own copy of the same files, with its own mtimes."""
     entry = export_variants(loaded.model_path).get(artifacts.variant, {})
-    files = f"sha256:{entry['sha256']}" if isinstance(entry.get("sha256"), str) \
-        else artifacts.identity()
-    return f"{artifacts.variant} {files}"
+    if isinstance(entry.get("sha256"), str):
+        return f"{artifacts.variant} sha256:{entry['sha256']}"
+    memo = PreparedStore(loaded.cache_dir).digests  # hashed once, remembered as preparing does
+    digests = file_digests([artifacts.onnx_path, *artifacts.external_data], memo)
+    return f"{artifacts.variant} sha256:{'+'.join(digests.values())}"
 
 
 class BulkModel:

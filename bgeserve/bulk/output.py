@@ -164,6 +164,8 @@ def check_identity(folder: Path, before: str | None, now: str | None) -> None:
     # would strand every folder of an older bgeserve mid-job), and this run records its own.
     if before is None or now is None or before == now:
         return
+    if "sha256:" not in before:  # names, sizes and mtimes (before 2026-12-03): not content
+        return
     raise InvalidInput(
         f"{folder} holds shards made with other model files than this run's ({before} then, "
         f"{now} now; the settings are the same): the model at BGE_M3_MODEL_PATH (or in the "

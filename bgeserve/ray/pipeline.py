@@ -19,7 +19,10 @@ folder's shards (read one shard at a time, as the local job reads the earlier on
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +78,35 @@ def run_identity(folder: Path, results: list[dict[str, Any]]) -> str | None:
     return found[0] if found else None
 
 
+def _refusal(error: BaseException | None) -> bool:
+    from ray.exceptions import RayTaskError
+
+    return isinstance(error, RayTaskError) and isinstance(error.cause, BgeServeError)
+
+
+@contextlib.contextmanager
+def _quiet_refusals() -> Iterator[None]:
+    """Ray Data logs an error its sink raised with Ray's whole stack (and, as a bug of its own,
+    "... open an issue") before the driver sees it: not bgeserve's refusals, which the command
+    prints as one line. A filter on Ray's loggers and their handlers while the job runs."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
+        return not _refusal(error)  # Ray logs from inside its except blocks
+
+    names = ("ray", "ray.data", "ray.data.exceptions",
+             "ray.data._internal.execution.streaming_executor_state")
+    loggers = [logging.getLogger(name) for name in names]
+    handlers = {h for lg in loggers for h in lg.handlers}
+    for item in (*loggers, *handlers):
+        item.addFilter(keep)
+    try:
+        yield
+    finally:
+        for item in (*loggers, *handlers):
+            item.removeFilter(keep)
+
+
 def run(job: BulkJob, settings: Settings, address: str | None = None,
         cpus_per_actor: float | None = None) -> Summary:
     """Run ``job`` on the Ray cluster at ``address`` (None: RAY_ADDRESS, else a local one)."""
@@ -111,7 +143,8 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
                                    "identity_column": MODEL_COLUMN})
         sink = ShardSink(out.path, job.outputs, recorded)
         try:
-            ds.write_datasink(sink, ray_remote_args={"num_cpus": IO_CPUS})
+            with _quiet_refusals():
+                ds.write_datasink(sink, ray_remote_args={"num_cpus": IO_CPUS})
         except RayTaskError as exc:
             if isinstance(exc.cause, BgeServeError):  # a refusal: its message, no traceback
                 raise exc.cause from None
