@@ -249,6 +249,11 @@ def test_snapshot_without_the_requested_variant_lists_what_it_has(
     with pytest.raises(ModelUnavailable) as info:  # fp16 is no prepared variant
         resolve(model_path=root, variant="fp16", cache_dir=tmp_path / "cache", offline=True)
     assert "bgeserve prepare" not in info.value.message
+    for variant in ("bf16", "ov-int8"):  # no snapshot holds them (a KeyError before)
+        with pytest.raises(ModelUnavailable) as info:
+            resolve(model_path=root, variant=variant, cache_dir=tmp_path / "cache",
+                    offline=True)
+        assert f"bgeserve prepare --variant {variant} --out OUT" in info.value.message
 
 
 @pytest.mark.parametrize(

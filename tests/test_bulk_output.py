@@ -226,3 +226,20 @@ def test_an_identity_by_names_sizes_and_mtimes_is_not_compared_with_content(tmp_
     check_identity(tmp_path, "fp32 model.onnx:5:1796300000000000000", "fp32 sha256:abc")
     with pytest.raises(InvalidInput, match="other model files"):
         check_identity(tmp_path, "fp32 sha256:abc", "fp32 sha256:abd")
+
+
+def test_a_pin_without_hard_links_is_an_exclusive_create(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch):
+    """A file system without hard links (gcsfuse, blobfuse: EPERM / ENOTSUP) still pins the
+    first identity, and a second one reads it (every Ray first run failed there)."""
+    import errno
+
+    from bgeserve.bulk import output
+
+    def no_link(src: object, dst: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(output.os, "link", no_link)
+    assert output.pin_identity(tmp_path, "fp32 sha256:a") == "fp32 sha256:a"
+    assert output.pin_identity(tmp_path, "fp32 sha256:b") == "fp32 sha256:a"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [output.PIN]

@@ -252,6 +252,17 @@ def test_similarity_errors_name_the_sentence(client: TestClient, inputs: dict, s
     assert param in message and "inputs[" not in message, message
 
 
+@pytest.mark.parametrize("path", ["/similarity", "/"])
+def test_similarity_names_a_sentence_the_engine_refused(path: str) -> None:
+    """A sentence refused by the engine (over the sequence length, over the budget) is named by
+    its place in ``sentences``, not in the batch the source sentence heads."""
+    error = TooLarge("input[2] has more than the 8 tokens allowed", param="input[2]")
+    body = {"inputs": {"source_sentence": "q", "sentences": ["a", "b c"]}}
+    with serve(FakeService(fail_with=error)) as c:
+        message = tei_error(c.post(path, json=body), 413, "Validation")
+    assert message.startswith("inputs.sentences[1] has more than"), message
+
+
 # -- /tokenize, /decode, /info ----------------------------------------------------------------
 def test_tokenize_gives_byte_offsets_and_special_tokens(client: TestClient) -> None:
     """``[[{id, text, special, start, stop}]]``: UTF-8 byte offsets (TEI's), specials with null

@@ -147,6 +147,12 @@ def test_a_lone_surrogate_is_named_with_its_text_and_place():
     with pytest.raises(InvalidInput) as info:
         make().tokens(["hello"] * 70 + ["\ud800"])
     assert info.value.param == "inputs[70]"
+    # A long text cut to its leading words, then encoded whole (its cut ended early): still
+    # named by its place in the request.
+    long = "hello " + "z" * 100 + "\ud800"  # cut after "hello": too few tokens, so whole
+    with pytest.raises(InvalidInput) as info:
+        make(max_seq=8).encode(["hello", "hello", long])
+    assert info.value.param == "input[2]"
 
 
 def test_encoding_nothing_gives_nothing():

@@ -16,9 +16,11 @@ when the run was killed.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -177,8 +179,8 @@ def check_identity(folder: Path, before: str | None, now: str | None) -> None:
 def pin_identity(folder: Path, identity: str) -> str:
     """The identity ``folder``'s shards are made with while its manifest records none (a Ray
     run's first shards): the one pinned before, else ``identity``, pinned now. The first of
-    several concurrent callers wins (a hard link never replaces a file); every caller reads
-    the winner's."""
+    several concurrent callers wins (a hard link never replaces a file; where the file system
+    has no hard links, an exclusive create); every caller reads the winner's."""
     pinned = _read_pin(folder)
     if pinned is not None:
         return pinned
@@ -192,11 +194,34 @@ def pin_identity(folder: Path, identity: str) -> str:
             os.link(temp, folder / PIN)
         except FileExistsError:
             pass  # another write task pinned first
+        except OSError as exc:  # FUSE object stores (gcsfuse, blobfuse) have no hard links
+            if exc.errno not in NO_LINKS:
+                raise
+            _create_pin(folder / PIN, identity)
     finally:
         temp.unlink(missing_ok=True)
-    pinned = _read_pin(folder)
-    assert pinned is not None
-    return pinned
+    for _ in range(PIN_READ_TRIES):  # an exclusive create is seen before its text
+        pinned = _read_pin(folder)
+        if pinned is not None:
+            return pinned
+        time.sleep(0.1)
+    raise OSError(f"{folder / PIN} stays empty: cannot tell which model this output's shards "
+                  "are made with")
+
+
+NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS)
+PIN_READ_TRIES = 50
+
+
+def _create_pin(path: Path, identity: str) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return  # another write task pinned first
+    with os.fdopen(fd, "w") as f:
+        f.write(identity)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _read_pin(folder: Path) -> str | None:

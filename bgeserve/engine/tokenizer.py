@@ -190,7 +190,10 @@ class Tokenizer:
             # A cut text must still be over max_seq (so truncation keeps only shared tokens)
             # and end with </s> as the whole text would; else it is encoded whole.
             if cut is not text and (len(ids[i]) <= self.max_seq or ids[i][-1] != EOS_ID):
-                ids[i] = self._encode_grouped([text])[0]
+                try:
+                    ids[i] = self._encode_grouped([text])[0]
+                except InvalidInput as exc:  # named input[0]: the one text of that call
+                    raise surrogate_error(text, f"input[{i}]") or exc from exc.__cause__
         return self._truncate(ids)
 
     def encode_rerank(self, query: str, documents: Sequence[str]) -> list[np.ndarray]:

@@ -15,6 +15,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from bgeserve.errors import BgeServeError
 from bgeserve.http.handlers import (
     OFFLOAD_BODY_BYTES,
     OFFLOAD_ITEMS,
@@ -26,6 +27,7 @@ from bgeserve.http.render import select_sparse
 from bgeserve.http.schemas import check_dimensions
 from bgeserve.http.tei_schemas import (
     TeiEmbedRequest,
+    as_similarity,
     parse_decode,
     parse_embed,
     parse_root,
@@ -116,7 +118,11 @@ async def similarity(request: Request) -> Response:
 
 
 async def _similarities(request: Request, parsed: TeiEmbedRequest) -> np.ndarray:
-    rows = _dense_rows(await _embed(request, parsed, EmbedOptions(truncate=parsed.truncate)))
+    try:
+        embedded = await _embed(request, parsed, EmbedOptions(truncate=parsed.truncate))
+    except BgeServeError as exc:  # a text too long, over the budget: named as the body does
+        raise as_similarity(exc) from exc
+    rows = _dense_rows(embedded)
     return np.ascontiguousarray(rows[1:] @ rows[0])  # unit vectors: the dot is the cosine
 
 

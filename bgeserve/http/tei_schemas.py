@@ -122,13 +122,13 @@ def similarity_inputs(body: dict[str, Any], settings: Settings) -> TeiEmbedReque
         return embed_fields({**parameters, "inputs": [inputs["source_sentence"], *sentences]},
                             settings)
     except BgeServeError as exc:
-        raise _as_similarity(exc) from None
+        raise as_similarity(exc) from None
 
 
-def _as_similarity(exc: BgeServeError) -> BgeServeError:
-    """``exc`` naming a text as the similarity body does (``inputs[2]`` of the batch is
-    ``inputs.sentences[1]``: the source sentence comes first)."""
-    found = re.fullmatch(r"inputs\[(\d+)\]", exc.param or "")
+def as_similarity(exc: BgeServeError) -> BgeServeError:
+    """``exc`` naming a text as the similarity body does (``inputs[2]`` of the batch, the
+    engine's ``input[2]``, is ``inputs.sentences[1]``: the source sentence comes first)."""
+    found = re.fullmatch(r"inputs?\[(\d+)\]", exc.param or "")
     if found is None:
         return exc
     i = int(found.group(1))

@@ -218,8 +218,10 @@ def _resolve_local(root: Path, variant: str, fetch: Fetcher) -> ModelArtifacts:
     if graphs:
         have = ", ".join(f"{v} ({HUB_SOURCES[v].onnx})" for v in graphs)
         preparable = variant in ("int8", *EXPORT_ONLY_VARIANTS) and "fp32" in graphs
+        wanted = (HUB_SOURCES[variant].onnx if variant in HUB_SOURCES
+                  else "no snapshot has it: bgeserve makes it")  # bf16, ov-int8
         raise ModelUnavailable(
-            f"{root} has no {variant} graph ({HUB_SOURCES[variant].onnx}); it has {have}: set "
+            f"{root} has no {variant} graph ({wanted}); it has {have}: set "
             f"BGE_M3_MODEL (the library's variant=) to one of those"
             + (f", or make {variant} from it with `bgeserve prepare --variant {variant} --out "
                f"OUT` (BGE_M3_MODEL_PATH={root}; a server does it on its first start) and point "
