@@ -78,10 +78,12 @@ def run_identity(folder: Path, results: list[dict[str, Any]]) -> str | None:
     return found[0] if found else None
 
 
-def _refusal(error: BaseException | None) -> bool:
+def _refusal(error: BaseException | None) -> BgeServeError | None:
+    """bgeserve's refusal inside Ray's wrapper of a task's error, if ``error`` is one."""
     from ray.exceptions import RayTaskError
 
-    return isinstance(error, RayTaskError) and isinstance(error.cause, BgeServeError)
+    cause = error.cause if isinstance(error, RayTaskError) else None
+    return cause if isinstance(cause, BgeServeError) else None
 
 
 @contextlib.contextmanager
@@ -92,7 +94,7 @@ def _quiet_refusals() -> Iterator[None]:
 
     def keep(record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
-        return not _refusal(error)  # Ray logs from inside its except blocks
+        return _refusal(error) is None  # Ray logs from inside its except blocks
 
     names = ("ray", "ray.data", "ray.data.exceptions",
              "ray.data._internal.execution.streaming_executor_state")
@@ -111,7 +113,6 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
         cpus_per_actor: float | None = None) -> Summary:
     """Run ``job`` on the Ray cluster at ``address`` (None: RAY_ADDRESS, else a local one)."""
     import ray
-    from ray.exceptions import RayTaskError
 
     with OutputDir(job.output) as out:
         sources = discover(job.inputs, exclude=out.path)
@@ -145,9 +146,10 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
         try:
             with _quiet_refusals():
                 ds.write_datasink(sink, ray_remote_args={"num_cpus": IO_CPUS})
-        except RayTaskError as exc:
-            if isinstance(exc.cause, BgeServeError):  # a refusal: its message, no traceback
-                raise exc.cause from None
+        except Exception as exc:
+            refusal = _refusal(exc)
+            if refusal is not None:  # its message, no traceback
+                raise refusal from None
             raise
         identity = run_identity(out.path, sink.results)
         if recorded is None and identity is not None:
