@@ -251,6 +251,65 @@ def test_a_request_cancelled_while_its_bound_is_walked_releases_its_reservation(
     admission.close()
 
 
+def test_rerank_admission_refuses_before_tokenizing_with_its_own_drain_rate() -> None:
+    """The cross-encoder's requests: a lower bound of their rows' tokens that cannot fit
+    beside what its queue holds is refused (429, counted) before any pair is built, with a
+    Retry-After from the reranker's drain rate (it was always 1 s, for a queue that took 55 s
+    to drain); one that may fit is built and queued; the queue's exact refusal gets the drain
+    rate's Retry-After too; nothing stays reserved."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from bgeserve.results import RerankOptions
+    from bgeserve.service.admission import PairAdmission
+
+    clock = Clock()
+    drain = DrainMeter(clock=clock)
+    drain.record(100, 1.0)  # 100 tokens per second of running
+    state = {"queued": 900, "built": 0, "full": False}
+
+    def min_tokens(query: str, documents: list[str], options: object,
+                   stop_above: int | None = None) -> int:
+        return sum(4 + len(query.split()) + len(d.split()) for d in documents)
+
+    def make_job(query: str, documents: list[str], options: object, request_id: str,
+                 arrived: float) -> tuple[str, object]:
+        state["built"] += 1
+        return "plan", SimpleNamespace(ids=[[0] * 150])
+
+    def submit(job: object) -> str:
+        if state["full"]:
+            raise Overloaded("queue full; retry shortly", retry_after=1.0)
+        return "future"
+
+    engine = SimpleNamespace(queued_tokens=lambda: state["queued"], submit=submit)
+    reranker = SimpleNamespace(engine=engine, min_tokens=min_tokens, make_job=make_job)
+    admission = PairAdmission(reranker, 1000, drain)  # type: ignore[arg-type]
+
+    def rerank(documents: list[str]) -> object:
+        return asyncio.run(admission.submit("a query", documents, RerankOptions(), "r", 0.0))
+
+    with pytest.raises(Overloaded, match="BGE_M3_MAX_QUEUE_TOKENS") as refused:
+        rerank(["word " * 60] * 5)  # at least 5 x 66 tokens, 100 free
+    assert refused.value.retry_after == 3  # 230 tokens short at 100 tokens/s
+    assert state["built"] == 0 and admission.refused == 1 and admission.gate.reserved == 0
+    assert rerank(["one document"]) == ("plan", SimpleNamespace(ids=[[0] * 150]), "future")
+    state["full"] = True  # the exact check: 150 tokens, 100 free
+    with pytest.raises(Overloaded) as refused:
+        rerank(["one document"])
+    assert refused.value.retry_after == 1 and state["built"] == 2
+    state["queued"] = 1000 - 50
+    with pytest.raises(Overloaded) as refused:
+        rerank(["one"] * 10)  # 70 tokens at least: 20 short
+    assert refused.value.retry_after == 1
+    drain.record(1, 99.0)  # the rate falls to ~1 token/s: the wait grows with it
+    with pytest.raises(Overloaded) as refused:
+        rerank(["one"] * 10)
+    assert refused.value.retry_after == 20
+    assert admission.refused == 3 and admission.gate.reserved == 0
+    admission.close()
+
+
 # -- a flood against a live server ------------------------------------------------------------
 def _flood(port: int, bodies: list[bytes], server_pid: int) -> tuple[list[tuple[int, float,
                                                                          str | None]], float]:

@@ -108,3 +108,42 @@ def test_bad_options_are_refused_naming_them(reranker, option, value) -> None:
     with pytest.raises(InvalidInput, match=option) as caught:
         reranker.rerank("q", ["a", "b"], **{option: value})
     assert caught.value.param == option
+
+
+@pytest.mark.parametrize("max_length", [64, 512])
+def test_min_tokens_bounds_the_rows_from_below(tiny_reranker_export, tmp_path, max_length) -> None:
+    """Admission refuses rerank requests on ``min_tokens`` before tokenizing them: it must never
+    exceed the tokens of the rows ``make_job`` builds (windows, cuts, a query past its limit,
+    other scripts, empty texts), and must not be vacuous (most of the rows' tokens for plain
+    words)."""
+    from bgeserve.results import RerankOptions
+
+    long_query = " ".join(random_texts(90, 1, 60, 80))
+    docs = random_texts(91, 12, 1, 120) + ["", "混合检索 données été " * 40, "x" * 3000,
+                                            " ".join(random_texts(92, 10, 40, 60))]
+    cases = [RerankOptions(), RerankOptions(long_documents="truncate"),
+             RerankOptions(max_tokens_per_doc=5),
+             RerankOptions(long_documents="truncate", truncation_direction="left")]
+    with Reranker(tiny_reranker_export, "fp32", pairs=PairConfig(max_length=max_length),
+                  cache_dir=tmp_path, offline=True, start=False) as r:
+        for query in ("what is it?", long_query, "", "检索"):
+            for options in cases:
+                plan, _ = r.make_job(query, docs, options)
+                real = sum(len(row) for row in plan.rows)
+                bound = r.min_tokens(query, docs, options)
+                assert 0 < bound <= real, (query[:20], options)
+                # Counting stops early when asked (a prefix's count), still a lower bound.
+                for stop in (0, 10, bound // 2, bound - 1):
+                    assert 0 < r.min_tokens(query, docs, options, stop_above=stop) <= bound
+        # Plain words: the bound holds a good part of the rows' tokens (this tiny vocabulary
+        # cuts a word into ~2 tokens; windows repeat the query and overlap), and counting
+        # stops only once past stop_above.
+        plain = ["the cat sat on the mat and then it ran " * k for k in range(1, 30)]
+        for options in cases:
+            plan, _ = r.make_job("where is the cat", plain, options)
+            real = sum(len(row) for row in plan.rows)
+            bound = r.min_tokens("where is the cat", plain, options)
+            assert 0.25 * real <= bound <= real, (bound, real)
+            for stop in (0, 10, bound // 2, bound - 1):
+                assert stop < r.min_tokens("where is the cat", plain, options,
+                                           stop_above=stop) <= bound

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bgeserve.config import Settings
-from bgeserve.errors import ModelUnavailable
+from bgeserve.errors import ModelUnavailable, Overloaded
 from bgeserve.results import RerankOptions
 from bgeserve.service import Service
 from bgeserve.service.reranking import configured, reranker_settings
@@ -65,6 +65,16 @@ def test_both_models_split_the_memory_probe_in_turn_and_cache_apart(
         health = service.health()
         assert health["status"] == "ok" and health["reranker"]["tuning"]["probe_status"] == \
             "complete"
+        # The cross-encoder's admission: its own drain rate, nothing left reserved, and a full
+        # queue refuses before tokenizing (counted with bge-m3's).
+        admission = service.reranking.admission
+        assert admission is not None and admission.gate.reserved == 0
+        assert service.reranking.drain.rate() > 0 and service.drain.rate() > 0
+        admission.gate.queued = lambda: admission.gate.max_tokens  # full
+        with pytest.raises(Overloaded, match="BGE_M3_MAX_QUEUE_TOKENS"):
+            asyncio.run(service.rerank("a query", ["one text"], RerankOptions()))
+        assert service.rejected_at_admission == 1 and admission.gate.reserved == 0
+        admission.gate.queued = service.reranking.engine.queued_tokens
     finally:
         asyncio.run(service.stop())
     again = Service(settings(tiny_export, tiny_reranker_export, tmp_path))

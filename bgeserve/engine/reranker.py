@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +22,7 @@ from bgeserve.engine import Engine, EngineConfig
 from bgeserve.engine.crossencoder import finish_pairs, plan_pairs
 from bgeserve.engine.inputs import rerank_inputs
 from bgeserve.engine.jobs import Job
-from bgeserve.engine.pairs import PairConfig, PairPlan
+from bgeserve.engine.pairs import SPECIALS, PairConfig, PairPlan
 from bgeserve.engine.tokenizer import untruncated
 from bgeserve.errors import ModelUnavailable, TooLarge
 from bgeserve.model.rerank_artifacts import RERANK_MODEL_ID, resolve_reranker
@@ -86,6 +87,35 @@ class Reranker:
                 f"per worker is {cost.max_workspace_bytes / 2**20:.0f} MiB (longest that fits: "
                 f"{cost.max_seq()} tokens). Lower BGE_M3_RERANK_MAX_LENGTH (windows get "
                 "shorter), shorten the query, or give the server more memory", param="documents")
+
+    def min_tokens(self, query: str, documents: Sequence[str], options: RerankOptions,
+                   stop_above: int | None = None) -> int:
+        """A lower bound on the tokens ``make_job``'s rows hold, far cheaper than tokenizing
+        (admission refuses a request on it before tokenizing), counted until past
+        ``stop_above``.
+
+        With ``q`` query tokens kept (at most ``query_limit``) and ``d`` document tokens (at
+        most ``max_tokens_per_doc``), a document's rows hold ``4 + q + d`` tokens or more when
+        its windows cover it all (``max``, no window cap), else its first row
+        ``min(max_length, 4 + q + d)``: increasing in both, so the tokenizer's lower bounds of
+        each (``Tokenizer.min_tokens``, less the two specials it counts) bound it from below.
+        """
+        config, words = self.pairs, self.tokenizer.min_tokens
+        q = min(words([query]) - 2, config.query_limit)
+        cap = None if options.max_tokens_per_doc is None else options.max_tokens_per_doc
+        covered = options.long_documents == "max" and config.max_windows is None
+        row_cap = None if covered else config.max_length
+        total = 0
+        for doc in documents:
+            # A document's words are walked no further than could take the total past
+            # ``stop_above`` (a prefix's count is still a lower bound).
+            left = None if stop_above is None else max(0, stop_above - total - SPECIALS - q)
+            d = words([doc], stop_above=None if left is None else left + 2) - 2
+            row = SPECIALS + q + (d if cap is None else min(d, cap))
+            total += row if row_cap is None else min(row_cap, row)
+            if stop_above is not None and total > stop_above:
+                break
+        return total
 
     def make_job(self, query: str, documents: list[str], options: RerankOptions,
                  request_id: str = "", arrived: float | None = None) -> tuple[PairPlan, Job]:

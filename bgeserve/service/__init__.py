@@ -321,8 +321,9 @@ class Service:
 
     @property
     def rejected_at_admission(self) -> int:
-        """429s decided before tokenizing (the scheduler counts the others)."""
-        return 0 if self.admission is None else self.admission.refused
+        """429s decided before tokenizing, bge-m3's and the reranker's (their schedulers
+        count the others)."""
+        return (0 if self.admission is None else self.admission.refused) + self.reranking.refused
 
     def _on_chunk(self, stats: ChunkStats) -> None:
         self.metrics_registry.observe_chunk(stats)

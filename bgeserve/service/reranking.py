@@ -21,13 +21,14 @@ from typing import Any
 
 from bgeserve import runtime
 from bgeserve.config import Settings
-from bgeserve.engine import Engine
+from bgeserve.engine import ChunkStats, Engine
 from bgeserve.engine.m3rerank import arerank_m3
 from bgeserve.engine.reranker import Reranker
 from bgeserve.errors import DeadlineExceeded, InvalidInput
 from bgeserve.model.rerank_artifacts import RERANK_MODEL_ID, RERANK_MODEL_IDS, resolve_reranker
 from bgeserve.results import RerankOptions, RerankResult
 from bgeserve.service import plan
+from bgeserve.service.admission import DrainMeter, PairAdmission
 from bgeserve.service.metrics import Metrics
 from bgeserve.service.probing import probe_source
 from bgeserve.tuning import cache
@@ -69,6 +70,9 @@ class Reranking:
         self.tuner: Tuner | None = None
         self.settings: Settings | None = None
         self.model_cost = 0
+        # The reranker's own drain rate (its Retry-After) and admission before tokenizing.
+        self.drain = DrainMeter()
+        self.admission: PairAdmission | None = None
         self._probe: tuple[dict[str, Any], str, dict[str, Any]] | None = None
 
     @property
@@ -93,7 +97,7 @@ class Reranking:
                  artifacts.source, artifacts.layout.value, artifacts.variant,
                  runtime.get(serving.runtime).version(), s.max_seq_length)
         engine = Engine(artifacts=artifacts, config=serving.engine, start=False,
-                        auto_budget=False)
+                        auto_budget=False, on_chunk=self._on_chunk)
         # Its fit in a cache file of its own: the cache keeps one fit per file (bge-m3's).
         (cache_dir / PROBE_CACHE_DIR).mkdir(exist_ok=True)
         tuning = dataclasses.replace(serving.tuning, cache_dir=cache_dir / PROBE_CACHE_DIR,
@@ -102,6 +106,7 @@ class Reranking:
         self.tuner = Tuner(tuning, apply=engine.set_cost_model,
                            apply_chunk_tokens=engine.set_max_chunk_tokens)
         self.reranker = Reranker(engine=engine, model_id=RERANK_MODEL_ID)
+        self.admission = PairAdmission(self.reranker, s.max_queue_tokens, self.drain)
 
         def load() -> None:
             engine.start()
@@ -152,6 +157,16 @@ class Reranking:
             self.tuner.stop()
         if self.reranker is not None:
             self.reranker.close(timeout)
+        if self.admission is not None:
+            self.admission.close()
+
+    def _on_chunk(self, stats: ChunkStats) -> None:
+        self.drain.record(stats.real_tokens, stats.seconds)
+
+    @property
+    def refused(self) -> int:
+        """429s decided by the reranker's admission (its scheduler counts its own)."""
+        return 0 if self.admission is None else self.admission.refused
 
     # -- requests --------------------------------------------------------------------------
     def cross_encoder(self, model: str | None) -> bool:
@@ -187,13 +202,13 @@ class Reranking:
 
     async def _cross(self, query: str, documents: list[str], options: RerankOptions,
                      timeout: float | None, request_id: str) -> RerankResult:
-        reranker = self.reranker
-        assert reranker is not None
+        reranker, admission = self.reranker, self.admission
+        assert reranker is not None and admission is not None
         arrived = time.monotonic()
-        plan_, job = await asyncio.to_thread(reranker.make_job, query, documents, options,
-                                             request_id, arrived)
+        plan_, job, future = await admission.submit(query, documents, options, request_id,
+                                                    arrived)
         remaining = None if timeout is None else max(0.0, arrived + timeout - time.monotonic())
-        embedded = await asyncio.wait_for(reranker.engine.await_job(job), remaining)
+        embedded = await asyncio.wait_for(reranker.engine.await_job(job, future), remaining)
         return reranker.finish(plan_, embedded, options)
 
     def health(self) -> dict[str, Any] | None:
