@@ -37,6 +37,7 @@ def _serve(args: argparse.Namespace) -> int:
     from bgeserve.http.app import create_app
     from bgeserve.logs import setup_logging
     from bgeserve.service import Service, plan
+    from bgeserve.tuning import memory
 
     try:
         settings = Settings.from_env(os.environ)
@@ -48,6 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
     setup_logging(settings.log_format, settings.log_level, background=True)
     log = logging.getLogger("bgeserve")
     warn_unknown_variables(os.environ)
+    memory.limit_malloc_arenas(os.environ)  # before the threads that allocate start
     try:  # before any port is bound: a missing GPU EP fails fast, naming BGE_M3_EP
         settings = plan.resolve(settings)
     except BgeServeError as exc:

@@ -14,9 +14,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # its own cache must not leave them in the user's Hugging Face cache (a later real start
 # would take them for the hub's).
 if "HF_HUB_CACHE" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="bgeserve-tests-hf-")
+    # Removed at the end of the run (each run left one behind in /tmp).
+    atexit.register(shutil.rmtree, os.environ["HF_HUB_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -61,6 +61,7 @@ def test_every_good_row_gets_the_engines_vectors_and_bad_rows_are_reported(
     with caplog.at_level(logging.WARNING, logger="bgeserve.bulk"):
         again = local.run(job, settings, bar=False)  # nothing left: no shard written, none lost
     assert (again.rows, again.shards, again.skipped) == (0, 0, 500 + len(BAD_IDS))
+    assert summary.skipped_bad == 0 and again.skipped_bad == len(BAD_IDS)  # said apart
     assert read_output(job.output).num_rows == 500
     # The bad rows the shards record are named again (a killed run may not have logged them).
     earlier = [r.getMessage() for r in caplog.records if "an earlier run skipped" in r.getMessage()]

@@ -337,3 +337,45 @@ def test_worker_budget_rejects_bad_arguments(workers, safety):
 def test_module_never_imports_onnxruntime():
     """memory is a measurement module: no runtime import."""
     assert "onnxruntime" not in memory.__dict__
+
+
+_ARENAS_SCRIPT = """
+import ctypes, os, sys, tempfile, threading
+from bgeserve.tuning.memory import limit_malloc_arenas
+cap = limit_malloc_arenas(os.environ, 2) if sys.argv[1] == "cap" else None
+barrier = threading.Barrier(12)
+def work():
+    barrier.wait()  # all alive at once: each new thread's first malloc may take a new arena
+    keep = [bytearray(8192) for _ in range(50)]  # past pymalloc: glibc's malloc
+    barrier.wait()
+threads = [threading.Thread(target=work) for _ in range(12)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+libc = ctypes.CDLL(None)
+libc.fopen.restype = ctypes.c_void_p
+path = tempfile.mktemp()
+fp = libc.fopen(path.encode(), b"w")
+libc.malloc_info(0, ctypes.c_void_p(fp))
+libc.fclose(ctypes.c_void_p(fp))
+print(cap, open(path).read().count("<heap nr="))
+os.unlink(path)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                    reason="glibc's malloc arenas")
+def test_malloc_arenas_are_capped_unless_the_environment_sets_them() -> None:
+    """serve and bulk cap glibc's arenas (8 per core by default: RSS crept under load); 12
+    threads allocating at once then share 2 heaps, not 12 of their own; MALLOC_ARENA_MAX set
+    wins (nothing is changed)."""
+    import subprocess
+
+    def heaps(mode: str, **env: str) -> str:
+        run_env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+        return subprocess.run([sys.executable, "-c", _ARENAS_SCRIPT, mode], check=True,
+                              capture_output=True, text=True, env={**run_env, **env},
+                              cwd=Path(__file__).resolve().parent.parent).stdout.split()
+
+    assert heaps("cap") == ["2", "2"]
+    assert int(heaps("none")[1]) > 2  # glibc's own default: the cap is what changed it
+    assert heaps("cap", MALLOC_ARENA_MAX="3") == ["None", "3"]

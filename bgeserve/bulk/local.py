@@ -144,8 +144,12 @@ def run(job: BulkJob, settings: Settings, bar: bool | None = None) -> Summary:
         log_earlier_bad_rows(shards)
         total = total_rows(sources)
         skipped = sum(coverage.rows(s.key) for s in sources)
-        log.info("bulk: %d input files, %s rows, %d already in %s", len(sources),
-                 total if total is not None else "?", skipped, out.path)
+        # Finished shards cover their bad rows too (done: a rerun does not retry them).
+        keys = {s.key for s in sources}
+        skipped_bad = sum(item[0] in keys for shard in shards for item in shard.bad)
+        log.info("bulk: %d input files, %s rows, %d already in %s%s", len(sources),
+                 total if total is not None else "?", skipped, out.path,
+                 f" ({skipped_bad} of them bad rows, skipped then)" if skipped_bad else "")
         options = columns.embed_options(job.outputs)
         # pyarrow imports pandas (when installed) at its first conversion of Python values:
         # seconds on a small machine, paid here with the model's load, not in the first shard.
@@ -153,6 +157,7 @@ def run(job: BulkJob, settings: Settings, bar: bool | None = None) -> Summary:
         with BulkModel(settings) as model:
             out.check_manifest(spec, sources, model.identity)
             progress = Progress(None if total is None else total - skipped, skipped, bar=bar)
+            progress.summary.skipped_bad = skipped_bad
             state = _Run(job, out, model.width, progress, Duplicates.of_shards(shards))
             pending: deque[_Pending] = deque()
             try:

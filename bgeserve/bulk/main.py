@@ -71,11 +71,13 @@ def run(args: argparse.Namespace) -> int:
     from bgeserve.config import Settings, warn_unknown_variables
     from bgeserve.errors import BgeServeError
     from bgeserve.logs import setup_logging
+    from bgeserve.tuning import memory
 
     try:
         logs = Settings.from_env(os.environ)  # logging first: resolving logs its choice
         setup_logging(logs.log_format, logs.log_level)
         warn_unknown_variables(os.environ)
+        memory.limit_malloc_arenas(os.environ)  # before the threads that allocate start
         settings = resolve_settings(os.environ)
         if args.shard_rows is not None and args.shard_rows < 1:
             raise ValueError("--shard-rows must be at least 1")

@@ -23,6 +23,7 @@ class Summary:
     bad: int = 0
     shards: int = 0
     skipped: int = 0  # rows finished shards held before this run
+    skipped_bad: int = 0  # of those, bad rows an earlier run skipped (not embedded)
     duplicate_ids: int = 0  # rows written whose id was written before (see bulk.dupes)
     seconds: float = 0.0
     peak_rss_bytes: int = 0
@@ -113,8 +114,8 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
         log.info("bulk done: %d rows embedded in %d shards (%.1f rows/s, %.0f tokens/s), %d "
-                 "bad rows skipped, %d rows already done, %d repeated ids, peak RSS %d MiB", s.rows,
-                 s.shards, s.rows_per_s, s.tokens_per_s, s.bad, s.skipped, s.duplicate_ids,
-                 s.peak_rss_bytes >> 20,
+                 "bad rows skipped, %d rows already done (%d of them bad, skipped then), %d "
+                 "repeated ids, peak RSS %d MiB", s.rows, s.shards, s.rows_per_s, s.tokens_per_s,
+                 s.bad, s.skipped, s.skipped_bad, s.duplicate_ids, s.peak_rss_bytes >> 20,
                  extra={"summary": s.as_dict()})
         return s

@@ -101,18 +101,18 @@ class Reranker:
         each (``Tokenizer.min_tokens``, less the two specials it counts) bound it from below.
         """
         config, words = self.pairs, self.tokenizer.min_tokens
-        q = min(words([query]) - 2, config.query_limit)
-        cap = None if options.max_tokens_per_doc is None else options.max_tokens_per_doc
+        # No word is walked past what can count (the query's limit, the cut, a row's length,
+        # the total past ``stop_above``): a prefix's count is still a lower bound.
+        q = min(words([query], stop_above=config.query_limit + 2) - 2, config.query_limit)
         covered = options.long_documents == "max" and config.max_windows is None
-        row_cap = None if covered else config.max_length
+        caps = [c for c in (options.max_tokens_per_doc,
+                            None if covered else config.max_length - SPECIALS - q) if c is not None]
         total = 0
         for doc in documents:
-            # A document's words are walked no further than could take the total past
-            # ``stop_above`` (a prefix's count is still a lower bound).
-            left = None if stop_above is None else max(0, stop_above - total - SPECIALS - q)
-            d = words([doc], stop_above=None if left is None else left + 2) - 2
-            row = SPECIALS + q + (d if cap is None else min(d, cap))
-            total += row if row_cap is None else min(row_cap, row)
+            limit = [*caps] if stop_above is None else \
+                [*caps, max(0, stop_above - total - SPECIALS - q)]
+            d = words([doc], stop_above=min(limit) + 2 if limit else None) - 2
+            total += SPECIALS + q + (min(d, *caps) if caps else d)
             if stop_above is not None and total > stop_above:
                 break
         return total

@@ -341,8 +341,9 @@ class PairAdmission(_Admitting):
     own drain rate.
 
     Without it every rerank request tokenized its query and documents before the queue could
-    refuse it (a flood's 429s at p50 0.21 s, 0.07-0.12 s on the embedding routes), and every
-    refusal said ``Retry-After: 1`` of a queue that took 55 s to drain.
+    refuse it, and every refusal said ``Retry-After: 1``: 48 at once against a full queue got
+    their 429s at p50 1.7-2.2 s, now 0.4 s, Retry-After 2-4 s for fillers that drained in ~10 s
+    (docs/reliability.md §3).
     """
 
     def __init__(self, reranker: Reranker, max_queue_tokens: int, drain: DrainMeter) -> None:

@@ -208,7 +208,10 @@ class Reranking:
         plan_, job, future = await admission.submit(query, documents, options, request_id,
                                                     arrived)
         remaining = None if timeout is None else max(0.0, arrived + timeout - time.monotonic())
-        embedded = await asyncio.wait_for(reranker.engine.await_job(job, future), remaining)
+        # Not wait_for: its task may be cancelled before it starts (no time left after
+        # tokenizing), and the job, queued already, would stay queued until it expired.
+        async with asyncio.timeout(remaining):
+            embedded = await reranker.engine.await_job(job, future)
         return reranker.finish(plan_, embedded, options)
 
     def health(self) -> dict[str, Any] | None:
