@@ -310,6 +310,27 @@ def test_rerank_admission_refuses_before_tokenizing_with_its_own_drain_rate() ->
     admission.close()
 
 
+def test_a_big_request_after_close_is_told_the_server_is_stopping() -> None:
+    """The admission thread is gone once the server stops: a big request still arriving gets
+    a 503 NotReady naming the shutdown (it was a RuntimeError, a 500)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from bgeserve.errors import NotReady
+    from bgeserve.results import EmbedOptions
+    from bgeserve.service.admission import Admission
+
+    engine = SimpleNamespace(
+        queued_tokens=lambda: 0, make_job=lambda *a: SimpleNamespace(ids=[[0, 5, 2]]),
+        submit=lambda job: "future",
+        tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 3, max_seq=512))
+    admission = Admission(engine, 1000, DrainMeter(), slots=2)  # type: ignore[arg-type]
+    admission.close()
+    with pytest.raises(NotReady, match="shutting down"):
+        asyncio.run(admission.submit(["word " * 60_000], EmbedOptions(), "r", 0.0))
+    assert admission.gate.reserved == 0
+
+
 # -- a flood against a live server ------------------------------------------------------------
 def _flood(port: int, bodies: list[bytes], server_pid: int) -> tuple[list[tuple[int, float,
                                                                          str | None]], float]:

@@ -129,3 +129,38 @@ def test_bad_mode_or_weights_are_refused_before_any_text_is_embedded(engine, mon
     with pytest.raises(InvalidInput) as caught:
         engine.rerank("q", ["a", "b"], mode=mode, weights=weights)
     assert caught.value.param == param
+
+
+@pytest.mark.parametrize("max_seq", [32, 512])
+def test_min_tokens_bounds_the_jobs_texts_from_below(tiny_export, max_seq) -> None:
+    """Admission refuses bge-m3 rerank requests on ``min_tokens`` before tokenizing them: it
+    must never exceed the tokens of the texts ``plan_m3`` embeds (the query, windows, cuts,
+    other scripts, empty texts), and must not be vacuous."""
+    from bgeserve.engine.m3rerank import min_tokens
+
+    whole = Tokenizer.load(tiny_export / "tokenizer.json", max_seq=1 << 30)
+    capped = Tokenizer.load(tiny_export / "tokenizer.json", max_seq=max_seq)  # the engine's
+    long_query = " ".join(random_texts(90, 1, 60, 80))
+    docs = random_texts(91, 12, 1, 120) + ["", "混合检索 données été " * 40, "x" * 3000,
+                                            " ".join(random_texts(92, 10, 40, 60))]
+    plain = ["the cat sat on the mat and then it ran " * k for k in range(1, 30)]
+    cases = [RerankOptions(), RerankOptions(long_documents="truncate"),
+             RerankOptions(max_tokens_per_doc=5),
+             RerankOptions(long_documents="truncate", truncation_direction="left")]
+    for query, texts in (("what is it?", docs), (long_query, docs), ("", docs), ("检索", docs),
+                         ("where is the cat", plain)):
+        for options in cases:
+            real = sum(len(x) for x in plan_m3(whole, query, texts, max_seq, options).inputs)
+            bound = min_tokens(capped, query, texts, max_seq, options)
+            assert 0 < bound <= real, (query[:20], options)
+            for stop in (0, 10, bound // 2, bound - 1):
+                part = min_tokens(capped, query, texts, max_seq, options, stop_above=stop)
+                assert 0 < part <= bound
+                if texts is plain:  # plain words: counting stops only once past it
+                    assert stop < part
+            if texts is plain and options.max_tokens_per_doc is None:
+                # It counts the query and each document's first window (this tiny vocabulary
+                # cuts a word into ~2 tokens).
+                plan = plan_m3(whole, query, texts, max_seq, options)
+                first = [0] + [1 + int(np.argmax(plan.owner == i)) for i in range(len(texts))]
+                assert bound >= 0.25 * sum(len(plan.inputs[i]) for i in first), bound

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bgeserve.config import Settings
-from bgeserve.errors import ModelUnavailable, Overloaded
+from bgeserve.errors import InvalidInput, ModelUnavailable, Overloaded
 from bgeserve.results import RerankOptions
 from bgeserve.service import Service
 from bgeserve.service.reranking import configured, reranker_settings
@@ -75,6 +75,21 @@ def test_both_models_split_the_memory_probe_in_turn_and_cache_apart(
             asyncio.run(service.rerank("a query", ["one text"], RerankOptions()))
         assert service.rejected_at_admission == 1 and admission.gate.reserved == 0
         admission.gate.queued = service.reranking.engine.queued_tokens
+        # bge-m3's own scores are admitted on bge-m3's queue the same way (a bad mode is still
+        # a 400 first).
+        m3 = service.admission
+        assert m3 is not None
+        m3.gate.queued = lambda: m3.gate.max_tokens
+        with pytest.raises(InvalidInput, match="mode"):
+            asyncio.run(service.rerank("a query", ["one text"],
+                                       RerankOptions(model="bge-m3", mode="nonsense")))
+        with pytest.raises(Overloaded, match="BGE_M3_MAX_QUEUE_TOKENS"):
+            asyncio.run(service.rerank("a query", ["one text"], RerankOptions(model="bge-m3")))
+        assert service.rejected_at_admission == 2 and m3.gate.reserved == 0
+        m3.gate.queued = service.engine.queued_tokens
+        again = asyncio.run(service.rerank("a query", ["one text", "another text"],
+                                           RerankOptions(model="bge-m3")))
+        np.testing.assert_array_equal(again.scores, hybrid.scores)
     finally:
         asyncio.run(service.stop())
     again = Service(settings(tiny_export, tiny_reranker_export, tmp_path))
@@ -163,5 +178,5 @@ def test_bge_m3_options_sent_to_the_cross_encoder_are_refused() -> None:
                            (RerankOptions(model="bge-reranker-v2-m3", given=frozenset(
                                {"weights"})), "weights")):
         with pytest.raises(InvalidInput, match='"model": "bge-m3"') as info:
-            asyncio.run(reranking.rerank(None, "q", ["a"], options, None))  # type: ignore
+            asyncio.run(reranking.rerank(None, None, "q", ["a"], options, None))  # type: ignore
         assert info.value.param == param

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -139,6 +140,25 @@ def admit(engine: Engine, plan: M3Plan) -> None:
             "give the server more memory", param="documents")
 
 
+def min_tokens(tokenizer: Tokenizer, query: str, documents: Sequence[str], max_seq: int,
+               options: RerankOptions, stop_above: int | None = None) -> int:
+    """A lower bound on the tokens ``make_jobs``' texts hold, far cheaper than tokenizing
+    (admission refuses a request on it before tokenizing), counted until past ``stop_above``:
+    the query and each document's first window (each at most a window's width; a document at
+    most ``max_tokens_per_doc``), with ``<s>`` and ``</s>``, from the tokenizer's lower bound of
+    their tokens (``Tokenizer.min_tokens``). No word is walked past what can count."""
+    width = max_seq - 2
+    words = tokenizer.min_tokens
+    total = 2 + min(words([query], stop_above=width + 2) - 2, width)
+    cap = width if options.max_tokens_per_doc is None else min(width, options.max_tokens_per_doc)
+    for doc in documents:
+        if stop_above is not None and total > stop_above:
+            break
+        limit = cap if stop_above is None else min(cap, max(0, stop_above - total - 2))
+        total += 2 + min(words([doc], stop_above=limit + 2) - 2, cap)
+    return total
+
+
 def check_options(options: RerankOptions) -> None:
     """Refuse an unknown mode or weights the mode cannot combine before any text is embedded
     (``M3Scores.combined`` would find them only after)."""
@@ -190,7 +210,15 @@ async def arerank_m3(engine: Engine, query: str, documents: Sequence[str],
     """Async ``rerank_m3``: tokenization off the event loop, the groups one after another."""
     plan, jobs = await asyncio.to_thread(make_jobs, engine, query, documents, options,
                                          request_id)
-    return _finish(plan, [await engine.await_job(job) for job in jobs], options)
+    return await arun_jobs(engine, plan, jobs, options)
+
+
+async def arun_jobs(engine: Engine, plan: M3Plan, jobs: Sequence[Job], options: RerankOptions,
+                    first: Future | None = None) -> RerankResult:
+    """Run ``make_jobs``' jobs one after the other (``first``: the first one's future, when
+    the caller queued it already) and combine their scores."""
+    return _finish(plan, [await engine.await_job(job, first if i == 0 else None)
+                          for i, job in enumerate(jobs)], options)
 
 
 def _finish(plan: M3Plan, parts: list[Embeddings], options: RerankOptions) -> RerankResult:

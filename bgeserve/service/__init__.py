@@ -299,7 +299,9 @@ class Service:
     async def rerank(self, query: str, documents: list[str], options: RerankOptions, *,
                      request_id: str = "") -> RerankResult:
         """Score ``documents`` against ``query``: the reranker's, or bge-m3's own scores."""
-        return await self.reranking.rerank(self._engine(), query, documents, options,
+        engine = self._engine()
+        assert self.admission is not None
+        return await self.reranking.rerank(engine, self.admission, query, documents, options,
                                            self.settings.request_timeout_secs or None,
                                            request_id)
 

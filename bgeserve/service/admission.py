@@ -25,10 +25,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from bgeserve.engine import normalize_inputs
-from bgeserve.errors import BgeServeError, Overloaded
+from bgeserve.engine.scheduler import SHUTTING_DOWN
+from bgeserve.errors import BgeServeError, NotReady, Overloaded
 
 if TYPE_CHECKING:
     from bgeserve.engine import Engine, Inputs
@@ -47,6 +48,7 @@ MIN_BUSY_S = 1e-3  # a rate is never read off less busy time than this
 # the window with thousands, and a flood's refusals each read the rate on the event loop.
 MAX_EVENTS = 512
 MAX_RETRY_AFTER_S = 60.0
+Plan = TypeVar("Plan")
 
 
 class DrainMeter:
@@ -180,6 +182,7 @@ class _Admitting:
         self.refused = 0
         self._lock = threading.Lock()
         self._bounds = ThreadPoolExecutor(1, thread_name_prefix="bgeserve-admission")
+        self._aborted: BgeServeError | None = None
 
     def refuse_now(self) -> Overloaded | None:
         """The refusal when no request can be admitted now, whatever its size (counted)."""
@@ -210,7 +213,10 @@ class _Admitting:
         if refusal is not None:
             raise self._refuse(refusal)
         loop = asyncio.get_running_loop()
-        work = loop.run_in_executor(self._bounds, self._admit, lower_bound)
+        try:
+            work = loop.run_in_executor(self._bounds, self._admit, lower_bound)
+        except RuntimeError:  # closed: the server is stopping (a 503, not a 500)
+            raise NotReady(SHUTTING_DOWN) from None
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -240,6 +246,23 @@ class _Admitting:
             needed = tokens - self.gate.room() - bound  # this request's own reservation
             raise Overloaded(exc.message, retry_after=self.gate.retry_after(needed)) from None
 
+    async def submit_jobs(self, chars: int, lower_bound: Callable[[int], int],
+                          make: Callable[[], tuple[Plan, list[Job]]]
+                          ) -> tuple[Plan, list[Job], Future | None]:
+        """Admit a request of ``chars`` characters by ``lower_bound(room)``, make its jobs
+        on a thread (``make`` tokenizes) and queue the first one: the plan, the jobs and the
+        first one's future (None: no job); Overloaded (429) as ``Admission.submit`` raises
+        it. The jobs after the first are the caller's to queue, one after another."""
+        if self._aborted is not None:
+            raise self._aborted
+        bound = await self._reserve(chars, lower_bound)
+        try:
+            plan, jobs = await asyncio.to_thread(make)
+            first = self._queue(jobs[0], bound) if jobs else None
+        finally:
+            self.gate.release(bound)
+        return plan, jobs, first
+
     def close(self) -> None:
         self._bounds.shutdown(wait=False)
 
@@ -258,7 +281,6 @@ class Admission(_Admitting):
         self._slots = slots
         self._tokenizing: asyncio.Semaphore | None = None  # made on the loop that serves
         self._waiting = 0  # requests waiting for a tokenizing slot
-        self._aborted: BgeServeError | None = None
 
     def lower_bound(self, inputs: Inputs, stop_above: int) -> int:
         """Tokens ``inputs`` give at least (words, capped at max_seq per text; token ids
@@ -354,16 +376,16 @@ class PairAdmission(_Admitting):
                      request_id: str, arrived: float) -> tuple[PairPlan, Job, Future]:
         """Admit, tokenize and queue a rerank request: its plan, its job and the future of its
         rows' logits; Overloaded (429) as ``Admission.submit`` raises it."""
-        chars = len(query) + sum(map(len, documents))
-        bound = await self._reserve(chars, lambda room: self.reranker.min_tokens(
-            query, documents, options, stop_above=room))
-        try:
-            plan, job = await asyncio.to_thread(self.reranker.make_job, query, documents,
-                                                options, request_id, arrived)
-            future = self._queue(job, bound)
-        finally:
-            self.gate.release(bound)
-        return plan, job, future
+        def make() -> tuple[PairPlan, list[Job]]:
+            plan, job = self.reranker.make_job(query, documents, options, request_id, arrived)
+            return plan, [job]
+
+        plan, jobs, future = await self.submit_jobs(
+            len(query) + sum(map(len, documents)),
+            lambda room: self.reranker.min_tokens(query, documents, options, stop_above=room),
+            make)
+        assert future is not None
+        return plan, jobs[0], future
 
 
 # Requests up to this many characters (or token ids) are tokenized on the event loop: at

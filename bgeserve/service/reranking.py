@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from pathlib import Path
@@ -21,14 +22,13 @@ from typing import Any
 
 from bgeserve import runtime
 from bgeserve.config import Settings
-from bgeserve.engine import ChunkStats, Engine
-from bgeserve.engine.m3rerank import arerank_m3
+from bgeserve.engine import ChunkStats, Engine, m3rerank
 from bgeserve.engine.reranker import Reranker
 from bgeserve.errors import DeadlineExceeded, InvalidInput
 from bgeserve.model.rerank_artifacts import RERANK_MODEL_ID, RERANK_MODEL_IDS, resolve_reranker
 from bgeserve.results import RerankOptions, RerankResult
 from bgeserve.service import plan
-from bgeserve.service.admission import DrainMeter, PairAdmission
+from bgeserve.service.admission import Admission, DrainMeter, PairAdmission
 from bgeserve.service.metrics import Metrics
 from bgeserve.service.probing import probe_source
 from bgeserve.tuning import cache
@@ -175,10 +175,11 @@ class Reranking:
             return False
         return model is None or model in RERANK_MODEL_IDS
 
-    async def rerank(self, m3: Engine, query: str, documents: list[str],
-                     options: RerankOptions, timeout: float | None,
+    async def rerank(self, m3: Engine, m3_admission: Admission, query: str,
+                     documents: list[str], options: RerankOptions, timeout: float | None,
                      request_id: str = "") -> RerankResult:
-        """Score ``documents`` against ``query`` with the scorer ``options.model`` names."""
+        """Score ``documents`` against ``query`` with the scorer ``options.model`` names
+        (bge-m3's own scores queue on ``m3`` through ``m3_admission``)."""
         started = time.perf_counter()
         if self.cross_encoder(options.model):
             ignored = sorted(options.given & M3_ONLY)
@@ -191,14 +192,30 @@ class Reranking:
             if self.cross_encoder(options.model):
                 result = await self._cross(query, documents, options, timeout, request_id)
             else:
-                result = await asyncio.wait_for(
-                    arerank_m3(m3, query, documents, options, request_id), timeout)
+                result = await self._m3(m3, m3_admission, query, documents, options, timeout,
+                                        request_id)
         except TimeoutError:
             self.metrics.deadline_exceeded()
             raise DeadlineExceeded(f"the request did not finish within "
                                    f"BGE_M3_REQUEST_TIMEOUT_SECS={timeout:g}s") from None
         self.metrics.observe_rerank(result, time.perf_counter() - started)
         return result
+
+    async def _m3(self, m3: Engine, admission: Admission, query: str, documents: list[str],
+                  options: RerankOptions, timeout: float | None,
+                  request_id: str) -> RerankResult:
+        """bge-m3's own scores, admitted like its embeddings: a lower bound of the texts'
+        tokens before tokenizing (``m3rerank.min_tokens``), Retry-After from its drain rate."""
+        m3rerank.check_options(options)  # a bad mode is a 400 whatever the queue holds
+        arrived = time.monotonic()
+        async with asyncio.timeout(timeout):  # not wait_for: see _cross
+            plan_, jobs, first = await admission.submit_jobs(
+                len(query) + sum(map(len, documents)),
+                lambda room: m3rerank.min_tokens(m3.tokenizer, query, documents,
+                                                 m3.config.max_seq, options, stop_above=room),
+                functools.partial(m3rerank.make_jobs, m3, query, documents, options,
+                                  request_id, arrived))
+            return await m3rerank.arun_jobs(m3, plan_, jobs, options, first)
 
     async def _cross(self, query: str, documents: list[str], options: RerankOptions,
                      timeout: float | None, request_id: str) -> RerankResult:
