@@ -284,7 +284,7 @@ def test_rerank_admission_refuses_before_tokenizing_with_its_own_drain_rate() ->
 
     engine = SimpleNamespace(queued_tokens=lambda: state["queued"], submit=submit)
     reranker = SimpleNamespace(engine=engine, min_tokens=min_tokens, make_job=make_job)
-    admission = PairAdmission(reranker, 1000, drain)  # type: ignore[arg-type]
+    admission = PairAdmission(reranker, 1000, drain, slots=2)  # type: ignore[arg-type]
 
     def rerank(documents: list[str]) -> object:
         return asyncio.run(admission.submit("a query", documents, RerankOptions(), "r", 0.0))
@@ -329,6 +329,47 @@ def test_a_big_request_after_close_is_told_the_server_is_stopping() -> None:
     with pytest.raises(NotReady, match="shutting down"):
         asyncio.run(admission.submit(["word " * 60_000], EmbedOptions(), "r", 0.0))
     assert admission.gate.reserved == 0
+
+
+def test_rerank_requests_tokenize_in_slots_and_are_answered_by_an_abort() -> None:
+    """Rerank requests (either scorer) tokenize in the admission's slots like embeddings: a
+    flood does not tokenize all at once on the default executor; a shutdown's abort answers
+    those waiting for a slot."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from bgeserve.errors import NotReady
+    from bgeserve.results import RerankOptions
+    from bgeserve.service.admission import PairAdmission
+
+    release, inside = threading.Event(), []
+
+    def make_job(*args: object) -> tuple[str, object]:
+        inside.append(1)
+        release.wait(10)
+        return "plan", SimpleNamespace(ids=[[0, 5, 2]])
+
+    engine = SimpleNamespace(queued_tokens=lambda: 0, submit=lambda job: "future")
+    reranker = SimpleNamespace(engine=engine, make_job=make_job,
+                               min_tokens=lambda *a, stop_above=None: 7)
+    admission = PairAdmission(reranker, 10**6, DrainMeter(), slots=1)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        tasks = [asyncio.ensure_future(admission.submit("q", ["d"], RerankOptions(), f"r{i}",
+                                                        0.0)) for i in range(3)]
+        await asyncio.sleep(0.2)
+        assert len(inside) == 1  # one slot: the others wait
+        error = NotReady("shutting down")
+        assert admission.abort(error) == 2
+        waited = await asyncio.wait_for(asyncio.gather(*tasks[1:], return_exceptions=True), 1)
+        assert all(result is error for result in waited)
+        release.set()
+        assert (await tasks[0])[2] == "future"
+
+    asyncio.run(main())
+    assert admission.gate.reserved == 0 and len(inside) == 1
+    admission.close()
 
 
 # -- a flood against a live server ------------------------------------------------------------

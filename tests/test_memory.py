@@ -366,12 +366,13 @@ os.unlink(path)
                     reason="glibc's malloc arenas")
 def test_malloc_arenas_are_capped_unless_the_environment_sets_them() -> None:
     """serve and bulk cap glibc's arenas (8 per core by default: RSS crept under load); 12
-    threads allocating at once then share 2 heaps, not 12 of their own; MALLOC_ARENA_MAX set
-    wins (nothing is changed)."""
+    threads allocating at once then share 2 heaps, not 12 of their own; MALLOC_ARENA_MAX or
+    GLIBC_TUNABLES' arena_max set wins (nothing is changed)."""
     import subprocess
 
     def heaps(mode: str, **env: str) -> str:
-        run_env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+        run_env = {k: v for k, v in os.environ.items()
+                   if k not in ("MALLOC_ARENA_MAX", "GLIBC_TUNABLES")}
         return subprocess.run([sys.executable, "-c", _ARENAS_SCRIPT, mode], check=True,
                               capture_output=True, text=True, env={**run_env, **env},
                               cwd=Path(__file__).resolve().parent.parent).stdout.split()
@@ -379,3 +380,4 @@ def test_malloc_arenas_are_capped_unless_the_environment_sets_them() -> None:
     assert heaps("cap") == ["2", "2"]
     assert int(heaps("none")[1]) > 2  # glibc's own default: the cap is what changed it
     assert heaps("cap", MALLOC_ARENA_MAX="3") == ["None", "3"]
+    assert heaps("cap", GLIBC_TUNABLES="glibc.malloc.arena_max=3") == ["None", "3"]

@@ -113,9 +113,10 @@ class Progress:
         s.peak_rss_bytes = max(s.peak_rss_bytes, peak_rss_bytes())
         if self._bar is not None:
             self._bar.close()
+        earlier = f" ({s.skipped_bad} of them bad, skipped then)" if s.skipped_bad else ""
         log.info("bulk done: %d rows embedded in %d shards (%.1f rows/s, %.0f tokens/s), %d "
-                 "bad rows skipped, %d rows already done (%d of them bad, skipped then), %d "
-                 "repeated ids, peak RSS %d MiB", s.rows, s.shards, s.rows_per_s, s.tokens_per_s,
-                 s.bad, s.skipped, s.skipped_bad, s.duplicate_ids, s.peak_rss_bytes >> 20,
+                 "bad rows skipped, %d rows already done%s, %d repeated ids, peak RSS %d MiB",
+                 s.rows, s.shards, s.rows_per_s, s.tokens_per_s, s.bad, s.skipped, earlier,
+                 s.duplicate_ids, s.peak_rss_bytes >> 20,
                  extra={"summary": s.as_dict()})
         return s

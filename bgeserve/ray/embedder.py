@@ -110,7 +110,11 @@ class Embedder:
         self.keep_text = keep_text
         self.identity_column = identity_column
         self.options = columns.embed_options(self.outputs)
-        self.model = BulkModel(resolve_settings(actor_environ(env, _ray_cpus())))
+        cpus = _ray_cpus()
+        environ = actor_environ(env, cpus)
+        # As ``bgeserve bulk`` does (before the sessions' threads): at the actor's CPUs.
+        memory.limit_malloc_arenas(environ, int(cpus) if cpus else None)
+        self.model = BulkModel(resolve_settings(environ))
         self.identity = self.model.identity  # bgeserve.bulk.model.model_identity
 
     def __call__(self, batch: Any) -> pa.Table:

@@ -243,8 +243,9 @@ class Service:
         error = NotReady("the server is shutting down and this request did not finish within "
                          "BGE_M3_SHUTDOWN_TIMEOUT_SECS; retry (another instance will answer)")
         answered = sum(engine.abort(error) for engine in self._engines())
-        if self.admission is not None:  # and those still waiting to tokenize
-            answered += self.admission.abort(error)
+        for admission in (self.admission, self.reranking.admission):  # and those still
+            if admission is not None:  # waiting to tokenize
+                answered += admission.abort(error)
         if answered:
             log.warning("shutdown: %d requests were still waiting after %gs and were answered "
                         "503", answered, self.settings.shutdown_timeout_secs)

@@ -19,6 +19,7 @@ queue and its drain rate are its own).
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import threading
 import time
@@ -49,6 +50,7 @@ MIN_BUSY_S = 1e-3  # a rate is never read off less busy time than this
 MAX_EVENTS = 512
 MAX_RETRY_AFTER_S = 60.0
 Plan = TypeVar("Plan")
+Made = TypeVar("Made")
 
 
 class DrainMeter:
@@ -173,16 +175,24 @@ class AdmissionGate:
 
 class _Admitting:
     """What both admissions share: the gate, the 429s counted, a lower bound reserved on the
-    event loop (or, for a big request, on the admission thread), the exact check's refusal
-    given a Retry-After from the drain rate."""
+    event loop (or, for a big request, on the admission thread), tokenizing slots, the exact
+    check's refusal given a Retry-After from the drain rate, the abort at shutdown.
 
-    def __init__(self, engine: Engine, max_queue_tokens: int, drain: DrainMeter) -> None:
+    ``slots`` requests tokenize at once (more than the cores only adds memory, each holding
+    its encodings, never speed).
+    """
+
+    def __init__(self, engine: Engine, max_queue_tokens: int, drain: DrainMeter,
+                 slots: int) -> None:
         self.engine = engine
         self.gate = AdmissionGate(max_queue_tokens, engine.queued_tokens, drain)
         self.refused = 0
         self._lock = threading.Lock()
         self._bounds = ThreadPoolExecutor(1, thread_name_prefix="bgeserve-admission")
         self._aborted: BgeServeError | None = None
+        self._slots = slots
+        self._tokenizing: asyncio.Semaphore | None = None  # made on the loop that serves
+        self._waiting = 0  # requests waiting for a tokenizing slot
 
     def refuse_now(self) -> Overloaded | None:
         """The refusal when no request can be admitted now, whatever its size (counted)."""
@@ -257,11 +267,49 @@ class _Admitting:
             raise self._aborted
         bound = await self._reserve(chars, lower_bound)
         try:
-            plan, jobs = await asyncio.to_thread(make)
+            plan, jobs = await self._on_thread(make)
             first = self._queue(jobs[0], bound) if jobs else None
         finally:
             self.gate.release(bound)
         return plan, jobs, first
+
+    async def _on_thread(self, work: Callable[[], Made]) -> Made:
+        """``work()`` (tokenizing) on a thread once a tokenizing slot is free."""
+        if self._tokenizing is None:
+            self._tokenizing = asyncio.Semaphore(self._slots)
+        self._waiting += 1
+        try:
+            await self._tokenizing.acquire()
+        finally:
+            self._waiting -= 1
+        try:
+            if self._aborted is not None:
+                raise self._aborted
+            running = asyncio.ensure_future(asyncio.to_thread(work))
+            try:
+                return await asyncio.shield(running)
+            except asyncio.CancelledError:
+                # The caller left (client gone, deadline), but the thread tokenizes on: its
+                # slot, its reservation and the body allowance the HTTP layer holds until
+                # this returns stay taken until it ends.
+                await asyncio.wait({running})
+                if not running.cancelled():
+                    running.exception()  # retrieved: its error has no one to go to
+                raise
+        finally:
+            self._tokenizing.release()
+
+    def abort(self, error: BgeServeError) -> int:
+        """Answer ``error`` to every request waiting for a tokenizing slot, and to every
+        request from now on; returns how many were waiting. A shutdown's time is up: behind a
+        backlog of big requests they would wait past the HTTP server's grace, which cancels
+        them (a plain-text 500). Those tokenizing now go on; the engine refuses their jobs."""
+        self._aborted = error
+        waiting = self._waiting
+        if self._tokenizing is not None:
+            for _ in range(waiting):  # each wakes, sees the error and gives its slot back
+                self._tokenizing.release()
+        return waiting
 
     def close(self) -> None:
         self._bounds.shutdown(wait=False)
@@ -269,18 +317,7 @@ class _Admitting:
 
 class Admission(_Admitting):
     """A request's way into the engine's queue: the gate, a tokenizing slot, the submission.
-
-    ``slots`` requests tokenize at once (more than the cores only adds memory, each holding its
-    encodings, never speed). ``refused`` counts the 429s decided here (the scheduler counts
-    its own).
-    """
-
-    def __init__(self, engine: Engine, max_queue_tokens: int, drain: DrainMeter,
-                 slots: int) -> None:
-        super().__init__(engine, max_queue_tokens, drain)
-        self._slots = slots
-        self._tokenizing: asyncio.Semaphore | None = None  # made on the loop that serves
-        self._waiting = 0  # requests waiting for a tokenizing slot
+    ``refused`` counts the 429s decided here (the scheduler counts its own)."""
 
     def lower_bound(self, inputs: Inputs, stop_above: int) -> int:
         """Tokens ``inputs`` give at least (words, capped at max_seq per text; token ids
@@ -318,42 +355,8 @@ class Admission(_Admitting):
             # A query or two: tokenizing it here costs less than handing it to a thread and
             # waiting to be woken (measured in docs/benchmarks.md, "Short-query latency").
             return self.engine.make_job(inputs, options, request_id, arrived)
-        if self._tokenizing is None:
-            self._tokenizing = asyncio.Semaphore(self._slots)
-        self._waiting += 1
-        try:
-            await self._tokenizing.acquire()
-        finally:
-            self._waiting -= 1
-        try:
-            if self._aborted is not None:
-                raise self._aborted
-            work = asyncio.ensure_future(asyncio.to_thread(
-                self.engine.make_job, inputs, options, request_id, arrived))
-            try:
-                return await asyncio.shield(work)
-            except asyncio.CancelledError:
-                # The caller left (client gone), but the thread tokenizes on: its slot, its
-                # reservation and the body allowance the HTTP layer holds until this returns
-                # stay taken until it ends.
-                await asyncio.wait({work})
-                if not work.cancelled():
-                    work.exception()  # retrieved: its error has no one to go to
-                raise
-        finally:
-            self._tokenizing.release()
-
-    def abort(self, error: BgeServeError) -> int:
-        """Answer ``error`` to every request waiting for a tokenizing slot, and to every
-        request from now on; returns how many were waiting. A shutdown's time is up: behind a
-        backlog of big requests they would wait past the HTTP server's grace, which cancels
-        them (a plain-text 500). Those tokenizing now go on; the engine refuses their jobs."""
-        self._aborted = error
-        waiting = self._waiting
-        if self._tokenizing is not None:
-            for _ in range(waiting):  # each wakes, sees the error and gives its slot back
-                self._tokenizing.release()
-        return waiting
+        return await self._on_thread(functools.partial(
+            self.engine.make_job, inputs, options, request_id, arrived))
 
 
 class PairAdmission(_Admitting):
@@ -368,8 +371,9 @@ class PairAdmission(_Admitting):
     (docs/reliability.md §3).
     """
 
-    def __init__(self, reranker: Reranker, max_queue_tokens: int, drain: DrainMeter) -> None:
-        super().__init__(reranker.engine, max_queue_tokens, drain)
+    def __init__(self, reranker: Reranker, max_queue_tokens: int, drain: DrainMeter,
+                 slots: int) -> None:
+        super().__init__(reranker.engine, max_queue_tokens, drain, slots)
         self.reranker = reranker
 
     async def submit(self, query: str, documents: list[str], options: RerankOptions,

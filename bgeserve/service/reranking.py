@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,8 @@ class Reranking:
         self.tuner = Tuner(tuning, apply=engine.set_cost_model,
                            apply_chunk_tokens=engine.set_max_chunk_tokens)
         self.reranker = Reranker(engine=engine, model_id=RERANK_MODEL_ID)
-        self.admission = PairAdmission(self.reranker, s.max_queue_tokens, self.drain)
+        self.admission = PairAdmission(self.reranker, s.max_queue_tokens, self.drain,
+                                       slots=max(2, len(os.sched_getaffinity(0))))
 
         def load() -> None:
             engine.start()

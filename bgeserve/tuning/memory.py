@@ -236,18 +236,20 @@ _M_ARENA_MAX = -8  # glibc mallopt parameter
 def limit_malloc_arenas(environ: Mapping[str, str], cpus: int | None = None) -> int | None:
     """Cap glibc's malloc arenas at ``cpus`` (default: the CPUs this process may use; at least
     2) for a long-running process (``serve``, ``bulk``), unless the environment sets
-    ``MALLOC_ARENA_MAX`` itself (glibc has applied that already); the cap set, or None (set by
-    the environment, or not glibc).
+    ``MALLOC_ARENA_MAX`` itself, or ``GLIBC_TUNABLES``' ``glibc.malloc.arena_max`` (glibc has
+    applied that already); the cap set, or None (set by the environment, or not glibc).
 
     glibc's default is 8 arenas per core, each a heap that keeps what its threads freed: under
     sustained load the server's RSS grew 3.5-4 MiB/min for 24 minutes without a plateau while
     Python's own allocations stayed flat; with 2 arenas on that 2-core machine it grew
     0.3-0.5 MiB/min (docs/reliability.md §9). One arena per core still leaves the threads that
     run at once their own; its cost in throughput was within the noise (paired median 0.98,
-    tiny model, where allocation weighs most). Called before the threads that allocate start;
-    arenas made earlier stay.
+    tiny model, where allocation weighs most). Called before the threads that allocate start:
+    arenas made earlier stay, and once more than 8 exist glibc has fixed its limit (a cap set
+    later does nothing).
     """
-    if environ.get("MALLOC_ARENA_MAX"):
+    if environ.get("MALLOC_ARENA_MAX") or "glibc.malloc.arena_max" in environ.get(
+            "GLIBC_TUNABLES", ""):
         return None
     try:
         mallopt = ctypes.CDLL(None).mallopt
