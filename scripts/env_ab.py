@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-path", required=True, help="a bgeserve export or snapshot")
     ap.add_argument("--env", required=True, metavar="KEY=VALUE",
                     help="what server B has in its environment and server A has not")
+    ap.add_argument("--both", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment both servers have (repeatable), e.g. BGE_M3_MODEL=int8")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--seconds", type=float, default=12.0)
     ap.add_argument("--clients", type=int, default=16)
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="env-ab-"))
     out.mkdir(parents=True, exist_ok=True)
     common = {"BGE_M3_MODEL_PATH": args.model_path, "BGE_M3_CACHE_MB": "0",
-              "BGE_M3_MAX_SEQ_LENGTH": "1024", "BGE_M3_LOG_LEVEL": "warning"}
+              "BGE_M3_MAX_SEQ_LENGTH": "1024", "BGE_M3_LOG_LEVEL": "warning",
+              **dict(item.partition("=")[::2] for item in args.both)}
     servers = {"A": SoakServer(dict(common), out / "a.log"),
                "B": SoakServer({**common, key: value}, out / "b.log")}
     texts = corpus()
@@ -98,14 +101,14 @@ def main(argv: list[str] | None = None) -> int:
                                              args.seconds))
                 rates[name].append(rate)
                 rss[name].append(rss_mib(servers[name].pid))
-                print(f"round {n} {name}: {rate:.1f} requests/s, RSS {rss[name][-1]:.0f} MiB",
+                print(f"round {n} {name}: {rate:.3g} requests/s, RSS {rss[name][-1]:.0f} MiB",
                       flush=True)
     finally:
         for server in servers.values():
             server.stop()
     paired = [b / a for a, b in zip(rates["A"], rates["B"])]
-    print(f"A (without {args.env}): median {statistics.median(rates['A']):.1f} requests/s; "
-          f"B (with it): median {statistics.median(rates['B']):.1f}")
+    print(f"A (without {args.env}): median {statistics.median(rates['A']):.3g} requests/s; "
+          f"B (with it): median {statistics.median(rates['B']):.3g}")
     print(f"B/A paired: median {statistics.median(paired):.3f}, min {min(paired):.3f}, "
           f"max {max(paired):.3f} over {len(paired)} rounds")
     (out / "result.json").write_text(json.dumps({"rates": rates, "rss_mib": rss,
