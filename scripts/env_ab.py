@@ -81,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="logs and result.json (default: a "
                     "temporary folder)")
     args = ap.parse_args(argv)
+    for item in (args.env, *args.both):
+        if "=" not in item:
+            ap.error(f"{item!r}: KEY=VALUE expected")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     key, _, value = args.env.partition("=")
     out = args.out or Path(tempfile.mkdtemp(prefix="env-ab-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -89,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
               **dict(item.partition("=")[::2] for item in args.both)}
     servers = {"A": SoakServer(dict(common), out / "a.log"),
                "B": SoakServer({**common, key: value}, out / "b.log")}
+    servers["A"].env.pop(key, None)  # not even from this shell's environment
     texts = corpus()
     rates: dict[str, list[float]] = {"A": [], "B": []}
     rss: dict[str, list[float]] = {"A": [], "B": []}

@@ -75,6 +75,20 @@ def test_actor_pool_leaves_a_cpu_per_node_for_reading_and_writing():
     assert actor_pool([16, 8], 3) == (3, 5 + 2)
 
 
+def test_actors_start_with_the_malloc_arena_cap():
+    """The actors' arena cap is in their environment when their processes start (a cap set
+    from __init__ may come too late); the driver's own setting is passed on instead."""
+    from bgeserve.ray.pipeline import arena_env
+
+    assert arena_env({}, 15.0) == {"MALLOC_ARENA_MAX": "15"}
+    assert arena_env({}, 0.5) == {"MALLOC_ARENA_MAX": "2"}
+    assert arena_env({"MALLOC_ARENA_MAX": "4"}, 15.0) == {"MALLOC_ARENA_MAX": "4"}
+    tunables = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=3"}
+    assert arena_env(tunables, 15.0) == tunables
+    other = {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}
+    assert arena_env(other, 15.0) == {**other, "MALLOC_ARENA_MAX": "15"}
+
+
 def test_a_killed_ray_job_reruns_to_every_row_once(cluster: str, tiny_export: Path,
                                                    tmp_path: Path,
                                                    caplog: pytest.LogCaptureFixture) -> None:

@@ -112,7 +112,9 @@ class Embedder:
         self.options = columns.embed_options(self.outputs)
         cpus = _ray_cpus()
         environ = actor_environ(env, cpus)
-        # As ``bgeserve bulk`` does (before the sessions' threads): at the actor's CPUs.
+        # As ``bgeserve bulk`` does, at the actor's CPUs, for a pipeline of the user's own
+        # (``bulk --ray`` sets MALLOC_ARENA_MAX when the actor starts: this then does nothing).
+        # Ray's threads may have made more than 8 arenas already: glibc then keeps its limit.
         memory.limit_malloc_arenas(environ, int(cpus) if cpus else None)
         self.model = BulkModel(resolve_settings(environ))
         self.identity = self.model.identity  # bgeserve.bulk.model.model_identity

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,18 @@ def _quiet_refusals() -> Iterator[None]:
             item.removeFilter(keep)
 
 
+def arena_env(environ: Mapping[str, str], cpus: float) -> dict[str, str]:
+    """The actors' malloc arena cap, set when their processes start: a cap set from the
+    actor's ``__init__`` (``memory.limit_malloc_arenas``) comes after Ray's own threads have
+    made their arenas, and glibc fixes its limit once more than 8 exist. The driver's own
+    ``MALLOC_ARENA_MAX`` / ``GLIBC_TUNABLES`` are passed on instead where set."""
+    given = {k: environ[k] for k in ("MALLOC_ARENA_MAX", "GLIBC_TUNABLES") if environ.get(k)}
+    if "MALLOC_ARENA_MAX" in given or "glibc.malloc.arena_max" in given.get(
+            "GLIBC_TUNABLES", ""):
+        return given
+    return {**given, "MALLOC_ARENA_MAX": str(max(2, int(cpus)))}
+
+
 def run(job: BulkJob, settings: Settings, address: str | None = None,
         cpus_per_actor: float | None = None) -> Summary:
     """Run ``job`` on the Ray cluster at ``address`` (None: RAY_ADDRESS, else a local one)."""
@@ -140,6 +153,7 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
         ds = ds.map_batches(
             Embedder, batch_format="pyarrow", batch_size=None,
             compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=cpus,
+            runtime_env={"env_vars": arena_env(os.environ, cpus)},
             fn_constructor_kwargs={"outputs": job.outputs, "env": actor_env(settings),
                                    "identity_column": MODEL_COLUMN})
         sink = ShardSink(out.path, job.outputs, recorded)

@@ -239,12 +239,12 @@ def limit_malloc_arenas(environ: Mapping[str, str], cpus: int | None = None) -> 
     ``MALLOC_ARENA_MAX`` itself, or ``GLIBC_TUNABLES``' ``glibc.malloc.arena_max`` (glibc has
     applied that already); the cap set, or None (set by the environment, or not glibc).
 
-    glibc's default is 8 arenas per core, each a heap that keeps what its threads freed: under
-    sustained load the server's RSS grew 3.5-4 MiB/min for 24 minutes without a plateau while
-    Python's own allocations stayed flat; with 2 arenas on that 2-core machine it grew
-    0.3-0.5 MiB/min (docs/reliability.md §9). One arena per core still leaves the threads that
-    run at once their own; its cost in throughput was within the noise (paired median 0.98,
-    tiny model, where allocation weighs most). Called before the threads that allocate start:
+    glibc's default is 8 arenas per core, each a heap that keeps what its threads freed: in a
+    14-minute mixed soak the server's RSS grew 5-9 MiB/min while Python's own allocations stayed
+    flat, 1.8-2.0 MiB/min with 2 arenas on that 2-core machine (docs/reliability.md §9). One
+    arena per core still leaves the threads that run at once their own; its cost in
+    throughput was within the noise (paired medians 0.98-1.03 on the tiny model, where
+    allocation weighs most; 1.01 full-size). Called before the threads that allocate start:
     arenas made earlier stay, and once more than 8 exist glibc has fixed its limit (a cap set
     later does nothing).
     """
