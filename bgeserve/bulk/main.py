@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         if args.ray:
             from bgeserve.ray.pipeline import run as run_ray
 
-            run_ray(job, settings, address=args.ray_address, cpus_per_actor=args.cpus_per_actor)
+            run_ray(job, settings, address=args.ray_address, cpus_per_actor=args.cpus_per_actor,
+                    environ=os.environ)
         else:
             from bgeserve.bulk.local import run as run_local
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -123,8 +122,10 @@ def arena_env(environ: Mapping[str, str], cpus: float) -> dict[str, str]:
 
 
 def run(job: BulkJob, settings: Settings, address: str | None = None,
-        cpus_per_actor: float | None = None) -> Summary:
-    """Run ``job`` on the Ray cluster at ``address`` (None: RAY_ADDRESS, else a local one)."""
+        cpus_per_actor: float | None = None,
+        environ: Mapping[str, str] | None = None) -> Summary:
+    """Run ``job`` on the Ray cluster at ``address`` (None: RAY_ADDRESS, else a local one);
+    ``environ``: the driver's environment (its malloc settings go to the actors)."""
     import ray
 
     with OutputDir(job.output) as out:
@@ -153,7 +154,7 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
         ds = ds.map_batches(
             Embedder, batch_format="pyarrow", batch_size=None,
             compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=cpus,
-            runtime_env={"env_vars": arena_env(os.environ, cpus)},
+            runtime_env={"env_vars": arena_env(environ or {}, cpus)},
             fn_constructor_kwargs={"outputs": job.outputs, "env": actor_env(settings),
                                    "identity_column": MODEL_COLUMN})
         sink = ShardSink(out.path, job.outputs, recorded)
