@@ -31,6 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from bgeserve.cgroup import usable_cpus
     from bgeserve.config import Settings, parse_bind, warn_unknown_variables
     from bgeserve.errors import BgeServeError
     from bgeserve.http import tls
@@ -63,6 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"bgeserve: {exc}", file=sys.stderr)
         return 2
     log.info("bgeserve starting", extra={"settings": settings.redacted()})
+    log.info("%s: %d intra-op threads per worker", usable_cpus(), settings.threads_per_worker)
     if settings.warmup_only:
         from bgeserve.service.warmup import run as warmup
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from bgeserve.cgroup import usable_cpus
 from bgeserve.errors import ConfigError
 
 T = TypeVar("T")
@@ -149,7 +150,8 @@ class Settings:
     workers: int = _var("BGE_M3_WORKERS", _number(int, 1, 256), 1,
                         "inference sessions (each runs on BGE_M3_INTRA_THREADS threads)")
     intra_threads: int = _var("BGE_M3_INTRA_THREADS", _number(int, 0, 1024), 0,
-                              "threads per session; 0 = CPU cores / workers")
+                              "threads per session; 0 = usable CPUs (affinity, cgroup CPU "
+                              "quota) / workers")
     max_chunk: int = _var("BGE_M3_MAX_CHUNK", _number(int, 1, 4096), 64,
                           "texts per session.run() at most (a latency cap)")
     max_chunk_tokens: int | None = _var("BGE_M3_MAX_CHUNK_TOKENS", _number(int, 1), None,
@@ -316,10 +318,11 @@ class Settings:
 
     @property
     def threads_per_worker(self) -> int:
-        """Intra-op threads per session: explicit, or the CPU cores shared among workers."""
+        """Intra-op threads per session: explicit, or the usable CPUs (affinity, narrowed by a
+        cgroup CPU quota) shared among workers."""
         if self.intra_threads:
             return self.intra_threads
-        return max(1, (os.cpu_count() or 1) // self.workers)
+        return max(1, usable_cpus().count // self.workers)
 
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict for logging, API keys replaced by their count."""

@@ -302,12 +302,16 @@ def test_the_deprecation_warning_points_at_the_caller():
 
 # --------------------------------------------------------------------- derived, redacted
 def test_threads_per_worker(monkeypatch):
-    """Explicit intra threads win; otherwise the cores are shared among workers (at least 1)."""
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    """Explicit intra threads win; otherwise the usable CPUs (affinity narrowed by a cgroup CPU
+    quota: tests/test_cgroup.py) are shared among workers (at least 1)."""
+    from bgeserve import config
+    from bgeserve.cgroup import Cpus
+
+    monkeypatch.setattr(config, "usable_cpus", lambda: Cpus(8, 64, 8.0))
     assert parse(BGE_M3_INTRA_THREADS="3").threads_per_worker == 3
     assert parse(BGE_M3_WORKERS="2").threads_per_worker == 4
     assert parse(BGE_M3_WORKERS="16").threads_per_worker == 1
-    monkeypatch.setattr("os.cpu_count", lambda: None)
+    monkeypatch.setattr(config, "usable_cpus", lambda: Cpus(1, 1, None))
     assert Settings().threads_per_worker == 1
 
 

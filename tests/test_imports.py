@@ -16,9 +16,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "bgeserve"
 # Importable from anywhere (the layer contracts themselves are import-linter's, in
-# pyproject.toml and tests/test_lint.py); these import nothing of bgeserve but errors.
+# pyproject.toml and tests/test_lint.py); these import nothing of bgeserve but errors and
+# cgroup (a leaf itself: the settings size their threads by it).
 LEAVES = ("bgeserve.config", "bgeserve.errors", "bgeserve.results", "bgeserve.logs",
-          "bgeserve.vocab", "bgeserve.tuning.costmodel")
+          "bgeserve.vocab", "bgeserve.cgroup", "bgeserve.tuning.costmodel")
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -141,8 +142,10 @@ def test_only_export_and_testing_import_torch_or_transformers(top):
 
 @pytest.mark.parametrize("leaf", LEAVES)
 def test_leaves_import_only_errors(leaf):
-    """The leaves and the pure cost model import no bgeserve module except errors."""
-    assert internal_imports(leaf) - {"bgeserve.errors"} == set()
+    """The leaves and the pure cost model import no bgeserve module except errors and cgroup
+    (which imports none)."""
+    assert internal_imports(leaf) - {"bgeserve.errors", "bgeserve.cgroup"} == set()
+    assert internal_imports("bgeserve.cgroup") == set()
 
 
 def test_errors_imports_nothing_from_bgeserve():

@@ -98,7 +98,7 @@ def _open_openvino(artifacts: ModelArtifacts, config: SessionConfig) -> OpenSess
     from bgeserve.runtime.openvino import SharedModel
 
     shared = SharedModel(artifacts.onnx_path, precision=artifacts.variant,
-                         threads=config.threads, streams=config.streams)
+                         threads=config.cpu_threads, streams=config.streams)
 
     def open_session(worker: int = 0) -> Session:
         return shared.session()

@@ -72,7 +72,7 @@ def session_options(config: SessionConfig) -> ort.SessionOptions:
     """bgeserve's session options (the benchmark and recipe scripts use them too, so what they
     time is what the server runs); pair them with ``run_options``."""
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = config.threads
+    opts.intra_op_num_threads = config.cpu_threads
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.enable_cpu_mem_arena = config.shrinking_arena

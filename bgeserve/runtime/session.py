@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+import psutil
+
+from bgeserve.cgroup import usable_cpus
 
 
 class Session(Protocol):
@@ -50,6 +53,19 @@ class SessionConfig:
     optimization: str = "all"
     # OpenVINO: inference streams of the one compiled model the workers share (= workers).
     streams: int = 1
+
+    @property
+    def cpu_threads(self) -> int:
+        """Threads per stream: ``threads``; for 0, the runtime's own count (0: its physical
+        cores, which never sees a cgroup CPU quota) unless a quota leaves fewer CPUs than
+        that, then the quota's CPUs shared among the streams."""
+        if self.threads:
+            return self.threads
+        cpus = usable_cpus()
+        physical = psutil.cpu_count(logical=False) or cpus.affinity
+        if cpus.quota is None or cpus.count >= physical:
+            return 0
+        return max(1, cpus.count // max(1, self.streams))
 
     @property
     def shrinking_arena(self) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 import sys
 import threading
 import time
@@ -171,7 +170,7 @@ class Service:
             self._reprobe = lambda: tuner.reprobe(probe_source(engine, spec, in_process=False),
                                                   model_cost, fingerprint, parts)
             self.admission = Admission(engine, s.max_queue_tokens, self.drain,
-                                       slots=max(2, len(os.sched_getaffinity(0))))
+                                       slots=service_info.tokenizing_slots())
             self.deep = deep
             self.engine = engine
             self.progress.done()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 from bgeserve import __version__
+from bgeserve.cgroup import usable_cpus
 from bgeserve.model.artifacts import HUB_SOURCES
 from bgeserve.results import ModelInfo
 
@@ -19,7 +19,7 @@ DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8", "bf16": "bfloat1
 def tokenizing_slots() -> int:
     """Requests tokenized at once (the service's semaphore: more than the cores only adds
     memory)."""
-    return max(2, len(os.sched_getaffinity(0)))
+    return max(2, usable_cpus().count)
 
 
 def model_info(service: Service) -> ModelInfo:

@@ -10,6 +10,7 @@ Never imports onnxruntime.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import resource
@@ -17,6 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from bgeserve.cgroup import parse_cgroup_v1_path, parse_cgroup_v2_path, usable_cpus, walk_up
+from bgeserve.cgroup import read_text as _read
 from bgeserve.errors import ConfigError
 
 logger = logging.getLogger("bgeserve.memory")
@@ -35,23 +38,6 @@ class MemoryInfo:
 
     available_bytes: int
     source: str
-
-
-def parse_cgroup_v2_path(text: str) -> str | None:
-    """The unified-hierarchy path from ``/proc/self/cgroup`` (the ``0::/path`` line), or None."""
-    for line in text.splitlines():
-        if line.startswith("0::"):
-            return line[3:].strip()
-    return None
-
-
-def parse_cgroup_v1_path(text: str, controller: str = "memory") -> str | None:
-    """The path of ``controller``'s hierarchy from ``/proc/self/cgroup`` (``N:a,b:/path``)."""
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) == 3 and controller in parts[1].split(","):
-            return parts[2].strip()
-    return None
 
 
 def parse_memory_max(text: str) -> int | None:
@@ -99,26 +85,9 @@ def _positive_int(value: str, what: str) -> int | None:
     return None
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def _walk_up(
-    root: Path, cgroup_path: str, filename: str, parse: Callable[[str], int | None]
-) -> int | None:
-    """First parsed value of ``filename`` from ``root/cgroup_path`` up to ``root`` itself."""
-    # Drop "..": a path from /proc must never lead outside the cgroup mount.
-    parts = [p for p in cgroup_path.split("/") if p and p != ".."]
-    # Without a private cgroup namespace (e.g. ECS on Bottlerocket) the leaf may read "max"
-    # while a parent carries the real limit, hence the walk.
-    for depth in range(len(parts), -1, -1):
-        text = _read(root.joinpath(*parts[:depth], filename))
-        if text is not None and (value := parse(text)) is not None:
-            return value
-    return None
+def _parsed(filename: str, parse: Callable[[str], int | None], directory: Path) -> int | None:
+    text = _read(directory / filename)
+    return None if text is None else parse(text)
 
 
 def detect_available_memory(
@@ -158,7 +127,8 @@ def detect_available_memory(
     for source, root, path, filename, parse in limits:
         if path is None:
             continue
-        limit = _walk_up(root, path, filename, parse)
+        # The first limit from the leaf up (the leaf's is the one that applies first).
+        limit = next(walk_up(root, path, functools.partial(_parsed, filename, parse)), None)
         if limit is not None:
             return MemoryInfo(min(limit, total) if total else limit, source)
     available = parse_meminfo(meminfo, "MemAvailable")
@@ -255,7 +225,7 @@ def limit_malloc_arenas(environ: Mapping[str, str], cpus: int | None = None) -> 
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (musl, macOS)
         return None
-    arenas = max(2, len(os.sched_getaffinity(0)) if cpus is None else cpus)
+    arenas = max(2, usable_cpus().count if cpus is None else cpus)
     if mallopt(_M_ARENA_MAX, arenas) != 1:
         return None
     logger.debug("malloc arenas capped at %d (MALLOC_ARENA_MAX sets another cap)", arenas)
