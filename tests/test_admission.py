@@ -310,6 +310,42 @@ def test_rerank_admission_refuses_before_tokenizing_with_its_own_drain_rate() ->
     admission.close()
 
 
+def test_a_later_group_refused_by_the_queue_gets_the_drain_rates_retry_after() -> None:
+    """bge-m3's ColBERT scores queue a big request's later groups of windows one after
+    another (``m3rerank.arun_jobs``' ``submit``, the service's ``Admission.queue``): the
+    queue's refusal of one carries bge-m3's drain-rate Retry-After (the scheduler's was 1 s),
+    after the groups before it ran once each."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from bgeserve.engine import m3rerank
+    from bgeserve.results import RerankOptions
+    from bgeserve.service.admission import Admission
+
+    clock = Clock()
+    drain = DrainMeter(clock=clock)
+    drain.record(100, 1.0)  # 100 tokens per second of running
+    awaited: list[object] = []
+
+    def submit(job: object) -> str:  # the scheduler's own check: 400 tokens, 100 free
+        raise Overloaded("queue full; retry shortly", retry_after=1.0)
+
+    async def await_job(job: object, future: object) -> str:
+        awaited.append((job, future))
+        return "part"
+
+    engine = SimpleNamespace(queued_tokens=lambda: 900, submit=submit, await_job=await_job)
+    admission = Admission(engine, 1000, drain, slots=2)  # type: ignore[arg-type]
+    first, later = SimpleNamespace(ids=[[0] * 300]), SimpleNamespace(ids=[[0] * 400])
+    with pytest.raises(Overloaded) as refused:
+        asyncio.run(m3rerank.arun_jobs(engine, None, [first, later],  # type: ignore[arg-type]
+                                       RerankOptions(), "first's future",
+                                       submit=admission.queue))
+    assert refused.value.retry_after == 3  # 300 tokens short at 100 tokens/s
+    assert awaited == [(first, "first's future")] and admission.gate.reserved == 0
+    admission.close()
+
+
 def test_a_big_request_after_close_is_told_the_server_is_stopping() -> None:
     """The admission thread is gone once the server stops: a big request still arriving gets
     a 503 NotReady naming the shutdown (it was a RuntimeError, a 500)."""

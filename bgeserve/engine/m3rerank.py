@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -214,11 +214,16 @@ async def arerank_m3(engine: Engine, query: str, documents: Sequence[str],
 
 
 async def arun_jobs(engine: Engine, plan: M3Plan, jobs: Sequence[Job], options: RerankOptions,
-                    first: Future | None = None) -> RerankResult:
+                    first: Future | None = None,
+                    submit: Callable[[Job], Future] | None = None) -> RerankResult:
     """Run ``make_jobs``' jobs one after the other (``first``: the first one's future, when
-    the caller queued it already) and combine their scores."""
-    return _finish(plan, [await engine.await_job(job, first if i == 0 else None)
-                          for i, job in enumerate(jobs)], options)
+    the caller queued it already; ``submit`` queues the later ones, ``engine.submit`` unless
+    given) and combine their scores."""
+    parts = []
+    for i, job in enumerate(jobs):
+        future = first if i == 0 else (submit(job) if submit is not None else None)
+        parts.append(await engine.await_job(job, future))
+    return _finish(plan, parts, options)
 
 
 def _finish(plan: M3Plan, parts: list[Embeddings], options: RerankOptions) -> RerankResult:

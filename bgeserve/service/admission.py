@@ -245,10 +245,10 @@ class _Admitting:
             self.refused += 1
         return refusal
 
-    def _queue(self, job: Job, bound: int) -> Future:
-        """Submit ``job`` (its ``bound`` still reserved): the queue's exact check, its refusal
-        (counted by the scheduler) with a Retry-After from the drain rate, not the
-        scheduler's 1 s."""
+    def queue(self, job: Job, bound: int = 0) -> Future:
+        """Submit ``job`` (its ``bound`` still reserved; 0 for a job admitted earlier, as a
+        ColBERT rerank's later groups): the queue's exact check, its refusal (counted by the
+        scheduler) with a Retry-After from the drain rate, not the scheduler's 1 s."""
         try:
             return self.engine.submit(job)
         except Overloaded as exc:
@@ -268,7 +268,7 @@ class _Admitting:
         bound = await self._reserve(chars, lower_bound)
         try:
             plan, jobs = await self._on_thread(make)
-            first = self._queue(jobs[0], bound) if jobs else None
+            first = self.queue(jobs[0], bound) if jobs else None
         finally:
             self.gate.release(bound)
         return plan, jobs, first
@@ -344,7 +344,7 @@ class Admission(_Admitting):
         bound = await self._reserve(chars, lambda room: self.lower_bound(inputs, room))
         try:
             job = await self._tokenize(inputs, options, request_id, arrived)
-            future = self._queue(job, bound)
+            future = self.queue(job, bound)
         finally:
             self.gate.release(bound)
         return job, future

@@ -16,7 +16,6 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from bgeserve.engine.reranker import Reranker
 from bgeserve.errors import DeadlineExceeded, InvalidInput
 from bgeserve.model.rerank_artifacts import RERANK_MODEL_ID, RERANK_MODEL_IDS, resolve_reranker
 from bgeserve.results import RerankOptions, RerankResult
-from bgeserve.service import plan
+from bgeserve.service import info, plan
 from bgeserve.service.admission import Admission, DrainMeter, PairAdmission
 from bgeserve.service.metrics import Metrics
 from bgeserve.service.probing import probe_source
@@ -108,7 +107,7 @@ class Reranking:
                            apply_chunk_tokens=engine.set_max_chunk_tokens)
         self.reranker = Reranker(engine=engine, model_id=RERANK_MODEL_ID)
         self.admission = PairAdmission(self.reranker, s.max_queue_tokens, self.drain,
-                                       slots=max(2, len(os.sched_getaffinity(0))))
+                                       slots=info.tokenizing_slots())
 
         def load() -> None:
             engine.start()
@@ -217,7 +216,8 @@ class Reranking:
                                                  m3.config.max_seq, options, stop_above=room),
                 functools.partial(m3rerank.make_jobs, m3, query, documents, options,
                                   request_id, arrived))
-            return await m3rerank.arun_jobs(m3, plan_, jobs, options, first)
+            return await m3rerank.arun_jobs(m3, plan_, jobs, options, first,
+                                            submit=admission.queue)
 
     async def _cross(self, query: str, documents: list[str], options: RerankOptions,
                      timeout: float | None, request_id: str) -> RerankResult:
