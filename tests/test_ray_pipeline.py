@@ -93,7 +93,8 @@ def test_a_killed_ray_job_reruns_to_every_row_once(cluster: str, tiny_export: Pa
                                                    tmp_path: Path,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     """Kill the driver once some shards are written; the rerun keeps them, writes the rest:
-    500 rows equal to Engine.embed (fp32), no duplicates, the 4 bad rows reported by id."""
+    500 rows equal to Engine.embed (fp32), no duplicates, the 4 bad rows reported by id and
+    counted once (this run's, or the killed run's: ``skipped_bad``)."""
     texts = make_inputs(tmp_path / "in")
     out = tmp_path / "out"
     variables = env(tiny_export, tmp_path / "cache")
@@ -118,6 +119,8 @@ def test_a_killed_ray_job_reruns_to_every_row_once(cluster: str, tiny_export: Pa
         summary = run_ray(job, resolve_settings(variables))
     assert summary.rows == 500 - first and summary.skipped >= first
     assert summary.duplicate_ids == 0
+    # Each bad row counted once: in this run's, or among the rows the killed run covered.
+    assert summary.bad + summary.skipped_bad == len(BAD_IDS)
     # The killed run's model was pinned before its first shard; the rerun recorded it.
     assert manifest(out)["model_identity"] == identity(tiny_export)
     assert not (out / PIN).exists()

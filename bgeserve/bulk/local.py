@@ -22,7 +22,13 @@ from bgeserve.bulk.coverage import spans_of
 from bgeserve.bulk.dupes import Duplicates
 from bgeserve.bulk.job import BulkJob, blocks, total_rows
 from bgeserve.bulk.model import BulkModel, model_spec
-from bgeserve.bulk.output import MANIFEST, OutputDir, log_bad_rows, log_earlier_bad_rows
+from bgeserve.bulk.output import (
+    MANIFEST,
+    OutputDir,
+    earlier_bad_rows,
+    log_bad_rows,
+    log_earlier_bad_rows,
+)
 from bgeserve.bulk.progress import Progress, Summary
 from bgeserve.bulk.shards import write_shard
 from bgeserve.bulk.sources import Rows, check_columns, discover
@@ -144,9 +150,7 @@ def run(job: BulkJob, settings: Settings, bar: bool | None = None) -> Summary:
         log_earlier_bad_rows(shards)
         total = total_rows(sources)
         skipped = sum(coverage.rows(s.key) for s in sources)
-        # Finished shards cover their bad rows too (done: a rerun does not retry them).
-        keys = {s.key for s in sources}
-        skipped_bad = sum(item[0] in keys for shard in shards for item in shard.bad)
+        skipped_bad = earlier_bad_rows(shards, {s.key for s in sources})
         log.info("bulk: %d input files, %s rows, %d already in %s%s", len(sources),
                  total if total is not None else "?", skipped, out.path,
                  f" ({skipped_bad} of them bad rows, skipped then)" if skipped_bad else "")

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -262,6 +262,12 @@ def log_bad_rows(source: str, bad: Sequence[Sequence[Any]], *, earlier: bool = F
     log.warning("%s %d bad rows of %s: %s", "an earlier run skipped" if earlier else "skipped",
                 len(bad), source, "; ".join(f"row {r} (id {i!r}): {why}" for _, r, i, why in bad),
                 extra={"bad_rows": [{"row": r, "id": i, "reason": why} for _, r, i, why in bad]})
+
+
+def earlier_bad_rows(shards: Sequence[ShardInfo], keys: Collection[str]) -> int:
+    """Bad rows of the sources ``keys`` that finished shards record: done (a rerun does not
+    retry them), counted among the rows the folder already covers."""
+    return sum(item[0] in keys for shard in shards for item in shard.bad)
 
 
 def log_earlier_bad_rows(shards: Sequence[ShardInfo]) -> None:

@@ -30,7 +30,7 @@ from bgeserve.bulk.dupes import Duplicates
 from bgeserve.bulk.job import BulkJob
 from bgeserve.bulk.local import MAX_BAD_EXAMPLES
 from bgeserve.bulk.model import model_spec, settings_env
-from bgeserve.bulk.output import OutputDir, log_earlier_bad_rows
+from bgeserve.bulk.output import OutputDir, earlier_bad_rows, log_earlier_bad_rows
 from bgeserve.bulk.progress import Progress, Summary
 from bgeserve.bulk.sources import check_columns, discover
 from bgeserve.config import Settings
@@ -139,14 +139,18 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
         coverage, shards = out.scan()
         log_earlier_bad_rows(shards)
         skipped = sum(coverage.rows(s.key) for s in sources)
+        skipped_bad = earlier_bad_rows(shards, {s.key for s in sources})
         if not ray.is_initialized():
             ray.init(address=address, include_dashboard=False, log_to_driver=True)
         nodes = [int(n["Resources"].get("CPU", 0)) for n in ray.nodes()
                  if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
         cpus, actors = actor_pool(nodes, cpus_per_actor)
-        log.info("bulk on Ray: %d input files, %d rows already in %s; %d Embedder actors of "
-                 "%g CPUs", len(sources), skipped, out.path, actors, cpus)
+        log.info("bulk on Ray: %d input files, %d rows already in %s%s; %d Embedder actors "
+                 "of %g CPUs", len(sources), skipped, out.path,
+                 f" ({skipped_bad} of them bad rows, skipped then)" if skipped_bad else "",
+                 actors, cpus)
         progress = Progress(None, skipped, bar=False)  # Ray Data shows its own progress
+        progress.summary.skipped_bad = skipped_bad
         # One block per shard-sized block of rows: Ray would otherwise split each read's
         # output to reach twice the cluster's CPUs, which only makes smaller shards.
         ds = ray.data.read_datasource(BulkSource(sources, job, coverage), num_cpus=IO_CPUS,
