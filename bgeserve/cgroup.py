@@ -85,9 +85,10 @@ class Cpus:
     quota: float | None
 
     def __str__(self) -> str:
+        cpus = f"{self.count} CPU{'s' if self.count != 1 else ''}"
         if self.quota is None:
-            return f"{self.count} CPUs (affinity)"
-        return f"{self.count} CPUs (affinity {self.affinity}, cgroup CPU quota {self.quota:g})"
+            return f"{cpus} (affinity)"
+        return f"{cpus} (affinity {self.affinity}, cgroup CPU quota {self.quota:g})"
 
 
 def detect_cpus(*, proc: Path = Path("/proc"), sys_cgroup: Path = Path("/sys/fs/cgroup"),

@@ -64,7 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"bgeserve: {exc}", file=sys.stderr)
         return 2
     log.info("bgeserve starting", extra={"settings": settings.redacted()})
-    log.info("%s: %d intra-op threads per worker", usable_cpus(), settings.threads_per_worker)
+    log.info("%s: intra-op threads per worker %d", usable_cpus(), settings.threads_per_worker)
     if settings.warmup_only:
         from bgeserve.service.warmup import run as warmup
 

@@ -47,6 +47,7 @@ def test_v2_quota_narrows_the_affinity(tmp_path):
     cpus = detect(tmp_path, "0::/pod/ctr\n", {"pod/ctr/cpu.max": "200000 100000\n"})
     assert cpus == Cpus(count=2, affinity=64, quota=2.0)
     assert str(cpus) == "2 CPUs (affinity 64, cgroup CPU quota 2)"
+    assert str(Cpus(1, 2, 1.5)) == "1 CPU (affinity 2, cgroup CPU quota 1.5)"
 
 
 def test_v2_the_smallest_quota_on_the_way_up_applies(tmp_path):
