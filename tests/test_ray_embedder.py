@@ -82,6 +82,21 @@ def test_an_actor_gets_its_cpus_as_threads_and_their_share_of_memory() -> None:
         "BGE_M3_AVAILABLE_MEMORY_BYTES")
 
 
+def test_an_actors_share_of_memory_counts_the_node_cpus_the_pod_may_use(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a pod limited to 8 CPUs on a 64-core host, an actor of 2 gets a quarter of the
+    pod's memory, not a 32nd."""
+    from bgeserve.cgroup import Cpus
+    from bgeserve.ray import embedder as module
+    from bgeserve.tuning import memory
+
+    monkeypatch.setattr(module, "usable_cpus", lambda: Cpus(8, 64, 8.0))
+    monkeypatch.delenv("BGE_M3_AVAILABLE_MEMORY_BYTES", raising=False)
+    total = memory.detect_available_memory().available_bytes
+    shared = actor_environ({}, 2.0)
+    assert abs(int(shared["BGE_M3_AVAILABLE_MEMORY_BYTES"]) - total / 4) < total * 0.05
+
+
 def test_the_identity_column_names_the_model_files_in_every_row(
         embedder: Embedder, tiny_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``identity`` is the variant and the export's graph sha256 (what bgeserve bulk records);

@@ -33,6 +33,7 @@ import pyarrow as pa
 
 from bgeserve.bulk import columns
 from bgeserve.bulk.model import BulkModel, resolve_settings
+from bgeserve.cgroup import usable_cpus
 from bgeserve.tuning import memory
 
 log = logging.getLogger("bgeserve.ray")
@@ -55,7 +56,9 @@ def actor_environ(env: Mapping[str, str] | None, cpus: float | None,
     CPUs, and a memory share when it has only part of the node."""
     environ = {**os.environ, **(env or {})}
     if cpus:
-        node_cpus = node_cpus or os.cpu_count() or 1
+        # The node's CPUs as this process may use them: a pod's CPU limit, not its host's
+        # cores (on a 64-core host an actor of an 8-CPU pod would get an eighth of its share).
+        node_cpus = node_cpus or usable_cpus().count
         environ.setdefault("BGE_M3_INTRA_THREADS", str(max(1, int(cpus))))
         if cpus < node_cpus and "BGE_M3_AVAILABLE_MEMORY_BYTES" not in environ:
             available = memory.detect_available_memory().available_bytes
