@@ -98,9 +98,11 @@ def detect_cpus(*, proc: Path = Path("/proc"), sys_cgroup: Path = Path("/sys/fs/
     A container limited with ``--cpus 2`` (a CFS quota) on a 64-core host still sees 64 CPUs in
     ``os.cpu_count()`` and its affinity; 64 compute threads there share two CPUs' time, and
     every parallel kernel waits on threads the scheduler has throttled. The quota is the
-    smallest along the hierarchy (each level's applies), rounded down: a thread more than the
-    quota holds is throttled, one fewer leaves a fraction idle, and the HTTP loop and the
-    tokenizer use that fraction.
+    smallest along the hierarchy (each level's applies), rounded up: the cgroup's threads are
+    throttled together once its quota is spent, so a fraction of a CPU is work one thread more
+    still gets (int8 bge-m3 under a 1.5-CPU quota: 2 threads 1.32x faster than 1), while whole
+    threads past the quota only add waiting (1 CPU: 1 thread 1.09x faster than 2;
+    docs/benchmarks.md).
     """
     if affinity is None:
         affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
@@ -116,7 +118,7 @@ def detect_cpus(*, proc: Path = Path("/proc"), sys_cgroup: Path = Path("/sys/fs/
         quotas += walk_up(root, v1, lambda d: parse_cfs_quota(
             read_text(d / "cpu.cfs_quota_us") or "", read_text(d / "cpu.cfs_period_us") or ""))
     quota = min(quotas) if quotas else None
-    count = max(1, affinity if quota is None else min(affinity, math.floor(quota)))
+    count = max(1, affinity if quota is None else min(affinity, math.ceil(quota)))
     return Cpus(count, affinity, quota)
 
 

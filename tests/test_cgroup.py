@@ -47,7 +47,7 @@ def test_v2_quota_narrows_the_affinity(tmp_path):
     cpus = detect(tmp_path, "0::/pod/ctr\n", {"pod/ctr/cpu.max": "200000 100000\n"})
     assert cpus == Cpus(count=2, affinity=64, quota=2.0)
     assert str(cpus) == "2 CPUs (affinity 64, cgroup CPU quota 2)"
-    assert str(Cpus(1, 2, 1.5)) == "1 CPU (affinity 2, cgroup CPU quota 1.5)"
+    assert str(Cpus(1, 2, 0.5)) == "1 CPU (affinity 2, cgroup CPU quota 0.5)"
 
 
 def test_v2_the_smallest_quota_on_the_way_up_applies(tmp_path):
@@ -57,7 +57,7 @@ def test_v2_the_smallest_quota_on_the_way_up_applies(tmp_path):
     assert parent_only.count == 3
     tighter_child = detect(tmp_path / "b", "0::/pod/ctr\n", {
         "pod/ctr/cpu.max": "150000 100000\n", "pod/cpu.max": "400000 100000\n"})
-    assert (tighter_child.count, tighter_child.quota) == (1, 1.5)  # rounded down
+    assert (tighter_child.count, tighter_child.quota) == (2, 1.5)  # rounded up
 
 
 def test_no_quota_keeps_the_affinity(tmp_path):
@@ -106,8 +106,8 @@ def test_a_sessions_default_threads_follow_a_quota_only(monkeypatch):
     from bgeserve.runtime import session
 
     monkeypatch.setattr(session.psutil, "cpu_count", lambda logical=True: 32)
-    monkeypatch.setattr(session, "usable_cpus", lambda: Cpus(2, 64, 2.5))
-    assert SessionConfig().cpu_threads == 2
+    monkeypatch.setattr(session, "usable_cpus", lambda: Cpus(3, 64, 2.5))
+    assert SessionConfig().cpu_threads == 3
     assert SessionConfig(streams=2).cpu_threads == 1
     assert SessionConfig(streams=4).cpu_threads == 1
     assert SessionConfig(threads=5).cpu_threads == 5
