@@ -28,6 +28,27 @@ def test_without_the_arena_or_off_the_cpu_nothing_is_shrunk() -> None:
     assert not session_options(SessionConfig(provider="cuda")).enable_cpu_mem_arena
 
 
+def test_under_a_cpu_quota_the_intra_op_threads_do_not_spin(monkeypatch) -> None:
+    """A cgroup CPU quota: several threads wait without spinning (spinning spends the quota
+    the others need); one thread, or no quota, keeps ONNX Runtime's default."""
+    from bgeserve.cgroup import Cpus
+    from bgeserve.runtime import onnx
+
+    spin = "session.intra_op.allow_spinning"
+
+    def spins(config: SessionConfig) -> bool:
+        try:
+            return session_options(config).get_session_config_entry(spin) != "0"
+        except RuntimeError:  # not set: ONNX Runtime's default, spinning
+            return True
+
+    monkeypatch.setattr(onnx, "usable_cpus", lambda: Cpus(2, 64, 1.5))
+    assert not spins(SessionConfig(threads=2))
+    assert spins(SessionConfig(threads=1))
+    monkeypatch.setattr(onnx, "usable_cpus", lambda: Cpus(2, 2, None))
+    assert spins(SessionConfig(threads=2))
+
+
 def test_sessions_on_the_shared_arena_agree_with_glibc_sessions(tiny_export: Path) -> None:
     """Same outputs with and without the arena, run after run (shrinking between runs)."""
     graph = tiny_export / "int8" / "model.onnx"

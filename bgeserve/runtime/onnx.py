@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from bgeserve.cgroup import usable_cpus
 from bgeserve.errors import ModelUnavailable
 from bgeserve.runtime import GPU_PROVIDERS
 from bgeserve.runtime.common import Shared, feeds, run_failure
@@ -72,7 +73,11 @@ def session_options(config: SessionConfig) -> ort.SessionOptions:
     """bgeserve's session options (the benchmark and recipe scripts use them too, so what they
     time is what the server runs); pair them with ``run_options``."""
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = config.cpu_threads
+    opts.intra_op_num_threads = threads = config.cpu_threads
+    if threads != 1 and usable_cpus().quota is not None:
+        # Under a cgroup CPU quota a thread spinning for its next piece of work spends the
+        # quota the others need (int8, 1.5-CPU quota, 2 threads: 1.06x faster without).
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.enable_cpu_mem_arena = config.shrinking_arena
