@@ -1,7 +1,8 @@
 """This process's cgroup (Linux): where its limits live, and how many CPUs it may keep busy.
 
-A leaf: the settings (threads per worker), the tuning layer (memory limits, malloc arenas) and
-the service (tokenizing slots) read it. Each file format has a small pure parser that takes
+A leaf: the settings (threads per worker), the runtimes (a session's default threads, spinning),
+the tuning layer (memory limits, malloc arenas), the service (tokenizing slots) and the Ray
+embedder (an actor's memory share) read it. Each file format has a small pure parser that takes
 text and returns a value or None; a missing or malformed file means "no limit here", never an
 error.
 """

@@ -62,8 +62,9 @@ class SessionConfig:
         if self.threads:
             return self.threads
         cpus = usable_cpus()
-        physical = psutil.cpu_count(logical=False) or cpus.affinity
-        if cpus.quota is None or cpus.count >= physical:
+        if cpus.quota is None:  # no need to count the physical cores
+            return 0
+        if cpus.count >= (psutil.cpu_count(logical=False) or cpus.affinity):
             return 0
         return max(1, cpus.count // max(1, self.streams))
 
