@@ -104,3 +104,31 @@ def test_requests_take_turns_and_the_anchor_joins_the_window_from_past_it(monkey
     assert [(p.job, p.length) for p in picked] == [(query, 7)]
     assert [p.job for p in q.take(pack(1))] == [bulk]
     assert len(q) == 8 and q.tokens == 40
+
+
+def test_take_solo_takes_the_solo_piece_alone_and_counts_it_out_everywhere():
+    """The canary's piece comes out alone past older pieces; the solo count follows every
+    way a piece leaves (take_solo, take, purge, drain), so take_solo never scans in vain."""
+    def solo_job(n: int) -> Job:
+        j = job(n)
+        j.solo = True
+        return j
+
+    q = PendingQueue()
+    assert q.take_solo(pack(8)) is None
+    first, canary = job(4, 6), solo_job(9)
+    q.add(first, 0.0)
+    q.add(canary, 1.0)
+    taken = q.take_solo(pack(8))
+    assert taken is not None and [p.job for p in taken] == [canary] and taken.pad_to == 9
+    assert len(q) == 2 and q.tokens == 10 and q.take_solo(pack(8)) is None
+    q.add(again := solo_job(3), 2.0)
+    assert [p.job for p in q.take(pack(8))] == [first, first]  # the older job's turn
+    assert [p.job for p in q.take(pack(8))] == [again] and q.take_solo(pack(8)) is None
+    q.add(late := solo_job(2), 3.0)
+    late.done = True
+    q.purge(4.0, lambda j: None)
+    assert q.take_solo(pack(8)) is None
+    q.add(solo_job(2), 5.0)
+    q.drain()
+    assert q.take_solo(pack(8)) is None and q.tokens == 0

@@ -391,6 +391,23 @@ def test_batch_delay_lets_a_second_job_join_the_first_chunk():
     assert {owner(r) for r in factory.calls[0].rows} == {1, 2}
 
 
+def test_a_solo_job_does_not_wait_out_the_batch_window():
+    """The canary (solo: a chunk of its own) runs at once under a 30 s window; a batchable
+    job queued beside it still waits for the window (until flushed)."""
+    factory = Factory()
+    with scheduler(factory, max_chunk=64, batch_delay_s=30.0) as sched:
+        user = job_of(unique_texts(1, [3]))
+        sched.submit(user)
+        canary = job_of(unique_texts(2, [4]), solo=True)
+        sched.submit(canary)
+        assert_dense_right(canary)  # within TIMEOUT, far below the 30 s window
+        time.sleep(0.05)
+        assert not user.future.done()
+        sched.flush()
+        assert_dense_right(user)
+    assert [{owner(r) for r in call.rows} for call in factory.calls] == [{2}, {1}]
+
+
 def test_the_memory_budget_limits_the_chunk():
     """Texts that together would exceed ``fits`` go to separate runs."""
     factory = Factory()

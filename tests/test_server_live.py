@@ -198,12 +198,16 @@ def test_responses_of_a_small_model_conform_to_openapi(server: ServerProc) -> No
 
 # -- disconnects -----------------------------------------------------------------------------
 def test_a_client_that_disconnects_has_its_texts_dropped(tiny_export: Path, tmp_path: Path) -> None:
-    """Its texts leave the queue when it goes, not after they were computed for nobody."""
+    """Its texts leave the queue when it goes, not after they were computed for nobody.
+    The canary, a chunk of its own, never waits out the window: /health/deep answers 200
+    (its deadline is 5 s; it was 503 past it)."""
     # The 10 s batch window keeps the texts queued long enough to watch them go.
     env = server_env(tiny_export, tmp_path, BGE_M3_BATCH_DELAY_MS="10000")
     body = json.dumps({"input": [f"abandoned {i} " + "word " * 50 for i in range(4)]}).encode()
     with ServerProc(env) as proc:
         proc.wait_health(timeout=START_TIMEOUT)
+        deep = httpx.get(f"{proc.url}/health/deep", timeout=30)
+        assert deep.status_code == 200, deep.text
         runs = chunk_count(proc)
         with socket.create_connection(("127.0.0.1", proc.port), timeout=10) as sock:
             sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n"

@@ -38,6 +38,7 @@ class PendingQueue:
     def __init__(self) -> None:
         self._pieces: collections.deque[Piece] = collections.deque()
         self.tokens = 0
+        self._solo = 0  # pieces of solo jobs among them
         self._turn = 0  # chunks taken so far: a job's ``served`` is the turn it last had
 
     def __len__(self) -> int:
@@ -49,12 +50,17 @@ class PendingQueue:
     def oldest_arrival(self) -> float:
         return self._pieces[0].arrived
 
+    def _removed(self, pieces: Sequence[Piece]) -> None:
+        self.tokens -= sum(p.length for p in pieces)
+        self._solo -= sum(p.job.solo for p in pieces)
+
     def add(self, job: Job, now: float) -> None:
         """Queue every text of ``job`` still to run."""
         for i in job.pending():
             n = len(job.ids[i])
             self._pieces.append(Piece(job, i, n, now))
             self.tokens += n
+            self._solo += job.solo
 
     def purge(self, now: float, expire: Callable[[Job], None]) -> int:
         """Drop the pieces of finished jobs; a job past its deadline is handed to ``expire``
@@ -67,7 +73,7 @@ class PendingQueue:
                 expire(job)
             if job.done:
                 dropped += 1
-                self.tokens -= p.length
+                self._removed([p])
             else:
                 keep.append(p)
         self._pieces = keep
@@ -108,15 +114,28 @@ class PendingQueue:
         picked = [window[i] for i in chosen.indices]
         ids = {id(p) for p in picked}
         self._pieces = collections.deque(p for p in self._pieces if id(p) not in ids)
-        self.tokens -= sum(p.length for p in picked)
+        return self._taken(picked, chosen.pad_to)
+
+    def take_solo(self, pack: Pack) -> Taken | None:
+        """Remove and return the first waiting piece of a solo job as a chunk of its own
+        (None: no solo job waits). It runs alone whatever arrives later, so the batch window
+        the other pieces wait out is nothing it could gain from."""
+        if not self._solo:
+            return None
+        piece = next(p for p in self._pieces if p.job.solo)
+        self._pieces.remove(piece)
+        return self._taken([piece], pack([piece.length])[0].pad_to)
+
+    def _taken(self, picked: list[Piece], pad_to: int) -> Taken:
+        self._removed(picked)
         self._turn += 1
         for p in picked:
             p.job.served = self._turn
-        return Taken(picked, chosen.pad_to)
+        return Taken(picked, pad_to)
 
     def drain(self) -> list[Piece]:
         """Remove and return every piece."""
         leftover = list(self._pieces)
         self._pieces.clear()
-        self.tokens = 0
+        self.tokens = self._solo = 0
         return leftover

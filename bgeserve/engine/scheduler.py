@@ -267,11 +267,19 @@ class Scheduler(Workers):
                     wait = (self._pending.oldest_arrival() + self.config.batch_delay_s
                             - time.monotonic())
                     if wait > 0 and not (self._stopping or self._flushing):
-                        self._cond.wait(wait)
-                        continue
+                        # The canary (solo: at start-up and for /health/deep) runs alone
+                        # whatever arrives: the window would only delay it (the start by
+                        # BGE_M3_BATCH_DELAY_MS, a deep check past its own deadline).
+                        solo = self._pending.take_solo(self.packer.plan)
+                        if solo is None:
+                            self._cond.wait(wait)
+                            continue
+                        chunk = solo
+                    else:
+                        chunk = self._take_chunk()
                     # Held until answered, under the same lock: if this worker dies, the pieces
                     # are neither lost nor left waiting in the queue.
-                    self._holding[worker] = chunk = self._take_chunk()
+                    self._holding[worker] = chunk
                     if self._pending:
                         # submit() woke one worker; pass the rest on, so one big request
                         # runs on every idle worker, not only the first.
