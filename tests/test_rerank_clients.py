@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from bgeserve.testing.randmodel import random_texts
+from tests.oracle import rerank_reference
 from tests.serverproc import ServerProc
 
 pytestmark = pytest.mark.slow
@@ -36,9 +37,7 @@ def case(flag_reranker) -> tuple[str, list[str], np.ndarray]:
     logits, what /v1/rerank answers unless the request says normalize: true."""
     query = random_texts(91, 1, 3, 8)[0]
     docs = random_texts(92, 8, 2, 50)
-    ref = flag_reranker.compute_score([[query, d] for d in docs], max_length=8192,
-                                      normalize=False, batch_size=4)
-    return query, docs, np.asarray(ref)
+    return query, docs, rerank_reference(flag_reranker, [[query, d] for d in docs])
 
 
 def expect(case, got: list[tuple[str, float]]) -> None:

@@ -17,6 +17,7 @@ from bgeserve.engine.tokenizer import Tokenizer
 from bgeserve.export.rerank_validate import kendall_tau
 from bgeserve.results import RerankOptions
 from bgeserve.testing.randmodel import random_texts
+from tests.oracle import rerank_reference
 
 pytestmark = pytest.mark.slow
 
@@ -88,16 +89,21 @@ def test_manifest_says_reranker_with_agreement(tiny_reranker_export: Path) -> No
         assert bf16["score_max_abs"] <= BF16_MAX_ABS and bf16["kendall_tau_min"] >= BF16_TAU
 
 
+@pytest.fixture(scope="module")
+def flag_raw(flag_reranker, pairs) -> np.ndarray:
+    """FlagReranker's raw logits for ``pairs`` at max_length 8192, shared by the tests below."""
+    return rerank_reference(flag_reranker, pairs)
+
+
 def test_fp32_matches_flagreranker_raw_and_normalized(tiny_reranker_export, flag_reranker,
-                                                      pairs) -> None:
+                                                      flag_raw, pairs) -> None:
     """fp32 logits within 1e-4 of FlagReranker(max_length=8192), raw and through the sigmoid
     (normalize=True), in padded batches; every query ranks its documents identically. The
     ~500-token query and the ~2,500-token document fit 8192: no window, no cut."""
     ours, plans = score(tiny_reranker_export, "fp32", pairs, PairConfig(max_length=8192))
     assert not any(p.truncated.any() or p.query_truncated for p in plans)
-    raw = np.asarray(flag_reranker.compute_score(pairs, max_length=8192, batch_size=4))
-    norm = np.asarray(flag_reranker.compute_score(pairs, max_length=8192, normalize=True,
-                                                 batch_size=4))
+    raw = flag_raw
+    norm = rerank_reference(flag_reranker, pairs, normalize=True)
     np.testing.assert_allclose(ours, raw, atol=1e-4, rtol=0)
     np.testing.assert_allclose(sigmoid(ours), norm, atol=1e-4, rtol=0)
     per_query = len(pairs) // len(plans)
@@ -111,7 +117,7 @@ def test_truncate_matches_flagreranker_at_a_short_max_length(tiny_reranker_expor
     the rest; ``truncate`` builds the same inputs, flags the cut documents, and scores match."""
     ours, plans = score(tiny_reranker_export, "fp32", pairs, PairConfig(max_length=64),
                         "truncate")
-    raw = np.asarray(flag_reranker.compute_score(pairs, max_length=64, batch_size=4))
+    raw = rerank_reference(flag_reranker, pairs, max_length=64)
     np.testing.assert_allclose(ours, raw, atol=1e-4, rtol=0)
     assert any(p.query_truncated for p in plans) and any(p.truncated.any() for p in plans)
 
@@ -138,7 +144,7 @@ def test_windows_keep_the_best_window(tiny_reranker_export, tiny_reranker, pairs
 
 
 @pytest.mark.parametrize("variant", ["int8", "bf16"])
-def test_reduced_precision_within_measured_bounds(tiny_reranker_export, flag_reranker, pairs,
+def test_reduced_precision_within_measured_bounds(tiny_reranker_export, flag_raw, pairs,
                                                   variant) -> None:
     """int8 and bf16 logits stay within their published bounds of FlagReranker's, and each
     query's ranking keeps a Kendall tau above the bound."""
@@ -147,7 +153,7 @@ def test_reduced_precision_within_measured_bounds(tiny_reranker_export, flag_rer
         pytest.skip("openvino is not installed: pip install 'bgeserve[openvino]'")
     bound, tau = (INT8_MAX_ABS, INT8_TAU) if variant == "int8" else (BF16_MAX_ABS, BF16_TAU)
     ours, plans = score(tiny_reranker_export, variant, pairs, PairConfig(max_length=8192))
-    raw = np.asarray(flag_reranker.compute_score(pairs, max_length=8192, batch_size=4))
+    raw = flag_raw
     assert np.abs(ours - raw).max() <= bound
     per_query = len(pairs) // len(plans)
     for got, want in zip(ours.reshape(-1, per_query), raw.reshape(-1, per_query), strict=True):

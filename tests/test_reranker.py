@@ -12,6 +12,7 @@ from bgeserve.engine.reranker import Reranker
 from bgeserve.errors import ModelUnavailable, TooLarge
 from bgeserve.testing.randmodel import random_texts
 from bgeserve.tuning.costmodel import CostModel
+from tests.oracle import rerank_reference
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +34,7 @@ def test_scores_match_flagreranker_sync_and_async(reranker, flag_reranker, pairs
     """rerank / arerank: raw logits and sigmoid scores within 1e-4 of FlagReranker
     (max_length 8192), in input order; the ranking is FlagReranker's."""
     query, docs = pairs
-    ref = np.asarray(flag_reranker.compute_score([[query, d] for d in docs], max_length=8192,
-                                                 batch_size=4))
+    ref = rerank_reference(flag_reranker, [[query, d] for d in docs])
     raw = reranker.rerank(query, docs)
     np.testing.assert_allclose(raw.scores, ref, atol=1e-4, rtol=0)
     norm = asyncio.run(reranker.arerank(query, docs, normalize=True))
@@ -49,7 +49,7 @@ def test_a_stock_onnx_snapshot_scores_the_same(tiny_reranker_stock, flag_reranke
     """A hub-style snapshot (onnx/model.onnx, logits [B, 1], plain attention) scores as
     FlagReranker does too."""
     query, docs = pairs
-    ref = flag_reranker.compute_score([[query, d] for d in docs], max_length=8192, batch_size=4)
+    ref = rerank_reference(flag_reranker, [[query, d] for d in docs])
     with Reranker(tiny_reranker_stock, "fp32", cache_dir=tmp_path, offline=True) as r:
         got = r.rerank(query, docs)
     np.testing.assert_allclose(got.scores, ref, atol=1e-4, rtol=0)
