@@ -23,6 +23,17 @@ if "HF_HUB_CACHE" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["HF_HUB_CACHE"], ignore_errors=True)
 
 
+def in_parallel(*argvs: list[str]) -> None:
+    """Run independent build steps as concurrent children; fail if any fails. Each spends
+    most of its ~8 s importing torch and transformers on one core: two at once on the
+    2-core CI machine take the time of one."""
+    import subprocess
+
+    children = [subprocess.Popen(argv, stdout=subprocess.DEVNULL) for argv in argvs]
+    failed = [c.args for c in children if c.wait() != 0]
+    assert not failed, f"build steps failed: {failed}"
+
+
 @pytest.fixture(scope="session")
 def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("models")
@@ -103,22 +114,24 @@ def hub_layouts(tiny_model: Path, models_root: Path) -> dict[str, Path]:
     import subprocess
     import sys
 
-    def step(*args: str) -> None:
+    def step(*args: str) -> list[str]:
         # In a child, like `bgeserve export`: torch's tracer must not run inside pytest, whose
         # warnings-as-errors turn its internal warnings into SystemErrors.
-        subprocess.run([sys.executable, "-m", "bgeserve.export.steps", *args], check=True)
+        return [sys.executable, "-m", "bgeserve.export.steps", *args]
 
     baai, xenova = models_root / "hub-baai", models_root / "hub-xenova"
     if not (baai / "onnx" / "model.onnx").exists():
-        step("fp32", str(tiny_model), str(baai / "onnx" / "model.onnx"), "--layout", "baai")
         hidden = xenova / "fp32.onnx"
-        step("fp32", str(tiny_model), str(hidden), "--layout", "xenova")
+        in_parallel(step("fp32", str(tiny_model), str(baai / "onnx" / "model.onnx"),
+                         "--layout", "baai"),
+                    step("fp32", str(tiny_model), str(hidden), "--layout", "xenova"))
         cfg = json.loads((tiny_model / "config.json").read_text())
-        step("fp16", str(hidden), str(xenova / "onnx" / "model_fp16.onnx"),
-             "--heads", str(cfg["num_attention_heads"]), "--hidden", str(cfg["hidden_size"]))
+        subprocess.run(step("fp16", str(hidden), str(xenova / "onnx" / "model_fp16.onnx"),
+                            "--heads", str(cfg["num_attention_heads"]),
+                            "--hidden", str(cfg["hidden_size"])), check=True)
         # Xenova's hub graph is plain dynamic quantization; our export adds SmoothQuant.
-        step("int8", str(hidden), str(xenova / "onnx" / "model_quantized.onnx"),
-             "--recipe", "dynamic")
+        subprocess.run(step("int8", str(hidden), str(xenova / "onnx" / "model_quantized.onnx"),
+                            "--recipe", "dynamic"), check=True)
         hidden.unlink()
     # As on the hub, each snapshot has the model's config.json (its sizes) beside the tokenizer.
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -143,18 +156,13 @@ def hub_snapshots(tiny_model: Path, models_root: Path) -> dict[str, Path]:
     torch.onnx (bgeserve.testing.hubsnap), as the hub's exporters write them: ``baai``
     (sentence_embedding + token_embeddings, opset 17, one external weights file) and
     ``optimum`` (last_hidden_state, opset 14: LayerNorm spelled out), both with the head files."""
-    import subprocess
     import sys
 
-    out = {}
-    for layout in ("baai", "optimum"):
-        path = models_root / f"snapshot-{layout}"
-        if not (path / "onnx" / "model.onnx").exists():
-            # A child, as for hub_layouts: torch's tracer must not run under pytest's warnings.
-            subprocess.run([sys.executable, "-m", "bgeserve.testing.hubsnap", str(tiny_model),
-                            str(path), "--layout", layout], check=True,
-                           stdout=subprocess.DEVNULL)
-        out[layout] = path
+    out = {layout: models_root / f"snapshot-{layout}" for layout in ("baai", "optimum")}
+    # Children, as for hub_layouts: torch's tracer must not run under pytest's warnings.
+    in_parallel(*([sys.executable, "-m", "bgeserve.testing.hubsnap", str(tiny_model),
+                   str(path), "--layout", layout] for layout, path in out.items()
+                  if not (path / "onnx" / "model.onnx").exists()))
     return out
 
 

@@ -121,16 +121,11 @@ def test_the_export_blocks_the_cpu_graphs(tiny_export: Path) -> None:
 
 
 def test_real_graph_blocks_agree_with_the_unblocked_graph(tiny_model: Path,
+                                                          tiny_fp32_unblocked: Path,
                                                           tmp_path: Path) -> None:
     """bge-m3's own graph (tiny), unblocked as the fp32 step writes it and blocked at 5 rows so
     every chunk spans several blocks with padding: a padded batch and a lone text agree."""
-    import subprocess
-    import sys
-
-    unblocked = tmp_path / "fp32" / "model.onnx"
-    # In a child, as the export runs it (torch's tracer does not run under pytest's warnings).
-    subprocess.run([sys.executable, "-m", "bgeserve.export.steps", "fp32", str(tiny_model),
-                    str(unblocked)], check=True)
+    unblocked = tiny_fp32_unblocked
     model = onnx.load(str(unblocked))
     layers = row_block_ffn(model, 5)
     blocked = tmp_path / "blocked" / "model.onnx"
