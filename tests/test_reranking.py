@@ -102,6 +102,23 @@ def test_both_models_split_the_memory_probe_in_turn_and_cache_apart(
         asyncio.run(again.stop())
 
 
+def test_the_start_never_waits_out_the_batch_window(tiny_export: Path, tiny_reranker_export: Path,
+                                                    tmp_path: Path) -> None:
+    """bge-m3's canary and the reranker's priming pair run alone (solo jobs): a 10 s
+    BGE_M3_BATCH_DELAY_MS holds neither start-up run (each waited the whole window, 20 s)."""
+    import time
+
+    service = Service(settings(tiny_export, tiny_reranker_export, tmp_path, batch_delay_ms=10_000,
+                               disable_auto_budget=True))
+    started = time.monotonic()
+    service.load_blocking()
+    try:
+        took = time.monotonic() - started
+        assert took < 6, f"the start took {took:.1f}s"  # 0.4 s here; >= 10 s if one waits
+    finally:
+        asyncio.run(service.stop())
+
+
 def _wait_started(tuner, timeout: float = 120.0) -> bool:
     """The reranker's probe starts when bge-m3's ends (on its thread): wait for its thread."""
     import time

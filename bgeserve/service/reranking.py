@@ -26,7 +26,7 @@ from bgeserve.engine import ChunkStats, Engine, m3rerank
 from bgeserve.engine.reranker import Reranker
 from bgeserve.errors import DeadlineExceeded, InvalidInput
 from bgeserve.model.rerank_artifacts import RERANK_MODEL_ID, RERANK_MODEL_IDS, resolve_reranker
-from bgeserve.results import RerankOptions, RerankResult
+from bgeserve.results import EmbedOptions, RerankOptions, RerankResult
 from bgeserve.service import info, plan
 from bgeserve.service.admission import Admission, DrainMeter, PairAdmission
 from bgeserve.service.metrics import Metrics
@@ -111,7 +111,9 @@ class Reranking:
 
         def load() -> None:
             engine.start()
-            engine.embed([PRIMING_PAIR], dense=True)
+            # Solo and untimed, as bge-m3's canary: no batch window to wait out, no deadline.
+            engine.submit(engine.make_job([PRIMING_PAIR], EmbedOptions(dense=True),
+                                          "rerank-prime", solo=True, timed=False)).result()
 
         model_bytes = sum(p.stat().st_size for p in (artifacts.onnx_path,
                                                       *artifacts.external_data))
