@@ -267,9 +267,10 @@ class Scheduler(Workers):
                     wait = (self._pending.oldest_arrival() + self.config.batch_delay_s
                             - time.monotonic())
                     if wait > 0 and not (self._stopping or self._flushing):
-                        # The canary (solo: at start-up and for /health/deep) runs alone
-                        # whatever arrives: the window would only delay it (the start by
-                        # BGE_M3_BATCH_DELAY_MS, a deep check past its own deadline).
+                        # A solo job (the canary, at start-up and for /health/deep; the
+                        # reranker's priming pair) runs alone whatever arrives: the window
+                        # would only delay it (the start by BGE_M3_BATCH_DELAY_MS, a deep
+                        # check past its own deadline).
                         solo = self._pending.take_solo(self.packer.plan)
                         if solo is None:
                             self._cond.wait(wait)
