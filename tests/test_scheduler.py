@@ -408,6 +408,27 @@ def test_a_solo_job_does_not_wait_out_the_batch_window():
     assert [{owner(r) for r in call.rows} for call in factory.calls] == [{2}, {1}]
 
 
+def test_running_reports_each_chunk_in_progress_with_its_tokens():
+    """What /health/deep weighs a late canary against: (seconds so far, tokens) per busy
+    worker, nothing once the chunk is answered."""
+    factory = Factory(gate=threading.Event())
+    with scheduler(factory, max_chunk=64) as sched:
+        assert sched.running() == []
+        job = job_of(unique_texts(1, [3, 4]))
+        sched.submit(job)
+        assert factory.entered.wait(TIMEOUT)
+        time.sleep(0.05)
+        [(seconds, tokens)] = sched.running()
+        assert tokens == 5 + 6 and 0.05 <= seconds < TIMEOUT
+        assert factory.gate is not None
+        factory.gate.set()
+        assert_dense_right(job)
+        deadline = time.monotonic() + TIMEOUT
+        while sched.running() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sched.running() == []
+
+
 def test_the_memory_budget_limits_the_chunk():
     """Texts that together would exceed ``fits`` go to separate runs."""
     factory = Factory()

@@ -319,6 +319,10 @@ class Engine:
         """Workers (total / live / loaded / busy) and the queue (texts, tokens)."""
         return self._scheduler.stats()
 
+    def running(self) -> list[tuple[float, int]]:
+        """Each chunk in progress: seconds it has run so far and its tokens."""
+        return self._scheduler.running()
+
     @property
     def counters(self):
         """Scheduler counters: rejected, cancelled_texts, deadline_exceeded, oom_splits."""

@@ -104,6 +104,7 @@ class Scheduler(Workers):
         self._threads = [None] * n
         self._forwards = [None] * n
         self._busy = [False] * n
+        self._running: list[tuple[float, int] | None] = [None] * n
         self._holding = [[] for _ in range(n)]
         self._restarting = [False] * n
         self._open_failed = [False] * n
@@ -226,6 +227,11 @@ class Scheduler(Workers):
             job.future.cancel()
 
     # -- state -----------------------------------------------------------------------------
+    def running(self) -> list[tuple[float, int]]:
+        """Each chunk in progress: seconds it has run so far and its tokens."""
+        now = time.monotonic()
+        return [(now - since, tokens) for since, tokens in filter(None, list(self._running))]
+
     def stats(self) -> dict[str, int]:
         """Workers and queue. ``live``: workers able to take work — thread running, not waiting
         to restart, and its session not known to fail to open."""

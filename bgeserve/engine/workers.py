@@ -18,6 +18,7 @@ import abc
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,7 @@ class Workers(abc.ABC):
     _threads: list[threading.Thread | None]
     _forwards: list[Forward | None]
     _busy: list[bool]
+    _running: list[tuple[float, int] | None]  # the chunk in progress: (monotonic start, tokens)
     _holding: list[list[Piece]]  # taken off the queue, not yet answered: failed if it dies
     _restarting: list[bool]  # a replacement thread is waiting out its backoff
     _open_failed: list[bool]  # the last attempt to open the session failed
@@ -108,6 +110,7 @@ class Workers(abc.ABC):
         with self._cond:
             held, self._holding[w] = self._holding[w], []
             self._busy[w] = False
+            self._running[w] = None
             died = not self._stopping  # the loop only returns by itself when stopping
         try:
             if died:  # first: whoever gets the error below sees the worker already replaced
@@ -152,6 +155,7 @@ class Workers(abc.ABC):
                              self.config.idle_timeout_s)
                 continue
             self._busy[w] = True
+            self._running[w] = (time.monotonic(), sum(p.length for p in chunk))
             try:
                 self._execute(w, chunk)
             except Exception as exc:  # a bug must fail the chunk, never hang its callers
@@ -162,6 +166,7 @@ class Workers(abc.ABC):
             # Not in a ``finally``: if the thread dies here, _after_exit fails what it held.
             with self._cond:
                 self._busy[w] = False
+                self._running[w] = None
                 self._holding[w] = []
 
     def _execute(self, w: int, chunk: Taken) -> None:

@@ -122,7 +122,8 @@ class Service:
             tuner.detect_memory()
 
             deep = canary.DeepHealth(lambda: engine.await_job(canary.canary_job(
-                engine, "health-deep")), fp32=artifacts.variant == "fp32", busy=self.drain.recent)
+                engine, "health-deep")), fp32=artifacts.variant == "fp32", busy=self.drain.recent,
+                running=lambda: canary.progressing(engine.running(), self.drain.rate()))
 
             def load() -> None:
                 engine.start()

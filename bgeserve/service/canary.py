@@ -7,7 +7,9 @@ session, heads — within ``deadline_s``, and compares the result with the one r
 server became ready: bitwise for fp32 when the canary ran in a chunk of its own, else within
 the tolerance batch composition allows (fp32: dense |Δ| <= 1e-5, sparse ids equal and |Δw| <=
 1e-4; other variants: dense cosine >= 0.999, SPEC §2). 200 with the timings, 503 with the
-reason (a timeout, an error, a changed vector).
+reason (a timeout, an error, a changed vector). A busy server is not a dead one: a canary
+refused by a full queue that drains, or late behind chunks still within their expected time,
+is 200 ``"busy"``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ CANARY = "bgeserve deep health check: dense and sparse through the real path. �
 CANARY_OPTIONS = EmbedOptions(dense=True, sparse=True, colbert=True, truncate=True)
 DEADLINE_S = 5.0
 MAX_DEADLINE_S = 60.0
+# A canary that misses its deadline behind chunks still running is a busy server, not a dead
+# one, while each of them has run less than STUCK_FACTOR x its expected time (and at least
+# STUCK_FLOOR_S). Expected: its tokens at the measured drain rate, times (1 + tokens /
+# ATTENTION_TOKENS), since a rate measured on short chunks understates a long text, whose
+# attention grows with its length (full-size int8, 2 cores: one 4,773-token text at 52
+# tokens/s, short chunks at ~300). The factor is wide on purpose: liveness restarting a busy
+# pod loses all its work; a hung session.run is still found, minutes later.
+STUCK_FACTOR = 10.0
+STUCK_FLOOR_S = 60.0
+ATTENTION_TOKENS = 2048
 
 Embed = Callable[[], Awaitable[Embeddings]]
 
@@ -75,18 +87,38 @@ def difference(reference: Embeddings, got: Embeddings, *, fp32: bool,
     return None
 
 
+def stuck_after(tokens: int, rate: float) -> float:
+    """Seconds after which a chunk of ``tokens`` still running counts as stuck, at ``rate``
+    tokens per second (0: not measured yet)."""
+    if rate <= 0:
+        return STUCK_FLOOR_S
+    expected = tokens / rate * (1 + tokens / ATTENTION_TOKENS)
+    return max(STUCK_FLOOR_S, STUCK_FACTOR * expected)
+
+
+def progressing(running: list[tuple[float, int]], rate: float) -> bool:
+    """Whether the chunks in progress ((seconds so far, tokens) each) explain a canary that
+    waited past its deadline: at least one runs, and none for longer than ``stuck_after``."""
+    return bool(running) and all(seconds < stuck_after(tokens, rate)
+                                 for seconds, tokens in running)
+
+
 class DeepHealth:
     """The canary and its reference; ``check`` runs one deep check.
 
     ``embed`` runs the canary through the real path; ``busy`` says whether the queue is
-    draining (chunks finished lately), for a canary refused because the queue is full.
+    draining (chunks finished lately), for a canary refused because the queue is full;
+    ``running`` whether chunks in progress explain a canary past its deadline
+    (``progressing``).
     """
 
     def __init__(self, embed: Embed, *, fp32: bool, busy: Callable[[], bool] = lambda: False,
+                 running: Callable[[], bool] = lambda: False,
                  deadline_s: float = DEADLINE_S) -> None:
         self.embed = embed
         self.fp32 = fp32
         self.busy = busy
+        self.running = running
         self.deadline_s = deadline_s
         self.reference: Embeddings | None = None
         self.recorded_at: float | None = None
@@ -107,6 +139,9 @@ class DeepHealth:
         try:
             got = await asyncio.wait_for(self.embed(), deadline)
         except TimeoutError:
+            if self.running():  # behind long chunks that are still within their time
+                return 200, {"status": "busy", "reason": f"the canary waited {deadline:g}s "
+                             "behind chunks still running within their expected time"}
             return 503, {"status": "fail", "reason": f"the canary took longer than "
                          f"{deadline:g}s (queue, scheduler or session stuck)"}
         except Overloaded:
