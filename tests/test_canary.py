@@ -7,6 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from bgeserve.engine.workers import Running
 from bgeserve.errors import EngineFailed, Overloaded
 from bgeserve.results import Embeddings
 from bgeserve.service import canary
@@ -99,33 +100,46 @@ def test_a_full_queue_is_busy_while_it_drains_and_dead_when_it_does_not() -> Non
 
 def test_a_canary_late_behind_running_chunks_is_busy_and_a_stuck_chunk_fails() -> None:
     """Past its deadline behind chunks still within their expected time: 200 "busy" (a pod
-    restarted by liveness under load loses all its work); behind one past it, or none: 503."""
+    restarted by liveness under load loses all its work); behind one past it, or none: 503.
+    The check hands its own deadline to the judgement (a solo chunk's limit)."""
     running = [True]
+    deadlines: list[float] = []
 
     async def late() -> Embeddings:
         await asyncio.sleep(10)
         raise AssertionError("unreachable")
 
-    health = DeepHealth(late, fp32=True, running=lambda: running[0], deadline_s=0.05)
+    def progressing(deadline_s: float) -> bool:
+        deadlines.append(deadline_s)
+        return running[0]
+
+    health = DeepHealth(late, fp32=True, progressing=progressing, deadline_s=0.05)
     health.record(REF)
     status, body = _check(health)
     assert status == 200 and body["status"] == "busy" and "still running" in body["reason"]
     running[0] = False
     status, body = _check(health)
     assert status == 503 and "longer than 0.05s" in body["reason"]
+    assert deadlines == [0.05, 0.05]
 
 
 def test_a_chunk_is_stuck_after_ten_times_its_expected_time_and_a_minute() -> None:
-    """Expected: tokens at the drain rate, longer texts slower per token (attention); at
-    least a minute; an unmeasured rate gives the minute alone."""
+    """Expected: tokens at each chunk's share of the drain rate, longer texts slower per token
+    (attention); at least a minute; an unmeasured rate gives the minute alone. A solo chunk
+    (a canary) is stuck past the deadline: a canary hanging alone is not a busy server."""
     assert canary.stuck_after(100, 100.0) == canary.STUCK_FLOOR_S  # 10 x 1.05 s < 60 s
     assert canary.stuck_after(2048, 100.0) == pytest.approx(10 * 20.48 * 2)
     assert canary.stuck_after(8192, 0.0) == canary.STUCK_FLOOR_S
     # The measured 4,773-token int8 text (90.9 s on 2 cores) against a 300 tokens/s rate.
     assert canary.stuck_after(4773, 300.0) > 90.9 * 3
-    assert canary.progressing([(30.0, 100), (400.0, 2048)], 100.0)
-    assert not canary.progressing([(30.0, 100), (420.0, 2048)], 100.0)
-    assert not canary.progressing([], 100.0)
+    # 200 tokens/s is both chunks': each at 100 (409.6 s for 2,048 tokens; 204.8 s at 200).
+    assert canary.progressing([Running(30.0, 100, False), Running(300.0, 2048, False)],
+                              200.0, 5.0)
+    assert not canary.progressing([Running(30.0, 100, False), Running(420.0, 2048, False)],
+                                  200.0, 5.0)
+    assert not canary.progressing([], 100.0, 5.0)
+    assert canary.progressing([Running(1.0, 40, True)], 100.0, 5.0)  # the canary just started
+    assert not canary.progressing([Running(6.0, 40, True)], 100.0, 5.0)  # a canary hangs
 
 
 @pytest.mark.parametrize("fp32", [True, False])

@@ -108,7 +108,8 @@ def test_requests_take_turns_and_the_anchor_joins_the_window_from_past_it(monkey
 
 def test_take_solo_takes_the_solo_piece_alone_and_counts_it_out_everywhere():
     """The canary's piece comes out alone past older pieces; the solo count follows every
-    way a piece leaves (take_solo, take, purge, drain), so take_solo never scans in vain."""
+    way a piece leaves (take_solo, take, purge, drain): a count left behind would make
+    take_solo look for a piece that is not there (an AssertionError naming the bug)."""
     def solo_job(n: int) -> Job:
         j = job(n)
         j.solo = True

@@ -27,6 +27,7 @@ from bgeserve.engine.inputs import Inputs, normalize_inputs, rerank_inputs
 from bgeserve.engine.jobs import Job, answer
 from bgeserve.engine.scheduler import ChunkStats, Scheduler, SchedulerConfig
 from bgeserve.engine.tokenizer import Encoded, Tokenizer
+from bgeserve.engine.workers import Running
 from bgeserve.errors import BgeServeError, NotReady, TooLarge
 from bgeserve.model import dims
 from bgeserve.model.artifacts import ModelArtifacts, resolve
@@ -319,8 +320,8 @@ class Engine:
         """Workers (total / live / loaded / busy) and the queue (texts, tokens)."""
         return self._scheduler.stats()
 
-    def running(self) -> list[tuple[float, int]]:
-        """Each chunk in progress: seconds it has run so far and its tokens."""
+    def running(self) -> list[Running]:
+        """Each chunk in progress: seconds it has run so far, its tokens, whether solo."""
         return self._scheduler.running()
 
     @property

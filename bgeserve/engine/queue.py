@@ -7,7 +7,8 @@ Each chunk is built around one *anchor* text, packed with the waiting texts near
 length: the first waiting text of the request served longest ago (a request never served
 yet comes first, oldest first). So requests take turns: a one-text query that arrives behind
 a 256-text ingestion batch waits for one chunk, not for the whole batch, and nobody starves
-(every request with texts waiting gets a chunk within as many chunks as there are requests).
+(every request with texts waiting gets a chunk within as many chunks as there are requests,
+plus solo chunks — the canary's — which go first while the batch window is open).
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ class PendingQueue:
         the other pieces wait out is nothing it could gain from."""
         if not self._solo:
             return None
-        piece = next(p for p in self._pieces if p.job.solo)
+        piece = next((p for p in self._pieces if p.job.solo), None)
+        assert piece is not None, f"bug: {self._solo} solo pieces counted, none queued"
         self._pieces.remove(piece)
         return self._taken([piece], pack([piece.length])[0].pad_to)
 

@@ -27,7 +27,7 @@ from bgeserve.engine.heads import ChunkOutputs
 from bgeserve.engine.jobs import Job, Piece, answer, fold
 from bgeserve.engine.packing import Cost, Packer, Rules
 from bgeserve.engine.queue import PendingQueue, Taken
-from bgeserve.engine.workers import Workers
+from bgeserve.engine.workers import Running, Workers
 from bgeserve.errors import (
     BgeServeError,
     DeadlineExceeded,
@@ -104,7 +104,7 @@ class Scheduler(Workers):
         self._threads = [None] * n
         self._forwards = [None] * n
         self._busy = [False] * n
-        self._running: list[tuple[float, int] | None] = [None] * n
+        self._running: list[Running | None] = [None] * n
         self._holding = [[] for _ in range(n)]
         self._restarting = [False] * n
         self._open_failed = [False] * n
@@ -227,10 +227,12 @@ class Scheduler(Workers):
             job.future.cancel()
 
     # -- state -----------------------------------------------------------------------------
-    def running(self) -> list[tuple[float, int]]:
-        """Each chunk in progress: seconds it has run so far and its tokens."""
+    def running(self) -> list[Running]:
+        """Each chunk in progress: seconds it has run so far, its tokens, and whether it is a
+        solo job's (the canary's)."""
+        chunks = list(self._running)  # each entry is swapped whole: no lock needed to read
         now = time.monotonic()
-        return [(now - since, tokens) for since, tokens in filter(None, list(self._running))]
+        return [r._replace(seconds=now - r.seconds) for r in chunks if r is not None]
 
     def stats(self) -> dict[str, int]:
         """Workers and queue. ``live``: workers able to take work — thread running, not waiting
@@ -270,20 +272,9 @@ class Scheduler(Workers):
                     self._purge()
                     if not self._pending:
                         continue
-                    wait = (self._pending.oldest_arrival() + self.config.batch_delay_s
-                            - time.monotonic())
-                    if wait > 0 and not (self._stopping or self._flushing):
-                        # A solo job (the canary, at start-up and for /health/deep; the
-                        # reranker's priming pair) runs alone whatever arrives: the window
-                        # would only delay it (the start by BGE_M3_BATCH_DELAY_MS, a deep
-                        # check past its own deadline).
-                        solo = self._pending.take_solo(self.packer.plan)
-                        if solo is None:
-                            self._cond.wait(wait)
-                            continue
-                        chunk = solo
-                    else:
-                        chunk = self._take_chunk()
+                    chunk = self._chunk_now()
+                    if chunk is None:  # waited (part of) the batch window: look again
+                        continue
                     # Held until answered, under the same lock: if this worker dies, the pieces
                     # are neither lost nor left waiting in the queue.
                     self._holding[worker] = chunk
@@ -294,6 +285,20 @@ class Scheduler(Workers):
                     return chunk
                 if not self._cond.wait(idle) and self._forwards[worker] is not None:
                     return "unload"
+
+    def _chunk_now(self) -> Taken | None:
+        """The next chunk, unless the batch window is still open for it: then wait (None),
+        or take a solo job's chunk (called with the lock held)."""
+        wait = self._pending.oldest_arrival() + self.config.batch_delay_s - time.monotonic()
+        if wait <= 0 or self._stopping or self._flushing:
+            return self._take_chunk()
+        # A solo job (the canary, at start-up and for /health/deep; the reranker's priming
+        # pair) runs alone whatever arrives: the window would only delay it (the start by
+        # BGE_M3_BATCH_DELAY_MS, a deep check past its own deadline).
+        solo = self._pending.take_solo(self.packer.plan)
+        if solo is None:
+            self._cond.wait(wait)
+        return solo
 
     def _take_chunk(self) -> Taken:
         """The next chunk: the anchor text of the request served longest ago, with its

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from bgeserve.engine.forward import Forward
 from bgeserve.engine.jobs import Job, Piece
@@ -38,6 +38,14 @@ MIN_RESTART_DELAY_S = 0.1
 MAX_RESTART_DELAY_S = 5.0
 
 
+class Running(NamedTuple):
+    """A chunk in progress."""
+
+    seconds: float  # how long it has run (Workers._running: when it started, monotonic)
+    tokens: int
+    solo: bool  # a solo job's (the canary's)
+
+
 class Workers(abc.ABC):
     """Worker threads and their sessions: the base of ``Scheduler``, which sets up this state
     and implements the queue and chunk methods below."""
@@ -50,7 +58,7 @@ class Workers(abc.ABC):
     _threads: list[threading.Thread | None]
     _forwards: list[Forward | None]
     _busy: list[bool]
-    _running: list[tuple[float, int] | None]  # the chunk in progress: (monotonic start, tokens)
+    _running: list[Running | None]  # the chunk in progress (seconds: its monotonic start)
     _holding: list[list[Piece]]  # taken off the queue, not yet answered: failed if it dies
     _restarting: list[bool]  # a replacement thread is waiting out its backoff
     _open_failed: list[bool]  # the last attempt to open the session failed
@@ -155,7 +163,10 @@ class Workers(abc.ABC):
                              self.config.idle_timeout_s)
                 continue
             self._busy[w] = True
-            self._running[w] = (time.monotonic(), sum(p.length for p in chunk))
+            # From before the session (re)opens: a reload after an idle unload is the chunk's
+            # time too, as its caller waits for it.
+            self._running[w] = Running(time.monotonic(), sum(p.length for p in chunk),
+                                       any(p.job.solo for p in chunk))
             try:
                 self._execute(w, chunk)
             except Exception as exc:  # a bug must fail the chunk, never hang its callers

@@ -123,7 +123,8 @@ class Service:
 
             deep = canary.DeepHealth(lambda: engine.await_job(canary.canary_job(
                 engine, "health-deep")), fp32=artifacts.variant == "fp32", busy=self.drain.recent,
-                running=lambda: canary.progressing(engine.running(), self.drain.rate()))
+                progressing=lambda deadline_s: canary.progressing(
+                    engine.running(), self.drain.rate(), deadline_s))
 
             def load() -> None:
                 engine.start()

@@ -26,6 +26,7 @@ from bgeserve.results import Embeddings, EmbedOptions
 
 if TYPE_CHECKING:
     from bgeserve.engine import Engine
+    from bgeserve.engine.workers import Running
 
 CANARY = "bgeserve deep health check: dense and sparse through the real path. 混合检索 ✓"
 # ColBERT too: the start-up run that records the canary is also the one priming every output.
@@ -96,11 +97,15 @@ def stuck_after(tokens: int, rate: float) -> float:
     return max(STUCK_FLOOR_S, STUCK_FACTOR * expected)
 
 
-def progressing(running: list[tuple[float, int]], rate: float) -> bool:
-    """Whether the chunks in progress ((seconds so far, tokens) each) explain a canary that
-    waited past its deadline: at least one runs, and none for longer than ``stuck_after``."""
-    return bool(running) and all(seconds < stuck_after(tokens, rate)
-                                 for seconds, tokens in running)
+def progressing(running: list[Running], rate: float, deadline_s: float) -> bool:
+    """Whether the chunks in progress explain a canary that waited past its deadline: at least
+    one runs, and none for longer than ``stuck_after`` — at the share of ``rate`` (all
+    workers' tokens per second) each chunk gets beside the others — or, for a solo chunk (an
+    earlier canary, or this one just taken), than ``deadline_s``: a canary that hangs alone is
+    a stuck session, not a busy one."""
+    share = rate / max(1, len(running))
+    return bool(running) and all(
+        r.seconds < (deadline_s if r.solo else stuck_after(r.tokens, share)) for r in running)
 
 
 class DeepHealth:
@@ -108,17 +113,17 @@ class DeepHealth:
 
     ``embed`` runs the canary through the real path; ``busy`` says whether the queue is
     draining (chunks finished lately), for a canary refused because the queue is full;
-    ``running`` whether chunks in progress explain a canary past its deadline
-    (``progressing``).
+    ``progressing(deadline_s)`` whether chunks in progress explain a canary past its
+    deadline (the function ``progressing``).
     """
 
     def __init__(self, embed: Embed, *, fp32: bool, busy: Callable[[], bool] = lambda: False,
-                 running: Callable[[], bool] = lambda: False,
+                 progressing: Callable[[float], bool] = lambda deadline_s: False,
                  deadline_s: float = DEADLINE_S) -> None:
         self.embed = embed
         self.fp32 = fp32
         self.busy = busy
-        self.running = running
+        self.progressing = progressing
         self.deadline_s = deadline_s
         self.reference: Embeddings | None = None
         self.recorded_at: float | None = None
@@ -139,7 +144,7 @@ class DeepHealth:
         try:
             got = await asyncio.wait_for(self.embed(), deadline)
         except TimeoutError:
-            if self.running():  # behind long chunks that are still within their time
+            if self.progressing(deadline):  # behind long chunks still within their time
                 return 200, {"status": "busy", "reason": f"the canary waited {deadline:g}s "
                              "behind chunks still running within their expected time"}
             return 503, {"status": "fail", "reason": f"the canary took longer than "
