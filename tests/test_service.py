@@ -477,3 +477,30 @@ def test_a_repeated_request_is_answered_by_the_cache(client: TestClient) -> None
     assert delta("bgeserve_cache_hits_total") == 2 and delta("bgeserve_cache_repeats_total") == 1
     assert delta("bgeserve_inference_duration_seconds_count") == 0
     assert again.json()["usage"] == first.json()["usage"]
+
+
+def test_a_late_canary_is_judged_by_the_engines_running_chunks_and_drain_rate(
+        tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service hands /health/deep what the engine runs now and the measured drain rate: a
+    canary late behind a chunk within its time is 200 "busy", behind one far past it 503."""
+    import asyncio
+
+    from bgeserve.engine.workers import Running
+
+    env = base_env(tiny_export, tmp_path, BGE_M3_MODEL="fp32")
+    with serving(env) as (client, service):
+        wait_health(client)
+        assert service.deep is not None and service.engine is not None
+        assert service.drain.rate() > 0  # the start-up canary measured it
+
+        async def late() -> Any:
+            await asyncio.sleep(10)
+
+        monkeypatch.setattr(service.deep, "embed", late)
+        chunk = [Running(30.0, 512, False)]  # under the 60 s floor at any rate
+        monkeypatch.setattr(service.engine, "running", lambda: chunk)
+        r = client.get("/health/deep", params={"timeout": 1})
+        assert r.status_code == 200 and r.json()["status"] == "busy", r.json()
+        chunk[0] = Running(1000.0, 512, False)
+        r = client.get("/health/deep", params={"timeout": 1})
+        assert r.status_code == 503 and "longer than 1s" in r.json()["reason"], r.json()
