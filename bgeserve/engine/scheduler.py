@@ -103,7 +103,6 @@ class Scheduler(Workers):
         n = config.workers
         self._threads = [None] * n
         self._forwards = [None] * n
-        self._busy = [False] * n
         self._running: list[Running | None] = [None] * n
         self._holding = [[] for _ in range(n)]
         self._restarting = [False] * n
@@ -242,7 +241,7 @@ class Scheduler(Workers):
                 "total": self.config.workers,
                 "live": sum(self._live(w) for w in range(self.config.workers)),
                 "loaded": sum(f is not None for f in self._forwards),
-                "busy": sum(self._busy),
+                "busy": sum(r is not None for r in self._running),
                 "queue_texts": len(self._pending),
                 "queue_tokens": self._pending.tokens,
             }

@@ -57,7 +57,6 @@ class Workers(abc.ABC):
     _open_forward: Callable[[int], Forward]
     _threads: list[threading.Thread | None]
     _forwards: list[Forward | None]
-    _busy: list[bool]
     _running: list[Running | None]  # the chunk in progress (seconds: its monotonic start)
     _holding: list[list[Piece]]  # taken off the queue, not yet answered: failed if it dies
     _restarting: list[bool]  # a replacement thread is waiting out its backoff
@@ -117,7 +116,6 @@ class Workers(abc.ABC):
         """Unless the scheduler is stopping, replace the exiting worker; fail what it held."""
         with self._cond:
             held, self._holding[w] = self._holding[w], []
-            self._busy[w] = False
             self._running[w] = None
             died = not self._stopping  # the loop only returns by itself when stopping
         try:
@@ -162,7 +160,6 @@ class Workers(abc.ABC):
                     log.info("worker %d idle for %.0fs: session unloaded", w,
                              self.config.idle_timeout_s)
                 continue
-            self._busy[w] = True
             # From before the session (re)opens: a reload after an idle unload is the chunk's
             # time too, as its caller waits for it.
             self._running[w] = Running(time.monotonic(), sum(p.length for p in chunk),
@@ -176,7 +173,6 @@ class Workers(abc.ABC):
                     self._fail(p.job, EngineFailed(f"internal error: {exc!r}"))
             # Not in a ``finally``: if the thread dies here, _after_exit fails what it held.
             with self._cond:
-                self._busy[w] = False
                 self._running[w] = None
                 self._holding[w] = []
 
