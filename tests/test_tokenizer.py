@@ -241,6 +241,58 @@ def test_the_quick_bounds_word_count_is_the_same_in_numpy_and_in_bytes_count(mon
     assert tok.min_tokens([long_text]) == int(tok.encode([long_text]).lengths[0]) == 3002
 
 
+def test_the_quick_bound_reads_a_prefix_when_it_holds_enough_words(monkeypatch):
+    """Asked "more than stop_above?" of a long text, the quick bound counts a prefix of ~8
+    characters per word it needs (a word that ends inside a prefix ends in the whole text);
+    the whole text only where the prefix holds too few. Without a question it reads no more
+    than the max_seq cap needs. Its answers are the same as reading everything."""
+    from bgeserve.engine import tokenizer as module
+
+    read: list[int] = []
+    word_ends = module._word_ends
+    monkeypatch.setattr(module, "_word_ends",
+                        lambda b, enough=None: read.append(len(b)) or word_ends(b, enough))
+    tok = make(8192)
+    text = words(3000)  # ~17k characters of known words: 3,000 tokens
+    assert tok.min_tokens([text], stop_above=100) > 100
+    assert read == [module._PREFIX_CHARS_PER_WORD * 99]  # 2 + 99 words > 100
+    read.clear()
+    assert tok._quick_bound([text], None) == 3002  # under the cap: all of it, exact
+    assert read == [len(text)]
+    read.clear()
+    assert make(512)._quick_bound([text], None) == 512  # past the cap: a prefix is enough
+    assert read == [module._PREFIX_CHARS_PER_WORD * 510]
+    read.clear()
+    sparse = "x" * 20_000 + " " + words(10)  # a long first word: the prefix holds too few
+    assert tok.min_tokens([sparse], stop_above=5) > 5
+    assert read == [module._PREFIX_CHARS_PER_WORD * 4, len(sparse)]
+
+
+def test_the_quick_bound_with_a_question_is_a_lower_bound_or_past_it():
+    """Prefixes and the skipped "word. " pass only shorten the count where the answer is
+    "more than stop_above" either way: for texts of words, punctuation and space runs at
+    lengths past the prefix floor, the bound never exceeds the real tokens, and is past
+    stop_above exactly when the whole count is."""
+    import random
+
+    rng = random.Random(5)
+    pieces = [*WORDS, "the cat.", "sat,", "  ", "...", "é", "日本"]
+    tok = make(8192)
+    for _ in range(30):
+        # Some end in a long run the quick bound counts nothing of: all of their words are
+        # then in a prefix, where an off-by-one would show.
+        texts = [" ".join(rng.choice(pieces) for _ in range(rng.randrange(1, 1500)))
+                 + rng.choice(["", " 日本語" * rng.randrange(500, 3000)])
+                 for _ in range(rng.randrange(1, 4))]
+        real = int(tok.encode(texts).lengths.sum())
+        whole = tok._quick_bound(texts, None)
+        for stop in (0, 10, 300, 1000, 5000, whole - 1, whole, whole - 50):  # at the edge too
+            bound = tok._quick_bound(texts, stop)
+            assert bound <= real
+            assert (bound > stop) == (whole > stop), (stop, bound, whole)
+            assert bound == whole or bound > stop
+
+
 def test_min_tokens_without_a_word_splitting_pre_tokenizer_counts_specials_only():
     hf = hf_tokenizer()
     hf.pre_tokenizer = None
