@@ -81,6 +81,55 @@ def test_the_deep_check_answers_200_with_timings_or_503_with_the_reason() -> Non
     assert status == 503 and "longer than 0.05s" in body["reason"]
 
 
+def test_checks_at_once_share_one_canary_run_which_ends_when_none_waits() -> None:
+    """Single flight: checks that overlap share one canary (each is a solo job that goes
+    before batches, and the route needs no key: a burst of N checks must not queue N); a
+    check after it ends gets a fresh run. A check that gives up leaves the run to those still
+    waiting; the last one to give up cancels it."""
+    runs: list[asyncio.Event] = []
+    cancelled: list[int] = []
+
+    async def embed() -> Embeddings:
+        release = asyncio.Event()
+        runs.append(release)
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            cancelled.append(len(runs))
+            raise
+        return REF
+
+    health = DeepHealth(embed, fp32=True, deadline_s=5)
+    health.record(REF)
+
+    async def main() -> None:
+        checks = [asyncio.ensure_future(health.check()) for _ in range(5)]
+        await asyncio.sleep(0.05)
+        assert len(runs) == 1  # five checks, one canary
+        runs[0].set()
+        answers = await asyncio.gather(*checks)
+        assert all(status == 200 and body["compared"] == "bitwise" for status, body in answers)
+        later = asyncio.ensure_future(health.check())
+        await asyncio.sleep(0.05)
+        assert len(runs) == 2  # a check after the run ended: a new run
+        runs[1].set()
+        assert (await later)[0] == 200
+
+        patient = asyncio.ensure_future(health.check(deadline_s=5))
+        await asyncio.sleep(0.05)
+        status, body = await health.check(deadline_s=0.05)  # gives up first
+        assert status == 503 and "longer than 0.05s" in body["reason"]
+        assert len(runs) == 3 and not cancelled  # the patient one still waits for run 3
+        runs[2].set()
+        assert (await patient)[0] == 200
+
+        status, _ = await health.check(deadline_s=0.05)  # alone: its giving up ends the run
+        await asyncio.sleep(0)
+        assert status == 503 and cancelled == [4]
+
+    asyncio.run(main())
+
+
 def test_a_full_queue_is_busy_while_it_drains_and_dead_when_it_does_not() -> None:
     """The canary refused by a full queue: 200 "busy" while chunks finish, 503 when none
     finished lately (nothing takes work off the queue)."""

@@ -127,6 +127,8 @@ class DeepHealth:
         self.deadline_s = deadline_s
         self.reference: Embeddings | None = None
         self.recorded_at: float | None = None
+        self._canary: asyncio.Future[Embeddings] | None = None  # the run checks share
+        self._waiting = 0  # checks waiting for it
 
     def record(self, reference: Embeddings) -> None:
         """The canary's output when the server became ready."""
@@ -142,7 +144,7 @@ class DeepHealth:
             return 503, {"status": "fail", "reason": "no canary recorded yet (still loading)"}
         started = time.perf_counter()
         try:
-            got = await asyncio.wait_for(self.embed(), deadline)
+            got = await self._shared(deadline)
         except TimeoutError:
             if self.progressing(deadline):  # behind long chunks still within their time
                 return 200, {"status": "busy", "reason": f"the canary waited {deadline:g}s "
@@ -163,3 +165,22 @@ class DeepHealth:
             return 503, {"status": "fail", "reason": problem, "ms": ms}
         return 200, {"status": "ok", "ms": ms, "deadline_ms": round(1000 * deadline),
                      "compared": "bitwise" if self.fp32 and solo else "tolerance"}
+
+    async def _shared(self, deadline: float) -> Embeddings:
+        """The canary's output within ``deadline``, one run for all the checks waiting at once
+        (single flight): the route needs no key, and each canary is a solo job that goes
+        before batches, so a burst of checks (liveness, readiness and a monitor at once, or
+        anyone flooding it) must put one canary in the queue, not one each. The run is
+        cancelled (the engine drops its queued text) once no check waits for it."""
+        task = self._canary
+        if task is None or task.done():
+            task = self._canary = asyncio.ensure_future(self.embed())
+            # Its error is each waiter's; read here too, for a run cancelled with no waiter.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._waiting += 1
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), deadline)
+        finally:
+            self._waiting -= 1
+            if not self._waiting:
+                task.cancel()  # no-op once done
