@@ -109,7 +109,8 @@ def progressing(running: list[Running], rate: float, deadline_s: float) -> bool:
 
 
 class DeepHealth:
-    """The canary and its reference; ``check`` runs one deep check.
+    """The canary and its reference; ``check`` runs one deep check (checks that overlap
+    share one canary run).
 
     ``embed`` runs the canary through the real path; ``busy`` says whether the queue is
     draining (chunks finished lately), for a canary refused because the queue is full;
