@@ -22,7 +22,7 @@ VNNI, x86 int8 kernels add pairs of u8·s8 products into int16, which saturates 
 weights (on the tiny model, dense cosine 0.991 → 0.983 on an AVX2-only Zen 3). The manifest
 records which (``quantization.weights``), and an 8-bit graph is never a default candidate on a
 CPU without VNNI / AMX-INT8 (``runtime.select``). 8 bits are what lets ov-int8 keep the 0.999 bar
-at all: full-size random bge-m3, the export's validation (12 texts, alone and in padded
+at all: full-size random bge-m3, the export's validation (then 12 texts, alone and in padded
 batches), dense cosine vs fp32 min 0.99730 with 7-bit weights and 0.99915 with 8-bit, each
 activation quantizer evaluated in float as a VNNI / AMX CPU computes it
 (``scripts/int8_emulated.py``; docs/benchmarks.md, "int8 and ov-int8 weight encodings").
