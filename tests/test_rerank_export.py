@@ -16,6 +16,7 @@ from bgeserve.engine.pairs import PairConfig
 from bgeserve.engine.tokenizer import Tokenizer
 from bgeserve.export.rerank_validate import kendall_tau
 from bgeserve.results import RerankOptions
+from bgeserve.runtime.openvino import native_bf16
 from bgeserve.testing.randmodel import random_texts
 from tests.oracle import rerank_reference
 
@@ -24,8 +25,13 @@ pytestmark = pytest.mark.slow
 # Measured on the tiny reranker (hidden 32) over these pairs: int8 |Δlogit| ≤ 0.26 (logits
 # spread ~1.8), Kendall tau ≥ 0.86 per query; bf16 (OpenVINO, fp16-stored weights)
 # |Δlogit| ≤ 0.0064, tau 1.0 (docs/benchmarks.md has the full-size figures). The bounds leave ~50% headroom over the measured values.
+# Those bf16 figures are fp32 compute (a CPU without native bf16 ignores the bf16 hint); where
+# OpenVINO computes in bf16 (AVX512_BF16, AMX) the export's pairs measured |Δlogit| ≤ 0.135,
+# tau 1.0, and this module's pairs tau ≥ 0.44: one query's nine logits span only 0.14
+# (-0.62..-0.76), inside the bf16 error, so near ties swap (2-core AMD Zen 4, 2026-12-04; the
+# logits themselves come out rounded to bf16).
 INT8_MAX_ABS, INT8_TAU = 0.4, 0.7
-BF16_MAX_ABS, BF16_TAU = 0.02, 0.95
+BF16_MAX_ABS, BF16_TAU = (0.2, 0.3) if native_bf16() else (0.02, 0.95)
 
 
 @pytest.fixture(scope="module")
