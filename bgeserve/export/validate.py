@@ -13,9 +13,10 @@ The minimum decides whether a variant may be the default (``runtime.select.MIN_D
 so the texts must be enough to find a variant's worst ones: with 8 texts of 16-512 tokens the
 full-size random bge-m3's ov-int8 (8-bit, on a Zen 4 with VNNI) read 0.99918 and passed, then
 measured 0.99878 on the benchmark's 64 mixed texts, 3 of them under the bar, and the server
-chose it; with 32 the validation reads 0.99899 (docs/benchmarks.md, "Issue 17 on an AMD Zen 4"). One session is open at a
-time. The figures are this machine's: bf16 on a CPU without native bf16 runs in fp32 on
-OpenVINO, so there they only reflect its fp16-stored weights.
+chose it; with 32 the validation reads 0.99899 (docs/benchmarks.md, "Issue 17 on an AMD
+Zen 4"). One session is open at a time. The figures are this machine's: bf16 on a CPU
+without native bf16 runs in fp32 on OpenVINO, so there they only reflect its fp16-stored
+weights.
 """
 
 from __future__ import annotations
