@@ -132,7 +132,7 @@ def test_the_emulation_computes_what_an_int32_accumulating_kernel_does(
     import numpy as np
     import openvino as ov
 
-    from bgeserve.export import corpus, validate
+    from bgeserve.export import corpus
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "int8_emulated.py"
     spec = importlib.util.spec_from_file_location("int8_emulated_under_test", script)
