@@ -36,6 +36,7 @@ def _serve(args: argparse.Namespace) -> int:
     from bgeserve.errors import BgeServeError
     from bgeserve.http import tls
     from bgeserve.http.app import create_app
+    from bgeserve.http.drain import DrainingServer
     from bgeserve.logs import setup_logging
     from bgeserve.service import Service, plan
     from bgeserve.tuning import memory
@@ -94,12 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
                             lifespan="on", **ssl_options)
 
-    class Server(uvicorn.Server):
-        async def shutdown(self, sockets=None) -> None:
-            service.begin_shutdown()
-            await super().shutdown(sockets)
-
-    server = holder["server"] = Server(config)
+    server = holder["server"] = DrainingServer(config, on_shutdown=service.begin_shutdown)
 
     def on_signal(sig: int, frame: object) -> None:
         # uvicorn handles SIGTERM/SIGINT while it runs (graceful drain), then restores these
