@@ -21,8 +21,8 @@ pytestmark = pytest.mark.slow
 def test_manifest_records_the_runtime_the_quantization_and_the_agreement(
         tiny_export_ov_int8: Path) -> None:
     """The entry names OpenVINO, what NNCF did (48 calibration texts; 8-bit weights on a CPU
-    that sums int8 products in int32, else 7-bit), and the agreement with fp32 measured at
-    export, alone and in padded batches."""
+    that sums int8 products in int32, else 7-bit; SmoothQuant's alpha), and the agreement with
+    fp32 measured at export, alone and in padded batches."""
     from bgeserve.model.prepared import sums_int8_in_int32
 
     entry = json.loads((tiny_export_ov_int8 / "manifest.json").read_text())["variants"]["ov-int8"]
@@ -30,6 +30,7 @@ def test_manifest_records_the_runtime_the_quantization_and_the_agreement(
     quantization = entry["quantization"]
     assert quantization["calibration_texts"] == 48 and quantization["tool"].startswith("nncf ")
     assert quantization["weights"] == ("8-bit" if sums_int8_in_int32() else "7-bit")
+    assert quantization["smooth_quant_alpha"] == 0.75  # not the preset's 0.95: ovint8's note
     assert entry["agreement"]["texts"] == validate.VALIDATION_TEXTS + validate.SHORT_TEXTS == 36
     assert entry["agreement"]["dense_cos_min"] >= INT8.dense_cos
     # The plain-attention graph it was made from is temporary; no report is left behind.
