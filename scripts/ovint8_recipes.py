@@ -2,7 +2,8 @@
 """ov-int8 recipes: NNCF settings side by side, accuracy vs the fp32 graph and speed (issue 17).
 
     .venv/bin/python scripts/ovint8_recipes.py --plain PLAIN/fp32/model.onnx \\
-        --tokenizer MODEL_DIR/tokenizer.json --out /tmp/ovrec [--recipes base,sq50,ffn2] [--rounds 3]
+        --tokenizer MODEL_DIR/tokenizer.json --out /tmp/ovrec [--recipes base,sq75,wc8] \\
+        [--rounds 3]
 
 ``--plain`` is a plain-attention fp32 export (``bgeserve export --variant fp32
 --attention-block 0``), the graph the ov-int8 variant is quantized from. Each recipe is built
@@ -117,7 +118,7 @@ def open_model(args: argparse.Namespace, name: str, threads: int):  # a SharedMo
     from bgeserve.runtime.common import Shared
 
     model = REAL_SHARED_MODEL(args.out / name / "model.xml", precision="ov-int8",
-                                 threads=threads, streams=1)
+                              threads=threads, streams=1)
     group = WEIGHT_ONLY.get(name)
     if group is not None:
         def compile_with_group():
@@ -237,7 +238,8 @@ def main() -> int:
     rates: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(args.rounds):
         for name in names:
-            rates[name].append(float(child(args, "speed", name)["tokens_per_s"]))  # type: ignore[arg-type]
+            rate = child(args, "speed", name)["tokens_per_s"]
+            rates[name].append(float(rate))  # type: ignore[arg-type]
     for name in names:
         report[name]["tokens_per_s"] = rates[name]
         report[name]["median"] = statistics.median(rates[name])
