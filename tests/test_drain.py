@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import uvicorn
 
 from bgeserve.http.drain import DrainingServer, awaiting_first_request
+from tests.uvithread import serving
 
 REQUEST = b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
 
@@ -27,25 +28,12 @@ async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
 
 @contextmanager
 def running(grace: float = 2.0) -> Iterator[tuple[DrainingServer, int, threading.Thread, list]]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
     calls: list[str] = []
     config = uvicorn.Config(app, log_level="critical", lifespan="off")
     server = DrainingServer(config, on_shutdown=lambda: calls.append("shutdown"),
                             new_connection_grace=grace)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
+    with serving(server) as (port, thread):
         yield server, port, thread, calls
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 def answer(conn: socket.socket) -> bytes:

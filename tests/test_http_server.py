@@ -7,7 +7,6 @@ import http.client
 import json
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -21,6 +20,7 @@ import uvicorn
 from bgeserve.config import Settings
 from bgeserve.http.app import create_app
 from tests.fakes import FakeService
+from tests.uvithread import serving
 
 KEY = "sk-test-key"
 MIB = 2**20
@@ -29,23 +29,9 @@ MIB = 2**20
 @contextmanager
 def running(settings: Settings, fake: FakeService) -> Iterator[tuple[str, int]]:
     """uvicorn serving the app on a free port in a thread; yields (host, port)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
     config = uvicorn.Config(create_app(settings, lambda _: fake), log_level="critical")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
+    with serving(uvicorn.Server(config)) as (port, _):
         yield "127.0.0.1", port
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +23,7 @@ from bgeserve.http.app import create_app
 from tests.fakes import FakeService
 from tests.serverproc import ServerProc
 from tests.test_server_live import START_TIMEOUT, server_env
+from tests.uvithread import serving
 
 HEALTHCHECK = Path(__file__).resolve().parent.parent / "healthcheck.sh"
 OPENSSL = shutil.which("openssl")
@@ -167,25 +165,11 @@ def test_a_live_server_serves_https(tiny_export: Path, tmp_path: Path, pki: dict
 @contextmanager
 def _fake_tls_server(settings: Settings) -> Iterator[int]:
     """The app over a fake service under uvicorn with the settings' TLS options; the port."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
     fake = FakeService(settings=settings)
     config = uvicorn.Config(create_app(settings, lambda _: fake), log_level="critical",
                             **tls.uvicorn_options(settings))
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
+    with serving(uvicorn.Server(config)) as (port, _):
         yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 @needs_openssl
