@@ -8,9 +8,10 @@
 ``--plain`` is a plain-attention fp32 export (``bgeserve export --variant fp32
 --attention-block 0``), the graph the ov-int8 variant is quantized from. Each recipe is built
 by ``bgeserve.export.ovint8.quantize`` (this CPU's weight encoding) in a child of its own, one
-at a time. Then, in one child each, its agreement with the fp32 graph (ONNX Runtime) as the
-export's validation measures it (``export.validate.agreement_with``: alone and in padded
-batches, the worse of the two) on two sets of texts: the validation texts (32 of 16-512
+at a time (a recipe with ``--out/NAME/agreement.json`` from an earlier invocation is neither
+built nor measured again). Then, in one child each, its agreement with the fp32 graph (ONNX
+Runtime) as the export's validation measures it (alone and in padded batches, the worse of the
+two; the fp32 outputs computed once and kept in ``--out``) on two sets of texts: the validation texts (32 of 16-512
 tokens + 4 short) and ``--holdout`` texts drawn with another seed, so that a recipe picked on
 the first set is checked on texts nobody tuned on. Last, speed: ``--rounds`` interleaved
 rounds, a fresh child per recipe and round, each timing OpenVINO (as served: the bf16 hint,
