@@ -19,8 +19,8 @@ rounds, a fresh child per recipe and round, each timing OpenVINO (as served: the
 
 Recipes (``--list``):
     base   NNCF's transformer preset as it comes (SmoothQuant alpha 0.95, mixed preset): the
-           export's recipe until 2026-12-04
-    sq50 / sq75 / nosq   base with SmoothQuant alpha 0.5 / 0.75 (the export's recipe since) / off
+           export's recipe
+    sq50 / sq75 / nosq   base with SmoothQuant alpha 0.5 / 0.75 / off
     ffn2   base + the FFN down-projections (the MatMul after the GELU) kept in float
     edge   base + every linear layer of the first and the last encoder layer kept in float
     wc8    weight-only int8 (NNCF compress_weights INT8_SYM, per channel); OpenVINO quantizes

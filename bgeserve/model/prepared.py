@@ -42,10 +42,8 @@ __all__ = ["RECIPE", "PrepareSource", "PreparedStore", "damage", "file_digests",
            "int8_weights", "source_key", "sums_int8_in_int32", "write_heads"]
 
 # What a prepared graph holds besides its sources; part of the key. Bump "schema" whenever the
-# recipe changes what a prepared graph holds (a test checks the block sizes and ov-int8's
-# SmoothQuant alpha against export/).
-RECIPE = {"schema": 1, "attention_block": 256, "ffn_rows": 2048,
-          "ov_int8_smooth_quant_alpha": 0.75}
+# recipe changes what a prepared graph holds (a test checks the block sizes against export/).
+RECIPE = {"schema": 1, "attention_block": 256, "ffn_rows": 2048}
 HEADS_FILE = "heads.npz"  # the head weights handed to the child (it may not re-fetch them)
 
 
