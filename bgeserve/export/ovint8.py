@@ -6,11 +6,11 @@ What is quantized, and why:
 - every linear layer of the encoder (Q, K, V, attention output, both FFN layers), with NNCF's
   transformer preset (``ModelType.TRANSFORMER``: SmoothQuant first, then per-channel weights
   and per-tensor activations, fast bias correction; SmoothQuant's alpha the preset's 0.95,
-  ``SMOOTH_QUANT_ALPHA``, see below), calibrated on ``CALIBRATION_TEXTS`` texts of 16–512 tokens from ``corpus.py`` (its calibration seed;
-  validation uses another). The activation ranges are fixed at export, so the calibration must
-  span long texts too: up to 256 tokens only, the tiny model's sparse weights on texts of
-  3,300 tokens drifted 0.107–0.126 from fp32 (over the int8 tolerance of 0.1), up to 512
-  tokens 0.06–0.08;
+  ``SMOOTH_QUANT_ALPHA``, see below), calibrated on ``CALIBRATION_TEXTS`` texts of 16–512
+  tokens from ``corpus.py`` (its calibration seed; validation uses another). The activation
+  ranges are fixed at export, so the calibration must span long texts too: up to 256 tokens
+  only, the tiny model's sparse weights on texts of 3,300 tokens drifted 0.107–0.126 from fp32
+  (over the int8 tolerance of 0.1), up to 512 tokens 0.06–0.08;
 - not the attention MatMuls (q·kᵀ, scores·v): quantizing their inputs stops OpenVINO fusing
   the attention into its bounded-memory kernel (measured on the tiny model: the compiled graph
   kept two plain MatMuls and a Softmax per layer), and a long text would materialise the
