@@ -18,17 +18,16 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web
 
+from tests.scriptload import load_script
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_script("bench")
     yield module
-    sys.modules.pop(spec.name, None)
+    sys.modules.pop(module.__name__, None)
 
 
 @pytest.mark.parametrize("argv, problem", [

@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ovint8_recipes.py"
+from tests.scriptload import load_script
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("ovint8_recipes_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="module")
+def recipes() -> Iterator[ModuleType]:
+    module = load_script("ovint8_recipes")
+    yield module
+    sys.modules.pop(module.__name__, None)
 
 
 def _graph(tmp_path: Path, layers: int = 3, hidden: int = 4, inner: int = 8) -> Path:
@@ -53,14 +54,13 @@ def _graph(tmp_path: Path, layers: int = 3, hidden: int = 4, inner: int = 8) -> 
     return path
 
 
-def test_the_ffn_down_projections_are_the_narrowing_matmuls(tmp_path: Path) -> None:
-    recipes = _script()
+def test_the_ffn_down_projections_are_the_narrowing_matmuls(recipes, tmp_path: Path) -> None:
     assert recipes.float_layers(_graph(tmp_path), "ffn2") == [
         "/dense_2/MatMul", "/dense_5/MatMul", "/dense_8/MatMul"]
 
 
-def test_the_edge_layers_are_the_first_and_last_six_linear_matmuls(tmp_path: Path) -> None:
-    recipes = _script()
+def test_the_edge_layers_are_the_first_and_last_six_linear_matmuls(recipes,
+                                                                   tmp_path: Path) -> None:
     assert recipes.float_layers(_graph(tmp_path), "edge") == [
         "/query/MatMul", "/key/MatMul", "/value/MatMul", "/dense/MatMul", "/dense_1/MatMul",
         "/dense_2/MatMul", "/query_2/MatMul", "/key_2/MatMul", "/value_2/MatMul",

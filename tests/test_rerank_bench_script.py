@@ -10,10 +10,8 @@ small aiohttp server on loopback (no model).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,20 +19,12 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_under_test", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.scriptload import load_script
 
 
 @pytest.fixture(scope="module")
 def rb():
-    module = _load("rerank_bench")
+    module = load_script("rerank_bench")
     yield module
     sys.modules.pop(module.__name__, None)
 
@@ -139,7 +129,7 @@ def test_flag_checkpoint_from_the_manifest(rb, tmp_path):
 
 def test_bench_takes_the_rerank_options(capsys):
     """scripts/bench.py --rerank-export DIR --rerank-args '...': parsed for the same run."""
-    bench = _load("bench")
+    bench = load_script("bench")
     try:
         args = bench.parse_args(["--rerank-export", "/x", "--rerank-args", "--pairs 8"])
         assert (args.rerank_export, args.rerank_args) == ("/x", "--pairs 8")
