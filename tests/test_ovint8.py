@@ -30,7 +30,11 @@ def test_manifest_records_the_runtime_the_quantization_and_the_agreement(
     quantization = entry["quantization"]
     assert quantization["calibration_texts"] == 48 and quantization["tool"].startswith("nncf ")
     assert quantization["weights"] == ("8-bit" if sums_int8_in_int32() else "7-bit")
-    assert quantization["smooth_quant_alpha"] == 0.95  # the preset's: ovint8's note says why
+    # The preset's alpha, measured first; 0.75 is tried only where the preset misses the bar
+    # and kept only where it clears it (test_a_second_alpha_is_tried_...): on the tiny model it
+    # does not (ovint8's note).
+    assert quantization["smooth_quant_alpha"] == 0.95
+    assert quantization["smooth_quant_tried"][0]["alpha"] == 0.95
     assert entry["agreement"]["texts"] == validate.VALIDATION_TEXTS + validate.SHORT_TEXTS == 36
     assert entry["agreement"]["dense_cos_min"] >= INT8.dense_cos
     # The plain-attention graph it was made from is temporary; no report is left behind.
@@ -97,12 +101,52 @@ def test_the_export_step_takes_8_bit_weights_only_where_int8_sums_in_int32(
         return {"weights": weights}
 
     monkeypatch.setattr(prepared, "sums_int8_in_int32", lambda: int8_dot)
-    monkeypatch.setattr(ovint8, "quantize", quantize)
+    monkeypatch.setattr(ovint8, "quantize_to_bar", quantize)
     report = tmp_path / "report.json"
     steps.export_ov_int8(tmp_path / "plain.onnx", tmp_path / "out.xml", tmp_path / "tok.json",
                          report)
     assert asked == {"weights": weights}
     assert json.loads(report.read_text()) == {"weights": weights}
+
+
+@pytest.mark.parametrize(("preset", "fallback", "kept"), [
+    (0.9991, None, 0.95),      # the preset keeps the bar: no second quantization
+    (0.9989, 0.9992, 0.75),    # it misses, alpha 0.75 clears it: that graph replaces it
+    (0.9980, 0.9985, 0.95),    # both miss (the tiny model): the preset's graph stays
+])
+def test_a_second_alpha_is_tried_and_kept_only_where_it_clears_the_bar(
+        preset: float, fallback: float | None, kept: float, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """quantize_to_bar: alpha 0.75 only where the preset's graph misses MIN_DENSE_COS on the
+    validation texts, and its graph kept only if it clears the bar; the report says which
+    alpha was kept and what each measured; nothing is left beside the IR."""
+    from bgeserve.export import ovint8
+
+    figures = {0.95: preset, 0.75: fallback}
+    made: list[float] = []
+
+    def quantize(plain, out, tokenizer, *, max_tokens=None, weights="7-bit",
+                 smooth_quant_alpha=ovint8.SMOOTH_QUANT_ALPHA):
+        made.append(smooth_quant_alpha)
+        out.write_text(str(smooth_quant_alpha))
+        out.with_suffix(".bin").write_text(str(smooth_quant_alpha))
+        return {"weights": weights, "smooth_quant_alpha": smooth_quant_alpha}
+
+    monkeypatch.setattr(ovint8, "quantize", quantize)
+    monkeypatch.setattr(validate, "texts", lambda tokenizer, max_tokens: ["rows"])
+    monkeypatch.setattr(validate, "outputs_of", lambda path, runtime, rows: "ref")
+    monkeypatch.setattr(validate, "against", lambda ref, path, runtime, rows: {
+        "dense_cos_min": figures[float(path.read_text())]})
+    out = tmp_path / "ov-int8" / "model.xml"
+    out.parent.mkdir()
+    done = ovint8.quantize_to_bar(tmp_path / "plain.onnx", out, tmp_path / "tok.json",
+                                  weights="8-bit")
+    assert made == ([0.95] if fallback is None else [0.95, 0.75])
+    assert done["smooth_quant_alpha"] == kept and done["weights"] == "8-bit"
+    assert done["smooth_quant_tried"] == [{"alpha": a, "dense_cos_min": figures[a]}
+                                          for a in made]
+    assert out.read_text() == out.with_suffix(".bin").read_text() == str(kept)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["model.bin", "model.xml", "ov-int8"]
 
 
 def test_ov_int8_refuses_an_unknown_weight_encoding(tmp_path: Path) -> None:

@@ -29,22 +29,32 @@ activation quantizer evaluated in float as a VNNI / AMX CPU computes it
 (``scripts/int8_emulated.py``; docs/benchmarks.md, "int8 and ov-int8 weight encodings").
 
 SmoothQuant's alpha moves more of each activation channel's range into the weights the closer it
-is to 1. On the full-size random bge-m3 (8-bit weights, an AVX512-VNNI Zen 4;
-``scripts/ovint8_recipes.py``, docs/benchmarks.md "ov-int8 recipes"), dense cosine vs fp32 min
-on the 36 validation texts / 64 held-out texts of ≤ 512 tokens: alpha 0.95 (the preset) 0.99899
-/ 0.99880, 0.75 0.99915 / 0.99927, 0.5 0.99919 / 0.99922, off 0.99692 / 0.99663, at the same
-speed. It stays at 0.95 all the same: on the tiny model prepared from a hub snapshot, every
-alpha from 0.5 to 0.85 puts a sparse weight of a long text (up to 8,192 tokens, past the
-calibration's 512) 0.10-0.12 from FlagEmbedding's, over the int8 tolerance of 0.1
-(``tests/test_prepare.py``), where 0.95 stays within it. Keeping the FFN down-projections in
+is to 1, and which alpha is best depends on the model. On the full-size random bge-m3 (8-bit
+weights, an AVX512-VNNI Zen 4; ``scripts/ovint8_recipes.py``, docs/benchmarks.md "ov-int8
+recipes"), dense cosine vs fp32 min on the 36 validation texts / 64 held-out texts of ≤ 512
+tokens: alpha 0.95 (the preset) 0.99899 / 0.99880 — just under the bar a variant must keep to
+be served by default (``runtime.select.MIN_DENSE_COS``, 0.999) — 0.75 0.99915 / 0.99927, 0.5
+0.99919 / 0.99922, off 0.99692 / 0.99663, at the same speed. On the tiny test model it is the
+other way round (validation 0.99823 at 0.95, 0.99759 at 0.75, 0.99627 at 0.5), and there every
+alpha from 0.5 to 0.85 put a long text's sparse weight over the int8 tolerance of
+FlagEmbedding's (``tests/test_prepare.py``). So ``quantize_to_bar`` measures rather than picks:
+the preset first; only where that graph misses the bar on the validation texts, once more at
+``FALLBACK_ALPHA``, kept if it clears the bar (the manifest records both figures). It changes the
+graph only where the change admits the variant to the default choice, and costs a second
+quantization (~3 minutes on 2 cores at full size) only there. Keeping the FFN down-projections in
 float (0.99899 / 0.99898, 22 % slower) or the first and last layer (0.99905 / 0.99892) did not
-help: the loss is not in one kind of layer.
+help: the loss is not in one kind of layer. Longer calibration texts (2,048 and 8,192 tokens
+besides the 48 of ≤ 512) did not settle it either: on the tiny model they moved the largest
+sparse difference on the test's long texts by -0.04 to +0.01 depending on alpha, and lowered
+the validation minimum at 0.75 and 0.5.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +65,7 @@ from bgeserve.export import corpus
 
 CALIBRATION_TEXTS = 48
 SMOOTH_QUANT_ALPHA = 0.95  # for the MatMuls: the transformer preset's; see the module note
+FALLBACK_ALPHA = 0.75  # tried where the preset's graph misses the bar (quantize_to_bar)
 HEAD_PATTERNS = [".*sparse_linear.*", ".*colbert_linear.*"]
 # Weight encodings: "7-bit" (NNCF's overflow fix on every layer) is right on any x86 CPU;
 # "8-bit" only where int8 products are summed into int32 (VNNI, AMX-INT8), see above.
@@ -166,3 +177,43 @@ def quantize(plain_fp32: Path, out: Path, tokenizer: Path, *, max_tokens: int | 
     if float_patterns:
         done["float_patterns"] = list(float_patterns)
     return done
+
+
+def quantize_to_bar(plain_fp32: Path, out: Path, tokenizer: Path, *, max_tokens: int | None = None,
+                    weights: str = "7-bit") -> dict[str, object]:
+    """``quantize`` with the preset's SmoothQuant alpha; where that graph's dense cosine vs
+    ``plain_fp32`` on the validation texts (alone and in padded batches, as the export's
+    validation measures it) misses ``MIN_DENSE_COS``, once more with ``FALLBACK_ALPHA``, whose
+    graph replaces it if it clears the bar (see the module note). The report says which alpha
+    was kept and what each measured (``smooth_quant_tried``)."""
+    from bgeserve.export import validate
+    from bgeserve.runtime.select import MIN_DENSE_COS
+
+    started = time.monotonic()
+    done = quantize(plain_fp32, out, tokenizer, max_tokens=max_tokens, weights=weights)
+    rows = validate.texts(tokenizer, max_tokens=corpus.capped(max_tokens))
+    ref = validate.outputs_of(plain_fp32, "onnxruntime", rows)
+    first = validate.against(ref, out, "openvino", rows)["dense_cos_min"]
+    tried = [{"alpha": SMOOTH_QUANT_ALPHA, "dense_cos_min": first}]
+    if first < MIN_DENSE_COS:
+        print(f"[ov-int8] alpha {SMOOTH_QUANT_ALPHA}: dense cosine min {first:.5f} < "
+              f"{MIN_DENSE_COS}; quantizing again with alpha {FALLBACK_ALPHA}",
+              file=sys.stderr, flush=True)
+        # Beside ``out`` (same filesystem, so the replacement is a rename), removed in any case.
+        spare = Path(tempfile.mkdtemp(prefix=".alpha-", dir=out.parent.parent))
+        try:
+            other = quantize(plain_fp32, spare / out.name, tokenizer, max_tokens=max_tokens,
+                             weights=weights, smooth_quant_alpha=FALLBACK_ALPHA)
+            second = validate.against(ref, spare / out.name, "openvino", rows)["dense_cos_min"]
+            tried.append({"alpha": FALLBACK_ALPHA, "dense_cos_min": second})
+            if second >= MIN_DENSE_COS:
+                for name in (out.name, out.with_suffix(".bin").name):
+                    os.replace(spare / name, out.parent / name)
+                done = other
+        finally:
+            shutil.rmtree(spare, ignore_errors=True)
+    print(f"[ov-int8] kept alpha {done['smooth_quant_alpha']} (dense cosine min: "
+          + ", ".join(f"alpha {t['alpha']} {t['dense_cos_min']:.5f}" for t in tried) + ")",
+          file=sys.stderr, flush=True)
+    return {**done, "smooth_quant_tried": tried,
+            "seconds": round(time.monotonic() - started, 1)}

@@ -289,7 +289,8 @@ def export_ov_int8(plain_fp32: Path, out: Path, tokenizer: Path, report: Path,
     started = time.monotonic()
     weights = ovint8.weights_here()
     _log(f"quantizing {plain_fp32} for OpenVINO (NNCF int8, {weights} weights)", started)
-    done = ovint8.quantize(plain_fp32, out, tokenizer, max_tokens=max_tokens, weights=weights)
+    done = ovint8.quantize_to_bar(plain_fp32, out, tokenizer, max_tokens=max_tokens,
+                                  weights=weights)
     report.write_text(json.dumps(done))
     _log(f"wrote {out}: {done}", started)
 

@@ -127,9 +127,15 @@ def agreement_with(reference: Path, graphs: dict[str, tuple[Path, str]],
     """{name: figures} of each graph ((path, runtime), bgeserve's layout) against the
     ``reference`` graph (ONNX Runtime), measured as ``agreement`` measures an export."""
     ref = outputs_of(reference, "onnxruntime", rows)
-    return {name: worse(compare(ref, outputs_of(path, runtime, rows)),
-                        compare(ref, outputs_of(path, runtime, rows, BATCH)))
-            for name, (path, runtime) in graphs.items()}
+    return {name: against(ref, path, runtime, rows) for name, (path, runtime) in graphs.items()}
+
+
+def against(ref: tuple[np.ndarray, list[np.ndarray]], path: Path, runtime: str,
+            rows: Sequence[np.ndarray]) -> dict[str, float | int]:
+    """The figures of the graph at ``path`` against reference outputs ``ref`` of ``rows``
+    (``outputs_of`` the reference graph), alone and in padded batches, each at its worse."""
+    return worse(compare(ref, outputs_of(path, runtime, rows)),
+                 compare(ref, outputs_of(path, runtime, rows, BATCH)))
 
 
 def worse(a: dict[str, float | int], b: dict[str, float | int]) -> dict[str, float | int]:
