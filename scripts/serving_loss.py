@@ -143,7 +143,7 @@ def child_raw(spec: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     ids = tokenizer.encode(texts).ids
     dense = np.zeros((len(texts), 0), np.float32)
-    inside = 0.0
+    inside, chunks = 0.0, 0
     for chunk in plan([len(x) for x in ids], fits=lambda b, s: True, max_chunk=cfg.max_chunk,
                       max_tokens=engine_chunk_tokens(export_dir, spec["variant"]),
                       min_fill=cfg.min_fill):
@@ -151,11 +151,12 @@ def child_raw(spec: dict[str, Any]) -> dict[str, Any]:
         t = time.perf_counter()
         d, _ = run(*feeds)
         inside += time.perf_counter() - t
+        chunks += 1
         if dense.shape[1] == 0:
             dense = np.zeros((len(texts), d.shape[1]), np.float32)
         dense[list(chunk.indices)] = d
     wall = time.perf_counter() - started
-    return {"wall_s": wall, "inside_s": inside, "dense": dense}
+    return {"wall_s": wall, "inside_s": inside, "chunks": chunks, "dense": dense}
 
 
 def _raw_queries(run, tokenizer, queries: list[str]) -> dict[str, Any]:
@@ -193,17 +194,22 @@ def _engine(spec: dict[str, Any], on_chunk):
 
 
 def child_engine(spec: dict[str, Any]) -> dict[str, Any]:
-    inside = [0.0]
-    engine = _engine(spec, lambda st: inside.__setitem__(0, inside[0] + st.seconds))
+    inside, chunks = [0.0], [0]
+
+    def on_chunk(stats) -> None:
+        inside[0] += stats.seconds
+        chunks[0] += 1
+
+    engine = _engine(spec, on_chunk)
     try:
         engine.embed(["warm up"], dense=True, sparse=True)
-        inside[0] = 0.0
+        inside[0], chunks[0] = 0.0, 0
         started = time.perf_counter()
         out = engine.embed(spec["texts"], dense=True, sparse=True)
         wall = time.perf_counter() - started
     finally:
         engine.close()
-    return {"wall_s": wall, "inside_s": inside[0], "dense": out.dense}
+    return {"wall_s": wall, "inside_s": inside[0], "chunks": chunks[0], "dense": out.dense}
 
 
 def _free_port() -> int:
@@ -246,13 +252,18 @@ def _start_server(spec: dict[str, Any]) -> tuple[subprocess.Popen, str]:
         time.sleep(0.25)
 
 
-def _inference_seconds(base: str) -> float:
+def _inference_runs(base: str) -> tuple[float, int]:
+    """Seconds inside the runtime's runs and how many runs (chunks), from the server's
+    /metrics."""
     import httpx
 
+    seconds, runs = 0.0, 0
     for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
         if line.startswith("bgeserve_inference_duration_seconds_sum"):
-            return float(line.split()[-1])
-    return 0.0
+            seconds = float(line.split()[-1])
+        elif line.startswith("bgeserve_inference_duration_seconds_count"):
+            runs = int(float(line.split()[-1]))
+    return seconds, runs
 
 
 async def _post_all(base: str, route: str, bodies: list[bytes], clients: int):
@@ -297,17 +308,18 @@ def child_http(spec: dict[str, Any]) -> dict[str, Any]:
                 base, "/v1/embeddings", [_body([q]) for q in qs], 1))
             return {"latencies": latencies}
         asyncio.run(_post_all(base, "/v1/embeddings:both", [_body(["warm up"])], 1))
-        before = _inference_seconds(base)
+        before = _inference_runs(base)
         wall, _, results = asyncio.run(_post_all(
             base, "/v1/embeddings:both", [_body([t]) for t in spec["texts"]], spec["clients"]))
-        inside = _inference_seconds(base) - before
+        after = _inference_runs(base)
+        inside, chunks = after[0] - before[0], after[1] - before[1]
     finally:
         _stop_spy(spy)
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     dense = np.stack([np.frombuffer(base64.b64decode(r["data"][0]["embedding"]), "<f4")
                       for r in results])
-    return {"wall_s": wall, "inside_s": inside, "dense": dense}
+    return {"wall_s": wall, "inside_s": inside, "chunks": chunks, "dense": dense}
 
 
 def _spy(spec: dict[str, Any], pid: int) -> subprocess.Popen | None:
@@ -444,8 +456,9 @@ def _med(xs: list[float]) -> float:
 def report(rows: dict[str, list[dict]], plan, args, data, work: Path) -> None:
     print(f"\n{len(data['texts'])} texts, {sum(data['lengths'])} tokens, {args.rounds} rounds, "
           f"{args.threads} threads\n")
-    print("| run | tokens/s per round | median | inside the runtime (median share) |")
-    print("|---|---|---|---|")
+    print("| run | tokens/s per round | median | inside the runtime (median share) | chunks "
+          "per round |")
+    print("|---|---|---|---|---|")
     for label, _, _ in plan:
         rs = rows[label]
         if rs and "tokens_per_s" in rs[0]:
@@ -453,7 +466,8 @@ def report(rows: dict[str, list[dict]], plan, args, data, work: Path) -> None:
             rates = " / ".join(f"{r['tokens_per_s']:.1f}" for r in rs)
             print(f"| {label} | {rates} | "
                   f"{_med([r['tokens_per_s'] for r in rs]):.1f} | "
-                  + (f"{_med(inside):.1%}" if inside else "—") + " |")
+                  + (f"{_med(inside):.1%}" if inside else "—") + " | "
+                  + (" / ".join(str(r.get("chunks", "—")) for r in rs)) + " |")
     print()
     variants = args.variants.split(",")
     for v in variants:
