@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """The raw runtime on one corpus under several packing rules, interleaved in one process.
 
-Each rule is ``NAME=MAX_CHUNK,MAX_TOKENS,MIN_FILL`` for ``bgeserve.engine.binpack.plan`` (texts
-per run, padded tokens per run, least share of real tokens); the first rule is the baseline of
-the ratios. Every round runs each rule once over the whole corpus on the same session (the order
+Each rule is ``NAME=MAX_CHUNK,MAX_TOKENS,MIN_FILL[,WINDOW]`` for ``bgeserve.engine.binpack.plan``
+(texts per run, padded tokens per run, least share of real tokens; ``WINDOW``: pack only that
+many texts at a time, in corpus order — what WINDOW clients sending one text each and waiting
+for its answer can offer a server — 0 or absent: the whole corpus at once, as the engine gets
+it); the first rule is the baseline of the ratios. Every round runs each rule once over the whole corpus on the same session (the order
 reversed every other round); the report gives each rule's padded tokens, tokens/s per round and
 the per-round ratio to the baseline with its median. It answers whether a runtime gains from
 batching more than it loses to padding (``scripts/serving_loss.py`` for where the engine and the
@@ -11,6 +13,8 @@ server lose against the runtime):
 
     python scripts/packing_rules.py --export-dir EXPORT --variant ov-int8 --texts 24 --rounds 3 \\
         --rule default=64,1024,0.75 --rule tokens256=64,256,0.75 --rule alone=1,1024,0.75
+    python scripts/packing_rules.py --export-dir EXPORT --variant ov-int8 --texts 64 \
+        --rule all=64,1024,0.75 --rule four-clients=64,1024,0.75,4 --rule alone=1,1024,0.75
 """
 
 from __future__ import annotations
@@ -27,14 +31,29 @@ sys.path.insert(0, str(HERE))
 from serving_loss import MAX_SEQ, _open_raw, corpus  # after the path above
 
 
-def _rule(text: str) -> tuple[str, tuple[int, int, float]]:
+def _rule(text: str) -> tuple[str, tuple[int, int, float, int]]:
     name, _, spec = text.partition("=")
-    chunk, tokens, fill = spec.split(",")
-    return name, (int(chunk), int(tokens), float(fill))
+    chunk, tokens, fill, *window = spec.split(",")
+    return name, (int(chunk), int(tokens), float(fill), int(window[0]) if window else 0)
+
+
+def windowed(lengths: list[int], window: int, **rules) -> list:
+    """``binpack.plan`` over each run of ``window`` consecutive texts (0: all at once), the
+    chunks' indices into ``lengths``."""
+    from dataclasses import replace
+
+    from bgeserve.engine.binpack import plan
+
+    step = window or len(lengths) or 1
+    out = []
+    for start in range(0, len(lengths), step):
+        part = lengths[start:start + step]
+        out += [replace(c, indices=tuple(start + i for i in c.indices))
+                for c in plan(part, fits=lambda b, s: True, **rules)]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bgeserve.engine.binpack import plan
     from bgeserve.engine.forward import pad_chunk
     from bgeserve.engine.tokenizer import Tokenizer
 
@@ -45,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rule", action="append", type=_rule, required=True,
-                   metavar="NAME=MAX_CHUNK,MAX_TOKENS,MIN_FILL")
+                   metavar="NAME=MAX_CHUNK,MAX_TOKENS,MIN_FILL[,WINDOW]")
     p.add_argument("--work-dir", type=Path, default=Path("bench-out/packing"))
     args = p.parse_args(argv)
     rules = dict(args.rule)
@@ -54,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     run = _open_raw(args.export_dir, args.variant, args.threads)
     ids = Tokenizer.load(args.export_dir / "tokenizer.json", MAX_SEQ).encode(texts).ids
     tokens = sum(map(len, ids))
-    chunks = {name: list(plan([len(x) for x in ids], fits=lambda b, s: True, max_chunk=mc,
-                              max_tokens=mt, min_fill=mf))
-              for name, (mc, mt, mf) in rules.items()}
+    chunks = {name: windowed([len(x) for x in ids], window, max_chunk=mc, max_tokens=mt,
+                             min_fill=mf)
+              for name, (mc, mt, mf, window) in rules.items()}
     for chunk in chunks[next(iter(rules))]:  # warm-up: the baseline's shapes once
         run(*pad_chunk([ids[i] for i in chunk.indices], chunk.pad_to))
     rates: dict[str, list[float]] = {name: [] for name in rules}
