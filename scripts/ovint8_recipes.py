@@ -31,6 +31,7 @@ Recipes (``--list``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
@@ -55,7 +56,7 @@ RECIPES: dict[str, tuple[float, str]] = {
 WEIGHT_ONLY: dict[str, int | None] = {"wc8": None, "wc8-dq0": 0, "wc8-dq1024": 1024}
 SHAPES = [(8, 128), (4, 256), (2, 512), (16, 64), (1, 384)]  # (rows, tokens) per chunk
 HOLDOUT_SEED = 90_210
-REAL_SHARED_MODEL = None  # set in main: runtime.openvino.SharedModel (outputs() patches it)
+REAL_SHARED_MODEL = None  # set in main: runtime.openvino.SharedModel (compiled_as_recipe() patches it)
 LINEAR_PER_LAYER = 6  # Q, K, V, attention output, FFN up, FFN down
 
 
@@ -133,15 +134,14 @@ def open_model(args: argparse.Namespace, name: str, threads: int):  # a SharedMo
     return model
 
 
-def outputs(args: argparse.Namespace, name: str, rows, batch: int):
-    """``export.validate.outputs_of`` for the recipe's graph as ``open_model`` compiles it."""
-    from bgeserve.export import validate
+@contextlib.contextmanager
+def compiled_as_recipe(args: argparse.Namespace, name: str):
+    """``export.validate`` compiles the recipe's graph as ``open_model`` does, meanwhile."""
     from bgeserve.runtime import openvino
 
     openvino.SharedModel = lambda path, **kw: open_model(args, name, 0)  # type: ignore[misc]
     try:
-        return validate.outputs_of(args.out / name / "model.xml", "openvino", rows, batch,
-                                   "ov-int8")
+        yield
     finally:
         openvino.SharedModel = REAL_SHARED_MODEL  # type: ignore[misc]
 
@@ -161,9 +161,8 @@ def agreement(args: argparse.Namespace, name: str) -> dict[str, object]:
         if not cached.exists():
             cached.write_bytes(pickle.dumps(validate.outputs_of(args.plain, "onnxruntime", rows)))
         ref = pickle.loads(cached.read_bytes())
-        found[label] = validate.worse(
-            validate.compare(ref, outputs(args, name, rows, 1)),
-            validate.compare(ref, outputs(args, name, rows, validate.BATCH)))
+        with compiled_as_recipe(args, name):
+            found[label] = validate.against(ref, args.out / name / "model.xml", "openvino", rows)
     return found
 
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """The raw runtime on one corpus under several packing rules, interleaved in one process.
 
-Each rule is ``NAME=MAX_CHUNK,MAX_TOKENS,MIN_FILL[,WINDOW]`` for ``bgeserve.engine.binpack.plan``
-(texts per run, padded tokens per run, least share of real tokens; ``WINDOW``: pack only that
-many texts at a time, in corpus order — what WINDOW clients sending one text each and waiting
-for its answer can offer a server — 0 or absent: the whole corpus at once, as the engine gets
-it); the first rule is the baseline of the ratios. Every round runs each rule once over the whole corpus on the same session (the order
+Each rule is ``NAME=MAX_CHUNK,MAX_TOKENS,MIN_FILL[,WINDOW]`` for
+``bgeserve.engine.binpack.plan`` (texts per run, padded tokens per run, least share of real
+tokens; ``WINDOW``: pack only that many texts at a time, in corpus order — what WINDOW clients
+sending one text each and waiting for its answer can offer a server — 0 or absent: the whole
+corpus at once, as the engine gets it); the first rule is the baseline of the ratios. Every
+round runs each rule once over the whole corpus on the same session (the order
 reversed every other round); the report gives each rule's padded tokens, tokens/s per round and
 the per-round ratio to the baseline with its median. It answers whether a runtime gains from
 batching more than it loses to padding (``scripts/serving_loss.py`` for where the engine and the
@@ -13,7 +14,7 @@ server lose against the runtime):
 
     python scripts/packing_rules.py --export-dir EXPORT --variant ov-int8 --texts 24 --rounds 3 \\
         --rule default=64,1024,0.75 --rule tokens256=64,256,0.75 --rule alone=1,1024,0.75
-    python scripts/packing_rules.py --export-dir EXPORT --variant ov-int8 --texts 64 \
+    python scripts/packing_rules.py --export-dir EXPORT --variant ov-int8 --texts 64 \\
         --rule all=64,1024,0.75 --rule four-clients=64,1024,0.75,4 --rule alone=1,1024,0.75
 """
 
