@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """The raw runtime on one corpus under several packing rules, interleaved in one process.
 
-Each rule is ``NAME=MAX_CHUNK,MAX_TOKENS,MIN_FILL[,WINDOW]`` for
+Each rule is ``NAME=MAX_CHUNK,MAX_TOKENS,MIN_FILL[,WINDOW[,RUN_COST]]`` for
 ``bgeserve.engine.binpack.plan`` (texts per run, padded tokens per run, least share of real
 tokens; ``WINDOW``: pack only that many texts at a time, in corpus order — what WINDOW clients
 sending one text each and waiting for its answer can offer a server — 0 or absent: the whole
-corpus at once, as the engine gets it); the first rule is the baseline of the ratios. Every
+corpus at once, as the engine gets it; ``RUN_COST``: ``FIXED/PER_TOKEN/PER_PAIR`` in ms, a
+``binpack.RunCost``, or ``measure``: the one ``bgeserve.tuning.runcost`` measures on this
+session); the first rule is the baseline of the ratios. Every
 round runs each rule once over the whole corpus on the same session (the order
 reversed every other round); the report gives each rule's padded tokens, tokens/s per round and
 the per-round ratio to the baseline with its median. It answers whether a runtime gains from
@@ -32,10 +34,21 @@ sys.path.insert(0, str(HERE))
 from serving_loss import MAX_SEQ, _open_raw, corpus  # after the path above
 
 
-def _rule(text: str) -> tuple[str, tuple[int, int, float, int]]:
+def _rule(text: str) -> tuple[str, tuple[int, int, float, int, str]]:
     name, _, spec = text.partition("=")
-    chunk, tokens, fill, *window = spec.split(",")
-    return name, (int(chunk), int(tokens), float(fill), int(window[0]) if window else 0)
+    chunk, tokens, fill, *rest = spec.split(",") + ["", ""]
+    return name, (int(chunk), int(tokens), float(fill), int(rest[0] or 0), rest[1])
+
+
+def _run_cost(spec: str, measured):
+    from bgeserve.engine.binpack import RunCost
+
+    if not spec:
+        return None
+    if spec == "measure":
+        return measured()
+    fixed, per_token, per_pair = (float(x) / 1000 for x in spec.split("/"))
+    return RunCost(fixed, per_token, per_pair)
 
 
 def windowed(lengths: list[int], window: int, **rules) -> list:
@@ -57,6 +70,7 @@ def windowed(lengths: list[int], window: int, **rules) -> list:
 def main(argv: list[str] | None = None) -> int:
     from bgeserve.engine.forward import pad_chunk
     from bgeserve.engine.tokenizer import Tokenizer
+    from bgeserve.service.warmup import synthetic_chunk
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--export-dir", type=Path, required=True)
@@ -67,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rule", action="append", type=_rule, required=True,
                    metavar="NAME=MAX_CHUNK,MAX_TOKENS,MIN_FILL[,WINDOW]")
     p.add_argument("--work-dir", type=Path, default=Path("bench-out/packing"))
+    p.add_argument("--warm-all", action="store_true",
+                   help="run every rule's shapes once before timing (a server that has seen its "
+                        "shapes), not only the baseline's")
     args = p.parse_args(argv)
     rules = dict(args.rule)
     args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -74,11 +91,23 @@ def main(argv: list[str] | None = None) -> int:
     run = _open_raw(args.export_dir, args.variant, args.threads)
     ids = Tokenizer.load(args.export_dir / "tokenizer.json", MAX_SEQ).encode(texts).ids
     tokens = sum(map(len, ids))
+    measured: list = []
+
+    def measure():
+        if not measured:
+            from bgeserve.tuning.runcost import measure_run_cost
+
+            measured.append(measure_run_cost(lambda b, s: run(*synthetic_chunk(b, s))))
+            print(f"measured {measured[0]}", file=sys.stderr, flush=True)
+        return measured[0]
+
     chunks = {name: windowed([len(x) for x in ids], window, max_chunk=mc, max_tokens=mt,
-                             min_fill=mf)
-              for name, (mc, mt, mf, window) in rules.items()}
-    for chunk in chunks[next(iter(rules))]:  # warm-up: the baseline's shapes once
-        run(*pad_chunk([ids[i] for i in chunk.indices], chunk.pad_to))
+                             min_fill=mf, run_cost=_run_cost(cost, measure))
+              for name, (mc, mt, mf, window, cost) in rules.items()}
+    warm = list(rules) if args.warm_all else [next(iter(rules))]
+    for name in warm:  # warm-up: the baseline's shapes once (every rule's with --warm-all)
+        for chunk in chunks[name]:
+            run(*pad_chunk([ids[i] for i in chunk.indices], chunk.pad_to))
     rates: dict[str, list[float]] = {name: [] for name in rules}
     for r in range(args.rounds):
         for name in (list(rules) if r % 2 == 0 else list(rules)[::-1]):

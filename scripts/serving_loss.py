@@ -19,6 +19,11 @@ Measurements (per variant):
 - ``--query``: one 16-token query at a time, ``--query-n`` distinct ones: ``qraw`` tokenizes
   and runs each on the raw runtime, ``qhttp`` POSTs each to ``/v1/embeddings`` (one client);
   p50 / p99 latency.
+- ``--probe``: servers run as users start them, the probe on (the packer then pads by the run
+  cost it measures, ``tuning.runcost``); before the rounds one server per checkout and variant
+  probes into a cache dir kept for the rounds (each later server starts on that cache, and
+  every server is loaded only once its probe is done), and ``raw`` and ``engine`` pack with
+  the run cost that probe measured (a checkout without it packs as it always did).
 - ``--repeat F``: the corpus gets ``F`` of its rows as repeats of earlier rows (shuffled in),
   and ``engine`` / ``httpN`` run with the embedding cache off and on (``-cache`` rows); dense
   vectors of the two are compared.
@@ -144,9 +149,10 @@ def child_raw(spec: dict[str, Any]) -> dict[str, Any]:
     ids = tokenizer.encode(texts).ids
     dense = np.zeros((len(texts), 0), np.float32)
     inside, chunks = 0.0, 0
+    kwargs = {"run_cost": _run_cost(spec)} if spec.get("run_cost") else {}
     for chunk in plan([len(x) for x in ids], fits=lambda b, s: True, max_chunk=cfg.max_chunk,
                       max_tokens=engine_chunk_tokens(export_dir, spec["variant"]),
-                      min_fill=cfg.min_fill):
+                      min_fill=cfg.min_fill, **kwargs):
         feeds = pad_chunk([ids[i] for i in chunk.indices], chunk.pad_to)
         t = time.perf_counter()
         d, _ = run(*feeds)
@@ -157,6 +163,12 @@ def child_raw(spec: dict[str, Any]) -> dict[str, Any]:
         dense[list(chunk.indices)] = d
     wall = time.perf_counter() - started
     return {"wall_s": wall, "inside_s": inside, "chunks": chunks, "dense": dense}
+
+
+def _run_cost(spec: dict[str, Any]):
+    from bgeserve.tuning.runcost import RunCost
+
+    return RunCost.from_json(spec["run_cost"])
 
 
 def _raw_queries(run, tokenizer, queries: list[str]) -> dict[str, Any]:
@@ -201,6 +213,8 @@ def child_engine(spec: dict[str, Any]) -> dict[str, Any]:
         chunks[0] += 1
 
     engine = _engine(spec, on_chunk)
+    if spec.get("run_cost") and hasattr(engine, "set_run_cost"):
+        engine.set_run_cost(_run_cost(spec))
     try:
         engine.embed(["warm up"], dense=True, sparse=True)
         inside[0], chunks[0] = 0.0, 0
@@ -227,13 +241,15 @@ def _start_server(spec: dict[str, Any]) -> tuple[subprocess.Popen, str]:
     env.update({
         "BGE_M3_MODEL_PATH": spec["export_dir"], "BGE_M3_MODEL": spec["variant"],
         "BGE_M3_INTRA_THREADS": str(spec["threads"]), "BGE_M3_WORKERS": "1",
-        "BGE_M3_CACHE_DIR": str(Path(spec["work_dir"]) / "cache"),
+        "BGE_M3_CACHE_DIR": spec.get("cache_dir") or str(Path(spec["work_dir"]) / "cache"),
         "BGE_M3_BIND": f"127.0.0.1:{port}", "BGE_M3_IDLE_TIMEOUT_SECS": "0",
         "BGE_M3_HEARTBEAT_SECS": "0", "BGE_M3_LOG_FORMAT": "json", "HF_HUB_OFFLINE": "1",
         "BGE_M3_DISABLE_AUTO_BUDGET": "1", "BGE_M3_MAX_SEQ_LENGTH": "512",
         "BGE_M3_CACHE_MB": str(spec["cache_mb"] or 0),
         "OMP_NUM_THREADS": str(spec["threads"]), "PYTHONPATH": spec["repo"],
     })
+    if spec.get("probe"):
+        del env["BGE_M3_DISABLE_AUTO_BUDGET"]
     env.update(spec.get("env") or {})
     log = open(Path(spec["out"]).with_suffix(".server.log"), "wb")  # noqa: SIM115 - the child's
     proc = subprocess.Popen([sys.executable, "-m", "bgeserve", "serve"], env=env,
@@ -243,7 +259,10 @@ def _start_server(spec: dict[str, Any]) -> tuple[subprocess.Popen, str]:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            if httpx.get(base + "/health", timeout=5).status_code == 200:
+            r = httpx.get(base + "/health", timeout=5)
+            # With the probe on, load only once it is done (it would share the CPU otherwise).
+            if r.status_code == 200 and (not spec.get("probe")
+                                         or r.json()["tuning"]["probe_status"] != "running"):
                 return proc, base
         except httpx.HTTPError:
             pass
@@ -340,6 +359,23 @@ def _stop_spy(spy: subprocess.Popen | None) -> None:
             spy.kill()
 
 
+def child_prime(spec: dict[str, Any]) -> dict[str, Any]:
+    """One server with the probe on, until its probe is done: the cache later servers start
+    on, and the run cost it measured (None: a checkout that does not measure one)."""
+    import httpx
+
+    started = time.perf_counter()
+    proc, base = _start_server(spec)
+    try:
+        health = httpx.get(base + "/health", timeout=10).json()["tuning"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    record = json.loads((Path(spec["cache_dir"]) / "probe-coefficients.json").read_text())
+    return {"probe_status": health.get("probe_status"), "seconds": time.perf_counter() - started,
+            "run_cost": record.get("run_cost"), "chunk_tokens": health.get("chunk_tokens")}
+
+
 def child_main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     mode = spec["mode"]
@@ -351,7 +387,8 @@ def child_main(spec_path: str) -> int:
         finally:
             _stop_spy(spy)
     else:
-        res = {"raw": child_raw, "engine": child_engine, "http": child_http}[mode](spec)
+        res = {"raw": child_raw, "engine": child_engine, "http": child_http,
+               "prime": child_prime}[mode](spec)
     dense = res.pop("dense", None)
     if dense is not None:
         np.save(Path(spec["out"]).with_suffix(".npy"), dense)
@@ -404,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a second checkout: every engine / http / query row also runs on it "
                         "('@b' rows), interleaved, with the ratio b / a")
     p.add_argument("--work-dir", type=Path, default=None)
+    p.add_argument("--probe", action="store_true",
+                   help="servers probe (primed once per checkout); raw and engine pack with the "
+                        "run cost it measured")
     p.add_argument("--profile", metavar="DIR", help="py-spy raw stacks of engine/server runs")
     args = p.parse_args(argv)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="serving-loss-"))
@@ -434,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.repo_b:
         plan += [(f"{label}@b", v, {**spec, "repo": str(args.repo_b)})
                  for label, v, spec in plan if spec["mode"] != "raw"]
+    if args.probe:
+        prime(args, work, plan)
     rows: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in plan}
     for r in range(args.rounds):
         order = plan[r % len(plan):] + plan[: r % len(plan)]
@@ -447,6 +489,27 @@ def main(argv: list[str] | None = None) -> int:
             rows[label].append(res)
     report(rows, plan, args, data, work)
     return 0
+
+
+def prime(args: argparse.Namespace, work: Path, plan) -> None:
+    """``--probe``: one probing server per checkout and variant, before the rounds; every
+    measurement of that checkout and variant then starts on its cache (``cache_dir``) and
+    packs with its run cost (raw: the working tree's measured cost)."""
+    costs: dict[tuple[str, str], Any] = {}
+    for repo in dict.fromkeys(spec.get("repo", str(args.repo)) for _, _, spec in plan):
+        for v in args.variants.split(","):
+            cache_dir = work / f"probe-cache-{v}-{len(costs)}"
+            res = measure(args, work, f"{v}-prime-{len(costs)}", {
+                "mode": "prime", "variant": v, "repo": repo, "probe": True, "cache_mb": 0,
+                "cache_dir": str(cache_dir)})
+            costs[repo, v] = (str(cache_dir), res["run_cost"])
+            print(f"  probe {v} @ {repo}: {res['probe_status']} in {res['seconds']:.0f} s, "
+                  f"run cost {res['run_cost']}, chunk tokens {res['chunk_tokens']}", flush=True)
+    for _, v, spec in plan:
+        cache_dir, run_cost = costs[spec.get("repo", str(args.repo)), v]
+        if spec["mode"] == "raw":
+            run_cost = costs[str(args.repo), v][1]
+        spec.update(probe=True, cache_dir=cache_dir, run_cost=run_cost)
 
 
 def _med(xs: list[float]) -> float:

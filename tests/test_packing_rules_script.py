@@ -16,9 +16,14 @@ def rules():
     sys.modules.pop("packing_rules_under_test", None)
 
 
-def test_a_rule_may_name_a_window(rules) -> None:
-    assert rules._rule("all=64,1024,0.75") == ("all", (64, 1024, 0.75, 0))
-    assert rules._rule("four=64,1024,0.75,4") == ("four", (64, 1024, 0.75, 4))
+def test_a_rule_may_name_a_window_and_a_run_cost(rules) -> None:
+    assert rules._rule("all=64,1024,0.75") == ("all", (64, 1024, 0.75, 0, ""))
+    assert rules._rule("four=64,1024,0.75,4") == ("four", (64, 1024, 0.75, 4, ""))
+    assert rules._rule("c=64,1024,0.75,0,measure") == ("c", (64, 1024, 0.75, 0, "measure"))
+    cost = rules._run_cost("11/0.75/0.0003", measured=None)
+    assert (cost.fixed, cost.per_token, cost.per_pair) == pytest.approx((0.011, 0.00075, 3e-7))
+    assert rules._run_cost("", measured=None) is None
+    assert rules._run_cost("measure", measured=lambda: "timed") == "timed"
 
 
 def test_each_window_is_packed_alone_with_indices_into_the_corpus(rules) -> None:

@@ -38,6 +38,7 @@ from bgeserve.tuning import probe as probe_module
 from bgeserve.tuning.cache import Failure, ProbeCache
 from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
 from bgeserve.tuning.probe import LocalProbe
+from bgeserve.tuning.runcost import RunCost
 from bgeserve.tuning.synthetic import synthetic_run
 from bgeserve.tuning.tuner import LEGACY_BATCH_SEQ, MAX_ATTEMPTS, Tuner, TuningConfig
 
@@ -230,6 +231,9 @@ def test_real_probe_runs_in_background_then_ends(real_probe: dict[str, object]) 
         assert "256" in health["chunk_rates"] and record["chunk_rates"] == {
             k: pytest.approx(v, rel=0.01) for k, v in health["chunk_rates"].items()}
         assert health["chunk_tokens"] in (256, 1024, 4096)
+        # ... and what a run costs, which the packer now pads by.
+        assert health["run_cost"]["fixed_ms"] == pytest.approx(
+            record["run_cost"]["fixed"] * 1e3, abs=1e-3)
         assert health["chunk_tokens_source"] in ("default", "probe")
     else:
         assert real_probe["error"] and health["probe_error"] == real_probe["error"]
@@ -719,6 +723,29 @@ def test_probe_timing_moves_the_chunk_budget_when_clearly_faster(tiny_export: Pa
     assert warm.state.probe_status == "cache_hit" and again == [4096]
 
 
+def test_the_probe_measures_what_a_run_costs_and_the_packer_pads_by_it(
+        tiny_export: Path, tmp_path: Path) -> None:
+    """Runs with a fixed 200 ms each: the probe fits that fixed cost, hands it to the packer
+    (``apply_run_cost``), shows it in /health, caches it, and a warm start applies it again."""
+    config = TuningConfig(max_seq=512, cache_dir=tmp_path, dims=tiny_dims(tiny_export),
+                          available_override=8 << 30, chunk_tokens=256)
+    applied: list[RunCost] = []
+    tuner = Tuner(config, apply=lambda cost: None, apply_run_cost=applied.append)
+    tuner.initial(model_cost=16 << 20, fingerprint="r" * 64)
+    assert tuner.state.run_cost is None and applied == []
+    tuner.start_probe(launch_bound_run, 16 << 20, "r" * 64, {"max_seq": 512})
+    assert tuner.wait(PROBE_TIMEOUT)
+    assert tuner.state.probe_status == "complete", tuner.state.probe_error
+    [cost] = applied
+    assert cost == tuner.state.run_cost and 0.15 < cost.fixed < 0.4
+    info = json.loads(json.dumps(tuner.state.as_dict()))["run_cost"]
+    assert info["fixed_ms"] == pytest.approx(cost.fixed * 1e3, abs=1e-3)
+    again: list[RunCost] = []
+    warm = Tuner(config, apply=lambda cost: None, apply_run_cost=again.append)
+    warm.initial(model_cost=16 << 20, fingerprint="r" * 64)
+    assert warm.state.probe_status == "cache_hit" and again == [cost]
+
+
 def test_a_pinned_chunk_budget_is_neither_timed_nor_moved(tiny_export: Path,
                                                           tmp_path: Path) -> None:
     """BGE_M3_MAX_CHUNK_TOKENS set: the probe measures memory only and the budget stays."""
@@ -736,7 +763,7 @@ def test_a_pinned_chunk_budget_is_neither_timed_nor_moved(tiny_export: Path,
     tuner.start_probe(run, 16 << 20, "d" * 64, {"max_seq": 512})
     assert tuner.wait(PROBE_TIMEOUT)
     assert tuner.state.probe_status == "complete"
-    assert moved == [] and tuner.state.chunk_rates == {}
+    assert moved == [] and tuner.state.chunk_rates == {} and tuner.state.run_cost is None
     assert (tuner.state.chunk_tokens, tuner.state.chunk_tokens_source) == (256, "setting")
     assert (2, 128) not in runs and (8, 128) not in runs
 

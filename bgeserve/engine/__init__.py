@@ -37,6 +37,7 @@ from bgeserve.tuning import memory
 from bgeserve.tuning.audit import WorkspaceAudit
 from bgeserve.tuning.budget import budget
 from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
+from bgeserve.tuning.runcost import RunCost
 
 __all__ = ["Engine", "EngineConfig", "Inputs", "normalize_inputs"]
 log = logging.getLogger("bgeserve.engine")
@@ -182,6 +183,10 @@ class Engine:
     def set_max_chunk_tokens(self, tokens: int) -> None:
         """Change the padded tokens per run (the probe's timing may choose another budget)."""
         self._scheduler.packer.set_chunk_tokens(tokens)
+
+    def set_run_cost(self, cost: RunCost | None) -> None:
+        """Pad chunks only where it costs less than a run (the probe measures the cost)."""
+        self._scheduler.packer.set_run_cost(cost)
 
     @property
     def max_chunk_tokens(self) -> int | None:

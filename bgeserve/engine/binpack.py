@@ -11,12 +11,19 @@ With ``pad_multiple`` > 1 each chunk's length is rounded up to a multiple of it 
 ``pad_cap``, and only where the rounded chunk still fits the budget): fewer distinct shapes, for
 runtimes that pay for every shape they have not seen (a GPU's first run of a shape). The
 rounding is wanted padding, so ``min_fill`` still judges a chunk by its texts' own longest.
+
+With a ``RunCost`` (what a run of a shape takes, measured where it runs) a text joins a chunk
+only where padding the chunk to it costs less than the run it saves: a runtime whose fixed cost
+per run is small against a token's (OpenVINO's int8 on a CPU) then pads little, one whose runs
+cost more to start batches more, each up to ``min_fill``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from bgeserve.tuning.runcost import RunCost
 
 Fits = Callable[[int, int], bool]
 
@@ -68,7 +75,7 @@ def chunk_fits(count: int, longest: int, real_tokens: int, *, fits: Fits, max_ch
 
 def plan(lengths: Sequence[int], *, fits: Fits, max_chunk: int,
          max_tokens: int | None = None, min_fill: float = 0.0, pad_multiple: int = 1,
-         pad_cap: int | None = None) -> list[Chunk]:
+         pad_cap: int | None = None, run_cost: RunCost | None = None) -> list[Chunk]:
     """Pack texts of the given token lengths; every index appears in exactly one chunk.
 
     Chunks come out shortest first. Ties keep input order, so equal texts stay in order.
@@ -85,12 +92,16 @@ def plan(lengths: Sequence[int], *, fits: Fits, max_chunk: int,
         chunks.append(Chunk(tuple(current), chunk_length(len(current), longest, fits=fits,
                                                          multiple=pad_multiple, cap=pad_cap)))
 
+    def joins(count: int, before: int, longest: int, real_tokens: int) -> bool:
+        return (chunk_fits(count + 1, longest, real_tokens, fits=fits, max_chunk=max_chunk,
+                           max_tokens=max_tokens, min_fill=min_fill, pad_multiple=pad_multiple,
+                           pad_cap=pad_cap)
+                and (run_cost is None or run_cost.joining_pays(count, before, longest)))
+
     for i in order:
         longest = max(int(lengths[i]), 1)
-        if current and not chunk_fits(len(current) + 1, longest, real + longest, fits=fits,
-                                      max_chunk=max_chunk, max_tokens=max_tokens,
-                                      min_fill=min_fill, pad_multiple=pad_multiple,
-                                      pad_cap=pad_cap):
+        if current and not joins(len(current), max(int(lengths[current[-1]]), 1), longest,
+                                 real + longest):
             close()
             current, real = [], 0
         current.append(i)

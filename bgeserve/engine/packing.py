@@ -1,7 +1,7 @@
 """What a chunk may hold, now: the packing caps and the cost model, in one object.
 
 The scheduler packs every chunk through its ``Packer``; the tuner changes what the packer holds
-(a fitted cost model, a timed chunk budget) through the engine, and the next chunk sees it.
+(a fitted cost model, a timed chunk budget, the measured cost of a run) through the engine, and the next chunk sees it.
 Each value lives here alone: nothing else keeps a copy to re-sync. Reads and swaps are single
 attribute assignments of frozen values, so a chunk being packed sees either the old or the new
 rules, never a mix.
@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from bgeserve.engine.binpack import Chunk, chunk_length, plan
+from bgeserve.tuning.runcost import RunCost
 
 
 class Cost(Protocol):
@@ -31,6 +32,7 @@ class Rules:
     min_fill: float = 0.75
     pad_multiple: int = 1
     pad_cap: int | None = None
+    run_cost: RunCost | None = None  # measured: pad only where it costs less than a run
 
 
 class Packer:
@@ -48,6 +50,10 @@ class Packer:
         """Padded tokens per run from the next chunk on (chunks already taken keep theirs)."""
         self.rules = replace(self.rules, max_tokens=tokens)
 
+    def set_run_cost(self, cost: RunCost | None) -> None:
+        """Pad by what a run costs from the next chunk on (None: by ``min_fill`` alone)."""
+        self.rules = replace(self.rules, run_cost=cost)
+
     def fits(self, batch: int, seq: int) -> bool:
         cost = self.cost
         return True if cost is None else cost.fits(batch, seq)
@@ -56,7 +62,8 @@ class Packer:
         """Chunks of the texts of these lengths, each with the length it is padded to."""
         r = self.rules
         return plan(lengths, fits=self.fits, max_chunk=r.max_chunk, max_tokens=r.max_tokens,
-                    min_fill=r.min_fill, pad_multiple=r.pad_multiple, pad_cap=r.pad_cap)
+                    min_fill=r.min_fill, pad_multiple=r.pad_multiple, pad_cap=r.pad_cap,
+                    run_cost=r.run_cost)
 
     def pad_length(self, count: int, longest: int) -> int:
         """What ``count`` texts whose longest has ``longest`` tokens are padded to (the halves

@@ -118,7 +118,8 @@ class Service:
                      chunks.max_chunk_tokens or "unlimited", chunks.pad_multiple,
                      "on" if chunks.cross_request else "off")
             self.tuner = tuner = Tuner(serving.tuning, apply=engine.set_cost_model,
-                                       apply_chunk_tokens=engine.set_max_chunk_tokens)
+                                       apply_chunk_tokens=engine.set_max_chunk_tokens,
+                                       apply_run_cost=engine.set_run_cost)
             tuner.detect_memory()
 
             deep = canary.DeepHealth(lambda: engine.await_job(canary.canary_job(

@@ -103,10 +103,13 @@ def run(settings: Settings, shapes: list[tuple[int, int]] | None = None) -> int:
         print("chunk budgets (padded tokens: tokens/s): "
               + ", ".join(f"{k}: {v:.0f}" for k, v in sorted(result.chunk_rates.items()))
               + f"; the server will use {chosen} (default {default})")
+    if result.run_cost is not None:
+        print(f"run cost: {result.run_cost.as_info()} (a text joins a chunk only where padding "
+              "the chunk to it costs less than its own run)")
     if result.fit is not None and not settings.disable_probe_cache:
         parts = plan.probe_parts(settings, artifacts)
         store = cache.ProbeCache.at(cache_dir)
         store.save(cache.fingerprint(parts), result.fit, parts, result.samples,
-                   result.chunk_rates, held_out=result.held_out)
+                   result.chunk_rates, held_out=result.held_out, run_cost=result.run_cost)
         print(f"cached in {store.path}")
     return 0 if result.fit is not None else 1

@@ -104,7 +104,8 @@ class Reranking:
                                      length_variable="BGE_M3_RERANK_MAX_LENGTH",
                                      workers_variable="BGE_M3_RERANK_WORKERS")
         self.tuner = Tuner(tuning, apply=engine.set_cost_model,
-                           apply_chunk_tokens=engine.set_max_chunk_tokens)
+                           apply_chunk_tokens=engine.set_max_chunk_tokens,
+                           apply_run_cost=engine.set_run_cost)
         self.reranker = Reranker(engine=engine, model_id=RERANK_MODEL_ID)
         self.admission = PairAdmission(self.reranker, s.max_queue_tokens, self.drain,
                                        slots=info.tokenizing_slots())

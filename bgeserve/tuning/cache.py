@@ -21,12 +21,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bgeserve.tuning.costmodel import Fit, Sample
+from bgeserve.tuning.runcost import RunCost
 
 logger = logging.getLogger("bgeserve.probe")
 
 # 2: the fit may carry a fixed per-run term c. 3: the fit is raised to cover every measured
-# shape, OpenVINO is measured cumulatively, failures are kept.
-PROBE_SCHEMA = 3
+# shape, OpenVINO is measured cumulatively, failures are kept. 4: the record carries the run
+# cost the packer pads by (a cache without it would keep a server off that rule until cleared).
+PROBE_SCHEMA = 4
 CACHE_FILE = "probe-coefficients.json"  # in BGE_M3_CACHE_DIR
 
 
@@ -150,9 +152,21 @@ class ProbeCache:
         except (OSError, ValueError, TypeError, AttributeError):
             return {}
 
+    def run_cost(self, fingerprint: str) -> RunCost | None:
+        """What a run costs, saved with ``fingerprint``'s fit; None if not saved (a cache
+        written before the probe measured it, or with the chunk budget pinned)."""
+        try:
+            record = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(record, dict) or record.get("fingerprint") != fingerprint:
+            return None
+        return RunCost.from_json(record.get("run_cost"))
+
     def save(
         self, fingerprint: str, fit: Fit, parts: Mapping[str, object], samples: Sequence[Sample],
         chunk_rates: Mapping[int, float] | None = None, held_out: Sample | None = None,
+        run_cost: RunCost | None = None,
     ) -> None:
         """Write the fit atomically (temp file, fsync, rename); a failure only logs a warning.
         The measurements go with it (``samples``, ``held_out``): what an operator reads."""
@@ -165,6 +179,7 @@ class ProbeCache:
             "samples": [asdict(s) for s in samples],
             "held_out": asdict(held_out) if held_out else None,
             "chunk_rates": {str(k): v for k, v in (chunk_rates or {}).items()},
+            "run_cost": asdict(run_cost) if run_cost else None,
         })
 
     def _write(self, record: Mapping[str, object]) -> None:

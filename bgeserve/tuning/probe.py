@@ -34,6 +34,7 @@ from bgeserve.tuning.memory import (
     rss_bytes,
     trim_heap,
 )
+from bgeserve.tuning.runcost import RunCost, measure_run_cost
 
 logger = logging.getLogger("bgeserve.probe")
 __all__ = ["CHUNK_CANDIDATES", "CHUNK_MARGIN", "CHUNK_SEQ", "LocalProbe", "PeakMeter",
@@ -102,6 +103,7 @@ class ProbeResult:
     seconds: float
     chunk_rates: dict[int, float] = field(default_factory=dict)  # padded tokens → tokens/s
     process_died: bool = False
+    run_cost: RunCost | None = None  # what a run of a shape takes (timed with the chunks)
 
     @property
     def starved(self) -> bool:
@@ -123,6 +125,7 @@ class ProbeResult:
             "error": self.error,
             "seconds": self.seconds,
             "chunk_rates": {str(k): v for k, v in self.chunk_rates.items()},
+            "run_cost": asdict(self.run_cost) if self.run_cost else None,
         }
 
     @classmethod
@@ -134,7 +137,8 @@ class ProbeResult:
             Sample(**data["held_out"]) if data["held_out"] else None,
             Fit(**data["fit"]) if data["fit"] else None,
             data["error"], data["seconds"],
-            {int(k): float(v) for k, v in (data.get("chunk_rates") or {}).items()})
+            {int(k): float(v) for k, v in (data.get("chunk_rates") or {}).items()},
+            run_cost=RunCost.from_json(data.get("run_cost")))
 
     @classmethod
     def failed(cls, error: str, *, process_died: bool = False) -> ProbeResult:
@@ -237,7 +241,8 @@ def run_probe(
     predicts not to fit, or whose run raises, is skipped with the reason. The held-out shape is
     measured in the same order and used only to validate the fit. ``meter`` measures each run
     (default: ``PeakMeter()``, each shape alone). With ``chunk_candidates``, the chunk
-    budgets are timed last (``time_chunk_budgets``) with ``chunk_run`` (default ``run``).
+    budgets are timed last (``time_chunk_budgets``) with ``chunk_run`` (default ``run``), and
+    so is what a run of a shape takes (``runcost.measure_run_cost``: the packer's padding rule).
     """
     meter = meter or PeakMeter()
     started = time.perf_counter()
@@ -288,10 +293,13 @@ def run_probe(
     except FitError as exc:
         error = str(exc)
         log(f"probe fit rejected: {error}")
-    rates = time_chunk_budgets(chunk_run or run, chunk_candidates, guard,
-                               log=log) if chunk_candidates else {}
+    rates: dict[int, float] = {}
+    run_cost: RunCost | None = None
+    if chunk_candidates:
+        rates = time_chunk_budgets(chunk_run or run, chunk_candidates, guard, log=log)
+        run_cost = measure_run_cost(chunk_run or run, log=log)
     return ProbeResult(samples, skipped, held, result_fit, error, time.perf_counter() - started,
-                       rates)
+                       rates, run_cost=run_cost)
 
 
 def pooled(samples: Sequence[Sample], floor: float = 16 * MiB) -> list[Sample]:

@@ -30,6 +30,7 @@ from bgeserve.tuning import cache, memory, probe
 from bgeserve.tuning.budget import HEADROOM_BYTES, budget
 from bgeserve.tuning.costmodel import CostModel, Fit, conservative_coefficients
 from bgeserve.tuning.probe import ProbeRequest, ProbeResult
+from bgeserve.tuning.runcost import RunCost
 from bgeserve.tuning.sources import Source, as_source
 
 log = logging.getLogger("bgeserve.tuning")
@@ -92,6 +93,7 @@ class TuningState:
     chunk_tokens: int | None = None
     chunk_tokens_source: str = "default"  # default | setting | probe
     chunk_rates: dict[int, float] = field(default_factory=dict)  # padded tokens → tokens/s
+    run_cost: RunCost | None = None  # what a run costs: the packer pads only where it pays
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -99,6 +101,7 @@ class TuningState:
         out["b_bytes_per_token_sq"] = out.pop("b")
         out["c_bytes_per_run"] = out.pop("c")
         out["chunk_rates"] = {str(k): round(v, 1) for k, v in self.chunk_rates.items()}
+        out["run_cost"] = self.run_cost.as_info() if self.run_cost else None
         return out
 
 
@@ -111,16 +114,19 @@ class Tuner:
     """Chooses and maintains the engine's cost model."""
 
     def __init__(self, config: TuningConfig, apply: Callable[[CostModel], None],
-                 apply_chunk_tokens: Callable[[int], None] | None = None):
+                 apply_chunk_tokens: Callable[[int], None] | None = None,
+                 apply_run_cost: Callable[[RunCost], None] | None = None):
         self.config = config
         self._apply = apply
         self._apply_chunk_tokens = apply_chunk_tokens or (lambda tokens: None)
+        self._apply_run_cost = apply_run_cost or (lambda cost: None)
         self.state = TuningState(chunk_tokens=config.chunk_tokens,
                                  chunk_tokens_source="setting" if config.chunk_pinned
                                  else "default")
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._measured: tuple[Fit, dict[int, float]] | None = None  # measure_first's fit
+        # measure_first's fit, chunk rates and run cost
+        self._measured: tuple[Fit, dict[int, float], RunCost | None] | None = None
         self._gave_up: str | None = None  # why no more probing this start (a failed attempt)
         self._in_process = False  # the last cached failure was the probe process dying
 
@@ -183,17 +189,19 @@ class Tuner:
         elif c.disable_auto_budget or c.token_budget is not None or c.gpu:
             s.probe_status = "disabled"
         elif self._measured is not None:  # measured before serving (measure_first)
-            fit, rates = self._measured
+            fit, rates, run_cost = self._measured
             a, b, c_fixed, s.probe_status = fit.a, fit.b, fit.c, "complete"
             self._choose_chunks(rates)
+            self._use_run_cost(run_cost)
         elif self._gave_up is not None:  # measured before serving, and it failed
             s.probe_status, s.probe_error = "failed", self._gave_up
         else:
             cached = self._cached(fingerprint)
             if isinstance(cached, Fit):
                 a, b, c_fixed, s.probe_status = cached.a, cached.b, cached.c, "cache_hit"
-                self._choose_chunks(cache.ProbeCache(self.cache_path).chunk_rates(
-                    fingerprint or ""))
+                store = cache.ProbeCache(self.cache_path)
+                self._choose_chunks(store.chunk_rates(fingerprint or ""))
+                self._use_run_cost(store.run_cost(fingerprint or ""))
             elif isinstance(cached, cache.Failure) and cached.attempts >= MAX_ATTEMPTS:
                 s.probe_status, s.probe_error = "failed", (
                     f"{cached.error} (cached: the probe failed {cached.attempts} times for "
@@ -383,16 +391,18 @@ class Tuner:
             log.warning("the fitted cost model fits texts of at most %d tokens, below "
                         "BGE_M3_MAX_SEQ_LENGTH=%d", fitted.max_seq(), c.max_seq)
         self.state.probe_status, self.state.probe_error = "complete", None
-        self._measured = (result.fit, result.chunk_rates)
+        self._measured = (result.fit, result.chunk_rates, result.run_cost)
         self._publish(fitted)
         self._choose_chunks(result.chunk_rates)
+        self._use_run_cost(result.run_cost)
         log.info("probe complete in %.1fs (%s): %s; budget %d MiB per worker, longest text "
                  "that fits %d tokens", result.seconds, self.state.probe_mode,
                  probe.describe(result.fit), fitted.max_workspace_bytes >> 20, fitted.max_seq())
         if caching:
             cache.ProbeCache(self.cache_path).save(fingerprint or "", result.fit, parts,
                                                    result.samples, result.chunk_rates,
-                                                   held_out=result.held_out)
+                                                   held_out=result.held_out,
+                                                   run_cost=result.run_cost)
 
     def _choose_chunks(self, rates: dict[int, float]) -> None:
         """Move the engine's chunk budget to a timed one that clearly beat the default."""
@@ -407,6 +417,17 @@ class Tuner:
                      c.chunk_tokens, chosen)
             s.chunk_tokens, s.chunk_tokens_source = chosen, "probe"
             self._apply_chunk_tokens(chosen)
+
+    def _use_run_cost(self, cost: RunCost | None) -> None:
+        """Pack by what a run costs (``binpack.plan``'s ``run_cost``) from the next chunk on;
+        unmeasured (pinned chunk budget, an older cache), ``min_fill`` alone decides."""
+        if cost is None or self.config.chunk_pinned:
+            return
+        self.state.run_cost = cost
+        log.info("packing: a run costs %.1f ms plus %.3f ms per padded token: a text joins a "
+                 "chunk only where padding the chunk to it costs less than its own run",
+                 cost.fixed * 1e3, cost.per_token * 1e3)
+        self._apply_run_cost(cost)
 
     def stop(self) -> None:
         """Ask a running probe to give up (its child process is killed)."""

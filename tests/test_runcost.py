@@ -1,0 +1,164 @@
+"""What a run costs (``tuning.runcost``) and the packing rule it gives ``binpack.plan``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from bgeserve.engine.binpack import plan
+from bgeserve.engine.packing import Packer, Rules
+from bgeserve.tuning.cache import ProbeCache
+from bgeserve.tuning.costmodel import Fit
+from bgeserve.tuning.probe import ProbeResult
+from bgeserve.tuning.runcost import SHAPES, RunCost, fit, measure_run_cost
+
+# OpenVINO int8 on a 2-core Zen 4 (docs/benchmarks.md): ~11 ms a run, ~0.76 ms a token.
+OV_INT8 = RunCost(fixed=0.0114, per_token=0.00076, per_pair=3.4e-7)
+
+
+def always(batch: int, seq: int) -> bool:
+    return True
+
+
+def test_fit_recovers_the_cost_it_was_timed_with():
+    timings = [(b, s, OV_INT8.seconds(b, s)) for b, s in SHAPES]
+    got = fit(timings)
+    assert got.fixed == pytest.approx(OV_INT8.fixed, rel=1e-6)
+    assert got.per_token == pytest.approx(OV_INT8.per_token, rel=1e-6)
+    assert got.per_pair == pytest.approx(OV_INT8.per_pair, rel=1e-4)
+
+
+def test_fit_drops_a_term_noise_made_negative():
+    """Timings with no attention share and a little noise that would make it negative: the
+    refit without it keeps the other two terms and never returns a negative cost."""
+    cost = RunCost(fixed=0.01, per_token=0.001)
+    timings = [(b, s, cost.seconds(b, s) * (0.98 if s == 384 else 1.0)) for b, s in SHAPES]
+    got = fit(timings)
+    assert got.per_pair == 0.0 and got.fixed >= 0 and got.per_token > 0
+    assert got.per_token == pytest.approx(0.001, rel=0.05)
+
+
+@pytest.mark.parametrize(("cost", "joins"), [
+    (RunCost(fixed=0.0, per_token=1e-3), [(3, 10, 10), (1, 100, 100)]),  # only equal lengths
+    (RunCost(fixed=0.010, per_token=1e-3), [(1, 100, 109), (2, 100, 104)]),  # < 10 ms padding
+])
+def test_a_text_joins_only_where_padding_costs_less_than_its_run(cost, joins):
+    for count, longest, length in joins:
+        assert cost.joining_pays(count, longest, length)
+    # One token more padding than the fixed cost pays for: the text runs alone.
+    worst = max(0, round(cost.fixed / cost.per_token))
+    assert not cost.joining_pays(1, 100, 100 + worst + 1)
+    assert not cost.joining_pays(2, 100, 100 + worst // 2 + 1)
+
+
+def test_attention_makes_padding_long_texts_dearer():
+    cost = RunCost(fixed=0.010, per_token=1e-3, per_pair=1e-5)
+    assert cost.joining_pays(1, 20, 25)
+    assert not cost.joining_pays(1, 400, 405)  # 5 tokens of a 400-token text cost 45 ms
+
+
+def test_plan_with_a_small_run_cost_does_not_pad_texts_of_different_lengths():
+    """Four one-text clients of 100-480 tokens on OpenVINO int8: min_fill 0.75 alone pads them
+    together; the run cost leaves each to its own run, and still batches equal short texts."""
+    lengths = [300, 480, 250, 100]
+    loose = plan(lengths, fits=always, max_chunk=64, max_tokens=1024, min_fill=0.75)
+    assert max(len(c.indices) for c in loose) > 1
+    costed = plan(lengths, fits=always, max_chunk=64, max_tokens=1024, min_fill=0.75,
+                  run_cost=OV_INT8)
+    assert [c.indices for c in costed] == [(3,), (2,), (0,), (1,)]
+    assert sum(c.padded_tokens for c in costed) == sum(lengths)
+    shorts = plan([16, 16, 17, 16], fits=always, max_chunk=64, max_tokens=1024, min_fill=0.75,
+                  run_cost=OV_INT8)
+    assert [c.indices for c in shorts] == [(0, 1, 3, 2)]  # 3 tokens of padding < 11 ms
+
+
+def test_plan_with_a_run_cost_never_pads_more_than_min_fill_allows():
+    """A run that costs far more than its tokens (a GPU's launch) pads up to min_fill, no
+    further: the run cost only ever splits chunks min_fill would have formed."""
+    lengths = [10, 11, 12, 30, 31, 100, 400, 401]
+    gpu_like = RunCost(fixed=10.0, per_token=1e-6)
+    baseline = plan(lengths, fits=always, max_chunk=64, max_tokens=4096, min_fill=0.75)
+    costed = plan(lengths, fits=always, max_chunk=64, max_tokens=4096, min_fill=0.75,
+                  run_cost=gpu_like)
+    assert costed == baseline
+    for cost in (OV_INT8, RunCost(fixed=0.05, per_token=1e-3)):
+        chunks = plan(lengths, fits=always, max_chunk=64, max_tokens=4096, min_fill=0.75,
+                      run_cost=cost)
+        assert sorted(i for c in chunks for i in c.indices) == list(range(len(lengths)))
+        for c in chunks:
+            real = sum(lengths[i] for i in c.indices)
+            assert len(c.indices) == 1 or real >= 0.75 * c.padded_tokens
+
+
+def test_the_packer_applies_a_run_cost_from_the_next_plan_on():
+    packer = Packer(Rules(max_chunk=64, max_tokens=1024, min_fill=0.75))
+    lengths = [300, 250]
+    assert len(packer.plan(lengths)) == 1
+    packer.set_run_cost(OV_INT8)
+    assert len(packer.plan(lengths)) == 2
+    packer.set_run_cost(None)
+    assert len(packer.plan(lengths)) == 1
+
+
+class FakeClock:
+    """Advances by what ``cost`` says the last run took."""
+
+    def __init__(self, cost: RunCost):
+        self.cost, self.now, self.runs = cost, 0.0, []
+
+    def run(self, batch: int, seq: int) -> None:
+        self.runs.append((batch, seq))
+        self.now += self.cost.seconds(batch, seq)
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_measure_warms_each_shape_then_times_interleaved_rounds():
+    clock = FakeClock(OV_INT8)
+    logged: list[str] = []
+    got = measure_run_cost(clock.run, rounds=2, clock=clock, log=logged.append)
+    assert clock.runs == list(SHAPES) * 3  # one warm-up pass, two timed rounds
+    assert got is not None and got.fixed == pytest.approx(OV_INT8.fixed, rel=1e-6)
+    assert "ms per run" in logged[-1]
+
+
+def test_measure_gives_none_when_a_run_fails():
+    def run(batch: int, seq: int) -> None:
+        if seq == 384:
+            raise MemoryError("no room")
+
+    logged: list[str] = []
+    assert measure_run_cost(run, log=logged.append) is None
+    assert "not measured, MemoryError" in logged[-1]
+
+
+@pytest.mark.parametrize("data", [None, "x", {}, {"fixed": 1, "per_token": 1},
+                                  {"fixed": -1, "per_token": 1, "per_pair": 0},
+                                  {"fixed": 0, "per_token": 0, "per_pair": 0},
+                                  {"fixed": "NaN", "per_token": 1, "per_pair": 0},
+                                  {"fixed": [1], "per_token": 1, "per_pair": 0}])
+def test_a_damaged_record_reads_as_no_cost(data):
+    assert RunCost.from_json(data) is None
+
+
+def test_the_probe_result_and_cache_carry_the_run_cost(tmp_path: Path):
+    result = ProbeResult([], [], None, None, "e", 1.0, {256: 10.0}, run_cost=OV_INT8)
+    assert ProbeResult.from_json(json.loads(json.dumps(result.to_json()))).run_cost == OV_INT8
+    assert ProbeResult.from_json({**result.to_json(), "run_cost": None}).run_cost is None
+    old = result.to_json()
+    del old["run_cost"]  # a probe child of an older version
+    assert ProbeResult.from_json(old).run_cost is None
+    store = ProbeCache(tmp_path / "probe-coefficients.json")
+    fit_ = Fit(1.0, 2.0, 0.01, 0.02)
+    store.save("f" * 64, fit_, {"x": 1}, [], {256: 1.0}, run_cost=OV_INT8)
+    assert store.run_cost("f" * 64) == OV_INT8
+    assert json.loads(store.path.read_text())["run_cost"] == asdict(OV_INT8)
+    assert store.run_cost("e" * 64) is None  # another fingerprint
+    store.save("f" * 64, fit_, {"x": 1}, [])  # saved without it (chunk budget pinned)
+    assert store.run_cost("f" * 64) is None and store.load("f" * 64) is not None
+    store.path.write_text("[1, 2]")
+    assert store.run_cost("f" * 64) is None
