@@ -122,13 +122,21 @@ def served_line(row: dict[str, Any]) -> str:
     return (f"- {row['name']}: the server chose **{s.get('variant')}** ({s.get('choice')}"
             + (f"; its candidates' tokens/s on its start-up workload: {timed}" if timed else "")
             + f"), chunk budget {s.get('chunk_tokens')} padded tokens "
-            f"({s.get('chunk_tokens_source')}), {s.get('threads')} threads; by round (the "
+            f"({s.get('chunk_tokens_source')}), "
+            + (f"run cost {_run_cost(s['run_cost'])}, " if s.get("run_cost") else "")
+            + f"{s.get('threads')} threads; by round (the "
             "first start measures, later ones read its cache), answering after "
             + " / ".join(f"{x or 0:.0f}" for x in row.get("rounds_serving_s")
                          or [s.get("serving_s")])
             + " s, its start-up measurements done after "
             + " / ".join(f"{x or 0:.0f}" for x in row.get("rounds_load_s") or [row.get("load_s")])
             + " s\n")
+
+
+def _run_cost(info: dict[str, float]) -> str:
+    """/health's ``tuning.run_cost`` in words (the packer pads only where it pays)."""
+    return (f"{info['fixed_ms']:.1f} ms + {info['per_token_ms']:.3f} ms/token + "
+            f"{info['per_token_position_us']:.3f} us/token/position")
 
 
 def server_max_seq(args: argparse.Namespace, corpus: dict[str, Any]) -> int | None:

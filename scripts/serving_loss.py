@@ -24,6 +24,8 @@ Measurements (per variant):
   probes into a cache dir kept for the rounds (each later server starts on that cache, and
   every server is loaded only once its probe is done), and ``raw`` and ``engine`` pack with
   the run cost that probe measured (a checkout without it packs as it always did).
+- ``--warm-pass``: each measurement runs the corpus once, untimed, before the timed pass (what
+  a long-running server has: a runtime that compiles kernels per shape has seen these).
 - ``--repeat F``: the corpus gets ``F`` of its rows as repeats of earlier rows (shuffled in),
   and ``engine`` / ``httpN`` run with the embedding cache off and on (``-cache`` rows); dense
   vectors of the two are compared.
@@ -145,23 +147,30 @@ def child_raw(spec: dict[str, Any]) -> dict[str, Any]:
     ids0 = tokenizer.encode(["warm up"]).ids
     run(*pad_chunk(ids0, len(ids0[0])))
     cfg = SchedulerConfig()
-    started = time.perf_counter()
-    ids = tokenizer.encode(texts).ids
-    dense = np.zeros((len(texts), 0), np.float32)
-    inside, chunks = 0.0, 0
     kwargs = {"run_cost": _run_cost(spec)} if spec.get("run_cost") else {}
-    for chunk in plan([len(x) for x in ids], fits=lambda b, s: True, max_chunk=cfg.max_chunk,
-                      max_tokens=engine_chunk_tokens(export_dir, spec["variant"]),
-                      min_fill=cfg.min_fill, **kwargs):
-        feeds = pad_chunk([ids[i] for i in chunk.indices], chunk.pad_to)
-        t = time.perf_counter()
-        d, _ = run(*feeds)
-        inside += time.perf_counter() - t
-        chunks += 1
-        if dense.shape[1] == 0:
-            dense = np.zeros((len(texts), d.shape[1]), np.float32)
-        dense[list(chunk.indices)] = d
-    wall = time.perf_counter() - started
+
+    def corpus_pass():
+        started = time.perf_counter()
+        ids = tokenizer.encode(texts).ids
+        dense = np.zeros((len(texts), 0), np.float32)
+        inside, chunks = 0.0, 0
+        for chunk in plan([len(x) for x in ids], fits=lambda b, s: True,
+                          max_chunk=cfg.max_chunk,
+                          max_tokens=engine_chunk_tokens(export_dir, spec["variant"]),
+                          min_fill=cfg.min_fill, **kwargs):
+            feeds = pad_chunk([ids[i] for i in chunk.indices], chunk.pad_to)
+            t = time.perf_counter()
+            d, _ = run(*feeds)
+            inside += time.perf_counter() - t
+            chunks += 1
+            if dense.shape[1] == 0:
+                dense = np.zeros((len(texts), d.shape[1]), np.float32)
+            dense[list(chunk.indices)] = d
+        return time.perf_counter() - started, inside, chunks, dense
+
+    if spec.get("warm_pass"):
+        corpus_pass()
+    wall, inside, chunks, dense = corpus_pass()
     return {"wall_s": wall, "inside_s": inside, "chunks": chunks, "dense": dense}
 
 
@@ -216,7 +225,8 @@ def child_engine(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("run_cost") and hasattr(engine, "set_run_cost"):
         engine.set_run_cost(_run_cost(spec))
     try:
-        engine.embed(["warm up"], dense=True, sparse=True)
+        engine.embed(spec["texts"] if spec.get("warm_pass") else ["warm up"], dense=True,
+                     sparse=True)
         inside[0], chunks[0] = 0.0, 0
         started = time.perf_counter()
         out = engine.embed(spec["texts"], dense=True, sparse=True)
@@ -327,6 +337,9 @@ def child_http(spec: dict[str, Any]) -> dict[str, Any]:
                 base, "/v1/embeddings", [_body([q]) for q in qs], 1))
             return {"latencies": latencies}
         asyncio.run(_post_all(base, "/v1/embeddings:both", [_body(["warm up"])], 1))
+        if spec.get("warm_pass"):  # the corpus once, as timed: a server that has seen it
+            asyncio.run(_post_all(base, "/v1/embeddings:both",
+                                  [_body([t]) for t in spec["texts"]], spec["clients"]))
         before = _inference_runs(base)
         wall, _, results = asyncio.run(_post_all(
             base, "/v1/embeddings:both", [_body([t]) for t in spec["texts"]], spec["clients"]))
@@ -441,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a second checkout: every engine / http / query row also runs on it "
                         "('@b' rows), interleaved, with the ratio b / a")
     p.add_argument("--work-dir", type=Path, default=None)
+    p.add_argument("--warm-pass", action="store_true",
+                   help="every measurement runs the corpus once untimed first (a runtime that "
+                        "has seen its shapes: a long-running server)")
     p.add_argument("--probe", action="store_true",
                    help="servers probe (primed once per checkout); raw and engine pack with the "
                         "run cost it measured")
@@ -476,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
                  for label, v, spec in plan if spec["mode"] != "raw"]
     if args.probe:
         prime(args, work, plan)
+    for _, _, spec in plan:
+        spec["warm_pass"] = args.warm_pass
     rows: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in plan}
     for r in range(args.rounds):
         order = plan[r % len(plan):] + plan[: r % len(plan)]

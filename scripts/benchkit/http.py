@@ -263,7 +263,8 @@ def _served(health: dict[str, Any]) -> dict[str, Any]:
     return {"variant": model.get("variant"), "choice": model.get("choice"),
             "candidates": model.get("candidates"), "threads": model.get("threads_per_worker"),
             "chunk_tokens": tuning.get("chunk_tokens"),
-            "chunk_tokens_source": tuning.get("chunk_tokens_source")}
+            "chunk_tokens_source": tuning.get("chunk_tokens_source"),
+            "run_cost": tuning.get("run_cost")}
 
 
 def child_load(spec: dict[str, Any], corpus: dict[str, Any]) -> dict[str, Any]:
