@@ -41,7 +41,7 @@ def _rule(text: str) -> tuple[str, tuple[int, int, float, int, str]]:
 
 
 def _run_cost(spec: str, measured):
-    from bgeserve.engine.binpack import RunCost
+    from bgeserve.tuning.runcost import RunCost
 
     if not spec:
         return None
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rule", action="append", type=_rule, required=True,
-                   metavar="NAME=MAX_CHUNK,MAX_TOKENS,MIN_FILL[,WINDOW]")
+                   metavar="NAME=MAX_CHUNK,MAX_TOKENS,MIN_FILL[,WINDOW[,RUN_COST]]")
     p.add_argument("--work-dir", type=Path, default=Path("bench-out/packing"))
     p.add_argument("--warm-all", action="store_true",
                    help="run every rule's shapes once before timing (a server that has seen its "

@@ -384,7 +384,8 @@ def child_prime(spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-    record = json.loads((Path(spec["cache_dir"]) / "probe-coefficients.json").read_text())
+    cached = Path(spec["cache_dir"]) / "probe-coefficients.json"  # none: the probe was off
+    record = json.loads(cached.read_text()) if cached.exists() else {}
     return {"probe_status": health.get("probe_status"), "seconds": time.perf_counter() - started,
             "run_cost": record.get("run_cost"), "chunk_tokens": health.get("chunk_tokens")}
 

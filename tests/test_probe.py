@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bgeserve.tuning import cache as probe_cache
-from bgeserve.tuning import probe
+from bgeserve.tuning import probe, runcost
 from bgeserve.tuning.cache import PROBE_SCHEMA, ProbeCache, fingerprint
 from bgeserve.tuning.costmodel import CostModel, Fit, MiB, Sample
 from bgeserve.tuning.probe import (
@@ -94,8 +94,9 @@ def test_probe_measures_each_shape_and_fits_the_truth():
     assert result.fit.a == pytest.approx(A, rel=0.1)
     assert result.fit.b == pytest.approx(B, rel=0.1)
     assert result.fit.held_out_rel_error is not None and result.fit.held_out_rel_error < 0.1
-    assert len(lines) == len(SHAPES) + 2  # one per shape, the held-out one, the fit
-    assert "MiB" in lines[0] and "probe fit" in lines[-1]
+    # one per shape, the held-out one, the fit, then what a run costs
+    assert len(lines) == len(SHAPES) + 3
+    assert "MiB" in lines[0] and "probe fit" in lines[-2] and "probe run cost" in lines[-1]
 
 
 def test_probe_skips_shapes_the_guard_refuses():
@@ -157,7 +158,8 @@ def test_slow_shapes_are_measured_once(monkeypatch):
             time.sleep(0.01)
 
     run_probe(run, shapes=[(1, 64), (1, 2048)], held_out=None, guard=WIDE, log=lambda _: None)
-    assert calls == [(1, 64), (1, 64), (1, 2048)]
+    assert calls[:3] == [(1, 64), (1, 64), (1, 2048)]
+    assert set(calls[3:]) == set(runcost.SHAPES)  # then what a run costs is timed
 
 
 # --- fingerprint ---------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from bgeserve.engine.packing import Packer, Rules
 from bgeserve.tuning.cache import ProbeCache
 from bgeserve.tuning.costmodel import Fit
 from bgeserve.tuning.probe import ProbeResult
-from bgeserve.tuning.runcost import SHAPES, RunCost, fit, measure_run_cost
+from bgeserve.tuning.runcost import MAX_RESIDUAL, SHAPES, RunCost, fit, measure_run_cost
 
 # OpenVINO int8 on a 2-core Zen 4 (docs/benchmarks.md): ~11 ms a run, ~0.76 ms a token.
 OV_INT8 = RunCost(fixed=0.0114, per_token=0.00076, per_pair=3.4e-7)
@@ -35,10 +36,31 @@ def test_fit_drops_a_term_noise_made_negative():
     """Timings with no attention share and a little noise that would make it negative: the
     refit without it keeps the other two terms and never returns a negative cost."""
     cost = RunCost(fixed=0.01, per_token=0.001)
-    timings = [(b, s, cost.seconds(b, s) * (0.98 if s == 384 else 1.0)) for b, s in SHAPES]
+    timings = [(b, s, cost.seconds(b, s) * (0.995 if s == 384 else 1.0)) for b, s in SHAPES]
     got = fit(timings)
-    assert got.per_pair == 0.0 and got.fixed >= 0 and got.per_token > 0
+    assert got is not None and got.per_pair == 0.0 and got.per_token > 0
+    assert got.fixed == pytest.approx(0.01, rel=0.1)
     assert got.per_token == pytest.approx(0.001, rel=0.05)
+
+
+def test_fit_without_a_fixed_cost_keeps_attention():
+    """No fixed cost, noise pushing it below 0: the fit drops it, not attention's term."""
+    cost = RunCost(fixed=0.0, per_token=0.001, per_pair=2e-6)
+    timings = [(b, s, cost.seconds(b, s) * (1.03 if (b, s) == (1, 16) else 1.0))
+               for b, s in SHAPES]
+    timings[0] = (1, 16, timings[0][2] * 0.9)
+    got = fit(timings)
+    assert got is not None and got.fixed == 0.0
+    assert got.per_pair == pytest.approx(2e-6, rel=0.1)
+
+
+@pytest.mark.parametrize("timings", [
+    [(b, s, 0.1 / (b * s)) for b, s in SHAPES],  # bigger runs faster: nothing describes it
+    [(b, s, RunCost(0.01, 0.001).seconds(b, s) * (3.0 if s == 64 else 1.0))
+     for b, s in SHAPES],  # one shape disturbed far past MAX_RESIDUAL
+])
+def test_timings_no_fit_describes_give_no_cost(timings):
+    assert fit(timings) is None
 
 
 @pytest.mark.parametrize(("cost", "joins"), [
@@ -75,6 +97,27 @@ def test_plan_with_a_small_run_cost_does_not_pad_texts_of_different_lengths():
     assert [c.indices for c in shorts] == [(0, 1, 3, 2)]  # 3 tokens of padding < 11 ms
 
 
+@pytest.mark.parametrize("lengths", [
+    [16, 20, 24],  # 24 pads the two before it by 4 and 8 tokens: ~9 ms of an 11 ms run
+    [20, 20, 20, 24],  # three texts 4 tokens each: ~9 ms, not four texts (~12 ms)
+])
+def test_the_cost_of_joining_is_the_padding_of_the_texts_already_in_the_chunk(lengths):
+    chunks = plan(lengths, fits=always, max_chunk=64, max_tokens=1024, min_fill=0.75,
+                  run_cost=OV_INT8)
+    assert len(chunks) == 1
+
+
+def test_joining_is_priced_at_the_lengths_chunks_are_rounded_to():
+    """With pad_multiple 32 four texts of 40-50 tokens are all padded to 64 whether 50 runs
+    with them or alone: joining costs no padding, and saves a run."""
+    chunks = plan([40, 40, 40, 50], fits=always, max_chunk=64, max_tokens=1024, min_fill=0.75,
+                  pad_multiple=32, run_cost=OV_INT8)
+    assert [(c.indices, c.pad_to) for c in chunks] == [((0, 1, 2, 3), 64)]
+    unrounded = plan([40, 40, 40, 50], fits=always, max_chunk=64, max_tokens=1024,
+                     min_fill=0.75, run_cost=OV_INT8)
+    assert len(unrounded) == 2  # 3 texts x 10 tokens: ~23 ms of padding against an 11 ms run
+
+
 def test_plan_with_a_run_cost_never_pads_more_than_min_fill_allows():
     """A run that costs far more than its tokens (a GPU's launch) pads up to min_fill, no
     further: the run cost only ever splits chunks min_fill would have formed."""
@@ -104,26 +147,42 @@ def test_the_packer_applies_a_run_cost_from_the_next_plan_on():
 
 
 class FakeClock:
-    """Advances by what ``cost`` says the last run took."""
+    """Advances by what ``seconds(batch, seq)`` says the last run took."""
 
-    def __init__(self, cost: RunCost):
-        self.cost, self.now, self.runs = cost, 0.0, []
+    def __init__(self, seconds: Callable[[int, int], float]):
+        self.seconds, self.now, self.runs = seconds, 0.0, []
 
     def run(self, batch: int, seq: int) -> None:
         self.runs.append((batch, seq))
-        self.now += self.cost.seconds(batch, seq)
+        self.now += self.seconds(batch, seq)
 
     def __call__(self) -> float:
         return self.now
 
 
 def test_measure_warms_each_shape_then_times_interleaved_rounds():
-    clock = FakeClock(OV_INT8)
+    clock = FakeClock(OV_INT8.seconds)
     logged: list[str] = []
     got = measure_run_cost(clock.run, rounds=2, clock=clock, log=logged.append)
     assert clock.runs == list(SHAPES) * 3  # one warm-up pass, two timed rounds
     assert got is not None and got.fixed == pytest.approx(OV_INT8.fixed, rel=1e-6)
     assert "ms per run" in logged[-1]
+
+
+def test_measure_times_only_shapes_within_max_seq():
+    clock = FakeClock(OV_INT8.seconds)
+    got = measure_run_cost(clock.run, rounds=1, clock=clock, max_seq=128, log=lambda m: None)
+    assert got is not None and {s for _, s in clock.runs} == {16, 64, 128}
+    few: list[str] = []
+    assert measure_run_cost(clock.run, clock=clock, max_seq=32, log=few.append) is None
+    assert "2 shapes fit max_seq 32" in few[-1]
+
+
+def test_measure_gives_none_when_no_fit_describes_the_runs():
+    logged: list[str] = []
+    clock = FakeClock(lambda b, s: 0.1 / (b * s))  # bigger runs faster
+    assert measure_run_cost(clock.run, clock=clock, log=logged.append) is None
+    assert f"no fit within {MAX_RESIDUAL:.0%}" in logged[-1]
 
 
 def test_measure_gives_none_when_a_run_fails():
@@ -140,7 +199,8 @@ def test_measure_gives_none_when_a_run_fails():
                                   {"fixed": -1, "per_token": 1, "per_pair": 0},
                                   {"fixed": 0, "per_token": 0, "per_pair": 0},
                                   {"fixed": "NaN", "per_token": 1, "per_pair": 0},
-                                  {"fixed": [1], "per_token": 1, "per_pair": 0}])
+                                  {"fixed": [1], "per_token": 1, "per_pair": 0},
+                                  {"fixed": 10 ** 400, "per_token": 1, "per_pair": 0}])
 def test_a_damaged_record_reads_as_no_cost(data):
     assert RunCost.from_json(data) is None
 

@@ -189,6 +189,11 @@ class Engine:
         self._scheduler.packer.set_run_cost(cost)
 
     @property
+    def run_cost(self) -> RunCost | None:
+        """What the packer takes a run to cost (None: it pads up to ``min_fill``)."""
+        return self._scheduler.packer.rules.run_cost
+
+    @property
     def max_chunk_tokens(self) -> int | None:
         """Padded tokens per run now (the configured value until the tuner chooses another)."""
         return self._scheduler.packer.rules.max_tokens

@@ -87,19 +87,26 @@ def plan(lengths: Sequence[int], *, fits: Fits, max_chunk: int,
     current: list[int] = []
     real = 0
 
+    def padded(count: int, longest: int) -> int:
+        return chunk_length(count, longest, fits=fits, multiple=pad_multiple, cap=pad_cap)
+
     def close() -> None:
-        longest = max(int(lengths[current[-1]]), 1)
-        chunks.append(Chunk(tuple(current), chunk_length(len(current), longest, fits=fits,
-                                                         multiple=pad_multiple, cap=pad_cap)))
+        chunks.append(Chunk(tuple(current), padded(len(current),
+                                                   max(int(lengths[current[-1]]), 1))))
 
     def joins(count: int, before: int, longest: int, real_tokens: int) -> bool:
-        return (chunk_fits(count + 1, longest, real_tokens, fits=fits, max_chunk=max_chunk,
-                           max_tokens=max_tokens, min_fill=min_fill, pad_multiple=pad_multiple,
-                           pad_cap=pad_cap)
-                and (run_cost is None or run_cost.joining_pays(count, before, longest)))
+        """Whether the text of ``longest`` tokens joins the ``count`` texts packed so far,
+        whose longest has ``before`` tokens; every length as the chunk would be padded."""
+        if not chunk_fits(count + 1, longest, real_tokens, fits=fits, max_chunk=max_chunk,
+                          max_tokens=max_tokens, min_fill=min_fill, pad_multiple=pad_multiple,
+                          pad_cap=pad_cap):
+            return False
+        return run_cost is None or run_cost.joining_pays(
+            count, padded(count, before), padded(count + 1, longest), padded(1, longest))
 
     for i in order:
         longest = max(int(lengths[i]), 1)
+        # ``order`` is sorted by length: the chunk's last text is its longest so far.
         if current and not joins(len(current), max(int(lengths[current[-1]]), 1), longest,
                                  real + longest):
             close()

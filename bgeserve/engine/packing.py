@@ -1,10 +1,11 @@
 """What a chunk may hold, now: the packing caps and the cost model, in one object.
 
 The scheduler packs every chunk through its ``Packer``; the tuner changes what the packer holds
-(a fitted cost model, a timed chunk budget, the measured cost of a run) through the engine, and the next chunk sees it.
-Each value lives here alone: nothing else keeps a copy to re-sync. Reads and swaps are single
-attribute assignments of frozen values, so a chunk being packed sees either the old or the new
-rules, never a mix.
+(a fitted cost model, a timed chunk budget, the measured cost of a run) through the engine, and
+the next chunk sees it. Each value lives here alone: nothing else keeps a copy to re-sync.
+Reads and swaps are single attribute assignments of frozen values, so a chunk being packed sees
+either the old or the new rules, never a mix; the setters' read-modify-write is safe because
+one thread (the tuner's) calls them.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from bgeserve.tuning.memory import (
     rss_bytes,
     trim_heap,
 )
+from bgeserve.tuning.runcost import SHAPES as RUN_COST_SHAPES
 from bgeserve.tuning.runcost import RunCost, measure_run_cost
 
 logger = logging.getLogger("bgeserve.probe")
@@ -241,8 +242,9 @@ def run_probe(
     predicts not to fit, or whose run raises, is skipped with the reason. The held-out shape is
     measured in the same order and used only to validate the fit. ``meter`` measures each run
     (default: ``PeakMeter()``, each shape alone). With ``chunk_candidates``, the chunk
-    budgets are timed last (``time_chunk_budgets``) with ``chunk_run`` (default ``run``), and
-    so is what a run of a shape takes (``runcost.measure_run_cost``: the packer's padding rule).
+    budgets are timed last (``time_chunk_budgets``) with ``chunk_run`` (default ``run``); then,
+    in every case, what a run of a shape takes (``runcost.measure_run_cost``: the packer's
+    padding rule).
     """
     meter = meter or PeakMeter()
     started = time.perf_counter()
@@ -293,11 +295,14 @@ def run_probe(
     except FitError as exc:
         error = str(exc)
         log(f"probe fit rejected: {error}")
-    rates: dict[int, float] = {}
-    run_cost: RunCost | None = None
-    if chunk_candidates:
-        rates = time_chunk_budgets(chunk_run or run, chunk_candidates, guard, log=log)
-        run_cost = measure_run_cost(chunk_run or run, log=log)
+    rates = time_chunk_budgets(chunk_run or run, chunk_candidates, guard,
+                               log=log) if chunk_candidates else {}
+    # Timed whatever the chunk budget: what a run costs decides padding at any budget. Only
+    # shapes as long as the probe's own (max_seq) and within the memory guard.
+    longest = max((seq for _, seq in [*shapes, *([held_out] if held_out else [])]), default=None)
+    run_cost = measure_run_cost(chunk_run or run,
+                                [x for x in RUN_COST_SHAPES if guard.fits(*x)],
+                                max_seq=longest, log=log)
     return ProbeResult(samples, skipped, held, result_fit, error, time.perf_counter() - started,
                        rates, run_cost=run_cost)
 

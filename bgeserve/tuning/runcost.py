@@ -1,12 +1,17 @@
 """What a run of a shape takes on this machine, so the packer pads only where padding pays.
 
-``measure_run_cost`` times a few small unpadded shapes and fits ``binpack.RunCost``: a fixed
-cost per run, a cost per token and attention's per token per position (``RunCost``), which the bin-packer
-(``engine.binpack.plan``) asks before padding a chunk to take one more text. On the CPU the fixed
-part is mostly reading the weights once per run, so it is what batching saves; padding costs
-tokens. Where the fixed cost is small against a token's (OpenVINO int8 on a 2-core Zen 4:
-~13 ms against ~0.85 ms per token, docs/benchmarks.md) a text should run alone rather than
-pad its neighbours by more than ~15 tokens. Never imports a runtime: runs arrive as callables.
+``measure_run_cost`` times a few small unpadded shapes and fits a ``RunCost``: a fixed cost per
+run, a cost per token and attention's per token per position, which the bin-packer
+(``engine.binpack.plan``) asks before padding a chunk to take one more text. On the CPU the
+fixed part is mostly reading the weights once per run, so it is what batching saves; padding
+costs tokens. Where the fixed cost is small against a token's (OpenVINO int8 on a 2-core Zen 4,
+as the server's probe measured it: ~12 ms against ~0.9 ms per token, docs/benchmarks.md) a text
+should run alone rather than pad its neighbours by more than ~14 tokens in all.
+
+The shapes are timed unpadded (the fused-attention path) while a chunk of unequal lengths runs
+masked, which costs a little more per run: the rule prices joining slightly low, so it errs
+towards the batching ``min_fill`` alone allowed. Never imports a runtime: runs arrive as
+callables.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ class RunCost:
             return None
         try:
             values = {k: float(data[k]) for k in ("fixed", "per_token", "per_pair")}
-        except (TypeError, KeyError, ValueError):
+        except (TypeError, KeyError, ValueError, ArithmeticError):  # 1e999 as an int overflows
             return None
         if not all(math.isfinite(v) and v >= 0 for v in values.values()):
             return None
@@ -49,7 +54,7 @@ class RunCost:
         return cls(**values)
 
     def as_info(self) -> dict[str, float]:
-        """For ``/info`` and logs: milliseconds per run and per token, microseconds per token
+        """For ``/health`` and logs: milliseconds per run and per token, microseconds per token
         per position."""
         return {"fixed_ms": round(self.fixed * 1e3, 3),
                 "per_token_ms": round(self.per_token * 1e3, 4),
@@ -58,42 +63,65 @@ class RunCost:
     def seconds(self, batch: int, seq: int) -> float:
         return self.fixed + batch * seq * (self.per_token + seq * self.per_pair)
 
-    def joining_pays(self, count: int, longest: int, length: int) -> bool:
-        """Whether a text of ``length`` tokens (>= ``longest``) should join a chunk of ``count``
-        texts padded to ``longest``, rather than run on its own."""
-        return (self.seconds(count + 1, length)
-                <= self.seconds(count, longest) + self.seconds(1, length))
+    def joining_pays(self, count: int, padded: int, joined: int, alone: int | None = None) -> bool:
+        """Whether a text should join a chunk of ``count`` texts padded to ``padded`` tokens,
+        making ``count + 1`` texts padded to ``joined``, rather than run on its own padded to
+        ``alone`` (default ``joined``; lengths as the packer rounds them)."""
+        alone = joined if alone is None else alone
+        return (self.seconds(count + 1, joined)
+                <= self.seconds(count, padded) + self.seconds(1, alone))
 
 
 # Small shapes, cheap to time (~800 tokens a pass), apart in rows (what the fixed cost is read
 # from) and in length at equal rows (what separates attention's share): (8, 16) and (1, 128).
 SHAPES = ((1, 16), (8, 16), (2, 64), (1, 128), (1, 384))
 ROUNDS = 3
+# A fit that misses a timed shape by more than this is no model of the runs (a start disturbed
+# by other work): the packer then pads by min_fill alone. The full-size ov-int8 fit over 24
+# shapes missed its smallest by 13 %.
+MAX_RESIDUAL = 0.30
 
 
-def fit(timings: Sequence[tuple[int, int, float]]) -> RunCost:
+def fit(timings: Sequence[tuple[int, int, float]]) -> RunCost | None:
     """Least squares of seconds = fixed + per_token·b·s + per_pair·b·s² over ``(batch, seq,
-    seconds)``; a term the fit makes negative (noise) is dropped and the rest refitted."""
+    seconds)``, the terms non-negative: where the full fit makes one negative (noise), the
+    subsets without it are fitted and the closest kept. None when no fit with a positive
+    per-token cost comes within ``MAX_RESIDUAL`` of every timing."""
     rows = np.array([[1.0, b * s, b * s * s] for b, s, _ in timings])
-    y = np.array([t for _, _, t in timings])
-    keep = [0, 1, 2]
-    while True:
+    y = np.maximum(np.array([t for _, _, t in timings]), 1e-9)
+    best: tuple[float, np.ndarray] | None = None
+    for keep in ([0, 1, 2], [0, 1], [1, 2], [1]):  # per_token is never dropped
+        if len(timings) < len(keep):
+            continue
         coef, *_ = np.linalg.lstsq(rows[:, keep], y, rcond=None)
-        negative = [k for k, c in zip(keep, coef, strict=True) if c < 0 and k != 1]
-        if not negative:
-            break
-        keep.remove(negative[0])
-    full = dict.fromkeys(range(3), 0.0) | dict(zip(keep, map(float, coef), strict=True))
-    return RunCost(fixed=full[0], per_token=max(full[1], 1e-9), per_pair=full[2])
+        if (coef < 0).any() or coef[keep.index(1)] <= 0:
+            continue
+        full = np.zeros(3)
+        full[keep] = coef
+        worst = float(np.max(np.abs(rows @ full - y) / y))
+        if best is None or worst < best[0]:
+            best = (worst, full)
+        if keep == [0, 1, 2]:
+            break  # the full model fits with every term non-negative: nothing to drop
+    if best is None or best[0] > MAX_RESIDUAL:
+        return None
+    fixed, per_token, per_pair = map(float, best[1])
+    return RunCost(fixed=fixed, per_token=per_token, per_pair=per_pair)
 
 
 def measure_run_cost(run: Callable[[int, int], None], shapes: Sequence[tuple[int, int]] = SHAPES,
-                     *, rounds: int = ROUNDS, clock: Callable[[], float] = time.perf_counter,
+                     *, max_seq: int | None = None, rounds: int = ROUNDS,
+                     clock: Callable[[], float] = time.perf_counter,
                      log: Callable[[str], None] = logger.info) -> RunCost | None:
-    """Time ``run(batch, seq)`` on ``shapes`` (each once to warm up, then ``rounds`` rounds
-    interleaved, the fastest run of each counting: a drifting machine drifts for all alike)
-    and fit the cost of a run; None (logged) when a run fails: the packer then pads by
-    ``min_fill`` alone, as it did before it could measure."""
+    """Time ``run(batch, seq)`` on ``shapes`` no longer than ``max_seq`` (each once to warm up,
+    then ``rounds`` rounds interleaved, the fastest run of each counting: a drifting machine
+    drifts for all alike) and fit the cost of a run; None (logged) when a run fails or no fit
+    describes the timings: the packer then pads by ``min_fill`` alone, as it did before it
+    could measure."""
+    shapes = [(b, s) for b, s in shapes if max_seq is None or s <= max_seq]
+    if len(shapes) < 3:
+        log(f"probe run cost: not measured, {len(shapes)} shapes fit max_seq {max_seq}")
+        return None
     best: dict[tuple[int, int], float] = {}
     try:
         for batch, seq in shapes:
@@ -108,7 +136,10 @@ def measure_run_cost(run: Callable[[int, int], None], shapes: Sequence[tuple[int
         log(f"probe run cost: not measured, {type(exc).__name__}: {exc}")
         return None
     cost = fit([(b, s, t) for (b, s), t in best.items()])
+    timed = ", ".join(f"{b}x{s} {t * 1e3:.1f} ms" for (b, s), t in best.items())
+    if cost is None:
+        log(f"probe run cost: no fit within {MAX_RESIDUAL:.0%} of the timings ({timed})")
+        return None
     log(f"probe run cost: {cost.fixed * 1e3:.1f} ms per run, {cost.per_token * 1e3:.3f} ms per "
-        f"token, {cost.per_pair * 1e6:.3f} us per token per position "
-        f"({', '.join(f'{b}x{s} {t * 1e3:.1f} ms' for (b, s), t in best.items())})")
+        f"token, {cost.per_pair * 1e6:.3f} us per token per position ({timed})")
     return cost

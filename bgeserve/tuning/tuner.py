@@ -115,7 +115,7 @@ class Tuner:
 
     def __init__(self, config: TuningConfig, apply: Callable[[CostModel], None],
                  apply_chunk_tokens: Callable[[int], None] | None = None,
-                 apply_run_cost: Callable[[RunCost], None] | None = None):
+                 apply_run_cost: Callable[[RunCost | None], None] | None = None):
         self.config = config
         self._apply = apply
         self._apply_chunk_tokens = apply_chunk_tokens or (lambda tokens: None)
@@ -420,13 +420,17 @@ class Tuner:
 
     def _use_run_cost(self, cost: RunCost | None) -> None:
         """Pack by what a run costs (``binpack.plan``'s ``run_cost``) from the next chunk on;
-        unmeasured (pinned chunk budget, an older cache), ``min_fill`` alone decides."""
-        if cost is None or self.config.chunk_pinned:
-            return
+        None (not measured, or a probe that could not fit one): by ``min_fill`` alone."""
+        if cost == self.state.run_cost:
+            return  # measure_first's result is handed over twice: say it once
         self.state.run_cost = cost
-        log.info("packing: a run costs %.1f ms plus %.3f ms per padded token: a text joins a "
-                 "chunk only where padding the chunk to it costs less than its own run",
-                 cost.fixed * 1e3, cost.per_token * 1e3)
+        if cost is None:
+            log.info("packing: no run cost measured; chunks are padded up to min_fill")
+        else:
+            log.info("packing: a run costs %.1f ms plus %.3f ms per padded token (%.3f us per "
+                     "token per position): a text joins a chunk only where padding the chunk "
+                     "to it costs less than its own run", cost.fixed * 1e3,
+                     cost.per_token * 1e3, cost.per_pair * 1e6)
         self._apply_run_cost(cost)
 
     def stop(self) -> None:
