@@ -23,6 +23,7 @@ server lose against the runtime):
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -91,15 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     run = _open_raw(args.export_dir, args.variant, args.threads)
     ids = Tokenizer.load(args.export_dir / "tokenizer.json", MAX_SEQ).encode(texts).ids
     tokens = sum(map(len, ids))
-    measured: list = []
-
+    @functools.cache  # once per session, however many rules ask for it
     def measure():
-        if not measured:
-            from bgeserve.tuning.runcost import measure_run_cost
+        from bgeserve.tuning.runcost import measure_run_cost
 
-            measured.append(measure_run_cost(lambda b, s: run(*synthetic_chunk(b, s))))
-            print(f"measured {measured[0]}", file=sys.stderr, flush=True)
-        return measured[0]
+        cost = measure_run_cost(lambda b, s: run(*synthetic_chunk(b, s)))
+        print(f"measured {cost}", file=sys.stderr, flush=True)
+        return cost
 
     chunks = {name: windowed([len(x) for x in ids], window, max_chunk=mc, max_tokens=mt,
                              min_fill=mf, run_cost=_run_cost(cost, measure))

@@ -86,13 +86,13 @@ def plan(lengths: Sequence[int], *, fits: Fits, max_chunk: int,
     chunks: list[Chunk] = []
     current: list[int] = []
     real = 0
+    top = 0  # the chunk's longest text so far (``order`` is sorted by length: its last)
 
     def padded(count: int, longest: int) -> int:
         return chunk_length(count, longest, fits=fits, multiple=pad_multiple, cap=pad_cap)
 
     def close() -> None:
-        chunks.append(Chunk(tuple(current), padded(len(current),
-                                                   max(int(lengths[current[-1]]), 1))))
+        chunks.append(Chunk(tuple(current), padded(len(current), top)))
 
     def joins(count: int, before: int, longest: int, real_tokens: int) -> bool:
         """Whether the text of ``longest`` tokens joins the ``count`` texts packed so far,
@@ -106,13 +106,12 @@ def plan(lengths: Sequence[int], *, fits: Fits, max_chunk: int,
 
     for i in order:
         longest = max(int(lengths[i]), 1)
-        # ``order`` is sorted by length: the chunk's last text is its longest so far.
-        if current and not joins(len(current), max(int(lengths[current[-1]]), 1), longest,
-                                 real + longest):
+        if current and not joins(len(current), top, longest, real + longest):
             close()
             current, real = [], 0
         current.append(i)
         real += longest
+        top = longest
     if current:
         close()
     return chunks

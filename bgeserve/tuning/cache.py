@@ -141,27 +141,29 @@ class ProbeCache:
                      "held_out": asdict(held_out) if held_out else None})
         return failure
 
-    def chunk_rates(self, fingerprint: str) -> dict[int, float]:
-        """The chunk budgets' tokens/s saved with ``fingerprint``'s fit; {} if none."""
-        try:
-            record = json.loads(self.path.read_text())
-            if record.get("fingerprint") != fingerprint:
-                return {}
-            rates = {int(k): float(v) for k, v in (record.get("chunk_rates") or {}).items()}
-            return {k: v for k, v in rates.items() if k > 0 and math.isfinite(v) and v > 0}
-        except (OSError, ValueError, TypeError, AttributeError):
-            return {}
-
-    def run_cost(self, fingerprint: str) -> RunCost | None:
-        """What a run costs, saved with ``fingerprint``'s fit; None if not saved (a cache
-        written before the probe measured it, or with the chunk budget pinned)."""
+    def _saved(self, fingerprint: str) -> dict:
+        """The record saved with ``fingerprint``'s fit; {} if none can be read."""
         try:
             record = json.loads(self.path.read_text())
         except (OSError, ValueError):
-            return None
-        if not isinstance(record, dict) or record.get("fingerprint") != fingerprint:
-            return None
-        return RunCost.from_json(record.get("run_cost"))
+            return {}
+        if isinstance(record, dict) and record.get("fingerprint") == fingerprint:
+            return record
+        return {}
+
+    def chunk_rates(self, fingerprint: str) -> dict[int, float]:
+        """The chunk budgets' tokens/s saved with ``fingerprint``'s fit; {} if none."""
+        try:
+            saved = self._saved(fingerprint).get("chunk_rates") or {}
+            rates = {int(k): float(v) for k, v in saved.items()}
+            return {k: v for k, v in rates.items() if k > 0 and math.isfinite(v) and v > 0}
+        except (ValueError, TypeError, AttributeError):
+            return {}
+
+    def run_cost(self, fingerprint: str) -> RunCost | None:
+        """What a run costs, saved with ``fingerprint``'s fit; None if not saved (a probe that
+        could not measure it) or damaged."""
+        return RunCost.from_json(self._saved(fingerprint).get("run_cost"))
 
     def save(
         self, fingerprint: str, fit: Fit, parts: Mapping[str, object], samples: Sequence[Sample],
