@@ -136,7 +136,8 @@ def served_line(row: dict[str, Any]) -> str:
 def _run_cost(info: dict[str, float]) -> str:
     """/health's ``tuning.run_cost`` in words (the packer pads only where it pays)."""
     return (f"{info['fixed_ms']:.1f} ms + {info['per_token_ms']:.3f} ms/token + "
-            f"{info['per_token_position_us']:.3f} us/token/position")
+            f"{info['per_token_position_us']:.3f} us/token/position"
+            + (f", {info['new_shape_ms']:.1f} ms per new shape" if "new_shape_ms" in info else ""))
 
 
 def server_max_seq(args: argparse.Namespace, corpus: dict[str, Any]) -> int | None:

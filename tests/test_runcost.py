@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +14,15 @@ from bgeserve.engine.packing import Packer, Rules
 from bgeserve.tuning.cache import ProbeCache
 from bgeserve.tuning.costmodel import Fit
 from bgeserve.tuning.probe import ProbeResult
-from bgeserve.tuning.runcost import MAX_RESIDUAL, SHAPES, RunCost, fit, measure_run_cost
+from bgeserve.tuning.runcost import (
+    FRESH_SHAPES,
+    MAX_RESIDUAL,
+    SHAPES,
+    RunCost,
+    fit,
+    measure_new_shape,
+    measure_run_cost,
+)
 
 # OpenVINO int8 on a 2-core Zen 4 (docs/benchmarks.md): ~11 ms a run, ~0.76 ms a token.
 OV_INT8 = RunCost(fixed=0.0114, per_token=0.00076, per_pair=3.4e-7)
@@ -147,12 +155,15 @@ def test_the_packer_applies_a_run_cost_from_the_next_plan_on():
 
 
 class FakeClock:
-    """Advances by what ``seconds(batch, seq)`` says the last run took."""
+    """Advances by what ``seconds(batch, seq)`` says the last run took, plus ``new`` the
+    first time a run holds its count of tokens (as OpenVINO prepares its kernels)."""
 
-    def __init__(self, seconds: Callable[[int, int], float]):
-        self.seconds, self.now, self.runs = seconds, 0.0, []
+    def __init__(self, seconds: Callable[[int, int], float], new: float = 0.0):
+        self.seconds, self.new, self.now, self.runs = seconds, new, 0.0, []
 
     def run(self, batch: int, seq: int) -> None:
+        if all(b * s != batch * seq for b, s in self.runs):
+            self.now += self.new
         self.runs.append((batch, seq))
         self.now += self.seconds(batch, seq)
 
@@ -164,15 +175,37 @@ def test_measure_warms_each_shape_then_times_interleaved_rounds():
     clock = FakeClock(OV_INT8.seconds)
     logged: list[str] = []
     got = measure_run_cost(clock.run, rounds=2, clock=clock, log=logged.append)
-    assert clock.runs == list(SHAPES) * 3  # one warm-up pass, two timed rounds
+    # one warm-up pass, two timed rounds; then the new shapes: once new, twice more
+    assert clock.runs == list(SHAPES) * 3 + list(FRESH_SHAPES) * 3
     assert got is not None and got.fixed == pytest.approx(OV_INT8.fixed, rel=1e-6)
-    assert "ms per run" in logged[-1]
+    assert got.new_shape == 0.0
+    assert "ms per run" in logged[-1] and "0.0 ms more for a new shape" in logged[-1]
+
+
+def test_measure_times_what_a_new_shape_costs():
+    """A runtime that pays 37 ms the first time it meets a token count: the warm-up absorbs it
+    for the fitted shapes, and the fresh shapes read it."""
+    clock = FakeClock(OV_INT8.seconds, new=0.037)
+    got = measure_run_cost(clock.run, clock=clock, log=lambda m: None)
+    assert got is not None and got.new_shape == pytest.approx(0.037, rel=1e-6)
+    assert got.fixed == pytest.approx(OV_INT8.fixed, rel=1e-6)
+
+
+def test_a_new_shape_never_costs_less_than_nothing():
+    """Noise that makes the first runs faster than the repeats reads as no cost."""
+    times = iter([0.08, 0.08, 0.1, 0.1, 0.1, 0.1])
+    clock = FakeClock(lambda b, s: next(times))
+    assert measure_new_shape(clock.run, ((1, 41), (1, 67)), clock) == 0.0
+    assert measure_new_shape(clock.run, (), clock) == 0.0
 
 
 def test_measure_times_only_shapes_within_max_seq():
     clock = FakeClock(OV_INT8.seconds)
     got = measure_run_cost(clock.run, rounds=1, clock=clock, max_seq=128, log=lambda m: None)
-    assert got is not None and {s for _, s in clock.runs} == {16, 64, 128}
+    assert got is not None and {s for _, s in clock.runs} == {16, 64, 128, 41, 67, 97}
+    clock = FakeClock(OV_INT8.seconds)
+    got = measure_run_cost(clock.run, rounds=1, clock=clock, max_seq=64, log=lambda m: None)
+    assert got is not None and {s for _, s in clock.runs} == {16, 64, 41}
     few: list[str] = []
     assert measure_run_cost(clock.run, clock=clock, max_seq=32, log=few.append) is None
     assert "2 shapes fit max_seq 32" in few[-1]
@@ -200,9 +233,21 @@ def test_measure_gives_none_when_a_run_fails():
                                   {"fixed": 0, "per_token": 0, "per_pair": 0},
                                   {"fixed": "NaN", "per_token": 1, "per_pair": 0},
                                   {"fixed": [1], "per_token": 1, "per_pair": 0},
-                                  {"fixed": 10 ** 400, "per_token": 1, "per_pair": 0}])
+                                  {"fixed": 10 ** 400, "per_token": 1, "per_pair": 0},
+                                  {"fixed": 1, "per_token": 1, "per_pair": 0, "new_shape": -1},
+                                  {"fixed": 1, "per_token": 1, "per_pair": 0, "new_shape": "x"},
+                                  {"fixed": 1, "per_token": 1, "per_pair": 0,
+                                   "new_shape": float("inf")}])
 def test_a_damaged_record_reads_as_no_cost(data):
     assert RunCost.from_json(data) is None
+
+
+def test_a_record_without_the_new_shape_cost_reads_as_none():
+    """A probe child of the version before timed no new shape: nothing to pad for."""
+    got = RunCost.from_json({"fixed": 0.01, "per_token": 0.001, "per_pair": 0.0})
+    assert got == RunCost(0.01, 0.001, 0.0, new_shape=0.0)
+    assert RunCost.from_json(asdict(replace(OV_INT8, new_shape=0.04))).new_shape == 0.04
+    assert replace(OV_INT8, new_shape=0.0371).as_info()["new_shape_ms"] == 37.1
 
 
 def test_the_probe_result_and_cache_carry_the_run_cost(tmp_path: Path):

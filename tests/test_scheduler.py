@@ -32,6 +32,7 @@ from bgeserve.errors import (
     TooLarge,
 )
 from bgeserve.results import EmbedOptions
+from bgeserve.tuning.runcost import RunCost
 from tests.fakes import FitsCost
 
 HIDDEN = 8
@@ -467,6 +468,26 @@ def test_one_big_job_runs_on_every_idle_worker():
         assert {c.forward for c in factory.calls} == set(factory.forwards)
         factory.gate.set()
         assert_dense_right(job)
+
+
+def test_a_chunk_runs_at_a_shape_its_session_has_run_where_that_is_cheaper():
+    """With a measured run cost whose new shapes cost 37 ms (OpenVINO's, ~37 tokens here), a
+    17-token text pads to the 22 tokens its session ran before, rightly answered; a reopened
+    session has run nothing, so the same text then runs as it is."""
+    factory = Factory()
+    with scheduler(factory, pad_cap=512) as sched:
+        sched.packer.set_run_cost(RunCost(fixed=0.01, per_token=0.001, new_shape=0.037))
+        for tag, n in ((1, 20), (2, 15)):
+            job = job_of(unique_texts(tag, [n]))
+            sched.submit(job)
+            assert_dense_right(job)
+        assert [c.shape for c in factory.calls] == [(1, 22), (1, 22)]
+        sched.unload()
+        job = job_of(unique_texts(3, [15]))
+        sched.submit(job)
+        assert_dense_right(job)
+        assert factory.calls[-1].shape == (1, 17)
+        assert factory.calls[-1].forward is not factory.calls[0].forward
 
 
 # ----------------------------------------------------------------------- sparse, colbert

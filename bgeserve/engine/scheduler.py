@@ -27,6 +27,7 @@ from bgeserve.engine.heads import ChunkOutputs
 from bgeserve.engine.jobs import Job, Piece, answer, fold
 from bgeserve.engine.packing import Cost, Packer, Rules
 from bgeserve.engine.queue import PendingQueue, Taken
+from bgeserve.engine.shapes import RunShapes
 from bgeserve.engine.workers import Running, Workers
 from bgeserve.errors import (
     BgeServeError,
@@ -108,6 +109,9 @@ class Scheduler(Workers):
         self._restarting = [False] * n
         self._open_failed = [False] * n
         self._deaths = [0] * n
+        # What each worker's session has run (engine/shapes.py), with a weak reference to the
+        # session it is for: an unloaded session must not be kept alive by it.
+        self._shapes: list[tuple[weakref.ref[Forward], RunShapes] | None] = [None] * n
         self.counters = collections.Counter()
         self.audit: WorkspaceAudit | None = None  # sampled chunks against the cost model
 
@@ -304,6 +308,13 @@ class Scheduler(Workers):
         length neighbours (``PendingQueue.take``; called with the lock held)."""
         return self._pending.take(self.packer.plan, self.config.cross_request)
 
+    def _run_shapes(self, w: int, fwd: Forward) -> RunShapes:
+        """What worker ``w``'s session ``fwd`` has run: nothing yet where it is a new one."""
+        held = self._shapes[w]
+        if held is None or held[0]() is not fwd:
+            held = self._shapes[w] = (weakref.ref(fwd), RunShapes())
+        return held[1]
+
     def _fail_pending(self, error: BgeServeError) -> None:
         with self._cond:
             leftover = self._pending.drain()
@@ -328,6 +339,7 @@ class Scheduler(Workers):
             return
         if pad_to is None or len(pieces) < len(whole):
             pad_to = self.packer.pad_length(len(pieces), max(p.length for p in pieces))
+        pad_to = self.packer.run_length(self._run_shapes(w, fwd), len(pieces), pad_to)
         ids, mask = pad_chunk([p.job.ids[p.index] for p in pieces], pad_to)
         opts = [p.job.options for p in taking]  # a twin's outputs are computed for it too
         audit = self.audit

@@ -28,7 +28,8 @@ logger = logging.getLogger("bgeserve.probe")
 # 2: the fit may carry a fixed per-run term c. 3: the fit is raised to cover every measured
 # shape, OpenVINO is measured cumulatively, failures are kept. 4: the record carries the run
 # cost the packer pads by (a cache without it would keep a server off that rule until cleared).
-PROBE_SCHEMA = 4
+# 5: the run cost carries what a new shape costs (engine/shapes.py).
+PROBE_SCHEMA = 5
 CACHE_FILE = "probe-coefficients.json"  # in BGE_M3_CACHE_DIR
 
 

@@ -34,8 +34,8 @@ from bgeserve.tuning.memory import (
     rss_bytes,
     trim_heap,
 )
+from bgeserve.tuning.runcost import FRESH_SHAPES, RunCost, measure_run_cost
 from bgeserve.tuning.runcost import SHAPES as RUN_COST_SHAPES
-from bgeserve.tuning.runcost import RunCost, measure_run_cost
 
 logger = logging.getLogger("bgeserve.probe")
 __all__ = ["CHUNK_CANDIDATES", "CHUNK_MARGIN", "CHUNK_SEQ", "LocalProbe", "PeakMeter",
@@ -302,7 +302,8 @@ def run_probe(
     longest = max((seq for _, seq in [*shapes, *([held_out] if held_out else [])]), default=None)
     run_cost = measure_run_cost(chunk_run or run,
                                 [x for x in RUN_COST_SHAPES if guard.fits(*x)],
-                                max_seq=longest, log=log)
+                                max_seq=longest, log=log,
+                                fresh=[x for x in FRESH_SHAPES if guard.fits(*x)])
     return ProbeResult(samples, skipped, held, result_fit, error, time.perf_counter() - started,
                        rates, run_cost=run_cost)
 

@@ -8,6 +8,12 @@ costs tokens. Where the fixed cost is small against a token's (OpenVINO int8 on 
 as the server's probe measured it: ~12 ms against ~0.9 ms per token, docs/benchmarks.md) a text
 should run alone rather than pad its neighbours by more than ~14 tokens in all.
 
+It also times what a run pays the first time the runtime meets its shape (``new_shape``):
+OpenVINO's CPU plugin prepares its kernels for every new count of tokens a run holds (batch ×
+padded length), ~35-40 ms on full-size ov-int8 on that Zen 4 whatever the count, ~40 % of a
+67-token run; ONNX Runtime's CPU kernels take any shape (0-5 ms, noise). The scheduler then pads
+a chunk to a count the runtime has already run where that costs less (``engine.shapes``).
+
 The shapes are timed unpadded (the fused-attention path) while a chunk of unequal lengths runs
 masked, which costs a little more per run: the rule prices joining slightly low, so it errs
 towards the batching ``min_fill`` alone allowed. Never imports a runtime: runs arrive as
@@ -20,7 +26,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -36,6 +42,9 @@ class RunCost:
     fixed: float
     per_token: float
     per_pair: float = 0.0
+    # What a run pays once more the first time the runtime meets its token count (0: nothing,
+    # or not measured: a cache written before it was).
+    new_shape: float = 0.0
 
     @classmethod
     def from_json(cls, data: object) -> RunCost | None:
@@ -51,14 +60,21 @@ class RunCost:
             return None
         if values["per_token"] <= 0:
             return None
-        return cls(**values)
+        try:
+            new_shape = float(data.get("new_shape", 0.0))
+        except (TypeError, ValueError, ArithmeticError):
+            return None
+        if not (math.isfinite(new_shape) and new_shape >= 0):
+            return None
+        return cls(**values, new_shape=new_shape)
 
     def as_info(self) -> dict[str, float]:
         """For ``/health`` and logs: milliseconds per run and per token, microseconds per token
         per position."""
         return {"fixed_ms": round(self.fixed * 1e3, 3),
                 "per_token_ms": round(self.per_token * 1e3, 4),
-                "per_token_position_us": round(self.per_pair * 1e6, 4)}
+                "per_token_position_us": round(self.per_pair * 1e6, 4),
+                "new_shape_ms": round(self.new_shape * 1e3, 3)}
 
     def seconds(self, batch: int, seq: int) -> float:
         return self.fixed + batch * seq * (self.per_token + seq * self.per_pair)
@@ -76,6 +92,11 @@ class RunCost:
 # from) and in length at equal rows (what separates attention's share): (8, 16) and (1, 128).
 SHAPES = ((1, 16), (8, 16), (2, 64), (1, 128), (1, 384))
 ROUNDS = 3
+# Token counts no probe shape has (odd, apart from the fitting shapes' and the chunk budgets'
+# powers of two), each run once new and twice more: what the first run costs over the best
+# repeat is what a new shape costs. Short, as the cost does not grow much with the count
+# (full-size ov-int8 on a Zen 4: 36, 33, 41, 42 ms at 67, 131, 263, 521 tokens).
+FRESH_SHAPES = ((1, 41), (1, 67), (1, 97))
 # A fit that misses a timed shape by more than this is no model of the runs (a start disturbed
 # by other work): the packer then pads by min_fill alone. The full-size ov-int8 fit over 24
 # shapes missed its smallest by 13 %.
@@ -109,16 +130,42 @@ def fit(timings: Sequence[tuple[int, int, float]]) -> RunCost | None:
     return RunCost(fixed=fixed, per_token=per_token, per_pair=per_pair)
 
 
+def measure_new_shape(run: Callable[[int, int], None],
+                      shapes: Sequence[tuple[int, int]] = FRESH_SHAPES,
+                      clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds a run pays the first time the runtime meets its shape: the median over
+    ``shapes`` (each new to the runtime) of its first run less the best of two repeats, never
+    below 0. Runs may raise (the caller's to handle)."""
+    first: dict[tuple[int, int], float] = {}
+    best: dict[tuple[int, int], float] = {}
+    for shape in shapes:
+        start = clock()
+        run(*shape)
+        first[shape] = clock() - start
+    for _ in range(2):
+        for shape in shapes:
+            start = clock()
+            run(*shape)
+            elapsed = clock() - start
+            best[shape] = min(best.get(shape, elapsed), elapsed)
+    if not first:
+        return 0.0
+    return max(0.0, float(np.median([first[x] - best[x] for x in first])))
+
+
 def measure_run_cost(run: Callable[[int, int], None], shapes: Sequence[tuple[int, int]] = SHAPES,
                      *, max_seq: int | None = None, rounds: int = ROUNDS,
+                     fresh: Sequence[tuple[int, int]] = FRESH_SHAPES,
                      clock: Callable[[], float] = time.perf_counter,
                      log: Callable[[str], None] = logger.info) -> RunCost | None:
     """Time ``run(batch, seq)`` on ``shapes`` no longer than ``max_seq`` (each once to warm up,
     then ``rounds`` rounds interleaved, the fastest run of each counting: a drifting machine
-    drifts for all alike) and fit the cost of a run; None (logged) when a run fails or no fit
-    describes the timings: the packer then pads by ``min_fill`` alone, as it did before it
-    could measure."""
+    drifts for all alike) and fit the cost of a run, then time what a new shape costs on
+    ``fresh`` (``measure_new_shape``; shapes past ``max_seq`` left out, none: 0). None (logged)
+    when a run fails or no fit describes the timings: the packer then pads by ``min_fill``
+    alone, as it did before it could measure."""
     shapes = [(b, s) for b, s in shapes if max_seq is None or s <= max_seq]
+    fresh = [(b, s) for b, s in fresh if max_seq is None or s <= max_seq]
     if len(shapes) < 3:
         log(f"probe run cost: not measured, {len(shapes)} shapes fit max_seq {max_seq}")
         return None
@@ -132,6 +179,7 @@ def measure_run_cost(run: Callable[[int, int], None], shapes: Sequence[tuple[int
                 run(*shape)
                 elapsed = clock() - start
                 best[shape] = min(best.get(shape, elapsed), elapsed)
+        new_shape = measure_new_shape(run, fresh, clock)
     except Exception as exc:  # noqa: BLE001 - a failing shape is data, not fatal
         log(f"probe run cost: not measured, {type(exc).__name__}: {exc}")
         return None
@@ -140,6 +188,8 @@ def measure_run_cost(run: Callable[[int, int], None], shapes: Sequence[tuple[int
     if cost is None:
         log(f"probe run cost: no fit within {MAX_RESIDUAL:.0%} of the timings ({timed})")
         return None
+    cost = replace(cost, new_shape=new_shape)
     log(f"probe run cost: {cost.fixed * 1e3:.1f} ms per run, {cost.per_token * 1e3:.3f} ms per "
-        f"token, {cost.per_pair * 1e6:.3f} us per token per position ({timed})")
+        f"token, {cost.per_pair * 1e6:.3f} us per token per position, {new_shape * 1e3:.1f} ms "
+        f"more for a new shape ({timed})")
     return cost

@@ -428,9 +428,11 @@ class Tuner:
             log.info("packing: no run cost measured; chunks are padded up to min_fill")
         else:
             log.info("packing: a run costs %.1f ms plus %.3f ms per padded token (%.3f us per "
-                     "token per position): a text joins a chunk only where padding the chunk "
-                     "to it costs less than its own run", cost.fixed * 1e3,
-                     cost.per_token * 1e3, cost.per_pair * 1e6)
+                     "token per position), %.1f ms more the first time its shape runs: a text "
+                     "joins a chunk only where padding the chunk to it costs less than its own "
+                     "run, and a chunk pads to a shape already run where that costs less than "
+                     "a new one", cost.fixed * 1e3, cost.per_token * 1e3, cost.per_pair * 1e6,
+                     cost.new_shape * 1e3)
         self._apply_run_cost(cost)
 
     def stop(self) -> None:

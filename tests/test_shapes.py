@@ -1,0 +1,109 @@
+"""Which shapes a session has run (``engine.shapes``): a chunk pads to one where padding costs
+less than a new shape, and stops renting once that padding would have bought the shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from bgeserve.engine.packing import Packer, Rules
+from bgeserve.engine.shapes import RunShapes
+from bgeserve.tuning.runcost import RunCost
+
+# ov-int8 on a 2-core Zen 4 as the probe measured it: a new shape costs ~44 tokens of work.
+COST = RunCost(fixed=0.012, per_token=0.00085, per_pair=0.0, new_shape=0.037)
+TOKEN = COST.per_token
+
+
+def always(batch: int, seq: int) -> bool:
+    return True
+
+
+def length(shapes: RunShapes, count: int, pad_to: int, cost: RunCost | None = COST, *,
+           fits=always, cap: int | None = 8192, max_tokens: int | None = 1024) -> int:
+    return shapes.length(count, pad_to, cost, fits=fits, cap=cap, max_tokens=max_tokens)
+
+
+def test_a_chunk_pads_to_a_count_run_before_where_that_is_cheaper_than_a_new_shape():
+    shapes = RunShapes()
+    assert length(shapes, 1, 100) == 100  # nothing run yet: runs as it is, and is known
+    assert length(shapes, 1, 90) == 100  # 10 tokens (8.5 ms) < 37 ms
+    assert length(shapes, 1, 50) == 50  # 50 tokens (42.5 ms) > 37 ms: a new shape
+    assert length(shapes, 1, 49) == 50
+    assert len(shapes) == 2
+
+
+def test_the_shortest_known_longer_length_is_taken():
+    shapes = RunShapes()
+    for n in (95, 100, 120):  # none has a longer one known when it runs
+        assert length(shapes, 1, n) == n
+    assert length(shapes, 1, 93) == 95
+    assert length(shapes, 1, 96) == 100
+
+
+def test_a_batch_pads_each_text_to_the_count_it_can_reach():
+    """Two texts of 45 tokens make 90: a known 100 is 2 × 50; a known 101 is no length for
+    two texts, and 2 × 70 = 140 costs 50 tokens, more than a new shape."""
+    shapes = RunShapes()
+    length(shapes, 1, 101)
+    length(shapes, 1, 140)
+    assert length(shapes, 2, 45) == 45
+    shapes = RunShapes()
+    length(shapes, 4, 25)  # 100 tokens, as 4 × 25
+    assert length(shapes, 2, 45) == 50
+    assert length(shapes, 1, 97) == 100  # any split of a known count will do
+
+
+@pytest.mark.parametrize("limits", [
+    {"cap": 95},  # past the model's positions (pad_cap)
+    {"cap": None},  # no cap known: no longer length at all
+    {"max_tokens": 99},  # past the chunk budget
+    {"fits": lambda b, s: s < 100},  # does not fit the memory budget
+])
+def test_no_padding_past_a_limit(limits):
+    shapes = RunShapes()
+    length(shapes, 1, 100)
+    assert length(shapes, 1, 90, **limits) == 90
+
+
+def test_a_single_text_past_the_chunk_budget_may_still_pad_within_memory():
+    shapes = RunShapes()
+    length(shapes, 1, 2010, max_tokens=1024)
+    assert length(shapes, 1, 2000, max_tokens=1024) == 2010
+
+
+@pytest.mark.parametrize("cost", [None, RunCost(0.012, 0.00085, 0.0, new_shape=0.0)])
+def test_without_a_new_shape_cost_nothing_pads(cost):
+    """No run cost (the probe off, a GPU) or a runtime that takes any shape (ONNX Runtime's
+    CPU kernels, measured ~0): every chunk runs as it is."""
+    shapes = RunShapes()
+    length(shapes, 1, 100, cost)
+    assert length(shapes, 1, 99, cost) == 99
+
+
+def test_padding_stops_once_it_would_have_paid_for_the_new_shape():
+    """Rent or buy: 10 tokens (8.5 ms) four times is 34 ms; a fifth would pass the 37 ms the
+    shape costs once, so that chunk runs as it is, and later ones find it known."""
+    shapes = RunShapes()
+    length(shapes, 1, 100)
+    assert [length(shapes, 1, 90) for _ in range(6)] == [100, 100, 100, 100, 90, 90]
+
+
+def test_the_cost_counts_attention_too():
+    """Padding lengthens every position's attention: 10 tokens cost 8.5 ms plus what the
+    per-position term adds at 1,000 tokens (10 × 1000 × 3.5 µs = 35 ms): a new shape."""
+    cost = RunCost(fixed=0.012, per_token=TOKEN, per_pair=3.5e-6, new_shape=0.037)
+    shapes = RunShapes()
+    length(shapes, 1, 1010, cost, max_tokens=None)
+    assert length(shapes, 1, 1000, cost, max_tokens=None) == 1000
+    assert length(shapes, 1, 1008, cost, max_tokens=None) == 1010
+
+
+def test_the_packer_runs_every_text_alone_unpadded_when_chunks_hold_one():
+    """BGE_M3_MAX_BATCH=1 promises unpadded runs (the embedding cache keeps variants whose
+    results depend on padding only then): no known shape is padded to."""
+    for max_chunk, expect in ((1, 90), (64, 100)):
+        packer = Packer(Rules(max_chunk=max_chunk, max_tokens=1024, pad_cap=8192,
+                              run_cost=COST))
+        shapes = RunShapes()
+        assert packer.run_length(shapes, 1, 100) == 100
+        assert packer.run_length(shapes, 1, 90) == expect
