@@ -490,6 +490,39 @@ def test_a_chunk_runs_at_a_shape_its_session_has_run_where_that_is_cheaper():
         assert factory.calls[-1].forward is not factory.calls[0].forward
 
 
+def test_a_solo_jobs_chunk_is_never_lengthened():
+    """The canary is checked bit for bit against its first run alone: its chunk runs as
+    packed even where a known shape would be cheaper than a new one."""
+    factory = Factory()
+    with scheduler(factory, pad_cap=512) as sched:
+        sched.packer.set_run_cost(RunCost(fixed=0.01, per_token=0.001, new_shape=0.037))
+        for job in (job_of(unique_texts(1, [20])), job_of(unique_texts(2, [15]), solo=True)):
+            sched.submit(job)
+            assert_dense_right(job)
+        assert [c.shape for c in factory.calls] == [(1, 22), (1, 17)]
+
+
+def test_a_lengthened_chunk_that_runs_out_of_memory_runs_again_as_packed():
+    """The padding taken to reuse a shape may be what did not fit: the chunk runs again at its
+    own length, rather than being refused as too large."""
+    factory = Factory()
+
+    def fail(rows) -> None:
+        if factory.calls[-1].shape == (1, 22) and owner(rows[0]) == 2:
+            raise OutOfMemory("no room")
+
+    with scheduler(factory, pad_cap=512) as sched:
+        sched.packer.set_run_cost(RunCost(fixed=0.01, per_token=0.001, new_shape=0.037))
+        first = job_of(unique_texts(1, [20]))
+        sched.submit(first)
+        assert_dense_right(first)
+        factory.fail = fail
+        job = job_of(unique_texts(2, [15]))
+        sched.submit(job)
+        assert_dense_right(job)
+        assert [c.shape for c in factory.calls] == [(1, 22), (1, 22), (1, 17)]
+
+
 # ----------------------------------------------------------------------- sparse, colbert
 def test_sparse_and_colbert_are_delivered_per_text():
     """Sparse entries are sparse_vector of the text's ids and weights; colbert has n-1 rows."""

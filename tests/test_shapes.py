@@ -20,7 +20,10 @@ def always(batch: int, seq: int) -> bool:
 
 def length(shapes: RunShapes, count: int, pad_to: int, cost: RunCost | None = COST, *,
            fits=always, cap: int | None = 8192, max_tokens: int | None = 1024) -> int:
-    return shapes.length(count, pad_to, cost, fits=fits, cap=cap, max_tokens=max_tokens)
+    """The length the chunk runs at, then its run recorded as succeeded (as the scheduler)."""
+    seq = shapes.length(count, pad_to, cost, fits=fits, cap=cap, max_tokens=max_tokens)
+    shapes.ran(count, seq)
+    return seq
 
 
 def test_a_chunk_pads_to_a_count_run_before_where_that_is_cheaper_than_a_new_shape():
@@ -51,6 +54,34 @@ def test_a_batch_pads_each_text_to_the_count_it_can_reach():
     length(shapes, 4, 25)  # 100 tokens, as 4 × 25
     assert length(shapes, 2, 45) == 50
     assert length(shapes, 1, 97) == 100  # any split of a known count will do
+    shapes = RunShapes()
+    length(shapes, 1, 101)
+    length(shapes, 1, 110)
+    assert length(shapes, 2, 45) == 55  # 101 is passed over, 110 = 2 × 55 (20 tokens, 17 ms)
+
+
+def test_a_count_is_known_only_once_a_run_of_it_succeeded():
+    """A chunk that ran out of memory taught nothing: its count stays new."""
+    shapes = RunShapes()
+    assert shapes.length(1, 100, COST, fits=always, cap=8192, max_tokens=1024) == 100
+    assert len(shapes) == 0
+    assert shapes.length(1, 90, COST, fits=always, cap=8192, max_tokens=1024) == 90
+    shapes.ran(1, 100)
+    shapes.ran(1, 100)
+    assert len(shapes) == 1
+    assert shapes.length(1, 90, COST, fits=always, cap=8192, max_tokens=1024) == 100
+
+
+def test_padding_that_costs_exactly_a_new_shape_does_not_pay():
+    """At the boundary (10 tokens of 1/1024 s against a new shape of 10/1024 s, exact in
+    binary) the chunk runs as it is; one token less pads."""
+    cost = RunCost(fixed=0.0, per_token=2.0 ** -10, per_pair=0.0, new_shape=10 * 2.0 ** -10)
+    shapes = RunShapes()
+    length(shapes, 1, 110, cost)
+    assert length(shapes, 1, 100, cost) == 100
+    shapes = RunShapes()
+    length(shapes, 1, 110, cost)
+    assert length(shapes, 1, 101, cost) == 110
 
 
 @pytest.mark.parametrize("limits", [
@@ -99,11 +130,13 @@ def test_the_cost_counts_attention_too():
 
 
 def test_the_packer_runs_every_text_alone_unpadded_when_chunks_hold_one():
-    """BGE_M3_MAX_BATCH=1 promises unpadded runs (the embedding cache keeps variants whose
-    results depend on padding only then): no known shape is padded to."""
-    for max_chunk, expect in ((1, 90), (64, 100)):
+    """BGE_M3_MAX_CHUNK=1 promises unpadded runs (the embedding cache keeps variants whose
+    results depend on padding only then), and a chunk the scheduler will not lengthen (a solo
+    job's: the canary is checked bit for bit) runs as packed: no known shape is padded to."""
+    for max_chunk, lengthen, expect in ((1, True, 90), (64, False, 90), (64, True, 100)):
         packer = Packer(Rules(max_chunk=max_chunk, max_tokens=1024, pad_cap=8192,
                               run_cost=COST))
         shapes = RunShapes()
         assert packer.run_length(shapes, 1, 100) == 100
-        assert packer.run_length(shapes, 1, 90) == expect
+        shapes.ran(1, 100)
+        assert packer.run_length(shapes, 1, 90, lengthen=lengthen) == expect

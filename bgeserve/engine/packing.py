@@ -74,13 +74,15 @@ class Packer:
         return chunk_length(count, longest, fits=self.fits, multiple=r.pad_multiple,
                             cap=r.pad_cap)
 
-    def run_length(self, shapes: RunShapes, count: int, pad_to: int) -> int:
+    def run_length(self, shapes: RunShapes, count: int, pad_to: int, *,
+                   lengthen: bool = True) -> int:
         """The length a chunk of ``count`` texts padded to ``pad_to`` runs at in a session that
         has run ``shapes``: longer where that session has run the longer shape's token count
-        and padding costs less than a new shape (``RunShapes.length``); recorded there."""
+        and padding costs less than a new shape (``RunShapes.length``); ``pad_to`` where not
+        ``lengthen``."""
         r = self.rules
         # A server that runs every text alone promises unpadded runs: the embedding cache keeps
         # a variant whose results depend on padding only then (engine/cache.applies).
-        cost = None if r.max_chunk == 1 else r.run_cost
+        cost = r.run_cost if lengthen and r.max_chunk > 1 else None
         return shapes.length(count, pad_to, cost, fits=self.fits, cap=r.pad_cap,
                              max_tokens=r.max_tokens)

@@ -322,9 +322,12 @@ class Scheduler(Workers):
             self._fail(piece.job, error)
 
     # -- running chunks ----------------------------------------------------------------------
-    def _run(self, w: int, pieces: list[Piece], pad_to: int | None = None) -> None:
+    def _run(self, w: int, pieces: list[Piece], pad_to: int | None = None,
+             lengthen: bool = True) -> None:
         """Run ``pieces`` as one chunk padded to ``pad_to`` (None: as the packer pads them),
-        and deliver or fail them; halves after running out of memory."""
+        or longer to a shape the session has run (``lengthen``; never a solo job's chunk: the
+        canary is checked bit for bit), and deliver or fail them; after running out of memory
+        at a lengthened shape, again as packed; else halves."""
         if not pieces:
             return
         whole = pieces  # what an OOM split halves (each half is folded again)
@@ -339,7 +342,9 @@ class Scheduler(Workers):
             return
         if pad_to is None or len(pieces) < len(whole):
             pad_to = self.packer.pad_length(len(pieces), max(p.length for p in pieces))
-        pad_to = self.packer.run_length(self._run_shapes(w, fwd), len(pieces), pad_to)
+        packed, shapes = pad_to, self._run_shapes(w, fwd)
+        pad_to = self.packer.run_length(shapes, len(pieces), pad_to,
+                                        lengthen=lengthen and not any(p.job.solo for p in pieces))
         ids, mask = pad_chunk([p.job.ids[p.index] for p in pieces], pad_to)
         opts = [p.job.options for p in taking]  # a twin's outputs are computed for it too
         audit = self.audit
@@ -351,7 +356,11 @@ class Scheduler(Workers):
                           colbert=any(o.colbert for o in opts))
         except OutOfMemory as exc:
             self.counters["oom_splits"] += 1
-            if len(pieces) > 1:
+            if pad_to != packed:  # the padding it took to reuse a shape may be what did not fit
+                log.warning("chunk %dx%d ran out of memory; running it at %d", len(pieces),
+                            pad_to, packed)
+                self._run(w, whole, packed, lengthen=False)
+            elif len(pieces) > 1:
                 half = len(whole) // 2
                 log.warning("chunk %dx%d ran out of memory; splitting", len(pieces), pad_to)
                 self._run(w, whole[:half])
@@ -373,6 +382,7 @@ class Scheduler(Workers):
             if audit is not None:
                 audit.end(measure)
         seconds = time.perf_counter() - started
+        shapes.ran(len(pieces), pad_to)
         self._deaths[w] = 0  # it works again: the next death starts the backoff afresh
         self._on_chunk(ChunkStats(w, len(pieces), pad_to, sum(p.length for p in pieces),
                                   seconds))

@@ -10,7 +10,8 @@ Padding instead of paying is renting instead of buying: a count that keeps comin
 cheaper run once. So the padding spent to avoid each new count is summed, and once one more
 padding would take that sum past what the new shape costs, the chunk runs at its own count,
 which is then known (a rent-or-buy rule: never more than twice the best choice in hindsight).
-Per session: a reopened session has met no shape. Pure; no model needed.
+A count is known once a run of it succeeded (``ran``): a chunk that ran out of memory taught
+nothing. Per session: a reopened session has met no shape. Pure; no model needed.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class RunShapes:
     def __init__(self) -> None:
         self._ran: list[int] = []  # sorted
         self._spent: dict[int, float] = {}
-        self._lock = threading.Lock()  # the worker runs chunks; an unload may forget meanwhile
+        # One worker thread uses it; the lock keeps the bookkeeping whole should that change.
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._ran)
@@ -40,9 +42,9 @@ class RunShapes:
         """The length ``count`` texts padded to ``pad_to`` run at: the shortest longer one, up
         to ``cap`` and the chunk budget ``max_tokens`` and fitting memory, whose token count
         this session has run, where the extra padding costs less than ``cost.new_shape`` (and
-        leaves the padding spent avoiding this count within it); else ``pad_to``. Records the
-        shape the chunk runs at. Without a cap no longer length is taken (padding must stay
-        within the model's positions)."""
+        leaves the padding spent avoiding this count within it; that padding is booked); else
+        ``pad_to``. Without a cap no longer length is taken (padding must stay within the
+        model's positions). ``ran`` records the shape once it has run."""
         tokens = count * pad_to
         with self._lock:
             at = bisect.bisect_left(self._ran, tokens)
@@ -56,9 +58,16 @@ class RunShapes:
                                          limit=max_tokens if within else None)
                 if seq is not None:
                     return seq
-            bisect.insort(self._ran, tokens)
-            self._spent.pop(tokens, None)
             return pad_to
+
+    def ran(self, count: int, seq: int) -> None:
+        """A run of ``count`` texts padded to ``seq`` succeeded: its token count is known."""
+        tokens = count * seq
+        with self._lock:
+            at = bisect.bisect_left(self._ran, tokens)
+            if at == len(self._ran) or self._ran[at] != tokens:
+                self._ran.insert(at, tokens)
+            self._spent.pop(tokens, None)
 
     def _known_longer(self, count: int, pad_to: int, at: int, cost: RunCost, *, fits: Fits,
                       cap: int, limit: int | None) -> int | None:

@@ -11,7 +11,8 @@ should run alone rather than pad its neighbours by more than ~14 tokens in all.
 It also times what a run pays the first time the runtime meets its shape (``new_shape``):
 OpenVINO's CPU plugin prepares its kernels for every new count of tokens a run holds (batch ×
 padded length), ~35-40 ms on full-size ov-int8 on that Zen 4 whatever the count, ~40 % of a
-67-token run; ONNX Runtime's CPU kernels take any shape (0-5 ms, noise). The scheduler then pads
+67-token run; ONNX Runtime's CPU kernels take any shape (0-5 ms, noise: read as 0 below 10 % of
+a run). The scheduler then pads
 a chunk to a count the runtime has already run where that costs less (``engine.shapes``).
 
 The shapes are timed unpadded (the fused-attention path) while a chunk of unequal lengths runs
@@ -97,6 +98,9 @@ ROUNDS = 3
 # repeat is what a new shape costs. Short, as the cost does not grow much with the count
 # (full-size ov-int8 on a Zen 4: 36, 33, 41, 42 ms at 67, 131, 263, 521 tokens).
 FRESH_SHAPES = ((1, 41), (1, 67), (1, 97))
+# A new shape's cost below this share of a run is not told from noise (ONNX Runtime read -1 to
+# +5 ms on 80-490 ms runs of these lengths; OpenVINO int8 35-39 ms on 100-160 ms).
+NEW_SHAPE_FLOOR = 0.10
 # A fit that misses a timed shape by more than this is no model of the runs (a start disturbed
 # by other work): the packer then pads by min_fill alone. The full-size ov-int8 fit over 24
 # shapes missed its smallest by 13 %.
@@ -133,9 +137,11 @@ def fit(timings: Sequence[tuple[int, int, float]]) -> RunCost | None:
 def measure_new_shape(run: Callable[[int, int], None],
                       shapes: Sequence[tuple[int, int]] = FRESH_SHAPES,
                       clock: Callable[[], float] = time.perf_counter) -> float:
-    """Seconds a run pays the first time the runtime meets its shape: the median over
-    ``shapes`` (each new to the runtime) of its first run less the best of two repeats, never
-    below 0. Runs may raise (the caller's to handle)."""
+    """Seconds a run pays the first time the runtime meets its shape: over ``shapes`` (each
+    new to the runtime), each first run less the best of two repeats; their median where every
+    one is positive and the median is at least ``NEW_SHAPE_FLOOR`` of a repeat's median, else 0
+    (noise: a runtime that takes any shape, whose first runs are only now and then slower).
+    Runs may raise (the caller's to handle)."""
     first: dict[tuple[int, int], float] = {}
     best: dict[tuple[int, int], float] = {}
     for shape in shapes:
@@ -148,9 +154,11 @@ def measure_new_shape(run: Callable[[int, int], None],
             run(*shape)
             elapsed = clock() - start
             best[shape] = min(best.get(shape, elapsed), elapsed)
-    if not first:
+    extra = [first[x] - best[x] for x in first]
+    if not extra or min(extra) <= 0:
         return 0.0
-    return max(0.0, float(np.median([first[x] - best[x] for x in first])))
+    median = float(np.median(extra))
+    return median if median >= NEW_SHAPE_FLOOR * float(np.median(list(best.values()))) else 0.0
 
 
 def measure_run_cost(run: Callable[[int, int], None], shapes: Sequence[tuple[int, int]] = SHAPES,
@@ -179,10 +187,14 @@ def measure_run_cost(run: Callable[[int, int], None], shapes: Sequence[tuple[int
                 run(*shape)
                 elapsed = clock() - start
                 best[shape] = min(best.get(shape, elapsed), elapsed)
-        new_shape = measure_new_shape(run, fresh, clock)
     except Exception as exc:  # noqa: BLE001 - a failing shape is data, not fatal
         log(f"probe run cost: not measured, {type(exc).__name__}: {exc}")
         return None
+    try:
+        new_shape = measure_new_shape(run, fresh, clock)
+    except Exception as exc:  # noqa: BLE001 - the run cost stands without it
+        log(f"probe run cost: a new shape's cost not measured, {type(exc).__name__}: {exc}")
+        new_shape = 0.0
     cost = fit([(b, s, t) for (b, s), t in best.items()])
     timed = ", ".join(f"{b}x{s} {t * 1e3:.1f} ms" for (b, s), t in best.items())
     if cost is None:
