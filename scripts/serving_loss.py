@@ -461,6 +461,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe", action="store_true",
                    help="servers probe (primed once per checkout); raw and engine pack with the "
                         "run cost it measured")
+    p.add_argument("--share-probe", action="store_true",
+                   help="with --probe: the first checkout's probe serves every checkout (one run "
+                        "cost on both sides of an A/B; they must share PROBE_SCHEMA, else the "
+                        "other probes again in the background)")
     p.add_argument("--profile", metavar="DIR", help="py-spy raw stacks of engine/server runs")
     args = p.parse_args(argv)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="serving-loss-"))
@@ -515,7 +519,8 @@ def prime(args: argparse.Namespace, work: Path, plan) -> None:
     measurement of that checkout and variant then starts on its cache (``cache_dir``) and
     packs with its run cost (raw: the working tree's measured cost)."""
     costs: dict[tuple[str, str], Any] = {}
-    for repo in dict.fromkeys(spec.get("repo", str(args.repo)) for _, _, spec in plan):
+    repos = list(dict.fromkeys(spec.get("repo", str(args.repo)) for _, _, spec in plan))
+    for repo in repos[:1] if args.share_probe else repos:
         for v in args.variants.split(","):
             cache_dir = work / f"probe-cache-{v}-{len(costs)}"
             res = measure(args, work, f"{v}-prime-{len(costs)}", {
@@ -524,6 +529,9 @@ def prime(args: argparse.Namespace, work: Path, plan) -> None:
             costs[repo, v] = (str(cache_dir), res["run_cost"])
             print(f"  probe {v} @ {repo}: {res['probe_status']} in {res['seconds']:.0f} s, "
                   f"run cost {res['run_cost']}, chunk tokens {res['chunk_tokens']}", flush=True)
+    for repo in repos[1:] if args.share_probe else ():
+        for v in args.variants.split(","):
+            costs[repo, v] = costs[repos[0], v]
     for _, v, spec in plan:
         cache_dir, run_cost = costs[spec.get("repo", str(args.repo)), v]
         if spec["mode"] == "raw":

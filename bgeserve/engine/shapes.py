@@ -10,6 +10,12 @@ Padding instead of paying is renting instead of buying: a count that keeps comin
 cheaper run once. So the padding spent to avoid each new count is summed, and once one more
 padding would take that sum past what the new shape costs, the chunk runs at its own count,
 which is then known (a rent-or-buy rule: never more than twice the best choice in hindsight).
+One padding may cost at most ``RENT_SHARE`` of the new shape: a server that sees its texts again
+(a second pass over a corpus) pays the rent again where buying paid once, so rent worth a whole
+new shape per chunk would make the second pass pay what the first saved; at a quarter a count
+must come back four times before renting it cost more than buying it (measured, ov-int8, 4
+one-text clients: 4-5 % on the engine fresh and warm, 0-3 % through the server;
+docs/benchmarks.md).
 A count is known once a run of it succeeded (``ran``): a chunk that ran out of memory taught
 nothing. Per session: a reopened session has met no shape. Pure; no model needed.
 """
@@ -23,6 +29,8 @@ from collections.abc import Callable
 from bgeserve.tuning.runcost import RunCost
 
 Fits = Callable[[int, int], bool]
+
+RENT_SHARE = 0.25  # of a new shape's cost, the most one padding may cost (see above)
 
 
 class RunShapes:
@@ -41,8 +49,9 @@ class RunShapes:
                cap: int | None, max_tokens: int | None) -> int:
         """The length ``count`` texts padded to ``pad_to`` run at: the shortest longer one, up
         to ``cap`` and the chunk budget ``max_tokens`` and fitting memory, whose token count
-        this session has run, where the extra padding costs less than ``cost.new_shape`` (and
-        leaves the padding spent avoiding this count within it; that padding is booked); else
+        this session has run, where the extra padding costs less than ``RENT_SHARE`` of
+        ``cost.new_shape`` (and leaves the padding spent avoiding this count within the whole of
+        it; that padding is booked); else
         ``pad_to``. Without a cap no longer length is taken (padding must stay within the
         model's positions). ``ran`` records the shape once it has run."""
         tokens = count * pad_to
@@ -74,7 +83,7 @@ class RunShapes:
         """``length``'s longer length, its padding added to what avoiding this count has
         spent; None where none pays (called with the lock held)."""
         tokens = count * pad_to
-        budget = cost.new_shape - self._spent.get(tokens, 0.0)
+        budget = min(cost.new_shape * RENT_SHARE, cost.new_shape - self._spent.get(tokens, 0.0))
         base = cost.seconds(count, pad_to)
         for known in self._ran[at:] if budget > 0 else ():
             seq, rest = divmod(known, count)
