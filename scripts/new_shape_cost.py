@@ -2,8 +2,8 @@
 """What a run pays the first time its runtime meets its shape, per variant (raw runtime).
 
 Each variant's session is opened as bgeserve opens it (``serving_loss._open_raw``), warmed on a
-16-token run, then each shape below runs once new and twice more: the first run less the best
-repeat is what that shape cost new. The shapes hold token counts (batch × length) the session
+16-token run, then each shape below runs once new and twice more (two interleaved rounds, as
+the probe times them): the first run less the best repeat is what that shape cost new. The shapes hold token counts (batch × length) the session
 has not run; the last ones hold counts it has, split otherwise (what ``engine/shapes.py``
 counts as known). ``bgeserve probe`` measures the same on three short shapes
 (``tuning.runcost.measure_new_shape``):
@@ -28,19 +28,12 @@ SPLIT = ((1, 262), (1, 524), (2, 262))  # 262, 524, 524 tokens: counts NEW ran, 
 
 
 def costs(run, shapes, clock=time.perf_counter) -> list[tuple[tuple[int, int], float, float]]:
-    """``(shape, first-run extra seconds, best repeat seconds)`` per shape, in order."""
-    out = []
-    for shape in shapes:
-        start = clock()
-        run(*shape)
-        first = clock() - start
-        best = float("inf")
-        for _ in range(2):
-            start = clock()
-            run(*shape)
-            best = min(best, clock() - start)
-        out.append((shape, first - best, best))
-    return out
+    """``(shape, first-run extra seconds, best repeat seconds)`` per shape, in order (each once,
+    then two interleaved rounds: ``runcost.first_and_best``, as the probe times them)."""
+    from bgeserve.tuning.runcost import first_and_best
+
+    return [(shape, first - best, best)
+            for shape, (first, best) in first_and_best(run, shapes, 2, clock).items()]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,13 +51,13 @@ class RunShapes:
         to ``cap`` and the chunk budget ``max_tokens`` and fitting memory, whose token count
         this session has run, where the extra padding costs less than ``RENT_SHARE`` of
         ``cost.new_shape`` (and leaves the padding spent avoiding this count within the whole of
-        it; that padding is booked); else
-        ``pad_to``. Without a cap no longer length is taken (padding must stay within the
-        model's positions). ``ran`` records the shape once it has run."""
+        it; that padding is booked); else ``pad_to``. Without a cap no longer length is taken
+        (padding must stay within the model's positions). ``ran`` records the shape once it
+        has run."""
         tokens = count * pad_to
         with self._lock:
-            at = bisect.bisect_left(self._ran, tokens)
-            if at < len(self._ran) and self._ran[at] == tokens:
+            at, known = self._find(tokens)
+            if known:
                 return pad_to
             if cost is not None and cap is not None:
                 # A chunk within the budget stays within it; one text past it (a long text
@@ -73,10 +73,15 @@ class RunShapes:
         """A run of ``count`` texts padded to ``seq`` succeeded: its token count is known."""
         tokens = count * seq
         with self._lock:
-            at = bisect.bisect_left(self._ran, tokens)
-            if at == len(self._ran) or self._ran[at] != tokens:
+            at, known = self._find(tokens)
+            if not known:
                 self._ran.insert(at, tokens)
             self._spent.pop(tokens, None)
+
+    def _find(self, tokens: int) -> tuple[int, bool]:
+        """Where ``tokens`` stands in the sorted counts run, and whether it is one of them."""
+        at = bisect.bisect_left(self._ran, tokens)
+        return at, at < len(self._ran) and self._ran[at] == tokens
 
     def _known_longer(self, count: int, pad_to: int, at: int, cost: RunCost, *, fits: Fits,
                       cap: int, limit: int | None) -> int | None:

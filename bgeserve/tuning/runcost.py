@@ -12,8 +12,8 @@ It also times what a run pays the first time the runtime meets its shape (``new_
 OpenVINO's CPU plugin prepares its kernels for every new count of tokens a run holds (batch ×
 padded length), ~35-40 ms on full-size ov-int8 on that Zen 4 whatever the count, ~40 % of a
 67-token run; ONNX Runtime's CPU kernels take any shape (0-5 ms, noise: read as 0 below 10 % of
-a run). The scheduler then pads
-a chunk to a count the runtime has already run where that costs less (``engine.shapes``).
+a run). The scheduler then pads a chunk to a count the runtime has already run where that costs
+less (``engine.shapes``).
 
 The shapes are timed unpadded (the fused-attention path) while a chunk of unequal lengths runs
 masked, which costs a little more per run: the rule prices joining slightly low, so it errs
@@ -134,6 +134,27 @@ def fit(timings: Sequence[tuple[int, int, float]]) -> RunCost | None:
     return RunCost(fixed=fixed, per_token=per_token, per_pair=per_pair)
 
 
+def first_and_best(run: Callable[[int, int], None], shapes: Sequence[tuple[int, int]],
+                   rounds: int, clock: Callable[[], float] = time.perf_counter,
+                   ) -> dict[tuple[int, int], tuple[float, float]]:
+    """``shape -> (its first run's seconds, its fastest in rounds after)``: every shape once,
+    then ``rounds`` (≥ 1) rounds interleaved, so a drifting machine drifts for all alike. Runs
+    may raise (the caller's to handle)."""
+    first: dict[tuple[int, int], float] = {}
+    best: dict[tuple[int, int], float] = {}
+    for shape in shapes:
+        start = clock()
+        run(*shape)
+        first[shape] = clock() - start
+    for _ in range(rounds):
+        for shape in shapes:
+            start = clock()
+            run(*shape)
+            elapsed = clock() - start
+            best[shape] = min(best.get(shape, elapsed), elapsed)
+    return {x: (first[x], best[x]) for x in first}
+
+
 def measure_new_shape(run: Callable[[int, int], None],
                       shapes: Sequence[tuple[int, int]] = FRESH_SHAPES,
                       clock: Callable[[], float] = time.perf_counter) -> float:
@@ -142,23 +163,13 @@ def measure_new_shape(run: Callable[[int, int], None],
     one is positive and the median is at least ``NEW_SHAPE_FLOOR`` of a repeat's median, else 0
     (noise: a runtime that takes any shape, whose first runs are only now and then slower).
     Runs may raise (the caller's to handle)."""
-    first: dict[tuple[int, int], float] = {}
-    best: dict[tuple[int, int], float] = {}
-    for shape in shapes:
-        start = clock()
-        run(*shape)
-        first[shape] = clock() - start
-    for _ in range(2):
-        for shape in shapes:
-            start = clock()
-            run(*shape)
-            elapsed = clock() - start
-            best[shape] = min(best.get(shape, elapsed), elapsed)
-    extra = [first[x] - best[x] for x in first]
+    timed = first_and_best(run, shapes, 2, clock)
+    extra = [first - best for first, best in timed.values()]
     if not extra or min(extra) <= 0:
         return 0.0
     median = float(np.median(extra))
-    return median if median >= NEW_SHAPE_FLOOR * float(np.median(list(best.values()))) else 0.0
+    repeat = float(np.median([best for _, best in timed.values()]))
+    return median if median >= NEW_SHAPE_FLOOR * repeat else 0.0
 
 
 def measure_run_cost(run: Callable[[int, int], None], shapes: Sequence[tuple[int, int]] = SHAPES,
@@ -177,16 +188,8 @@ def measure_run_cost(run: Callable[[int, int], None], shapes: Sequence[tuple[int
     if len(shapes) < 3:
         log(f"probe run cost: not measured, {len(shapes)} shapes fit max_seq {max_seq}")
         return None
-    best: dict[tuple[int, int], float] = {}
-    try:
-        for batch, seq in shapes:
-            run(batch, seq)
-        for _ in range(rounds):
-            for shape in shapes:
-                start = clock()
-                run(*shape)
-                elapsed = clock() - start
-                best[shape] = min(best.get(shape, elapsed), elapsed)
+    try:  # the first runs warm up; the fastest of the rounds after count
+        best = {x: b for x, (_, b) in first_and_best(run, shapes, rounds, clock).items()}
     except Exception as exc:  # noqa: BLE001 - a failing shape is data, not fatal
         log(f"probe run cost: not measured, {type(exc).__name__}: {exc}")
         return None
