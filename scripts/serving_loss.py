@@ -215,11 +215,12 @@ def _engine(spec: dict[str, Any], on_chunk):
 
 
 def child_engine(spec: dict[str, Any]) -> dict[str, Any]:
-    inside, chunks = [0.0], [0]
+    inside, chunks, padding = [0.0], [0], [0]
 
     def on_chunk(stats) -> None:
         inside[0] += stats.seconds
         chunks[0] += 1
+        padding[0] += stats.batch * stats.pad_to - stats.real_tokens
 
     engine = _engine(spec, on_chunk)
     if spec.get("run_cost") and hasattr(engine, "set_run_cost"):
@@ -227,13 +228,14 @@ def child_engine(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         engine.embed(spec["texts"] if spec.get("warm_pass") else ["warm up"], dense=True,
                      sparse=True)
-        inside[0], chunks[0] = 0.0, 0
+        inside[0], chunks[0], padding[0] = 0.0, 0, 0
         started = time.perf_counter()
         out = engine.embed(spec["texts"], dense=True, sparse=True)
         wall = time.perf_counter() - started
     finally:
         engine.close()
-    return {"wall_s": wall, "inside_s": inside[0], "chunks": chunks[0], "dense": out.dense}
+    return {"wall_s": wall, "inside_s": inside[0], "chunks": chunks[0], "padding": padding[0],
+            "dense": out.dense}
 
 
 def _free_port() -> int:
@@ -281,18 +283,20 @@ def _start_server(spec: dict[str, Any]) -> tuple[subprocess.Popen, str]:
         time.sleep(0.25)
 
 
-def _inference_runs(base: str) -> tuple[float, int]:
-    """Seconds inside the runtime's runs and how many runs (chunks), from the server's
-    /metrics."""
+def _inference_runs(base: str) -> tuple[float, int, int]:
+    """Seconds inside the runtime's runs, how many runs (chunks) and padding tokens, from the
+    server's /metrics."""
     import httpx
 
-    seconds, runs = 0.0, 0
+    seconds, runs, padding = 0.0, 0, 0
     for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
         if line.startswith("bgeserve_inference_duration_seconds_sum"):
             seconds = float(line.split()[-1])
         elif line.startswith("bgeserve_inference_duration_seconds_count"):
             runs = int(float(line.split()[-1]))
-    return seconds, runs
+        elif line.startswith("bgeserve_padding_tokens_total"):
+            padding = int(float(line.split()[-1]))
+    return seconds, runs, padding
 
 
 async def _post_all(base: str, route: str, bodies: list[bytes], clients: int):
@@ -344,14 +348,15 @@ def child_http(spec: dict[str, Any]) -> dict[str, Any]:
         wall, _, results = asyncio.run(_post_all(
             base, "/v1/embeddings:both", [_body([t]) for t in spec["texts"]], spec["clients"]))
         after = _inference_runs(base)
-        inside, chunks = after[0] - before[0], after[1] - before[1]
+        inside, chunks, padding = (a - b for a, b in zip(after, before))
     finally:
         _stop_spy(spy)
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     dense = np.stack([np.frombuffer(base64.b64decode(r["data"][0]["embedding"]), "<f4")
                       for r in results])
-    return {"wall_s": wall, "inside_s": inside, "chunks": chunks, "dense": dense}
+    return {"wall_s": wall, "inside_s": inside, "chunks": chunks, "padding": padding,
+            "dense": dense}
 
 
 def _spy(spec: dict[str, Any], pid: int) -> subprocess.Popen | None:
@@ -547,8 +552,8 @@ def report(rows: dict[str, list[dict]], plan, args, data, work: Path) -> None:
     print(f"\n{len(data['texts'])} texts, {sum(data['lengths'])} tokens, {args.rounds} rounds, "
           f"{args.threads} threads\n")
     print("| run | tokens/s per round | median | inside the runtime (median share) | chunks "
-          "per round |")
-    print("|---|---|---|---|---|")
+          "per round | padding tokens per round |")
+    print("|---|---|---|---|---|---|")
     for label, _, _ in plan:
         rs = rows[label]
         if rs and "tokens_per_s" in rs[0]:
@@ -557,7 +562,8 @@ def report(rows: dict[str, list[dict]], plan, args, data, work: Path) -> None:
             print(f"| {label} | {rates} | "
                   f"{_med([r['tokens_per_s'] for r in rs]):.1f} | "
                   + (f"{_med(inside):.1%}" if inside else "—") + " | "
-                  + (" / ".join(str(r.get("chunks", "—")) for r in rs)) + " |")
+                  + (" / ".join(str(r.get("chunks", "—")) for r in rs)) + " | "
+                  + (" / ".join(str(r.get("padding", "—")) for r in rs)) + " |")
     print()
     variants = args.variants.split(",")
     for v in variants:

@@ -90,6 +90,39 @@ def test_attention_makes_padding_long_texts_dearer():
     assert not cost.joining_pays(1, 400, 405)  # 5 tokens of a 400-token text cost 45 ms
 
 
+def test_a_run_of_a_count_the_session_has_not_run_costs_the_new_shape_too():
+    """OpenVINO prepares its kernels for every new token count (37 ms here): on a session that
+    has met no shape a text joins where the padding costs less than its run and the new shape
+    it would meet alone; where the session has run the counts, against its run alone."""
+    cost = RunCost(fixed=0.010, per_token=1e-3, new_shape=0.037)
+    fresh, warm = (lambda tokens: False), (lambda tokens: True)
+    assert not cost.joining_pays(1, 100, 130)  # 30 ms of padding against a 10 ms run
+    assert not cost.joining_pays(1, 100, 130, known=warm)
+    assert cost.joining_pays(1, 100, 130, known=fresh)  # 30 ms against 10 + 37
+    assert not cost.joining_pays(1, 100, 150, known=fresh)  # 50 ms against 47
+    # Only new counts pay: the text alone (130) and the chunk (100) known, the joined chunk's
+    # 260 not: joining would pay the new shape it avoids.
+    assert not cost.joining_pays(1, 100, 130, known=lambda tokens: tokens in (100, 130))
+    assert cost.joining_pays(1, 100, 130, known=lambda tokens: tokens == 260)
+    # A runtime that takes any shape (new_shape 0) packs alike whatever the session has run.
+    assert not RunCost(fixed=0.010, per_token=1e-3).joining_pays(1, 100, 130, known=fresh)
+
+
+def test_plan_batches_more_for_a_session_that_has_met_few_shapes():
+    lengths = [120, 100, 135]
+    cost = RunCost(fixed=0.010, per_token=1e-3, new_shape=0.037)
+
+    def packed(known=None):
+        return plan(lengths, fits=always, max_chunk=64, max_tokens=1024, min_fill=0.75,
+                    run_cost=cost, known=known)
+
+    assert [c.indices for c in packed(lambda tokens: False)] == [(1, 0, 2)]
+    assert [c.indices for c in packed(lambda tokens: True)] == [(1,), (0,), (2,)]
+    assert packed() == packed(lambda tokens: True)
+    packer = Packer(Rules(max_chunk=64, max_tokens=1024, min_fill=0.75, run_cost=cost))
+    assert len(packer.plan(lengths, known=lambda tokens: False)) == 1
+
+
 def test_plan_with_a_small_run_cost_does_not_pad_texts_of_different_lengths():
     """Four one-text clients of 100-480 tokens on OpenVINO int8: min_fill 0.75 alone pads them
     together; the run cost leaves each to its own run, and still batches equal short texts."""

@@ -490,6 +490,24 @@ def test_a_chunk_runs_at_a_shape_its_session_has_run_where_that_is_cheaper():
         assert factory.calls[-1].forward is not factory.calls[0].forward
 
 
+def test_a_session_that_has_met_few_shapes_batches_more():
+    """Texts of 100 and 120 tokens: padding the first by 20 costs more than a run (10 ms) but
+    less than a run and a new shape (47 ms). The session that has run both counts runs them
+    apart; a reopened one, which has run nothing, runs them together."""
+    factory = Factory()
+    with scheduler(factory, pad_cap=512) as sched:
+        sched.packer.set_run_cost(RunCost(fixed=0.01, per_token=0.001, new_shape=0.037))
+        for tag, lengths in ((1, [98]), (2, [118]), (3, [98, 118])):
+            job = job_of(unique_texts(tag, lengths))
+            sched.submit(job)
+            assert_dense_right(job)
+        sched.unload()
+        job = job_of(unique_texts(4, [98, 118]))
+        sched.submit(job)
+        assert_dense_right(job)
+    assert [c.shape for c in factory.calls] == [(1, 100), (1, 120), (1, 100), (1, 120), (2, 120)]
+
+
 def test_a_solo_jobs_chunk_is_never_lengthened():
     """The canary is checked bit for bit against its first run alone: its chunk runs as
     packed even where a known shape would be cheaper than a new one."""

@@ -67,9 +67,11 @@ def test_a_count_is_known_only_once_a_run_of_it_succeeded():
     assert shapes.length(1, 100, COST, fits=always, cap=8192, max_tokens=1024) == 100
     assert len(shapes) == 0
     assert shapes.length(1, 90, COST, fits=always, cap=8192, max_tokens=1024) == 90
+    assert not shapes.known(100)
     shapes.ran(1, 100)
     shapes.ran(1, 100)
     assert len(shapes) == 1
+    assert shapes.known(100) and not shapes.known(90)
     assert shapes.length(1, 90, COST, fits=always, cap=8192, max_tokens=1024) == 100
 
 

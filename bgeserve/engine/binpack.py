@@ -15,7 +15,9 @@ rounding is wanted padding, so ``min_fill`` still judges a chunk by its texts' o
 With a ``RunCost`` (what a run of a shape takes, measured where it runs) a text joins a chunk
 only where padding the chunk to it costs less than the run it saves: a runtime whose fixed cost
 per run is small against a token's (OpenVINO's int8 on a CPU) then pads little, one whose runs
-cost more to start batches more, each up to ``min_fill``.
+cost more to start batches more, each up to ``min_fill``. A run whose token count the session
+has not run yet also pays the new shape (``known``; OpenVINO prepares its kernels per count),
+so a session that has met few shapes batches more than one that has met its texts' counts.
 """
 
 from __future__ import annotations
@@ -75,8 +77,11 @@ def chunk_fits(count: int, longest: int, real_tokens: int, *, fits: Fits, max_ch
 
 def plan(lengths: Sequence[int], *, fits: Fits, max_chunk: int,
          max_tokens: int | None = None, min_fill: float = 0.0, pad_multiple: int = 1,
-         pad_cap: int | None = None, run_cost: RunCost | None = None) -> list[Chunk]:
+         pad_cap: int | None = None, run_cost: RunCost | None = None,
+         known: Callable[[int], bool] | None = None) -> list[Chunk]:
     """Pack texts of the given token lengths; every index appears in exactly one chunk.
+    ``known``: the token counts the session that runs them has run (``RunCost.joining_pays``
+    prices a run of a new count with its ``new_shape``).
 
     Chunks come out shortest first. Ties keep input order, so equal texts stay in order.
     """
@@ -102,7 +107,8 @@ def plan(lengths: Sequence[int], *, fits: Fits, max_chunk: int,
                           pad_cap=pad_cap):
             return False
         return run_cost is None or run_cost.joining_pays(
-            count, padded(count, before), padded(count + 1, longest), padded(1, longest))
+            count, padded(count, before), padded(count + 1, longest), padded(1, longest),
+            known)
 
     for i in order:
         longest = max(int(lengths[i]), 1)

@@ -10,7 +10,7 @@ one thread (the tuner's) calls them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -60,12 +60,14 @@ class Packer:
         cost = self.cost
         return True if cost is None else cost.fits(batch, seq)
 
-    def plan(self, lengths: Sequence[int]) -> list[Chunk]:
-        """Chunks of the texts of these lengths, each with the length it is padded to."""
+    def plan(self, lengths: Sequence[int],
+             known: Callable[[int], bool] | None = None) -> list[Chunk]:
+        """Chunks of the texts of these lengths, each with the length it is padded to;
+        ``known``: the token counts the session that runs them has run (``RunShapes.known``)."""
         r = self.rules
         return plan(lengths, fits=self.fits, max_chunk=r.max_chunk, max_tokens=r.max_tokens,
                     min_fill=r.min_fill, pad_multiple=r.pad_multiple, pad_cap=r.pad_cap,
-                    run_cost=r.run_cost)
+                    run_cost=r.run_cost, known=known)
 
     def pad_length(self, count: int, longest: int) -> int:
         """What ``count`` texts whose longest has ``longest`` tokens are padded to (the halves

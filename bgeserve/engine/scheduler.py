@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import logging
 import threading
 import time
@@ -275,7 +276,7 @@ class Scheduler(Workers):
                     self._purge()
                     if not self._pending:
                         continue
-                    chunk = self._chunk_now()
+                    chunk = self._chunk_now(worker)
                     if chunk is None:  # waited (part of) the batch window: look again
                         continue
                     # Held until answered, under the same lock: if this worker dies, the pieces
@@ -289,12 +290,12 @@ class Scheduler(Workers):
                 if not self._cond.wait(idle) and self._forwards[worker] is not None:
                     return "unload"
 
-    def _chunk_now(self) -> Taken | None:
-        """The next chunk, unless the batch window is still open for it: then wait (None),
-        or take a solo job's chunk (called with the lock held)."""
+    def _chunk_now(self, worker: int) -> Taken | None:
+        """The next chunk for ``worker``, unless the batch window is still open for it: then
+        wait (None), or take a solo job's chunk (called with the lock held)."""
         wait = self._pending.oldest_arrival() + self.config.batch_delay_s - time.monotonic()
         if wait <= 0 or self._stopping or self._flushing:
-            return self._take_chunk()
+            return self._take_chunk(worker)
         # A solo job (the canary, at start-up and for /health/deep; the reranker's priming
         # pair) runs alone whatever arrives: the window would only delay it (the start by
         # BGE_M3_BATCH_DELAY_MS, a deep check past its own deadline).
@@ -303,10 +304,16 @@ class Scheduler(Workers):
             self._cond.wait(wait)
         return solo
 
-    def _take_chunk(self) -> Taken:
+    def _take_chunk(self, worker: int) -> Taken:
         """The next chunk: the anchor text of the request served longest ago, with its
-        length neighbours (``PendingQueue.take``; called with the lock held)."""
-        return self._pending.take(self.packer.plan, self.config.cross_request)
+        length neighbours (``PendingQueue.take``; called with the lock held), packed as
+        ``worker``'s session would run them: a run of a token count it has not met costs
+        it a new shape (``binpack.plan``'s ``known``)."""
+        fwd = self._forwards[worker]
+        # No session yet: the one it opens will have run nothing.
+        known = (self._run_shapes(worker, fwd) if fwd is not None else RunShapes()).known
+        return self._pending.take(functools.partial(self.packer.plan, known=known),
+                                  self.config.cross_request)
 
     def _run_shapes(self, w: int, fwd: Forward) -> RunShapes:
         """What worker ``w``'s session ``fwd`` has run: nothing yet where it is a new one."""

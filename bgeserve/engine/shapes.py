@@ -69,6 +69,11 @@ class RunShapes:
                     return seq
             return pad_to
 
+    def known(self, tokens: int) -> bool:
+        """Whether this session has run a chunk of ``tokens`` tokens (batch × padded length)."""
+        with self._lock:
+            return self._find(tokens)[1]
+
     def ran(self, count: int, seq: int) -> None:
         """A run of ``count`` texts padded to ``seq`` succeeded: its token count is known."""
         tokens = count * seq

@@ -80,13 +80,21 @@ class RunCost:
     def seconds(self, batch: int, seq: int) -> float:
         return self.fixed + batch * seq * (self.per_token + seq * self.per_pair)
 
-    def joining_pays(self, count: int, padded: int, joined: int, alone: int | None = None) -> bool:
+    def joining_pays(self, count: int, padded: int, joined: int, alone: int | None = None,
+                     known: Callable[[int], bool] | None = None) -> bool:
         """Whether a text should join a chunk of ``count`` texts padded to ``padded`` tokens,
         making ``count + 1`` texts padded to ``joined``, rather than run on its own padded to
-        ``alone`` (default ``joined``; lengths as the packer rounds them)."""
+        ``alone`` (default ``joined``; lengths as the packer rounds them). With ``known`` (the
+        token counts the session has run), each run whose count is new costs ``new_shape``
+        more: a session that has met few shapes batches more, one that has met them pads by
+        the run's own cost."""
         alone = joined if alone is None else alone
-        return (self.seconds(count + 1, joined)
-                <= self.seconds(count, padded) + self.seconds(1, alone))
+
+        def cost(batch: int, seq: int) -> float:
+            new = known is not None and self.new_shape > 0 and not known(batch * seq)
+            return self.seconds(batch, seq) + (self.new_shape if new else 0.0)
+
+        return cost(count + 1, joined) <= cost(count, padded) + cost(1, alone)
 
 
 # Small shapes, cheap to time (~800 tokens a pass), apart in rows (what the fixed cost is read

@@ -430,8 +430,9 @@ class Tuner:
             log.info("packing: a run costs %.1f ms plus %.3f ms per padded token (%.3f us per "
                      "token per position), %.1f ms more the first time its shape runs: a text "
                      "joins a chunk only where padding the chunk to it costs less than its own "
-                     "run, and a chunk pads to a shape already run where that costs less than "
-                     "a new one", cost.fixed * 1e3, cost.per_token * 1e3, cost.per_pair * 1e6,
+                     "run and the new shapes it saves, and a chunk pads to a shape already run "
+                     "where that costs less than a new one", cost.fixed * 1e3,
+                     cost.per_token * 1e3, cost.per_pair * 1e6,
                      cost.new_shape * 1e3)
         self._apply_run_cost(cost)
 
