@@ -147,6 +147,8 @@ def child_raw(spec: dict[str, Any]) -> dict[str, Any]:
     ids0 = tokenizer.encode(["warm up"]).ids
     run(*pad_chunk(ids0, len(ids0[0])))
     cfg = SchedulerConfig()
+    # Packed as a session that has run every count would be (no ``known``): the engine and the
+    # server price new counts too, so on a fresh process their chunks may differ from these.
     kwargs = {"run_cost": _run_cost(spec)} if spec.get("run_cost") else {}
 
     def corpus_pass():

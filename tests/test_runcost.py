@@ -100,12 +100,21 @@ def test_a_run_of_a_count_the_session_has_not_run_costs_the_new_shape_too():
     assert not cost.joining_pays(1, 100, 130, known=warm)
     assert cost.joining_pays(1, 100, 130, known=fresh)  # 30 ms against 10 + 37
     assert not cost.joining_pays(1, 100, 150, known=fresh)  # 50 ms against 47
-    # Only new counts pay: the text alone (130) and the chunk (100) known, the joined chunk's
-    # 260 not: joining would pay the new shape it avoids.
-    assert not cost.joining_pays(1, 100, 130, known=lambda tokens: tokens in (100, 130))
+    # Only new counts pay: the joined chunk's 260 known, the others not.
     assert cost.joining_pays(1, 100, 130, known=lambda tokens: tokens == 260)
-    # A runtime that takes any shape (new_shape 0) packs alike whatever the session has run.
-    assert not RunCost(fixed=0.010, per_token=1e-3).joining_pays(1, 100, 130, known=fresh)
+    # Never less joining than by the runs' own cost: the joined count (200, 210) new, the rest
+    # known, joining still pays by the runs alone (it buys the count; declined, the saved run
+    # would be paid every time these texts meet).
+    assert cost.joining_pays(1, 100, 100, known=lambda tokens: tokens == 100)
+    assert cost.joining_pays(1, 100, 105, known=lambda tokens: tokens in (100, 105))
+    assert not cost.joining_pays(1, 100, 130, known=lambda tokens: tokens in (100, 130))
+
+
+def test_a_runtime_that_takes_any_shape_packs_alike_whatever_the_session_has_run():
+    cost = RunCost(fixed=0.010, per_token=1e-3)
+    for known in (lambda tokens: False, lambda tokens: True, None):
+        assert not cost.joining_pays(1, 100, 130, known=known)
+        assert cost.joining_pays(1, 100, 105, known=known)
 
 
 def test_plan_batches_more_for_a_session_that_has_met_few_shapes():
@@ -121,6 +130,21 @@ def test_plan_batches_more_for_a_session_that_has_met_few_shapes():
     assert packed() == packed(lambda tokens: True)
     packer = Packer(Rules(max_chunk=64, max_tokens=1024, min_fill=0.75, run_cost=cost))
     assert len(packer.plan(lengths, known=lambda tokens: False)) == 1
+
+
+def test_plan_asks_about_the_counts_chunks_run_at_once_rounded():
+    """With pad_multiple 16, a chunk of 100- and 120-token texts runs at 2 x 128: that count
+    (and 112, 128 for the runs apart) is what a session may have run."""
+    asked: list[int] = []
+
+    def known(tokens: int) -> bool:
+        asked.append(tokens)
+        return False
+
+    plan([100, 120], fits=always, max_chunk=64, max_tokens=1024, min_fill=0.75,
+         pad_multiple=16, pad_cap=512, run_cost=RunCost(fixed=0.01, per_token=1e-3,
+                                                        new_shape=0.037), known=known)
+    assert sorted(set(asked)) == [112, 128, 256]
 
 
 def test_plan_with_a_small_run_cost_does_not_pad_texts_of_different_lengths():

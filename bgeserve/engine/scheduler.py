@@ -44,6 +44,11 @@ from bgeserve.tuning.audit import WorkspaceAudit
 log = logging.getLogger("bgeserve.scheduler")
 
 
+def _nothing_run(tokens: int) -> bool:
+    """``RunShapes.known`` of a session not opened yet."""
+    return False
+
+
 SHUTTING_DOWN = "the engine is shutting down (the server is stopping, or Engine.close() was called)"
 
 
@@ -310,8 +315,9 @@ class Scheduler(Workers):
         ``worker``'s session would run them: a run of a token count it has not met costs
         it a new shape (``binpack.plan``'s ``known``)."""
         fwd = self._forwards[worker]
-        # No session yet: the one it opens will have run nothing.
-        known = (self._run_shapes(worker, fwd) if fwd is not None else RunShapes()).known
+        # No session yet: the one it opens will have run nothing. (A session unloaded between
+        # this take and the run prices one chunk by the old session's counts: a cost, no more.)
+        known = self._run_shapes(worker, fwd).known if fwd is not None else _nothing_run
         return self._pending.take(functools.partial(self.packer.plan, known=known),
                                   self.config.cross_request)
 

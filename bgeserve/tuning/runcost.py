@@ -84,17 +84,25 @@ class RunCost:
                      known: Callable[[int], bool] | None = None) -> bool:
         """Whether a text should join a chunk of ``count`` texts padded to ``padded`` tokens,
         making ``count + 1`` texts padded to ``joined``, rather than run on its own padded to
-        ``alone`` (default ``joined``; lengths as the packer rounds them). With ``known`` (the
-        token counts the session has run), each run whose count is new costs ``new_shape``
-        more: a session that has met few shapes batches more, one that has met them pads by
-        the run's own cost."""
+        ``alone`` (default ``joined``; lengths as the packer rounds them).
+
+        With ``known`` (the token counts the session has run) a text also joins where it pays
+        once each run of a new count costs ``new_shape`` more: a session that has met few
+        shapes batches more. Never less than by the runs' own cost, which is what they cost
+        once their counts are known: a joined count it has not run is bought (declined, the run
+        it would save is paid again every time the same texts meet). A new count the
+        scheduler then pads to a known one (``engine.shapes``) costs less than priced here,
+        so this errs towards joining."""
         alone = joined if alone is None else alone
 
-        def cost(batch: int, seq: int) -> float:
-            new = known is not None and self.new_shape > 0 and not known(batch * seq)
-            return self.seconds(batch, seq) + (self.new_shape if new else 0.0)
+        def pays(new_shapes: bool) -> bool:
+            def cost(batch: int, seq: int) -> float:
+                new = new_shapes and known is not None and not known(batch * seq)
+                return self.seconds(batch, seq) + (self.new_shape if new else 0.0)
 
-        return cost(count + 1, joined) <= cost(count, padded) + cost(1, alone)
+            return cost(count + 1, joined) <= cost(count, padded) + cost(1, alone)
+
+        return pays(False) or (known is not None and self.new_shape > 0 and pays(True))
 
 
 # Small shapes, cheap to time (~800 tokens a pass), apart in rows (what the fixed cost is read
