@@ -242,6 +242,12 @@ class Settings:
     rerank_max_length: int = _var("BGE_M3_RERANK_MAX_LENGTH", _number(int, 16, MAX_POSITIONS),
                                   MAX_POSITIONS, "tokens per (query, document) pair or window, "
                                   "special tokens included")
+    # Not BGE_M3_MODEL_ALIASES: those name bge-m3, whose own scores a rerank request naming
+    # them gets (a client's default reranker name aliased there silently changed the scorer).
+    rerank_model_aliases: tuple[str, ...] = _var(
+        "BGE_M3_RERANK_MODEL_ALIASES", _keys, (),
+        "extra model names that name the reranker (e.g. a client's default, "
+        "rerank-english-v3.0), besides bge-reranker-v2-m3")
     rerank_workers: int | None = _var("BGE_M3_RERANK_WORKERS", _number(int, 1, 256), None,
                                       "the reranker's sessions (default: BGE_M3_WORKERS)")
     rerank_memory_share: float = _var("BGE_M3_RERANK_MEMORY_SHARE", _number(float, 0.05, 0.95),
@@ -308,6 +314,12 @@ class Settings:
             if path is not None and self.tls_cert_file is None:
                 raise ConfigError(f"{name} needs BGE_M3_TLS_CERT_FILE (the server's certificate)",
                                   param=name)
+        both = sorted(set(self.model_aliases) & set(self.rerank_model_aliases))
+        if both:
+            raise ConfigError(
+                f"{both[0]!r} is in both BGE_M3_MODEL_ALIASES (names bge-m3) and "
+                f"BGE_M3_RERANK_MODEL_ALIASES (names the reranker); keep it in one",
+                param="BGE_M3_RERANK_MODEL_ALIASES")
         if self.onnx_batch_size is not None:
             warnings.warn(
                 "BGE_M3_ONNX_BATCH_SIZE is deprecated; it is translated to BGE_M3_TOKEN_BUDGET "

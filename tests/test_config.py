@@ -101,6 +101,8 @@ PARSED = [
     ("BGE_M3_MAX_SEQ_LENGTH", "512", "max_seq_length", 512),
     ("BGE_M3_TRUNCATE", "false", "truncate", False),
     ("BGE_M3_MODEL_ALIASES", "m3, bge ,,x", "model_aliases", ("m3", "bge", "x")),
+    ("BGE_M3_RERANK_MODEL_ALIASES", "rerank-english-v3.0, jina-reranker-v2-base-multilingual",
+     "rerank_model_aliases", ("rerank-english-v3.0", "jina-reranker-v2-base-multilingual")),
     ("BGE_M3_EP", "CUDA", "execution_provider", "cuda"),
     ("BGE_M3_WORKERS", "4", "workers", 4),
     ("BGE_M3_INTRA_THREADS", "2", "intra_threads", 2),

@@ -33,6 +33,7 @@ def test_a_request_past_its_deadline_is_a_504(tiny_export: Path, tmp_path: Path)
         assert r.json()["error"]["code"] == "timeout"
         assert "BGE_M3_REQUEST_TIMEOUT_SECS" in r.json()["error"]["message"]
         assert r.headers["x-request-id"] == "deadline-1"
+        assert r.headers["x-should-retry"] == "false"  # the openai client would run it 3 times
         assert r.elapsed.total_seconds() < 2.5
         assert metric(proc, "bgeserve_deadline_exceeded_requests_total") == 1
         assert proc.health().json()["queue"]["texts"] == 0  # the other seven were dropped

@@ -72,6 +72,25 @@ def test_model_picks_the_scorer_and_unknown_models_are_404() -> None:
         assert_error(c.get("/v1/models/bge-reranker-v2-m3"), 404, "model_not_found", "model")
 
 
+def test_rerank_errors_carry_detail_for_jina_clients() -> None:
+    """On /v1/rerank and /v2/rerank an error also carries the message as ``detail`` (LlamaIndex's
+    JinaRerank raises ``RuntimeError(resp["detail"])``: a KeyError that lost the message
+    before); the embedding routes keep OpenAI's shape alone, TEI's /rerank TEI's."""
+    with serve() as c:
+        for path in ("/v1/rerank", "/v2/rerank"):
+            r = c.post(path, json={"model": "jina-reranker-v1-base-en", "query": "q",
+                                   "documents": DOCS})
+            body = r.json()
+            assert r.status_code == 404 and set(body) == {"error", "detail"}
+            assert body["detail"] == body["error"]["message"]
+            assert "jina-reranker-v1-base-en" in body["detail"]
+            r = c.post(path, content=b"{", headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["detail"] == r.json()["error"]["message"]
+        assert set(c.post("/v1/embeddings", json={"model": "x", "input": "a"}).json()) == {
+            "error"}
+        assert set(c.post("/rerank", json={"query": "q"}).json()) == {"error", "error_type"}
+
+
 def test_bad_bodies_are_enveloped_400s() -> None:
     """A missing query, empty documents, bad weights: 400 in the one envelope naming the field."""
     with serve() as client:

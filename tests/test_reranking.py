@@ -197,3 +197,30 @@ def test_bge_m3_options_sent_to_the_cross_encoder_are_refused() -> None:
         with pytest.raises(InvalidInput, match='"model": "bge-m3"') as info:
             asyncio.run(reranking.rerank(None, None, "q", ["a"], options, None))  # type: ignore
         assert info.value.param == param
+
+
+def test_rerank_aliases_name_the_cross_encoder_and_never_bge_m3s_aliases() -> None:
+    """``BGE_M3_RERANK_MODEL_ALIASES`` names the loaded reranker (a client's default name then
+    gets the cross-encoder, where a bge-m3 alias silently got bge-m3's hybrid score); a name in
+    both alias lists stops the start; with no reranker loaded the aliases name nothing."""
+    from types import SimpleNamespace
+
+    from bgeserve.errors import ConfigError
+    from bgeserve.service.metrics import Metrics
+    from bgeserve.service.reranking import Reranking
+
+    s = Settings(model_aliases=("text-embedding-3-small",),
+                 rerank_model_aliases=("rerank-english-v3.0",))
+    s.validate()
+    reranking = Reranking(Metrics())
+    reranking.settings = s
+    assert reranking.model_ids == () and not reranking.cross_encoder("rerank-english-v3.0")
+    reranking.reranker = SimpleNamespace()  # type: ignore[assignment]  # loaded
+    assert reranking.model_ids == ("bge-reranker-v2-m3", "BAAI/bge-reranker-v2-m3",
+                                   "rerank-english-v3.0")
+    assert reranking.cross_encoder("rerank-english-v3.0") and reranking.cross_encoder(None)
+    assert not reranking.cross_encoder("text-embedding-3-small")
+    assert not reranking.cross_encoder("bge-m3")
+    with pytest.raises(ConfigError, match="'x' is in both") as info:
+        Settings(model_aliases=("x",), rerank_model_aliases=("x",)).validate()
+    assert info.value.param == "BGE_M3_RERANK_MODEL_ALIASES"

@@ -70,6 +70,8 @@ TEI_PATHS = frozenset(route.path for route in tei_routes)
 # TEI routes bgeserve does not serve (a classifier's /predict, Vertex AI's /vertex): their 404
 # is in TEI's shape too, so that a TEI client can read it.
 TEI_UNSERVED = frozenset({"/predict", "/vertex"})
+# Jina's and Cohere's rerank routes: their errors also carry ``detail`` (errors.DETAIL_STYLE).
+DETAIL_PATHS = frozenset({"/v1/rerank", "/v2/rerank"})
 
 
 def _default_factory(settings: Settings) -> Service:
@@ -111,7 +113,7 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
         # clients that write the whole body first (linger.py).
         Middleware(LingeringClose, max_bytes=linger.LINGER_BODY_FACTOR * settings.max_body_bytes,
                    max_seconds=linger.LINGER_SECONDS),
-        Middleware(ErrorStyle, tei_paths=TEI_PATHS | TEI_UNSERVED),
+        Middleware(ErrorStyle, tei_paths=TEI_PATHS | TEI_UNSERVED, detail_paths=DETAIL_PATHS),
         Middleware(BearerAuth, keys=settings.api_keys, open_paths=frozenset(open_paths)),
         Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                    idle_timeout=guards.BODY_IDLE_TIMEOUT_S),

@@ -4,7 +4,8 @@ Every error response, the framework's own included, has one of two shapes, chose
 request's path (``ErrorStyle``): the OpenAI shape ``{"error": {"message", "type", "code",
 "param"}}`` everywhere, and TEI's ``{"error": str, "error_type": str}`` on the routes that speak
 text-embeddings-inference's API (``/embed``, ``/tokenize``, ...), with TEI's statuses
-(``TEI_ERRORS``). Errors are translated where they enter: the service raises ``BgeServeError``
+(``TEI_ERRORS``). On the Jina / Cohere rerank routes the OpenAI shape also carries the message
+as ``detail`` (``DETAIL_STYLE``). Errors are translated where they enter: the service raises ``BgeServeError``
 subclasses, request parsing raises ``InvalidInput`` / ``TooLarge``, middleware raises the
 HTTP-only classes below, and Starlette's ``HTTPException`` (unknown route, wrong method) is
 translated by ``on_http_exception``. Everything that answers an error calls ``respond``.
@@ -116,6 +117,9 @@ TEI_STYLE = "tei"
 # ``inputs`` (embed, tokenize, predict) and ``texts`` (rerank).
 _TEI_FIELDS = {"input": "inputs", "documents": "texts"}
 OPENAI_STYLE = "openai"
+# The OpenAI shape plus ``"detail": message``: LlamaIndex's JinaRerank reads FastAPI's
+# ``detail`` from any answer without ``results`` (a KeyError that hid the message otherwise).
+DETAIL_STYLE = "openai+detail"
 
 # 500s and a missing model may carry internals (paths, runtime errors) in their message: the
 # caller gets a generic text and the request id; the details go to the log only.
@@ -164,6 +168,15 @@ def envelope(status: int, message: str, code: str, param: str | None = None) -> 
     return {"error": {"message": message, "type": kind, "code": code, "param": param}}
 
 
+def openai_body(style: str, status: int, message: str, code: str,
+                param: str | None = None) -> dict[str, Any]:
+    """The OpenAI-shape body in ``style`` (``DETAIL_STYLE`` adds ``detail``)."""
+    body = envelope(status, message, code, param)
+    if style == DETAIL_STYLE:
+        body["detail"] = message
+    return body
+
+
 def json_error(
     status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None
 ) -> Response:
@@ -183,6 +196,11 @@ def error_response(exc: BgeServeError, request_id: str | None = None,
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
     if isinstance(exc, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
+    if isinstance(exc, DeadlineExceeded):
+        # The openai client (and LangChain's, LlamaIndex's on top) retries every 5xx twice
+        # unless told not to: a request that used up its deadline would run three times,
+        # adding its whole cost to the load that made it late. A 429 / 503 stay retryable.
+        headers["x-should-retry"] = "false"
     message = exc.message
     if status >= 500:
         level = logging.ERROR if status == 500 else logging.WARNING
@@ -195,7 +213,7 @@ def error_response(exc: BgeServeError, request_id: str | None = None,
     if style == TEI_STYLE:
         tei, error_type = tei_status(exc)
         return json_error(tei, tei_body(_tei_names(message, exc.param), error_type), headers)
-    return json_error(status, envelope(status, message, exc.code, exc.param), headers)
+    return json_error(status, openai_body(style, status, message, exc.code, exc.param), headers)
 
 
 def style_of(scope: Scope) -> str:
@@ -214,19 +232,24 @@ def respond(exc: BgeServeError, scope: Scope) -> Response:
 
 
 class ErrorStyle:
-    """ASGI middleware: errors on ``tei_paths`` get TEI's shape and statuses.
+    """ASGI middleware: errors on ``tei_paths`` get TEI's shape and statuses, those on
+    ``detail_paths`` the OpenAI shape with ``detail``.
 
     Decided from the path before anything can fail (the auth, body and in-flight guards answer
     before routing), and kept in ``scope["state"]["error_style"]`` for ``respond``.
     """
 
-    def __init__(self, app: ASGIApp, *, tei_paths: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, *, tei_paths: frozenset[str],
+                 detail_paths: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.tei_paths = tei_paths
+        self.detail_paths = detail_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            style = TEI_STYLE if scope["path"] in self.tei_paths else OPENAI_STYLE
+            path = scope["path"]
+            style = (TEI_STYLE if path in self.tei_paths
+                     else DETAIL_STYLE if path in self.detail_paths else OPENAI_STYLE)
             scope.setdefault("state", {})["error_style"] = style
         await self.app(scope, receive, send)
 
@@ -251,7 +274,9 @@ async def on_http_exception(request: Request, exc: Exception) -> Response:
         if exc.status_code == 404:
             message += " (TEI's routes that bgeserve serves: docs/tei.md)"
         return json_error(exc.status_code, tei_body(message, "Validation"), exc.headers)
-    return json_error(exc.status_code, envelope(exc.status_code, message, code), exc.headers)
+    return json_error(exc.status_code,
+                      openai_body(style_of(request.scope), exc.status_code, message, code),
+                      exc.headers)
 
 
 async def on_unexpected(request: Request, exc: Exception) -> Response:
@@ -260,7 +285,7 @@ async def on_unexpected(request: Request, exc: Exception) -> Response:
     log.error("unexpected %s", type(exc).__name__, extra={"request_id": rid})
     message = _GENERIC_MESSAGE.format(rid=rid)
     body = (tei_body(message, "Backend") if style_of(request.scope) == TEI_STYLE
-            else envelope(500, message, "internal_error"))
+            else openai_body(style_of(request.scope), 500, message, "internal_error"))
     return json_error(500, body, {REQUEST_ID_HEADER: rid} if rid else None)
 
 

@@ -141,6 +141,10 @@ class Service:
             model_cost = measure_model_cost(
                 load, s.workers, model_bytes,
                 copies=runtime.weight_copies(serving.runtime, s.workers))
+            if s.rerank_model_aliases and not reranking.configured(s):
+                log.warning("BGE_M3_RERANK_MODEL_ALIASES names a reranker, but none is loaded "
+                            "(BGE_M3_RERANK_MODEL_PATH / BGE_M3_RERANK unset): requests naming "
+                            "%s get a 404", ", ".join(s.rerank_model_aliases))
             if reranking.configured(s):  # beside bge-m3: the free memory is split first
                 resident = self.reranking.load(s, cache_dir)
                 source = tuner.state.memory_source

@@ -13,7 +13,9 @@ if TYPE_CHECKING:
     from bgeserve.service import Service
 
 MODEL_ID = "BAAI/bge-m3"
-DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8", "bf16": "bfloat16"}
+# TEI's names for what the variant computes in (ov-int8 is int8 too, on OpenVINO).
+DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8", "bf16": "bfloat16",
+          "ov-int8": "int8"}
 
 
 def tokenizing_slots() -> int:

@@ -82,7 +82,10 @@ class Reranking:
     @property
     def model_ids(self) -> tuple[str, ...]:
         """The ids ``model`` may name to get the cross-encoder (none when not loaded)."""
-        return RERANK_MODEL_IDS if self.reranker is not None else ()
+        if self.reranker is None:
+            return ()
+        aliases = self.settings.rerank_model_aliases if self.settings is not None else ()
+        return tuple(dict.fromkeys((*RERANK_MODEL_IDS, *aliases)))
 
     # -- start-up --------------------------------------------------------------------------
     def load(self, settings: Settings, cache_dir: Path) -> int:
@@ -177,7 +180,7 @@ class Reranking:
         """Whether ``model`` (None: the default) is scored by the cross-encoder."""
         if self.reranker is None:
             return False
-        return model is None or model in RERANK_MODEL_IDS
+        return model is None or model in self.model_ids
 
     async def rerank(self, m3: Engine, m3_admission: Admission, query: str,
                      documents: list[str], options: RerankOptions, timeout: float | None,
