@@ -68,3 +68,40 @@ def test_every_504_is_counted_once(tiny_export: Path, tmp_path: Path) -> None:
         assert set(statuses) <= {200, 504}, statuses
         assert 504 in statuses, statuses
         assert metric(proc, "bgeserve_deadline_exceeded_requests_total") == statuses.count(504)
+
+
+@pytest.mark.parametrize("route", ["/v1/embeddings", "/embed"])
+def test_a_request_waiting_for_a_tokenizing_slot_gets_its_504_at_the_deadline(
+        tiny_export: Path, tmp_path: Path, route: str) -> None:
+    """Every tokenizing slot taken (behind big requests): the request's deadline runs while it
+    waits, so its 504 comes at the deadline, not once a slot frees and it is tokenized
+    (20 requests of 23 MiB against a 2 s deadline got theirs at 3.4-24 s)."""
+    import asyncio
+
+    from tests.test_service import base_env, serving, wait_health
+
+    env = base_env(tiny_export, tmp_path, BGE_M3_REQUEST_TIMEOUT_SECS="0.5",
+                   BGE_M3_MODEL="fp32")
+    with serving(env) as (client, service):
+        wait_health(client)
+        assert service.admission is not None
+        slots = service.admission._tokenizing = asyncio.Semaphore(0)  # every slot busy
+        big = ["tokenized on a thread " * 40] * 2  # past INLINE_TOKENIZE_CHARS
+        body = {"input": big} if route == "/v1/embeddings" else {"inputs": big}
+        answers: list[tuple[int, float]] = []
+
+        def post() -> None:
+            started = time.monotonic()
+            r = client.post(route, json=body)
+            answers.append((r.status_code, time.monotonic() - started))
+
+        thread = threading.Thread(target=post, daemon=True)
+        thread.start()
+        thread.join(timeout=15)
+        if not answers:  # free the slots (on the app's loop) so that the app can stop
+            client.portal.call(slots.release)  # type: ignore[union-attr]
+            thread.join(timeout=15)
+        assert len(answers) == 1 and answers[0][1] < 15, (
+            f"{answers}: the deadline did not run while the request waited for a slot")
+        status, seconds = answers[0]
+        assert status == 504 and 0.4 < seconds < 5, answers

@@ -230,12 +230,12 @@ class Reranking:
         reranker, admission = self.reranker, self.admission
         assert reranker is not None and admission is not None
         arrived = time.monotonic()
-        plan_, job, future = await admission.submit(query, documents, options, request_id,
-                                                    arrived)
-        remaining = None if timeout is None else max(0.0, arrived + timeout - time.monotonic())
-        # Not wait_for: its task may be cancelled before it starts (no time left after
-        # tokenizing), and the job, queued already, would stay queued until it expired.
-        async with asyncio.timeout(remaining):
+        # Around the admission too, as Service.embed. Not wait_for: its task may be cancelled
+        # before it starts (no time left after tokenizing), and the job, queued already,
+        # would stay queued until it expired.
+        async with asyncio.timeout(timeout):
+            plan_, job, future = await admission.submit(query, documents, options, request_id,
+                                                        arrived)
             embedded = await reranker.engine.await_job(job, future)
         return reranker.finish(plan_, embedded, options)
 
