@@ -381,3 +381,17 @@ def test_malloc_arenas_are_capped_unless_the_environment_sets_them() -> None:
     assert int(heaps("none")[1]) > 2  # glibc's own default: the cap is what changed it
     assert heaps("cap", MALLOC_ARENA_MAX="3") == ["None", "3"]
     assert heaps("cap", GLIBC_TUNABLES="glibc.malloc.arena_max=3") == ["None", "3"]
+
+
+def test_the_colbert_cap_follows_the_memory_unless_set() -> None:
+    """Unset, a request's ColBERT output may take 1/20 of the memory (its peak before it is
+    sent is ~5x: a fixed 512 MiB let one request OOM-kill a server in a 600 MiB container),
+    at most 512 MiB; BGE_M3_MAX_COLBERT_MB wins whatever the memory."""
+    from bgeserve.config import Settings
+    from bgeserve.service.plan import colbert_bytes, engine_config
+
+    small = Settings(available_memory_bytes=600 << 20)
+    assert colbert_bytes(small) == 30 << 20
+    assert engine_config(small).max_colbert_bytes == 30 << 20
+    assert colbert_bytes(Settings(available_memory_bytes=64 << 30)) == 512 << 20
+    assert colbert_bytes(Settings(available_memory_bytes=600 << 20, max_colbert_mb=64)) == 64 << 20

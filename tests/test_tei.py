@@ -313,6 +313,9 @@ def test_decode_one_or_many_sequences(client: TestClient) -> None:
     ({"ids": ["a"]}, 422, "Validation"),
     ({"ids": [-1]}, 422, "Validation"),
     ({}, 422, "Validation"),
+    ({"ids": {"0": 1}}, 422, "Validation"),  # not an array: not "empty" either
+    ({"ids": 7}, 422, "Validation"),
+    ({"ids": "7"}, 422, "Validation"),
 ])
 def test_decode_errors(client: TestClient, body: dict, status: int, error_type: str) -> None:
     """No ids is TEI's 400 Empty; ids that are not token ids are 422."""

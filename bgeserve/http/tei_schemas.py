@@ -166,7 +166,10 @@ def parse_decode(raw: bytes, settings: Settings) -> DecodeRequest:
     """A ``/decode`` body: ``ids`` is one sequence or an array of them."""
     body = load_object(raw)
     ids = _required(body, "ids")
-    if not isinstance(ids, list) or not ids or (isinstance(ids[0], list) and not all(ids)):
+    if not isinstance(ids, list):  # an object, a number, a string: not "empty"
+        raise InvalidInput("ids must be an array of token ids (integers >= 0) or an array of "
+                           "such arrays", param="ids")
+    if not ids or (isinstance(ids[0], list) and not all(ids)):
         raise InvalidInput("ids cannot be empty", param="ids", code="empty_input")
     sequences = ids if isinstance(ids[0], list) else [ids]
     if len(sequences) > settings.max_batch:

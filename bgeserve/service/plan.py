@@ -36,6 +36,7 @@ from bgeserve.runtime.select import (
     runs_right,
 )
 from bgeserve.runtime.session import SessionConfig
+from bgeserve.tuning import memory
 from bgeserve.tuning.tuner import TuningConfig
 
 log = logging.getLogger("bgeserve.backend")
@@ -214,7 +215,25 @@ def engine_config(settings: Settings) -> EngineConfig:
         idle_timeout_s=s.idle_timeout_secs)
     return EngineConfig(max_seq=s.max_seq_length, session=session_config(s), scheduler=scheduler,
                         request_timeout_s=s.request_timeout_secs or None,
-                        max_colbert_bytes=s.max_colbert_mb << 20, cache_bytes=s.cache_mb << 20)
+                        max_colbert_bytes=colbert_bytes(s), cache_bytes=s.cache_mb << 20)
+
+
+# A request's ColBERT output peaks at ~5x its float32 size before it is sent (the chunks'
+# arrays, each text's, the contiguous copy, the base64 or float text, the body): 120 texts of
+# 8,192 tokens under the fixed 512 MiB (126 MB of vectors on the tiny model) OOM-killed a
+# server in a 600 MiB container. At 1/20 of the memory one such request peaks at ~1/4 of it.
+MAX_COLBERT_MB = 512
+COLBERT_MEMORY_SHARE = 20
+
+
+def colbert_bytes(settings: Settings) -> int:
+    """A request's ColBERT output cap: BGE_M3_MAX_COLBERT_MB, else 1/20 of the memory the
+    server may use, at most 512 MiB."""
+    s = settings
+    if s.max_colbert_mb is not None:
+        return s.max_colbert_mb << 20
+    available = memory.detect_available_memory(s.available_memory_bytes).available_bytes
+    return max(1 << 20, min(MAX_COLBERT_MB << 20, available // COLBERT_MEMORY_SHARE))
 
 
 def cache_bytes(settings: Settings) -> int:
