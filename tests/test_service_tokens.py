@@ -146,3 +146,29 @@ def test_info_reports_the_loaded_model(client: TestClient) -> None:
     assert info["max_batch_tokens"] >= MAX_SEQ
     assert info["model_type"] == {"embedding": {"pooling": "cls"}}
     assert info["auto_truncate"] is True and info["tokenization_workers"] >= 2
+
+
+def test_tokenize_decode_and_left_truncation_take_a_tokenizing_slot(
+        client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """/tokenize, /decode and left truncation run in the admission's tokenizing slots, as
+    embedding requests do (run all at once, 12 /decode floods held 2.2 GiB and stalled /health
+    for seconds); a /decode past MAX_DECODE_IDS is a 413 before any id is read."""
+    from bgeserve.http.tei_schemas import MAX_DECODE_IDS
+    from bgeserve.service.admission import Admission
+
+    ran: list[str] = []
+    real = Admission.on_thread
+
+    async def spy(self, work):
+        ran.append(getattr(work, "func", work).__name__)
+        return await real(self, work)
+
+    monkeypatch.setattr(Admission, "on_thread", spy)
+    assert client.post("/tokenize", json={"inputs": "hello"}).status_code == 200
+    assert client.post("/decode", json={"ids": [5, 6]}).status_code == 200
+    r = client.post("/embed", json={"inputs": LONG, "truncation_direction": "left"})
+    assert r.status_code == 200, r.text
+    assert ran == ["tokens", "decode", "encode_left"]
+    r = client.post("/decode", json={"ids": [[5] * 1024] * (MAX_DECODE_IDS // 1024 + 1)})
+    assert r.status_code == 413 and r.json()["error_type"] == "Validation"
+    assert str(MAX_DECODE_IDS) in r.json()["error"] and ran[3:] == []

@@ -292,7 +292,7 @@ class Service:
             # Around the admission too: a request waiting for a tokenizing slot behind big
             # ones got its 504 only once tokenized (20 requests of 23 MiB against a 2 s
             # deadline: 3.4-24 s). One being tokenized still answers when its thread ends
-            # (its memory stays accounted until then: Admission._on_thread). Not wait_for: its
+            # (its memory stays accounted until then: Admission.on_thread). Not wait_for: its
             # task would submit the job one loop iteration later.
             async with asyncio.timeout(timeout):
                 job, future = await self.admission.submit(inputs, options, request_id,
@@ -365,16 +365,23 @@ class Service:
     async def tokenize(self, texts: Sequence[str],
                        add_special_tokens: bool = True) -> list[list[Token]]:
         """Every token of each text with UTF-8 byte offsets (TEI's ``/tokenize``)."""
-        return await tokens.tokenize(self._engine(), texts, add_special_tokens)
+        return await tokens.tokenize(self._engine(), texts, add_special_tokens,
+                                     self._tokenizing)
 
     async def decode(self, sequences: Sequence[Sequence[int]],
                      skip_special_tokens: bool = True) -> list[str]:
         """The text of each id sequence (TEI's ``/decode``)."""
-        return await tokens.decode(self._engine(), sequences, skip_special_tokens)
+        return await tokens.decode(self._engine(), sequences, skip_special_tokens,
+                                   self._tokenizing)
 
     async def truncate_left(self, texts: Sequence[str]) -> list[Any]:
         """Token ids of each text cut from the left past max_seq (then ``embed`` them)."""
-        return await tokens.truncate_left(self._engine(), texts)
+        return await tokens.truncate_left(self._engine(), texts, self._tokenizing)
+
+    async def _tokenizing(self, work: Callable[[], Any]) -> Any:
+        """``work`` on a thread in one of the admission's tokenizing slots."""
+        assert self.admission is not None
+        return await self.admission.on_thread(work)
 
     def info(self) -> ModelInfo:
         """The served model and its limits (TEI's ``GET /info``)."""

@@ -267,13 +267,13 @@ class _Admitting:
             raise self._aborted
         bound = await self._reserve(chars, lower_bound)
         try:
-            plan, jobs = await self._on_thread(make)
+            plan, jobs = await self.on_thread(make)
             first = self.queue(jobs[0], bound) if jobs else None
         finally:
             self.gate.release(bound)
         return plan, jobs, first
 
-    async def _on_thread(self, work: Callable[[], Made]) -> Made:
+    async def on_thread(self, work: Callable[[], Made]) -> Made:
         """``work()`` (tokenizing) on a thread once a tokenizing slot is free."""
         if self._tokenizing is None:
             self._tokenizing = asyncio.Semaphore(self._slots)
@@ -355,7 +355,7 @@ class Admission(_Admitting):
             # A query or two: tokenizing it here costs less than handing it to a thread and
             # waiting to be woken (measured in docs/benchmarks.md, "Short-query latency").
             return self.engine.make_job(inputs, options, request_id, arrived)
-        return await self._on_thread(functools.partial(
+        return await self.on_thread(functools.partial(
             self.engine.make_job, inputs, options, request_id, arrived))
 
 

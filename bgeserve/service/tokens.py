@@ -1,14 +1,18 @@
 """Tokenizer use-cases beside embedding: ``/tokenize``, ``/decode`` and left truncation.
 
 Plain functions over a started ``Engine`` (the ``Service`` methods of the same names call
-them). Tokenizing is CPU work, so each runs on a worker thread and the event loop keeps
-serving.
+them). Tokenizing is CPU work, so each runs on a thread through ``run``: the ``Service`` passes
+its admission's tokenizing slots, so these requests wait their turn with the embedding ones
+instead of all running at once (12 concurrent /decode floods held 2.2 GiB and stalled /health
+for seconds), and the event loop keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import functools
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,20 +25,29 @@ from bgeserve.results import Token
 MAX_TOKENIZE_TOKENS = 1 << 18
 
 
-async def tokenize(engine: Engine, texts: Sequence[str],
-                   add_special_tokens: bool = True) -> list[list[Token]]:
+Run = Callable[[Callable[[], Any]], Awaitable[Any]]
+
+
+async def _to_thread(work: Callable[[], Any]) -> Any:
+    return await asyncio.to_thread(work)
+
+
+async def tokenize(engine: Engine, texts: Sequence[str], add_special_tokens: bool = True,
+                   run: Run = _to_thread) -> list[list[Token]]:
     """Every token of each text with UTF-8 byte offsets, untruncated (TEI's ``/tokenize``)."""
-    return await asyncio.to_thread(engine.tokenizer.tokens, list(texts), add_special_tokens,
-                                   MAX_TOKENIZE_TOKENS)
+    return await run(functools.partial(engine.tokenizer.tokens, list(texts),
+                                       add_special_tokens, MAX_TOKENIZE_TOKENS))
 
 
 async def decode(engine: Engine, sequences: Sequence[Sequence[int]],
-                 skip_special_tokens: bool = True) -> list[str]:
+                 skip_special_tokens: bool = True, run: Run = _to_thread) -> list[str]:
     """The text of each id sequence (TEI's ``/decode``)."""
-    return await asyncio.to_thread(engine.tokenizer.decode, sequences, skip_special_tokens)
+    return await run(functools.partial(engine.tokenizer.decode, sequences,
+                                       skip_special_tokens))
 
 
-async def truncate_left(engine: Engine, texts: Sequence[str]) -> list[np.ndarray]:
+async def truncate_left(engine: Engine, texts: Sequence[str],
+                        run: Run = _to_thread) -> list[np.ndarray]:
     """Token ids of each text, an over-long one cut from the left: embedding these ids is
     embedding the text with TEI's ``truncation_direction: left``."""
-    return await asyncio.to_thread(engine.tokenizer.encode_left, list(texts))
+    return await run(functools.partial(engine.tokenizer.encode_left, list(texts)))
