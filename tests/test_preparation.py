@@ -602,3 +602,26 @@ def test_step_peaks_fit_a_small_model_in_a_small_container_and_cover_the_measure
     assert peak_bytes("ov-int8", full) >= 7068 << 20
     for step in ("fp32", "int8", "bf16", "ov-int8"):
         assert 340 << 20 < peak_bytes(step, tiny) < 900 << 20, step
+
+
+def test_waiting_for_another_preparation_shows_on_health(tmp_path, monkeypatch) -> None:
+    """While another process prepares the same model, /health's step says so (it stayed at
+    "hashing the model files", progress 0, for the minutes a full-size preparation takes)."""
+    seen: list[dict] = []
+    prep = Preparation()
+
+    class Contended(prepared_module.PreparedStore):
+        def lock(self, key, on_wait=None):
+            on_wait()  # as the store calls it when the lock is held elsewhere
+            seen.append(prep.progress.snapshot())
+            return super().lock(key)
+
+    def fake_recipe(source, out, variants, **kwargs):
+        _write_export(out, variants, {"skipped": {}, "limited": []})
+        return {"variants": variants, "skipped": {}, "seconds": 0.0}
+
+    monkeypatch.setattr(preparation, "PreparedStore", Contended)
+    monkeypatch.setattr(preparation, "run_recipe", fake_recipe)
+    roomy = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": str(64 << 30)})
+    prep.find_or_make(roomy, tmp_path / "cache", _source(tmp_path / "src"), ["fp32"])
+    assert seen[0]["step"] == "waiting for another bgeserve preparing this model"

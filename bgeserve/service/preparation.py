@@ -125,6 +125,11 @@ class Preparation:
             chosen = plan.resolve(dataclasses.replace(chosen, variant_choice=""))
         return chosen
 
+    def _waiting(self, description: str) -> None:
+        # On /health too: minutes at "hashing the model files", progress 0, read as a hang.
+        log.info("another bgeserve is preparing %s: waiting for it", description)
+        self.progress.step("waiting for another bgeserve preparing this model")
+
     def find_or_make(self, s: Settings, cache_dir: Path, source: PrepareSource,
                      wanted: list[str], *, force: bool = False,
                      ) -> tuple[Path, dict[str, Any]]:
@@ -135,9 +140,7 @@ class Preparation:
         digests = file_digests(source.files(), store.digests)
         encoding = int8_weights()
         key = source_key(digests, source.heads, int8_weights=encoding)
-        with store.lock(key, on_wait=lambda: log.info(
-                "another bgeserve is preparing %s: waiting for it", source.description)) \
-                as writable:
+        with store.lock(key, on_wait=lambda: self._waiting(source.description)) as writable:
             if not writable:
                 return self._read_only(store, key, wanted, force=force)
             # An earlier preparation of this key (unless forced): served as it is when it
