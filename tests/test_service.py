@@ -273,6 +273,10 @@ def test_health_ok(client: TestClient) -> None:
     assert model["variant"] == "fp32" and model["layout"] == "bgeserve"
     assert model["backend"].startswith("onnxruntime ")
     assert model["choice"] == "pinned" and model["candidates"] == {}
+    # The limits in force, the ColBERT cap derived from the memory (BGE_M3_MAX_COLBERT_MB unset).
+    limits = body["limits"]
+    assert 1 <= limits["max_colbert_mb"] <= 512 and limits["max_batch"] == 2048
+    assert limits["max_body_bytes"] > 0 and limits["max_inflight_mb"] is None
 
 
 def test_an_unpinned_start_serves_the_rules_pick(tiny_export: Path, tmp_path: Path) -> None:

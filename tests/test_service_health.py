@@ -29,7 +29,8 @@ from tests.test_scheduler import (
 def ready_service(stats: Any) -> Service:
     """A Service that is past loading, its engine reporting ``stats()``."""
     service = Service(Settings())
-    service.engine = SimpleNamespace(stats=stats)  # type: ignore[assignment]
+    service.engine = SimpleNamespace(  # type: ignore[assignment]
+        stats=stats, config=SimpleNamespace(max_colbert_bytes=64 << 20))
     service.artifacts = SimpleNamespace(  # type: ignore[assignment]
         variant="fp32", source="test", runtime="onnxruntime",
         layout=SimpleNamespace(value="bgeserve"))

@@ -51,6 +51,9 @@ def report(service: Service) -> dict[str, Any]:
                "threads_per_worker": s.threads_per_worker,
                "prepare": service.preparation.status},
         tuning=service.tuner.state.as_dict(),
+        # The per-request limits in force, where some are derived from the memory at start
+        # (unset BGE_M3_MAX_COLBERT_MB / BGE_M3_MAX_INFLIGHT_MB): the figures a 413 / 429 names.
+        limits=limits(service),
     )
     rerank = service.reranking.health()
     if rerank is not None:
@@ -58,3 +61,13 @@ def report(service: Service) -> dict[str, Any]:
         if status == "ok" and rerank["status"] in ("warn", "fail"):
             body["status"] = "warn"
     return body
+
+
+def limits(service: Service) -> dict[str, Any]:
+    """Request limits in force: ColBERT output per request, request bodies in progress, one
+    body, texts per request."""
+    s, engine = service.settings, service.engine
+    colbert = engine.config.max_colbert_bytes if engine is not None else None
+    return {"max_colbert_mb": None if colbert is None else round(colbert / 2**20, 1),
+            "max_inflight_mb": s.max_inflight_mb, "max_body_bytes": s.max_body_bytes,
+            "max_batch": s.max_batch}
