@@ -625,3 +625,42 @@ def test_waiting_for_another_preparation_shows_on_health(tmp_path, monkeypatch) 
     roomy = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": str(64 << 30)})
     prep.find_or_make(roomy, tmp_path / "cache", _source(tmp_path / "src"), ["fp32"])
     assert seen[0]["step"] == "waiting for another bgeserve preparing this model"
+
+
+def test_a_step_killed_for_memory_is_tried_again_only_with_more_memory(tmp_path,
+                                                                        monkeypatch) -> None:
+    """A step the kernel killed (its estimate passed, its real peak did not) is recorded with
+    the memory it had: a start with as much serves the export as it is (it was lost for good,
+    or would be killed again at every start); one with over 1.25x that tries it again."""
+    calls: list[tuple[list[str], dict[str, str]]] = []
+    kill: set[str] = {"int8"}
+
+    def fake_recipe(source, out, variants, **kwargs):
+        skip = kwargs["skip"]
+        calls.append((list(variants), dict(skip)))
+        dead = {v: "prepare step 'int8' failed: killed (SIGKILL: most likely out of memory)"
+                for v in variants if v in kill and v not in skip}
+        made = [v for v in variants if v not in skip and v not in dead]
+        _write_export(out, made, {"skipped": {**skip, **dead}, "limited": sorted(skip)})
+        return {"variants": made, "skipped": {**skip, **dead}, "seconds": 0.0}
+
+    monkeypatch.setattr(preparation, "run_recipe", fake_recipe)
+    source = _source(tmp_path / "src")
+    at = 8 << 30
+    same = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": str(at)})
+    more = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": str(int(at * 1.3))})
+    cache, prep = tmp_path / "cache", Preparation()
+
+    first, _ = prep.find_or_make(same, cache, source, ["fp32", "int8"])
+    assert len(calls) == 1 and "SIGKILL" in prep.status["skipped"]["int8"]
+    assert json.loads((first / prepare_plan.KILLED_FILE).read_text()) == {"int8": at}
+    again, _ = prep.find_or_make(same, cache, source, ["fp32", "int8"])
+    assert (again, prep.status["status"], len(calls)) == (first, "cached", 1)
+    # bf16 added with the same memory: int8 stays out (a reason, not another kill), recorded.
+    added, _ = prep.find_or_make(same, cache, source, ["fp32", "int8", "bf16"])
+    assert len(calls) == 2 and "killed (out of memory)" in calls[1][1]["int8"]
+    assert json.loads((added / prepare_plan.KILLED_FILE).read_text()) == {"int8": at}
+    kill.clear()  # with more memory it fits
+    final, _ = prep.find_or_make(more, cache, source, ["fp32", "int8", "bf16"])
+    assert len(calls) == 3 and "int8" not in calls[2][1] and prep.status["status"] == "prepared"
+    assert not (final / prepare_plan.KILLED_FILE).exists()

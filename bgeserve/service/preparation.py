@@ -17,6 +17,7 @@ the child that makes them is recipe.py's.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import shutil
 import subprocess
@@ -152,10 +153,11 @@ class Preparation:
             new = [v for v in wanted if v not in have]
             weights = source.weight_bytes
             available = memory.detect_available_memory(s.available_memory_bytes).available_bytes
+            killed_at = _killed_at(store.path(key)) if earlier is not None else {}
             if earlier is not None:
                 refit = prepare_plan.refit(earlier, new, lambda: prepare_plan.limits(
                     weights, available, store.root, new,
-                    copied=prepare_plan.copied(source, store.root)))
+                    copied=prepare_plan.copied(source, store.root)), killed_at, available)
                 if prepare_plan.covers(earlier, wanted) and not refit:
                     self.status = {"status": "cached", "key": key}
                     log.info("prepared export found: %s (variants %s)", store.path(key),
@@ -171,6 +173,9 @@ class Preparation:
             reuse = store.path(key) if earlier is not None else None
             skip = prepare_plan.limits(weights, available, store.root, new,
                                        copied=prepare_plan.copied(source, store.root))
+            held = {v: why for v, why in prepare_plan.kept_out(killed_at, available).items()
+                    if v in new}
+            skip.update(held)
             log.info("preparing %s (variants %s%s%s) into %s", source.description,
                      ", ".join(new), f"; skipping {skip}" if skip else "",
                      f"; {', '.join(sorted(have))} kept from {reuse}" if have else "",
@@ -197,7 +202,9 @@ class Preparation:
             finally:
                 self._started(None)
             final = store.commit(key, staged)
-        skipped = outcome.get("skipped") or {}
+            skipped = outcome.get("skipped") or {}
+            _record_killed(final, {**{v: killed_at[v] for v in held},
+                                   **{v: available for v in prepare_plan.killed(skipped)}})
         self.status = {"status": "prepared", "key": key, "seconds": outcome.get("seconds"),
                        **({"skipped": skipped} if skipped else {})}
         log.info("prepared %s in %.0fs: %s", source.description, outcome.get("seconds", 0),
@@ -241,6 +248,21 @@ class Preparation:
                     "graph: plain attention, exact fp32); BGE_M3_PREPARE=0 skips this step",
                     reason, exc_info=error is not None and not isinstance(
                         error, (PrepareFailed, ModelUnavailable)))
+
+
+def _killed_at(export: Path) -> dict[str, int]:
+    """Variants whose step was killed in an earlier preparation of ``export``, with the bytes
+    available then ({} when none was, or the record cannot be read)."""
+    try:
+        record = json.loads((export / prepare_plan.KILLED_FILE).read_text())
+        return {str(v): int(at) for v, at in record.items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def _record_killed(export: Path, killed_at: dict[str, int]) -> None:
+    if killed_at:
+        (export / prepare_plan.KILLED_FILE).write_text(json.dumps(killed_at) + "\n")
 
 
 def _earlier(store: PreparedStore, key: str) -> dict[str, Any] | None:

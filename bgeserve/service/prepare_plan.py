@@ -141,13 +141,40 @@ def disk_skips(root: Path, weights: int, wanted: list[str], *,
     return skips
 
 
+# A step the kernel killed (SIGKILL: out of memory, its real peak past PEAK's estimate) is
+# tried again only by a start with this much more memory than the one it was killed in: the
+# estimate had passed there, and every start would otherwise spend the step's minutes being
+# killed again. Recorded beside the export (KILLED_FILE: variant -> bytes available then).
+KILLED_FILE = "killed.json"
+KILLED_RETRY_MARGIN = 1.25
+
+
+def killed(skipped: dict[str, str]) -> list[str]:
+    """The variants whose step the kernel killed (most likely out of memory)."""
+    return [v for v, why in skipped.items() if "SIGKILL" in why]
+
+
+def kept_out(killed_at: dict[str, int], available: int) -> dict[str, str]:
+    """The variants killed before that this start, with ``available`` bytes, does not try
+    again, with the reason (not enough more memory than they were killed with)."""
+    return {v: f"killed (out of memory) with {size(at)} available; tried again with more than "
+               f"{size(at * KILLED_RETRY_MARGIN)}"
+            for v, at in killed_at.items() if available <= at * KILLED_RETRY_MARGIN}
+
+
 def refit(manifest: dict[str, Any], new: list[str],
-           limits: Callable[[], dict[str, str]]) -> list[str]:
+          limits: Callable[[], dict[str, str]],
+          killed_at: dict[str, int] | None = None, available: int = 0) -> list[str]:
     """The variants of ``new`` (those ``manifest``'s export lacks) an earlier preparation left
-    out for want of memory or disk (``prepared.limited``) that ``limits`` (this machine's
-    limits for all of ``new``, as the preparation weighs them) finds room for now. A variant
-    whose own step failed is not retried: that takes ``bgeserve prepare --force``."""
-    limited = [v for v in new if v in ((manifest.get("prepared") or {}).get("limited") or [])]
+    out for want of memory or disk (``prepared.limited``), or whose step was killed for it
+    (``killed_at``: retried with ``KILLED_RETRY_MARGIN`` times the memory it had), that
+    ``limits`` (this machine's limits for all of ``new``, as the preparation weighs them)
+    finds room for now. A variant whose own step failed otherwise is not retried: that takes
+    ``bgeserve prepare --force``."""
+    killed_at = killed_at or {}
+    held = kept_out(killed_at, available)
+    wants = set((manifest.get("prepared") or {}).get("limited") or []) | set(killed_at)
+    limited = [v for v in new if v in wants and v not in held]
     if not limited:
         return []
     try:
