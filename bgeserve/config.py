@@ -24,6 +24,8 @@ from bgeserve.errors import ConfigError
 
 T = TypeVar("T")
 
+# The names `model` may give bge-m3 by, whatever BGE_M3_MODEL_ALIASES adds.
+M3_MODEL_IDS = ("bge-m3", "BAAI/bge-m3")
 VARIANTS = ("fp32", "fp16", "int8", "bf16", "ov-int8")
 OPENVINO_VARIANTS = ("bf16", "ov-int8")  # OpenVINO IRs of a `bgeserve export`
 EXECUTION_PROVIDERS = ("cpu", "cuda", "tensorrt", "coreml", "openvino")
@@ -315,10 +317,11 @@ class Settings:
             if path is not None and self.tls_cert_file is None:
                 raise ConfigError(f"{name} needs BGE_M3_TLS_CERT_FILE (the server's certificate)",
                                   param=name)
-        both = sorted(set(self.model_aliases) & set(self.rerank_model_aliases))
+        both = sorted({*M3_MODEL_IDS, *self.model_aliases}
+                      & set(self.rerank_model_aliases))
         if both:
             raise ConfigError(
-                f"{both[0]!r} is in both BGE_M3_MODEL_ALIASES (names bge-m3) and "
+                f"{both[0]!r} names bge-m3 (its own name or BGE_M3_MODEL_ALIASES) and is in "
                 f"BGE_M3_RERANK_MODEL_ALIASES (names the reranker); keep it in one",
                 param="BGE_M3_RERANK_MODEL_ALIASES")
         if self.onnx_batch_size is not None:

@@ -95,9 +95,13 @@ class FakeService:
         return m / np.linalg.norm(m, axis=1, keepdims=True)
 
     async def embed(
-        self, inputs: list[str] | list[list[int]], options: EmbedOptions, *, request_id: str
+        self, inputs: list[str] | list[list[int]], options: EmbedOptions, *, request_id: str,
+        left: bool = False,
     ) -> Embeddings:
-        """Fake vectors; honours ``max_seq_length`` and ``truncate`` like the real service."""
+        """Fake vectors; honours ``max_seq_length``, ``truncate`` and ``left`` like the real
+        service."""
+        if left:
+            inputs = await self.truncate_left(inputs)  # type: ignore[arg-type]
         self.calls.append(Call(list(inputs), options, request_id))
         if self.delay:
             await asyncio.sleep(self.delay)

@@ -70,7 +70,8 @@ def test_every_504_is_counted_once(tiny_export: Path, tmp_path: Path) -> None:
         assert metric(proc, "bgeserve_deadline_exceeded_requests_total") == statuses.count(504)
 
 
-@pytest.mark.parametrize("route", ["/v1/embeddings", "/embed"])
+@pytest.mark.parametrize("route", ["/v1/embeddings", "/embed", "/embed?left", "/tokenize",
+                                   "/decode"])
 def test_a_request_waiting_for_a_tokenizing_slot_gets_its_504_at_the_deadline(
         tiny_export: Path, tmp_path: Path, route: str) -> None:
     """Every tokenizing slot taken (behind big requests): the request's deadline runs while it
@@ -87,7 +88,11 @@ def test_a_request_waiting_for_a_tokenizing_slot_gets_its_504_at_the_deadline(
         assert service.admission is not None
         slots = service.admission._tokenizing = asyncio.Semaphore(0)  # every slot busy
         big = ["tokenized on a thread " * 40] * 2  # past INLINE_TOKENIZE_CHARS
-        body = {"input": big} if route == "/v1/embeddings" else {"inputs": big}
+        body: dict = {"input": big} if route == "/v1/embeddings" else {"inputs": big}
+        if route == "/embed?left":  # cut from the left inside the deadline, not before it
+            route, body["truncation_direction"] = "/embed", "left"
+        if route == "/decode":
+            body = {"ids": [[5, 6, 7]] * 4}
         answers: list[tuple[int, float]] = []
 
         def post() -> None:

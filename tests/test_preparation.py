@@ -625,6 +625,7 @@ def test_waiting_for_another_preparation_shows_on_health(tmp_path, monkeypatch) 
     roomy = Settings.from_env({"BGE_M3_AVAILABLE_MEMORY_BYTES": str(64 << 30)})
     prep.find_or_make(roomy, tmp_path / "cache", _source(tmp_path / "src"), ["fp32"])
     assert seen[0]["step"] == "waiting for another bgeserve preparing this model"
+    assert prep.progress.snapshot()["step"] != seen[0]["step"]  # not once the wait is over
 
 
 def test_a_step_killed_for_memory_is_tried_again_only_with_more_memory(tmp_path,

@@ -14,7 +14,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from bgeserve.config import Settings
+from bgeserve.config import M3_MODEL_IDS, Settings
 from bgeserve.http import guards, handlers, linger, rerank, tei
 from bgeserve.http.context import RequestContext
 from bgeserve.http.errors import EXCEPTION_HANDLERS, ErrorStyle
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 ServiceFactory = Callable[[Settings], "Service"]
 
-BUILTIN_MODEL_IDS = ("bge-m3", "BAAI/bge-m3")
+BUILTIN_MODEL_IDS = M3_MODEL_IDS
 # Request bodies in progress when BGE_M3_MAX_INFLIGHT_MB is unset; `bgeserve serve` sets it
 # from the memory it has (cli.py).
 DEFAULT_INFLIGHT_MB = 256

@@ -52,11 +52,10 @@ async def _parse(request: Request, parse: Any, **kwargs: Any) -> Any:
 async def _embed(request: Request, parsed: TeiEmbedRequest, options: EmbedOptions) -> Embeddings:
     """Embed ``parsed.inputs``; left truncation cuts the texts' ids first, then embeds them."""
     service, state = request.state.service, request.state
-    inputs: Any = parsed.inputs
-    if parsed.left and parsed.truncate:
-        inputs = await service.truncate_left(inputs)
+    # Cut inside the service's deadline (it waits for a tokenizing slot).
     return await unless_disconnected(request, service.embed(
-        inputs, options, request_id=state.request_id))
+        parsed.inputs, options, request_id=state.request_id,
+        left=parsed.left and parsed.truncate))
 
 
 def _dense_rows(result: Embeddings) -> np.ndarray:
@@ -139,7 +138,8 @@ async def root(request: Request) -> Response:
 async def tokenize(request: Request) -> Response:
     """``POST /tokenize``: ``[[{id, text, special, start, stop}]]``, UTF-8 byte offsets."""
     parsed = await _parse(request, parse_tokenize)
-    tokens = await request.state.service.tokenize(parsed.inputs, parsed.add_special_tokens)
+    tokens = await unless_disconnected(request, request.state.service.tokenize(
+        parsed.inputs, parsed.add_special_tokens))
     body = await _maybe_offload(len(parsed.inputs) > OFFLOAD_ITEMS, orjson.dumps, tokens)
     return Response(body, media_type="application/json")
 
@@ -147,7 +147,8 @@ async def tokenize(request: Request) -> Response:
 async def decode(request: Request) -> Response:
     """``POST /decode``: ``[str]``, one text per id sequence."""
     parsed = await _parse(request, parse_decode)
-    return _json(await request.state.service.decode(parsed.ids, parsed.skip_special_tokens))
+    return _json(await unless_disconnected(request, request.state.service.decode(
+        parsed.ids, parsed.skip_special_tokens)))
 
 
 async def info(request: Request) -> Response:

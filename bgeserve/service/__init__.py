@@ -13,8 +13,8 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar, cast
 
 from bgeserve import runtime
 from bgeserve.config import Settings
@@ -36,6 +36,7 @@ from bgeserve.tuning.budget import measure_model_cost, split_available
 from bgeserve.tuning.tuner import Tuner, UnmeasuredFloor
 
 log = logging.getLogger("bgeserve.service")
+T = TypeVar("T")
 
 
 class Service:
@@ -281,8 +282,10 @@ class Service:
         return self.engine
 
     async def embed(self, inputs: Inputs, options: EmbedOptions, *,
-                    request_id: str = "") -> Embeddings:
-        """Embed one request's inputs (texts or token ids) in input order."""
+                    request_id: str = "", left: bool = False) -> Embeddings:
+        """Embed one request's inputs (texts or token ids) in input order; ``left``: texts
+        over max_seq cut from the left first (TEI's ``truncation_direction: left``), inside
+        the request's deadline."""
         engine = self._engine()
         assert self.admission is not None
         started = time.perf_counter()
@@ -295,6 +298,8 @@ class Service:
             # (its memory stays accounted until then: Admission.on_thread). Not wait_for: its
             # task would submit the job one loop iteration later.
             async with asyncio.timeout(timeout):
+                if left:
+                    inputs = await self.truncate_left(cast(Sequence[str], inputs))
                 job, future = await self.admission.submit(inputs, options, request_id,
                                                           arrived)
                 result = await engine.await_job(job, future)
@@ -365,18 +370,31 @@ class Service:
     async def tokenize(self, texts: Sequence[str],
                        add_special_tokens: bool = True) -> list[list[Token]]:
         """Every token of each text with UTF-8 byte offsets (TEI's ``/tokenize``)."""
-        return await tokens.tokenize(self._engine(), texts, add_special_tokens,
-                                     self._tokenizing)
+        return await self._within_deadline(tokens.tokenize(
+            self._engine(), texts, add_special_tokens, self._tokenizing))
 
     async def decode(self, sequences: Sequence[Sequence[int]],
                      skip_special_tokens: bool = True) -> list[str]:
         """The text of each id sequence (TEI's ``/decode``)."""
-        return await tokens.decode(self._engine(), sequences, skip_special_tokens,
-                                   self._tokenizing)
+        return await self._within_deadline(tokens.decode(
+            self._engine(), sequences, skip_special_tokens, self._tokenizing))
 
     async def truncate_left(self, texts: Sequence[str]) -> list[Any]:
         """Token ids of each text cut from the left past max_seq (then ``embed`` them)."""
         return await tokens.truncate_left(self._engine(), texts, self._tokenizing)
+
+    async def _within_deadline(self, work: Awaitable[T]) -> T:
+        """``work`` bounded by BGE_M3_REQUEST_TIMEOUT_SECS (a 504), as an embedding is: behind
+        big requests, /tokenize and /decode wait for a tokenizing slot too."""
+        timeout = self.settings.request_timeout_secs or None
+        try:
+            async with asyncio.timeout(timeout):
+                return await work
+        except TimeoutError:
+            self.metrics_registry.deadline_exceeded()
+            raise DeadlineExceeded(
+                f"the request did not finish within BGE_M3_REQUEST_TIMEOUT_SECS={timeout:g}s"
+            ) from None
 
     async def _tokenizing(self, work: Callable[[], Any]) -> Any:
         """``work`` on a thread in one of the admission's tokenizing slots."""

@@ -126,10 +126,11 @@ class Preparation:
             chosen = plan.resolve(dataclasses.replace(chosen, variant_choice=""))
         return chosen
 
-    def _waiting(self, description: str) -> None:
+    def _waiting(self, description: str) -> bool:
         # On /health too: minutes at "hashing the model files", progress 0, read as a hang.
         log.info("another bgeserve is preparing %s: waiting for it", description)
         self.progress.step("waiting for another bgeserve preparing this model")
+        return True
 
     def find_or_make(self, s: Settings, cache_dir: Path, source: PrepareSource,
                      wanted: list[str], *, force: bool = False,
@@ -141,7 +142,11 @@ class Preparation:
         digests = file_digests(source.files(), store.digests)
         encoding = int8_weights()
         key = source_key(digests, source.heads, int8_weights=encoding)
-        with store.lock(key, on_wait=lambda: self._waiting(source.description)) as writable:
+        waited: list[bool] = []
+        with store.lock(key, on_wait=lambda: waited.append(self._waiting(source.description))
+                        ) as writable:
+            if waited:  # its export is there now, most likely: what follows reads it
+                self.progress.step("reading the prepared export")
             if not writable:
                 return self._read_only(store, key, wanted, force=force)
             # An earlier preparation of this key (unless forced): served as it is when it

@@ -201,8 +201,8 @@ class Reranking:
             else:
                 result = await self._m3(m3, m3_admission, query, documents, options, timeout,
                                         request_id)
-        except TimeoutError:
-            self.metrics.deadline_exceeded()
+        except (TimeoutError, DeadlineExceeded):  # our timer, or the scheduler's expiry:
+            self.metrics.deadline_exceeded()  # counted once either way, as Service.embed
             raise DeadlineExceeded(f"the request did not finish within "
                                    f"BGE_M3_REQUEST_TIMEOUT_SECS={timeout:g}s") from None
         self.metrics.observe_rerank(result, time.perf_counter() - started)
