@@ -300,3 +300,12 @@ def test_health_says_draining_with_503_once_sigterm_came() -> None:
     asyncio.run(main())
     assert service.health()["status"] == "draining"
     assert "draining" not in HEALTHY
+
+
+def test_a_start_stopped_before_it_loads_loads_nothing(tiny_export) -> None:
+    """SIGTERM during the preparation (or the variant choice): the start ends there, instead
+    of loading a graph after "shutdown complete" (2.2 GB inside a container's stop grace)."""
+    service = Service(Settings(model_path=tiny_export, variant="fp32", heartbeat_secs=0))
+    service._stopping.set()
+    service._load()
+    assert service.engine is None and service.fatal_error is None

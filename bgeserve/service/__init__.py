@@ -99,6 +99,9 @@ class Service:
             # Neither BGE_M3_EP nor BGE_M3_MODEL set: the fastest variant measured here (cached).
             self.choice = choice.decide(s, cache_dir, stop=self._stopping)
             s = self.settings = self.choice.settings
+            if self._stopping.is_set():  # stopped mid-preparation (or choice): loading a graph
+                log.info("start-up stopped: the server is shutting down")  # only delays exit
+                return
             self.progress.step("loading the model")
             self.artifacts = artifacts = resolve(model_path=s.model_path, variant=s.variant,
                                                  cache_dir=cache_dir, offline=s.offline,
