@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 ServiceFactory = Callable[[Settings], "Service"]
 
-BUILTIN_MODEL_IDS = M3_MODEL_IDS
 # Request bodies in progress when BGE_M3_MAX_INFLIGHT_MB is unset; `bgeserve serve` sets it
 # from the memory it has (cli.py).
 DEFAULT_INFLIGHT_MB = 256
@@ -83,7 +82,7 @@ def _default_factory(settings: Settings) -> Service:
 
 def model_ids(model_name: str, settings: Settings) -> tuple[str, ...]:
     """Names accepted in ``model``: the service's, the built-in aliases, configured aliases."""
-    names = (model_name, *BUILTIN_MODEL_IDS, *settings.model_aliases)
+    names = (model_name, *M3_MODEL_IDS, *settings.model_aliases)
     return tuple(dict.fromkeys(names))
 
 

@@ -290,27 +290,23 @@ class Service:
         over max_seq cut from the left first (TEI's ``truncation_direction: left``), inside
         the request's deadline."""
         engine = self._engine()
-        assert self.admission is not None
+        admission = self.admission
+        assert admission is not None
         started = time.perf_counter()
         arrived = time.monotonic()  # the deadline counts tokenizing too (job.deadline)
-        timeout = self.settings.request_timeout_secs or None
-        try:
-            # Around the admission too: a request waiting for a tokenizing slot behind big
-            # ones got its 504 only once tokenized (20 requests of 23 MiB against a 2 s
-            # deadline: 3.4-24 s). One being tokenized still answers when its thread ends
-            # (its memory stays accounted until then: Admission.on_thread). Not wait_for: its
-            # task would submit the job one loop iteration later.
-            async with asyncio.timeout(timeout):
-                if left:
-                    inputs = await self.truncate_left(cast(Sequence[str], inputs))
-                job, future = await self.admission.submit(inputs, options, request_id,
-                                                          arrived)
-                result = await engine.await_job(job, future)
-        except (TimeoutError, DeadlineExceeded):  # our timer, or the scheduler's expiry
-            self.metrics_registry.deadline_exceeded()
-            raise DeadlineExceeded(
-                f"the request did not finish within BGE_M3_REQUEST_TIMEOUT_SECS={timeout:g}s"
-            ) from None
+
+        async def run() -> Embeddings:
+            nonlocal inputs
+            if left:
+                inputs = await self.truncate_left(cast(Sequence[str], inputs))
+            job, future = await admission.submit(inputs, options, request_id, arrived)
+            return await engine.await_job(job, future)
+
+        # Around the admission too: a request waiting for a tokenizing slot behind big ones
+        # got its 504 only once tokenized (20 requests of 23 MiB against a 2 s deadline:
+        # 3.4-24 s). One being tokenized still answers when its thread ends (its memory stays
+        # accounted until then: Admission.on_thread).
+        result = await self._within_deadline(run())
         self.metrics_registry.observe_request(result, time.perf_counter() - started)
         return result
 
@@ -387,13 +383,14 @@ class Service:
         return await tokens.truncate_left(self._engine(), texts, self._tokenizing)
 
     async def _within_deadline(self, work: Awaitable[T]) -> T:
-        """``work`` bounded by BGE_M3_REQUEST_TIMEOUT_SECS (a 504), as an embedding is: behind
-        big requests, /tokenize and /decode wait for a tokenizing slot too."""
+        """``work`` bounded by BGE_M3_REQUEST_TIMEOUT_SECS, a 504 counted once past it (embed;
+        /tokenize and /decode, which wait for a tokenizing slot too). Not wait_for: its task
+        would submit an embedding's job one loop iteration later."""
         timeout = self.settings.request_timeout_secs or None
         try:
             async with asyncio.timeout(timeout):
                 return await work
-        except TimeoutError:
+        except (TimeoutError, DeadlineExceeded):  # our timer, or the scheduler's expiry
             self.metrics_registry.deadline_exceeded()
             raise DeadlineExceeded(
                 f"the request did not finish within BGE_M3_REQUEST_TIMEOUT_SECS={timeout:g}s"

@@ -126,11 +126,10 @@ class Preparation:
             chosen = plan.resolve(dataclasses.replace(chosen, variant_choice=""))
         return chosen
 
-    def _waiting(self, description: str) -> bool:
+    def _waiting(self, description: str) -> None:
         # On /health too: minutes at "hashing the model files", progress 0, read as a hang.
         log.info("another bgeserve is preparing %s: waiting for it", description)
-        self.progress.step("waiting for another bgeserve preparing this model")
-        return True
+        self.progress.step(WAITING_STEP)
 
     def find_or_make(self, s: Settings, cache_dir: Path, source: PrepareSource,
                      wanted: list[str], *, force: bool = False,
@@ -142,10 +141,9 @@ class Preparation:
         digests = file_digests(source.files(), store.digests)
         encoding = int8_weights()
         key = source_key(digests, source.heads, int8_weights=encoding)
-        waited: list[bool] = []
-        with store.lock(key, on_wait=lambda: waited.append(self._waiting(source.description))
-                        ) as writable:
-            if waited:  # its export is there now, most likely: what follows reads it
+        with store.lock(key, on_wait=lambda: self._waiting(source.description)) as writable:
+            if self.progress.snapshot().get("step") == WAITING_STEP:
+                # The other one's export is there now, most likely: what follows reads it.
                 self.progress.step("reading the prepared export")
             if not writable:
                 return self._read_only(store, key, wanted, force=force)
@@ -253,6 +251,9 @@ class Preparation:
                     "graph: plain attention, exact fp32); BGE_M3_PREPARE=0 skips this step",
                     reason, exc_info=error is not None and not isinstance(
                         error, (PrepareFailed, ModelUnavailable)))
+
+
+WAITING_STEP = "waiting for another bgeserve preparing this model"
 
 
 def _killed_at(export: Path) -> dict[str, int]:

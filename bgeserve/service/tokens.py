@@ -9,7 +9,6 @@ for seconds), and the event loop keeps serving.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -28,26 +27,22 @@ MAX_TOKENIZE_TOKENS = 1 << 18
 Run = Callable[[Callable[[], Any]], Awaitable[Any]]
 
 
-async def _to_thread(work: Callable[[], Any]) -> Any:
-    return await asyncio.to_thread(work)
-
-
-async def tokenize(engine: Engine, texts: Sequence[str], add_special_tokens: bool = True,
-                   run: Run = _to_thread) -> list[list[Token]]:
+async def tokenize(engine: Engine, texts: Sequence[str], add_special_tokens: bool,
+                   run: Run) -> list[list[Token]]:
     """Every token of each text with UTF-8 byte offsets, untruncated (TEI's ``/tokenize``)."""
     return await run(functools.partial(engine.tokenizer.tokens, list(texts),
                                        add_special_tokens, MAX_TOKENIZE_TOKENS))
 
 
 async def decode(engine: Engine, sequences: Sequence[Sequence[int]],
-                 skip_special_tokens: bool = True, run: Run = _to_thread) -> list[str]:
+                 skip_special_tokens: bool, run: Run) -> list[str]:
     """The text of each id sequence (TEI's ``/decode``)."""
     return await run(functools.partial(engine.tokenizer.decode, sequences,
                                        skip_special_tokens))
 
 
 async def truncate_left(engine: Engine, texts: Sequence[str],
-                        run: Run = _to_thread) -> list[np.ndarray]:
+                        run: Run) -> list[np.ndarray]:
     """Token ids of each text, an over-long one cut from the left: embedding these ids is
     embedding the text with TEI's ``truncation_direction: left``."""
     return await run(functools.partial(engine.tokenizer.encode_left, list(texts)))
