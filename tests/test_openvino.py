@@ -64,6 +64,48 @@ def _closed_over(fn: object) -> list[object]:
     return out
 
 
+def _key_transposes(xml: Path) -> tuple[int, int]:
+    """(Transposes [0, 2, 3, 1] feeding a MatMul, MatMuls with transpose_b) in an IR."""
+    from bgeserve.runtime import openvino
+
+    model = openvino._ov().Core().read_model(str(xml))
+    left = sum(op.get_type_name() == "MatMul"
+               and op.input_value(1).get_node().get_type_name() == "Transpose"
+               and list(op.input_value(1).get_node().input_value(1).get_node().get_data())
+               == [0, 2, 3, 1]
+               for op in model.get_ops())
+    folded = sum(op.get_type_name() == "MatMul" and bool(op.get_attributes().get("transpose_b"))
+                 for op in model.get_ops())
+    return left, folded
+
+
+def test_export_folds_the_key_transposes(tiny_export_bf16: Path) -> None:
+    """q·kᵀ's [0, 2, 3, 1] Transpose (a reference kernel outside OpenVINO's fused attention)
+    is gone: each of the tiny model's 2 layers multiplies by the head split with transpose_b."""
+    assert _key_transposes(tiny_export_bf16 / "bf16" / "model.xml") == (0, 2)
+
+
+def test_folding_a_key_transpose_keeps_the_product() -> None:
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from bgeserve.runtime.openvino import fold_key_transposes
+
+    q = ops.parameter([2, 3, 5, 4], np.float32, name="q")  # [B, heads, L, d]
+    k = ops.parameter([2, 5, 3, 4], np.float32, name="k")  # [B, L, heads, d]
+    scores = ops.matmul(q, ops.transpose(k, ops.constant(np.array([0, 2, 3, 1]))), False, False)
+    model = ov.Model([scores], [q, k])
+    rng = np.random.default_rng(0)
+    feed = {"q": rng.standard_normal((2, 3, 5, 4), np.float32),
+            "k": rng.standard_normal((2, 5, 3, 4), np.float32)}
+    want = np.einsum("bhld,bmhd->bhlm", feed["q"], feed["k"])
+    assert fold_key_transposes(model) == 1 and fold_key_transposes(model) == 0
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    np.testing.assert_allclose(compiled(feed)[0], want, rtol=1e-5, atol=1e-5)
+    assert [op.get_attributes().get("transpose_b") for op in model.get_ops()
+            if op.get_type_name() == "MatMul"] == [True]
+
+
 def test_workers_share_one_compiled_model(tiny_export_bf16: Path, tmp_path: Path) -> None:
     """Two workers = two infer requests on one compiled model; it goes with the last session."""
     config = EngineConfig(session=SessionConfig(threads=1, streams=2),

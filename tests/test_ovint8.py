@@ -57,6 +57,9 @@ def test_linear_layers_are_int8_and_attention_and_heads_stay_float(
     assert all(quantized[n] == 0 for n in attention | heads)
     linear = set(quantized) - attention - heads
     assert len(linear) == 12 and all(quantized[n] >= 1 for n in linear)  # 2 layers x 6
+    from tests.test_openvino import _key_transposes
+
+    assert _key_transposes(tiny_export_ov_int8 / "ov-int8" / "model.xml") == (0, 2)
 
 
 def test_served_ov_int8_agrees_with_fp32_and_keeps_fused_attention(
