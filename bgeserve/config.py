@@ -198,8 +198,9 @@ class Settings:
     max_text_chars: int = _var("BGE_M3_MAX_TEXT_CHARS", _number(int, 1), 131_072,
                                "characters per text")
     max_colbert_mb: int | None = _var("BGE_M3_MAX_COLBERT_MB", _number(int, 1), None,
-                                      "ColBERT output per request (float32 MiB) before 413 "
-                                      "(unset: 1/20 of the memory, <= 512)")
+                                      "ColBERT output (float32 MiB) of a request before 413, "
+                                      "and of the requests in progress together (others wait)"
+                                      " (unset: 1/20 of the memory, <= 512)")
     max_inflight_mb: int | None = _var(
         "BGE_M3_MAX_INFLIGHT_MB", _number(int, 1), None,
         "MiB of request bodies in progress before 429 (unset: 1/8 of the memory, <= 512; "

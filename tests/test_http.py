@@ -799,7 +799,7 @@ def test_create_app_without_factory_is_lazy() -> None:
 def test_http_imports_only_leaves_and_service() -> None:
     """bgeserve.http depends on config, errors, results (and service, lazily) — nothing deeper."""
     allowed = {"bgeserve.config", "bgeserve.errors", "bgeserve.results", "bgeserve.service",
-               "bgeserve.logs", "bgeserve.vocab"}
+               "bgeserve.logs", "bgeserve.vocab", "bgeserve.holds"}
     package = Path(__file__).resolve().parent.parent / "bgeserve" / "http"
     for path in package.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -917,6 +917,32 @@ def test_bodies_in_progress_past_the_allowance_are_429_at_once() -> None:
     assert statuses == [429, 429, 200, 200], statuses
     assert entered == ["/hold", "/after"]
     assert guard.held == 0
+
+
+def test_what_a_request_holds_is_released_once_its_answer_is_sent() -> None:
+    """InflightLimit's scope: a hold handed over inside the app (the room of a request's
+    ColBERT output) is released after the response's last body message, not before."""
+    from bgeserve.holds import release_when_answered
+
+    events: list[str] = []
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        await receive()
+        assert release_when_answered(lambda: events.append("released"))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{", "more_body": True})
+        await send({"type": "http.response.body", "body": b"}"})
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: dict) -> None:
+        events.append(message["type"])
+
+    scope = {**_scope([(b"content-length", b"2")], FakeService(), Settings()), "path": "/x"}
+    anyio.run(guards.InflightLimit(app, max_bytes=150), scope, receive, send)
+    assert events == ["http.response.start", "http.response.body", "http.response.body",
+                      "released"]
 
 
 @pytest.mark.parametrize("handler_cancelled", [False, True])

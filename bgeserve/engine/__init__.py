@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -205,13 +205,18 @@ class Engine:
         return self.tokenizer.encode(texts) if texts is not None else self.tokenizer.from_ids(
             ids or [])
 
+    def colbert_bytes(self, ids: Sequence[np.ndarray]) -> int:
+        """The float32 size of the ColBERT vectors of texts tokenized as ``ids`` (one per
+        token after the first)."""
+        return (sum(len(x) for x in ids) - len(ids)) * self.width * 4
+
     def admit(self, encoded: Encoded, truncate: bool, colbert: bool = False) -> None:
         """Refuse texts over ``max_seq`` (when not truncating) or over the memory budget, and
         ColBERT output over ``max_colbert_bytes``."""
         limit = self.config.max_colbert_bytes
         if colbert and limit is not None:
-            rows = int(encoded.lengths.sum()) - len(encoded.ids)
-            size = rows * self.width * 4
+            size = self.colbert_bytes(encoded.ids)
+            rows = size // (self.width * 4)
             if size > limit:
                 raise TooLarge(
                     f"the ColBERT output of this request would be {size / 2**20:.0f} MiB "

@@ -14,6 +14,7 @@ import hmac
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bgeserve.errors import BgeServeError, InvalidInput, Overloaded, TooLarge
+from bgeserve.holds import answering
 from bgeserve.http.errors import BodyTimeout, Unauthorized, respond
 
 # nginx's client_body_timeout: a client may be slow, but not silent for longer than this.
@@ -134,7 +135,8 @@ class InflightLimit:
     shared allowance from their ``Content-Length`` (or, chunked, from their bytes as they
     arrive) until the response is sent; past it, 429 with ``Retry-After`` at once, before the
     body is read. A request alone is always let in, whatever its size (the body limit bounds
-    it), as the queue takes any job when empty.
+    it), as the queue takes any job when empty. Its scope (``answering``) is also where the
+    room of the request's ColBERT output is given back.
     """
 
     def __init__(self, app: ASGIApp, *, max_bytes: int):
@@ -175,6 +177,9 @@ class InflightLimit:
             return message
 
         try:
-            await self.app(scope, counted_receive, send)
+            # The request's scope: what it holds besides its body (the room of its ColBERT
+            # output, service/outputs.py) is given back here too, once its answer is sent.
+            with answering():
+                await self.app(scope, counted_receive, send)
         finally:
             self.held -= mine

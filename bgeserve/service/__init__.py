@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
-from bgeserve import runtime
+from bgeserve import holds, runtime
 from bgeserve.config import Settings
 from bgeserve.engine import ChunkStats, Engine, Inputs
 from bgeserve.errors import BgeServeError, DeadlineExceeded, NotReady, Overloaded
@@ -24,7 +24,7 @@ from bgeserve.model.artifacts import ModelArtifacts, resolve, validate_cache_dir
 from bgeserve.progress import Progress
 from bgeserve.results import Embeddings, EmbedOptions, ModelInfo, RerankOptions, RerankResult, Token
 from bgeserve.runtime import gpu
-from bgeserve.service import canary, choice, health, plan, reranking, tokens
+from bgeserve.service import canary, choice, health, outputs, plan, reranking, tokens
 from bgeserve.service import info as service_info
 from bgeserve.service.admission import Admission, DrainMeter
 from bgeserve.service.metrics import Metrics
@@ -180,8 +180,10 @@ class Service:
             engine.set_audit(self.audit)
             self._reprobe = lambda: tuner.reprobe(probe_source(engine, spec, in_process=False),
                                                   model_cost, fingerprint, parts)
-            self.admission = Admission(engine, s.max_queue_tokens, self.drain,
-                                       slots=service_info.tokenizing_slots())
+            colbert = engine.config.max_colbert_bytes
+            self.admission = Admission(
+                engine, s.max_queue_tokens, self.drain, slots=service_info.tokenizing_slots(),
+                outputs=None if colbert is None else outputs.OutputAllowance(colbert))
             self.deep = deep
             self.engine = engine
             self.progress.done()
@@ -306,7 +308,10 @@ class Service:
         # got its 504 only once tokenized (20 requests of 23 MiB against a 2 s deadline:
         # 3.4-24 s). One being tokenized still answers when its thread ends (its memory stays
         # accounted until then: Admission.on_thread).
-        result = await self._within_deadline(run())
+        # Its ColBERT output's room is held until the answer is sent: the HTTP layer's scope
+        # (guards.InflightLimit) outlives this one; a library caller's ends here.
+        with holds.answering():
+            result = await self._within_deadline(run())
         self.metrics_registry.observe_request(result, time.perf_counter() - started)
         return result
 

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, TypeVar
 from bgeserve.engine import normalize_inputs
 from bgeserve.engine.scheduler import SHUTTING_DOWN
 from bgeserve.errors import BgeServeError, NotReady, Overloaded
+from bgeserve.holds import release_when_answered
+from bgeserve.service.outputs import OutputAllowance
 
 if TYPE_CHECKING:
     from bgeserve.engine import Engine, Inputs
@@ -316,8 +318,14 @@ class _Admitting:
 
 
 class Admission(_Admitting):
-    """A request's way into the engine's queue: the gate, a tokenizing slot, the submission.
-    ``refused`` counts the 429s decided here (the scheduler counts its own)."""
+    """A request's way into the engine's queue: the gate, a tokenizing slot, room for its
+    ColBERT output (``outputs``: shared by the requests in progress, None: unbounded), the
+    submission. ``refused`` counts the 429s decided here (the scheduler counts its own)."""
+
+    def __init__(self, engine: Engine, max_queue_tokens: int, drain: DrainMeter, slots: int,
+                 outputs: OutputAllowance | None = None) -> None:
+        super().__init__(engine, max_queue_tokens, drain, slots)
+        self.outputs = outputs
 
     def lower_bound(self, inputs: Inputs, stop_above: int) -> int:
         """Tokens ``inputs`` give at least (words, capped at max_seq per text; token ids
@@ -344,6 +352,16 @@ class Admission(_Admitting):
         bound = await self._reserve(chars, lambda room: self.lower_bound(inputs, room))
         try:
             job = await self._tokenize(inputs, options, request_id, arrived)
+            size = self.engine.colbert_bytes(job.ids) if options.colbert else 0
+            if size and self.outputs is not None:
+                # Its exact tokens are known now: while it waits for room for its vectors it
+                # holds none of the queue's (the queue checks them again below).
+                self.gate.release(bound)
+                bound = 0
+                await self.outputs.acquire(size)
+                outputs = self.outputs
+                if not release_when_answered(lambda: outputs.release(size)):
+                    raise RuntimeError("Admission.submit outside outputs.answering()")
             future = self.queue(job, bound)
         finally:
             self.gate.release(bound)

@@ -173,6 +173,15 @@ class _StateCollector:
             ):
                 yield CounterMetricFamily(name, doc, value=counters.get(key, 0) + extra.get(key, 0))
             yield from _cache_metrics(engine.cache_stats())
+            held = getattr(getattr(service, "admission", None), "outputs", None)
+            if held is not None:
+                yield GaugeMetricFamily(
+                    "bgeserve_colbert_held_bytes",
+                    "ColBERT output (float32 bytes) of the requests in progress; at most "
+                    "BGE_M3_MAX_COLBERT_MB unless one request alone holds it", value=held.held)
+                yield GaugeMetricFamily(
+                    "bgeserve_colbert_waiting_requests",
+                    "Requests waiting for room for their ColBERT output", value=held.waiting)
         reranker = getattr(getattr(service, "reranking", None), "engine", None)
         if reranker is not None:
             stats = reranker.stats()

@@ -1,0 +1,74 @@
+"""ColBERT output of the requests in progress, held together within one allowance.
+
+A request's ColBERT vectors (``tokens - 1`` rows of 1,024 floats per text) peak at ~5x their
+float32 size while rendered as JSON, and live until the answer is sent. ``Engine.admit`` caps
+one request's (BGE_M3_MAX_COLBERT_MB, a 413 above it), but requests in progress added up: in a
+600 MiB container three concurrent requests at the 30 MiB cap peaked at 537 MiB.
+``OutputAllowance`` holds them all within that same cap: a request whose vectors do not fit
+beside those of the requests being answered waits for them, first come first served (its
+request deadline bounds the wait); a request alone always fits.
+
+The hold ends once the answer is sent: ``bgeserve.holds.answering()`` opens a request's scope
+(the HTTP layer, around the whole request), and ``release_when_answered`` hands the release to
+it. Outside such a scope (the library) ``Service.embed``'s own ends when its result is returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+
+class OutputAllowance:
+    """Bytes of ColBERT output held by the requests in progress, at most ``max_bytes`` unless
+    one request alone holds more. Used on the event loop only (no lock)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.held = 0
+        self.waiting = 0  # requests waiting for room (a count: /metrics reads it off the loop)
+        self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    def _fits(self, size: int) -> bool:
+        return self.held == 0 or self.held + size <= self.max_bytes
+
+    async def acquire(self, size: int) -> None:
+        """Hold ``size`` bytes, waiting (in arrival order) until they fit; ``release`` them."""
+        if size <= 0:
+            return
+        if not self._waiting and self._fits(size):
+            self.held += size
+            return
+        granted = asyncio.get_running_loop().create_future()
+        self._waiting.append((size, granted))
+        self.waiting += 1
+        try:
+            await granted
+        except asyncio.CancelledError:
+            # The caller left (deadline, client gone): a grant that raced the cancel is given
+            # back, and a waiter that was first lets those behind it through.
+            if granted.done() and not granted.cancelled():
+                self.release(size)
+            else:
+                self._grant()
+            raise
+        finally:
+            self.waiting -= 1
+
+    def release(self, size: int) -> None:
+        if size <= 0:
+            return
+        self.held -= size
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiting:
+            size, granted = self._waiting[0]
+            if granted.done():  # cancelled while waiting
+                self._waiting.popleft()
+                continue
+            if not self._fits(size):
+                return
+            self._waiting.popleft()
+            self.held += size
+            granted.set_result(None)

@@ -1,0 +1,164 @@
+"""The ColBERT output of the requests in progress, held within one allowance (service/outputs.py):
+the waiting rules alone, then through a server on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bgeserve.holds import answering, release_when_answered
+from bgeserve.service.outputs import OutputAllowance
+from tests.test_service import TEXTS, base_env, metric_samples, serving, wait_health
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_request_alone_always_fits_and_the_next_waits_for_room() -> None:
+    async def main() -> list[str]:
+        room = OutputAllowance(100)
+        order: list[str] = []
+        await room.acquire(250)  # over the allowance, but alone
+        assert room.held == 250
+
+        async def take(name: str, size: int) -> None:
+            await room.acquire(size)
+            order.append(name)
+
+        small = asyncio.create_task(take("small", 10))
+        await asyncio.sleep(0)
+        assert room.waiting == 1 and not order  # even 10 bytes wait: 250 are over 100 already
+        room.release(250)
+        await small
+        assert room.held == 10 and room.waiting == 0
+        return order
+
+    assert _run(main()) == ["small"]
+
+
+def test_waiters_are_let_in_first_come_first_served() -> None:
+    async def main() -> None:
+        room = OutputAllowance(100)
+        await room.acquire(60)
+        big = asyncio.create_task(room.acquire(90))
+        await asyncio.sleep(0)
+        # 30 would fit beside the 60 held, but "big" came first: no overtaking it for ever
+        late = asyncio.create_task(room.acquire(30))
+        await asyncio.sleep(0)
+        assert room.waiting == 2 and not big.done() and not late.done()
+        room.release(60)
+        await big
+        await asyncio.sleep(0)
+        assert not late.done() and room.held == 90  # 90 + 30 > 100
+        room.release(90)
+        await late
+        assert room.held == 30 and room.waiting == 0
+
+    _run(main())
+
+
+def test_a_waiter_that_leaves_lets_the_next_in_and_holds_nothing() -> None:
+    async def main() -> None:
+        room = OutputAllowance(100)
+        await room.acquire(80)
+        first = asyncio.create_task(room.acquire(50))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(room.acquire(20))
+        await asyncio.sleep(0)
+        assert not second.done()  # behind "first"
+        first.cancel()  # its deadline, or its client gone
+        await asyncio.gather(first, return_exceptions=True)
+        await second  # 80 + 20 fit once "first" is gone
+        assert room.held == 100 and room.waiting == 0
+
+    _run(main())
+
+
+def test_a_grant_that_races_a_cancel_is_given_back() -> None:
+    async def main() -> None:
+        room = OutputAllowance(100)
+        await room.acquire(100)
+        waiter = asyncio.create_task(room.acquire(50))
+        await asyncio.sleep(0)
+        room.release(100)  # grants the waiter ...
+        waiter.cancel()  # ... which is cancelled before it runs again
+        await asyncio.gather(waiter, return_exceptions=True)
+        assert waiter.cancelled() and room.held == 0 and room.waiting == 0
+
+    _run(main())
+
+
+def test_the_outer_scope_releases_once_it_ends() -> None:
+    released: list[int] = []
+    assert not release_when_answered(lambda: released.append(0))  # no scope: the caller's
+    with answering():
+        with answering():  # Service.embed's, inside the HTTP layer's
+            assert release_when_answered(lambda: released.append(1))
+        assert released == []  # the response is not sent yet
+    assert released == [1]
+    with pytest.raises(ValueError), answering():
+        release_when_answered(lambda: released.append(2))
+        raise ValueError("a failed request releases too")
+    assert released == [1, 2]
+
+
+# -- through a server ----------------------------------------------------------------------------
+
+COLBERT = {"input": TEXTS, "outputs": ["dense", "colbert"]}  # for /v1/embeddings:both
+
+
+def _held(client) -> tuple[float, float]:
+    samples = metric_samples(client.get("/metrics").text)
+    return samples[("bgeserve_colbert_held_bytes", ())], samples[
+        ("bgeserve_colbert_waiting_requests", ())]
+
+
+@pytest.mark.slow
+def test_a_colbert_request_waits_for_the_room_others_hold(tiny_export: Path,
+                                                          tmp_path: Path) -> None:
+    """While another request's vectors hold the whole allowance, a ColBERT request waits (a
+    dense one does not), then is answered once that room is given back; nothing stays held."""
+    env = base_env(tiny_export, tmp_path, BGE_M3_MAX_COLBERT_MB="1")
+    with serving(env) as (client, service):
+        wait_health(client)
+        assert _held(client) == (0, 0)
+        room = service.admission.outputs
+        assert room is not None and room.max_bytes == 1 << 20
+        client.portal.call(room.acquire, room.max_bytes)  # a request in progress holds it all
+        answered: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: answered.append(
+            client.post("/v1/embeddings:both", json=COLBERT)))
+        waiter.start()
+        deadline = time.monotonic() + 20
+        while _held(client)[1] != 1:
+            assert time.monotonic() < deadline, "the ColBERT request never waited"
+            time.sleep(0.02)
+        assert client.post("/v1/embeddings", json={"input": TEXTS}).status_code == 200
+        assert not answered
+        client.portal.call(room.release, room.max_bytes)
+        waiter.join(20)
+        assert answered and answered[0].status_code == 200
+        assert len(answered[0].json()["data"][0]["colbert"]) > 0
+        assert _held(client) == (0, 0)
+
+
+@pytest.mark.slow
+def test_a_deadline_ends_the_wait_and_holds_nothing(tiny_export: Path, tmp_path: Path) -> None:
+    env = base_env(tiny_export, tmp_path, BGE_M3_MAX_COLBERT_MB="1",
+                   BGE_M3_REQUEST_TIMEOUT_SECS="0.5")
+    with serving(env) as (client, service):
+        wait_health(client)
+        room = service.admission.outputs
+        client.portal.call(room.acquire, room.max_bytes)
+        r = client.post("/v1/embeddings:both", json=COLBERT)
+        assert r.status_code == 504, r.text
+        assert _held(client) == (room.max_bytes, 0)  # only what the test holds
+        client.portal.call(room.release, room.max_bytes)
+        assert client.post("/v1/embeddings:both", json=COLBERT).status_code == 200
+        assert _held(client) == (0, 0)
