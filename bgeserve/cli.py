@@ -17,10 +17,9 @@ def inflight_mb(settings: Settings) -> int:
     """The default allowance of request bodies in progress: an eighth of the memory the
     server may use (a body, its parsed texts and its ids take ~3-4x its size), at most 512
     MiB, at least one largest body."""
-    from bgeserve.tuning import memory
+    from bgeserve.service.plan import memory_share
 
-    available = memory.detect_available_memory(settings.available_memory_bytes).available_bytes
-    return max(settings.max_body_bytes >> 20, min(512, (available // 8) >> 20), 1)
+    return max(settings.max_body_bytes >> 20, memory_share(settings, 8, 512) >> 20, 1)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -221,10 +221,11 @@ class Settings:
                                  "coalescing window after the first arrival")
     max_queue_tokens: int = _var("BGE_M3_MAX_QUEUE_TOKENS", _number(int, 1), 1_000_000,
                                  "tokens waiting before 429")
-    cache_mb: int = _var("BGE_M3_CACHE_MB", _number(int, 0, 1 << 20), 128,
-                         "MiB of embeddings kept for repeated texts (answered without running "
-                         "the model); 0 = off. Off for int8 unless BGE_M3_MAX_CHUNK=1: its "
-                         "vectors move with their batch-mates")
+    cache_mb: int | None = _var("BGE_M3_CACHE_MB", _number(int, 0, 1 << 20), None,
+                                "MiB of embeddings kept for repeated texts (answered without "
+                                "running the model); 0 = off (unset: 1/16 of the memory, "
+                                "<= 128). Off for int8 unless BGE_M3_MAX_CHUNK=1: its vectors "
+                                "move with their batch-mates")
     request_timeout_secs: float = _var("BGE_M3_REQUEST_TIMEOUT_SECS",
                                        _SECONDS, 300.0, "per-request deadline; 0 = none")
     idle_timeout_secs: float = _var("BGE_M3_IDLE_TIMEOUT_SECS", _SECONDS, 300.0,

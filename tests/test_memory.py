@@ -395,3 +395,19 @@ def test_the_colbert_cap_follows_the_memory_unless_set() -> None:
     assert engine_config(small).max_colbert_bytes == 30 << 20
     assert colbert_bytes(Settings(available_memory_bytes=64 << 30)) == 512 << 20
     assert colbert_bytes(Settings(available_memory_bytes=600 << 20, max_colbert_mb=64)) == 64 << 20
+
+
+def test_the_embedding_cache_follows_the_memory_unless_set() -> None:
+    """Unset, the embedding cache takes 1/16 of the memory, at most 128 MiB: it is reserved
+    out of the workspace, and a fixed 128 MiB left a 600 MiB container too little for one
+    8,192-token text (the start failed). BGE_M3_CACHE_MB wins whatever the memory."""
+    from bgeserve.config import Settings
+    from bgeserve.service.plan import cache_bytes, embedding_cache_bytes, engine_config
+
+    small = Settings(available_memory_bytes=600 << 20, variant="fp32")
+    assert embedding_cache_bytes(small) == cache_bytes(small) == (600 << 20) // 16
+    assert engine_config(small).cache_bytes == (600 << 20) // 16
+    assert embedding_cache_bytes(Settings(available_memory_bytes=64 << 30)) == 128 << 20
+    for mb in (0, 512):
+        assert embedding_cache_bytes(Settings(available_memory_bytes=600 << 20,
+                                              cache_mb=mb)) == mb << 20

@@ -215,7 +215,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         idle_timeout_s=s.idle_timeout_secs)
     return EngineConfig(max_seq=s.max_seq_length, session=session_config(s), scheduler=scheduler,
                         request_timeout_s=s.request_timeout_secs or None,
-                        max_colbert_bytes=colbert_bytes(s), cache_bytes=s.cache_mb << 20)
+                        max_colbert_bytes=colbert_bytes(s), cache_bytes=embedding_cache_bytes(s))
 
 
 # A request's ColBERT output peaks at ~5x its float32 size before it is sent (the chunks'
@@ -224,16 +224,37 @@ def engine_config(settings: Settings) -> EngineConfig:
 # server in a 600 MiB container. At 1/20 of the memory one such request peaks at ~1/4 of it.
 MAX_COLBERT_MB = 512
 COLBERT_MEMORY_SHARE = 20
+# The embedding cache's memory is reserved out of the workspace: a fixed 128 MiB left a
+# 600 MiB container's worker 141 MiB, short of one 8,192-token text (176 MiB on the tiny
+# model), and the start failed (exit 3) where the cache had not been asked for.
+MAX_CACHE_MB = 128
+CACHE_MEMORY_SHARE = 16
+
+
+def memory_share(settings: Settings, share: int, cap_mb: int) -> int:
+    """1/``share`` of the memory the server may use, at most ``cap_mb`` MiB: the default of a
+    limit left unset (the ColBERT output, the embedding cache, the request bodies in
+    progress)."""
+    available = memory.detect_available_memory(settings.available_memory_bytes).available_bytes
+    return min(cap_mb << 20, available // share)
 
 
 def colbert_bytes(settings: Settings) -> int:
-    """A request's ColBERT output cap: BGE_M3_MAX_COLBERT_MB, else 1/20 of the memory the
-    server may use, at most 512 MiB."""
+    """A request's ColBERT output cap, and that of the requests in progress together:
+    BGE_M3_MAX_COLBERT_MB, else 1/20 of the memory the server may use, at most 512 MiB."""
     s = settings
     if s.max_colbert_mb is not None:
         return s.max_colbert_mb << 20
-    available = memory.detect_available_memory(s.available_memory_bytes).available_bytes
-    return max(1 << 20, min(MAX_COLBERT_MB << 20, available // COLBERT_MEMORY_SHARE))
+    return max(1 << 20, memory_share(s, COLBERT_MEMORY_SHARE, MAX_COLBERT_MB))
+
+
+def embedding_cache_bytes(settings: Settings) -> int:
+    """The embedding cache's size: BGE_M3_CACHE_MB, else 1/16 of the memory the server may
+    use, at most 128 MiB."""
+    s = settings
+    if s.cache_mb is not None:
+        return s.cache_mb << 20
+    return memory_share(s, CACHE_MEMORY_SHARE, MAX_CACHE_MB)
 
 
 def cache_bytes(settings: Settings) -> int:
@@ -241,7 +262,7 @@ def cache_bytes(settings: Settings) -> int:
     s = settings
     if not embedding_cache.applies(s.variant, profile_max_batch(s), pad_multiple(s)):
         return 0
-    return s.cache_mb << 20
+    return embedding_cache_bytes(s)
 
 
 @dataclass(frozen=True)
