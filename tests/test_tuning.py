@@ -395,7 +395,7 @@ def test_tiny_memory_refuses_to_start(tiny_export: Path, tmp_path: Path) -> None
     message = str(info.value)
     assert "0.06 GiB available from BGE_M3_AVAILABLE_MEMORY_BYTES" in message, message
     assert "256 MiB headroom" in message and "safety factor 0.7" in message
-    assert "128 MiB embedding cache (BGE_M3_CACHE_MB)" in message
+    assert "4 MiB embedding cache (BGE_M3_CACHE_MB)" in message  # 1/16 of 64 MiB, unset
     assert "set BGE_M3_CACHE_MB=0" in message
     health = service.health()
     assert health["status"] == "fail" and "BGE_M3_MAX_SEQ_LENGTH" in health["error"]

@@ -361,7 +361,7 @@ class Admission(_Admitting):
                 await self.outputs.acquire(size)
                 outputs = self.outputs
                 if not release_when_answered(lambda: outputs.release(size)):
-                    raise RuntimeError("Admission.submit outside outputs.answering()")
+                    raise RuntimeError("Admission.submit outside holds.answering()")
             future = self.queue(job, bound)
         finally:
             self.gate.release(bound)

@@ -36,6 +36,7 @@ class OutputAllowance:
         """Hold ``size`` bytes, waiting (in arrival order) until they fit; ``release`` them."""
         if size <= 0:
             return
+        self._grant()  # drops waiters that left from the head: they hold no turn
         if not self._waiting and self._fits(size):
             self.held += size
             return
