@@ -35,6 +35,11 @@ def answering() -> Iterator[None]:
             release()
 
 
+def in_scope() -> bool:
+    """Whether a request's scope is open here (what is held can be handed to it)."""
+    return _RELEASES.get() is not None
+
+
 def release_when_answered(release: Callable[[], None]) -> bool:
     """Hand ``release`` to the request's scope; False outside one (the caller releases)."""
     releases = _RELEASES.get()

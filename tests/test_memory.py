@@ -411,3 +411,24 @@ def test_the_embedding_cache_follows_the_memory_unless_set() -> None:
     for mb in (0, 512):
         assert embedding_cache_bytes(Settings(available_memory_bytes=600 << 20,
                                               cache_mb=mb)) == mb << 20
+
+
+def test_the_cache_default_is_read_once_when_settings_are_resolved(monkeypatch) -> None:
+    """Where no cgroup caps the memory, what is available moves between two reads: the
+    engine's cache and the tuner's reservation for it must come from one."""
+    from bgeserve.config import Settings
+    from bgeserve.service import plan
+    from bgeserve.tuning import memory
+
+    reads = iter(range(600, 6000, 100))
+    real = memory.detect_available_memory
+
+    def moving(explicit: object = None) -> object:
+        return real(next(reads) << 20)
+
+    monkeypatch.setattr(memory, "detect_available_memory", moving)
+    resolved = plan.resolve(Settings(variant="fp32"), model_explicit=True, ep_explicit=True)
+    assert resolved.cache_mb == 600 // 16
+    assert plan.cache_bytes(resolved) == plan.engine_config(resolved).cache_bytes == 37 << 20
+    assert plan.resolve(Settings(variant="fp32", cache_mb=0), model_explicit=True,
+                        ep_explicit=True).cache_mb == 0

@@ -162,3 +162,90 @@ def test_a_deadline_ends_the_wait_and_holds_nothing(tiny_export: Path, tmp_path:
         client.portal.call(room.release, room.max_bytes)
         assert client.post("/v1/embeddings:both", json=COLBERT).status_code == 200
         assert _held(client) == (0, 0)
+
+
+def test_an_abort_answers_those_waiting_for_room_and_every_later_one() -> None:
+    """A shutdown's time is up: a request waiting behind a holder whose answer is slow to send
+    gets the error now (it waited past the HTTP server's grace: a plain-text 500)."""
+    async def main() -> None:
+        room = OutputAllowance(100)
+        await room.acquire(80)
+        waiters = [asyncio.create_task(room.acquire(50)) for _ in range(2)]
+        await asyncio.sleep(0)
+        error = RuntimeError("shutting down")
+        assert room.abort(error) == 2
+        results = await asyncio.wait_for(asyncio.gather(*waiters, return_exceptions=True), 1)
+        assert all(result is error for result in results)
+        assert room.held == 80 and room.waiting == 0  # the holder's answer is still sent
+        with pytest.raises(RuntimeError):
+            await room.acquire(1)  # fits, but the server is stopping
+        room.release(80)
+        assert room.held == 0
+
+    _run(main())
+
+
+def _colbert_admission(room: OutputAllowance):
+    from types import SimpleNamespace
+
+    from bgeserve.service.admission import Admission, DrainMeter
+
+    engine = SimpleNamespace(
+        queued_tokens=lambda: 0, submit=lambda job: "future",
+        make_job=lambda *args: SimpleNamespace(ids=[[0, 5, 6, 2]]),
+        colbert_bytes=lambda ids: 40,
+        tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 4, max_seq=512))
+    return Admission(engine, 1000, DrainMeter(), slots=1,  # type: ignore[arg-type]
+                     outputs=room)
+
+
+def test_admission_outside_a_scope_fails_before_it_holds_anything() -> None:
+    """Nothing would release a hold taken outside a request's scope: the room would stay
+    taken for ever and every later ColBERT request wait for its deadline."""
+    from bgeserve.results import EmbedOptions
+
+    room = OutputAllowance(100)
+    admission = _colbert_admission(room)
+
+    async def submit() -> object:
+        return await admission.submit(["a b"], EmbedOptions(colbert=True), "r", 0.0)
+
+    with pytest.raises(RuntimeError, match="answering"):
+        _run(submit())
+    assert room.held == 0 and admission.gate.reserved == 0
+
+    async def in_scope() -> int:
+        with answering():
+            await submit()
+            return room.held
+
+    assert _run(in_scope()) == 40 and room.held == 0  # held until the scope ended
+    admission.close()
+
+
+def test_an_admission_abort_reaches_the_colbert_waiters() -> None:
+    from bgeserve.errors import NotReady
+    from bgeserve.results import EmbedOptions
+
+    room = OutputAllowance(50)
+    admission = _colbert_admission(room)
+
+    async def main() -> None:
+        await room.acquire(30)  # another request's vectors, being sent
+
+        async def submit() -> object:
+            with answering():
+                return await admission.submit(["a b"], EmbedOptions(colbert=True), "r", 0.0)
+
+        task = asyncio.ensure_future(submit())
+        while room.waiting == 0:
+            assert not task.done(), task
+            await asyncio.sleep(0.01)
+        error = NotReady("shutting down")
+        assert admission.abort(error) == 1
+        with pytest.raises(NotReady):
+            await asyncio.wait_for(task, 1)
+        assert room.held == 30 and admission.gate.reserved == 0
+
+    _run(main())
+    admission.close()

@@ -28,10 +28,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
+from bgeserve import holds
 from bgeserve.engine import normalize_inputs
 from bgeserve.engine.scheduler import SHUTTING_DOWN
 from bgeserve.errors import BgeServeError, NotReady, Overloaded
-from bgeserve.holds import release_when_answered
 from bgeserve.service.outputs import OutputAllowance
 
 if TYPE_CHECKING:
@@ -327,6 +327,14 @@ class Admission(_Admitting):
         super().__init__(engine, max_queue_tokens, drain, slots)
         self.outputs = outputs
 
+    def abort(self, error: BgeServeError) -> int:
+        """As ``_Admitting.abort``, and to the requests waiting for room for their ColBERT
+        output (behind a holder whose answer is slow to send they would outwait the grace)."""
+        waiting = super().abort(error)
+        if self.outputs is not None:
+            waiting += self.outputs.abort(error)
+        return waiting
+
     def lower_bound(self, inputs: Inputs, stop_above: int) -> int:
         """Tokens ``inputs`` give at least (words, capped at max_seq per text; token ids
         count as they are), counted until past ``stop_above``."""
@@ -356,12 +364,13 @@ class Admission(_Admitting):
             if size and self.outputs is not None:
                 # Its exact tokens are known now: while it waits for room for its vectors it
                 # holds none of the queue's (the queue checks them again below).
+                if not holds.in_scope():  # checked first: a hold no scope releases leaks
+                    raise RuntimeError("Admission.submit outside holds.answering()")
                 self.gate.release(bound)
                 bound = 0
                 await self.outputs.acquire(size)
                 outputs = self.outputs
-                if not release_when_answered(lambda: outputs.release(size)):
-                    raise RuntimeError("Admission.submit outside holds.answering()")
+                holds.release_when_answered(lambda: outputs.release(size))
             future = self.queue(job, bound)
         finally:
             self.gate.release(bound)

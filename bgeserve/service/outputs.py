@@ -28,6 +28,7 @@ class OutputAllowance:
         self.held = 0
         self.waiting = 0  # requests waiting for room (a count: /metrics reads it off the loop)
         self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._aborted: BaseException | None = None
 
     def _fits(self, size: int) -> bool:
         return self.held == 0 or self.held + size <= self.max_bytes
@@ -36,6 +37,8 @@ class OutputAllowance:
         """Hold ``size`` bytes, waiting (in arrival order) until they fit; ``release`` them."""
         if size <= 0:
             return
+        if self._aborted is not None:
+            raise self._aborted
         self._grant()  # drops waiters that left from the head: they hold no turn
         if not self._waiting and self._fits(size):
             self.held += size
@@ -55,6 +58,19 @@ class OutputAllowance:
             raise
         finally:
             self.waiting -= 1
+
+    def abort(self, error: BaseException) -> int:
+        """Answer ``error`` to every request waiting for room, and to every request from now
+        on (a shutdown whose time is up); returns how many were waiting. Those holding room go
+        on: their answers are being sent."""
+        self._aborted = error
+        answered = 0
+        while self._waiting:
+            _, granted = self._waiting.popleft()
+            if not granted.done():
+                granted.set_exception(error)
+                answered += 1
+        return answered
 
     def release(self, size: int) -> None:
         if size <= 0:

@@ -78,6 +78,10 @@ def resolve(settings: Settings, *, model_explicit: bool | None = None,
             # Asked for by name: served, but never silently (the default never picks it here).
             log.warning("BGE_M3_MODEL=%s: %s; its results here may be far from what its "
                         "export measured", s.variant, SATURATES)
+    if s.cache_mb is None:
+        # Read once: the engine's cache and the tuner's reservation for it are the same size
+        # (where no cgroup caps it, the memory available moves between two reads).
+        s = dataclasses.replace(s, cache_mb=embedding_cache_bytes(s) >> 20)
     # "pinned": BGE_M3_MODEL said so; "rule": a default (the CPU rule, fp16 on GPUs, bf16 on
     # OpenVINO), which the tuner may replace by measuring ("measured").
     return dataclasses.replace(
