@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from bgeserve.errors import Overloaded
@@ -319,7 +320,7 @@ def test_a_later_group_refused_by_the_queue_gets_the_drain_rates_retry_after() -
     from types import SimpleNamespace
 
     from bgeserve.engine import m3rerank
-    from bgeserve.results import RerankOptions
+    from bgeserve.results import Embeddings, RerankOptions
     from bgeserve.service.admission import Admission
 
     clock = Clock()
@@ -330,16 +331,17 @@ def test_a_later_group_refused_by_the_queue_gets_the_drain_rates_retry_after() -
     def submit(job: object) -> str:  # the scheduler's own check: 400 tokens, 100 free
         raise Overloaded("queue full; retry shortly", retry_after=1.0)
 
-    async def await_job(job: object, future: object) -> str:
+    async def await_job(job: object, future: object) -> Embeddings:
         awaited.append((job, future))
-        return "part"
+        n = np.array([3, 300])  # the query and a window, scored before the next group queues
+        return Embeddings(np.eye(2, 4, dtype=np.float32), None, None, n, np.zeros(2, bool))
 
     engine = SimpleNamespace(queued_tokens=lambda: 900, submit=submit, await_job=await_job)
     admission = Admission(engine, 1000, drain, slots=2)  # type: ignore[arg-type]
     first, later = SimpleNamespace(ids=[[0] * 300]), SimpleNamespace(ids=[[0] * 400])
     with pytest.raises(Overloaded) as refused:
         asyncio.run(m3rerank.arun_jobs(engine, None, [first, later],  # type: ignore[arg-type]
-                                       RerankOptions(), "first's future",
+                                       RerankOptions(mode="dense"), "first's future",
                                        submit=admission.queue))
     assert refused.value.retry_after == 3  # 300 tokens short at 100 tokens/s
     assert awaited == [(first, "first's future")] and admission.gate.reserved == 0

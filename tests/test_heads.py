@@ -172,6 +172,8 @@ def test_colbert_rows_keeps_n_tokens_minus_one_rows():
     rows = colbert_rows(vectors, 4)
     assert rows.shape == (3, 3) and rows.dtype == np.float32 and rows.flags.c_contiguous
     np.testing.assert_array_equal(rows, vectors[:3])
+    chunk = np.ones((2, 6, 3), np.float32)  # already float32 and contiguous: still a copy
+    assert not np.shares_memory(colbert_rows(chunk[1], 4), chunk)
 
 
 @pytest.mark.parametrize("n_tokens", [0, 1])

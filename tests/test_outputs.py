@@ -164,6 +164,56 @@ def test_a_deadline_ends_the_wait_and_holds_nothing(tiny_export: Path, tmp_path:
         assert _held(client) == (0, 0)
 
 
+@pytest.mark.slow
+def test_bge_m3_colbert_rerank_takes_its_room_from_the_same_allowance(tiny_export: Path,
+                                                                      tmp_path: Path) -> None:
+    """bge-m3's own ColBERT scores hold their groups' vectors within the allowance the
+    embedding routes share: behind a holder of all of it they wait (a dense rerank does not),
+    then are answered as before, and give it all back once scored."""
+    env = base_env(tiny_export, tmp_path, BGE_M3_MAX_COLBERT_MB="1")
+    body = {"model": "bge-m3", "query": TEXTS[0], "documents": TEXTS[1:] * 5, "mode": "colbert"}
+    with serving(env) as (client, service):
+        wait_health(client)
+        want = client.post("/v1/rerank", json=body)
+        assert want.status_code == 200, want.text
+        assert _held(client) == (0, 0)
+        room = service.admission.outputs
+        client.portal.call(room.acquire, room.max_bytes)
+        answered: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: answered.append(
+            client.post("/v1/rerank", json=body)))
+        waiter.start()
+        deadline = time.monotonic() + 20
+        while _held(client)[1] != 1:
+            assert time.monotonic() < deadline, "the ColBERT rerank never waited"
+            time.sleep(0.02)
+        dense = client.post("/v1/rerank", json={**body, "mode": "dense"})
+        assert dense.status_code == 200 and not answered
+        client.portal.call(room.release, room.max_bytes)
+        waiter.join(20)
+        assert answered and answered[0].status_code == 200, answered
+        assert answered[0].json()["results"] == want.json()["results"]
+        assert _held(client) == (0, 0)
+
+
+def test_a_holding_gives_back_one_group_before_taking_the_next() -> None:
+    """A request taking room group after group never waits on the room it holds itself: a
+    second group that would not fit beside the first gets in once the first is given back."""
+    from bgeserve.service.outputs import Holding
+
+    async def main() -> None:
+        room = OutputAllowance(100)
+        holding = Holding(room)
+        await holding.take(80)
+        await asyncio.wait_for(holding.take(70), 1)  # 80 + 70 > 100: the 80 went back first
+        assert room.held == 70 and holding.size == 70
+        holding.give_back()
+        holding.give_back()  # once only
+        assert room.held == 0 and holding.size == 0
+
+    _run(main())
+
+
 def test_an_abort_answers_those_waiting_for_room_and_every_later_one() -> None:
     """A shutdown's time is up: a request waiting behind a holder whose answer is slow to send
     gets the error now (it waited past the HTTP server's grace: a plain-text 500)."""

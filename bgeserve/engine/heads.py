@@ -74,5 +74,7 @@ def sparse_vector(ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.
 
 
 def colbert_rows(vectors: np.ndarray, n_tokens: int) -> np.ndarray:
-    """The ``n_tokens - 1`` ColBERT rows of one text (drops the padding rows)."""
-    return np.ascontiguousarray(vectors[: max(n_tokens - 1, 0)], dtype=np.float32)
+    """The ``n_tokens - 1`` ColBERT rows of one text (drops the padding rows), a copy: a view
+    kept the chunk's whole output alive (its padding, its other texts' rows) for as long as
+    any one text's answer was, past what the ColBERT allowance counts."""
+    return np.array(vectors[: max(n_tokens - 1, 0)], dtype=np.float32, order="C", copy=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -97,11 +97,43 @@ def finish_m3(plan: M3Plan, query: Embeddings, windows: Embeddings,
               options: RerankOptions) -> RerankResult:
     """Scores of the mode per document: its best window's (``windows`` holds the plan's
     inputs after the query, in order)."""
-    per_window = m3_scores(query, windows).combined(options.mode, options.weights)
-    scores = np.full(len(plan.windows), -np.inf)
-    np.maximum.at(scores, plan.owner, per_window)
-    return RerankResult(scores, plan.truncated, plan.windows, plan.tokens, M3_SCORER,
-                        plan.query_truncated)
+    scoring = Scoring(plan, options)
+    scoring.query = query
+    scoring.add(windows)
+    return scoring.result()
+
+
+class Scoring:
+    """A plan's scores, one group's embeddings at a time: each group's windows are scored
+    against the query as they arrive and their vectors dropped, so a request of many
+    documents holds one group's ColBERT vectors, not all of them (every group was kept until
+    the last one ran: ~4 KiB per token of every window, unbounded by the documents' count)."""
+
+    def __init__(self, plan: M3Plan, options: RerankOptions) -> None:
+        self.plan, self.options = plan, options
+        self.query: Embeddings | None = None
+        self._scores: list[np.ndarray] = []
+
+    def add(self, part: Embeddings) -> None:
+        """Score the next group (the first one starts with the query), then empty its list
+        of ColBERT matrices: the group's job and future share that list, and the caller keeps
+        them to the last group."""
+        windows = part
+        if self.query is None:
+            self.query, windows = rows(part, slice(0, 1)), rows(part, slice(1, None))
+        if len(windows):
+            self._scores.append(m3_scores(self.query, windows).combined(self.options.mode,
+                                                                        self.options.weights))
+        if part.colbert is not None:
+            part.colbert.clear()
+
+    def result(self) -> RerankResult:
+        plan = self.plan
+        per_window = np.concatenate(self._scores) if self._scores else np.zeros(0)
+        scores = np.full(len(plan.windows), -np.inf)
+        np.maximum.at(scores, plan.owner, per_window)
+        return RerankResult(scores, plan.truncated, plan.windows, plan.tokens, M3_SCORER,
+                            plan.query_truncated)
 
 
 def rows(e: Embeddings, index: slice | list[int]) -> Embeddings:
@@ -111,19 +143,6 @@ def rows(e: Embeddings, index: slice | list[int]) -> Embeddings:
                       None if e.sparse is None else [e.sparse[i] for i in idx],
                       None if e.colbert is None else [e.colbert[i] for i in idx],
                       e.n_tokens[idx], e.truncated[idx])
-
-
-def concat(parts: list[Embeddings]) -> Embeddings:
-    """Several groups' embeddings as one, in order (every group has the same outputs)."""
-    first = parts[0]
-    dense = [p.dense for p in parts if p.dense is not None]
-    sparse = [x for p in parts if p.sparse is not None for x in p.sparse]
-    colbert = [x for p in parts if p.colbert is not None for x in p.colbert]
-    return Embeddings(np.concatenate(dense) if first.dense is not None else None,
-                      sparse if first.sparse is not None else None,
-                      colbert if first.colbert is not None else None,
-                      np.concatenate([p.n_tokens for p in parts]),
-                      np.concatenate([p.truncated for p in parts]))
 
 
 # -- on an engine ------------------------------------------------------------------------------
@@ -194,15 +213,15 @@ def rerank_m3(engine: Engine, query: str, documents: Sequence[str],
               options: RerankOptions) -> RerankResult:
     """bge-m3's scores of ``documents`` against ``query`` (blocking)."""
     plan, jobs = make_jobs(engine, query, documents, options)
-    parts = []
+    scoring = Scoring(plan, options)
     for job in jobs:
         future = engine.submit(job)
         try:
-            parts.append(future.result())
+            scoring.add(future.result())
         except BaseException:
             engine.cancel(job)
             raise
-    return _finish(plan, parts, options)
+    return scoring.result()
 
 
 async def arerank_m3(engine: Engine, query: str, documents: Sequence[str],
@@ -215,17 +234,18 @@ async def arerank_m3(engine: Engine, query: str, documents: Sequence[str],
 
 async def arun_jobs(engine: Engine, plan: M3Plan, jobs: Sequence[Job], options: RerankOptions,
                     first: Future | None = None,
-                    submit: Callable[[Job], Future] | None = None) -> RerankResult:
-    """Run ``make_jobs``' jobs one after the other (``first``: the first one's future, when
-    the caller queued it already; ``submit`` queues the later ones, ``engine.submit`` unless
-    given) and combine their scores."""
-    parts = []
+                    submit: Callable[[Job], Future] | None = None,
+                    before: Callable[[Job], Awaitable[None]] | None = None) -> RerankResult:
+    """Run ``make_jobs``' jobs one after the other, each group scored before the next is
+    queued (``first``: the first one's future, when the caller queued it already; ``submit``
+    queues the later ones, ``engine.submit`` unless given; ``before(job)`` is awaited before
+    each later one is queued: the service takes room for its ColBERT vectors there)."""
+    scoring = Scoring(plan, options)
     for i, job in enumerate(jobs):
-        future = first if i == 0 else (submit(job) if submit is not None else None)
-        parts.append(await engine.await_job(job, future))
-    return _finish(plan, parts, options)
-
-
-def _finish(plan: M3Plan, parts: list[Embeddings], options: RerankOptions) -> RerankResult:
-    embedded = concat(parts)
-    return finish_m3(plan, rows(embedded, slice(0, 1)), rows(embedded, slice(1, None)), options)
+        future = first
+        if i > 0:
+            if before is not None:
+                await before(job)
+            future = submit(job) if submit is not None else None
+        scoring.add(await engine.await_job(job, future))
+    return scoring.result()

@@ -24,7 +24,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
@@ -259,17 +259,24 @@ class _Admitting:
             raise Overloaded(exc.message, retry_after=self.gate.retry_after(needed)) from None
 
     async def submit_jobs(self, chars: int, lower_bound: Callable[[int], int],
-                          make: Callable[[], tuple[Plan, list[Job]]]
+                          make: Callable[[], tuple[Plan, list[Job]]],
+                          before: Callable[[Job], Awaitable[None]] | None = None
                           ) -> tuple[Plan, list[Job], Future | None]:
         """Admit a request of ``chars`` characters by ``lower_bound(room)``, make its jobs
         on a thread (``make`` tokenizes) and queue the first one: the plan, the jobs and the
         first one's future (None: no job); Overloaded (429) as ``Admission.submit`` raises
-        it. The jobs after the first are the caller's to queue, one after another."""
+        it. The jobs after the first are the caller's to queue, one after another.
+        ``before(job)`` is awaited before the first is queued (room for its output)."""
         if self._aborted is not None:
             raise self._aborted
         bound = await self._reserve(chars, lower_bound)
         try:
             plan, jobs = await self.on_thread(make)
+            if jobs and before is not None:
+                # As Admission.submit: while it waits it holds none of the queue's room.
+                self.gate.release(bound)
+                bound = 0
+                await before(jobs[0])
             first = self.queue(jobs[0], bound) if jobs else None
         finally:
             self.gate.release(bound)

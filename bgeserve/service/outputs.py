@@ -89,3 +89,23 @@ class OutputAllowance:
             self._waiting.popleft()
             self.held += size
             granted.set_result(None)
+
+
+class Holding:
+    """One request's room taken group after group (bge-m3's ColBERT rerank scores one group
+    of windows at a time, then drops its vectors): ``take`` gives back what the last group
+    held, then waits for the next one's; ``give_back`` once the request ends, however."""
+
+    def __init__(self, allowance: OutputAllowance) -> None:
+        self.allowance = allowance
+        self.size = 0
+
+    async def take(self, size: int) -> None:
+        # Given back first: waiting for more while holding some could wait on itself.
+        self.give_back()
+        await self.allowance.acquire(size)
+        self.size = size
+
+    def give_back(self) -> None:
+        size, self.size = self.size, 0
+        self.allowance.release(size)

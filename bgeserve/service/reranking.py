@@ -23,11 +23,12 @@ from typing import Any
 from bgeserve import runtime
 from bgeserve.config import Settings
 from bgeserve.engine import ChunkStats, Engine, m3rerank
+from bgeserve.engine.jobs import Job
 from bgeserve.engine.reranker import Reranker
 from bgeserve.errors import DeadlineExceeded, InvalidInput
 from bgeserve.model.rerank_artifacts import RERANK_MODEL_ID, RERANK_MODEL_IDS, resolve_reranker
 from bgeserve.results import EmbedOptions, RerankOptions, RerankResult
-from bgeserve.service import info, plan
+from bgeserve.service import info, outputs, plan
 from bgeserve.service.admission import Admission, DrainMeter, PairAdmission
 from bgeserve.service.metrics import Metrics
 from bgeserve.service.probing import probe_source
@@ -215,15 +216,33 @@ class Reranking:
         tokens before tokenizing (``m3rerank.min_tokens``), Retry-After from its drain rate."""
         m3rerank.check_options(options)  # a bad mode is a 400 whatever the queue holds
         arrived = time.monotonic()
-        async with asyncio.timeout(timeout):  # not wait_for: see _cross
-            plan_, jobs, first = await admission.submit_jobs(
-                len(query) + sum(map(len, documents)),
-                lambda room: m3rerank.min_tokens(m3.tokenizer, query, documents,
-                                                 m3.config.max_seq, options, stop_above=room),
-                functools.partial(m3rerank.make_jobs, m3, query, documents, options,
-                                  request_id, arrived))
-            return await m3rerank.arun_jobs(m3, plan_, jobs, options, first,
-                                            submit=admission.queue)
+        # Its ColBERT vectors, one group of windows at a time (scored, then dropped), are held
+        # within the allowance the embedding routes' share: the group's and the query's.
+        holding = None
+        if admission.outputs is not None and m3rerank.needs(options.mode)[2]:
+            holding = outputs.Holding(admission.outputs)
+        query_bytes = 0  # the first group holds the query; later ones keep its vectors
+
+        async def hold(job: Job) -> None:
+            assert holding is not None
+            await holding.take(m3.colbert_bytes(job.ids) + query_bytes)
+
+        before = None if holding is None else hold
+        try:
+            async with asyncio.timeout(timeout):  # not wait_for: see _cross
+                plan_, jobs, first = await admission.submit_jobs(
+                    len(query) + sum(map(len, documents)),
+                    lambda room: m3rerank.min_tokens(m3.tokenizer, query, documents,
+                                                     m3.config.max_seq, options,
+                                                     stop_above=room),
+                    functools.partial(m3rerank.make_jobs, m3, query, documents, options,
+                                      request_id, arrived), before=before)
+                query_bytes = m3.colbert_bytes(plan_.inputs[:1])
+                return await m3rerank.arun_jobs(m3, plan_, jobs, options, first,
+                                                submit=admission.queue, before=before)
+        finally:
+            if holding is not None:
+                holding.give_back()
 
     async def _cross(self, query: str, documents: list[str], options: RerankOptions,
                      timeout: float | None, request_id: str) -> RerankResult:
