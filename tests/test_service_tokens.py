@@ -135,6 +135,11 @@ def test_decode_is_the_tokenizers(client: TestClient, hf) -> None:
     assert r.json() == [hf.decode(ids[0], skip_special_tokens=False)]
     bad = client.post("/decode", json={"ids": [hf.vocab_size + 10]})
     assert bad.status_code == 422 and bad.json()["error_type"] == "Validation"
+    # "" tokenized without specials is [], and comes back through /decode (as in TEI)
+    empty = client.post("/tokenize", json={"inputs": ["", TEXTS[0]], "add_special_tokens": False})
+    ids = [[t["id"] for t in seq] for seq in empty.json()]
+    assert ids[0] == [] and client.post("/decode", json={"ids": ids}).json() == [
+        "", hf.decode(ids[1], skip_special_tokens=True)]
 
 
 def test_info_reports_the_loaded_model(client: TestClient) -> None:

@@ -4,12 +4,13 @@ requests, or ``InvalidInput`` / ``TooLarge`` (which the TEI routes answer in TEI
 As in TEI, unknown fields are ignored and ``null`` means the default. ``inputs`` takes the
 shapes of bgeserve's ``input`` (token ids only with ``BGE_M3_ACCEPT_TOKEN_IDS``). What bge-m3
 cannot do is refused with a message saying why, never ignored: ``prompt_name`` (bge-m3 has no
-prompts), ``normalize: false`` (its dense vectors are served normalised) and ``dimensions``
-other than its width.
+prompts) and ``dimensions`` other than its width. ``normalize: false`` alone is answered, with
+the normalised vectors and a line in the log (``_answer_normalised``).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,23 @@ from bgeserve.errors import BgeServeError, InvalidInput, TooLarge
 from bgeserve.http.schemas import OPTION_PARSERS, _as_int, flag, load_object, parse_input
 
 DIRECTIONS = {"right": False, "Right": False, "left": True, "Left": True}
+
+
+log = logging.getLogger("bgeserve.http")
+_told_normalised = False
+
+
+def _answer_normalised() -> None:
+    """``normalize: false`` is answered with the L2-normalised vectors, said once in the log.
+    The served graph's dense output is normalised inside it (the raw CLS vector is not one of
+    its outputs), and a 422 failed every request of clients that send ``false`` by default
+    (Haystack's TEI embedders); bge-m3's vectors are meant normalised (FlagEmbedding's
+    default), cosine is unchanged and a dot product becomes the cosine."""
+    global _told_normalised
+    if not _told_normalised:
+        _told_normalised = True
+        log.warning("a TEI request sent normalize=false: answered with L2-normalised vectors "
+                    "(bge-m3's dense output is normalised in the served graph); said once")
 
 
 @dataclass(frozen=True)
@@ -79,9 +97,7 @@ def embed_fields(body: dict[str, Any], settings: Settings, *, dense: bool = Fals
     extra: dict[str, Any] = {}
     if dense:
         if not flag(body, "normalize", True):
-            raise InvalidInput(
-                "normalize=false is not supported: bge-m3's dense vectors are served "
-                "L2-normalised, as FlagEmbedding gives them; omit normalize", param="normalize")
+            _answer_normalised()
         if body.get("dimensions") is not None:
             extra["dimensions"] = OPTION_PARSERS["dimensions"]("dimensions", body["dimensions"])
             if extra["dimensions"] < 1:
@@ -174,9 +190,9 @@ def parse_decode(raw: bytes, settings: Settings) -> DecodeRequest:
     if not isinstance(ids, list):  # an object, a number, a string: not "empty"
         raise InvalidInput("ids must be an array of token ids (integers >= 0) or an array of "
                            "such arrays", param="ids")
-    if not ids or (isinstance(ids[0], list) and not all(ids)):
-        raise InvalidInput("ids cannot be empty", param="ids", code="empty_input")
-    sequences = ids if isinstance(ids[0], list) else [ids]
+    # As TEI (serde reads ``[]`` as one empty sequence): an empty sequence decodes to "", so
+    # /tokenize's answer for "" (no special tokens) comes back through /decode.
+    sequences = ids if ids and isinstance(ids[0], list) else [ids]
     if len(sequences) > settings.max_batch:
         raise InvalidInput(f"batch of {len(sequences)} id sequences exceeds the maximum of "
                            f"{settings.max_batch} (BGE_M3_MAX_BATCH); split the request",
