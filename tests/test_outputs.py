@@ -196,6 +196,68 @@ def test_bge_m3_colbert_rerank_takes_its_room_from_the_same_allowance(tiny_expor
         assert _held(client) == (0, 0)
 
 
+@pytest.mark.slow
+def test_a_colbert_rerank_holds_each_group_with_the_query_then_nothing(tiny_export: Path,
+                                                                       tmp_path: Path) -> None:
+    """Through the service's path: the first group's room (it holds the query), then each later
+    group's with the query's (its vectors are kept to the end); the same scores as the library;
+    nothing held after, nor after a later group is refused by the queue (a 429)."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from bgeserve.engine import Engine, m3rerank
+    from bgeserve.errors import Overloaded
+    from bgeserve.results import RerankOptions
+    from bgeserve.service.admission import Admission, DrainMeter
+    from bgeserve.service.metrics import Metrics
+    from bgeserve.service.reranking import Reranking
+
+    query, docs = TEXTS[0], TEXTS[1:] * 4
+    options = RerankOptions(mode="colbert")
+    with Engine(tiny_export, "fp32", cache_dir=tmp_path, offline=True) as engine:
+        plan, _ = m3rerank.make_jobs(engine, query, docs, options)
+        longest = max(engine.colbert_bytes([x]) for x in plan.inputs)
+        engine.config = replace(engine.config, max_colbert_bytes=4 * longest)  # groups of 2 x
+        plan, jobs = m3rerank.make_jobs(engine, query, docs, options)
+        assert len(jobs) >= 3
+        q = engine.colbert_bytes(plan.inputs[:1])
+        want = [engine.colbert_bytes(jobs[0].ids)] + [engine.colbert_bytes(j.ids) + q
+                                                       for j in jobs[1:]]
+        room = OutputAllowance(1 << 30)
+        sizes: list[int] = []
+        take = room.acquire
+
+        async def acquire(size: int) -> None:
+            sizes.append(size)
+            await take(size)
+
+        room.acquire = acquire  # type: ignore[method-assign]
+        admission = Admission(engine, 1 << 30, DrainMeter(), slots=1, outputs=room)
+        reranking = Reranking(Metrics())
+        try:
+            got = _run(reranking._m3(engine, admission, query, docs, options, None, "r1"))
+            assert sizes == want and room.held == 0 and room.waiting == 0
+            np.testing.assert_allclose(got.scores, engine.rerank(query, docs, mode="colbert").scores,
+                                       atol=1e-6)
+            queued = admission.queue
+            calls: list[object] = []
+
+            def refuse_the_second(job, *args):
+                calls.append(job)
+                if len(calls) > 1:
+                    raise Overloaded("queue full", retry_after=1.0)
+                return queued(job, *args)
+
+            admission.queue = refuse_the_second  # type: ignore[method-assign]
+            with pytest.raises(Overloaded):
+                _run(reranking._m3(engine, admission, query, docs, options, None, "r2"))
+            assert len(calls) == 2
+            assert room.held == 0 and room.waiting == 0
+        finally:
+            admission.close()
+
+
 def test_a_holding_gives_back_one_group_before_taking_the_next() -> None:
     """A request taking room group after group never waits on the room it holds itself: a
     second group that would not fit beside the first gets in once the first is given back."""

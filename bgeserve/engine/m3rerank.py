@@ -96,7 +96,8 @@ def groups(plan: M3Plan, width: int, colbert_bytes: int | None) -> list[list[int
 def finish_m3(plan: M3Plan, query: Embeddings, windows: Embeddings,
               options: RerankOptions) -> RerankResult:
     """Scores of the mode per document: its best window's (``windows`` holds the plan's
-    inputs after the query, in order)."""
+    inputs after the query, in order; its list of ColBERT matrices is emptied, as
+    ``Scoring.add`` empties each group's)."""
     scoring = Scoring(plan, options)
     scoring.query = query
     scoring.add(windows)

@@ -11,6 +11,8 @@ request deadline bounds the wait); a request alone always fits.
 The hold ends once the answer is sent: ``bgeserve.holds.answering()`` opens a request's scope
 (the HTTP layer, around the whole request), and ``release_when_answered`` hands the release to
 it. Outside such a scope (the library) ``Service.embed``'s own ends when its result is returned.
+bge-m3's ColBERT rerank scores (``Holding``) hold one group of windows' vectors at a time and
+give it back when the request returns (the answer holds scores only): no scope needed.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ class OutputAllowance:
     def abort(self, error: BaseException) -> int:
         """Answer ``error`` to every request waiting for room, and to every request from now
         on (a shutdown whose time is up); returns how many were waiting. Those holding room go
-        on: their answers are being sent."""
+        on: their answers are being sent (a ColBERT rerank's next group is refused: the
+        engine is stopping)."""
         self._aborted = error
         answered = 0
         while self._waiting:
@@ -101,7 +104,9 @@ class Holding:
         self.size = 0
 
     async def take(self, size: int) -> None:
-        # Given back first: waiting for more while holding some could wait on itself.
+        # Given back first: two requests each waiting for more while holding some could wait
+        # on each other for ever. So the query's vectors, kept to the last group, go uncounted
+        # while it waits (at most max_seq - 1 rows: 32 MiB at 8,192 tokens).
         self.give_back()
         await self.allowance.acquire(size)
         self.size = size
