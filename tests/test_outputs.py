@@ -119,6 +119,20 @@ def _held(client) -> tuple[float, float]:
         ("bgeserve_colbert_waiting_requests", ())]
 
 
+def _post_until_it_waits(client, path: str, body: dict
+                         ) -> tuple[threading.Thread, list[httpx.Response]]:
+    """POST ``body`` on a thread and return once it waits for ColBERT room: the thread and
+    the list its answer lands in."""
+    answered: list[httpx.Response] = []
+    waiter = threading.Thread(target=lambda: answered.append(client.post(path, json=body)))
+    waiter.start()
+    deadline = time.monotonic() + 20
+    while _held(client)[1] != 1:
+        assert time.monotonic() < deadline, f"the request to {path} never waited"
+        time.sleep(0.02)
+    return waiter, answered
+
+
 @pytest.mark.slow
 def test_a_colbert_request_waits_for_the_room_others_hold(tiny_export: Path,
                                                           tmp_path: Path) -> None:
@@ -131,14 +145,7 @@ def test_a_colbert_request_waits_for_the_room_others_hold(tiny_export: Path,
         room = service.admission.outputs
         assert room is not None and room.max_bytes == 1 << 20
         client.portal.call(room.acquire, room.max_bytes)  # a request in progress holds it all
-        answered: list[httpx.Response] = []
-        waiter = threading.Thread(target=lambda: answered.append(
-            client.post("/v1/embeddings:both", json=COLBERT)))
-        waiter.start()
-        deadline = time.monotonic() + 20
-        while _held(client)[1] != 1:
-            assert time.monotonic() < deadline, "the ColBERT request never waited"
-            time.sleep(0.02)
+        waiter, answered = _post_until_it_waits(client, "/v1/embeddings:both", COLBERT)
         assert client.post("/v1/embeddings", json={"input": TEXTS}).status_code == 200
         assert not answered
         client.portal.call(room.release, room.max_bytes)
@@ -179,14 +186,7 @@ def test_bge_m3_colbert_rerank_takes_its_room_from_the_same_allowance(tiny_expor
         assert _held(client) == (0, 0)
         room = service.admission.outputs
         client.portal.call(room.acquire, room.max_bytes)
-        answered: list[httpx.Response] = []
-        waiter = threading.Thread(target=lambda: answered.append(
-            client.post("/v1/rerank", json=body)))
-        waiter.start()
-        deadline = time.monotonic() + 20
-        while _held(client)[1] != 1:
-            assert time.monotonic() < deadline, "the ColBERT rerank never waited"
-            time.sleep(0.02)
+        waiter, answered = _post_until_it_waits(client, "/v1/rerank", body)
         dense = client.post("/v1/rerank", json={**body, "mode": "dense"})
         assert dense.status_code == 200 and not answered
         client.portal.call(room.release, room.max_bytes)
