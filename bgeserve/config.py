@@ -196,7 +196,8 @@ class Settings:
     max_body_bytes: int = _var("BGE_M3_MAX_BODY_BYTES", _number(int, 1024), 32 * 1024 * 1024,
                                "request body limit")
     max_text_chars: int = _var("BGE_M3_MAX_TEXT_CHARS", _number(int, 1), 131_072,
-                               "characters per text")
+                               "characters of a text tokenized whole (a longer one truncated "
+                               "from the right keeps its leading words, where exact)")
     max_colbert_mb: int | None = _var("BGE_M3_MAX_COLBERT_MB", _number(int, 1), None,
                                       "ColBERT output (float32 MiB) of a request before 413, "
                                       "and of the requests in progress together (others wait)"

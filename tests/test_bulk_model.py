@@ -36,3 +36,15 @@ def test_a_snapshots_identity_is_its_files_content_not_their_mtimes(tmp_path: Pa
     assert identity(a) == identity(b) != identity(c)
     assert identity(a).startswith("fp32 sha256:") and identity(a).count("+") == 1
     assert (cache / "prepared/digests.json").is_file()  # hashed once, remembered
+
+
+def test_a_job_tokenizes_any_text_whole_where_the_server_limits_it() -> None:
+    """The server's engine refuses to tokenize whole a text past BGE_M3_MAX_TEXT_CHARS (a
+    request's); a bulk job's engine embeds every row as the library does (a long page without
+    spaces among them)."""
+    from bgeserve.bulk.model import UNBOUNDED, job_settings
+    from bgeserve.service.plan import engine_config
+
+    settings = Settings(max_text_chars=5_000)
+    assert engine_config(settings).max_text_chars == 5_000
+    assert engine_config(job_settings(settings)).max_text_chars == UNBOUNDED

@@ -83,7 +83,10 @@ def test_the_overlay_fills_in_every_bound() -> None:
     schemas = doc["components"]["schemas"]
     assert schemas["TokenIds"]["items"]["maximum"] == 2999
     strings, batch, _, id_batch = schemas["Input"]["oneOf"]
-    assert strings["maxLength"] == batch["items"]["maxLength"] == 125
+    # No maxLength: a text of any length is valid truncated (its leading words are kept);
+    # the limit for one tokenized whole is in the bounds and the prose (Truncate).
+    assert "maxLength" not in strings and "maxLength" not in batch["items"]
+    assert doc["info"]["x-bgeserve-bounds"]["max_text_chars"] == 125
     assert batch["maxItems"] == id_batch["maxItems"] == 8
     assert schemas["Dimensions"]["enum"] == [32, None]
     assert schemas["Model"]["enum"] == ["bge-m3", "BAAI/bge-m3", "mine", None]
@@ -154,8 +157,8 @@ def test_while_loading_the_route_answers_503() -> None:
 # -- the live server against its own contract -----------------------------------------------
 KEY = "sk-contract"
 MIN_CASES = 1000
-# A 413 is the right answer to a text over BGE_M3_MAX_TEXT_CHARS, which the served schema
-# states as maxLength; schemathesis's default list of rejections lacks it.
+# A 413 is the right answer to a body over BGE_M3_MAX_BODY_BYTES; schemathesis's default list
+# of rejections lacks it.
 NEGATIVE_STATUSES = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422",
                      "428", "429", "5xx"]
 
@@ -167,10 +170,12 @@ def test_the_live_server_conforms_to_its_served_contract(tiny_export: Path,
     against a live tiny-model server: no 5xx, no schema-valid request refused, no
     schema-invalid one accepted, no undocumented status, header or content type.
 
-    The server runs where the served schema is exact: texts of at most 125 characters under
-    a 128-token limit always fit (this tokenizer gives at most one token per character plus
-    the first word's marker, and <s> </s>), so truncate=false can never meet a limit the
-    schema cannot state (Truncate, in openapi.yaml).
+    The server runs where the served schema is as exact as its prose allows: texts of at
+    most 125 characters under a 128-token limit always fit (this tokenizer gives at most one
+    token per character plus the first word's marker, and <s> </s>), so truncate=false never
+    meets the sequence length. A text over 125 characters is refused either way (its leading
+    125 cannot hold the 128 tokens a cut needs: Truncate, in openapi.yaml), which the schema
+    does not state: the generated texts stay far shorter.
     """
     env = server_env(tiny_export, tmp_path / "cache", BGE_M3_API_KEY=KEY,
                      BGE_M3_MAX_SEQ_LENGTH="128", BGE_M3_MAX_TEXT_CHARS="125",

@@ -437,12 +437,23 @@ def test_ten_thousand_inputs() -> None:
 
 
 def test_text_too_long_is_413(client: TestClient) -> None:
-    """A text over max_text_chars is a 413 naming its index; a huge string is refused too."""
+    """A text over max_text_chars that would be tokenized whole (truncate false) is a 413
+    naming its index; a huge string is refused too. Truncated, it goes to the engine, which
+    keeps its leading words (engine/tokenizer.py; tests/test_service.py end to end)."""
     with serve(max_text_chars=10) as c:
-        assert c.post("/v1/embeddings", json={"input": ["0123456789"]}).status_code == 200
+        for path in ("/v1/embeddings", "/v1/sparse-embeddings", "/v1/embeddings:both"):
+            whole = {"input": ["0123456789"], "truncate": False}
+            assert c.post(path, json=whole).status_code == 200
+            r = c.post(path, json={"input": ["ok", "0123456789x"], "truncate": False})
+            assert_error(r, 413, "too_large", "input[1]")
+            for truncating in ({}, {"truncate": True}, {"truncate": None}):
+                body = {"input": ["ok", "0123456789x"], **truncating}
+                assert c.post(path, json=body).status_code == 200, (path, body)
+        assert c.fake.calls[-1].inputs == ["ok", "0123456789x"]
+    with serve(max_text_chars=10, truncate=False) as c:  # BGE_M3_TRUNCATE=0: the default
         r = c.post("/v1/embeddings", json={"input": ["ok", "0123456789x"]})
         assert_error(r, 413, "too_large", "input[1]")
-    r = client.post("/v1/embeddings", json={"input": "x" * 20_000_000})
+    r = client.post("/v1/embeddings", json={"input": "x" * 20_000_000, "truncate": False})
     assert_error(r, 413, "too_large", "input[0]")
 
 

@@ -155,7 +155,7 @@ def test_hostile_requests_do_not_disturb_good_ones(server: tuple[str, int, FakeS
     hostile_bodies = [
         b'{"input": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
         b'{"input": "\xff\xfe\xfd"}',
-        b'{"input": "' + b"x" * 900_000 + b'"}',
+        b'{"truncate": false, "input": "' + b"x" * 900_000 + b'"}',
         b'{"input": [' + b"[1]," * 200_000 + b"[1]]}",
         b"\x00" * 1000,
         b'{"input": ["a", 1, null]}',

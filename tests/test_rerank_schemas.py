@@ -91,6 +91,12 @@ def test_unknown_model_is_404_and_limits_hold() -> None:
         parse({"query": "q", "documents": ["a"] * 3}, Settings(max_batch=2))
     with pytest.raises(TooLarge, match="BGE_M3_MAX_TEXT_CHARS"):
         parse({"query": "q", "documents": ["a" * 11]}, Settings(max_text_chars=10))
+    # the query too: every rerank text is tokenized whole (it had no limit)
+    with pytest.raises(TooLarge, match="query has 11 characters") as info:
+        parse({"query": "q" * 11, "documents": ["a"]}, Settings(max_text_chars=10))
+    assert info.value.param == "query"
+    with pytest.raises(TooLarge, match="query has 11 characters"):
+        tei({"query": "q" * 11, "texts": ["a"]}, Settings(max_text_chars=10))
     with pytest.raises(InvalidInput) as info:
         parse({"query": "q", "documents": []})
     assert info.value.code == "empty_input"

@@ -256,6 +256,31 @@ def test_similarity_errors_name_the_sentence(client: TestClient, inputs: dict, s
     assert param in message and "inputs[" not in message, message
 
 
+def test_a_text_over_the_character_limit_is_413_only_where_tokenized_whole() -> None:
+    """A text over BGE_M3_MAX_TEXT_CHARS: cut from the right (the default) it goes to the
+    engine, which keeps its leading words; not truncated, or cut from the left (its last
+    words are kept: tokenized whole), it is TEI's 413 Validation, naming it."""
+    texts = ["ok", "0123456789x"]
+    with serve(max_text_chars=10) as c:
+        for body in ({}, {"truncate": True}, {"truncation_direction": "Right"}):
+            r = c.post("/embed", json={"inputs": texts, **body})
+            assert r.status_code == 200, (body, r.text)
+        assert c.fake.calls[-1].inputs == texts
+        r = c.post("/similarity", json={"inputs": {"source_sentence": "q", "sentences": texts}})
+        assert r.status_code == 200, r.text
+        for path in ("/embed", "/embed_sparse", "/embed_all"):
+            for body in ({"truncate": False}, {"truncation_direction": "left"},
+                         {"truncate": True, "truncation_direction": "Left"}):
+                message = tei_error(c.post(path, json={"inputs": texts, **body}), 413,
+                                    "Validation")
+                assert "inputs[1] has 11 characters" in message, (path, body, message)
+        r = c.post("/similarity", json={"inputs": {"source_sentence": "q", "sentences": texts},
+                                        "parameters": {"truncate": False}})
+        assert "inputs.sentences[1] has 11" in tei_error(r, 413, "Validation")
+        # /tokenize gives every token of a text: always tokenized whole
+        tei_error(c.post("/tokenize", json={"inputs": texts}), 413, "Validation")
+
+
 @pytest.mark.parametrize("path", ["/similarity", "/"])
 def test_similarity_names_a_sentence_the_engine_refused(path: str) -> None:
     """A sentence refused by the engine (over the sequence length, over the budget) is named by

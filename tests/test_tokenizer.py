@@ -12,7 +12,7 @@ from tokenizers import Tokenizer as HfTokenizer
 from tokenizers.models import Unigram
 
 from bgeserve.engine.tokenizer import Tokenizer
-from bgeserve.errors import InvalidInput, ModelUnavailable
+from bgeserve.errors import InvalidInput, ModelUnavailable, TooLarge
 from bgeserve.vocab import CLS_ID, EOS_ID, PAD_ID, SPECIAL_IDS, UNK_ID
 
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
@@ -436,6 +436,95 @@ def test_long_texts_cut_before_encoding_give_the_tokens_of_the_whole_text(monkey
     cut = [p < len(t) for p, t in zip(prepared, texts, strict=True)]
     assert sum(cut) >= 10, "the long texts were not cut"
     assert not cut[texts.index("x" * 500)]  # no space to cut at
+
+
+def _spy(monkeypatch, tok: Tokenizer) -> list[int]:
+    """The length of every text ``tok`` hands to ``tokenizers``, as it does."""
+    seen: list[int] = []
+    real = tok._tk.encode_batch
+    monkeypatch.setattr(tok, "_tk", type("Spy", (), {
+        "encode_batch": lambda self, batch, **kw: seen.extend(map(len, batch))
+        or real(batch, **kw)})())
+    return seen
+
+
+def test_a_text_over_the_whole_limit_is_served_by_its_leading_words(monkeypatch):
+    """Past ``max_whole_chars`` a text is never tokenized whole: its leading words serve it
+    exactly where they hold over max_seq tokens (the cut at max_seq * 8 characters, else a
+    wider one within the limit), and any other is TooLarge, naming it, before anything of
+    it is encoded."""
+    tok = Tokenizer(hf_tokenizer(), 16, max_whole_chars=300)  # cut past 128 characters
+    unknown = "☃" * 60 + " "  # one <unk>: two of these hold few tokens for 122 characters
+    long_words = words(200)  # ~800 characters: its first 128 hold 30 words
+    late_words = unknown * 2 + words(100)  # the first cut holds 2 tokens, the wider one many
+    few = unknown * 6  # 366 characters, 6 tokens: no cut within 300 holds 16
+    seen = _spy(monkeypatch, tok)
+    enc = tok.encode(["cat sat", long_words, late_words, "x" * 250])
+    monkeypatch.undo()
+    assert [x.tolist() for x in enc.ids] == _reference(
+        tok, ["cat sat", long_words, late_words, "x" * 250])
+    assert enc.truncated.tolist() == [False, True, True, True]
+    assert max(seen) <= 300 and len(long_words) not in seen and len(late_words) not in seen
+    assert 250 in seen  # under the limit, a text without spaces is still tokenized whole
+    for text, why in (("x" * 500, "its first 300 characters have no space after a word"),
+                      (few, "hold no more than the 16 tokens")):
+        seen = _spy(monkeypatch, tok)
+        with pytest.raises(TooLarge, match="BGE_M3_MAX_TEXT_CHARS") as refused:
+            tok.encode(["cat", text])
+        monkeypatch.undo()
+        assert refused.value.param == "input[1]" and why in refused.value.message
+        assert f"has {len(text)} characters" in refused.value.message
+        assert max(seen, default=0) <= 300  # nothing of it was tokenized whole
+        assert (not seen) == (text == "x" * 500)  # no cut to try: refused before "cat" is
+    # No limit (the library's default): the same texts are tokenized whole, as before.
+    free = make(16)
+    assert [x.tolist() for x in free.encode(["x" * 500, few]).ids] == _reference(
+        free, ["x" * 500, few])
+
+
+def test_a_limit_under_the_first_cut_is_where_texts_are_cut():
+    """A limit under max_seq * 8 characters: a text over it is cut there (never tokenized
+    past it, however long), served where its leading words hold over max_seq tokens, else
+    refused, saying why; a longer text with the same opening fares the same."""
+    tok = Tokenizer(hf_tokenizer(), 16, max_whole_chars=40)
+    letters = " ".join(LETTERS)  # 51 characters, two tokens a letter: 40 of them hold 40
+    assert [x.tolist() for x in tok.encode([words(8), letters]).ids] == _reference(
+        tok, [words(8), letters])  # 36 characters: whole
+    for n in (12, 40, 400):  # 46, 178, 1,798 characters: the same 36 leading ones, 9 tokens
+        with pytest.raises(TooLarge, match="leading 36 characters hold no more than the 16"):
+            tok.encode([words(n)])
+    with pytest.raises(TooLarge, match="its first 40 characters have no space after a word"):
+        tok.encode(["x" * 41])
+    with pytest.raises(TooLarge, match="no space after a word"):
+        tok.encode(["   " + "x" * 200])
+
+
+def test_a_tokenizer_that_cannot_be_cut_refuses_texts_over_the_limit():
+    """An added token spanning a space could straddle a cut: such a tokenizer's texts over
+    the limit are refused, saying so, before anything is tokenized."""
+    spanning = hf_tokenizer()
+    spanning.add_tokens([AddedToken("cat sat", normalized=False)])
+    tok = Tokenizer(spanning, 16, max_whole_chars=300)
+    with pytest.raises(TooLarge, match="cannot be cut at a space without changing their"):
+        tok.encode(["cat", "the cat sat on the mat " * 40])
+
+
+def test_the_lower_bound_reads_no_more_of_a_text_than_encode_could(monkeypatch):
+    """``min_tokens`` (admission, before tokenizing) reads a text only as far as ``encode``
+    could tokenize it: the limit, or the cut at max_seq * 8 characters, whichever is longer;
+    still a lower bound of what encode gives."""
+    read: list[int] = []
+    for limit, most in ((300, 300), (40, 40), (None, 128)):
+        tok = Tokenizer(hf_tokenizer(), 16, max_whole_chars=limit)
+        for walk in ("_quick_bound", "_walk_bound"):
+            real = getattr(tok, walk)
+            monkeypatch.setattr(tok, walk, lambda texts, stop, real=real: read.extend(
+                map(len, texts)) or real(texts, stop))
+        texts = ["x" * 5000, "cat sat", words(300)]
+        assert 3 + 4 + 2 + 9 <= tok.min_tokens(texts) <= sum(map(len, _reference(tok, texts)))
+        assert max(read) == most, (limit, read)
+        read.clear()
+        monkeypatch.undo()
 
 
 def test_encoding_runs_in_groups_of_bounded_characters(monkeypatch):

@@ -37,10 +37,12 @@ def resolve_settings(environ: Mapping[str, str]) -> Settings:
 def job_settings(settings: Settings) -> Settings:
     """``settings`` for a job that feeds its own engine: no per-request deadline (a shard of
     long texts on fp32 takes minutes), no idle unload, no heartbeat (the job logs progress),
-    and a queue and ColBERT allowance the job bounds itself (it keeps a few shards in flight)."""
+    a queue and ColBERT allowance the job bounds itself (it keeps a few shards in flight),
+    and no limit on the characters of a text tokenized whole (a row of a file the user
+    chose, a long page without spaces among them, is embedded as the library embeds it)."""
     return dataclasses.replace(settings, request_timeout_secs=0.0, idle_timeout_secs=0.0,
                                heartbeat_secs=0.0, max_queue_tokens=UNBOUNDED,
-                               max_colbert_mb=UNBOUNDED >> 20)
+                               max_colbert_mb=UNBOUNDED >> 20, max_text_chars=UNBOUNDED)
 
 
 def settings_env(settings: Settings) -> dict[str, str]:

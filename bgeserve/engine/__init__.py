@@ -57,6 +57,9 @@ class EngineConfig:
     # Embeddings of texts seen before (engine/cache.py; 0 = none). Used only where a cached
     # vector equals a fresh one (``cache.applies``: not for int8 unless texts run alone).
     cache_bytes: int = 128 << 20
+    # The longest text tokenized whole (None: any). A longer one is embedded only where
+    # truncation makes its leading words enough (Tokenizer.encode); else it is TooLarge.
+    max_text_chars: int | None = None
 
 
 class Engine:
@@ -88,7 +91,8 @@ class Engine:
         if config.scheduler.pad_cap is None:  # rounding never pads a chunk past max_seq
             config = replace(config, scheduler=replace(config.scheduler, pad_cap=config.max_seq))
         self.config = config
-        self.tokenizer = Tokenizer.load(artifacts.tokenizer_path, self.config.max_seq)
+        self.tokenizer = Tokenizer.load(artifacts.tokenizer_path, self.config.max_seq,
+                                        self.config.max_text_chars)
         self.open_forward = forward_factory(artifacts, self.config.session)
         # A plain Engine (no server, no probe) still never runs a chunk past the memory it has:
         # conservative coefficients under a budget measured at start (see tuning / the probe).

@@ -172,13 +172,22 @@ class Encoded:
 class Tokenizer:
     """bge-m3's XLM-R tokenizer with truncation at ``max_seq`` tokens."""
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, max_seq: int):
+    def __init__(self, tokenizer: tokenizers.Tokenizer, max_seq: int,
+                 max_whole_chars: int | None = None):
         if max_seq < 2:
             raise ValueError("max_seq must leave room for <s> and </s>")
         tokenizer.no_padding()
         tokenizer.no_truncation()
         self._tk = tokenizer
         self.max_seq = max_seq
+        # The longest text ``encode`` tokenizes whole (None: any). A longer one is served only
+        # cut to its leading words (``_prefix``, ``_encode_long``), where that is exact; else
+        # it is TooLarge. Texts are cut past ``_cut_chars``: max_seq * 8 characters, or the
+        # limit where it is lower (so the limit bounds what is tokenized, whatever the length).
+        self.max_whole_chars = max_whole_chars
+        self._cut_chars = max_seq * CUT_CHARS_PER_TOKEN
+        if max_whole_chars is not None:
+            self._cut_chars = min(self._cut_chars, max_whole_chars)
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         try:
             spec = json.loads(tokenizer.to_str())
@@ -188,10 +197,10 @@ class Tokenizer:
         self._cut_exact = self._word_bound and _cut_is_exact(spec)
 
     @classmethod
-    def load(cls, path: Path, max_seq: int) -> Tokenizer:
+    def load(cls, path: Path, max_seq: int, max_whole_chars: int | None = None) -> Tokenizer:
         """Read ``tokenizer.json``; a missing or invalid file is ``ModelUnavailable``."""
         try:
-            return cls(tokenizers.Tokenizer.from_file(str(path)), max_seq)
+            return cls(tokenizers.Tokenizer.from_file(str(path)), max_seq, max_whole_chars)
         except Exception as exc:  # tokenizers raises plain Exception subclasses
             raise ModelUnavailable(f"cannot load tokenizer {path}: {exc}") from exc
 
@@ -204,23 +213,82 @@ class Tokenizer:
         each group's ids kept as int64 arrays before the next; and a text far longer than
         ``max_seq`` tokens can hold is cut first (``_prefix``): its leading words, as long as
         they give more than ``max_seq`` tokens, produce exactly the tokens that truncation of
-        the whole text keeps.
+        the whole text keeps. Where they do not, the text is encoded whole, but past
+        ``max_whole_chars`` only its leading words within that many characters are tried, and
+        a text they cannot serve exactly either is ``TooLarge`` (``_encode_long``).
         """
         texts = list(texts)
         if not all(isinstance(t, str) for t in texts):
             raise InvalidInput("cannot tokenize input: every text must be a string",
                                param="input")
         prepared = [self._prefix(t) for t in texts]
-        ids = self._encode_grouped(prepared)
+        # A text that would be tokenized whole past max_whole_chars is left out of the groups
+        # ("" in its place) and tried alone below; refused first, before any text is
+        # tokenized, when it has no leading words within the limit to try.
+        grouped = [cut is not text or self._fits_whole(text)
+                   for text, cut in zip(texts, prepared, strict=True)]
+        for i, text in enumerate(texts):
+            if not grouped[i] and self._wider_cut(text) is None:
+                raise self._refusal(i, text, None)
+        ids = self._encode_grouped([p if ok else "" for p, ok in zip(prepared, grouped,
+                                                                       strict=True)])
         for i, (text, cut) in enumerate(zip(texts, prepared, strict=True)):
-            # A cut text must still be over max_seq (so truncation keeps only shared tokens)
-            # and end with </s> as the whole text would; else it is encoded whole.
-            if cut is not text and (len(ids[i]) <= self.max_seq or ids[i][-1] != EOS_ID):
-                try:
-                    ids[i] = self._encode_grouped([text])[0]
-                except InvalidInput as exc:  # named input[0]: the one text of that call
-                    raise surrogate_error(text, f"input[{i}]") or exc from exc.__cause__
+            if (cut is text and grouped[i]) or (cut is not text and self._holds_max_seq(ids[i])):
+                continue
+            ids[i] = self._encode_long(i, text, None if cut is text else cut)
         return self._truncate(ids)
+
+    def _holds_max_seq(self, ids: np.ndarray) -> bool:
+        """Whether a cut text's ids show the cut exact: still over max_seq (so truncation
+        keeps only tokens the whole text shares) and ending in </s> as the whole text would."""
+        return len(ids) > self.max_seq and ids[-1] == EOS_ID
+
+    def _fits_whole(self, text: str) -> bool:
+        return self.max_whole_chars is None or len(text) <= self.max_whole_chars
+
+    def _wider_cut(self, text: str) -> str | None:
+        """The leading words of ``text`` within ``max_whole_chars`` (None: no limit, no
+        exact cut for this tokenizer, or no word before a space within it)."""
+        if self.max_whole_chars is None or not self._cut_exact:
+            return None
+        return self._leading(text, self.max_whole_chars)
+
+    def _encode_long(self, i: int, text: str, tried: str | None) -> np.ndarray:
+        """The ids of ``input[i]`` when its cut at ``_cut_chars`` (``tried``; None: none
+        could be made) did not do: the whole text, if it fits ``max_whole_chars``; else its
+        leading words within that many characters, if longer than ``tried`` and still over
+        ``max_seq`` tokens; else ``TooLarge``. ``tokenizers`` holds ~150 bytes per token while
+        it encodes, and only this limit bounds a text without spaces (a CJK page, a blob)."""
+        if self._fits_whole(text):
+            return self._encode_one(i, text)
+        wider = self._wider_cut(text)
+        if wider is not None and (tried is None or len(wider) > len(tried)):
+            ids = self._encode_one(i, wider)
+            if self._holds_max_seq(ids):
+                return ids
+            tried = wider
+        raise self._refusal(i, text, tried)
+
+    def _refusal(self, i: int, text: str, tried: str | None) -> TooLarge:
+        """Why ``input[i]``, over ``max_whole_chars``, cannot be served: ``tried``, the
+        longest cut tokenized, held too few tokens; else no cut could be made."""
+        if tried is not None:
+            why = (f"its leading {len(tried)} characters hold no more than the {self.max_seq} "
+                   "tokens truncation keeps")
+        elif not self._cut_exact:
+            why = "this tokenizer's texts cannot be cut at a space without changing their tokens"
+        else:
+            why = f"its first {self.max_whole_chars} characters have no space after a word"
+        return TooLarge(f"input[{i}] has {len(text)} characters, over the limit of "
+                        f"{self.max_whole_chars} (BGE_M3_MAX_TEXT_CHARS) for a text tokenized "
+                        f"whole, and it cannot be cut to its leading words exactly: {why}; "
+                        "split the text or raise BGE_M3_MAX_TEXT_CHARS", param=f"input[{i}]")
+
+    def _encode_one(self, i: int, text: str) -> np.ndarray:
+        try:
+            return self._encode_grouped([text])[0]
+        except InvalidInput as exc:  # named input[0]: the one text of that call
+            raise surrogate_error(text, f"input[{i}]") or exc from exc.__cause__
 
     def encode_rerank(self, query: str, documents: Sequence[str]) -> list[np.ndarray]:
         """The ids of ``query`` and of each document (``encode`` of them in one list), a text
@@ -235,15 +303,21 @@ class Tokenizer:
             raise found from exc
 
     def _prefix(self, text: str) -> str:
-        """``text``, or its leading words when it is far longer than ``max_seq`` tokens can
-        be: cut at a space (the pre-tokenizer splits there, so every word before the cut
-        tokenizes as it does in the whole text), trailing spaces dropped."""
-        limit = self.max_seq * CUT_CHARS_PER_TOKEN
-        if not self._cut_exact or len(text) <= limit:
+        """``text``, or its leading words when it is longer than ``_cut_chars`` (far longer
+        than ``max_seq`` tokens can be, or over the limit): cut at a space (the pre-tokenizer
+        splits there, so every word before the cut tokenizes as it does in the whole text),
+        trailing spaces dropped."""
+        if not self._cut_exact or len(text) <= self._cut_chars:
             return text
+        return self._leading(text, self._cut_chars) or text
+
+    @staticmethod
+    def _leading(text: str, limit: int) -> str | None:
+        """The words of ``text`` before its last space within ``limit`` characters, trailing
+        spaces dropped (None: no such space, or only spaces before it)."""
         at = text.rfind(" ", 0, limit)
         head = text[:at].rstrip(" ") if at > 0 else ""
-        return head or text
+        return head or None
 
     def _encode_grouped(self, texts: Sequence[str]) -> list[np.ndarray]:
         out: list[np.ndarray] = []
@@ -271,10 +345,15 @@ class Tokenizer:
 
         Each text has ``<s>`` and ``</s>``; where the pre-tokenizer cuts at spaces, each
         space-separated word holding a letter or digit is at least one more token. Capped at
-        ``max_seq`` per text, as truncation does.
+        ``max_seq`` per text, as truncation does. Only as much of a text is read as ``encode``
+        could tokenize (the words of a prefix bound the whole text's too): a 30M-character
+        text without spaces, which ``encode`` refuses at once, took 0.25-0.6 s to count whole.
         """
         if not self._word_bound:
             return 2 * len(texts)
+        read = self.max_whole_chars or self._cut_chars
+        if any(len(t) > read for t in texts):
+            texts = [t[:read] for t in texts]
         # The quick bound first (passes in C or numpy per text: ~35 us for 12k characters);
         # the word walk (~1 ms) only when the quick one cannot say "more than stop_above".
         quick = self._quick_bound(texts, stop_above)
@@ -364,7 +443,9 @@ class Tokenizer:
     def encode_left(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids per text, an over-long text keeping ``<s>``, its *last* ``max_seq - 2``
         content tokens and ``</s>`` (TEI's ``truncation_direction: left``; Hugging Face's
-        ``truncation_side="left"``). Encoded whole, in bounded groups."""
+        ``truncation_side="left"``). Encoded whole, in bounded groups: the caller bounds each
+        text's length (the server refuses one over BGE_M3_MAX_TEXT_CHARS before it comes here;
+        ``max_whole_chars`` is not applied)."""
         ids = self._encode_grouped(list(texts))
         keep = self.max_seq - 1  # the last content tokens and </s>
         return [x if len(x) <= self.max_seq else np.concatenate((x[:1], x[len(x) - keep:]))
@@ -375,7 +456,8 @@ class Tokenizer:
         """Every token of each text, untruncated, with UTF-8 byte offsets (TEI's ``/tokenize``).
 
         ``max_tokens`` bounds the whole answer (each token costs a few hundred bytes as
-        Python objects and JSON): past it, ``TooLarge``.
+        Python objects and JSON): past it, ``TooLarge``. Each text is encoded whole: the
+        caller bounds its length (the server: BGE_M3_MAX_TEXT_CHARS).
         """
         out: list[list[Token]] = []
         total = 0
@@ -443,5 +525,6 @@ def _tokens(text: str, encoding: tokenizers.Encoding) -> list[Token]:
 @functools.lru_cache(maxsize=8)
 def untruncated(path: Path) -> Tokenizer:
     """``path``'s tokenizer without truncation, loaded once per file: rerank windows need every
-    token of a document (its length is bounded by BGE_M3_MAX_TEXT_CHARS upstream)."""
+    token of a document (its length, and the query's, bounded by BGE_M3_MAX_TEXT_CHARS
+    upstream)."""
     return Tokenizer.load(path, 1 << 30)

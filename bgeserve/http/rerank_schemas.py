@@ -35,12 +35,13 @@ class RerankRequest:
     return_documents: bool = False
 
 
-def _query(body: dict[str, Any]) -> str:
+def _query(body: dict[str, Any], settings: Settings) -> str:
     if body.get("query") is None:
         raise InvalidInput("query is required", param="query")
     if not isinstance(body["query"], str):
         raise InvalidInput("query must be a string", param="query")
     query: str = body["query"]
+    _check_text(query, "query", settings)  # tokenized whole, as every rerank text is
     return query
 
 
@@ -136,7 +137,7 @@ def parse_rerank_request(raw: bytes, settings: Settings,
         else RerankOptions.weights,
         given=frozenset(k for k in ("mode", "weights") if body.get(k) is not None),
     )
-    return RerankRequest(_query(body), _documents(body.get("documents"), "documents", settings,
+    return RerankRequest(_query(body, settings), _documents(body.get("documents"), "documents", settings,
                                                   objects=True),
                          options, _top_n(body.get("top_n")),
                          flag(body, "return_documents", False))
@@ -155,6 +156,6 @@ def parse_tei_rerank_request(raw: bytes, settings: Settings) -> RerankRequest:
         long_documents="truncate" if flag(body, "truncate", False) else "max",
         truncation_direction=DIRECTIONS.get(direction or "right", "right"),
     )
-    return RerankRequest(_query(body), _documents(body.get("texts"), "texts", settings,
+    return RerankRequest(_query(body, settings), _documents(body.get("texts"), "texts", settings,
                                                   objects=False),
                          options, None, flag(body, "return_text", False))

@@ -2,8 +2,8 @@
 
 Pure and synchronous (the handler runs big bodies on a thread). Every schema error is a 400
 whose ``param`` names the field at fault (``input[3]``, ``sparse_top_k``); a text over
-``max_text_chars`` is a 413. Fields an endpoint does not read are ignored, as OpenAI clients
-send extras.
+``max_text_chars`` that would be tokenized whole (not truncated) is a 413. Fields an endpoint
+does not read are ignored, as OpenAI clients send extras.
 """
 
 from __future__ import annotations
@@ -100,12 +100,6 @@ def _choice(*allowed: str) -> Callable[[str, Any], str]:
     return parse
 
 
-def _boolean(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidInput(f"{name} must be true or false", param=name)
-    return value
-
-
 def _positive_int(name: str, value: Any) -> int:
     number = _as_int(value)
     if number is None or number < 1:
@@ -152,7 +146,6 @@ def _outputs(name: str, value: Any) -> frozenset[str]:
 
 
 OPTION_PARSERS: dict[str, Callable[[str, Any], Any]] = {
-    "truncate": _boolean,
     "encoding_format": _choice("float", "base64"),
     "dimensions": _dimensions,
     "sparse_top_k": _positive_int,
@@ -192,9 +185,13 @@ TOKEN_IDS_REFUSED = (
 )
 
 
-def parse_input(value: Any, settings: Settings, name: str = "input") -> list[str] | list[list[int]]:
+def parse_input(value: Any, settings: Settings, name: str = "input", *,
+                whole: bool = True) -> list[str] | list[list[int]]:
     """``input`` (TEI: ``inputs``, passed as ``name``) as a batch: a list of texts or a list of
-    token-id lists (only with ``BGE_M3_ACCEPT_TOKEN_IDS``)."""
+    token-id lists (only with ``BGE_M3_ACCEPT_TOKEN_IDS``). ``whole``: the texts are
+    tokenized whole (not truncated, or cut from the left), so one over ``max_text_chars`` is
+    a 413 here; a text truncated from the right is bounded by the engine (it keeps only its
+    leading words, where that is exact)."""
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list):
@@ -235,7 +232,7 @@ def parse_input(value: Any, settings: Settings, name: str = "input") -> list[str
                 f"{name}[{i}] must be a string: {name} must be {_INPUT_SHAPES}",
                 param=f"{name}[{i}]",
             )
-        if len(text) > settings.max_text_chars:
+        if whole and len(text) > settings.max_text_chars:
             raise TooLarge(
                 f"{name}[{i}] has {len(text)} characters, over the limit of "
                 f"{settings.max_text_chars} (BGE_M3_MAX_TEXT_CHARS)",
@@ -295,14 +292,15 @@ def parse_embed_request(
     check_model(body.get("model"), model_ids)
     if "input" not in body:
         raise InvalidInput("input is required", param="input")
+    truncate = flag(body, "truncate", settings.truncate)
     request = EmbedRequest(
-        inputs=parse_input(body["input"], settings),
+        inputs=parse_input(body["input"], settings, whole=not truncate),
         outputs=frozenset(endpoint.default_outputs),
-        truncate=settings.truncate,
+        truncate=truncate,
     )
     changes = {
         name: OPTION_PARSERS[name](name, body[name])
-        for name in ("truncate", *endpoint.options)
+        for name in endpoint.options
         if body.get(name) is not None
     }
     return replace(request, **changes)

@@ -85,12 +85,15 @@ def embed_fields(body: dict[str, Any], settings: Settings, *, dense: bool = Fals
     """The fields shared by the embedding routes; ``dense`` adds ``normalize`` and
     ``dimensions``, ``sparse`` bgeserve's ``sparse_top_k`` and ``sparse_min_weight``."""
     _no_prompt(body)
-    inputs = parse_input(_required(body, "inputs"), settings, "inputs")
+    value = _required(body, "inputs")
     direction = body.get("truncation_direction")
     if direction is not None and (not isinstance(direction, str) or direction not in DIRECTIONS):
         raise InvalidInput("truncation_direction must be one of Left, left, Right, right",
                            param="truncation_direction")
     left = direction is not None and DIRECTIONS[direction]
+    truncate = flag(body, "truncate", settings.truncate)
+    # A text cut from the left is tokenized whole (its last words are kept): limited here.
+    inputs = parse_input(value, settings, "inputs", whole=left or not truncate)
     if left and inputs and not isinstance(inputs[0], str):
         raise InvalidInput("truncation_direction left needs texts; token-id inputs are cut "
                            "from the right", param="truncation_direction")
@@ -106,8 +109,7 @@ def embed_fields(body: dict[str, Any], settings: Settings, *, dense: bool = Fals
         for name in ("sparse_top_k", "sparse_min_weight"):
             if body.get(name) is not None:
                 extra[name] = OPTION_PARSERS[name](name, body[name])
-    return TeiEmbedRequest(inputs=inputs, truncate=flag(body, "truncate", settings.truncate),
-                           left=left, **extra)
+    return TeiEmbedRequest(inputs=inputs, truncate=truncate, left=left, **extra)
 
 
 def parse_embed(raw: bytes, settings: Settings, *, dense: bool = False,

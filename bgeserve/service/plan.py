@@ -219,7 +219,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         idle_timeout_s=s.idle_timeout_secs)
     return EngineConfig(max_seq=s.max_seq_length, session=session_config(s), scheduler=scheduler,
                         request_timeout_s=s.request_timeout_secs or None,
-                        max_colbert_bytes=colbert_bytes(s), cache_bytes=embedding_cache_bytes(s))
+                        max_colbert_bytes=colbert_bytes(s), cache_bytes=embedding_cache_bytes(s),
+                        max_text_chars=s.max_text_chars)
 
 
 # A request's ColBERT output peaks at ~5x its float32 size before it is sent (the chunks'
