@@ -229,26 +229,28 @@ def test_truncate_false_is_413_naming_the_input(client: TestClient) -> None:
 def test_a_text_over_the_character_limit_is_embedded_from_its_leading_words(
         client: TestClient, short_engine: Engine) -> None:
     """Truncated (the default), a text past BGE_M3_MAX_TEXT_CHARS (131,072) is embedded from
-    its leading words, exactly as truncating it whole; on TEI's /embed too. One without a
-    space to cut at is a 413 saying so, and with truncate false any such text is a 413."""
+    its leading words (cut at a space, or a line break: bge-m3's layout splits there),
+    exactly as truncating it whole; on TEI's /embed too. One without a break to cut at is a
+    413 saying so, and with truncate false any such text is a 413."""
     long = "hybrid retrieval with dense and sparse vectors " * 3000  # 141,000 characters
     # No space in its first 512 characters (MAX_SEQ * 8, the first cut): cut within the limit
     late = "x" * 600 + " " + long
-    r = client.post("/v1/embeddings", json={"input": [TEXTS[0], long, late]})
+    page = "混合检索的稠密向量\n" * 15_000  # 150,000 characters of lines without spaces
+    r = client.post("/v1/embeddings", json={"input": [TEXTS[0], long, late, page]})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["data"][1]["truncated"] is True and body["data"][2]["truncated"] is True
+    assert [d.get("truncated") for d in body["data"]] == [None, True, True, True]
     # each its first MAX_SEQ tokens, as the library's engine (no limit) gives them
-    want = short_engine.embed([TEXTS[0], long[:2000], late[:2600]]).dense
+    want = short_engine.embed([TEXTS[0], long[:2000], late[:2600], page[:2000]]).dense
     np.testing.assert_allclose(dense_rows(body), want, atol=ATOL, rtol=0)
     tei = client.post("/embed", json={"inputs": long})
     assert tei.status_code == 200, tei.text
     np.testing.assert_allclose(tei.json()[0], want[1], atol=ATOL, rtol=0)
-    blob = "混" * 140_000
+    blob = "混" * 140_000  # no break at all
     r = client.post("/v1/embeddings", json={"input": [TEXTS[0], blob]})
     assert r.status_code == 413, r.text
     err = r.json()["error"]
-    assert err["param"] == "input[1]" and "first 131072 characters have no space" in err["message"]
+    assert err["param"] == "input[1]" and "first 131072 characters have no space or line" in err["message"]
     r = client.post("/embed", json={"inputs": [TEXTS[0], blob]})
     assert r.status_code == 413 and r.json()["error"].startswith("inputs[1] has 140000"), r.text
     similar = {"inputs": {"source_sentence": TEXTS[0], "sentences": [TEXTS[1], blob]}}

@@ -509,6 +509,42 @@ def test_a_tokenizer_that_cannot_be_cut_refuses_texts_over_the_limit():
         tok.encode(["cat", "the cat sat on the mat " * 40])
 
 
+def test_texts_are_cut_at_other_whitespace_only_where_the_tokenizer_splits_there(monkeypatch):
+    """Besides the space, a text is cut at whitespace the tokenizer splits at as at a space
+    (NFKC maps the ideographic space to one; nothing here maps a newline to one), and the
+    ids are those of encoding it whole."""
+    from tokenizers import normalizers
+
+    assert make(16)._breaks == " "
+    nfkc = hf_tokenizer()
+    nfkc.normalizer = normalizers.NFKC()
+    tok = Tokenizer(nfkc, 16, max_whole_chars=300)
+    assert "\u3000" in tok._breaks and "\u00a0" in tok._breaks and "\n" not in tok._breaks
+    ideographic = "\u3000".join(["cat"] * 200)  # 799 characters, no space
+    seen = _spy(monkeypatch, tok)
+    enc = tok.encode([ideographic])
+    monkeypatch.undo()
+    assert [x.tolist() for x in enc.ids] == _reference(tok, [ideographic])
+    assert max(seen) <= 128  # cut at max_seq * 8 characters, not tokenized whole
+    with pytest.raises(TooLarge, match="no space after a word"):
+        tok.encode(["\n".join(["cat"] * 200)])  # a newline is no break for it
+
+
+@pytest.mark.slow
+def test_a_page_without_spaces_is_cut_at_its_line_breaks_with_the_models_tokenizer(
+        tiny_model: Path):
+    """bge-m3's layout splits at newlines: a long page of lines without spaces (CJK-like) is
+    served from its leading lines with the ids of encoding it whole."""
+    from bgeserve.export.texts import random_texts
+
+    tok = Tokenizer.load(tiny_model / "tokenizer.json", 64, max_whole_chars=2_000)
+    assert "\n" in tok._breaks and "\u3000" in tok._breaks
+    page = "\n".join(t.replace(" ", "") for t in random_texts(5, 400, 5, 40))
+    assert len(page) > 2_000 and " " not in page
+    assert [x.tolist() for x in tok.encode([page]).ids] == _reference(tok, [page])
+    assert tok._prefix(page) is not page
+
+
 def test_the_lower_bound_reads_no_more_of_a_text_than_encode_could(monkeypatch):
     """``min_tokens`` (admission, before tokenizing) reads a text only as far as ``encode``
     could tokenize it: the limit, or the cut at max_seq * 8 characters, whichever is longer;

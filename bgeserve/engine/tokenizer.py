@@ -45,6 +45,10 @@ _NUMPY_COUNT_BYTES = 4096
 _PREFIX_CHARS_PER_WORD = 8
 _PREFIX_MIN_CHARS = 2048
 _WORD_SPLITTERS = {"WhitespaceSplit", "Whitespace", "BertPreTokenizer"}
+# Whitespace besides the space where a long text may be cut, each where the tokenizer splits
+# at it as at a space (``_splits_at``): line and paragraph breaks, tabs, CJK's ideographic
+# space, no-break and thin spaces.
+_OTHER_BREAKS = "\n\r\t\f\v\u0085\u00a0\u2002\u2003\u2009\u202f\u2028\u2029\u3000"
 EXIT_WAIT_S = 60.0  # the longest interpreter exit waits for tokenizing in progress
 
 
@@ -122,6 +126,21 @@ def _splits_on_spaces(pre_tokenizer: dict | None) -> bool:
     return kind in _WORD_SPLITTERS or (kind == "Metaspace" and pre_tokenizer.get("split", True))
 
 
+def _splits_at(tokenizer: tokenizers.Tokenizer, char: str) -> bool:
+    """Whether ``tokenizer`` (normalizer, then pre-tokenizer) splits two words at ``char`` as
+    at a space: then a cut there, too, leaves the words before it tokenized as in the whole
+    text. bge-m3's layouts do for newlines and tabs (WhitespaceSplit, or sentencepiece's
+    normalizer mapping them to spaces), so a page of CJK with line breaks can be cut."""
+    pieces = []
+    for text in (f"ab{char}cd", "ab cd"):
+        if tokenizer.normalizer is not None:
+            text = tokenizer.normalizer.normalize_str(text)
+        if tokenizer.pre_tokenizer is None:
+            return False
+        pieces.append([p for p, _ in tokenizer.pre_tokenizer.pre_tokenize_str(text)])
+    return pieces[0] == pieces[1]
+
+
 def _word_ends(classes: bytes, enough: int | None = None) -> int:
     """How often ``"a "`` and ``"a. "`` occur in a text's class bytes (``_CLASSES``): the
     words it ends. Neither pattern can overlap the other or itself. ``enough``: a count of
@@ -195,6 +214,8 @@ class Tokenizer:
             spec = {}
         self._word_bound = _splits_on_spaces(spec.get("pre_tokenizer"))
         self._cut_exact = self._word_bound and _cut_is_exact(spec)
+        self._breaks = " " + "".join(c for c in _OTHER_BREAKS if self._cut_exact
+                                     and _splits_at(tokenizer, c))
 
     @classmethod
     def load(cls, path: Path, max_seq: int, max_whole_chars: int | None = None) -> Tokenizer:
@@ -278,7 +299,8 @@ class Tokenizer:
         elif not self._cut_exact:
             why = "this tokenizer's texts cannot be cut at a space without changing their tokens"
         else:
-            why = f"its first {self.max_whole_chars} characters have no space after a word"
+            breaks = "space or line break" if "\n" in self._breaks else "space"
+            why = f"its first {self.max_whole_chars} characters have no {breaks} after a word"
         return TooLarge(f"input[{i}] has {len(text)} characters, over the limit of "
                         f"{self.max_whole_chars} (BGE_M3_MAX_TEXT_CHARS) for a text tokenized "
                         f"whole, and it cannot be cut to its leading words exactly: {why}; "
@@ -304,19 +326,19 @@ class Tokenizer:
 
     def _prefix(self, text: str) -> str:
         """``text``, or its leading words when it is longer than ``_cut_chars`` (far longer
-        than ``max_seq`` tokens can be, or over the limit): cut at a space (the pre-tokenizer
-        splits there, so every word before the cut tokenizes as it does in the whole text),
-        trailing spaces dropped."""
+        than ``max_seq`` tokens can be, or over the limit): cut at a space or other break
+        (``_breaks``: the tokenizer splits there, so every word before the cut tokenizes as
+        it does in the whole text), trailing breaks dropped."""
         if not self._cut_exact or len(text) <= self._cut_chars:
             return text
         return self._leading(text, self._cut_chars) or text
 
-    @staticmethod
-    def _leading(text: str, limit: int) -> str | None:
-        """The words of ``text`` before its last space within ``limit`` characters, trailing
-        spaces dropped (None: no such space, or only spaces before it)."""
-        at = text.rfind(" ", 0, limit)
-        head = text[:at].rstrip(" ") if at > 0 else ""
+    def _leading(self, text: str, limit: int) -> str | None:
+        """The words of ``text`` before its last break (``_breaks``: a space, or other
+        whitespace this tokenizer splits at) within ``limit`` characters, trailing breaks
+        dropped (None: no such break, or only breaks before it)."""
+        at = max(text.rfind(c, 0, limit) for c in self._breaks)
+        head = text[:at].rstrip(self._breaks) if at > 0 else ""
         return head or None
 
     def _encode_grouped(self, texts: Sequence[str]) -> list[np.ndarray]:
