@@ -530,6 +530,28 @@ def test_texts_are_cut_at_other_whitespace_only_where_the_tokenizer_splits_there
         tok.encode(["\n".join(["cat"] * 200)])  # a newline is no break for it
 
 
+def test_no_break_where_the_tokenizer_splits_only_in_some_contexts():
+    """A pre-tokenizer that splits at a newline only after "b" is not fooled into cutting at
+    every newline (probed in several contexts); an added token matched on normalized text
+    that holds a space there (NFKC: "¨" is a space and a diaeresis) could straddle a cut:
+    no cut at all."""
+    from tokenizers import Regex, normalizers
+
+    picky = hf_tokenizer()
+    picky.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex("(?<=b)\n"), "removed"),
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")])
+    assert "\n" not in Tokenizer(picky, 16)._breaks
+    spanning = hf_tokenizer()
+    spanning.normalizer = normalizers.NFKC()
+    spanning.add_tokens([AddedToken("q\u00a8", normalized=True)])
+    assert not Tokenizer(spanning, 16)._cut_exact
+    plain = hf_tokenizer()
+    plain.normalizer = normalizers.NFKC()
+    plain.add_tokens([AddedToken("q\u00a8", normalized=False)])  # matched as written
+    assert Tokenizer(plain, 16)._cut_exact
+
+
 @pytest.mark.slow
 def test_a_page_without_spaces_is_cut_at_its_line_breaks_with_the_models_tokenizer(
         tiny_model: Path):

@@ -15,7 +15,7 @@ import itertools
 import json
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +48,7 @@ _WORD_SPLITTERS = {"WhitespaceSplit", "Whitespace", "BertPreTokenizer"}
 # Whitespace besides the space where a long text may be cut, each where the tokenizer splits
 # at it as at a space (``_splits_at``): line and paragraph breaks, tabs, CJK's ideographic
 # space, no-break and thin spaces.
+_BREAK_CONTEXTS = ("ab{0}cd", "混{0}合", "1.{0}.2", "x{0}{0}y", "{0}q")
 _OTHER_BREAKS = "\n\r\t\f\v\u0085\u00a0\u2002\u2003\u2009\u202f\u2028\u2029\u3000"
 EXIT_WAIT_S = 60.0  # the longest interpreter exit waits for tokenizing in progress
 
@@ -105,14 +106,17 @@ def _local_normalizer(normalizer: dict | None) -> bool:
     return kind in _LOCAL_NORMALIZERS
 
 
-def _cut_is_exact(spec: dict) -> bool:
-    """Whether a text's leading words (cut at a space) tokenize as they do in the whole text,
-    from the tokenizer's tokenizer.json ``spec``: its pre-tokenizer splits at spaces (checked
-    by the caller), its normalizer is local, and no added token spans a space (one could
-    straddle the cut)."""
+def _cut_is_exact(spec: dict, normalize: Callable[[str], str]) -> bool:
+    """Whether a text's leading words (cut at a space or other break) tokenize as they do in
+    the whole text, from the tokenizer's tokenizer.json ``spec``: its pre-tokenizer splits at
+    spaces (checked by the caller), its normalizer is local, and no added token spans
+    whitespace (one could straddle the cut), as written or, when it is matched on normalized
+    text, as ``normalize`` makes it (NFKC turns "¨" into a space and a diaeresis)."""
     added = spec.get("added_tokens") or []
     return _local_normalizer(spec.get("normalizer")) and not any(
-        any(c.isspace() for c in a.get("content", "")) for a in added)
+        any(c.isspace() for c in a.get("content", ""))
+        or a.get("normalized") and any(c.isspace() for c in normalize(a.get("content", "")))
+        for a in added)
 
 
 def _splits_on_spaces(pre_tokenizer: dict | None) -> bool:
@@ -127,18 +131,21 @@ def _splits_on_spaces(pre_tokenizer: dict | None) -> bool:
 
 
 def _splits_at(tokenizer: tokenizers.Tokenizer, char: str) -> bool:
-    """Whether ``tokenizer`` (normalizer, then pre-tokenizer) splits two words at ``char`` as
-    at a space: then a cut there, too, leaves the words before it tokenized as in the whole
-    text. bge-m3's layouts do for newlines and tabs (WhitespaceSplit, or sentencepiece's
-    normalizer mapping them to spaces), so a page of CJK with line breaks can be cut."""
-    pieces = []
-    for text in (f"ab{char}cd", "ab cd"):
+    """Whether ``tokenizer`` (normalizer, then pre-tokenizer) splits words at ``char`` as at a
+    space, between letters, CJK, digits, punctuation and another such character: then a cut
+    there, too, leaves the words before it tokenized as in the whole text. bge-m3's layouts
+    do for newlines and tabs (WhitespaceSplit, or sentencepiece's normalizer mapping them to
+    spaces), so a page of CJK with line breaks can be cut."""
+    if tokenizer.pre_tokenizer is None:
+        return False
+
+    def pieces(text: str) -> list[str]:
         if tokenizer.normalizer is not None:
             text = tokenizer.normalizer.normalize_str(text)
-        if tokenizer.pre_tokenizer is None:
-            return False
-        pieces.append([p for p, _ in tokenizer.pre_tokenizer.pre_tokenize_str(text)])
-    return pieces[0] == pieces[1]
+        return [p for p, _ in tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+
+    return all(pieces(context.format(char)) == pieces(context.format(" "))
+               for context in _BREAK_CONTEXTS)
 
 
 def _word_ends(classes: bytes, enough: int | None = None) -> int:
@@ -213,7 +220,9 @@ class Tokenizer:
         except (ValueError, AttributeError):
             spec = {}
         self._word_bound = _splits_on_spaces(spec.get("pre_tokenizer"))
-        self._cut_exact = self._word_bound and _cut_is_exact(spec)
+        normalizer = tokenizer.normalizer
+        self._cut_exact = self._word_bound and _cut_is_exact(
+            spec, normalizer.normalize_str if normalizer is not None else str)
         self._breaks = " " + "".join(c for c in _OTHER_BREAKS if self._cut_exact
                                      and _splits_at(tokenizer, c))
 
@@ -261,7 +270,10 @@ class Tokenizer:
 
     def _holds_max_seq(self, ids: np.ndarray) -> bool:
         """Whether a cut text's ids show the cut exact: still over max_seq (so truncation
-        keeps only tokens the whole text shares) and ending in </s> as the whole text would."""
+        keeps only tokens the whole text shares) and ending in </s> as the whole text would.
+        "Over", not "at least": a cut may end in one token the whole text lacks there (a
+        character normalized to a space that is no break, its run collapsed to one "▁"),
+        and over max_seq that last token is always one truncation drops."""
         return len(ids) > self.max_seq and ids[-1] == EOS_ID
 
     def _fits_whole(self, text: str) -> bool:
@@ -269,7 +281,7 @@ class Tokenizer:
 
     def _wider_cut(self, text: str) -> str | None:
         """The leading words of ``text`` within ``max_whole_chars`` (None: no limit, no
-        exact cut for this tokenizer, or no word before a space within it)."""
+        exact cut for this tokenizer, or no word before a break within it)."""
         if self.max_whole_chars is None or not self._cut_exact:
             return None
         return self._leading(text, self.max_whole_chars)
@@ -279,7 +291,8 @@ class Tokenizer:
         could be made) did not do: the whole text, if it fits ``max_whole_chars``; else its
         leading words within that many characters, if longer than ``tried`` and still over
         ``max_seq`` tokens; else ``TooLarge``. ``tokenizers`` holds ~150 bytes per token while
-        it encodes, and only this limit bounds a text without spaces (a CJK page, a blob)."""
+        it encodes, and only this limit bounds a text without breaks (a blob, CJK without line
+        breaks)."""
         if self._fits_whole(text):
             return self._encode_one(i, text)
         wider = self._wider_cut(text)
