@@ -252,20 +252,19 @@ class Tokenizer:
             raise InvalidInput("cannot tokenize input: every text must be a string",
                                param="input")
         prepared = [self._prefix(t) for t in texts]
-        # A text that would be tokenized whole past max_whole_chars is left out of the groups
-        # ("" in its place) and tried alone below; refused first, before any text is
-        # tokenized, when it has no leading words within the limit to try.
-        grouped = [cut is not text or self._fits_whole(text)
-                   for text, cut in zip(texts, prepared, strict=True)]
-        for i, text in enumerate(texts):
-            if not grouped[i] and self._wider_cut(text) is None:
-                raise self._refusal(i, text, None)
-        ids = self._encode_grouped([p if ok else "" for p, ok in zip(prepared, grouped,
-                                                                       strict=True)])
+        # A text with no cut at _cut_chars that would be tokenized whole past max_whole_chars
+        # is cut within the limit instead; refused before any text is tokenized where it
+        # cannot be.
         for i, (text, cut) in enumerate(zip(texts, prepared, strict=True)):
-            if (cut is text and grouped[i]) or (cut is not text and self._holds_max_seq(ids[i])):
-                continue
-            ids[i] = self._encode_long(i, text, None if cut is text else cut)
+            if cut is text and not self._fits_whole(text):
+                wider = self._wider_cut(text)
+                if wider is None:
+                    raise self._refusal(i, text, None)
+                prepared[i] = wider
+        ids = self._encode_grouped(prepared)
+        for i, (text, cut) in enumerate(zip(texts, prepared, strict=True)):
+            if cut is not text and not self._holds_max_seq(ids[i]):
+                ids[i] = self._encode_long(i, text, cut)
         return self._truncate(ids)
 
     def _holds_max_seq(self, ids: np.ndarray) -> bool:
@@ -286,17 +285,16 @@ class Tokenizer:
             return None
         return self._leading(text, self.max_whole_chars)
 
-    def _encode_long(self, i: int, text: str, tried: str | None) -> np.ndarray:
-        """The ids of ``input[i]`` when its cut at ``_cut_chars`` (``tried``; None: none
-        could be made) did not do: the whole text, if it fits ``max_whole_chars``; else its
-        leading words within that many characters, if longer than ``tried`` and still over
-        ``max_seq`` tokens; else ``TooLarge``. ``tokenizers`` holds ~150 bytes per token while
+    def _encode_long(self, i: int, text: str, tried: str) -> np.ndarray:
+        """The ids of ``input[i]`` when its cut (``tried``) did not do: the whole text, if it
+        fits ``max_whole_chars``; else its leading words within that many characters, if
+        longer than ``tried`` and still over ``max_seq`` tokens; else ``TooLarge``. ``tokenizers`` holds ~150 bytes per token while
         it encodes, and only this limit bounds a text without breaks (a blob, CJK without line
         breaks)."""
         if self._fits_whole(text):
             return self._encode_one(i, text)
         wider = self._wider_cut(text)
-        if wider is not None and (tried is None or len(wider) > len(tried)):
+        if wider is not None and len(wider) > len(tried):
             ids = self._encode_one(i, wider)
             if self._holds_max_seq(ids):
                 return ids
