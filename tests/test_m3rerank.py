@@ -216,3 +216,30 @@ def test_min_tokens_bounds_the_jobs_texts_from_below(tiny_export, max_seq) -> No
                 plan = plan_m3(whole, query, texts, max_seq, options)
                 first = [0] + [1 + int(np.argmax(plan.owner == i)) for i in range(len(texts))]
                 assert bound >= 0.25 * sum(len(plan.inputs[i]) for i in first), bound
+
+
+@pytest.mark.parametrize("options", [
+    RerankOptions(long_documents="truncate"), RerankOptions(max_tokens_per_doc=100),
+    RerankOptions(max_tokens_per_doc=100, long_documents="truncate",
+                  truncation_direction="left")], ids=["truncate", "cut-windows", "cut-left"])
+def test_texts_past_the_limit_read_from_the_left_give_the_inputs_of_the_whole_texts(
+        tiny_export, options) -> None:
+    """bge-m3's scores: a query (cut to a window) and documents read only to their leading
+    tokens, past BGE_M3_MAX_TEXT_CHARS, give exactly the inputs, flags and windows of
+    tokenizing them whole; a document read to its end past the limit is TooLarge."""
+    from bgeserve.errors import TooLarge
+
+    path = tiny_export / "tokenizer.json"
+    limited = Tokenizer.load(path, 1 << 30, max_whole_chars=1_000)
+    whole = Tokenizer.load(path, 1 << 30)
+    whole._cut_exact = False  # the oracle: every text tokenized whole
+    query = " ".join(random_texts(93, 300, 3, 10))
+    docs = ["\n".join(random_texts(94, 200, 5, 20)), "short", " ".join(random_texts(95, 200))]
+    got = plan_m3(limited, query, docs, 64, options)
+    want = plan_m3(whole, query, docs, 64, options)
+    assert [x.tolist() for x in got.inputs] == [x.tolist() for x in want.inputs]
+    assert got.truncated.tolist() == want.truncated.tolist() == [True, False, True]
+    assert got.windows.tolist() == want.windows.tolist() and got.query_truncated
+    with pytest.raises(TooLarge) as info:
+        plan_m3(limited, "q", docs, 64, RerankOptions())
+    assert info.value.param == "documents[0]"

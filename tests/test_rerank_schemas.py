@@ -89,14 +89,24 @@ def test_unknown_model_is_404_and_limits_hold() -> None:
         parse({"query": "q", "documents": ["a"], "model": "rerank-english-v3.0"})
     with pytest.raises(InvalidInput, match="BGE_M3_MAX_BATCH"):
         parse({"query": "q", "documents": ["a"] * 3}, Settings(max_batch=2))
-    with pytest.raises(TooLarge, match="BGE_M3_MAX_TEXT_CHARS"):
-        parse({"query": "q", "documents": ["a" * 11]}, Settings(max_text_chars=10))
-    # the query too: every rerank text is tokenized whole (it had no limit)
-    with pytest.raises(TooLarge, match="query has 11 characters") as info:
-        parse({"query": "q" * 11, "documents": ["a"]}, Settings(max_text_chars=10))
-    assert info.value.param == "query"
-    with pytest.raises(TooLarge, match="query has 11 characters"):
-        tei({"query": "q" * 11, "texts": ["a"]}, Settings(max_text_chars=10))
+    small = Settings(max_text_chars=10)
+    with pytest.raises(TooLarge, match="BGE_M3_MAX_TEXT_CHARS") as info:
+        parse({"query": "q", "documents": ["a", "a" * 11]}, small)
+    assert info.value.param == "documents[1]"
+    with pytest.raises(TooLarge, match="truncate it from the right"):
+        tei({"query": "q", "texts": ["a" * 11], "truncate": True,
+             "truncation_direction": "left"}, small)
+    # Read only to its leading tokens, a long text is left to the tokenizer, which serves it
+    # from its leading words (or refuses it, saying why): the query always (FlagReranker's
+    # cap), a document truncated from the right or cut by max_tokens_per_doc.
+    for body in ({"query": "q" * 11, "documents": ["a"]},
+                 {"query": "q", "documents": ["a" * 11], "truncate": True},
+                 {"query": "q", "documents": ["a" * 11], "long_documents": "truncate"},
+                 {"query": "q", "documents": ["a" * 11], "max_tokens_per_doc": 4}):
+        assert parse(body, small).documents[0] == body["documents"][0]
+    for body in ({"query": "q" * 11, "texts": ["a"]},
+                 {"query": "q", "texts": ["a" * 11], "truncate": True}):
+        assert tei(body, small).documents[0] == body["texts"][0]
     with pytest.raises(InvalidInput) as info:
         parse({"query": "q", "documents": []})
     assert info.value.code == "empty_input"

@@ -261,6 +261,41 @@ def test_a_text_over_the_character_limit_is_embedded_from_its_leading_words(
     assert r.status_code == 413 and "141000 characters" in r.json()["error"]["message"]
 
 
+def test_rerank_texts_over_the_character_limit_are_scored_from_their_leading_words(
+        client: TestClient, short_engine: Engine) -> None:
+    """A rerank query (only its leading tokens are read) and documents truncated from the
+    right past BGE_M3_MAX_TEXT_CHARS are scored from their leading words, exactly as the
+    library scores them whole, on the Jina / Cohere routes and TEI's; a document scored to its
+    end (windows, the default) past the limit is a 413 saying how it could be served."""
+    long = "hybrid retrieval with dense and sparse vectors " * 3000  # 141,000 characters
+    page = "混合检索的稠密向量\n" * 15_000  # 150,000 characters of lines without spaces
+    query = "what is " + long
+    docs = [TEXTS[0], long, page]
+    want = short_engine.rerank(query[:2000], [TEXTS[0], long[:2000], page[:2000]],
+                               long_documents="truncate")
+    for path, body in (("/v1/rerank", {"query": query, "documents": docs, "truncate": True}),
+                       ("/v2/rerank", {"query": query, "documents": docs,
+                                       "max_tokens_per_doc": MAX_SEQ - 2}),
+                       ("/rerank", {"query": query, "texts": docs, "truncate": True,
+                                    "raw_scores": True})):
+        r = client.post(path, json=body)
+        assert r.status_code == 200, (path, r.text)
+        results = r.json() if path == "/rerank" else r.json()["results"]
+        got = {x["index"]: x.get("relevance_score", x.get("score")) for x in results}
+        np.testing.assert_allclose([got[i] for i in range(3)], want.scores, atol=1e-5,
+                                   rtol=0, err_msg=path)
+    r = client.post("/v1/rerank", json={"query": "q", "documents": docs})
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["param"] == "documents[1]" and "truncate" in err["message"]
+    blob = "混" * 140_000
+    r = client.post("/v1/rerank", json={"query": blob, "documents": docs, "truncate": True})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "query", r.text
+    # TEI's /rerank names a document as its body does
+    r = client.post("/rerank", json={"query": "q", "texts": [TEXTS[0], blob], "truncate": True})
+    assert r.status_code == 413 and r.json()["error"].startswith("texts[1] has 140000"), r.text
+
+
 # -- token-id input ----------------------------------------------------------------------------
 def test_token_id_input(client: TestClient, engine: Engine) -> None:
     text = TEXTS[1]

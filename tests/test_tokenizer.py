@@ -139,10 +139,10 @@ def test_a_lone_surrogate_is_named_with_its_text_and_place():
         make().encode(["hello", "hello \ud800"])
     assert info.value.param == "input[1]"
     with pytest.raises(InvalidInput) as info:
-        make().encode_rerank("hello", ["hello", "hello", "\udfff"])
+        make().encode_rerank("hello", ["hello", "hello", "\udfff"], 64, lambda q: None)
     assert info.value.param == "documents[2]"
     with pytest.raises(InvalidInput) as info:
-        make().encode_rerank("\udfff", ["hello"])
+        make().encode_rerank("\udfff", ["hello"], 64, lambda q: None)
     assert info.value.param == "query"
     with pytest.raises(InvalidInput) as info:
         make().tokens(["hello"] * 70 + ["\ud800"])
@@ -482,6 +482,41 @@ def test_a_text_over_the_whole_limit_is_served_by_its_leading_words(monkeypatch)
         free, ["x" * 500, few])
 
 
+def test_a_reader_of_leading_ids_gets_them_from_the_leading_words(monkeypatch):
+    """``encode_leading`` (rerank: a query's cap, a document truncated from the right): a text
+    whose reader needs only its first ``keep`` ids is tokenized from its leading words, past
+    ``keep`` x 8 characters or the limit; its first ``keep - 1`` ids (``<s>`` and the content
+    kept) are the whole text's and its length stays over ``keep``. A reader of every id
+    (None) gets the whole text, refused past the limit before anything is tokenized; a cut
+    with too few tokens is refused saying so, named as the caller names it."""
+    tok = Tokenizer(hf_tokenizer(), 1 << 30, max_whole_chars=300)
+    whole = _reference(make(1 << 30), [words(300), "cat sat", words(30)])
+    seen = _spy(monkeypatch, tok)
+    ids = tok.encode_leading([words(300), "cat sat", words(30)], [20, None, 20],
+                             ["query", "documents[0]", "documents[1]"])
+    monkeypatch.undo()
+    assert max(seen) <= 160 and seen[1:] == [7, len(words(30))]  # 20 ids x 8 characters
+    assert ids[0][:19].tolist() == whole[0][:19] and 20 < len(ids[0]) < len(whole[0])
+    assert ids[0][-1] == EOS_ID
+    assert [x.tolist() for x in ids[1:]] == whole[1:]  # under keep x 8 characters: whole
+    # keep x 8 past the limit: cut within the limit, as encode's max_seq cut
+    ids = tok.encode_leading([words(300)], [60], ["documents[3]"])
+    assert ids[0][:59].tolist() == whole[0][:59] and 60 < len(ids[0]) < len(whole[0])
+    few = ("☃" * 60 + " ") * 6  # 366 characters, 6 tokens
+    for text, keep, why in ((words(300), None, "every token of it is read"),
+                            ("x" * 500, 20, "its first 300 characters have no space"),
+                            (few, 20, "hold no more than the 20 tokens")):
+        seen = _spy(monkeypatch, tok)
+        with pytest.raises(TooLarge, match="BGE_M3_MAX_TEXT_CHARS") as refused:
+            tok.encode_leading(["cat", text], [None, keep], ["query", "documents[2]"])
+        monkeypatch.undo()
+        assert refused.value.param == "documents[2]" and why in refused.value.message
+        assert max(seen, default=0) <= 300
+    # No limit: a reader of every id gets the whole of any text.
+    free = Tokenizer(hf_tokenizer(), 1 << 30)
+    assert free.encode_leading([words(300)], [None], ["q"])[0].tolist() == whole[0]
+
+
 def test_a_limit_under_the_first_cut_is_where_texts_are_cut():
     """A limit under max_seq * 8 characters: a text over it is cut there (never tokenized
     past it, however long), served where its leading words hold over max_seq tokens, else
@@ -564,7 +599,7 @@ def test_a_page_without_spaces_is_cut_at_its_line_breaks_with_the_models_tokeniz
     page = "\n".join(t.replace(" ", "") for t in random_texts(5, 400, 5, 40))
     assert len(page) > 2_000 and " " not in page
     assert [x.tolist() for x in tok.encode([page]).ids] == _reference(tok, [page])
-    assert tok._prefix(page) is not page
+    assert tok._prefix(page, tok.max_seq) is not page
 
 
 def test_the_lower_bound_reads_no_more_of_a_text_than_encode_could(monkeypatch):
@@ -608,16 +643,16 @@ def test_no_cut_where_it_could_change_the_ids():
     spanning.add_tokens([AddedToken("cat sat", normalized=False)])
     tok = Tokenizer(spanning, 16)
     text = "the cat sat on the mat " * 40
-    assert tok._prefix(text) is text
+    assert tok._prefix(text, 16) is text
     assert [x.tolist() for x in tok.encode([text]).ids] == _reference(tok, [text])
     from tokenizers import normalizers
 
     stripping = hf_tokenizer()
     stripping.normalizer = normalizers.Strip(left=False, right=True)
-    assert Tokenizer(stripping, 16)._prefix(text) is text
+    assert Tokenizer(stripping, 16)._prefix(text, 16) is text
     local = hf_tokenizer()
     local.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
-    assert Tokenizer(local, 16)._prefix(text) is not text
+    assert Tokenizer(local, 16)._prefix(text, 16) is not text
 
 
 @pytest.mark.slow
@@ -630,7 +665,7 @@ def test_the_cut_is_exact_with_the_models_own_tokenizer(tiny_model: Path):
     assert tok._cut_exact
     texts = [" ".join(random_texts(seed, 30, 5, 40)) for seed in range(12)]
     texts += [" " + texts[0], texts[1] + "   ", texts[2].replace(" ", "  ")]
-    assert sum(tok._prefix(t) is not t for t in texts) == len(texts)
+    assert sum(tok._prefix(t, tok.max_seq) is not t for t in texts) == len(texts)
     assert [x.tolist() for x in tok.encode(texts).ids] == _reference(tok, texts)
 
 

@@ -12,7 +12,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bgeserve.engine.pairs import PairConfig, PairPlan, build_pairs, content_ids
+from bgeserve.engine.pairs import (
+    SPECIALS,
+    PairConfig,
+    PairPlan,
+    build_pairs,
+    content_ids,
+    leading_need,
+)
 from bgeserve.engine.tokenizer import Tokenizer
 from bgeserve.results import RerankOptions, RerankResult
 
@@ -20,7 +27,16 @@ from bgeserve.results import RerankOptions, RerankResult
 def plan_pairs(tokenizer: Tokenizer, query: str, documents: Sequence[str],
                config: PairConfig, options: RerankOptions) -> PairPlan:
     """The pair rows for ``query`` against ``documents`` (``tokenizer`` must not truncate)."""
-    encoded = tokenizer.encode_rerank(query, documents)
+    limit = config.query_limit
+
+    def document_keep(query_ids: np.ndarray) -> int | None:
+        # The document tokens a row holds beside the query as build_pairs keeps it.
+        width = config.max_length - min(len(content_ids(query_ids)), limit) - SPECIALS
+        need = leading_need(width, options.long_documents, options.truncation_direction,
+                            options.max_tokens_per_doc)
+        return None if need is None else need + 2  # <s> and </s> counted
+
+    encoded = tokenizer.encode_rerank(query, documents, limit + 2, document_keep)
     docs = [content_ids(ids) for ids in encoded[1:]]
     cut = np.zeros(len(docs), dtype=bool)
     if options.max_tokens_per_doc is not None:

@@ -21,7 +21,7 @@ import numpy as np
 
 from bgeserve.engine.jobs import Job
 from bgeserve.engine.m3score import canonical_mode, check_weights, m3_scores, needs
-from bgeserve.engine.pairs import CLS_ID, EOS_ID, content_ids, document_windows
+from bgeserve.engine.pairs import CLS_ID, EOS_ID, content_ids, document_windows, leading_need
 from bgeserve.engine.tokenizer import Tokenizer, untruncated
 from bgeserve.errors import InvalidInput, TooLarge
 from bgeserve.results import M3_SCORER, Embeddings, EmbedOptions, RerankOptions, RerankResult
@@ -52,7 +52,10 @@ def plan_m3(tokenizer: Tokenizer, query: str, documents: Sequence[str], max_seq:
     """Tokenize once (``tokenizer`` must not truncate: its ``max_seq`` above any document) and
     cut each document into windows of ``max_seq - 2`` content tokens."""
     width = max_seq - 2
-    encoded = tokenizer.encode_rerank(query, documents)
+    need = leading_need(width, options.long_documents, options.truncation_direction,
+                        options.max_tokens_per_doc)
+    encoded = tokenizer.encode_rerank(query, documents, max_seq,
+                                      lambda _: None if need is None else need + 2)
     q = content_ids(encoded[0])
     inputs = [np.concatenate(([CLS_ID], q[:width], [EOS_ID])).astype(np.int64)]
     owner: list[int] = []
@@ -197,8 +200,8 @@ def make_jobs(engine: Engine, query: str, documents: Sequence[str], options: Rer
     """Tokenize, window and admit: the jobs to run one after the other (see ``groups``)."""
     start = time.monotonic() if arrived is None else arrived
     check_options(options)
-    plan = plan_m3(untruncated(engine.artifacts.tokenizer_path), query, documents,
-                   engine.config.max_seq, options)
+    plan = plan_m3(untruncated(engine.artifacts.tokenizer_path, engine.config.max_text_chars),
+                   query, documents, engine.config.max_seq, options)
     admit(engine, plan)
     timeout = engine.config.request_timeout_s
     deadline = start + timeout if timeout else None

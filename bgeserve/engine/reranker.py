@@ -56,7 +56,8 @@ class Reranker:
         held = engine.config.max_seq  # clamped to the positions by the engine
         pairs = pairs or PairConfig(max_length=held)
         self.pairs = pairs if pairs.max_length <= held else replace(pairs, max_length=held)
-        self.tokenizer = untruncated(engine.artifacts.tokenizer_path)
+        self.tokenizer = untruncated(engine.artifacts.tokenizer_path,
+                                     engine.config.max_text_chars)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:

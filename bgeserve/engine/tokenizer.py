@@ -206,9 +206,9 @@ class Tokenizer:
         tokenizer.no_truncation()
         self._tk = tokenizer
         self.max_seq = max_seq
-        # The longest text ``encode`` tokenizes whole (None: any). A longer one is served only
-        # cut to its leading words (``_prefix``, ``_encode_long``), where that is exact; else
-        # it is TooLarge. Texts are cut past ``_cut_chars``: max_seq * 8 characters, or the
+        # The longest text tokenized whole (None: any). A longer one is served only cut to
+        # its leading words (``_prefix``, ``_encode_long``), where that is exact; else it is
+        # TooLarge. ``encode`` cuts texts past ``_cut_chars``: max_seq * 8 characters, or the
         # limit where it is lower (so the limit bounds what is tokenized, whatever the length).
         self.max_whole_chars = max_whole_chars
         self._cut_chars = max_seq * CUT_CHARS_PER_TOKEN
@@ -251,29 +251,57 @@ class Tokenizer:
         if not all(isinstance(t, str) for t in texts):
             raise InvalidInput("cannot tokenize input: every text must be a string",
                                param="input")
-        prepared = [self._prefix(t) for t in texts]
-        # A text with no cut at _cut_chars that would be tokenized whole past max_whole_chars
-        # is cut within the limit instead; refused before any text is tokenized where it
-        # cannot be.
-        for i, (text, cut) in enumerate(zip(texts, prepared, strict=True)):
-            if cut is text and not self._fits_whole(text):
-                wider = self._wider_cut(text)
-                if wider is None:
-                    raise self._refusal(i, text, None)
-                prepared[i] = wider
-        ids = self._encode_grouped(prepared)
-        for i, (text, cut) in enumerate(zip(texts, prepared, strict=True)):
-            if cut is not text and not self._holds_max_seq(ids[i]):
-                ids[i] = self._encode_long(i, text, cut)
-        return self._truncate(ids)
+        names = [f"input[{i}]" for i in range(len(texts))]
+        return self._truncate(self._encode_leading(texts, [self.max_seq] * len(texts), names))
 
-    def _holds_max_seq(self, ids: np.ndarray) -> bool:
-        """Whether a cut text's ids show the cut exact: still over max_seq (so truncation
-        keeps only tokens the whole text shares) and ending in </s> as the whole text would.
-        "Over", not "at least": a cut may end in one token the whole text lacks there (a
-        character normalized to a space that is no break, its run collapsed to one "▁"),
-        and over max_seq that last token is always one truncation drops."""
-        return len(ids) > self.max_seq and ids[-1] == EOS_ID
+    def encode_leading(self, texts: Sequence[str], keeps: Sequence[int | None],
+                       names: Sequence[str]) -> list[np.ndarray]:
+        """The ids of ``texts``, untruncated, where the caller reads only the first
+        ``keeps[i]`` ids of a text longer than that (``<s>`` and ``</s>`` counted; None: it
+        reads every id). Such a text may be tokenized from its leading words (as ``encode``
+        does for ``max_seq``): its ids then end past ``keeps[i]`` in ids the whole text need
+        not share, but its first ``keeps[i] - 1`` are the whole text's (and its length says
+        only "over ``keeps[i]``"). A text over ``max_whole_chars`` with no ``keeps`` is
+        ``TooLarge``, named ``names[i]``, before any text is tokenized."""
+        return self._encode_leading(list(texts), list(keeps), list(names))
+
+    def encode_rerank(self, query: str, documents: Sequence[str], query_keep: int,
+                      document_keep: Callable[[np.ndarray], int | None]) -> list[np.ndarray]:
+        """The ids of ``query`` (its first ``query_keep`` read) and of each document (the
+        first ``document_keep(query's ids)`` read; None: all), as ``encode_leading`` gives
+        them, a text named as the rerank request names it (``documents[2]``)."""
+        q = self._encode_leading([query], [query_keep], ["query"])[0]
+        keep = document_keep(q)
+        return [q, *self._encode_leading(list(documents), [keep] * len(documents),
+                                         [f"documents[{i}]" for i in range(len(documents))])]
+
+    def _encode_leading(self, texts: list[str], keeps: list[int | None],
+                        names: list[str]) -> list[np.ndarray]:
+        prepared = [self._prefix(t, keep) for t, keep in zip(texts, keeps, strict=True)]
+        # A text with no cut at its first cut that would be tokenized whole past
+        # max_whole_chars is cut within the limit instead; refused before any text is
+        # tokenized where it cannot be.
+        for i, (text, cut, keep) in enumerate(zip(texts, prepared, keeps, strict=True)):
+            if cut is text and not self._fits_whole(text):
+                wider = self._wider_cut(text) if keep is not None else None
+                if wider is None:
+                    raise self._refusal(names[i], text, None, keep)
+                prepared[i] = wider
+        ids = self._encode_grouped(prepared, names)
+        for i, (text, cut, keep) in enumerate(zip(texts, prepared, keeps, strict=True)):
+            if cut is not text and not self._holds(ids[i], keep):
+                ids[i] = self._encode_long(names[i], text, cut, keep)
+        return ids
+
+    @staticmethod
+    def _holds(ids: np.ndarray, keep: int | None) -> bool:
+        """Whether a cut text's ids show the cut exact for a reader of its first ``keep`` ids:
+        still over ``keep`` (so truncation keeps only tokens the whole text shares) and ending
+        in </s> as the whole text would. "Over", not "at": a cut may end in one token the
+        whole text lacks there (a character normalized to a space that is no break, its run
+        collapsed to one "▁"), and over ``keep`` that last token is always one truncation
+        drops. (``keep`` None: every id is read, and no cut is exact.)"""
+        return keep is not None and len(ids) > keep and ids[-1] == EOS_ID
 
     def _fits_whole(self, text: str) -> bool:
         return self.max_whole_chars is None or len(text) <= self.max_whole_chars
@@ -285,64 +313,60 @@ class Tokenizer:
             return None
         return self._leading(text, self.max_whole_chars)
 
-    def _encode_long(self, i: int, text: str, tried: str) -> np.ndarray:
-        """The ids of ``input[i]`` when its cut (``tried``) did not do: the whole text, if it
-        fits ``max_whole_chars``; else its leading words within that many characters, if
-        longer than ``tried`` and still over ``max_seq`` tokens; else ``TooLarge``. ``tokenizers`` holds ~150 bytes per token while
-        it encodes, and only this limit bounds a text without breaks (a blob, CJK without line
-        breaks)."""
+    def _encode_long(self, name: str, text: str, tried: str, keep: int | None) -> np.ndarray:
+        """The ids of a text (``name``) when its cut (``tried``) did not do: the whole text, if
+        it fits ``max_whole_chars``; else its leading words within that many characters, if
+        longer than ``tried`` and still over ``keep`` ids; else ``TooLarge``. ``tokenizers``
+        holds ~150 bytes per token while it encodes, and only this limit bounds a text without
+        breaks (a blob, CJK without line breaks)."""
         if self._fits_whole(text):
-            return self._encode_one(i, text)
+            return self._encode_one(name, text)
         wider = self._wider_cut(text)
         if wider is not None and len(wider) > len(tried):
-            ids = self._encode_one(i, wider)
-            if self._holds_max_seq(ids):
+            ids = self._encode_one(name, wider)
+            if self._holds(ids, keep):
                 return ids
             tried = wider
-        raise self._refusal(i, text, tried)
+        raise self._refusal(name, text, tried, keep)
 
-    def _refusal(self, i: int, text: str, tried: str | None) -> TooLarge:
-        """Why ``input[i]``, over ``max_whole_chars``, cannot be served: ``tried``, the
-        longest cut tokenized, held too few tokens; else no cut could be made."""
-        if tried is not None:
-            why = (f"its leading {len(tried)} characters hold no more than the {self.max_seq} "
-                   "tokens truncation keeps")
+    def _refusal(self, name: str, text: str, tried: str | None, keep: int | None) -> TooLarge:
+        """Why a text (``name``), over ``max_whole_chars``, cannot be served: every token of
+        it is read (``keep`` None); ``tried``, the longest cut tokenized, held too few tokens;
+        else no cut could be made."""
+        if keep is None:
+            why = "every token of it is read (it is not truncated from the right)"
+        elif tried is not None:
+            why = (f"its leading {len(tried)} characters hold no more than the {keep} tokens "
+                   "truncation keeps")
         elif not self._cut_exact:
             why = "this tokenizer's texts cannot be cut at a space without changing their tokens"
         else:
             breaks = "space or line break" if "\n" in self._breaks else "space"
             why = f"its first {self.max_whole_chars} characters have no {breaks} after a word"
-        return TooLarge(f"input[{i}] has {len(text)} characters, over the limit of "
+        how = "split the text or raise BGE_M3_MAX_TEXT_CHARS" if keep is not None else \
+            "truncate it from the right, split it or raise BGE_M3_MAX_TEXT_CHARS"
+        return TooLarge(f"{name} has {len(text)} characters, over the limit of "
                         f"{self.max_whole_chars} (BGE_M3_MAX_TEXT_CHARS) for a text tokenized "
                         f"whole, and it cannot be cut to its leading words exactly: {why}; "
-                        "split the text or raise BGE_M3_MAX_TEXT_CHARS", param=f"input[{i}]")
+                        f"{how}", param=name)
 
-    def _encode_one(self, i: int, text: str) -> np.ndarray:
-        try:
-            return self._encode_grouped([text])[0]
-        except InvalidInput as exc:  # named input[0]: the one text of that call
-            raise surrogate_error(text, f"input[{i}]") or exc from exc.__cause__
+    def _encode_one(self, name: str, text: str) -> np.ndarray:
+        return self._encode_grouped([text], [name])[0]
 
-    def encode_rerank(self, query: str, documents: Sequence[str]) -> list[np.ndarray]:
-        """The ids of ``query`` and of each document (``encode`` of them in one list), a text
-        the tokenizer refuses named as the rerank request names it (``documents[2]``)."""
-        try:
-            return self.encode([query, *documents]).ids
-        except InvalidInput as exc:
-            found = surrogate_error(query, "query") or surrogate_error(list(documents),
-                                                                        "documents")
-            if found is None:
-                raise
-            raise found from exc
-
-    def _prefix(self, text: str) -> str:
-        """``text``, or its leading words when it is longer than ``_cut_chars`` (far longer
-        than ``max_seq`` tokens can be, or over the limit): cut at a space or other break
-        (``_breaks``: the tokenizer splits there, so every word before the cut tokenizes as
-        it does in the whole text), trailing breaks dropped."""
-        if not self._cut_exact or len(text) <= self._cut_chars:
+    def _prefix(self, text: str, keep: int | None) -> str:
+        """``text``, or its leading words when it is longer than a reader of its first ``keep``
+        ids needs (``keep`` x 8 characters, far more than that many tokens can be) or than the
+        limit: cut at a space or other break (``_breaks``: the tokenizer splits there, so every
+        word before the cut tokenizes as it does in the whole text), trailing breaks dropped.
+        ``keep`` None: the text itself."""
+        if keep is None or not self._cut_exact:
             return text
-        return self._leading(text, self._cut_chars) or text
+        limit = keep * CUT_CHARS_PER_TOKEN
+        if self.max_whole_chars is not None:
+            limit = min(limit, self.max_whole_chars)
+        if len(text) <= limit:
+            return text
+        return self._leading(text, limit) or text
 
     def _leading(self, text: str, limit: int) -> str | None:
         """The words of ``text`` before its last break (``_breaks``: a space, or other
@@ -352,7 +376,10 @@ class Tokenizer:
         head = text[:at].rstrip(self._breaks) if at > 0 else ""
         return head or None
 
-    def _encode_grouped(self, texts: Sequence[str]) -> list[np.ndarray]:
+    def _encode_grouped(self, texts: Sequence[str],
+                        names: Sequence[str] | None = None) -> list[np.ndarray]:
+        """Ids of ``texts`` in groups of at most ``GROUP_CHARS`` characters; a text the
+        tokenizer refuses (a lone surrogate) named by ``names`` (default ``input[i]``)."""
         out: list[np.ndarray] = []
         group: list[str] = []
         chars = 0
@@ -362,7 +389,7 @@ class Tokenizer:
                     try:
                         encodings = self._tk.encode_batch(group, add_special_tokens=True)
                     except Exception as exc:  # its words name neither text nor fault
-                        raise surrogate_error(texts, "input") or InvalidInput(
+                        raise _named_fault(texts, names) or InvalidInput(
                             f"cannot tokenize input: {exc}", param="input") from exc
                 out += [np.asarray(e.ids, dtype=np.int64) for e in encodings]
                 del encodings
@@ -530,6 +557,18 @@ class Tokenizer:
         return [self._tk.id_to_token(int(i)) or "<unk>" for i in ids]
 
 
+def _named_fault(texts: Sequence[str], names: Sequence[str] | None) -> InvalidInput | None:
+    """The refusal of the first text holding a lone surrogate, named by ``names`` (default
+    ``input[i]``); None when none does."""
+    if names is None:
+        return surrogate_error(list(texts), "input")
+    for text, name in zip(texts, names, strict=True):
+        found = surrogate_error(text, name)
+        if found is not None:
+            return found
+    return None
+
+
 def _byte_starts(text: str) -> np.ndarray | None:
     """UTF-8 byte offset of every character of ``text`` and of its end (None when ASCII,
     where characters and bytes coincide)."""
@@ -555,9 +594,12 @@ def _tokens(text: str, encoding: tokenizers.Encoding) -> list[Token]:
         else:
             out.append(Token(tid, text[lo:hi], False, int(starts[lo]), int(starts[hi])))
     return out
+
+
 @functools.lru_cache(maxsize=8)
-def untruncated(path: Path) -> Tokenizer:
-    """``path``'s tokenizer without truncation, loaded once per file: rerank windows need every
-    token of a document (its length, and the query's, bounded by BGE_M3_MAX_TEXT_CHARS
-    upstream)."""
-    return Tokenizer.load(path, 1 << 30)
+def untruncated(path: Path, max_whole_chars: int | None = None) -> Tokenizer:
+    """``path``'s tokenizer without truncation, loaded once per file and limit: rerank windows
+    need every token of a document they cover (``encode_leading`` reads fewer of a text cut
+    from the right), and a text over ``max_whole_chars`` is tokenized only from its leading
+    words."""
+    return Tokenizer.load(path, 1 << 30, max_whole_chars)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
+from bgeserve.errors import BgeServeError
 from bgeserve.http.handlers import (
     OFFLOAD_BODY_BYTES,
     _maybe_offload,
@@ -42,6 +43,22 @@ async def tei_rerank(request: Request) -> Response:
     raw = await read_json_body(request)
     parsed = await _maybe_offload(len(raw) > OFFLOAD_BODY_BYTES, parse_tei_rerank_request,
                                   raw, state.settings)
-    result = await unless_disconnected(request, state.service.rerank(
-        parsed.query, parsed.documents, parsed.options, request_id=state.request_id))
+    try:
+        result = await unless_disconnected(request, state.service.rerank(
+            parsed.query, parsed.documents, parsed.options, request_id=state.request_id))
+    except BgeServeError as exc:
+        raise _named_as_texts(exc) from exc
     return Response(render_tei_rerank(parsed, result), media_type="application/json")
+
+
+def _named_as_texts(exc: BgeServeError) -> BgeServeError:
+    """``exc`` with a document the engine names ``documents[i]`` (Jina's field) named
+    ``texts[i]``, as TEI's body names it."""
+    param = exc.param
+    if param is None or not param.startswith("documents["):
+        return exc
+    name = "texts" + param[len("documents"):]
+    exc.message = exc.message.replace(param, name)
+    exc.args = (exc.message,)
+    exc.param = name
+    return exc

@@ -35,24 +35,37 @@ class RerankRequest:
     return_documents: bool = False
 
 
-def _query(body: dict[str, Any], settings: Settings) -> str:
+def _query(body: dict[str, Any]) -> str:
     if body.get("query") is None:
         raise InvalidInput("query is required", param="query")
     if not isinstance(body["query"], str):
         raise InvalidInput("query must be a string", param="query")
+    # Not bounded here: only its leading tokens are read (FlagReranker's query cap, a
+    # window's width), so one over BGE_M3_MAX_TEXT_CHARS is tokenized from its leading words.
     query: str = body["query"]
-    _check_text(query, "query", settings)  # tokenized whole, as every rerank text is
     return query
 
 
 def _check_text(text: str, param: str, settings: Settings) -> None:
     if len(text) > settings.max_text_chars:
         raise TooLarge(f"{param} has {len(text)} characters, over the limit of "
-                       f"{settings.max_text_chars} (BGE_M3_MAX_TEXT_CHARS)", param=param)
+                       f"{settings.max_text_chars} (BGE_M3_MAX_TEXT_CHARS) for a document "
+                       "scored to its end (windows, or truncation from the left); truncate "
+                       "it from the right (truncate: true), set max_tokens_per_doc, or split "
+                       "it", param=param)
 
 
-def _documents(value: Any, name: str, settings: Settings, objects: bool) -> list[str]:
-    """A non-empty list of strings (or, with ``objects``, of ``{"text": str}``)."""
+def _whole(options: RerankOptions) -> bool:
+    """Whether the rows may read a document's last tokens, so it is tokenized whole (else
+    only its leading tokens are read, and a long one is tokenized from its leading words)."""
+    return options.max_tokens_per_doc is None and not (
+        options.long_documents == "truncate" and options.truncation_direction == "right")
+
+
+def _documents(value: Any, name: str, settings: Settings, objects: bool,
+               whole: bool = True) -> list[str]:
+    """A non-empty list of strings (or, with ``objects``, of ``{"text": str}``); with
+    ``whole``, none over ``max_text_chars``."""
     shape = "strings or objects with a text field" if objects else "strings"
     if value is None:
         raise InvalidInput(f"{name} is required", param=name)
@@ -70,7 +83,8 @@ def _documents(value: Any, name: str, settings: Settings, objects: bool) -> list
             item = item.get("text")
         if not isinstance(item, str):
             raise InvalidInput(f"{name}[{i}] must be one of: {shape}", param=f"{name}[{i}]")
-        _check_text(item, f"{name}[{i}]", settings)
+        if whole:
+            _check_text(item, f"{name}[{i}]", settings)
         out.append(item)
     return out
 
@@ -137,8 +151,8 @@ def parse_rerank_request(raw: bytes, settings: Settings,
         else RerankOptions.weights,
         given=frozenset(k for k in ("mode", "weights") if body.get(k) is not None),
     )
-    return RerankRequest(_query(body, settings), _documents(body.get("documents"), "documents", settings,
-                                                  objects=True),
+    return RerankRequest(_query(body), _documents(body.get("documents"), "documents", settings,
+                                                  objects=True, whole=_whole(options)),
                          options, _top_n(body.get("top_n")),
                          flag(body, "return_documents", False))
 
@@ -156,6 +170,6 @@ def parse_tei_rerank_request(raw: bytes, settings: Settings) -> RerankRequest:
         long_documents="truncate" if flag(body, "truncate", False) else "max",
         truncation_direction=DIRECTIONS.get(direction or "right", "right"),
     )
-    return RerankRequest(_query(body, settings), _documents(body.get("texts"), "texts", settings,
-                                                  objects=False),
+    return RerankRequest(_query(body), _documents(body.get("texts"), "texts", settings,
+                                                  objects=False, whole=_whole(options)),
                          options, None, flag(body, "return_text", False))
