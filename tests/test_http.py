@@ -457,6 +457,16 @@ def test_text_too_long_is_413(client: TestClient) -> None:
     assert_error(r, 413, "too_large", "input[0]")
 
 
+def test_token_id_errors_name_no_other_vocabulary() -> None:
+    """A negative id is named as negative, not as outside bge-m3's 250,002 ids (the loaded
+    model's vocabulary, which a random model's may be smaller than, is the engine's check)."""
+    with serve(accept_token_ids=True) as client:
+        r = client.post("/v1/embeddings", json={"input": [5, -1]})
+        assert_error(r, 400, param="input[1]")
+        message = r.json()["error"]["message"]
+        assert "negative" in message and "250002" not in message
+
+
 # ---------------------------------------------------------------- framework errors
 
 

@@ -33,6 +33,17 @@ def test_render_sorts_cuts_and_flags() -> None:
     assert "document" not in plain["results"][0]
 
 
+def test_cohere_document_objects_are_echoed_whole() -> None:
+    """Cohere v1: a document sent as an object comes back with every field it was sent with
+    ("all other fields will be preserved"); a string document as ``{"text"}``."""
+    sent = {"text": "b", "title": "T", "id": 7}
+    request = RerankRequest("q", ["a", "b", "c", "d"], RerankOptions(), return_documents=True,
+                            objects=[None, sent, None, None])
+    body = orjson.loads(render_rerank(request, result()))
+    assert body["results"][0]["document"] == sent
+    assert body["results"][1]["document"] == {"text": "d"}
+
+
 def test_render_tei() -> None:
     """TEI: a bare array of {index, score, text?}, sorted, every text."""
     request = RerankRequest("q", list("abcd"), RerankOptions(), return_documents=True)

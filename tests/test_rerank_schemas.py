@@ -42,8 +42,32 @@ def test_cohere_bodies() -> None:
                  "return_documents": True, "rank_fields": ["text"], "max_chunks_per_doc": 3,
                  "max_tokens_per_doc": None, "priority": 1})
     assert got.documents == ["a", "b"] and got.top_n is None and got.return_documents
+    assert got.objects == [{"text": "a", "id": 3}, None]  # echoed whole
     assert parse({"query": "q", "documents": ["a"], "max_tokens_per_doc": 7,
                   "top_n": 2.0}).options.max_tokens_per_doc == 7
+
+
+def test_rank_fields_pick_what_an_object_is_ranked_on() -> None:
+    """Cohere v1's rank_fields: the values of those fields a document has, in their order,
+    one per line (a string as it is, another value as its JSON); one with none of them is
+    ranked on its text. An object needs its text (it is echoed in Cohere's shape), and
+    rank_fields must be field names: else a 400 naming it."""
+    docs = [{"title": "T", "text": "a", "year": 2024, "tags": ["x"]}, {"text": "b"}, "c"]
+    got = parse({"query": "q", "documents": docs,
+                 "rank_fields": ["title", "year", "missing", "tags", "text"]})
+    assert got.documents == ['T\n2024\n["x"]\na', "b", "c"]
+    assert got.objects == [*docs[:2], None]
+    for fields in (None, [], ["missing"]):
+        assert parse({"query": "q", "documents": docs, "rank_fields": fields}).documents == [
+            "a", "b", "c"]
+    for body, param in (({"documents": [{"title": "T"}], "rank_fields": ["title"]},
+                         "documents[0]"),
+                        ({"documents": [{"text": 3}]}, "documents[0]"),
+                        ({"documents": ["a"], "rank_fields": "title"}, "rank_fields"),
+                        ({"documents": ["a"], "rank_fields": [1]}, "rank_fields")):
+        with pytest.raises(InvalidInput) as info:
+            parse({"query": "q", **body})
+        assert info.value.param == param, body
 
 
 def test_scoring_options() -> None:

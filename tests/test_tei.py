@@ -228,6 +228,15 @@ def test_similarity_is_the_cosine_with_the_source(client: TestClient, path: str)
     assert client.fake.calls[-1].inputs == ["q", "a", "b c"]  # type: ignore[attr-defined]
 
 
+def test_similarity_of_an_identical_sentence_is_at_most_one(client: TestClient) -> None:
+    """float32 rounding makes the dot of a unit vector with itself 1.0000001 for some texts
+    ("w0", "w33" of the fake): the cosine is clipped to [-1, 1], as clients check."""
+    body = {"inputs": {"source_sentence": "w33", "sentences": ["w33", "w0", "b"]}}
+    r = client.post("/similarity", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()[0] == 1.0 and all(-1.0 <= x <= 1.0 for x in r.json())
+
+
 def test_similarity_batch_counts_the_source() -> None:
     """The batch limit counts the sentences plus the source sentence, as TEI does."""
     with serve(max_batch=2) as c:

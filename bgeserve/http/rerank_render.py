@@ -31,7 +31,8 @@ def render_rerank(request: RerankRequest, result: RerankResult, request_id: str 
     for i in result.ranking(request.top_n):
         item: dict[str, Any] = {"index": i, "relevance_score": float(result.scores[i])}
         if request.return_documents:
-            item["document"] = {"text": request.documents[i]}
+            sent = request.objects[i] if request.objects else None
+            item["document"] = sent if sent is not None else {"text": request.documents[i]}
         results.append(_flags(item, result, i))
     body: dict[str, Any] = {"id": request_id, "model": result.model, "results": results,
             "usage": {"total_tokens": result.tokens},

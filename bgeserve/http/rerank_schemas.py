@@ -5,8 +5,9 @@ LlamaIndex's rerankers send): ``{model, query, documents: [str | {text}], top_n,
 return_documents}``, plus bgeserve's ``normalize``, ``mode``, ``weights``, ``long_documents``
 and ``truncate``. TEI's (``/rerank``): ``{query, texts, raw_scores, return_text, truncate,
 truncation_direction}``. As the clients expect, ``null`` means the default, ``top_n`` of 0
-means all, and fields read by neither (Cohere's ``rank_fields``, ``priority``,
-``max_chunks_per_doc``) are ignored.
+means all, and fields read by neither (Cohere's ``priority``, ``max_chunks_per_doc``) are
+ignored. Cohere v1's document objects are ranked on their ``text`` (or their ``rank_fields``)
+and echoed whole with ``return_documents``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from bgeserve.config import Settings
 from bgeserve.errors import InvalidInput, TooLarge
@@ -33,6 +36,9 @@ class RerankRequest:
     options: RerankOptions
     top_n: int | None = None  # None: every document
     return_documents: bool = False
+    # Cohere's document objects as sent (None for a string), echoed whole with
+    # return_documents ("all other fields will be preserved"); None when all were strings.
+    objects: list[dict[str, Any] | None] | None = None
 
 
 def _query(body: dict[str, Any]) -> str:
@@ -62,10 +68,12 @@ def _whole(options: RerankOptions) -> bool:
         options.long_documents == "truncate" and options.truncation_direction == "right")
 
 
-def _documents(value: Any, name: str, settings: Settings, objects: bool,
-               whole: bool = True) -> list[str]:
-    """A non-empty list of strings (or, with ``objects``, of ``{"text": str}``); with
-    ``whole``, none over ``max_text_chars``."""
+def _documents(value: Any, name: str, settings: Settings, objects: bool, whole: bool = True,
+               rank_fields: tuple[str, ...] | None = None
+               ) -> tuple[list[str], list[dict[str, Any] | None] | None]:
+    """A non-empty list of strings (or, with ``objects``, of Cohere's objects with a
+    ``text``: ranked on it, or on the values of ``rank_fields``); with ``whole``, none over
+    ``max_text_chars``. Also the objects as sent (None where all were strings)."""
     shape = "strings or objects with a text field" if objects else "strings"
     if value is None:
         raise InvalidInput(f"{name} is required", param=name)
@@ -78,15 +86,39 @@ def _documents(value: Any, name: str, settings: Settings, objects: bool,
                            "(BGE_M3_MAX_BATCH); split the request", param=name,
                            code="batch_too_large")
     out = []
+    sent: list[dict[str, Any] | None] = []
     for i, item in enumerate(value):
         if objects and isinstance(item, dict):
-            item = item.get("text")
+            if not isinstance(item.get("text"), str):  # echoed: it keeps Cohere's shape
+                raise InvalidInput(f"{name}[{i}] must be one of: {shape}", param=f"{name}[{i}]")
+            sent.append(item)
+            item = _ranked_text(item, rank_fields)
+        else:
+            sent.append(None)
         if not isinstance(item, str):
             raise InvalidInput(f"{name}[{i}] must be one of: {shape}", param=f"{name}[{i}]")
         if whole:
             _check_text(item, f"{name}[{i}]", settings)
         out.append(item)
-    return out
+    return out, (sent if any(x is not None for x in sent) else None)
+
+
+def _ranked_text(item: dict[str, Any], rank_fields: tuple[str, ...] | None) -> Any:
+    """What a Cohere document object is ranked on: the values of those ``rank_fields`` it
+    has, in that order, one per line (Cohere v1: "the values in title, author, text
+    sequentially"; a string as it is, another value as its JSON); with none of them, or no
+    ``rank_fields``, its ``text`` (not a string: the caller refuses it)."""
+    values = [field if isinstance(field, str) else orjson.dumps(field).decode()
+              for field in (item.get(key) for key in rank_fields or ()) if field is not None]
+    return "\n".join(values) if values else item.get("text")
+
+
+def _rank_fields(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
+        raise InvalidInput("rank_fields must be an array of field names", param="rank_fields")
+    return tuple(value)
 
 
 def _top_n(value: Any) -> int | None:
@@ -151,10 +183,11 @@ def parse_rerank_request(raw: bytes, settings: Settings,
         else RerankOptions.weights,
         given=frozenset(k for k in ("mode", "weights") if body.get(k) is not None),
     )
-    return RerankRequest(_query(body), _documents(body.get("documents"), "documents", settings,
-                                                  objects=True, whole=_whole(options)),
-                         options, _top_n(body.get("top_n")),
-                         flag(body, "return_documents", False))
+    documents, objects = _documents(body.get("documents"), "documents", settings, objects=True,
+                                    whole=_whole(options),
+                                    rank_fields=_rank_fields(body.get("rank_fields")))
+    return RerankRequest(_query(body), documents, options, _top_n(body.get("top_n")),
+                         flag(body, "return_documents", False), objects)
 
 
 def parse_tei_rerank_request(raw: bytes, settings: Settings) -> RerankRequest:
@@ -170,6 +203,6 @@ def parse_tei_rerank_request(raw: bytes, settings: Settings) -> RerankRequest:
         long_documents="truncate" if flag(body, "truncate", False) else "max",
         truncation_direction=DIRECTIONS.get(direction or "right", "right"),
     )
-    return RerankRequest(_query(body), _documents(body.get("texts"), "texts", settings,
-                                                  objects=False, whole=_whole(options)),
-                         options, None, flag(body, "return_text", False))
+    texts, _ = _documents(body.get("texts"), "texts", settings, objects=False,
+                          whole=_whole(options))
+    return RerankRequest(_query(body), texts, options, None, flag(body, "return_text", False))

@@ -122,7 +122,9 @@ async def _similarities(request: Request, parsed: TeiEmbedRequest) -> np.ndarray
     except BgeServeError as exc:  # a text too long, over the budget: named as the body does
         raise as_similarity(exc) from exc
     rows = _dense_rows(embedded)
-    return np.ascontiguousarray(rows[1:] @ rows[0])  # unit vectors: the dot is the cosine
+    # Unit vectors: the dot is the cosine, clipped to [-1, 1] where float32 rounding passes
+    # it (an identical sentence gave 1.0000002).
+    return np.ascontiguousarray(np.clip(rows[1:] @ rows[0], -1.0, 1.0))
 
 
 async def root(request: Request) -> Response:
