@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import base64
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -869,6 +870,53 @@ def test_a_stalled_body_is_408_after_the_idle_timeout(monkeypatch: pytest.Monkey
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert orjson.loads(body)["error"]["code"] == "request_timeout"
     assert fake.calls == []
+
+
+def test_a_trickled_body_is_408_once_it_falls_behind_the_minimum_rate(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client sending a byte now and then never trips the idle timeout, yet held its
+    declared share of the bodies-in-progress allowance (two such held 2 MiB: every other
+    request 429) for as long as it liked: past the grace, a body falling behind the minimum
+    rate is a 408 saying so. One that keeps up is read to its end."""
+    monkeypatch.setattr(guards, "BODY_GRACE_S", 0.3)
+    monkeypatch.setattr(guards, "BODY_MIN_RATE", 100)
+    settings = Settings()
+    fake = FakeService(settings=settings)
+    app = create_app(settings, lambda _: fake)
+
+    def run(gap: float, pieces: list[bytes]) -> tuple[int, dict, float]:
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(sum(map(len, pieces))).encode())]
+        sent: list[dict] = []
+        left = list(pieces)
+
+        async def receive() -> dict:
+            await anyio.sleep(gap)
+            piece = left.pop(0)
+            return {"type": "http.request", "body": piece, "more_body": bool(left)}
+
+        async def send(message: dict) -> None:
+            sent.append({**message, "at": time.monotonic()})
+
+        async def main() -> None:
+            with anyio.fail_after(10):
+                await app(_scope(headers, fake, settings), receive, send)
+
+        began = time.monotonic()
+        anyio.run(main)
+        start = next(m for m in sent if m["type"] == "http.response.start")
+        body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        # when the answer went out (the lingering close then reads what is left, up to 5 s)
+        return start["status"], orjson.loads(body), start["at"] - began
+
+    body = b'{"input": "' + b"x" * 40 + b'"}'
+    # a byte every 0.1 s (10 bytes/s, idle never 60 s): cut off at ~0.3 s + 3 bytes / 100
+    status, answer, took = run(0.1, [bytes([b]) for b in body])
+    assert status == 408 and "slower than 100 bytes a second" in answer["error"]["message"]
+    assert took < 2 and fake.calls == []
+    # 20 bytes every 0.1 s (200 bytes/s): the deadline keeps ahead of it
+    status, _, _ = run(0.1, [body[i:i + 20] for i in range(0, len(body), 20)])
+    assert status == 200 and len(fake.calls) == 1
 
 
 def test_bodies_in_progress_past_the_allowance_are_429_at_once() -> None:

@@ -82,6 +82,12 @@ def test_huge_weights_count_by_their_ratios() -> None:
     np.testing.assert_allclose(huge, scores.combined("hybrid", (4e16 / 6e307, 1, 2e16 / 6e307)))
     assert check_weights((0.4, 0.2, 0.4), "hybrid") == (0.4, 0.2, 0.4)  # within 1: as given
     assert check_weights((2, 1, 4), "hybrid") == (0.5, 0.25, 1.0)
+    # Tiny weights are scaled up too: their products underflowed, and weights [5e-324, 0, 0]
+    # scored every document 1.0 rather than its dense score.
+    tiny = scores.combined("hybrid", (5e-324, 0, 0))
+    np.testing.assert_array_equal(tiny, scores.dense)
+    np.testing.assert_allclose(scores.combined("hybrid", (2e-310, 1e-310, 4e-310)),
+                               scores.combined("hybrid", (0.5, 0.25, 1.0)), rtol=1e-15)
 
 
 def test_modes_weights_and_needs_are_checked() -> None:

@@ -68,6 +68,14 @@ def test_rank_fields_pick_what_an_object_is_ranked_on() -> None:
         with pytest.raises(InvalidInput) as info:
             parse({"query": "q", **body})
         assert info.value.param == param, body
+    # orjson reads 1,024 levels of nesting but writes 254: an answer echoing this object (or
+    # rank_fields writing it) was a 500 after scoring; it is refused before.
+    deep = "[" * 300 + "]" * 300
+    for extra in (', "return_documents": true', ', "rank_fields": ["meta"]'):
+        raw = f'{{"query": "q", "documents": ["a", {{"text": "b", "meta": {deep}}}]{extra}}}'
+        with pytest.raises(InvalidInput, match="nested less deeply") as info:
+            parse_rerank_request(raw.encode(), Settings(), IDS)
+        assert info.value.param == "documents[1]"
 
 
 def test_scoring_options() -> None:
@@ -117,9 +125,11 @@ def test_unknown_model_is_404_and_limits_hold() -> None:
     with pytest.raises(TooLarge, match="BGE_M3_MAX_TEXT_CHARS") as info:
         parse({"query": "q", "documents": ["a", "a" * 11]}, small)
     assert info.value.param == "documents[1]"
-    with pytest.raises(TooLarge, match="truncate it from the right"):
+    assert "max_tokens_per_doc" in info.value.message
+    with pytest.raises(TooLarge, match="truncation_direction: right") as info:
         tei({"query": "q", "texts": ["a" * 11], "truncate": True,
              "truncation_direction": "left"}, small)
+    assert "max_tokens_per_doc" not in info.value.message  # no such field in TEI's body
     # Read only to its leading tokens, a long text is left to the tokenizer, which serves it
     # from its leading words (or refuses it, saying why): the query always (FlagReranker's
     # cap), a document truncated from the right or cut by max_tokens_per_doc.

@@ -517,6 +517,21 @@ def test_a_reader_of_leading_ids_gets_them_from_the_leading_words(monkeypatch):
     assert free.encode_leading([words(300)], [None], ["q"])[0].tolist() == whole[0]
 
 
+def test_a_leading_cut_is_used_only_over_keep_ids():
+    """The boundary: a cut of exactly ``keep`` ids might end in a token the whole text lacks
+    there, so it is refused; one id more, and its first ``keep - 1`` are the whole text's."""
+    tok = Tokenizer(hf_tokenizer(), 1 << 30, max_whole_chars=40)
+    text = words(30)
+    cut = tok._leading(text, 40)
+    assert cut is not None
+    held = len(cut.split()) + 2  # one id a known word, and <s> </s>
+    whole = _reference(make(1 << 30), [text])[0]
+    ids = tok.encode_leading([text], [held - 1], ["documents[0]"])[0]
+    assert len(ids) == held and ids[:held - 2].tolist() == whole[:held - 2]
+    with pytest.raises(TooLarge, match=f"hold no more than the {held} tokens"):
+        tok.encode_leading([text], [held], ["documents[0]"])
+
+
 def test_a_limit_under_the_first_cut_is_where_texts_are_cut():
     """A limit under max_seq * 8 characters: a text over it is cut there (never tokenized
     past it, however long), served where its leading words hold over max_seq tokens, else

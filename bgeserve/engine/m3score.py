@@ -69,7 +69,10 @@ def check_weights(weights: Sequence[float], mode: str) -> tuple[float, float, fl
     if total <= 0:
         raise ValueError(f"mode {mode!r} divides by the sum of its {which}, which is 0")
     top = max(values)
-    if top > 1:  # only their ratios count: scaled down, huge weights cannot overflow the sum
+    # Only their ratios count: scaled to a top of 1, huge weights cannot overflow the sum and
+    # tiny ones cannot underflow the products (weights [5e-324, 0, 0] scored every document
+    # 1.0). Weights in between are used as given, as FlagEmbedding uses them.
+    if top > 1 or top < 1e-100:
         values = tuple(v / top for v in values)
     return values[0], values[1], values[2]
 

@@ -115,7 +115,8 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
         Middleware(ErrorStyle, tei_paths=TEI_PATHS | TEI_UNSERVED, detail_paths=DETAIL_PATHS),
         Middleware(BearerAuth, keys=settings.api_keys, open_paths=frozenset(open_paths)),
         Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
-                   idle_timeout=guards.BODY_IDLE_TIMEOUT_S),
+                   idle_timeout=guards.BODY_IDLE_TIMEOUT_S, grace=guards.BODY_GRACE_S,
+                   min_rate=guards.BODY_MIN_RATE),
         # Never below one largest body: a lone one goes in anyway, and would then fill it.
         Middleware(InflightLimit, max_bytes=max(
             (settings.max_inflight_mb or DEFAULT_INFLIGHT_MB) << 20, settings.max_body_bytes)),

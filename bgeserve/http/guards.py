@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -19,6 +20,14 @@ from bgeserve.http.errors import BodyTimeout, Unauthorized, respond
 
 # nginx's client_body_timeout: a client may be slow, but not silent for longer than this.
 BODY_IDLE_TIMEOUT_S = 60.0
+# Apache's mod_reqtimeout (body=20,MinRate=500), stricter on the rate: past its first
+# BODY_GRACE_S a body must keep arriving at BODY_MIN_RATE bytes a second on average. A byte
+# every few seconds never tripped the idle timeout, and two such uploads declaring 1 MiB held
+# a 2 MiB allowance of bodies in progress (every other request 429) for as long as the
+# client cared to; now they are cut off after ~20 s. 16 KiB/s is far below any pipeline's
+# link: a 32 MiB body at that rate would take 34 minutes.
+BODY_GRACE_S = 20.0
+BODY_MIN_RATE = 16 << 10
 
 
 def _digest(key: bytes) -> bytes:
@@ -71,14 +80,18 @@ class BodyLimit:
     wrapped ``receive`` raises ``TooLarge``, which the handler's body read propagates to the
     error table, so the rest of the stream is never read. A client that stops sending its body
     (a Content-Length larger than what it sends, a slowloris) gets 408 after ``idle_timeout``
-    seconds without a byte, instead of holding its connection forever.
+    seconds without a byte, instead of holding its connection forever; one that trickles it
+    gets 408 once it falls behind ``grace`` seconds plus ``min_rate`` bytes a second.
     """
 
     def __init__(self, app: ASGIApp, *, max_bytes: int,
-                 idle_timeout: float = BODY_IDLE_TIMEOUT_S):
+                 idle_timeout: float = BODY_IDLE_TIMEOUT_S, grace: float = BODY_GRACE_S,
+                 min_rate: float = BODY_MIN_RATE):
         self.app = app
         self.max_bytes = max_bytes
         self.idle_timeout = idle_timeout
+        self.grace = grace
+        self.min_rate = min_rate
 
     def _too_large(self, declared: int | None = None) -> TooLarge:
         size = "" if declared is None else f" of {declared} bytes"
@@ -103,17 +116,26 @@ class BodyLimit:
             return
         total = 0
         complete = False
+        started = time.monotonic()
 
         async def limited_receive() -> Message:
             nonlocal total, complete
             if complete:  # after the body only http.disconnect comes, whenever it does
                 return await receive()
+            # The rate's deadline: the grace, plus a second for every min_rate bytes so far.
+            behind = started + self.grace + total / self.min_rate - time.monotonic()
             try:
                 # asyncio.timeout, not wait_for: no task per message (a query's whole body is
                 # one message), and receive() runs in the handler's own task.
-                async with asyncio.timeout(self.idle_timeout):
+                async with asyncio.timeout(max(0.0, min(self.idle_timeout, behind))):
                     message = await receive()
             except TimeoutError:
+                if behind < self.idle_timeout:
+                    raise BodyTimeout(
+                        f"the request body arrived slower than {self.min_rate:g} bytes a "
+                        f"second after its first {self.grace:g}s ({total} bytes in "
+                        f"{time.monotonic() - started:.0f}s); send the whole body at "
+                        "once") from None
                 raise BodyTimeout(f"no byte of the request body arrived for "
                                   f"{self.idle_timeout:g}s; send the whole body at once") from None
             if message["type"] == "http.request":

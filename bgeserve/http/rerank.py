@@ -47,18 +47,18 @@ async def tei_rerank(request: Request) -> Response:
         result = await unless_disconnected(request, state.service.rerank(
             parsed.query, parsed.documents, parsed.options, request_id=state.request_id))
     except BgeServeError as exc:
-        raise _named_as_texts(exc) from exc
+        renamed = _named_as_texts(exc)
+        if renamed is None:
+            raise
+        raise renamed from exc
     return Response(render_tei_rerank(parsed, result), media_type="application/json")
 
 
-def _named_as_texts(exc: BgeServeError) -> BgeServeError:
-    """``exc`` with a document the engine names ``documents[i]`` (Jina's field) named
-    ``texts[i]``, as TEI's body names it."""
+def _named_as_texts(exc: BgeServeError) -> BgeServeError | None:
+    """A copy of ``exc`` naming the document the engine names ``documents[i]`` (Jina's field)
+    ``texts[i]``, as TEI's body names it; None when it names no document."""
     param = exc.param
     if param is None or not param.startswith("documents["):
-        return exc
+        return None
     name = "texts" + param[len("documents"):]
-    exc.message = exc.message.replace(param, name)
-    exc.args = (exc.message,)
-    exc.param = name
-    return exc
+    return type(exc)(exc.message.replace(param, name), param=name, code=exc.code)

@@ -52,13 +52,17 @@ def _query(body: dict[str, Any]) -> str:
     return query
 
 
-def _check_text(text: str, param: str, settings: Settings) -> None:
+def _check_text(text: str, param: str, settings: Settings, how: str) -> None:
     if len(text) > settings.max_text_chars:
         raise TooLarge(f"{param} has {len(text)} characters, over the limit of "
                        f"{settings.max_text_chars} (BGE_M3_MAX_TEXT_CHARS) for a document "
-                       "scored to its end (windows, or truncation from the left); truncate "
-                       "it from the right (truncate: true), set max_tokens_per_doc, or split "
-                       "it", param=param)
+                       f"scored to its end (windows, or truncation from the left); {how}, or "
+                       "split it", param=param)
+
+
+# How a long document is sent instead, in each body's own fields.
+_JINA_HOW = "truncate it from the right (truncate: true) or set max_tokens_per_doc"
+_TEI_HOW = "truncate it from the right (truncate: true, truncation_direction: right)"
 
 
 def _whole(options: RerankOptions) -> bool:
@@ -69,7 +73,7 @@ def _whole(options: RerankOptions) -> bool:
 
 
 def _documents(value: Any, name: str, settings: Settings, objects: bool, whole: bool = True,
-               rank_fields: tuple[str, ...] | None = None
+               rank_fields: tuple[str, ...] | None = None, how: str = _JINA_HOW
                ) -> tuple[list[str], list[dict[str, Any] | None] | None]:
     """A non-empty list of strings (or, with ``objects``, of Cohere's objects with a
     ``text``: ranked on it, or on the values of ``rank_fields``); with ``whole``, none over
@@ -91,6 +95,7 @@ def _documents(value: Any, name: str, settings: Settings, objects: bool, whole: 
         if objects and isinstance(item, dict):
             if not isinstance(item.get("text"), str):  # echoed: it keeps Cohere's shape
                 raise InvalidInput(f"{name}[{i}] must be one of: {shape}", param=f"{name}[{i}]")
+            _check_echoable(item, f"{name}[{i}]")
             sent.append(item)
             item = _ranked_text(item, rank_fields)
         else:
@@ -98,9 +103,19 @@ def _documents(value: Any, name: str, settings: Settings, objects: bool, whole: 
         if not isinstance(item, str):
             raise InvalidInput(f"{name}[{i}] must be one of: {shape}", param=f"{name}[{i}]")
         if whole:
-            _check_text(item, f"{name}[{i}]", settings)
+            _check_text(item, f"{name}[{i}]", settings, how)
         out.append(item)
     return out, (sent if any(x is not None for x in sent) else None)
+
+
+def _check_echoable(item: dict[str, Any], name: str) -> None:
+    """Refuse, before it is scored, an object the answer could not echo (nor rank_fields
+    write): orjson reads 1,024 levels of nesting but writes only 254."""
+    try:
+        orjson.dumps(item)
+    except orjson.JSONEncodeError as exc:
+        raise InvalidInput(f"{name} cannot be written back ({exc}): send a document object "
+                           "nested less deeply", param=name) from exc
 
 
 def _ranked_text(item: dict[str, Any], rank_fields: tuple[str, ...] | None) -> Any:
@@ -204,5 +219,5 @@ def parse_tei_rerank_request(raw: bytes, settings: Settings) -> RerankRequest:
         truncation_direction=DIRECTIONS.get(direction or "right", "right"),
     )
     texts, _ = _documents(body.get("texts"), "texts", settings, objects=False,
-                          whole=_whole(options))
+                          whole=_whole(options), how=_TEI_HOW)
     return RerankRequest(_query(body), texts, options, None, flag(body, "return_text", False))

@@ -168,10 +168,10 @@ def _token_ids(ids: list[Any], param: str) -> list[int]:
         # Only what no model of bge-m3's layout could take: the loaded model's own vocabulary
         # (a random test model's may be smaller) is the engine's check, which names its size.
         if number < 0:
-            raise InvalidInput(f"token id {token} is negative: token ids start at 0",
+            raise InvalidInput(f"token id {number} is negative: token ids start at 0",
                                param=f"{param}[{j}]")
         if number >= VOCAB_SIZE:
-            raise InvalidInput(f"token id {token} is past bge-m3's vocabulary of {VOCAB_SIZE} "
+            raise InvalidInput(f"token id {number} is past bge-m3's vocabulary of {VOCAB_SIZE} "
                                "ids", param=f"{param}[{j}]")
         if number is not token:  # 7.0 is an integer to JSON Schema; the service gets ints
             out = list(ids) if out is ids else out
