@@ -94,7 +94,12 @@ def _serve(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
                             lifespan="on", **ssl_options)
 
-    server = holder["server"] = DrainingServer(config, on_shutdown=service.begin_shutdown)
+    def begin_shutdown() -> None:
+        service.begin_shutdown()
+        # Requests still sending their body are not in the service: theirs is the same 503.
+        app.state.uploads.abort_after(settings.shutdown_timeout_secs)
+
+    server = holder["server"] = DrainingServer(config, on_shutdown=begin_shutdown)
 
     def on_signal(sig: int, frame: object) -> None:
         # uvicorn handles SIGTERM/SIGINT while it runs (graceful drain), then restores these

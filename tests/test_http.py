@@ -919,6 +919,54 @@ def test_a_trickled_body_is_408_once_it_falls_behind_the_minimum_rate(
     assert status == 200 and len(fake.calls) == 1
 
 
+def test_a_body_still_arriving_at_the_stops_deadline_is_503() -> None:
+    """At SIGTERM a request still sending its body is not in the service, whose 503 at
+    BGE_M3_SHUTDOWN_TIMEOUT_SECS never reached it: uvicorn's grace then cancelled it, a
+    plain-text 500. The stop's deadline (``app.state.uploads``) answers it 503 in the
+    envelope; a request arriving after it too, before reading a byte."""
+    settings = Settings()
+    fake = FakeService(settings=settings)
+    app = create_app(settings, lambda _: fake)
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"100")]
+
+    def post(stalls: bool) -> tuple[list[dict], Any]:
+        sent: list[dict] = []
+        calls = 0
+
+        async def receive() -> dict:
+            nonlocal calls
+            calls += 1
+            if calls == 1 and stalls:
+                return {"type": "http.request", "body": b'{"input": ', "more_body": True}
+            await anyio.sleep(30)  # the rest comes too late
+            raise AssertionError("not reached")
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        async def call() -> None:
+            await app(_scope(headers, fake, settings), receive, send)
+
+        return sent, call
+
+    sent, call = post(stalls=True)
+
+    async def main() -> None:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(call)
+                app.state.uploads.abort_after(0.2)
+
+    anyio.run(main)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert start["status"] == 503 and orjson.loads(body)["error"]["code"] == "not_ready"
+    assert any(k == b"x-request-id" for k, _ in start["headers"]) and fake.calls == []
+    later, call = post(stalls=False)
+    anyio.run(call)
+    assert next(m["status"] for m in later if m["type"] == "http.response.start") == 503
+
+
 def test_bodies_in_progress_past_the_allowance_are_429_at_once() -> None:
     """InflightLimit: while one request holds its body, a second that would pass the
     allowance is refused before its body is read; a lone request of any size goes in; the

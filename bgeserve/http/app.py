@@ -18,7 +18,7 @@ from bgeserve.config import M3_MODEL_IDS, Settings
 from bgeserve.http import guards, handlers, linger, rerank, tei
 from bgeserve.http.context import RequestContext
 from bgeserve.http.errors import EXCEPTION_HANDLERS, ErrorStyle
-from bgeserve.http.guards import BearerAuth, BodyLimit, InflightLimit
+from bgeserve.http.guards import BearerAuth, BodyLimit, InflightLimit, Uploads
 from bgeserve.http.linger import LingeringClose
 from bgeserve.http.schemas import BOTH, DENSE, SPARSE
 
@@ -103,6 +103,8 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
         finally:
             await service.stop()
 
+    # Bodies still arriving at a stop: answered 503 at its deadline (cli.py starts it).
+    uploads = Uploads()
     open_paths = {"/health", "/health/deep"}  # probes, which carry no key
     if not settings.metrics_auth:
         open_paths.add("/metrics")
@@ -116,7 +118,7 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
         Middleware(BearerAuth, keys=settings.api_keys, open_paths=frozenset(open_paths)),
         Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                    idle_timeout=guards.BODY_IDLE_TIMEOUT_S, grace=guards.BODY_GRACE_S,
-                   min_rate=guards.BODY_MIN_RATE),
+                   min_rate=guards.BODY_MIN_RATE, uploads=uploads),
         # Never below one largest body: a lone one goes in anyway, and would then fill it.
         Middleware(InflightLimit, max_bytes=max(
             (settings.max_inflight_mb or DEFAULT_INFLIGHT_MB) << 20, settings.max_body_bytes)),
@@ -130,4 +132,5 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
     # `/v1/embeddings/` is an unknown route (404 in the envelope), not a 307 to a URL built
     # from the Host header: behind a TLS proxy that would point clients at plain http.
     app.router.redirect_slashes = False
+    app.state.uploads = uploads
     return app

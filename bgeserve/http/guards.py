@@ -8,13 +8,15 @@ route's style); they sit inside ``RequestContext``, so the response still carrie
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import time
+from collections.abc import AsyncIterator
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bgeserve.errors import BgeServeError, InvalidInput, Overloaded, TooLarge
+from bgeserve.errors import BgeServeError, InvalidInput, NotReady, Overloaded, TooLarge
 from bgeserve.holds import answering
 from bgeserve.http.errors import BodyTimeout, Unauthorized, respond
 
@@ -73,6 +75,53 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
+class Uploads:
+    """The request bodies being waited for, answered 503 at a stop's deadline.
+
+    A request still receiving its body at SIGTERM is not in the service yet, so the service's
+    503 at BGE_M3_SHUTDOWN_TIMEOUT_SECS never reached it, and uvicorn's own grace then
+    cancelled it: a plain-text 500 without the request id. ``abort_after`` (called as the
+    stop begins) ends each wait for body bytes at the deadline with ``NotReady``.
+    """
+
+    def __init__(self) -> None:
+        self.aborted = False
+        self._waits: set[asyncio.Timeout] = set()
+
+    def abort_after(self, seconds: float) -> None:
+        """At ``seconds`` from now (0: never: the stop waits for everything) abort every wait."""
+        if seconds:
+            asyncio.get_running_loop().call_later(seconds, self.abort)
+
+    def abort(self) -> None:
+        self.aborted = True
+        now = asyncio.get_running_loop().time()
+        for wait in self._waits:
+            wait.reschedule(now)
+
+    def refusal(self) -> NotReady:
+        return NotReady("the server is shutting down and this request's body did not arrive "
+                        "within BGE_M3_SHUTDOWN_TIMEOUT_SECS; retry (another instance will "
+                        "answer)")
+
+    @contextlib.asynccontextmanager
+    async def waiting(self, seconds: float) -> AsyncIterator[None]:
+        """``asyncio.timeout(seconds)`` that an abort ends early (raising ``NotReady``)."""
+        if self.aborted:
+            raise self.refusal()
+        try:
+            async with asyncio.timeout(seconds) as wait:
+                self._waits.add(wait)
+                try:
+                    yield
+                finally:
+                    self._waits.discard(wait)
+        except TimeoutError:
+            if self.aborted:
+                raise self.refusal() from None
+            raise
+
+
 class BodyLimit:
     """Refuse bodies over ``max_bytes``: at once from ``Content-Length``, else while reading.
 
@@ -86,12 +135,13 @@ class BodyLimit:
 
     def __init__(self, app: ASGIApp, *, max_bytes: int,
                  idle_timeout: float = BODY_IDLE_TIMEOUT_S, grace: float = BODY_GRACE_S,
-                 min_rate: float = BODY_MIN_RATE):
+                 min_rate: float = BODY_MIN_RATE, uploads: Uploads | None = None):
         self.app = app
         self.max_bytes = max_bytes
         self.idle_timeout = idle_timeout
         self.grace = grace
         self.min_rate = min_rate
+        self.uploads = uploads or Uploads()
 
     def _too_large(self, declared: int | None = None) -> TooLarge:
         size = "" if declared is None else f" of {declared} bytes"
@@ -127,7 +177,7 @@ class BodyLimit:
             try:
                 # asyncio.timeout, not wait_for: no task per message (a query's whole body is
                 # one message), and receive() runs in the handler's own task.
-                async with asyncio.timeout(max(0.0, min(self.idle_timeout, behind))):
+                async with self.uploads.waiting(max(0.0, min(self.idle_timeout, behind))):
                     message = await receive()
             except TimeoutError:
                 if behind < self.idle_timeout:
