@@ -418,6 +418,12 @@ def test_metrics_move(client: TestClient, engine: Engine) -> None:
     texts = ["metrics one", "metrics two two", "metrics " + LONG]
     assert client.post("/v1/embeddings", json={"input": texts}).status_code == 200
     assert client.post("/v1/embeddings", json={"input": []}).status_code == 400
+    # Answered by a guard from Content-Length, before routing: still labelled by its route
+    # (it was "unmatched", as an unknown path is).
+    over = b" " * ((32 << 20) + 1)
+    assert client.post("/v1/embeddings", content=over,
+                       headers={"content-type": "application/json"}).status_code == 413
+    assert client.post("/v1/nothing", json={"input": "x"}).status_code == 404
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     after = metric_samples(r.text)
@@ -429,7 +435,9 @@ def test_metrics_move(client: TestClient, engine: Engine) -> None:
     ok_route = {"route": "/v1/embeddings", "status": "200"}
     assert delta("bgeserve_http_requests_total", **ok_route) == 1
     assert delta("bgeserve_http_requests_total", route="/v1/embeddings", status="400") == 1
-    assert delta("bgeserve_http_request_duration_seconds_count", route="/v1/embeddings") == 2
+    assert delta("bgeserve_http_requests_total", route="/v1/embeddings", status="413") == 1
+    assert delta("bgeserve_http_requests_total", route="unmatched", status="404") == 1
+    assert delta("bgeserve_http_request_duration_seconds_count", route="/v1/embeddings") == 3
     assert delta("bgeserve_texts_total") == 3
     assert delta("bgeserve_truncated_texts_total") == 1
     expected_tokens = n_tokens(engine, texts[:2]) + MAX_SEQ

@@ -109,7 +109,7 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
     if not settings.metrics_auth:
         open_paths.add("/metrics")
     middleware = [
-        Middleware(RequestContext),
+        Middleware(RequestContext, routes=routes),
         # Outside the guards: an answer they send before the body is read still reaches
         # clients that write the whole body first (linger.py).
         Middleware(LingeringClose, max_bytes=linger.LINGER_BODY_FACTOR * settings.max_body_bytes,

@@ -12,7 +12,9 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Sequence
 
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bgeserve.logs import request_id_var
@@ -41,8 +43,11 @@ def request_id_of(scope: Scope) -> str | None:
 class RequestContext:
     """ASGI middleware: request id in, request id out, one access-log line."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, routes: Sequence[BaseRoute] = ()) -> None:
         self.app = app
+        # The app's routes, to label a request a guard answered before routing (a 413 from
+        # Content-Length, a 401, a 429) by the route it was for, as a routed one is.
+        self.routes = tuple(routes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -87,7 +92,7 @@ class RequestContext:
                 extra={"request_id": rid, "status": status, "path": scope["path"],
                        "ms": round(seconds * 1000, 1), "error": error, "param": param},
             )
-            _observe(scope, status, seconds)
+            _observe(scope, status, seconds, self.routes)
 
 
 def _metrics(scope: Scope):
@@ -95,12 +100,15 @@ def _metrics(scope: Scope):
     return getattr(scope.get("state", {}).get("service"), "metrics_registry", None)
 
 
-def _observe(scope: Scope, status: int, seconds: float) -> None:
+def _observe(scope: Scope, status: int, seconds: float,
+             routes: Sequence[BaseRoute] = ()) -> None:
     """Count the request in the service's metrics (when the service keeps any)."""
     metrics = _metrics(scope)
     if metrics is None:
         return
     route = scope.get("route")
+    if route is None:  # answered before routing: the route its path names, if any
+        route = next((r for r in routes if r.matches(scope)[0] is not Match.NONE), None)
     # Label by route template, never by raw path: unknown paths must not grow the label set.
     label = getattr(route, "path", None) or "unmatched"
     metrics.observe_http(label, status, seconds)
