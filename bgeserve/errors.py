@@ -63,9 +63,15 @@ class DeadlineExceeded(BgeServeError):
 
 
 class NotReady(BgeServeError):
-    """The engine is loading, shutting down, or has no live worker."""
+    """The engine is loading, shutting down, or has no live worker; ``retry_after`` seconds
+    where retrying this server soon will do (loading), None where it will not."""
 
     code = "not_ready"
+
+    def __init__(self, message: str, *, retry_after: float | None = None,
+                 **kwargs: str | None):
+        super().__init__(message, **kwargs)
+        self.retry_after = retry_after
 
 
 class ModelUnavailable(BgeServeError):

@@ -388,6 +388,9 @@ def test_health_loading_then_ok(tiny_export: Path, tmp_path: Path,
             assert r.status_code == 503 and r.json()["status"] == "loading"
             e = c.post("/v1/embeddings", json={"input": "x"})
             assert e.status_code == 503 and e.json()["error"]["code"] == "not_ready"
+            assert e.headers["retry-after"] == "2"  # a client that honours it polls again
+            tei = c.post("/embed", json={"inputs": "x"})
+            assert tei.status_code == 503 and tei.headers["retry-after"] == "2"
             gate.set()
             assert wait_health(c)["status"] == "ok"
             assert c.post("/v1/embeddings", json={"input": "x"}).status_code == 200
@@ -409,6 +412,7 @@ def test_health_fail_with_missing_model(tmp_path: Path) -> None:
         e = c.post("/v1/embeddings", json={"input": "x"})
         assert e.status_code == 503
         assert e.json()["error"]["code"] == "not_ready"
+        assert "retry-after" not in e.headers  # retrying this server will not do
 
 
 # -- /metrics ----------------------------------------------------------------------------------

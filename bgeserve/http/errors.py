@@ -192,7 +192,7 @@ def error_response(exc: BgeServeError, request_id: str | None = None,
     needs no line of its own (a flood of refusals then logs one line per request, not two)."""
     status = status_for(exc)
     headers: dict[str, str] = {}
-    if isinstance(exc, Overloaded):
+    if isinstance(exc, Overloaded | NotReady) and exc.retry_after is not None:
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
     if isinstance(exc, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"

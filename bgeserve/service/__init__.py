@@ -37,6 +37,9 @@ from bgeserve.tuning.tuner import Tuner, UnmeasuredFloor
 
 log = logging.getLogger("bgeserve.service")
 T = TypeVar("T")
+# Retry-After on a 503 while the model loads: clients that honour it (the openai client, up to
+# 60 s) poll again soon rather than after their own backoff or never.
+LOADING_RETRY_S = 2.0
 
 
 class Service:
@@ -283,7 +286,8 @@ class Service:
         if self.engine is None or not self._ready.is_set():
             if self.fatal_error is not None:
                 raise NotReady(f"the model failed to load: {self.fatal_error}")
-            raise NotReady("the model is still loading; retry shortly")
+            raise NotReady("the model is still loading; retry shortly",
+                           retry_after=LOADING_RETRY_S)
         return self.engine
 
     async def embed(self, inputs: Inputs, options: EmbedOptions, *,
