@@ -36,6 +36,7 @@ def _serve(args: argparse.Namespace) -> int:
     from bgeserve.http import tls
     from bgeserve.http.app import create_app
     from bgeserve.http.drain import DrainingServer
+    from bgeserve.http.headlimits import BoundedHttpTools
     from bgeserve.logs import setup_logging
     from bgeserve.service import Service, plan
     from bgeserve.tuning import memory
@@ -92,7 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=host.strip("[]"), port=int(port), log_config=None,
                             # uvicorn types it int | None; it waits a float as well.
                             timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
-                            lifespan="on", **ssl_options)
+                            lifespan="on", http=BoundedHttpTools, **ssl_options)
 
     def begin_shutdown() -> None:
         service.begin_shutdown()

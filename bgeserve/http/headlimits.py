@@ -1,0 +1,114 @@
+"""Bounds on a request's head (request line and headers) that uvicorn's httptools protocol lacks.
+
+uvicorn's h11 protocol refuses an incomplete head past 16 KiB (``h11_max_incomplete_event_size``);
+its httptools protocol, the one bgeserve runs (C parsing: a flood's bodies read through h11 kept
+429s past 100 ms, docs/reliability.md §3), buffers a head however large, for however long. A QA
+run (2026-12-06) grew a server from 132 to 455 MiB with four connections each sending 64 MiB of
+an unfinished header, past both body limits, and connections that never finished their head
+stayed open for as long as it watched (76 s).
+
+``BoundedHttpTools`` counts the bytes that arrive while a head is incomplete: past
+``MAX_HEAD_BYTES`` the connection is answered 431 and closed; a head not complete
+``HEAD_TIMEOUT_S`` after the connection opened (or after its first byte, on a kept-alive
+connection) is answered 408 and closed, as nginx's ``client_header_timeout`` does. Both answers
+are the JSON envelope, written here: no request exists yet for the app to answer. As
+``linger.py`` does for bodies, what the client still sends is then read and dropped for up to
+``LINGER_S`` (at most ``LINGER_BYTES``) before the close, so that a client writing its whole
+request before reading gets the answer rather than a reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+# The bytes of one read may hold a head and the start of its body (asyncio and uvloop read up
+# to 256 KiB at a time), all counted until the head completes: the cap leaves room for that.
+MAX_HEAD_BYTES = 1 << 20
+HEAD_TIMEOUT_S = 30.0  # nginx's client_header_timeout is 60 s; Apache's reqtimeout 20-40 s
+LINGER_S = 2.0
+LINGER_BYTES = 16 << 20
+
+
+def _answer(status: int, reason: str, code: str, message: str) -> bytes:
+    body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error",
+                                   "code": code, "param": None}})
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+class BoundedHttpTools(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a size cap and a time limit on each request head."""
+
+    _in_head = True
+    _head_bytes = 0
+    _head_timer: asyncio.TimerHandle | None = None
+    _dropping = False  # refused: what still arrives is read and dropped until the close
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._start_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._dropping:
+            self._head_bytes += len(data)
+            if self._head_bytes > LINGER_BYTES:
+                self.transport.close()
+            return
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse(431, "Request Header Fields Too Large", "headers_too_large",
+                             f"the request line and headers passed {MAX_HEAD_BYTES} bytes")
+                return
+            if self._head_timer is None:  # a kept-alive connection's next request began
+                self._start_timer()
+        super().data_received(data)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._stop_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        # What follows is the next request's head; its clock starts with its first byte
+        # (until then uvicorn's keep-alive timeout governs the idle connection).
+        self._in_head = True
+        self._head_bytes = 0
+
+    def _start_head(self) -> None:
+        self._in_head = True
+        self._head_bytes = 0
+        self._start_timer()
+
+    def _start_timer(self) -> None:
+        self._stop_timer()
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+
+    def _stop_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._in_head:
+            self._refuse(408, "Request Timeout", "request_timeout",
+                         f"the request line and headers did not arrive within "
+                         f"{HEAD_TIMEOUT_S:g}s")
+
+    def _refuse(self, status: int, reason: str, code: str, message: str) -> None:
+        self._stop_timer()
+        self._in_head = False
+        if not self.transport.is_closing():
+            self.logger.warning("refused a request head: %s", message)
+            self.transport.write(_answer(status, reason, code, message))
+            self._dropping = True
+            self.loop.call_later(LINGER_S, self.transport.close)

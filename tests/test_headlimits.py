@@ -1,0 +1,108 @@
+"""Request heads on a real uvicorn with ``BoundedHttpTools``: a cap on their size, a limit on
+their time, and nothing else changed (large headers within the cap, kept-alive connections,
+large bodies)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import orjson
+import pytest
+import uvicorn
+
+from bgeserve.http import headlimits
+from tests.uvithread import serving
+
+
+async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+    if scope["type"] != "http":
+        return
+    size = 0
+    more = True
+    while more:
+        message = await receive()
+        size += len(message.get("body", b""))
+        more = message.get("more_body", False)
+    body = str(size).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@contextmanager
+def running() -> Iterator[int]:
+    config = uvicorn.Config(app, log_level="critical", lifespan="off",
+                            http=headlimits.BoundedHttpTools)
+    with serving(uvicorn.Server(config)) as (port, _):
+        yield port
+
+
+def read_all(conn: socket.socket, timeout: float = 10) -> bytes:
+    conn.settimeout(timeout)
+    data = b""
+    while chunk := conn.recv(65536):
+        data += chunk
+    return data
+
+
+def error(answer: bytes) -> dict:
+    return orjson.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+
+
+def test_a_head_past_the_cap_is_431_and_closed() -> None:
+    """An unfinished header of 4 MiB: refused once the head passes MAX_HEAD_BYTES, the
+    connection closed (httptools alone buffered it however large)."""
+    with running() as port, socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        try:
+            for _ in range(64):
+                conn.sendall(b"a" * (64 << 10))
+        except OSError:  # closed under us, as meant
+            pass
+        answer = read_all(conn)
+    assert answer.startswith(b"HTTP/1.1 431 ")
+    assert error(answer)["code"] == "headers_too_large"
+
+
+def test_a_head_that_does_not_complete_in_time_is_408(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head trickled (or never sent) past HEAD_TIMEOUT_S: 408, closed; a kept-alive
+    connection's next head gets its own clock from its first byte."""
+    monkeypatch.setattr(headlimits, "HEAD_TIMEOUT_S", 0.5)
+    with running() as port:
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            started = time.monotonic()
+            conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")  # and no end of the head
+            answer = read_all(conn)
+            assert 0.4 < time.monotonic() - started < 5
+        assert answer.startswith(b"HTTP/1.1 408 ") and error(answer)["code"] == "request_timeout"
+        with socket.create_connection(("127.0.0.1", port)) as silent:
+            assert read_all(silent).startswith(b"HTTP/1.1 408 ")  # a connection that says nothing
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            conn.settimeout(5)
+            assert conn.recv(65536).startswith(b"HTTP/1.1 200 ")
+            time.sleep(0.8)  # past the head timeout, idle between requests: not a head yet
+            conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert read_all(conn).startswith(b"HTTP/1.1 200 ")
+
+
+def test_large_heads_within_the_cap_and_large_bodies_are_served() -> None:
+    """No false refusal: 200 KiB of headers, then on the same connection a 5 MiB body (read
+    whole, its bytes not counted as head), then a pipelined pair."""
+    with running() as port, socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.settimeout(10)
+        conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (200 << 10) + b"\r\n\r\n")
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200 ")
+        body = b"x" * (5 << 20)
+        conn.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+                     + body)
+        got = b""
+        while not got.endswith(str(len(body)).encode()):
+            got += conn.recv(65536)
+        assert got.startswith(b"HTTP/1.1 200 ")
+        conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+                     b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert read_all(conn).count(b"HTTP/1.1 200 ") == 2
