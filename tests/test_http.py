@@ -967,6 +967,41 @@ def test_a_body_still_arriving_at_the_stops_deadline_is_503() -> None:
     assert next(m["status"] for m in later if m["type"] == "http.response.start") == 503
 
 
+def test_an_abort_reaches_every_wait_even_one_expiring_in_the_same_pass() -> None:
+    """A wait whose own deadline fires in the loop pass of the stop's cannot be rescheduled
+    (asyncio raises): the abort must still end every other wait at once, not at its own
+    deadline (then uvicorn's grace cancelled them: plain-text 500s)."""
+    import asyncio
+
+    from bgeserve.http.guards import Uploads
+
+    async def main() -> tuple[list[str], float]:
+        uploads = Uploads()
+        results: list[str] = []
+
+        async def waiter(seconds: float) -> None:
+            try:
+                async with uploads.waiting(seconds):
+                    await asyncio.sleep(30)
+            except NotReady:
+                results.append("503")
+            except TimeoutError:
+                results.append("timeout")
+
+        tasks = [asyncio.create_task(waiter(0.1))]
+        await asyncio.sleep(0)
+        asyncio.get_running_loop().call_later(0.1, uploads.abort)
+        tasks += [asyncio.create_task(waiter(20)) for _ in range(5)]
+        await asyncio.sleep(0)
+        began = time.monotonic()
+        time.sleep(0.3)  # noqa: ASYNC251 - the loop held: both come due in one pass
+        await asyncio.gather(*tasks)
+        return results, time.monotonic() - began
+
+    results, took = asyncio.run(main())
+    assert results == ["503"] * 6 and took < 5
+
+
 def test_bodies_in_progress_past_the_allowance_are_429_at_once() -> None:
     """InflightLimit: while one request holds its body, a second that would pass the
     allowance is refused before its body is read; a lone request of any size goes in; the

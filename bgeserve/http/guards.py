@@ -96,8 +96,11 @@ class Uploads:
     def abort(self) -> None:
         self.aborted = True
         now = asyncio.get_running_loop().time()
-        for wait in self._waits:
-            wait.reschedule(now)
+        for wait in list(self._waits):
+            # One whose own deadline fired this loop pass cannot be rescheduled (RuntimeError,
+            # which would leave the rest waiting): it ends now anyway, and is refused below.
+            if not wait.expired():
+                wait.reschedule(now)
 
     def refusal(self) -> NotReady:
         return NotReady("the server is shutting down and this request's body did not arrive "

@@ -10,11 +10,17 @@ stayed open for as long as it watched (76 s).
 ``BoundedHttpTools`` counts the bytes that arrive while a head is incomplete: past
 ``MAX_HEAD_BYTES`` the connection is answered 431 and closed; a head not complete
 ``HEAD_TIMEOUT_S`` after the connection opened (or after its first byte, on a kept-alive
-connection) is answered 408 and closed, as nginx's ``client_header_timeout`` does. Both answers
-are the JSON envelope, written here: no request exists yet for the app to answer. As
-``linger.py`` does for bodies, what the client still sends is then read and dropped for up to
-``LINGER_S`` (at most ``LINGER_BYTES``) before the close, so that a client writing its whole
-request before reading gets the answer rather than a reset.
+connection) is answered 408 and closed, as nginx's ``client_header_timeout`` does (a
+connection that sent nothing at all is closed without a word). Both answers are the JSON
+envelope, written here: no request exists yet for the app to answer. As ``linger.py`` does for
+bodies, what the client still sends is then read and dropped for up to ``LINGER_S`` (at most
+``LINGER_BYTES``) before the close, so that a client writing its whole request before reading
+gets the answer rather than a reset.
+
+The next head's bytes may arrive while the previous request is still being answered (a
+pipelined request, a stray CRLF after a body): they are counted, but its clock starts only
+when that response is complete, and a head past the cap then writes nothing into the answer in
+progress: the connection is marked to close after it, and what arrives is dropped.
 """
 
 from __future__ import annotations
@@ -67,8 +73,8 @@ class BoundedHttpTools(HttpToolsProtocol):
                 self._refuse(431, "Request Header Fields Too Large", "headers_too_large",
                              f"the request line and headers passed {MAX_HEAD_BYTES} bytes")
                 return
-            if self._head_timer is None:  # a kept-alive connection's next request began
-                self._start_timer()
+            if self._head_timer is None and not self._answering():
+                self._start_timer()  # a kept-alive connection's next request began
         super().data_received(data)
 
     def on_headers_complete(self) -> None:
@@ -78,10 +84,22 @@ class BoundedHttpTools(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        # What follows is the next request's head; its clock starts with its first byte
-        # (until then uvicorn's keep-alive timeout governs the idle connection).
+        # What follows is the next request's head; its clock starts with its first byte once
+        # this response is complete (until then uvicorn's keep-alive timeout governs the idle
+        # connection).
         self._in_head = True
         self._head_bytes = 0
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._in_head and self._head_bytes and self._head_timer is None \
+                and not self.transport.is_closing():
+            self._start_timer()  # the next head began while this was being answered
+
+    def _answering(self) -> bool:
+        """Whether a response is in progress on this connection."""
+        cycle = self.cycle
+        return cycle is not None and not cycle.response_complete
 
     def _start_head(self) -> None:
         self._in_head = True
@@ -99,16 +117,26 @@ class BoundedHttpTools(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self._in_head:
-            self._refuse(408, "Request Timeout", "request_timeout",
-                         f"the request line and headers did not arrive within "
-                         f"{HEAD_TIMEOUT_S:g}s")
+        if not self._in_head or self._answering():
+            return
+        if not self._head_bytes:  # it never said a word: nothing to answer
+            self._in_head = False
+            self.transport.close()
+            return
+        self._refuse(408, "Request Timeout", "request_timeout",
+                     f"the request line and headers did not arrive within {HEAD_TIMEOUT_S:g}s")
 
     def _refuse(self, status: int, reason: str, code: str, message: str) -> None:
         self._stop_timer()
         self._in_head = False
-        if not self.transport.is_closing():
-            self.logger.warning("refused a request head: %s", message)
-            self.transport.write(_answer(status, reason, code, message))
-            self._dropping = True
-            self.loop.call_later(LINGER_S, self.transport.close)
+        self._dropping = True
+        if self.transport.is_closing():
+            return
+        self.logger.warning("refused a request head: %s", message)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # Never into the answer in progress: uvicorn closes the connection after it.
+            cycle.keep_alive = False
+            return
+        self.transport.write(_answer(status, reason, code, message))
+        self.loop.call_later(LINGER_S, self.transport.close)
