@@ -19,8 +19,15 @@ class EmbedOptions:
     truncate: bool = True
 
     def __post_init__(self) -> None:
+        flags = {"dense": self.dense, "sparse": self.sparse, "colbert": self.colbert,
+                 "truncate": self.truncate}
+        for name, value in flags.items():
+            # bool only: "yes", 1 or np.bool_ read as True would be a typo's silent default.
+            if not isinstance(value, bool | np.bool_):
+                raise InvalidInput(f"{name} must be True or False, not {value!r}", param=name)
         if not (self.dense or self.sparse or self.colbert):
-            raise ValueError("ask for at least one of dense, sparse, colbert")
+            raise InvalidInput("ask for at least one of dense, sparse, colbert",
+                               param="outputs")
 
 
 @dataclass

@@ -216,6 +216,41 @@ def test_a_mistyped_text_column_exits_2_naming_the_flag_and_blocks_no_rerun(
     assert read_output(tmp_path / "out").num_rows == 2
 
 
+def test_a_job_whose_every_row_is_bad_exits_2_saying_why(
+        tiny_export: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """Every line of a file not JSON: exit 2 with the first reasons (it was 0 with 0 rows and
+    an empty shard), nothing left behind; the corrected input then runs."""
+    for name, value in env(tiny_export, tmp_path / "cache").items():
+        monkeypatch.setenv(name, value)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text("{bad\n{worse\n")
+    args = ["bulk", str(tmp_path / "in"), "--output", str(tmp_path / "out"), "--progress", "log"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "no row of the inputs could be embedded (2 bad rows" in err
+    assert "a.jsonl row 0: not valid JSON" in err
+    out = tmp_path / "out"
+    assert not out.exists() or not list(out.glob("*.parquet"))  # nothing left behind
+    write_jsonl(tmp_path / "in" / "a.jsonl", {"a": "x"})
+    assert main(args) == 0
+    assert read_output(tmp_path / "out").num_rows == 1
+
+
+def test_files_that_are_no_shards_in_the_output_are_warned_about(
+        tiny_export: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An output folder holding the user's other files is used (they are left alone), but
+    pq.read_table on it then fails: said in a warning naming them."""
+    write_jsonl(tmp_path / "in" / "a.jsonl", {"a": "x"})
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("keep")
+    job = BulkJob(inputs=(str(tmp_path / "in"),), output=tmp_path / "out")
+    with caplog.at_level(logging.WARNING, logger="bgeserve.bulk"):
+        assert local.run(job, resolve_settings(env(tiny_export, tmp_path / "cache")),
+                         bar=False).rows == 1
+    assert "no shards of this job (notes.txt)" in caplog.text
+    assert (tmp_path / "out" / "notes.txt").read_text() == "keep"
+
+
 def test_repeated_ids_and_a_moved_input_are_reported(
         tiny_export: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Ids repeated across files are written as they come and counted in the summary; an

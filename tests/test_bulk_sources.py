@@ -66,6 +66,39 @@ def test_jsonl_rows_are_numbered_by_line_and_bad_ones_say_why(tmp_path: Path):
                       "'id' is float, not a string or an integer"]
 
 
+def test_a_json_file_holding_one_array_gives_its_items_as_rows(tmp_path: Path):
+    """Most .json files are one array, not JSON lines: its items are the rows (row i the
+    array's item i), bad ones saying why, whatever its layout (BOM, blank lines, pretty-printed,
+    gzipped); it was one bad row "not a JSON object", 0 rows embedded and exit 0. One that
+    starts with '[' but is no JSON is refused, naming the file."""
+    import gzip
+
+    from bgeserve.bulk.job import total_rows
+
+    items = [{"id": "a", "text": "x"}, {"id": 2, "text": "y"}, 5, {"text": "no id"}]
+    pretty = b"\xef\xbb\xbf\n  " + json.dumps(items, indent=2).encode()
+    for name, data in (("a.json", json.dumps(items).encode()), ("b.json", pretty),
+                       ("c.json.gz", gzip.compress(pretty))):
+        (tmp_path / name).write_bytes(data)
+        source = Source(tmp_path / name, "jsonl")
+        assert rows_of(source) == ([0, 1, 2, 3], ["a", "2", None, None], ["x", "y", None, None],
+                                   [None, None, "not a JSON object", "no 'id'"]), name
+    assert total_rows([Source(tmp_path / "b.json", "jsonl")]) is None  # not its lines
+    (tmp_path / "bad.json").write_text('[{"id": "a", "text": "x"},\n')
+    with pytest.raises(InvalidInput, match="bad.json"):
+        rows_of(Source(tmp_path / "bad.json", "jsonl"))
+
+
+def test_a_lone_surrogate_line_keeps_its_id_and_says_why(tmp_path: Path):
+    """JSON allows an escaped lone surrogate, which orjson refuses: the row was "not valid
+    JSON" with no id; now it keeps its id and the reason names the character."""
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"id": "b13", "text": "\\ud800 lone"}\n{"id": "ok", "text": "fine"}\n')
+    rows, ids, texts, errors = rows_of(Source(path, "jsonl"))
+    assert rows == [0, 1] and ids == ["b13", "ok"] and texts == [None, "fine"]
+    assert errors[0] is not None and "lone surrogate (U+D800" in errors[0] and errors[1] is None
+
+
 def test_parquet_and_csv_rows_are_read_as_strings_with_nulls_bad(tmp_path: Path):
     """Parquet ids (int or string) and CSV cells come back as strings; a null (CSV: empty)
     text is a bad row; a Parquet text column that is not strings makes every row bad."""

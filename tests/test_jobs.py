@@ -6,9 +6,11 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 from bgeserve.engine.cache import EmbeddingCache
 from bgeserve.engine.heads import sparse_vector
+from bgeserve.errors import InvalidInput
 from bgeserve.results import EmbedOptions
 from tests.test_scheduler import (
     TIMEOUT,
@@ -154,3 +156,15 @@ def test_a_text_cached_while_it_waited_is_answered_without_running() -> None:
     assert_all_right(results[1], [a])
     assert np.array_equal(results[1].colbert[0], results[0].colbert[0])
     assert cache.stats()["misses"] == 1 and cache.stats()["hits"] == 1
+
+
+def test_embed_options_refuse_no_output_and_flags_that_are_not_booleans() -> None:
+    """Misuse is bgeserve's InvalidInput, as every other (it was a bare ValueError); a flag
+    that is no boolean ("yes", 1) is refused rather than read as True."""
+    with pytest.raises(InvalidInput, match="at least one of dense, sparse, colbert"):
+        EmbedOptions(dense=False)
+    for flags in ({"dense": "yes"}, {"sparse": 1}, {"truncate": None}):
+        with pytest.raises(InvalidInput, match="must be True or False") as info:
+            EmbedOptions(**flags)  # type: ignore[arg-type]
+        assert info.value.param == next(iter(flags))
+    assert EmbedOptions(dense=np.bool_(True), sparse=np.bool_(False)).dense

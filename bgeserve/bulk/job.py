@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from bgeserve.bulk.coverage import Coverage
-from bgeserve.bulk.readers import read
+from bgeserve.bulk.readers import read, starts_array
 from bgeserve.bulk.sources import Rows, Source
 
 SHARD_ROWS = 1024
@@ -90,6 +90,8 @@ def total_rows(sources: list[Source]) -> int | None:
         if s.format == "parquet":
             total += pq.read_metadata(s.path).num_rows
         elif s.format == "jsonl":
+            if starts_array(s):
+                return None  # its rows are its items: counting them is reading it
             with open(s.path, "rb") as f:
                 total += sum(1 for line in f if line.strip())
         else:

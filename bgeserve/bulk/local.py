@@ -118,22 +118,29 @@ def _ready(p: _Pending) -> bool:
     return p.job is None or p.job.future.done()
 
 
-def _refuse_missing_column(summary: Summary, run: _Run) -> None:
-    """InvalidInput naming the flags when no row was embedded and every row lacked the text or
-    id column (a mistyped --text-column on JSONL, where no header is checked up front). The
-    shards this run wrote hold nothing but those bad rows: they are removed, so the corrected
-    rerun starts afresh instead of being refused as another job."""
-    if summary.rows or summary.skipped or not summary.bad or run.missing_column < summary.bad:
+def _refuse_nothing_embedded(summary: Summary, run: _Run) -> None:
+    """InvalidInput when no row was embedded, now or before, and every row was bad: naming
+    the flags where every row lacked the text or id column (a mistyped --text-column on JSONL,
+    where no header is checked up front), else the first reasons (every line of a file not
+    JSON, say: it exited 0 with 0 rows). The shards this run wrote hold nothing but those bad
+    rows: they are removed, so the corrected rerun starts afresh instead of being refused as
+    another job."""
+    if summary.rows or summary.skipped or not summary.bad:
         return
     for path in run.written:
         path.unlink(missing_ok=True)
     if not run.out.has_shards():  # earlier runs' shards stay guarded by it
         (run.out.path / MANIFEST).unlink(missing_ok=True)
     job = run.job
-    raise InvalidInput(f"no row of the inputs has both keys {job.text_column!r} and "
-                       f"{job.id_column!r} ({summary.bad} rows, none embedded): name the "
-                       "texts' key with --text-column and the ids' with --id-column",
-                       param="--text-column")
+    if run.missing_column >= summary.bad:
+        raise InvalidInput(f"no row of the inputs has both keys {job.text_column!r} and "
+                           f"{job.id_column!r} ({summary.bad} rows, none embedded): name the "
+                           "texts' key with --text-column and the ids' with --id-column",
+                           param="--text-column")
+    examples = "; ".join(f"{e['source']} row {e['row']}: {e['reason']}"
+                         for e in summary.bad_examples[:3])
+    raise InvalidInput(f"no row of the inputs could be embedded ({summary.bad} bad rows, "
+                       f"none embedded; rows are numbered from 0): {examples}", param="INPUT")
 
 
 def run(job: BulkJob, settings: Settings, bar: bool | None = None) -> Summary:
@@ -180,5 +187,5 @@ def run(job: BulkJob, settings: Settings, bar: bool | None = None) -> Summary:
             state.ids.warn()
             progress.summary.duplicate_ids = state.ids.count
             summary = progress.close()
-        _refuse_missing_column(summary, state)
+        _refuse_nothing_embedded(summary, state)
         return summary

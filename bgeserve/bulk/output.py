@@ -131,10 +131,13 @@ class OutputDir:
         lock proves no writer is left); a Parquet file that is no shard is refused."""
         coverage = Coverage()
         shards = []
+        strangers = []
         for entry in sorted(self.path.iterdir()):
             if is_temp(entry):
                 log.info("removing %s, left unfinished by an earlier run", entry.name)
                 entry.unlink(missing_ok=True)
+            elif entry.name.startswith((".", "_")):
+                continue  # the lock, the manifest, the pin; hidden files readers skip too
             elif _is_shard(entry):
                 info = read_info(entry)
                 if info is None:
@@ -143,6 +146,13 @@ class OutputDir:
                 for source, spans in info.coverage.items():
                     coverage.add(source, spans, entry.name)
                 shards.append(info)
+            else:
+                strangers.append(entry.name)
+        if strangers:  # not refused (they are the user's), but the folder no longer reads
+            log.warning("%s holds %d entries that are no shards of this job (%s): "
+                        "pyarrow.parquet.read_table on the folder reads every file in it and "
+                        "fails on them; move them out, or read the shards by name",
+                        self.path, len(strangers), ", ".join(strangers[:5]))
         coverage.verify()
         return coverage, shards
 

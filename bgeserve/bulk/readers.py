@@ -12,13 +12,15 @@ differs (``"text": 5`` among strings), which is exactly the row this job must re
 from __future__ import annotations
 
 import gzip
+import itertools
+import json
 from collections.abc import Iterator
 
 import numpy as np
 import orjson
 
 from bgeserve.bulk.sources import Rows, Source
-from bgeserve.errors import InvalidInput
+from bgeserve.errors import InvalidInput, surrogate_error
 
 READ_ROWS = 8192  # rows per read from a JSONL or Parquet file
 CSV_BLOCK_BYTES = 4 << 20  # bytes per read from a CSV file
@@ -35,27 +37,97 @@ def read(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
 
 
 def _jsonl(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
+    """One JSON object a line; or, where the file is one JSON array (a ``.json`` file, as most
+    are), its items, row ``i`` the array's item ``i``."""
+    if starts_array(source):
+        yield from _rows(source, enumerate(_array(source)), text_column, id_column)
+        return
+    lines = _lines(source)
+    first = _first_content(lines)
+    parsed = enumerate(map(_parse, itertools.chain([] if first is None else [first], lines)))
+    yield from _rows(source, ((n, obj) for n, obj in parsed if obj is not _BLANK), text_column,
+                     id_column)
+
+
+_BLANK = object()  # a blank line (a trailing newline): no row
+
+
+def starts_array(source: Source) -> bool:
+    """Whether ``source`` (JSON) is one array rather than JSON lines: its first byte that is
+    not a byte-order mark or whitespace is ``[``."""
+    for line in _lines(source):
+        head = line.removeprefix(b"\xef\xbb\xbf").lstrip()
+        if head:
+            return head.startswith(b"[")
+    return False
+
+
+def _first_content(lines: Iterator[bytes]) -> bytes | None:
+    """The first line, its byte-order mark dropped (Windows tools write one; it is no JSON)."""
+    first = next(lines, None)
+    return None if first is None else first.removeprefix(b"\xef\xbb\xbf")
+
+
+def _parse(line: bytes) -> object:
+    """A line's JSON value; ``_BLANK`` for a blank line; ``_Invalid`` saying why for one that
+    is not JSON."""
+    if not line.strip():
+        return _BLANK
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        pass
+    # orjson refuses an escaped lone surrogate ("\ud800"), which JSON allows: the stdlib
+    # reads it, so the row keeps its id and the reason names the character.
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        return _Invalid("not valid JSON")
+
+
+class _Invalid(str):
+    """Why a line is no JSON value (a row with this error)."""
+
+
+def _array(source: Source) -> list[object]:
+    """The items of a file that is one JSON array (read whole: a JSON array has no lines to
+    stream by). Not valid JSON: refused, naming the file."""
+    data = b"".join(_lines(source)).removeprefix(b"\xef\xbb\xbf")
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        try:
+            value = json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            raise InvalidInput(f"{source.path}: starts with '[' but is not a JSON array, nor "
+                               f"JSON lines ({exc})", param="INPUT") from None
+    if not isinstance(value, list):
+        raise InvalidInput(f"{source.path}: not a JSON array", param="INPUT")
+    return value
+
+
+def _rows(source: Source, items: Iterator[tuple[int, object]], text_column: str,
+          id_column: str) -> Iterator[Rows]:
+    """``Rows`` of (row number, JSON value) pairs: an object's id and text, or why not."""
     rows: list[int] = []
     ids: list[str | None] = []
     texts: list[str | None] = []
     errors: list[str | None] = []
-    for line_no, line in enumerate(_lines(source)):
-        if line_no == 0:  # a byte-order mark (Windows tools write one) is no JSON
-            line = line.removeprefix(b"\xef\xbb\xbf")
-        if not line.strip():
-            continue  # a blank line (a trailing newline) is no row
-        rows.append(line_no)
-        try:
-            obj = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            obj = None
-            error: str | None = "not valid JSON"
+    for row_no, obj in items:
+        rows.append(row_no)
+        error: str | None
+        if isinstance(obj, _Invalid):
+            error = str(obj)
         else:
             error = None if isinstance(obj, dict) else "not a JSON object"
         if error is None:
+            assert isinstance(obj, dict)
             row_id, error = _id(obj.get(id_column), id_column)
             text, text_error = _text(obj.get(text_column), text_column)
             error = error or text_error
+            if error is None:  # only the stdlib's fallback reads one; no UTF-8 writes it
+                found = surrogate_error(row_id, id_column) or surrogate_error(text, text_column)
+                error = None if found is None else found.message
         else:
             row_id, text = None, None
         ids.append(row_id)
