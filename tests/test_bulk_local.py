@@ -224,10 +224,12 @@ def test_a_job_whose_every_row_is_bad_exits_2_saying_why(
         monkeypatch.setenv(name, value)
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.jsonl").write_text("{bad\n{worse\n")
+    # (an id holding a lone surrogate is one more bad row: it crashed the shard's write)
+    (tmp_path / "in" / "b.jsonl").write_text('{"id": "b\\ud800", "text": "x"}\n')
     args = ["bulk", str(tmp_path / "in"), "--output", str(tmp_path / "out"), "--progress", "log"]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "no row of the inputs could be embedded (2 bad rows" in err
+    assert "no row of the inputs could be embedded (3 bad rows" in err
     assert "a.jsonl row 0: not valid JSON" in err
     out = tmp_path / "out"
     assert not out.exists() or not list(out.glob("*.parquet"))  # nothing left behind

@@ -84,19 +84,30 @@ def test_a_json_file_holding_one_array_gives_its_items_as_rows(tmp_path: Path):
         assert rows_of(source) == ([0, 1, 2, 3], ["a", "2", None, None], ["x", "y", None, None],
                                    [None, None, "not a JSON object", "no 'id'"]), name
     assert total_rows([Source(tmp_path / "b.json", "jsonl")]) is None  # not its lines
-    (tmp_path / "bad.json").write_text('[{"id": "a", "text": "x"},\n')
-    with pytest.raises(InvalidInput, match="bad.json"):
-        rows_of(Source(tmp_path / "bad.json", "jsonl"))
+    # No array after all (broken, or JSON lines whose first is an array), or a .jsonl file:
+    # read line by line, each bad line a bad row; nothing stops the job.
+    (tmp_path / "bad.json").write_text('[{"id": "a", "text": "x"},\n{"id": "b", "text": "y"}\n')
+    (tmp_path / "lines.json").write_text('[1, 2]\n{"id": "b", "text": "y"}\n')
+    (tmp_path / "lines.jsonl").write_text(json.dumps(items) + '\n{"id": "b", "text": "y"}\n')
+    for name, why in (("bad.json", "not valid JSON"), ("lines.json", "not a JSON object"),
+                      ("lines.jsonl", "not a JSON object")):
+        assert rows_of(Source(tmp_path / name, "jsonl")) == (
+            [0, 1], [None, "b"], [None, "y"], [why, None]), name
+    assert rows_of(Source(tmp_path / "a.json", "jsonl"))[0] == [0, 1, 2, 3]  # as an array
 
 
 def test_a_lone_surrogate_line_keeps_its_id_and_says_why(tmp_path: Path):
     """JSON allows an escaped lone surrogate, which orjson refuses: the row was "not valid
     JSON" with no id; now it keeps its id and the reason names the character."""
     path = tmp_path / "s.jsonl"
-    path.write_text('{"id": "b13", "text": "\\ud800 lone"}\n{"id": "ok", "text": "fine"}\n')
+    path.write_text('{"id": "b13", "text": "\\ud800 lone"}\n{"id": "ok", "text": "fine"}\n'
+                    '{"id": "b\\ud800", "text": "x"}\n')
     rows, ids, texts, errors = rows_of(Source(path, "jsonl"))
-    assert rows == [0, 1] and ids == ["b13", "ok"] and texts == [None, "fine"]
+    # an id holding one is written escaped: the bad-row report is UTF-8 (it crashed the job)
+    assert rows == [0, 1, 2] and ids == ["b13", "ok", "b\\ud800"]
+    assert texts == [None, "fine", None]
     assert errors[0] is not None and "lone surrogate (U+D800" in errors[0] and errors[1] is None
+    assert errors[2] is not None and errors[2].startswith("id holds a lone surrogate")
 
 
 def test_parquet_and_csv_rows_are_read_as_strings_with_nulls_bad(tmp_path: Path):

@@ -156,6 +156,22 @@ def test_a_first_ray_run_records_the_model_and_counts_repeated_ids(
     assert (again.rows, again.duplicate_ids) == (4, 4)
 
 
+def test_a_ray_run_whose_every_row_is_bad_is_refused_and_blocks_no_rerun(
+        cluster: str, tiny_export: Path, tmp_path: Path) -> None:
+    """As the local run: a mistyped --text-column makes every row bad: refused naming the flag
+    (it exited 0 leaving shards of bad rows and a manifest that refused the corrected rerun as
+    another job), nothing left behind; the corrected run embeds every row."""
+    write_jsonl(tmp_path / "in" / "a.jsonl", {"a": "x", "b": "y"})
+    settings = resolve_settings(env(tiny_export, tmp_path / "cache"))
+    wrong = BulkJob(inputs=(str(tmp_path / "in"),), output=tmp_path / "out", text_column="txet")
+    with pytest.raises(InvalidInput, match="--text-column"):
+        run_ray(wrong, settings)
+    assert not list((tmp_path / "out").glob("*.parquet"))
+    assert not (tmp_path / "out" / "_bulk.json").exists()
+    job = BulkJob(inputs=(str(tmp_path / "in"),), output=tmp_path / "out")
+    assert run_ray(job, settings).rows == 2
+
+
 def test_a_ray_run_into_a_folder_of_another_model_is_refused_and_writes_nothing(
         cluster: str, tiny_export: Path, tmp_path: Path) -> None:
     """The manifest records other model files than the actors load (another export put at the

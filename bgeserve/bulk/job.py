@@ -7,7 +7,7 @@ run and a resumed run cut a file the same way.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,8 +15,11 @@ from typing import Any
 import numpy as np
 
 from bgeserve.bulk.coverage import Coverage
+from bgeserve.bulk.output import MANIFEST, OutputDir
+from bgeserve.bulk.progress import Summary
 from bgeserve.bulk.readers import read, starts_array
 from bgeserve.bulk.sources import Rows, Source
+from bgeserve.errors import InvalidInput
 
 SHARD_ROWS = 1024
 # ColBERT keeps one vector (4 KiB for bge-m3) per token: 64 texts of 512 tokens are 128 MiB.
@@ -97,3 +100,34 @@ def total_rows(sources: list[Source]) -> int | None:
         else:
             return None
     return total
+
+
+def missing_column(bad: Iterable[Sequence[Any]], job: BulkJob) -> int:
+    """How many of ``bad`` (source, row, id, reason) lack the text or the id key."""
+    missing = {f"no {job.text_column!r}", f"no {job.id_column!r}"}
+    return sum(why in missing for *_, why in bad)
+
+
+def refuse_nothing_embedded(summary: Summary, job: BulkJob, out: OutputDir,
+                            written: Iterable[Path], missing: int) -> None:
+    """InvalidInput when no row was embedded, now or before, and every row was bad: naming
+    the flags where every row lacked the text or id key (``missing`` of them: a mistyped
+    --text-column on JSONL, where no header is checked up front), else the first reasons
+    (every line of a file not JSON: it exited 0 with 0 rows). The shards this run wrote
+    (``written``) hold nothing but those bad rows: they are removed, so the corrected rerun
+    starts afresh instead of being refused as another job."""
+    if summary.rows or summary.skipped or not summary.bad:
+        return
+    for path in written:
+        path.unlink(missing_ok=True)
+    if not out.has_shards():  # earlier runs' shards stay guarded by it
+        (out.path / MANIFEST).unlink(missing_ok=True)
+    if missing >= summary.bad:
+        raise InvalidInput(f"no row of the inputs has both keys {job.text_column!r} and "
+                           f"{job.id_column!r} ({summary.bad} rows, none embedded): name the "
+                           "texts' key with --text-column and the ids' with --id-column",
+                           param="--text-column")
+    examples = "; ".join(f"{e['source']} row {e['row']}: {e['reason']}"
+                         for e in summary.bad_examples[:3])
+    raise InvalidInput(f"no row of the inputs could be embedded ({summary.bad} bad rows, "
+                       f"none embedded; rows are numbered from 0): {examples}", param="INPUT")

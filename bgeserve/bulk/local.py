@@ -20,10 +20,15 @@ import pyarrow as pa
 from bgeserve.bulk import columns
 from bgeserve.bulk.coverage import spans_of
 from bgeserve.bulk.dupes import Duplicates
-from bgeserve.bulk.job import BulkJob, blocks, total_rows
+from bgeserve.bulk.job import (
+    BulkJob,
+    blocks,
+    missing_column,
+    refuse_nothing_embedded,
+    total_rows,
+)
 from bgeserve.bulk.model import BulkModel, model_spec
 from bgeserve.bulk.output import (
-    MANIFEST,
     OutputDir,
     earlier_bad_rows,
     log_bad_rows,
@@ -34,7 +39,7 @@ from bgeserve.bulk.shards import write_shard
 from bgeserve.bulk.sources import Rows, check_columns, discover
 from bgeserve.config import Settings
 from bgeserve.engine.jobs import Job
-from bgeserve.errors import InvalidInput, NotReady
+from bgeserve.errors import NotReady
 from bgeserve.results import Embeddings
 
 log = logging.getLogger("bgeserve.bulk")
@@ -107,8 +112,7 @@ def finish(p: _Pending, run: _Run) -> None:
     bad = bad_rows(rows)
     run.written.append(write_shard(run.out.path, table, {rows.source: spans_of(rows.rows)}, bad))
     progress.add(len(p.good), tokens, len(bad))
-    missing = {f"no {job.text_column!r}", f"no {job.id_column!r}"}
-    run.missing_column += sum(why in missing for *_, why in bad)
+    run.missing_column += missing_column(bad, job)
     examples = progress.summary.bad_examples
     for source, row, row_id, why in bad[:max(0, MAX_BAD_EXAMPLES - len(examples))]:
         examples.append({"source": source, "row": row, "id": row_id, "reason": why})
@@ -116,31 +120,6 @@ def finish(p: _Pending, run: _Run) -> None:
 
 def _ready(p: _Pending) -> bool:
     return p.job is None or p.job.future.done()
-
-
-def _refuse_nothing_embedded(summary: Summary, run: _Run) -> None:
-    """InvalidInput when no row was embedded, now or before, and every row was bad: naming
-    the flags where every row lacked the text or id column (a mistyped --text-column on JSONL,
-    where no header is checked up front), else the first reasons (every line of a file not
-    JSON, say: it exited 0 with 0 rows). The shards this run wrote hold nothing but those bad
-    rows: they are removed, so the corrected rerun starts afresh instead of being refused as
-    another job."""
-    if summary.rows or summary.skipped or not summary.bad:
-        return
-    for path in run.written:
-        path.unlink(missing_ok=True)
-    if not run.out.has_shards():  # earlier runs' shards stay guarded by it
-        (run.out.path / MANIFEST).unlink(missing_ok=True)
-    job = run.job
-    if run.missing_column >= summary.bad:
-        raise InvalidInput(f"no row of the inputs has both keys {job.text_column!r} and "
-                           f"{job.id_column!r} ({summary.bad} rows, none embedded): name the "
-                           "texts' key with --text-column and the ids' with --id-column",
-                           param="--text-column")
-    examples = "; ".join(f"{e['source']} row {e['row']}: {e['reason']}"
-                         for e in summary.bad_examples[:3])
-    raise InvalidInput(f"no row of the inputs could be embedded ({summary.bad} bad rows, "
-                       f"none embedded; rows are numbered from 0): {examples}", param="INPUT")
 
 
 def run(job: BulkJob, settings: Settings, bar: bool | None = None) -> Summary:
@@ -187,5 +166,5 @@ def run(job: BulkJob, settings: Settings, bar: bool | None = None) -> Summary:
             state.ids.warn()
             progress.summary.duplicate_ids = state.ids.count
             summary = progress.close()
-        _refuse_nothing_embedded(summary, state)
+        refuse_nothing_embedded(summary, job, out, state.written, state.missing_column)
         return summary

@@ -37,10 +37,12 @@ def read(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
 
 
 def _jsonl(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
-    """One JSON object a line; or, where the file is one JSON array (a ``.json`` file, as most
-    are), its items, row ``i`` the array's item ``i``."""
-    if starts_array(source):
-        yield from _rows(source, enumerate(_array(source)), text_column, id_column)
+    """One JSON object a line; or, where a ``.json`` file is one JSON array (as most are), its
+    items, row ``i`` the array's item ``i``. (Which one depends on the file's bytes alone, so
+    row numbers hold across runs; a changed file is refused by its size and mtime.)"""
+    items = _array(source) if starts_array(source) else None
+    if items is not None:
+        yield from _rows(source, enumerate(items), text_column, id_column)
         return
     lines = _lines(source)
     first = _first_content(lines)
@@ -53,8 +55,11 @@ _BLANK = object()  # a blank line (a trailing newline): no row
 
 
 def starts_array(source: Source) -> bool:
-    """Whether ``source`` (JSON) is one array rather than JSON lines: its first byte that is
-    not a byte-order mark or whitespace is ``[``."""
+    """Whether ``source`` may be one JSON array rather than JSON lines: a ``.json`` file whose
+    first byte that is not a byte-order mark or whitespace is ``[`` (a ``.jsonl`` file whose
+    first line is an array is JSON lines, that line a bad row)."""
+    if not source.path.name.lower().removesuffix(".gz").endswith(".json"):
+        return False
     for line in _lines(source):
         head = line.removeprefix(b"\xef\xbb\xbf").lstrip()
         if head:
@@ -89,21 +94,19 @@ class _Invalid(str):
     """Why a line is no JSON value (a row with this error)."""
 
 
-def _array(source: Source) -> list[object]:
+def _array(source: Source) -> list[object] | None:
     """The items of a file that is one JSON array (read whole: a JSON array has no lines to
-    stream by). Not valid JSON: refused, naming the file."""
+    stream by); None where the whole file is no JSON value (JSON lines whose first is an
+    array, or a broken array: read line by line, its bad lines reported as bad rows)."""
     data = b"".join(_lines(source)).removeprefix(b"\xef\xbb\xbf")
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError:
         try:
             value = json.loads(data)
-        except (ValueError, RecursionError) as exc:
-            raise InvalidInput(f"{source.path}: starts with '[' but is not a JSON array, nor "
-                               f"JSON lines ({exc})", param="INPUT") from None
-    if not isinstance(value, list):
-        raise InvalidInput(f"{source.path}: not a JSON array", param="INPUT")
-    return value
+        except (ValueError, RecursionError):
+            return None
+    return value if isinstance(value, list) else None
 
 
 def _rows(source: Source, items: Iterator[tuple[int, object]], text_column: str,
@@ -128,6 +131,9 @@ def _rows(source: Source, items: Iterator[tuple[int, object]], text_column: str,
             if error is None:  # only the stdlib's fallback reads one; no UTF-8 writes it
                 found = surrogate_error(row_id, id_column) or surrogate_error(text, text_column)
                 error = None if found is None else found.message
+            if row_id is not None and surrogate_error(row_id, id_column) is not None:
+                # The bad-row report (a shard's metadata, the log) is UTF-8: the id as escaped.
+                row_id = row_id.encode("utf-8", "backslashreplace").decode("utf-8")
         else:
             row_id, text = None, None
         ids.append(row_id)

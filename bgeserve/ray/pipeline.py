@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bgeserve.bulk.dupes import Duplicates
-from bgeserve.bulk.job import BulkJob
+from bgeserve.bulk.job import BulkJob, missing_column, refuse_nothing_embedded
 from bgeserve.bulk.local import MAX_BAD_EXAMPLES
 from bgeserve.bulk.model import model_spec, settings_env
 from bgeserve.bulk.output import OutputDir, earlier_bad_rows, log_earlier_bad_rows
@@ -188,4 +188,7 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
         ids.add_shards(dict.fromkeys(Path(r["shard"]) for r in sink.results if r["rows"]))
         ids.warn()
         summary.duplicate_ids = ids.count
-        return progress.close()
+        summary = progress.close()
+        refuse_nothing_embedded(summary, job, out, [Path(r["shard"]) for r in sink.results],
+                                sum(missing_column(r["bad"], job) for r in sink.results))
+        return summary
