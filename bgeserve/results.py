@@ -22,7 +22,7 @@ class EmbedOptions:
         flags = {"dense": self.dense, "sparse": self.sparse, "colbert": self.colbert,
                  "truncate": self.truncate}
         for name, value in flags.items():
-            # bool only: "yes", 1 or np.bool_ read as True would be a typo's silent default.
+            # Booleans only (numpy's too): "yes" or 1 read as True would be a typo's silent default.
             if not isinstance(value, bool | np.bool_):
                 raise InvalidInput(f"{name} must be True or False, not {value!r}", param=name)
         if not (self.dense or self.sparse or self.colbert):
