@@ -129,6 +129,24 @@ class RerankOptions:
             raise InvalidInput(f"max_tokens_per_doc must be an integer >= 1 or None, not "
                                f"{limit!r}", param="max_tokens_per_doc")
 
+    def leading_tokens(self, width: int) -> int | None:
+        """How many leading content tokens of a document its rows read when that is not all of
+        it: ``max_tokens_per_doc`` (the document is cut there first), and a window's
+        ``width`` when only its first window is kept (``truncate`` from the right); None when
+        rows may read its end (windows, or ``truncate`` from the left, with no
+        ``max_tokens_per_doc``). A document read to its leading tokens only may be tokenized
+        from its leading words."""
+        first = (width if self.long_documents == "truncate"
+                 and self.truncation_direction == "right" else None)
+        needs = [n for n in (self.max_tokens_per_doc, first) if n is not None]
+        return min(needs) if needs else None
+
+    @property
+    def reads_document_ends(self) -> bool:
+        """Whether rows may read a document's last tokens (``leading_tokens`` is None, at any
+        width), so it is tokenized whole."""
+        return self.leading_tokens(1) is None
+
 
 @dataclass
 class RerankResult:

@@ -25,21 +25,10 @@ import time
 
 import httpx
 import psutil
+from benchkit.common import wait_healthy
 
 STOCK = ("import bgeserve.http.headlimits as h, uvicorn.protocols.http.httptools_impl as u; "
          "h.BoundedHttpTools = u.HttpToolsProtocol; ")
-
-
-def wait_ready(url: str, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit("the server did not get ready")
 
 
 def main() -> None:
@@ -61,7 +50,7 @@ def main() -> None:
     proc = subprocess.Popen([sys.executable, "-c", (STOCK if args.stock else "") + start],
                             env=env)
     try:
-        wait_ready(url)
+        wait_healthy(url)
         mode = "stock uvicorn" if args.stock else "bgeserve"
         if args.requests:
             with httpx.Client() as client:

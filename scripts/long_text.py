@@ -24,20 +24,9 @@ import time
 import httpx
 import numpy as np
 import psutil
+from benchkit.common import wait_healthy
 
 WORDS = "hybrid retrieval keeps dense and sparse vectors of every passage in one index. "
-
-
-def wait_ready(url: str, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit("the server did not get ready")
 
 
 def main() -> None:
@@ -59,7 +48,7 @@ def main() -> None:
     reranked: dict[str, np.ndarray] = {}
     try:
         started = time.monotonic()
-        wait_ready(url)
+        wait_healthy(url)
         print(f"ready in {time.monotonic() - started:.0f} s", flush=True)
         server = psutil.Process(proc.pid)
         cases = [("english 140k", (WORDS * 2_000)[:140_000]),

@@ -11,8 +11,9 @@ differs (``"text": 5`` among strings), which is exactly the row this job must re
 
 from __future__ import annotations
 
+import contextlib
 import gzip
-import itertools
+import io
 import json
 from collections.abc import Iterator
 
@@ -24,6 +25,7 @@ from bgeserve.errors import InvalidInput, surrogate_error
 
 READ_ROWS = 8192  # rows per read from a JSONL or Parquet file
 CSV_BLOCK_BYTES = 4 << 20  # bytes per read from a CSV file
+HEAD_BYTES = 4096  # bytes per read while looking for a JSON file's first character
 
 
 def read(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
@@ -44,9 +46,7 @@ def _jsonl(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
     if items is not None:
         yield from _rows(source, enumerate(items), text_column, id_column)
         return
-    lines = _lines(source)
-    first = _first_content(lines)
-    parsed = enumerate(map(_parse, itertools.chain([] if first is None else [first], lines)))
+    parsed = enumerate(map(_parse, _lines(source)))
     yield from _rows(source, ((n, obj) for n, obj in parsed if obj is not _BLANK), text_column,
                      id_column)
 
@@ -60,17 +60,22 @@ def starts_array(source: Source) -> bool:
     first line is an array is JSON lines, that line a bad row)."""
     if not source.path.name.lower().removesuffix(".gz").endswith(".json"):
         return False
-    for line in _lines(source):
-        head = line.removeprefix(b"\xef\xbb\xbf").lstrip()
-        if head:
-            return head.startswith(b"[")
+    with _open(source) as f:  # a bounded read: a minified array is one line, maybe huge
+        while chunk := f.read(HEAD_BYTES):
+            head = chunk.removeprefix(b"\xef\xbb\xbf").lstrip()
+            if head:
+                return head.startswith(b"[")
     return False
 
 
-def _first_content(lines: Iterator[bytes]) -> bytes | None:
-    """The first line, its byte-order mark dropped (Windows tools write one; it is no JSON)."""
-    first = next(lines, None)
-    return None if first is None else first.removeprefix(b"\xef\xbb\xbf")
+def _loads(data: bytes) -> object:
+    """``data``'s JSON value (ValueError or RecursionError if it is none). orjson first; it
+    refuses an escaped lone surrogate ("\ud800"), which JSON allows: the stdlib reads it,
+    so its row keeps its id and the reason names the character."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
 
 
 def _parse(line: bytes) -> object:
@@ -79,13 +84,7 @@ def _parse(line: bytes) -> object:
     if not line.strip():
         return _BLANK
     try:
-        return orjson.loads(line)
-    except orjson.JSONDecodeError:
-        pass
-    # orjson refuses an escaped lone surrogate ("\ud800"), which JSON allows: the stdlib
-    # reads it, so the row keeps its id and the reason names the character.
-    try:
-        return json.loads(line)
+        return _loads(line)
     except (ValueError, RecursionError):
         return _Invalid("not valid JSON")
 
@@ -98,14 +97,12 @@ def _array(source: Source) -> list[object] | None:
     """The items of a file that is one JSON array (read whole: a JSON array has no lines to
     stream by); None where the whole file is no JSON value (JSON lines whose first is an
     array, or a broken array: read line by line, its bad lines reported as bad rows)."""
-    data = b"".join(_lines(source)).removeprefix(b"\xef\xbb\xbf")
+    with _open(source) as f:
+        data = f.read().removeprefix(b"\xef\xbb\xbf")
     try:
-        value = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        try:
-            value = json.loads(data)
-        except (ValueError, RecursionError):
-            return None
+        value = _loads(data)
+    except (ValueError, RecursionError):
+        return None
     return value if isinstance(value, list) else None
 
 
@@ -147,14 +144,23 @@ def _rows(source: Source, items: Iterator[tuple[int, object]], text_column: str,
 
 
 def _lines(source: Source) -> Iterator[bytes]:
-    """The lines of a JSONL file, decompressed if it is gzipped."""
+    """The lines of a JSONL file, decompressed if it is gzipped, the first one's byte-order
+    mark dropped (Windows tools write one; it is no JSON)."""
+    with _open(source) as f:
+        for n, line in enumerate(f):
+            yield line.removeprefix(b"\xef\xbb\xbf") if n == 0 else line
+
+
+@contextlib.contextmanager
+def _open(source: Source) -> Iterator[io.BufferedIOBase]:
+    """``source`` opened for reading bytes, decompressed if it is gzipped."""
     if not source.compressed:
         with open(source.path, "rb") as f:
-            yield from f
+            yield f
         return
     try:
         with gzip.open(source.path, "rb") as f:
-            yield from f
+            yield f
     except (OSError, EOFError) as exc:  # not gzip, or cut short
         raise InvalidInput(f"{source.path}: not a gzip file bgeserve can read ({exc})",
                            param="INPUT") from None

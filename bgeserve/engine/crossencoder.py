@@ -18,7 +18,6 @@ from bgeserve.engine.pairs import (
     PairPlan,
     build_pairs,
     content_ids,
-    leading_need,
 )
 from bgeserve.engine.tokenizer import Tokenizer
 from bgeserve.results import RerankOptions, RerankResult
@@ -32,8 +31,7 @@ def plan_pairs(tokenizer: Tokenizer, query: str, documents: Sequence[str],
     def document_keep(query_ids: np.ndarray) -> int | None:
         # The document tokens a row holds beside the query as build_pairs keeps it.
         width = config.max_length - min(len(content_ids(query_ids)), limit) - SPECIALS
-        need = leading_need(width, options.long_documents, options.truncation_direction,
-                            options.max_tokens_per_doc)
+        need = options.leading_tokens(width)
         return None if need is None else need + 2  # <s> and </s> counted
 
     encoded = tokenizer.encode_rerank(query, documents, limit + 2, document_keep)

@@ -21,7 +21,7 @@ import numpy as np
 
 from bgeserve.engine.jobs import Job
 from bgeserve.engine.m3score import canonical_mode, check_weights, m3_scores, needs
-from bgeserve.engine.pairs import CLS_ID, EOS_ID, content_ids, document_windows, leading_need
+from bgeserve.engine.pairs import CLS_ID, EOS_ID, content_ids, document_windows
 from bgeserve.engine.tokenizer import Tokenizer, untruncated
 from bgeserve.errors import InvalidInput, TooLarge
 from bgeserve.results import M3_SCORER, Embeddings, EmbedOptions, RerankOptions, RerankResult
@@ -52,8 +52,7 @@ def plan_m3(tokenizer: Tokenizer, query: str, documents: Sequence[str], max_seq:
     """Tokenize once (``tokenizer`` must not truncate: its ``max_seq`` above any document) and
     cut each document into windows of ``max_seq - 2`` content tokens."""
     width = max_seq - 2
-    need = leading_need(width, options.long_documents, options.truncation_direction,
-                        options.max_tokens_per_doc)
+    need = options.leading_tokens(width)
     encoded = tokenizer.encode_rerank(query, documents, max_seq,
                                       lambda _: None if need is None else need + 2)
     q = content_ids(encoded[0])

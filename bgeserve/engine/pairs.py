@@ -126,18 +126,6 @@ def document_windows(length: int, width: int, overlap: int, long_documents: str 
     return starts, starts[-1] + width < length
 
 
-def leading_need(width: int, long_documents: str, direction: str,
-                 max_tokens: int | None) -> int | None:
-    """How many leading content tokens of a document its rows read when that is not all of
-    it: ``max_tokens`` (``max_tokens_per_doc``: the document is cut there first), and a
-    window's ``width`` when only its first window is kept (``truncate`` from the right);
-    None when rows may read its end (windows, or ``truncate`` from the left, with no
-    ``max_tokens``)."""
-    first = width if long_documents == "truncate" and direction == "right" else None
-    needs = [n for n in (max_tokens, first) if n is not None]
-    return min(needs) if needs else None
-
-
 def build_pairs(query: np.ndarray, documents: Sequence[np.ndarray], config: PairConfig,
                 long_documents: str = "max", direction: str = "right") -> PairPlan:
     """The rows scoring ``query`` against each of ``documents`` (content ids, no specials).

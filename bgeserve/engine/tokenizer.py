@@ -208,12 +208,8 @@ class Tokenizer:
         self.max_seq = max_seq
         # The longest text tokenized whole (None: any). A longer one is served only cut to
         # its leading words (``_prefix``, ``_encode_long``), where that is exact; else it is
-        # TooLarge. ``encode`` cuts texts past ``_cut_chars``: max_seq * 8 characters, or the
-        # limit where it is lower (so the limit bounds what is tokenized, whatever the length).
+        # TooLarge.
         self.max_whole_chars = max_whole_chars
-        self._cut_chars = max_seq * CUT_CHARS_PER_TOKEN
-        if max_whole_chars is not None:
-            self._cut_chars = min(self._cut_chars, max_whole_chars)
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         try:
             spec = json.loads(tokenizer.to_str())
@@ -252,7 +248,17 @@ class Tokenizer:
             raise InvalidInput("cannot tokenize input: every text must be a string",
                                param="input")
         names = [f"input[{i}]" for i in range(len(texts))]
-        return self._truncate(self._encode_leading(texts, [self.max_seq] * len(texts), names))
+        return self._truncate(self.encode_leading(texts, [self.max_seq] * len(texts), names))
+
+    def encode_rerank(self, query: str, documents: Sequence[str], query_keep: int,
+                      document_keep: Callable[[np.ndarray], int | None]) -> list[np.ndarray]:
+        """The ids of ``query`` (its first ``query_keep`` read) and of each document (the
+        first ``document_keep(query's ids)`` read; None: all), as ``encode_leading`` gives
+        them, a text named as the rerank request names it (``documents[2]``)."""
+        q = self.encode_leading([query], [query_keep], ["query"])[0]
+        keep = document_keep(q)
+        return [q, *self.encode_leading(documents, [keep] * len(documents),
+                                        [f"documents[{i}]" for i in range(len(documents))])]
 
     def encode_leading(self, texts: Sequence[str], keeps: Sequence[int | None],
                        names: Sequence[str]) -> list[np.ndarray]:
@@ -263,20 +269,6 @@ class Tokenizer:
         not share, but its first ``keeps[i] - 1`` are the whole text's (and its length says
         only "over ``keeps[i]``"). A text over ``max_whole_chars`` with no ``keeps`` is
         ``TooLarge``, named ``names[i]``, before any text is tokenized."""
-        return self._encode_leading(list(texts), list(keeps), list(names))
-
-    def encode_rerank(self, query: str, documents: Sequence[str], query_keep: int,
-                      document_keep: Callable[[np.ndarray], int | None]) -> list[np.ndarray]:
-        """The ids of ``query`` (its first ``query_keep`` read) and of each document (the
-        first ``document_keep(query's ids)`` read; None: all), as ``encode_leading`` gives
-        them, a text named as the rerank request names it (``documents[2]``)."""
-        q = self._encode_leading([query], [query_keep], ["query"])[0]
-        keep = document_keep(q)
-        return [q, *self._encode_leading(list(documents), [keep] * len(documents),
-                                         [f"documents[{i}]" for i in range(len(documents))])]
-
-    def _encode_leading(self, texts: list[str], keeps: list[int | None],
-                        names: list[str]) -> list[np.ndarray]:
         prepared = [self._prefix(t, keep) for t, keep in zip(texts, keeps, strict=True)]
         # A text with no cut at its first cut that would be tokenized whole past
         # max_whole_chars is cut within the limit instead; refused before any text is
@@ -411,7 +403,7 @@ class Tokenizer:
         """
         if not self._word_bound:
             return 2 * len(texts)
-        read = self.max_whole_chars or self._cut_chars
+        read = self.max_whole_chars or self.max_seq * CUT_CHARS_PER_TOKEN
         if any(len(t) > read for t in texts):
             texts = [t[:read] for t in texts]
         # The quick bound first (passes in C or numpy per text: ~35 us for 12k characters);

@@ -65,13 +65,6 @@ _JINA_HOW = "truncate it from the right (truncate: true) or set max_tokens_per_d
 _TEI_HOW = "truncate it from the right (truncate: true, truncation_direction: right)"
 
 
-def _whole(options: RerankOptions) -> bool:
-    """Whether the rows may read a document's last tokens, so it is tokenized whole (else
-    only its leading tokens are read, and a long one is tokenized from its leading words)."""
-    return options.max_tokens_per_doc is None and not (
-        options.long_documents == "truncate" and options.truncation_direction == "right")
-
-
 def _documents(value: Any, name: str, settings: Settings, objects: bool, whole: bool = True,
                rank_fields: tuple[str, ...] | None = None, how: str = _JINA_HOW
                ) -> tuple[list[str], list[dict[str, Any] | None] | None]:
@@ -199,7 +192,7 @@ def parse_rerank_request(raw: bytes, settings: Settings,
         given=frozenset(k for k in ("mode", "weights") if body.get(k) is not None),
     )
     documents, objects = _documents(body.get("documents"), "documents", settings, objects=True,
-                                    whole=_whole(options),
+                                    whole=options.reads_document_ends,
                                     rank_fields=_rank_fields(body.get("rank_fields")))
     return RerankRequest(_query(body), documents, options, _top_n(body.get("top_n")),
                          flag(body, "return_documents", False), objects)
@@ -219,5 +212,5 @@ def parse_tei_rerank_request(raw: bytes, settings: Settings) -> RerankRequest:
         truncation_direction=DIRECTIONS.get(direction or "right", "right"),
     )
     texts, _ = _documents(body.get("texts"), "texts", settings, objects=False,
-                          whole=_whole(options), how=_TEI_HOW)
+                          whole=options.reads_document_ends, how=_TEI_HOW)
     return RerankRequest(_query(body), texts, options, None, flag(body, "return_text", False))

@@ -34,6 +34,22 @@ FLAG_BATCH = 16
 MiB = 1 << 20
 
 
+def wait_healthy(url: str, timeout: float = 600.0) -> None:
+    """Until ``url``'s ``/health`` answers 200 (a server the script started); SystemExit past
+    ``timeout`` seconds."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise SystemExit("the server did not get ready")
+
+
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
