@@ -10,6 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bgeserve.bulk.readers import read
 from bgeserve.bulk.sources import Source, check_columns, discover
@@ -94,6 +96,94 @@ def test_a_json_file_holding_one_array_gives_its_items_as_rows(tmp_path: Path):
         assert rows_of(Source(tmp_path / name, "jsonl")) == (
             [0, 1], [None, "b"], [None, "y"], [why, None]), name
     assert rows_of(Source(tmp_path / "a.json", "jsonl"))[0] == [0, 1, 2, 3]  # as an array
+
+
+def test_a_json_array_is_read_an_item_at_a_time(tmp_path: Path, monkeypatch):
+    """A .json array is streamed, not read whole (a file of a few GB took several times its
+    size in memory); its items keep what the line reader gives them: a lone surrogate keeps
+    the row's id and says why, a number with a fraction is a float as orjson says."""
+    import tracemalloc
+
+    from bgeserve.bulk import readers
+
+    monkeypatch.setattr(readers, "READ_ROWS", 256)
+    monkeypatch.setattr(readers, "ARRAY_READ_BYTES", 1 << 16, raising=False)
+    path = tmp_path / "big.json"
+    items = [{"id": i, "text": f"{i} " + "x" * 1000} for i in range(8000)]
+    path.write_bytes(json.dumps(items).encode())
+    size = path.stat().st_size
+    tracemalloc.start()
+    try:
+        n = 0
+        for piece in read(Source(path, "jsonl"), "text", "id"):
+            assert piece.texts[0] == items[n]["text"] and piece.ids[-1] == str(n + len(piece) - 1)
+            n += len(piece)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert n == len(items) and peak < size / 4, (peak, size)
+
+    (tmp_path / "odd.json").write_text('[{"id": "s", "text": "\\ud800 lone"}, {"id": 1.5, '
+                                       '"text": "x"}, {"id": "t", "text": 2e400}, '
+                                       '{"id": "e", "text": "\\ud83d\\ude00"}]')
+    rows, ids, texts, errors = rows_of(Source(tmp_path / "odd.json", "jsonl"))
+    assert rows == [0, 1, 2, 3] and ids == ["s", None, "t", "e"] and texts[3] == "\U0001f600"
+    assert errors[0] is not None and "lone surrogate (U+D800" in errors[0]
+    assert errors[1:] == ["'id' is float, not a string or an integer",
+                          "'text' is float, not a string", None]
+
+
+@pytest.mark.parametrize("read_bytes", [1, 2, 3, 7, 1 << 20])
+def test_a_json_array_is_cut_at_its_own_commas_whatever_its_strings_hold(read_bytes, monkeypatch):
+    """The array is cut into items outside strings and nested values only, however the reads
+    fall (an escape, a quote, a multi-byte character split between two): each item is the
+    JSON the whole file holds there. A file that is not one array whole is refused."""
+    import io
+
+    import orjson
+
+    from bgeserve.bulk import readers
+
+    monkeypatch.setattr(readers, "ARRAY_READ_BYTES", read_bytes)
+    items = [{"id": "a,b]", "text": 'x\\"}, {"'}, [1, [2, {"a": "]"}]], "\\", 'q"', "",
+             {"t": "é中😀\u2028\n\\\\", "n": None}, 3.5, {}, [], True, "\\\""]
+    for data in (json.dumps(items).encode(), b"\xef\xbb\xbf \n" + json.dumps(items, indent=1).encode()
+                 + b"\n\n", json.dumps(items, ensure_ascii=True).encode()):
+        got = [orjson.loads(b) for b in readers._item_bytes(io.BytesIO(data))]
+        assert got == items
+    cut = lambda data: list(readers._item_bytes(io.BytesIO(data)))
+    assert cut(b" [ ] ") == [] and cut(b"[1,]") == [b"1", b""] and cut(b'["a" "b"]') == [b'"a" "b"']
+    for bad in (b"", b"  ", b"[1] 2", b"[1]]", b"[1", b'["a]', b"x[1]", b"[1}", b"{}", b"[1,\n"):
+        with pytest.raises(readers._NotOneArray):
+            cut(bad)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(alphabet=st.sampled_from('ab ,:[]{}"\\/\n\té中😀\u2028')),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(alphabet='a,]"\\', max_size=3), inner, max_size=3), max_leaves=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(items=st.lists(_JSON, max_size=6), read_bytes=st.integers(1, 9), indent=st.booleans(),
+       ascii_only=st.booleans())
+def test_any_json_array_is_cut_into_its_items(items, read_bytes, indent, ascii_only):
+    """Whatever the array holds and however the reads fall, its items are cut where the JSON
+    says (orjson parsing the whole file is the reference)."""
+    import io
+
+    import orjson
+
+    from bgeserve.bulk import readers
+
+    data = json.dumps(items, indent=1 if indent else None, ensure_ascii=ascii_only).encode()
+    old, readers.ARRAY_READ_BYTES = readers.ARRAY_READ_BYTES, read_bytes
+    try:
+        got = [orjson.loads(b) for b in readers._item_bytes(io.BytesIO(data))]
+    finally:
+        readers.ARRAY_READ_BYTES = old
+    assert got == orjson.loads(data)
 
 
 def test_a_lone_surrogate_line_keeps_its_id_and_says_why(tmp_path: Path):

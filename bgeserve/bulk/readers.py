@@ -4,9 +4,10 @@ Bad rows (no text, a text that is not a string, no id, a line that is not JSON, 
 with too many or too few cells, a cell that is not UTF-8) come back with ``errors[i]`` saying
 why, never as an exception: one bad row never stops a job.
 
-Readers are pyarrow's (Parquet's row groups, the streaming CSV reader) and orjson per line for
-JSONL: pyarrow's JSON reader infers one type per column and fails the whole block when one row
-differs (``"text": 5`` among strings), which is exactly the row this job must report and skip.
+Readers are pyarrow's (Parquet's row groups, the streaming CSV reader) and orjson per line
+for JSONL (per item for a ``.json`` file that is one array): pyarrow's JSON reader infers one
+type per column and fails the whole block when one row differs (``"text": 5`` among strings),
+which is exactly the row this job must report and skip.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import gzip
 import io
 import json
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -26,6 +28,7 @@ from bgeserve.errors import InvalidInput, surrogate_error
 READ_ROWS = 8192  # rows per read from a JSONL or Parquet file
 CSV_BLOCK_BYTES = 4 << 20  # bytes per read from a CSV file
 HEAD_BYTES = 4096  # bytes per read while looking for a JSON file's first character
+ARRAY_READ_BYTES = 1 << 20  # bytes per read from a .json file that is one array
 
 
 def read(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
@@ -93,17 +96,105 @@ class _Invalid(str):
     """Why a line is no JSON value (a row with this error)."""
 
 
-def _array(source: Source) -> list[object] | None:
-    """The items of a file that is one JSON array (read whole: a JSON array has no lines to
-    stream by); None where the whole file is no JSON value (JSON lines whose first is an
-    array, or a broken array: read line by line, its bad lines reported as bad rows)."""
-    with _open(source) as f:
-        data = f.read().removeprefix(b"\xef\xbb\xbf")
+def _array(source: Source) -> Iterator[object] | None:
+    """The items of a file that is one JSON array, one at a time, each parsed as a JSON line
+    is; None where the whole file is no JSON array (JSON lines whose first is an array, or an
+    array cut short: read line by line, its bad lines reported as bad rows). Two passes, so
+    that which reading a file gets is known before its first row: one that checks the whole
+    file is one array, then its items. Never read whole: a file of a few GB parsed whole took
+    several times its size in memory."""
     try:
-        value = _loads(data)
-    except (ValueError, RecursionError):
+        with _open(source) as f:
+            for _ in _item_bytes(f):
+                pass
+    except _NotOneArray:
         return None
-    return value if isinstance(value, list) else None
+    return _items(source)
+
+
+def _items(source: Source) -> Iterator[object]:
+    with _open(source) as f:
+        for item in _item_bytes(f):
+            yield _parse(item) if item.strip() else _Invalid("not valid JSON")
+
+
+class _NotOneArray(Exception):
+    """The file is not one JSON array: bytes after its end, none, or an end missing."""
+
+
+# A string's bytes up to its closing quote, escapes skipped whole (possessive: no backtracking
+# over a text of many MB); where it stops short of a quote, the string goes on in the next read
+# (or its last byte is a backslash whose escaped byte does).
+_STRING_BODY = re.compile(rb'(?:[^"\\]++|\\.)*+', re.DOTALL)
+_STRUCTURE = re.compile(rb'["\[\]{},]')
+_SPACE = b" \t\r\n"
+
+
+def _item_bytes(f: io.BufferedIOBase) -> Iterator[bytes]:
+    """The bytes of each item of the one JSON array ``f`` holds (past a byte-order mark), cut
+    at the array's own commas: those outside strings and nested values. An item that is no
+    JSON (a trailing comma's empty one, mismatched brackets) is still cut here, and is then
+    its row's error, as a bad line is. Hand-written over ijson: its C parser turns an escaped
+    lone surrogate into "?" (the other readers report that row) and its Python one keeps the
+    whole file in memory."""
+    first = f.read(3)
+    if first != b"\xef\xbb\xbf":
+        f.seek(0)
+    started = ended = in_string = escaped = False
+    depth = 0  # inside the array's items: 0 between them
+    count = 0  # items cut so far
+    item = bytearray()
+    while chunk := f.read(ARRAY_READ_BYTES):
+        n, i, start = len(chunk), 0, 0  # start: where the current item's unsaved bytes begin
+        while i < n:
+            if in_string:
+                if escaped:
+                    i, escaped = i + 1, False
+                    continue
+                i = _STRING_BODY.match(chunk, i).end()  # type: ignore[union-attr]
+                if i < n:
+                    if chunk[i] == 0x22:  # the closing quote
+                        in_string = False
+                    else:  # a backslash that is the read's last byte
+                        escaped = True
+                    i += 1
+                continue
+            if ended:
+                if chunk[i:].strip(_SPACE):
+                    raise _NotOneArray
+                break
+            if not started:
+                rest = chunk[i:].lstrip(_SPACE)
+                if not rest:
+                    break
+                if rest[0] != 0x5B:  # '['
+                    raise _NotOneArray
+                started, i = True, n - len(rest) + 1
+                start = i
+                continue
+            m = _STRUCTURE.search(chunk, i)
+            if m is None:
+                break
+            c, i = chunk[m.start()], m.end()
+            if c == 0x22:  # '"'
+                in_string = True
+            elif c in b"[{":
+                depth += 1
+            elif depth:
+                depth -= 1 if c in b"]}" else 0
+            elif c == 0x7D:  # a '}' closing nothing
+                raise _NotOneArray
+            else:  # the array's own ',' or ']'
+                item += chunk[start:m.start()]
+                start, ended = i, c == 0x5D
+                if not (ended and count == 0 and not item.strip()):  # "[]" has no item
+                    yield bytes(item)
+                    count += 1
+                item.clear()
+        if started and not ended:
+            item += chunk[start:]
+    if not ended:
+        raise _NotOneArray
 
 
 def _rows(source: Source, items: Iterator[tuple[int, object]], text_column: str,
