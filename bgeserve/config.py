@@ -210,6 +210,10 @@ class Settings:
                                      "comma-separated bearer keys; empty = no auth")
     metrics_auth: bool = _var("BGE_M3_METRICS_AUTH", _bool, False,
                               "require the API key on /metrics too")
+    cors_allow_origins: tuple[str, ...] = _var(
+        "BGE_M3_CORS_ALLOW_ORIGINS", _keys, ("*",),
+        "comma-separated origins a browser page may call from, as TEI's --cors-allow-origin "
+        "(default: * = any); empty = no CORS headers")
     tls_cert_file: Path | None = _var("BGE_M3_TLS_CERT_FILE", _path, None,
                                       "PEM certificate (chain): serve HTTPS")
     tls_key_file: Path | None = _var("BGE_M3_TLS_KEY_FILE", _path, None,

@@ -688,6 +688,34 @@ def test_auth() -> None:
         assert c.get("/metrics", headers={"authorization": "Bearer k1"}).status_code == 200
 
 
+def test_cors_as_teis_any_origin_by_default_named_or_off() -> None:
+    """Browser pages may call the server (TEI's CORS: any origin unless named): a preflight is
+    answered before the key check (it carries none), answers and refusals carry the header;
+    BGE_M3_CORS_ALLOW_ORIGINS names the origins, empty turns CORS off."""
+    origin = {"origin": "https://app.example"}
+    preflight = {**origin, "access-control-request-method": "POST",
+                 "access-control-request-headers": "content-type, authorization"}
+    with serve(api_keys=("k",)) as c:
+        r = c.options("/v1/embeddings", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = c.post("/v1/embeddings", json={"input": "x"},
+                   headers={**origin, "authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+        r = c.post("/embed", json={"inputs": "x"}, headers=origin)  # refused: still readable
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
+    with serve(cors_allow_origins=("https://app.example",)) as c:
+        r = c.post("/v1/embeddings", json={"input": "x"}, headers=origin)
+        assert r.headers["access-control-allow-origin"] == "https://app.example"
+        r = c.post("/v1/embeddings", json={"input": "x"}, headers={"origin": "https://evil.example"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    with serve(cors_allow_origins=()) as c:
+        assert c.options("/v1/embeddings", headers=preflight).status_code == 405
+        r = c.post("/v1/embeddings", json={"input": "x"}, headers=origin)
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
 def test_no_auth_by_default(client: TestClient) -> None:
     """Without configured keys no header is needed and any header is ignored."""
     r = client.get("/v1/models", headers={"authorization": "Bearer whatever"})

@@ -220,7 +220,11 @@ def test_truncate_false_is_413_naming_the_input(client: TestClient) -> None:
     err = r.json()["error"]
     assert err["param"] == "input[1]"
     assert "input[1]" in err["message"] and "BGE_M3_MAX_SEQ_LENGTH" in err["message"]
-    assert err["type"] == "invalid_request_error"
+    assert err["type"] == "invalid_request_error" and err["code"] == "too_many_tokens"
+    # TEI's routes: its tokenizer's validation error, 422
+    r = client.post("/embed", json={"inputs": [TEXTS[0], LONG], "truncate": False})
+    assert r.status_code == 422 and r.json()["error_type"] == "Validation", r.text
+    assert r.json()["error"].startswith("inputs[1] has more than")
     # a short batch with truncate=false is fine
     ok = client.post("/v1/embeddings", json={"input": TEXTS, "truncate": False})
     assert ok.status_code == 200, ok.text

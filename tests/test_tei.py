@@ -343,9 +343,10 @@ def test_decode_one_or_many_sequences(client: TestClient) -> None:
     assert r.json() == ["w7 w8"]
     r = client.post("/decode", json={"ids": [[0, 7], [9]], "skip_special_tokens": False})
     assert r.json() == ["w0 w7", "w9"]
-    # an empty sequence is "", as TEI decodes it (/tokenize gives [] for "" without specials)
-    assert client.post("/decode", json={"ids": []}).json() == [""]
-    assert client.post("/decode", json={"ids": [[7], []]}).json() == ["w7", ""]
+    # an empty sequence is TEI's 400 Empty (its tokenizer refuses one), alone or in a batch
+    assert "ids is empty" in tei_error(client.post("/decode", json={"ids": []}), 400, "Empty")
+    assert "ids[1] is empty" in tei_error(client.post("/decode", json={"ids": [[7], []]}), 400,
+                                          "Empty")
 
 
 @pytest.mark.parametrize(("body", "status", "error_type"), [
@@ -378,7 +379,7 @@ def test_tei_paths_are_the_tei_routes() -> None:
     """The paths answered in TEI's error style are exactly TEI's routes (``POST /`` and its
     SageMaker name ``/invocations`` and TEI's ``/rerank`` included)."""
     assert TEI_PATHS == {"/", "/invocations", "/embed", "/embed_sparse", "/embed_all",
-                         "/similarity", "/tokenize", "/decode", "/info", "/rerank"}
+                         "/similarity", "/tokenize", "/decode", "/info", "/rerank", "/ping"}
 
 
 @pytest.mark.parametrize("path", ["/embed", "/embed_sparse", "/embed_all", "/",
@@ -492,6 +493,55 @@ def test_auth_refusal_is_401_in_tei_shape() -> None:
         assert r.headers["www-authenticate"] == "Bearer"
         ok = c.post("/embed", json={"inputs": "x"}, headers={"authorization": "Bearer k"})
         assert ok.status_code == 200
+
+
+def test_teis_health_checks_answer_as_health_without_a_key() -> None:
+    """TEI's public health routes besides /health: the Inference API's ``GET /`` and
+    SageMaker's ``GET /ping`` (it was a 404: a SageMaker deployment failed its probe). A key
+    is not asked of them; ``POST /`` embeds and still needs one."""
+    with serve(api_keys=("k",)) as c:
+        for path in ("/", "/ping", "/health"):
+            r = c.get(path)
+            assert r.status_code == 200 and r.json()["status"] == "ok", (path, r.text)
+        tei_error(c.post("/", json={"inputs": "x"}), 401, "Validation")
+        tei_error(c.post("/ping", json={}, headers={"authorization": "Bearer k"}), 405,
+                  "Validation")
+    with serve(FakeService(status="loading")) as c:
+        assert c.get("/ping").status_code == c.get("/").status_code == 503
+
+
+@pytest.mark.parametrize("path", ["/", "/invocations"])
+def test_root_takes_a_rerank_body(path: str) -> None:
+    """``POST /`` (SageMaker's ``/invocations``) is TEI's route for its model type: a
+    reranker deployment's clients post ``{query, texts}`` there (it was 422 "inputs is
+    required"); a body with ``inputs`` stays an embedding request."""
+    docs = ["alpha beta", "gamma", "beta alpha delta"]
+    with serve() as c:
+        r = c.post(path, json={"query": "alpha", "texts": docs, "return_text": True})
+        assert r.status_code == 200, r.text
+        assert r.json() == c.post("/rerank", json={"query": "alpha", "texts": docs,
+                                                   "return_text": True}).json()
+        assert sorted(x["index"] for x in r.json()) == [0, 1, 2]
+        tei_error(c.post(path, json={"query": "alpha", "texts": []}), 400, "Empty")
+        tei_error(c.post(path, json={"query": "alpha"}), 422, "Validation")
+        r = c.post(path, json={"inputs": "x", "query": "alpha", "texts": docs})
+        check("EmbedResponse", r.json())
+
+
+def test_a_text_over_the_sequence_length_is_422_as_teis_tokenizer_says() -> None:
+    """With truncation off, a text over the sequence length is TEI's tokenizer's validation
+    error, 422 (it was 413, which TEI's OpenAPI calls a batch too large: a client following it
+    splits the batch and retries); the OpenAI routes keep 413."""
+    error = TooLarge("input[0] has more than the 8 tokens allowed", param="input[0]",
+                     code="too_many_tokens")  # the engine's (tests/test_service.py)
+    with serve(FakeService(fail_with=error)) as c:
+        assert "inputs[0] has more than" in tei_error(
+            c.post("/embed", json={"inputs": "x", "truncate": False}), 422, "Validation")
+        message = tei_error(c.post("/similarity", json={"inputs": {
+            "source_sentence": "q", "sentences": ["a"]}}), 422, "Validation")
+        assert message.startswith("inputs.source_sentence has more than")
+        r = c.post("/v1/embeddings", json={"input": "x", "truncate": False})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_tokens"
 
 
 def test_unexpected_errors_are_500_in_tei_shape() -> None:

@@ -232,7 +232,7 @@ class Engine:
             raise TooLarge(
                 f"input[{i}] has more than the {self.config.max_seq} tokens allowed "
                 f"(BGE_M3_MAX_SEQ_LENGTH); send truncate=true "
-                "or split the text", param=f"input[{i}]")
+                "or split the text", param=f"input[{i}]", code="too_many_tokens")
         cost = self.cost_model
         if cost is None:
             return

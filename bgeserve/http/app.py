@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from bgeserve.config import M3_MODEL_IDS, Settings
@@ -53,7 +54,10 @@ openai_routes = [
 # text-embeddings-inference's API: TEI's shapes, and TEI's error shape and statuses for every
 # error on these paths (errors.ErrorStyle). A TEI-style route is added here.
 tei_routes = [
-    Route("/", tei.root, methods=["POST"]),
+    # TEI's health checks besides /health: the Inference API's `GET /`, SageMaker's `/ping`.
+    # One route for `/`'s two methods, so that its 405 lists both in Allow.
+    Route("/", tei.root, methods=["GET", "POST"]),
+    Route("/ping", handlers.health, methods=["GET"]),
     Route("/invocations", tei.root, methods=["POST"]),  # TEI's (SageMaker's) name for POST /
     Route("/embed", tei.embed, methods=["POST"]),
     Route("/embed_sparse", tei.embed_sparse, methods=["POST"]),
@@ -86,6 +90,22 @@ def model_ids(model_name: str, settings: Settings) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+# Headers a page may read from an answer: the refusals' advice and the request id.
+CORS_EXPOSED = ("Retry-After", "X-Request-ID")
+
+
+def _cors(settings: Settings) -> list[Middleware]:
+    """Starlette's CORS middleware for BGE_M3_CORS_ALLOW_ORIGINS (as TEI's: GET and POST, any
+    origin unless named), outside the key check: a browser's preflight carries no key. None
+    where the setting is empty."""
+    origins = settings.cors_allow_origins
+    if not origins:
+        return []
+    return [Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
+                       allow_headers=["Content-Type", "Authorization"],
+                       expose_headers=list(CORS_EXPOSED), max_age=600)]
+
+
 def create_app(settings: Settings, service_factory: ServiceFactory | None = None) -> Starlette:
     """The bgeserve ASGI app; the lifespan builds, starts and stops the service."""
     factory = service_factory or _default_factory
@@ -105,11 +125,12 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
 
     # Bodies still arriving at a stop: answered 503 at its deadline (cli.py starts it).
     uploads = Uploads()
-    open_paths = {"/health", "/health/deep"}  # probes, which carry no key
+    open_paths = {"/health", "/health/deep", "/", "/ping"}  # probes (GET), which carry no key
     if not settings.metrics_auth:
         open_paths.add("/metrics")
     middleware = [
         Middleware(RequestContext, routes=routes),
+        *_cors(settings),
         # Outside the guards: an answer they send before the body is read still reaches
         # clients that write the whole body first (linger.py).
         Middleware(LingeringClose, max_bytes=linger.LINGER_BODY_FACTOR * settings.max_body_bytes,

@@ -105,10 +105,12 @@ TEI_ERRORS: dict[type[BgeServeError], tuple[int, str]] = {
     NotReady: (503, "Unhealthy"),
     ModelUnavailable: (503, "Unhealthy"),
 }
-# Codes TEI answers otherwise than their class: an empty input is TEI's own 400 "Empty", and
-# a body that is no JSON is 400 (axum's JSON extractor).
+# Codes TEI answers otherwise than their class: an empty input is TEI's own 400 "Empty", a
+# body that is no JSON is 400 (axum's JSON extractor), and a text over the sequence length with
+# truncation off is its tokenizer's validation error, 422 (TEI's 413 is a batch too large).
 TEI_CODES: dict[str, tuple[int, str]] = {
     "empty_input": (400, "Empty"),
+    "too_many_tokens": (422, "Validation"),
     "invalid_json": (400, "Validation"),
     "bad_request": (400, "Validation"),
 }

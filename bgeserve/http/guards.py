@@ -41,7 +41,8 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class BearerAuth:
-    """Require ``Authorization: Bearer <key>`` on every path except ``open_paths``.
+    """Require ``Authorization: Bearer <key>`` on every request but a GET (or HEAD) of one of
+    ``open_paths`` (probes: ``POST /`` embeds, ``GET /`` is a health check).
 
     Digests of the presented and configured keys are compared in constant time, every key
     every time, so timing reveals neither a key's length nor which key came close. Keys are
@@ -67,7 +68,8 @@ class BearerAuth:
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.digests and scope["path"] not in self.open_paths:
+        if scope["type"] == "http" and self.digests and not (
+                scope["path"] in self.open_paths and scope["method"] in ("GET", "HEAD")):
             refusal = self._check(scope)
             if refusal is not None:
                 await respond(refusal, scope)(scope, receive, send)

@@ -16,10 +16,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from bgeserve.errors import BgeServeError
+from bgeserve.http import rerank
 from bgeserve.http.handlers import (
     OFFLOAD_BODY_BYTES,
     OFFLOAD_ITEMS,
     _maybe_offload,
+    health,
     read_json_body,
     unless_disconnected,
 )
@@ -128,11 +130,18 @@ async def _similarities(request: Request, parsed: TeiEmbedRequest) -> np.ndarray
 
 
 async def root(request: Request) -> Response:
-    """``POST /``: TEI's route for its model type; an embedding model's is ``/embed``, and a
-    body whose ``inputs`` has a ``source_sentence`` is a ``/similarity`` request (what
-    ``huggingface_hub.InferenceClient(base_url=...)`` sends for either task)."""
-    is_similarity, parsed = await _parse(request, parse_root)
-    if is_similarity:
+    """``POST /`` (and SageMaker's ``/invocations``): TEI's route for its model type, here
+    for the body's: ``/embed``; ``/similarity`` for a body whose ``inputs`` has a
+    ``source_sentence`` (what ``huggingface_hub.InferenceClient(base_url=...)`` sends for
+    either task); ``/rerank`` for a ``query`` and ``texts`` (a reranker deployment's).
+    ``GET /`` is TEI's health check, ``/health``."""
+    if request.method != "POST":
+        return await health(request)
+    kind, parsed = await _parse(request, parse_root)
+    if kind == "rerank":
+        return await rerank.tei_rerank(request)  # the body is read once: Starlette keeps it
+    assert parsed is not None
+    if kind == "similarity":
         return _json(await _similarities(request, parsed))
     return await _dense_response(request, parsed)
 

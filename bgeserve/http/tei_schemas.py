@@ -159,13 +159,17 @@ def parse_similarity(raw: bytes, settings: Settings) -> TeiEmbedRequest:
     return similarity_inputs(load_object(raw), settings)
 
 
-def parse_root(raw: bytes, settings: Settings) -> tuple[bool, TeiEmbedRequest]:
-    """A ``POST /`` body: (True, a similarity request) when ``inputs`` is an object, else
-    (False, an ``/embed`` request)."""
+def parse_root(raw: bytes, settings: Settings) -> tuple[str, TeiEmbedRequest | None]:
+    """A ``POST /`` body by what it holds (TEI picks by the model it serves; this server
+    serves both): ("similarity", its request) when ``inputs`` is an object, ("embed", an
+    ``/embed`` request) when it has ``inputs``, ("rerank", None) when it has a ``query`` or
+    ``texts`` and no ``inputs`` (``/rerank`` parses it)."""
     body = load_object(raw)
+    if "inputs" not in body and ("query" in body or "texts" in body):
+        return "rerank", None
     if isinstance(body.get("inputs"), dict):
-        return True, similarity_inputs(body, settings)
-    return False, embed_fields(body, settings, dense=True)
+        return "similarity", similarity_inputs(body, settings)
+    return "embed", embed_fields(body, settings, dense=True)
 
 
 def parse_tokenize(raw: bytes, settings: Settings) -> TokenizeRequest:
@@ -192,8 +196,8 @@ def parse_decode(raw: bytes, settings: Settings) -> DecodeRequest:
     if not isinstance(ids, list):  # an object, a number, a string: not "empty"
         raise InvalidInput("ids must be an array of token ids (integers >= 0) or an array of "
                            "such arrays", param="ids")
-    # As TEI (serde reads ``[]`` as one empty sequence): an empty sequence decodes to "", so
-    # /tokenize's answer for "" (no special tokens) comes back through /decode.
+    # As TEI (serde reads ``[]`` as one empty sequence), an empty sequence is its tokenizer's
+    # 400 "Empty" (`input_ids` cannot be empty), in a batch too.
     sequences = ids if ids and isinstance(ids[0], list) else [ids]
     if len(sequences) > settings.max_batch:
         raise InvalidInput(f"batch of {len(sequences)} id sequences exceeds the maximum of "
@@ -205,6 +209,10 @@ def parse_decode(raw: bytes, settings: Settings) -> DecodeRequest:
                        "one /decode answers; send fewer per request", param="ids")
     out: list[list[int]] = []
     for i, seq in enumerate(sequences):
+        if seq == []:
+            where = "ids" if seq is ids else f"ids[{i}]"
+            raise InvalidInput(f"{where} is empty: give at least one token id", param=where,
+                               code="empty_input")
         # JSON Schema's integers: 3.0 is one (as everywhere else in the API)
         ints = [_as_int(t) for t in seq] if isinstance(seq, list) else [None]
         if not all(t is not None and t >= 0 for t in ints):
