@@ -123,6 +123,31 @@ def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
     return out
 
 
+def test_answers_say_where_their_time_went_as_teis_headers(client: TestClient,
+                                                          engine: Engine) -> None:
+    """An answer the model ran for carries TEI's x-compute-* / x-*-time headers (TEI's
+    clients and dashboards read them): its characters and tokens exactly, and times in whole
+    ms that add up to at most the total; a rerank's count query and documents. A refusal and
+    a route that runs no model carry none."""
+    r = client.post("/embed", json={"inputs": TEXTS})
+    assert r.status_code == 200, r.text
+    h = r.headers
+    assert h["x-compute-type"] == "cpu"
+    assert int(h["x-compute-characters"]) == sum(map(len, TEXTS))
+    assert int(h["x-compute-tokens"]) == n_tokens(engine, TEXTS)
+    parts = [int(h[f"x-{k}-time"]) for k in ("tokenization", "queue", "inference")]
+    assert min(parts) >= 0 and sum(parts) <= int(h["x-total-time"]) + 2
+    assert h["x-compute-time"] == h["x-total-time"]
+    r = client.post("/v1/embeddings", json={"input": TEXTS[0]})
+    assert int(r.headers["x-compute-tokens"]) == r.json()["usage"]["prompt_tokens"]
+    r = client.post("/v1/rerank", json={"query": "q", "documents": TEXTS[:2]})
+    assert r.status_code == 200, r.text
+    assert int(r.headers["x-compute-characters"]) == 1 + len(TEXTS[0]) + len(TEXTS[1])
+    assert int(r.headers["x-compute-tokens"]) == r.json()["usage"]["total_tokens"] > 0
+    for refused in (client.post("/embed", json={"inputs": []}), client.get("/info")):
+        assert "x-compute-tokens" not in refused.headers
+
+
 # -- outputs equal the engine's -----------------------------------------------------------------
 @pytest.mark.parametrize("encoding", ["float", "base64"])
 def test_dense_matches_engine(client: TestClient, engine: Engine, encoding: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 from bgeserve.engine.binpack import Chunk
@@ -131,8 +132,10 @@ class PendingQueue:
     def _taken(self, picked: list[Piece], pad_to: int) -> Taken:
         self._removed(picked)
         self._turn += 1
+        now = time.monotonic()
         for p in picked:
             p.job.served = self._turn
+            p.job.started = p.job.started or now
         return Taken(picked, pad_to)
 
     def drain(self) -> list[Piece]:

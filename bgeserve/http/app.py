@@ -90,8 +90,12 @@ def model_ids(model_name: str, settings: Settings) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-# Headers a page may read from an answer: the refusals' advice and the request id.
-CORS_EXPOSED = ("Retry-After", "X-Request-ID")
+# Headers a page may read from an answer: the refusals' advice, the request id, where its time
+# went (TEI's, timings.Timings.headers).
+CORS_EXPOSED = ("Retry-After", "X-Request-ID", "x-compute-type", "x-compute-time",
+                "x-compute-characters", "x-compute-tokens", "x-total-time",
+                "x-tokenization-time", "x-queue-time", "x-inference-time")
+GPU_PROVIDERS = ("cuda", "tensorrt")
 
 
 def _cors(settings: Settings) -> list[Middleware]:
@@ -129,7 +133,8 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
     if not settings.metrics_auth:
         open_paths.add("/metrics")
     middleware = [
-        Middleware(RequestContext, routes=routes),
+        Middleware(RequestContext, routes=routes,
+                   compute_type="gpu" if settings.execution_provider in GPU_PROVIDERS else "cpu"),
         *_cors(settings),
         # Outside the guards: an answer they send before the body is read still reaches
         # clients that write the whole body first (linger.py).

@@ -18,6 +18,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bgeserve.logs import request_id_var
+from bgeserve.timings import Timings, measuring
 
 log = logging.getLogger("bgeserve.http")
 
@@ -43,11 +44,13 @@ def request_id_of(scope: Scope) -> str | None:
 class RequestContext:
     """ASGI middleware: request id in, request id out, one access-log line."""
 
-    def __init__(self, app: ASGIApp, routes: Sequence[BaseRoute] = ()) -> None:
+    def __init__(self, app: ASGIApp, routes: Sequence[BaseRoute] = (),
+                 compute_type: str = "cpu") -> None:
         self.app = app
         # The app's routes, to label a request a guard answered before routing (a 413 from
         # Content-Length, a 401, a 429) by the route it was for, as a routed one is.
         self.routes = tuple(routes)
+        self.compute_type = compute_type  # TEI's x-compute-type
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -59,6 +62,7 @@ class RequestContext:
         request_id_var.set(rid)
         status = 500  # what the log says if the app raises before starting a response
         started = time.perf_counter()
+        spent = Timings()
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -66,6 +70,8 @@ class RequestContext:
                 status = message["status"]
                 headers = [(k, v) for k, v in message.get("headers", []) if k != _HEADER]
                 headers.append((_HEADER, rid.encode("latin-1")))
+                if spent.calls and status < 400:  # the model ran for it: where the time went
+                    headers += spent.headers(time.perf_counter() - started, self.compute_type)
                 message = {**message, "headers": headers}
             await send(message)
 
@@ -73,7 +79,8 @@ class RequestContext:
         if metrics is not None:
             metrics.in_flight.inc()
         try:
-            await self.app(scope, receive, send_with_id)
+            with measuring(spent):
+                await self.app(scope, receive, send_with_id)
         finally:
             if metrics is not None:
                 metrics.in_flight.dec()
@@ -90,9 +97,19 @@ class RequestContext:
                 seconds * 1000,
                 f" {error}" + (f" ({param})" if param else "") if error else "",
                 extra={"request_id": rid, "status": status, "path": scope["path"],
-                       "ms": round(seconds * 1000, 1), "error": error, "param": param},
+                       "ms": round(seconds * 1000, 1), "error": error, "param": param,
+                       **_spent(spent)},
             )
             _observe(scope, status, seconds, self.routes)
+
+
+def _spent(spent: Timings) -> dict[str, float | int]:
+    """The access line's model figures (none where the model did not run)."""
+    if not spent.calls:
+        return {}
+    return {"tokens": spent.tokens, "tokenization_ms": round(spent.tokenization_s * 1000, 1),
+            "queue_ms": round(spent.queue_s * 1000, 1),
+            "inference_ms": round(spent.inference_s * 1000, 1)}
 
 
 def _metrics(scope: Scope):

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bgeserve import runtime
+from bgeserve import runtime, timings
 from bgeserve.config import Settings
 from bgeserve.engine import ChunkStats, Engine, m3rerank
 from bgeserve.engine.jobs import Job
@@ -238,8 +238,12 @@ class Reranking:
                     functools.partial(m3rerank.make_jobs, m3, query, documents, options,
                                       request_id, arrived), before=before)
                 query_bytes = m3.colbert_bytes(plan_.inputs[:1])
-                return await m3rerank.arun_jobs(m3, plan_, jobs, options, first,
-                                                submit=admission.queue, before=before)
+                queued = time.monotonic()
+                result = await m3rerank.arun_jobs(m3, plan_, jobs, options, first,
+                                                  submit=admission.queue, before=before)
+                timings.record(len(query) + sum(map(len, documents)), result.tokens, arrived,
+                               queued, jobs, time.monotonic())
+                return result
         finally:
             if holding is not None:
                 holding.give_back()
@@ -255,8 +259,12 @@ class Reranking:
         async with asyncio.timeout(timeout):
             plan_, job, future = await admission.submit(query, documents, options, request_id,
                                                         arrived)
+            queued = time.monotonic()
             embedded = await reranker.engine.await_job(job, future)
-        return reranker.finish(plan_, embedded, options)
+        result = reranker.finish(plan_, embedded, options)
+        timings.record(len(query) + sum(map(len, documents)), result.tokens, arrived, queued,
+                       [job], time.monotonic())
+        return result
 
     def health(self) -> dict[str, Any] | None:
         """The reranker's part of ``/health`` (None when there is none)."""

@@ -1,0 +1,81 @@
+"""Where one request's time went, for the answer's headers and its access-log line.
+
+The HTTP layer opens a request's ``measuring()`` scope (``http.context.RequestContext``); the
+service ``record``s each model call inside it: the characters and tokens it embedded and its
+seconds tokenizing (a tokenizing slot's wait included), queued, and running. The answer then
+carries TEI's headers (``x-compute-tokens``, ``x-tokenization-time``, ``x-queue-time``,
+``x-inference-time``, ...), which TEI's clients and HF Inference Endpoints' dashboards read. A
+leaf, as ``holds``: both layers use it, neither through the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass
+class Timings:
+    """One request's model calls, summed (a similarity or rerank request may make several)."""
+
+    characters: int = 0
+    tokens: int = 0
+    tokenization_s: float = 0.0
+    queue_s: float = 0.0
+    inference_s: float = 0.0
+    calls: int = 0
+
+    def headers(self, total_s: float, compute_type: str) -> list[tuple[bytes, bytes]]:
+        """TEI's ``ResponseMetadata`` headers (router/src/lib.rs), times in ms, rounded."""
+        def ms(seconds: float) -> bytes:
+            return str(round(seconds * 1000)).encode()
+
+        return [(b"x-compute-type", compute_type.encode()), (b"x-compute-time", ms(total_s)),
+                (b"x-compute-characters", str(self.characters).encode()),
+                (b"x-compute-tokens", str(self.tokens).encode()),
+                (b"x-total-time", ms(total_s)),
+                (b"x-tokenization-time", ms(self.tokenization_s)),
+                (b"x-queue-time", ms(self.queue_s)),
+                (b"x-inference-time", ms(self.inference_s))]
+
+
+# The open request's timings (None: no request measured here, e.g. a library caller).
+_CURRENT: contextvars.ContextVar[Timings | None] = contextvars.ContextVar(
+    "bgeserve_timings", default=None)
+
+
+@contextlib.contextmanager
+def measuring(timings: Timings) -> Iterator[Timings]:
+    """One request's scope: what the service records inside it is summed in ``timings``."""
+    token = _CURRENT.set(timings)
+    try:
+        yield timings
+    finally:
+        _CURRENT.reset(token)
+
+
+class Queued(Protocol):
+    """What ``record`` reads of a queued job (``engine.jobs.Job``)."""
+
+    submitted: float
+    started: float
+
+
+def record(characters: int, tokens: int, arrived: float, queued: float,
+           jobs: Iterable[Queued], ended: float) -> None:
+    """Add one model call to the open request's timings (nothing outside one): tokenizing from
+    ``arrived`` to ``queued`` (monotonic seconds), then each job from its submission to its
+    first chunk (queue) and the rest until ``ended`` (inference)."""
+    timings = _CURRENT.get()
+    if timings is None:
+        return
+    waited = sum(max(0.0, j.started - j.submitted) for j in jobs if j.started and j.submitted)
+    timings.characters += characters
+    timings.tokens += tokens
+    timings.tokenization_s += max(0.0, queued - arrived)
+    timings.queue_s += waited
+    timings.inference_s += max(0.0, ended - queued - waited)
+    timings.calls += 1
