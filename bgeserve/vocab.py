@@ -9,4 +9,5 @@ from __future__ import annotations
 
 CLS_ID, PAD_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 SPECIAL_IDS = (CLS_ID, PAD_ID, EOS_ID, UNK_ID)
+SPECIAL_TOKENS = {"<s>": CLS_ID, "<pad>": PAD_ID, "</s>": EOS_ID, "<unk>": UNK_ID}
 VOCAB_SIZE = 250_002  # BAAI/bge-m3

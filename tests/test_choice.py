@@ -189,7 +189,7 @@ def test_candidates_that_do_not_fit_or_die_are_left_out(export, tmp_path, monkey
     """A candidate too big for the memory left is never loaded; one whose timing process dies
     is left out with the reason; the others still decide."""
     sizes = {"fp32": 6 << 30, "int8": 1 << 30, "bf16": 1 << 30}
-    monkeypatch.setattr(choice, "memory_needed", lambda s, artifacts, provider:
+    monkeypatch.setattr(choice, "memory_needed", lambda s, artifacts, provider, max_seq:
                         sizes[artifacts.variant])
     timer = FakeTimer({"int8": 800.0, "bf16": ChildDied("by signal 9 (out of memory?)")})
     settings = dataclasses.replace(default_settings(export, tmp_path / "c"),
@@ -221,6 +221,27 @@ def test_the_timing_spec_carries_each_runtimes_chunk_budget(export, tmp_path):
     budgets = {s["variant"]: s["chunk_tokens"] for s in timer.asked}
     assert budgets == {"fp32": 256, "int8": 256, "bf16": 1024}
     assert all(s["task"] == "time" and s["threads"] >= 1 for s in timer.asked)
+
+
+def test_the_workload_is_cut_to_what_the_model_holds(tmp_path):
+    """A model of fewer positions than the workload's longest text (400 tokens) is timed on
+    texts cut to what it holds, as the server cuts them: every candidate failed on the longer
+    shapes (an index past the position embeddings), and the rule's pick served unmeasured.
+    BGE_M3_MAX_SEQ_LENGTH cuts them too; the cut is part of the choice's key."""
+    variants = {"fp32": {}, "int8": {"agreement": GOOD}}
+    short = fake_export(tmp_path / "short", variants)
+    manifest = json.loads((short / "manifest.json").read_text())
+    manifest["model"]["max_positions"] = 128
+    (short / "manifest.json").write_text(json.dumps(manifest))
+    timer = FakeTimer({"fp32": 1.0, "int8": 2.0})
+    choice.decide(default_settings(short, tmp_path / "c"), tmp_path / "c", timer=timer,
+                  machine=OPENVINO)
+    assert timer.asked and {s["max_seq"] for s in timer.asked} == {128}
+    timer = FakeTimer({"fp32": 1.0, "int8": 2.0})
+    choice.decide(default_settings(fake_export(tmp_path / "long", variants), tmp_path / "d",
+                                   max_seq_length=300), tmp_path / "d", timer=timer,
+                  machine=OPENVINO)
+    assert {s["max_seq"] for s in timer.asked} == {300}
 
 
 # -- through the Service, on the tiny model: timed for real, then cached -------------------------

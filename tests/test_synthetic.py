@@ -23,6 +23,10 @@ def test_workload_chunks_are_queries_alone_then_the_mixed_batch_under_the_budget
         assert sorted(s for b, s in mixed for _ in range(b)) == sorted(MIXED_LENGTHS)
         assert all(b * s <= budget or b == 1 for b, s in mixed)
     assert (1, 400) in workload_chunks(256) and (3, 160) in workload_chunks(1024)
+    # a model holding 100 tokens: the longer texts cut to 100, as the server cuts them
+    cut = workload_chunks(1024, max_seq=100)
+    assert max(s for _, s in cut) == 100 and (4, 100) in cut
+    assert sum(b for b, _ in cut) == len(QUERY_LENGTHS) + len(MIXED_LENGTHS)
 
 
 class Clock:

@@ -770,3 +770,21 @@ def test_the_quick_bound_answers_without_walking_the_words(monkeypatch: pytest.M
     assert tok._quick_bound(texts, None) == walked - 1 == 302 + 8 + 3  # not 日本語
     monkeypatch.undo()
     assert tok._quick_bound(["ñö ñú"], None) == 2 < tok.min_tokens(["ñö ñú"]) == 4
+
+
+def test_a_tokenizer_numbering_its_special_tokens_otherwise_is_refused(tmp_path: Path) -> None:
+    """The heads drop bge-m3's (XLM-R's) special ids and the padding is id 1: a tokenizer
+    with its own order (``<unk>`` 4, ``<mask>`` 3) gave ``<unk>`` a sparse weight without a
+    word. It is refused at load, naming what it found."""
+    from tokenizers.models import WordLevel
+
+    def save(order: list[str]) -> Path:
+        raw = HfTokenizer(WordLevel({t: i for i, t in enumerate(order)}, unk_token="<unk>"))
+        raw.pre_tokenizer = pre_tokenizers.Whitespace()
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+        raw.save(str(path))
+        return path
+
+    Tokenizer.load(save(["<s>", "<pad>", "</s>", "<unk>", "hello"]), 16)  # bge-m3's order
+    with pytest.raises(ModelUnavailable, match="'<unk>': 4"):
+        Tokenizer.load(save(["<s>", "<pad>", "</s>", "<mask>", "<unk>", "hello"]), 16)

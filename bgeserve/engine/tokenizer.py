@@ -24,7 +24,7 @@ import tokenizers
 
 from bgeserve.errors import InvalidInput, ModelUnavailable, NotReady, TooLarge, surrogate_error
 from bgeserve.results import Token
-from bgeserve.vocab import CLS_ID, EOS_ID
+from bgeserve.vocab import CLS_ID, EOS_ID, SPECIAL_TOKENS
 
 # Encoding memory bounds (see Tokenizer.encode): characters per encode_batch call, and the
 # characters per max_seq token past which a text is cut before encoding (XLM-R averages ~3-4).
@@ -224,11 +224,20 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: Path, max_seq: int, max_whole_chars: int | None = None) -> Tokenizer:
-        """Read ``tokenizer.json``; a missing or invalid file is ``ModelUnavailable``."""
+        """Read ``tokenizer.json``; a missing or invalid file, or one whose special tokens are
+        not bge-m3's ids, is ``ModelUnavailable``."""
         try:
-            return cls(tokenizers.Tokenizer.from_file(str(path)), max_seq, max_whole_chars)
+            raw = tokenizers.Tokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises plain Exception subclasses
             raise ModelUnavailable(f"cannot load tokenizer {path}: {exc}") from exc
+        # The heads drop these ids and the padding is <pad>'s, as bge-m3's (XLM-R's) vocabulary
+        # has them: a tokenizer with its own order gave <unk> a sparse weight without a word.
+        found = {token: raw.token_to_id(token) for token in SPECIAL_TOKENS}
+        if found != SPECIAL_TOKENS:
+            raise ModelUnavailable(
+                f"tokenizer {path} numbers its special tokens {found}, not as bge-m3's "
+                f"(XLM-R's) vocabulary does ({SPECIAL_TOKENS}): bgeserve serves bge-m3's layout")
+        return cls(raw, max_seq, max_whole_chars)
 
     def encode(self, texts: Sequence[str]) -> Encoded:
         """Tokenize ``texts`` (in parallel, in Rust) and truncate each to ``max_seq``.

@@ -112,6 +112,11 @@ class M3Graph(nn.Module):
         self.heads = config.num_attention_heads
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.eps = config.layer_norm_eps
+        if config.pad_token_id != PAD_ID:
+            # Positions count from the pad id and the server pads with XLM-R's: another pad
+            # gave other vectors (dense cosine 0.57) without a word.
+            raise ValueError(f"the model's pad_token_id is {config.pad_token_id}, not bge-m3's "
+                             f"(XLM-R's) {PAD_ID}: bgeserve serves bge-m3's layout only")
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         emb = self.encoder_model.embeddings
@@ -150,7 +155,9 @@ class M3Graph(nn.Module):
         for layer in self.encoder_model.encoder.layer:
             ctx = self._attention(layer, x, bias, unpadded)
             x = layer.attention.output.LayerNorm(layer.attention.output.dense(ctx) + x)
-            inter = nn.functional.gelu(layer.intermediate.dense(x))
+            # The model's own activation (config.hidden_act; bge-m3's is gelu): a fixed gelu
+            # exported another model's relu or gelu_new with an agreement of 1.0 to itself.
+            inter = layer.intermediate.intermediate_act_fn(layer.intermediate.dense(x))
             x = layer.output.LayerNorm(layer.output.dense(inter) + x)
         return x, mask
 

@@ -32,14 +32,14 @@ from bgeserve import runtime
 from bgeserve.config import Settings
 from bgeserve.errors import BgeServeError
 from bgeserve.model.artifacts import ModelArtifacts, export_variants, resolve
-from bgeserve.model.dims import model_dims
+from bgeserve.model.dims import model_dims, model_max_seq
 from bgeserve.runtime.select import THIS_MACHINE, Candidate, Machine, cpu_candidates, pick
 from bgeserve.tuning import memory
 from bgeserve.tuning.budget import HEADROOM_BYTES
 from bgeserve.tuning.cache import Choice, ChoiceCache, fingerprint
 from bgeserve.tuning.child import ChildDied, run_json
 from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
-from bgeserve.tuning.synthetic import workload_chunks
+from bgeserve.tuning.synthetic import MIXED_LENGTHS, workload_chunks
 
 log = logging.getLogger("bgeserve.backend")
 CHOICE_SCHEMA = 1  # bump when the workload or the way it is timed changes
@@ -146,7 +146,15 @@ def choice_parts(settings: Settings,
         "runtimes": {name: _dist(name) for name in ("onnxruntime", "openvino")},
         "threads": settings.threads_per_worker, "workers": settings.workers,
         "chunk_tokens": settings.max_chunk_tokens, "cpu": cpu_description(),
+        "workload_max_seq": workload_max_seq(settings, artifacts),
     }
+
+
+def workload_max_seq(settings: Settings, artifacts: Mapping[Candidate, ModelArtifacts]) -> int:
+    """The longest text of the timing workload: cut to what the candidates' positions hold
+    and to BGE_M3_MAX_SEQ_LENGTH, as the server cuts a text."""
+    held = [n for a in artifacts.values() if (n := model_max_seq(a)) is not None and n >= 2]
+    return min([settings.max_seq_length, *held, max(MIXED_LENGTHS)])
 
 
 def chunk_tokens(settings: Settings, provider: str) -> int:
@@ -154,13 +162,14 @@ def chunk_tokens(settings: Settings, provider: str) -> int:
     return settings.max_chunk_tokens or runtime.get(provider).chunk_tokens
 
 
-def memory_needed(settings: Settings, artifacts: ModelArtifacts, provider: str) -> int:
+def memory_needed(settings: Settings, artifacts: ModelArtifacts, provider: str,
+                  max_seq: int | None = None) -> int:
     """Bytes a candidate's timing process may need: its files' resident copy, the headroom,
     and the workload's largest chunk by the conservative cost model."""
     files = sum(p.stat().st_size for p in (artifacts.onnx_path, *artifacts.external_data))
     a, b = conservative_coefficients(**model_dims(artifacts))
     largest = max(CostModel(a, b, 0).cost(batch, seq)
-                  for batch, seq in workload_chunks(chunk_tokens(settings, provider)))
+                  for batch, seq in workload_chunks(chunk_tokens(settings, provider), max_seq))
     return int(files * RESIDENT_PER_FILE_BYTE + HEADROOM_BYTES + largest)
 
 
@@ -174,10 +183,11 @@ def _time_all(settings: Settings, cache_dir: Path,
     passes: dict[str, list[float]] = {}
     left_out: dict[str, str] = {}
     order = sorted(artifacts, key=lambda c: c.variant != settings.variant)
+    longest = workload_max_seq(settings, artifacts)
 
     def once(c: Candidate) -> None:
         free = available - memory.rss_bytes()
-        need = memory_needed(settings, artifacts[c], c.provider)
+        need = memory_needed(settings, artifacts[c], c.provider, longest)
         if need > free:
             left_out[c.variant] = (f"needs ~{need >> 20} MiB to be timed, {max(free, 0) >> 20} "
                                    "MiB are free")
@@ -186,7 +196,7 @@ def _time_all(settings: Settings, cache_dir: Path,
         spec = {"task": "time", "model_path": str(settings.model_path), "variant": c.variant,
                 "provider": c.provider, "threads": settings.threads_per_worker,
                 "cache_dir": str(cache_dir), "chunk_tokens": chunk_tokens(settings, c.provider),
-                "rounds": ROUNDS, "max_seconds": MAX_WARMUP_SECONDS}
+                "max_seq": longest, "rounds": ROUNDS, "max_seconds": MAX_WARMUP_SECONDS}
         started = time.monotonic()
         try:
             answer = timer(spec)

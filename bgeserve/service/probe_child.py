@@ -70,6 +70,7 @@ def time_variant(spec: dict[str, Any]) -> dict[str, Any]:
     loaded = memory.rss_bytes() - before
     load_seconds = time.perf_counter() - started
     rate, rounds = time_workload(run_shape, int(spec["chunk_tokens"]),
+                                 max_seq=spec.get("max_seq"),
                                  rounds=int(spec.get("rounds", 2)),
                                  max_seconds=float(spec.get("max_seconds", 60.0)))
     peak = memory.peak_rss_bytes()

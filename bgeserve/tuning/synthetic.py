@@ -78,21 +78,24 @@ QUERY_LENGTHS = (16, 16, 16, 16)
 MIXED_LENGTHS = (24,) * 8 + (64,) * 6 + (160,) * 3 + (400,)
 
 
-def workload_chunks(chunk_tokens: int) -> list[tuple[int, int]]:
+def workload_chunks(chunk_tokens: int, max_seq: int | None = None) -> list[tuple[int, int]]:
     """The workload's runs, ``(batch, seq)``: each query alone, then the mixed batch in
     chunks of equal lengths holding as many texts as ``chunk_tokens`` allows (a text longer
-    than that runs alone)."""
-    chunks = [(1, n) for n in QUERY_LENGTHS]
-    for length in sorted(set(MIXED_LENGTHS)):
-        count, per = MIXED_LENGTHS.count(length), max(1, chunk_tokens // length)
+    than that runs alone). A length past ``max_seq`` is cut to it, as the server truncates
+    such a text: a model of fewer positions failed every candidate on the longer shapes."""
+    cap = max_seq or max(MIXED_LENGTHS)
+    chunks = [(1, min(n, cap)) for n in QUERY_LENGTHS]
+    lengths = [min(n, cap) for n in MIXED_LENGTHS]
+    for length in sorted(set(lengths)):
+        count, per = lengths.count(length), max(1, chunk_tokens // length)
         while count:
             chunks.append((min(per, count), length))
             count -= chunks[-1][0]
     return chunks
 
 
-def time_workload(run: Callable[..., None], chunk_tokens: int, *, rounds: int = 2,
-                  max_seconds: float = 60.0,
+def time_workload(run: Callable[..., None], chunk_tokens: int, *, max_seq: int | None = None,
+                  rounds: int = 2, max_seconds: float = 60.0,
                   clock: Callable[[], float] = time.perf_counter) -> tuple[float, int]:
     """Tokens/s of ``run(batch, seq, padded=batch > 1)`` over ``workload_chunks``, and the
     rounds timed.
@@ -102,7 +105,7 @@ def time_workload(run: Callable[..., None], chunk_tokens: int, *, rounds: int = 
     speed drifts (a shared VM) costs the candidate least. A warm-up longer than
     ``max_seconds`` is the answer by itself (0 rounds): a variant that slow is not the fastest.
     """
-    chunks = workload_chunks(chunk_tokens)
+    chunks = workload_chunks(chunk_tokens, max_seq)
     best = [float("inf")] * len(chunks)
     done = -1  # the warm-up is round -1
     started = clock()
