@@ -30,6 +30,9 @@ VARIANTS = ("fp32", "fp16", "int8", "bf16", "ov-int8")
 OPENVINO_VARIANTS = ("bf16", "ov-int8")  # OpenVINO IRs of a `bgeserve export`
 EXECUTION_PROVIDERS = ("cpu", "cuda", "tensorrt", "coreml", "openvino")
 LOG_FORMATS = ("auto", "json", "text", "pretty")
+# Request bodies in progress when BGE_M3_MAX_INFLIGHT_MB is unset (`bgeserve serve` sets it
+# from the memory it has: cli.py).
+DEFAULT_INFLIGHT_MB = 256
 MAX_POSITIONS = 8192  # bge-m3: 8194 position embeddings minus the padding offset of 2
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -302,6 +305,14 @@ class Settings:
         settings = cls(**values, explicit=frozenset(given))
         settings.validate()
         return settings
+
+    @property
+    def inflight_limit_bytes(self) -> int:
+        """Bytes of request bodies in progress before 429: BGE_M3_MAX_INFLIGHT_MB (unset:
+        ``DEFAULT_INFLIGHT_MB``; `bgeserve serve` sets it from the memory it has), never below
+        one largest body (BGE_M3_MAX_BODY_BYTES): a lone one goes in anyway, and would then
+        fill it."""
+        return max((self.max_inflight_mb or DEFAULT_INFLIGHT_MB) << 20, self.max_body_bytes)
 
     def is_explicit(self, variable: str) -> bool:
         """Whether ``variable`` (``BGE_M3_*``) was set, rather than left at its default."""

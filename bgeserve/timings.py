@@ -57,6 +57,11 @@ def measuring(timings: Timings) -> Iterator[Timings]:
         _CURRENT.reset(token)
 
 
+def active() -> bool:
+    """Whether a request's scope is open here (what ``record`` needs is then worth computing)."""
+    return _CURRENT.get() is not None
+
+
 class Queued(Protocol):
     """What ``record`` reads of a queued job (``engine.jobs.Job``)."""
 

@@ -1097,6 +1097,14 @@ def test_bodies_in_progress_past_the_allowance_are_429_at_once() -> None:
     assert statuses == [429, 429, 200, 200], statuses
     assert entered == ["/hold", "/after"]
     assert guard.held == 0
+    # /metrics reads both: the bytes held and the refusals (in bgeserve_rejected_requests)
+    assert guard.allowance.refused == 2
+    from bgeserve.service.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.watch_bodies(guard.allowance)
+    guard.held = 123
+    assert b"bgeserve_inflight_body_bytes 123.0" in metrics.render()[0]
 
 
 def test_what_a_request_holds_is_released_once_its_answer_is_sent() -> None:

@@ -148,6 +148,26 @@ def test_answers_say_where_their_time_went_as_teis_headers(client: TestClient,
         assert "x-compute-tokens" not in refused.headers
 
 
+def test_request_tokens_count_what_usage_reports_cache_hits_included(client: TestClient) -> None:
+    """``bgeserve_request_tokens_total`` is the requests' usage (the mean tokens per input
+    divides it by the texts answered); ``bgeserve_tokens_total`` only what the model ran:
+    a text answered from the cache adds to the first, not the second."""
+    text = "a text sent twice to be answered from the cache the second time"
+    before = metric_samples(client.get("/metrics").text)
+    usage = 0
+    for _ in range(2):
+        r = client.post("/v1/embeddings", json={"input": [text, text]})
+        usage += r.json()["usage"]["prompt_tokens"]
+    after = metric_samples(client.get("/metrics").text)
+
+    def grew(name: str) -> float:
+        return after[(name, ())] - before.get((name, ()), 0.0)
+
+    assert grew("bgeserve_request_tokens_total") == usage
+    assert grew("bgeserve_tokens_total") == usage / 4  # one run of the text, once
+    assert grew("bgeserve_texts_total") == 4
+
+
 # -- outputs equal the engine's -----------------------------------------------------------------
 @pytest.mark.parametrize("encoding", ["float", "base64"])
 def test_dense_matches_engine(client: TestClient, engine: Engine, encoding: str) -> None:
@@ -375,7 +395,8 @@ def test_health_ok(client: TestClient) -> None:
     # The limits in force, the ColBERT cap derived from the memory (BGE_M3_MAX_COLBERT_MB unset).
     limits = body["limits"]
     assert 1 <= limits["max_colbert_mb"] <= 512 and limits["max_batch"] == 2048
-    assert limits["max_body_bytes"] > 0 and limits["max_inflight_mb"] is None
+    # the allowance in force: the default (256 MiB), never below one largest body
+    assert limits["max_body_bytes"] > 0 and limits["max_inflight_mb"] == 256
 
 
 def test_an_unpinned_start_serves_the_rules_pick(tiny_export: Path, tmp_path: Path) -> None:

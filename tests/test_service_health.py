@@ -5,6 +5,7 @@ forward of test_scheduler (workers that die or cannot open their session).
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 from typing import Any
 
@@ -309,3 +310,22 @@ def test_a_start_stopped_before_it_loads_loads_nothing(tiny_export) -> None:
     service._stopping.set()
     service._load()
     assert service.engine is None and service.fatal_error is None
+
+
+def test_deep_health_does_not_load_sessions_unloaded_while_idle() -> None:
+    """Sessions unloaded after BGE_M3_IDLE_TIMEOUT_SECS answer /health/deep 200 ``idle``
+    without running the canary: a liveness probe loading them again every period kept them
+    loaded for good. A dead worker still fails it (the canary runs and says why)."""
+    class Canary:
+        ran = 0
+
+        async def check(self, **_: Any) -> tuple[int, dict]:
+            Canary.ran += 1
+            return 200, {"status": "ok"}
+
+    service = ready_service(lambda: {"live": 2, "loaded": 0, "total": 2})
+    service.deep = Canary()  # type: ignore[assignment]
+    status, body = asyncio.run(service.deep_health())
+    assert (status, body["status"], Canary.ran) == (200, "idle", 0)
+    service.engine.stats = lambda: {"live": 2, "loaded": 1, "total": 2}  # type: ignore[union-attr]
+    assert asyncio.run(service.deep_health()) == (200, {"status": "ok"}) and Canary.ran == 1

@@ -6,6 +6,7 @@ ASGI servers put the decoded path in ``scope["path"]``, which is what the router
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ from bgeserve.config import M3_MODEL_IDS, Settings
 from bgeserve.http import guards, handlers, linger, rerank, tei
 from bgeserve.http.context import RequestContext
 from bgeserve.http.errors import EXCEPTION_HANDLERS, ErrorStyle
-from bgeserve.http.guards import BearerAuth, BodyLimit, InflightLimit, Uploads
+from bgeserve.http.guards import BearerAuth, BodyAllowance, BodyLimit, InflightLimit, Uploads
 from bgeserve.http.linger import LingeringClose
 from bgeserve.http.schemas import BOTH, DENSE, SPARSE
 
@@ -27,10 +28,7 @@ if TYPE_CHECKING:
     from bgeserve.service import Service
 
 ServiceFactory = Callable[[Settings], "Service"]
-
-# Request bodies in progress when BGE_M3_MAX_INFLIGHT_MB is unset; `bgeserve serve` sets it
-# from the memory it has (cli.py).
-DEFAULT_INFLIGHT_MB = 256
+log = logging.getLogger("bgeserve")
 
 openai_routes = [
     Route("/v1/embeddings", handlers.embed_endpoint(DENSE), methods=["POST"], name="dense"),
@@ -117,6 +115,9 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         service = factory(settings)
+        metrics = getattr(service, "metrics_registry", None)
+        if metrics is not None:
+            metrics.watch_bodies(bodies)
         await service.start()
         try:
             yield {
@@ -129,6 +130,13 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
 
     # Bodies still arriving at a stop: answered 503 at its deadline (cli.py starts it).
     uploads = Uploads()
+    # The bodies in progress, shared with the metrics (their bytes, the 429s they cause).
+    bodies = BodyAllowance(settings.inflight_limit_bytes)
+    if settings.max_inflight_mb and settings.max_inflight_mb << 20 < settings.max_body_bytes:
+        log.warning("BGE_M3_MAX_INFLIGHT_MB=%d is less than one largest body "
+                    "(BGE_M3_MAX_BODY_BYTES=%d): %.0f MiB of bodies are let in at once",
+                    settings.max_inflight_mb, settings.max_body_bytes,
+                    settings.inflight_limit_bytes / 2**20)
     open_paths = {"/health", "/health/deep", "/", "/ping"}  # probes (GET), which carry no key
     if not settings.metrics_auth:
         open_paths.add("/metrics")
@@ -145,9 +153,7 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
         Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                    idle_timeout=guards.BODY_IDLE_TIMEOUT_S, grace=guards.BODY_GRACE_S,
                    min_rate=guards.BODY_MIN_RATE, uploads=uploads),
-        # Never below one largest body: a lone one goes in anyway, and would then fill it.
-        Middleware(InflightLimit, max_bytes=max(
-            (settings.max_inflight_mb or DEFAULT_INFLIGHT_MB) << 20, settings.max_body_bytes)),
+        Middleware(InflightLimit, allowance=bodies),
     ]
     app = Starlette(
         routes=routes,

@@ -24,7 +24,13 @@ log = logging.getLogger("bgeserve.http")
 
 _HEADER = b"x-request-id"
 _VALID_ID = re.compile(r"[\x20-\x7e]{1,128}")
-_QUIET_PATHS = ("/health", "/metrics")
+# Probes and scrapes (GET): logged at debug and not counted in flight (an autoscaler reads
+# that gauge). TEI's `GET /` is a health check; its `POST /` embeds.
+_QUIET_PATHS = frozenset({"/health", "/health/deep", "/metrics", "/", "/ping"})
+
+
+def _quiet(scope: Scope) -> bool:
+    return scope["path"] in _QUIET_PATHS and scope["method"] in ("GET", "HEAD")
 
 
 def sanitize_request_id(raw: bytes | None) -> str:
@@ -75,7 +81,8 @@ class RequestContext:
                 message = {**message, "headers": headers}
             await send(message)
 
-        metrics = _metrics(scope) if scope["path"] not in _QUIET_PATHS else None
+        quiet = _quiet(scope)
+        metrics = _metrics(scope) if not quiet else None
         if metrics is not None:
             metrics.in_flight.inc()
         try:
@@ -85,8 +92,11 @@ class RequestContext:
             if metrics is not None:
                 metrics.in_flight.dec()
             seconds = time.perf_counter() - started
-            level = logging.DEBUG if scope["path"] in _QUIET_PATHS else logging.INFO
+            # A 5xx is the server's failure: above info, so that a warning filter keeps it.
+            level = (logging.WARNING if status >= 500 else
+                     logging.DEBUG if quiet else logging.INFO)
             state = scope.get("state", {})
+            route = _route(scope, self.routes)
             error, param = state.get("error"), state.get("error_param")
             log.log(
                 level,
@@ -96,11 +106,12 @@ class RequestContext:
                 status,
                 seconds * 1000,
                 f" {error}" + (f" ({param})" if param else "") if error else "",
-                extra={"request_id": rid, "status": status, "path": scope["path"],
+                extra={"request_id": rid, "method": scope["method"], "route": route,
+                       "status": status, "path": scope["path"],
                        "ms": round(seconds * 1000, 1), "error": error, "param": param,
                        **_spent(spent)},
             )
-            _observe(scope, status, seconds, self.routes)
+            _observe(scope, status, seconds, route)
 
 
 def _spent(spent: Timings) -> dict[str, float | int]:
@@ -117,15 +128,19 @@ def _metrics(scope: Scope):
     return getattr(scope.get("state", {}).get("service"), "metrics_registry", None)
 
 
-def _observe(scope: Scope, status: int, seconds: float,
-             routes: Sequence[BaseRoute] = ()) -> None:
+def _route(scope: Scope, routes: Sequence[BaseRoute]) -> str:
+    """The route template a request was for: its matched route's, or for one answered before
+    routing (a guard's 413, 401, 429) the route its path names; ``unmatched`` for none. Never
+    the raw path: unknown paths must not grow the label set."""
+    route = scope.get("route")
+    if route is None:
+        route = next((r for r in routes if r.matches(scope)[0] is not Match.NONE), None)
+    return getattr(route, "path", None) or "unmatched"
+
+
+def _observe(scope: Scope, status: int, seconds: float, route: str) -> None:
     """Count the request in the service's metrics (when the service keeps any)."""
     metrics = _metrics(scope)
     if metrics is None:
         return
-    route = scope.get("route")
-    if route is None:  # answered before routing: the route its path names, if any
-        route = next((r for r in routes if r.matches(scope)[0] is not Match.NONE), None)
-    # Label by route template, never by raw path: unknown paths must not grow the label set.
-    label = getattr(route, "path", None) or "unmatched"
-    metrics.observe_http(label, status, seconds)
+    metrics.observe_http(route, status, seconds)

@@ -203,6 +203,16 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
 
+class BodyAllowance:
+    """The request bodies in progress against their shared allowance: the bytes they hold
+    and the requests refused for it (``/metrics`` reads both)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.held = 0  # bytes of bodies in progress (one event loop: no lock needed)
+        self.refused = 0  # requests answered 429 for want of room
+
+
 class InflightLimit:
     """Refuse a request while the bodies of those in progress hold ``max_bytes`` already.
 
@@ -216,12 +226,26 @@ class InflightLimit:
     room of the request's ColBERT output is given back.
     """
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int):
+    def __init__(self, app: ASGIApp, *, max_bytes: int | None = None,
+                 allowance: BodyAllowance | None = None):
         self.app = app
-        self.max_bytes = max_bytes
-        self.held = 0  # bytes of bodies in progress (one event loop: no lock needed)
+        assert (max_bytes is None) != (allowance is None), "one of max_bytes and allowance"
+        self.allowance = allowance or BodyAllowance(max_bytes or 0)
+
+    @property
+    def max_bytes(self) -> int:
+        return self.allowance.max_bytes
+
+    @property
+    def held(self) -> int:
+        return self.allowance.held
+
+    @held.setter
+    def held(self, value: int) -> None:
+        self.allowance.held = value
 
     def _refusal(self, size: int) -> Overloaded:
+        self.allowance.refused += 1
         return Overloaded(
             f"{self.held / 2**20:.1f} MiB of request bodies are in progress and this one "
             f"({size / 2**20:.1f} MiB) would pass the {self.max_bytes / 2**20:.1f} MiB allowed "

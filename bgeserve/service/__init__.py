@@ -311,8 +311,9 @@ class Service:
             job, future = await admission.submit(inputs, options, request_id, arrived)
             queued = time.monotonic()
             result = await engine.await_job(job, future)
-            timings.record(characters, result.prompt_tokens, arrived, queued, [job],
-                           time.monotonic())
+            if timings.active():
+                timings.record(characters, result.prompt_tokens, arrived, queued, [job],
+                               time.monotonic())
             return result
 
         # Around the admission too: a request waiting for a tokenizing slot behind big ones
@@ -344,6 +345,12 @@ class Service:
         if self.deep is None or not self._ready.is_set():
             return 503, {"status": "fail" if self.fatal_error else "loading",
                          "reason": str(self.fatal_error or "the model is still loading")}
+        stats = self.engine.stats() if self.engine is not None else None
+        if stats is not None and stats["live"] and not stats["loaded"]:
+            # Unloaded after BGE_M3_IDLE_TIMEOUT_SECS: a probe loading it again every period
+            # kept it loaded for good (a liveness probe is the documented use).
+            return 200, {"status": "idle", "reason": "the sessions are unloaded while idle "
+                         "(BGE_M3_IDLE_TIMEOUT_SECS); the next request loads them"}
         return await self.deep.check(deadline_s=deadline_s)
 
     def refuse_now(self) -> Overloaded | None:

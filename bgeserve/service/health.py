@@ -69,5 +69,7 @@ def limits(service: Service) -> dict[str, Any]:
     s, engine = service.settings, service.engine
     colbert = engine.config.max_colbert_bytes if engine is not None else None
     return {"max_colbert_mb": None if colbert is None else round(colbert / 2**20, 1),
-            "max_inflight_mb": s.max_inflight_mb, "max_body_bytes": s.max_body_bytes,
+            # The allowance in force (never below one largest body), not the setting alone.
+            "max_inflight_mb": round(s.inflight_limit_bytes / 2**20, 1),
+            "max_body_bytes": s.max_body_bytes,
             "max_batch": s.max_batch}

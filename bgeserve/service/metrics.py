@@ -64,8 +64,14 @@ class Metrics:
         # queued or run (HTTP middleware counts them; /health and /metrics excluded).
         self.in_flight = Gauge("bgeserve_requests_in_flight", "Requests in progress",
                                registry=r)
+        # What usage reports: every text answered, from the cache or repeated in its request
+        # too (bgeserve_tokens counts what the model ran, the canary's included).
+        self.request_tokens = Counter("bgeserve_request_tokens",
+                                      "Tokens of the texts answered (the requests' usage)",
+                                      registry=r)
         self.rerank = RerankMetrics(r)
         self._service: Any = None
+        self._bodies: Any = None  # the HTTP layer's body allowance (guards.BodyAllowance)
         r.register(_StateCollector(self))
 
     def observe_chunk(self, stats: ChunkStats) -> None:
@@ -78,6 +84,7 @@ class Metrics:
     def observe_request(self, result: Embeddings, seconds: float) -> None:
         self.embed_latency.observe(seconds)
         self.texts.inc(len(result))
+        self.request_tokens.inc(result.prompt_tokens)
         self.truncated.inc(int(result.truncated.sum()))
 
     def observe_rerank(self, result: RerankResult, seconds: float) -> None:
@@ -92,6 +99,10 @@ class Metrics:
 
     def update_state(self, service: Any) -> None:
         self._service = service
+
+    def watch_bodies(self, bodies: Any) -> None:
+        """Read the HTTP layer's body allowance (``held``, ``refused``) at scrape time."""
+        self._bodies = bodies
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -141,6 +152,12 @@ class _StateCollector:
         service = self._metrics._service
         yield GaugeMetricFamily("bgeserve_process_rss_bytes", "Resident memory of the server",
                                 value=memory.rss_bytes())
+        bodies = self._metrics._bodies
+        if bodies is not None:
+            yield GaugeMetricFamily("bgeserve_inflight_body_bytes",
+                                    "Bytes of the request bodies in progress (at most "
+                                    "BGE_M3_MAX_INFLIGHT_MB, or one largest body)",
+                                    value=bodies.held)
         engine = getattr(service, "engine", None)
         if engine is not None:
             stats = engine.stats()
@@ -156,14 +173,17 @@ class _StateCollector:
             # 429s decided before tokenizing are the admission's, not the scheduler's; the
             # reranker's engine has its own scheduler (its 429s, drops, splits, restarts are
             # the server's too: these counters answer for every route).
-            extra = collections.Counter(rejected=getattr(service, "rejected_at_admission", 0))
+            bodies = self._metrics._bodies
+            extra = collections.Counter(rejected=getattr(service, "rejected_at_admission", 0)
+                                        + (bodies.refused if bodies is not None else 0))
             reranking = getattr(getattr(service, "reranking", None), "engine", None)
             if reranking is not None:  # read key by key: its workers may add keys meanwhile
                 extra.update({key: reranking.counters.get(key, 0) for key in (
                     "rejected", "cancelled_texts", "oom_splits", "worker_restarts")})
             for name, key, doc in (
                 ("bgeserve_rejected_requests", "rejected",
-                 "Requests answered 429 (queue full; embedding and rerank routes)"),
+                 ("Requests answered 429 (queue full, or the request bodies in progress at "
+                 "BGE_M3_MAX_INFLIGHT_MB; embedding and rerank routes)")),
                 ("bgeserve_cancelled_texts", "cancelled_texts",
                  "Texts dropped before running (client gone or deadline)"),
                 ("bgeserve_oom_splits", "oom_splits", "Chunks split after an allocation failure"),

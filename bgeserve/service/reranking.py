@@ -241,8 +241,9 @@ class Reranking:
                 queued = time.monotonic()
                 result = await m3rerank.arun_jobs(m3, plan_, jobs, options, first,
                                                   submit=admission.queue, before=before)
-                timings.record(len(query) + sum(map(len, documents)), result.tokens, arrived,
-                               queued, jobs, time.monotonic())
+                if timings.active():
+                    timings.record(len(query) + sum(map(len, documents)), result.tokens,
+                                   arrived, queued, jobs, time.monotonic())
                 return result
         finally:
             if holding is not None:
@@ -262,8 +263,9 @@ class Reranking:
             queued = time.monotonic()
             embedded = await reranker.engine.await_job(job, future)
         result = reranker.finish(plan_, embedded, options)
-        timings.record(len(query) + sum(map(len, documents)), result.tokens, arrived, queued,
-                       [job], time.monotonic())
+        if timings.active():
+            timings.record(len(query) + sum(map(len, documents)), result.tokens, arrived,
+                           queued, [job], time.monotonic())
         return result
 
     def health(self) -> dict[str, Any] | None:
