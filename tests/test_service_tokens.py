@@ -125,6 +125,24 @@ def test_tokenize_is_the_tokenizers_with_byte_offsets(client: TestClient, hf) ->
         "input_ids"]
 
 
+def test_texts_cut_from_the_left_count_as_truncated(client: TestClient) -> None:
+    """``bgeserve_truncated_texts_total`` counts a text cut from the left as one cut from the
+    right: its ids came to the engine cut already, and were not counted."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def cut() -> float:
+        families = text_string_to_metric_families(client.get("/metrics").text)
+        return next(s.value for f in families for s in f.samples
+                    if s.name == "bgeserve_truncated_texts_total")
+
+    before = cut()
+    for direction in ("left", "right"):
+        r = client.post("/embed", json={"inputs": [LONG, TEXTS[0]],
+                                        "truncation_direction": direction})
+        assert r.status_code == 200, r.text
+    assert cut() - before == 2
+
+
 def test_decode_is_the_tokenizers(client: TestClient, hf) -> None:
     """``/decode`` gives transformers' ``decode`` of each sequence, specials skipped by
     default."""

@@ -740,7 +740,9 @@ def test_encode_left_keeps_the_last_tokens():
     """``encode_left`` keeps <s>, the last max_seq - 2 content tokens and </s> (Hugging Face's
     ``truncation_side="left"``); a short text is untouched."""
     tok = make(max_seq=5)
-    short, long = tok.encode_left([words(3), words(9)])
+    cut = tok.encode_left([words(3), words(9)])
+    short, long = cut.ids
+    assert cut.truncated.tolist() == [False, True] and cut.full_lengths.tolist() == [5, 11]
     assert short.tolist() == [CLS_ID, *content_ids(3), EOS_ID]
     assert long.tolist() == [CLS_ID, *content_ids(9)[-3:], EOS_ID]
 

@@ -501,16 +501,17 @@ class Tokenizer:
                 truncated[i] = True
         return Encoded(ids, truncated, full)
 
-    def encode_left(self, texts: Sequence[str]) -> list[np.ndarray]:
+    def encode_left(self, texts: Sequence[str]) -> Encoded:
         """Token ids per text, an over-long text keeping ``<s>``, its *last* ``max_seq - 2``
         content tokens and ``</s>`` (TEI's ``truncation_direction: left``; Hugging Face's
-        ``truncation_side="left"``). Encoded whole, in bounded groups: the caller bounds each
-        text's length (the server refuses one over BGE_M3_MAX_TEXT_CHARS before it comes here;
-        ``max_whole_chars`` is not applied)."""
+        ``truncation_side="left"``), and which were cut. Encoded whole, in bounded groups: the
+        caller bounds each text's length (the server refuses one over BGE_M3_MAX_TEXT_CHARS
+        before it comes here; ``max_whole_chars`` is not applied)."""
         ids = self._encode_grouped(list(texts))
         keep = self.max_seq - 1  # the last content tokens and </s>
-        return [x if len(x) <= self.max_seq else np.concatenate((x[:1], x[len(x) - keep:]))
-                for x in ids]
+        full = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+        return Encoded([x if len(x) <= self.max_seq else np.concatenate((x[:1], x[len(x) - keep:]))
+                        for x in ids], full > self.max_seq, full)
 
     def tokens(self, texts: Sequence[str], add_special_tokens: bool = True,
                max_tokens: int | None = None) -> list[list[Token]]:

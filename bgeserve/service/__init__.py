@@ -19,6 +19,7 @@ from typing import Any, TypeVar, cast
 from bgeserve import holds, runtime, timings
 from bgeserve.config import Settings
 from bgeserve.engine import ChunkStats, Engine, Inputs
+from bgeserve.engine.tokenizer import Encoded
 from bgeserve.errors import BgeServeError, DeadlineExceeded, NotReady, Overloaded
 from bgeserve.model.artifacts import ModelArtifacts, resolve, validate_cache_dir
 from bgeserve.progress import Progress
@@ -306,11 +307,15 @@ class Service:
 
         async def run() -> Embeddings:
             nonlocal inputs
+            cut = None
             if left:
-                inputs = await self.truncate_left(cast(Sequence[str], inputs))
+                cut = await self.truncate_left(cast(Sequence[str], inputs))
+                inputs = cast(Inputs, cut.ids)  # int64 arrays: sequences of ids
             job, future = await admission.submit(inputs, options, request_id, arrived)
             queued = time.monotonic()
             result = await engine.await_job(job, future)
+            if cut is not None:  # the ids ran whole: the texts they were cut from say it
+                result.truncated |= cut.truncated
             if timings.active():
                 timings.record(characters, result.prompt_tokens, arrived, queued, [job],
                                time.monotonic())
@@ -401,8 +406,9 @@ class Service:
         return await self._within_deadline(tokens.decode(
             self._engine(), sequences, skip_special_tokens, self._tokenizing))
 
-    async def truncate_left(self, texts: Sequence[str]) -> list[Any]:
-        """Token ids of each text cut from the left past max_seq (then ``embed`` them)."""
+    async def truncate_left(self, texts: Sequence[str]) -> Encoded:
+        """Token ids of each text cut from the left past max_seq, and which were (then
+        ``embed`` them)."""
         return await tokens.truncate_left(self._engine(), texts, self._tokenizing)
 
     async def _within_deadline(self, work: Awaitable[T]) -> T:

@@ -13,9 +13,8 @@ import functools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from bgeserve.engine import Engine
+from bgeserve.engine.tokenizer import Encoded
 from bgeserve.results import Token
 
 # One /tokenize answer holds at most this many tokens (~100 MB of Python objects and ~15 MB
@@ -41,8 +40,7 @@ async def decode(engine: Engine, sequences: Sequence[Sequence[int]],
                                        skip_special_tokens))
 
 
-async def truncate_left(engine: Engine, texts: Sequence[str],
-                        run: Run) -> list[np.ndarray]:
-    """Token ids of each text, an over-long one cut from the left: embedding these ids is
-    embedding the text with TEI's ``truncation_direction: left``."""
+async def truncate_left(engine: Engine, texts: Sequence[str], run: Run) -> Encoded:
+    """Token ids of each text, an over-long one cut from the left (and which were): embedding
+    these ids is embedding the text with TEI's ``truncation_direction: left``."""
     return await run(functools.partial(engine.tokenizer.encode_left, list(texts)))
