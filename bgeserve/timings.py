@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,17 +70,20 @@ class Queued(Protocol):
 
 
 def record(characters: int, tokens: int, arrived: float, queued: float,
-           jobs: Iterable[Queued], ended: float) -> None:
-    """Add one model call to the open request's timings (nothing outside one): tokenizing from
-    ``arrived`` to ``queued`` (monotonic seconds), then each job from its submission to its
-    first chunk (queue) and the rest until ``ended`` (inference)."""
+           jobs: Sequence[Queued], ended: float) -> None:
+    """Add one model call to the open request's timings (nothing outside one), its parts
+    adding up to ``ended - arrived`` (monotonic seconds): tokenizing until the first job was
+    submitted (``queued`` where none was), each job's wait from its submission to its first
+    chunk (queue), and the rest (inference; for bge-m3's rerank scores, a later group's wait
+    for room for its ColBERT vectors too)."""
     timings = _CURRENT.get()
     if timings is None:
         return
+    tokenized = jobs[0].submitted if jobs and jobs[0].submitted else queued
     waited = sum(max(0.0, j.started - j.submitted) for j in jobs if j.started and j.submitted)
     timings.characters += characters
     timings.tokens += tokens
-    timings.tokenization_s += max(0.0, queued - arrived)
+    timings.tokenization_s += max(0.0, tokenized - arrived)
     timings.queue_s += waited
-    timings.inference_s += max(0.0, ended - queued - waited)
+    timings.inference_s += max(0.0, ended - tokenized - waited)
     timings.calls += 1

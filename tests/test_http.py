@@ -1053,7 +1053,7 @@ def test_bodies_in_progress_past_the_allowance_are_429_at_once() -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
-    guard = guards.InflightLimit(app, max_bytes=150)
+    guard = guards.InflightLimit(app, allowance=guards.BodyAllowance(150))
 
     def scope(path: str, length: int | None) -> dict:
         headers = [] if length is None else [(b"content-length", str(length).encode())]
@@ -1085,7 +1085,7 @@ def test_bodies_in_progress_past_the_allowance_are_429_at_once() -> None:
                 statuses.append(await call("/hold", 1000, [b"x" * 1000]))  # alone: let in
 
             tg.start_soon(hold)
-            while guard.held == 0:
+            while guard.allowance.held == 0:
                 await anyio.sleep(0.001)
             statuses.append(await call("/small", 10, [b"x" * 10]))  # 1010 > 150: refused
             statuses.append(await call("/chunked", None, [b"x" * 10]))  # streamed: refused
@@ -1096,14 +1096,14 @@ def test_bodies_in_progress_past_the_allowance_are_429_at_once() -> None:
     statuses = anyio.run(main)
     assert statuses == [429, 429, 200, 200], statuses
     assert entered == ["/hold", "/after"]
-    assert guard.held == 0
+    assert guard.allowance.held == 0
     # /metrics reads both: the bytes held and the refusals (in bgeserve_rejected_requests)
     assert guard.allowance.refused == 2
     from bgeserve.service.metrics import Metrics
 
     metrics = Metrics()
     metrics.watch_bodies(guard.allowance)
-    guard.held = 123
+    guard.allowance.held = 123
     assert b"bgeserve_inflight_body_bytes 123.0" in metrics.render()[0]
 
 
@@ -1128,7 +1128,8 @@ def test_what_a_request_holds_is_released_once_its_answer_is_sent() -> None:
         events.append(message["type"])
 
     scope = {**_scope([(b"content-length", b"2")], FakeService(), Settings()), "path": "/x"}
-    anyio.run(guards.InflightLimit(app, max_bytes=150), scope, receive, send)
+    anyio.run(guards.InflightLimit(app, allowance=guards.BodyAllowance(150)), scope, receive,
+              send)
     assert events == ["http.response.start", "http.response.body", "http.response.body",
                       "released"]
 

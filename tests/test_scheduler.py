@@ -748,6 +748,22 @@ def test_a_single_text_out_of_memory_is_too_large_for_its_job_only():
     assert "cannot allocate 9 GiB" in error.message and "{exc}" not in error.message
 
 
+def test_the_scheduler_tells_an_idle_unload_from_a_dropped_session():
+    """``idle_unloaded`` counts sessions unloaded for idleness (/health/deep then answers
+    "idle" without loading them), not one dropped after a runtime failure (a chunk reopens
+    it, and the canary must run); a session opening again clears it."""
+    factory = Factory()
+    with scheduler(factory, idle_timeout_s=0.3) as sched:
+        assert factory.closed.wait(TIMEOUT)
+        assert sched.stats()["loaded"] == 0 and sched.stats()["idle_unloaded"] == 1
+        job = job_of(unique_texts(1, [2]))
+        sched.submit(job)
+        assert_dense_right(job)
+        assert sched.stats()["idle_unloaded"] == 0
+        sched._reopen_later(0, "a test failure")
+        assert sched.stats()["loaded"] == 0 and sched.stats()["idle_unloaded"] == 0
+
+
 def test_a_failed_reload_fails_the_chunk_and_the_next_job_retries():
     """ModelUnavailable from open_forward fails that chunk's jobs; the next job loads again."""
     factory = Factory()

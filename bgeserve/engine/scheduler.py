@@ -114,6 +114,9 @@ class Scheduler(Workers):
         self._holding = [[] for _ in range(n)]
         self._restarting = [False] * n
         self._open_failed = [False] * n
+        # Whose session was unloaded for idleness (not dropped after a failure): /health/deep
+        # answers "idle" without loading it only when every worker's was.
+        self._idle_unloaded = [False] * n
         self._deaths = [0] * n
         # What each worker's session has run (engine/shapes.py), with a weak reference to the
         # session it is for: an unloaded session must not be kept alive by it.
@@ -251,6 +254,7 @@ class Scheduler(Workers):
                 "total": self.config.workers,
                 "live": sum(self._live(w) for w in range(self.config.workers)),
                 "loaded": sum(f is not None for f in self._forwards),
+                "idle_unloaded": sum(self._idle_unloaded),
                 "busy": sum(r is not None for r in self._running),
                 "queue_texts": len(self._pending),
                 "queue_tokens": self._pending.tokens,

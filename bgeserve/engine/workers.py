@@ -61,6 +61,7 @@ class Workers(abc.ABC):
     _holding: list[list[Piece]]  # taken off the queue, not yet answered: failed if it dies
     _restarting: list[bool]  # a replacement thread is waiting out its backoff
     _open_failed: list[bool]  # the last attempt to open the session failed
+    _idle_unloaded: list[bool]  # its session was unloaded for idleness (not after a failure)
     _deaths: list[int]  # consecutive deaths: sets the restart backoff
 
     @abc.abstractmethod
@@ -157,6 +158,8 @@ class Workers(abc.ABC):
                 return
             if isinstance(chunk, str):  # "unload": idle for BGE_M3_IDLE_TIMEOUT_SECS
                 if self._drop_session(w):
+                    with self._cond:
+                        self._idle_unloaded[w] = True
                     log.info("worker %d idle for %.0fs: session unloaded", w,
                              self.config.idle_timeout_s)
                 continue
@@ -202,6 +205,7 @@ class Workers(abc.ABC):
         with self._cond:
             self._forwards[w] = fwd
             self._open_failed[w] = False
+            self._idle_unloaded[w] = False
         log.info("worker %d: session loaded", w)
         return fwd
 

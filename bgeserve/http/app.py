@@ -93,7 +93,6 @@ def model_ids(model_name: str, settings: Settings) -> tuple[str, ...]:
 CORS_EXPOSED = ("Retry-After", "X-Request-ID", "x-compute-type", "x-compute-time",
                 "x-compute-characters", "x-compute-tokens", "x-total-time",
                 "x-tokenization-time", "x-queue-time", "x-inference-time")
-GPU_PROVIDERS = ("cuda", "tensorrt")
 
 
 def _cors(settings: Settings) -> list[Middleware]:
@@ -104,7 +103,7 @@ def _cors(settings: Settings) -> list[Middleware]:
     if not origins:
         return []
     return [Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
-                       allow_headers=["Content-Type", "Authorization"],
+                       allow_headers=["Content-Type", "Authorization", "X-Request-ID"],
                        expose_headers=list(CORS_EXPOSED), max_age=600)]
 
 
@@ -132,7 +131,8 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
     uploads = Uploads()
     # The bodies in progress, shared with the metrics (their bytes, the 429s they cause).
     bodies = BodyAllowance(settings.inflight_limit_bytes)
-    if settings.max_inflight_mb and settings.max_inflight_mb << 20 < settings.max_body_bytes:
+    if settings.is_explicit("BGE_M3_MAX_INFLIGHT_MB") and settings.max_inflight_mb and \
+            settings.max_inflight_mb << 20 < settings.max_body_bytes:
         log.warning("BGE_M3_MAX_INFLIGHT_MB=%d is less than one largest body "
                     "(BGE_M3_MAX_BODY_BYTES=%d): %.0f MiB of bodies are let in at once",
                     settings.max_inflight_mb, settings.max_body_bytes,
@@ -141,8 +141,7 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
     if not settings.metrics_auth:
         open_paths.add("/metrics")
     middleware = [
-        Middleware(RequestContext, routes=routes,
-                   compute_type="gpu" if settings.execution_provider in GPU_PROVIDERS else "cpu"),
+        Middleware(RequestContext, routes=routes),
         *_cors(settings),
         # Outside the guards: an answer they send before the body is read still reaches
         # clients that write the whole body first (linger.py).

@@ -50,13 +50,11 @@ def request_id_of(scope: Scope) -> str | None:
 class RequestContext:
     """ASGI middleware: request id in, request id out, one access-log line."""
 
-    def __init__(self, app: ASGIApp, routes: Sequence[BaseRoute] = (),
-                 compute_type: str = "cpu") -> None:
+    def __init__(self, app: ASGIApp, routes: Sequence[BaseRoute] = ()) -> None:
         self.app = app
         # The app's routes, to label a request a guard answered before routing (a 413 from
         # Content-Length, a 401, a 429) by the route it was for, as a routed one is.
         self.routes = tuple(routes)
-        self.compute_type = compute_type  # TEI's x-compute-type
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -77,7 +75,8 @@ class RequestContext:
                 headers = [(k, v) for k, v in message.get("headers", []) if k != _HEADER]
                 headers.append((_HEADER, rid.encode("latin-1")))
                 if spent.calls and status < 400:  # the model ran for it: where the time went
-                    headers += spent.headers(time.perf_counter() - started, self.compute_type)
+                    compute = getattr(scope["state"].get("service"), "compute_type", "cpu")
+                    headers += spent.headers(time.perf_counter() - started, compute)
                 message = {**message, "headers": headers}
             await send(message)
 
@@ -92,9 +91,10 @@ class RequestContext:
             if metrics is not None:
                 metrics.in_flight.dec()
             seconds = time.perf_counter() - started
-            # A 5xx is the server's failure: above info, so that a warning filter keeps it.
-            level = (logging.WARNING if status >= 500 else
-                     logging.DEBUG if quiet else logging.INFO)
+            # A 5xx is the server's failure: above info, so that a warning filter keeps it; a
+            # probe's 503 (loading, draining) is its answer, every few seconds: debug.
+            level = (logging.DEBUG if quiet else
+                     logging.WARNING if status >= 500 else logging.INFO)
             state = scope.get("state", {})
             route = _route(scope, self.routes)
             error, param = state.get("error"), state.get("error_param")

@@ -226,29 +226,16 @@ class InflightLimit:
     room of the request's ColBERT output is given back.
     """
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int | None = None,
-                 allowance: BodyAllowance | None = None):
+    def __init__(self, app: ASGIApp, *, allowance: BodyAllowance):
         self.app = app
-        assert (max_bytes is None) != (allowance is None), "one of max_bytes and allowance"
-        self.allowance = allowance or BodyAllowance(max_bytes or 0)
-
-    @property
-    def max_bytes(self) -> int:
-        return self.allowance.max_bytes
-
-    @property
-    def held(self) -> int:
-        return self.allowance.held
-
-    @held.setter
-    def held(self, value: int) -> None:
-        self.allowance.held = value
+        self.allowance = allowance
 
     def _refusal(self, size: int) -> Overloaded:
-        self.allowance.refused += 1
+        bodies = self.allowance
+        bodies.refused += 1
         return Overloaded(
-            f"{self.held / 2**20:.1f} MiB of request bodies are in progress and this one "
-            f"({size / 2**20:.1f} MiB) would pass the {self.max_bytes / 2**20:.1f} MiB allowed "
+            f"{bodies.held / 2**20:.1f} MiB of request bodies are in progress and this one "
+            f"({size / 2**20:.1f} MiB) would pass the {bodies.max_bytes / 2**20:.1f} MiB allowed "
             "at once "
             "(BGE_M3_MAX_INFLIGHT_MB); retry shortly", retry_after=1.0)
 
@@ -256,13 +243,14 @@ class InflightLimit:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
             await self.app(scope, receive, send)  # no body: /health always answers
             return
+        bodies = self.allowance
         declared = _header(scope, b"content-length")
         size = int(declared) if declared is not None and declared.strip().isdigit() else 0
-        if self.held and self.held + size > self.max_bytes:
+        if bodies.held and bodies.held + size > bodies.max_bytes:
             await respond(self._refusal(size), scope)(scope, receive, send)
             return
         mine = size
-        self.held += mine
+        bodies.held += mine
         streamed = 0
 
         async def counted_receive() -> Message:
@@ -271,10 +259,10 @@ class InflightLimit:
             if message["type"] == "http.request" and declared is None:
                 more = len(message.get("body", b""))
                 streamed += more
-                if self.held - mine and self.held + more > self.max_bytes:
+                if bodies.held - mine and bodies.held + more > bodies.max_bytes:
                     raise self._refusal(streamed)
                 mine += more
-                self.held += more
+                bodies.held += more
             return message
 
         try:
@@ -283,4 +271,4 @@ class InflightLimit:
             with answering():
                 await self.app(scope, counted_receive, send)
         finally:
-            self.held -= mine
+            bodies.held -= mine

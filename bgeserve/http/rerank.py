@@ -20,7 +20,11 @@ from bgeserve.http.handlers import (
     unless_disconnected,
 )
 from bgeserve.http.rerank_render import render_rerank, render_tei_rerank
-from bgeserve.http.rerank_schemas import parse_rerank_request, parse_tei_rerank_request
+from bgeserve.http.rerank_schemas import (
+    RerankRequest,
+    parse_rerank_request,
+    parse_tei_rerank_request,
+)
 
 
 async def rerank(request: Request) -> Response:
@@ -39,10 +43,15 @@ async def rerank(request: Request) -> Response:
 async def tei_rerank(request: Request) -> Response:
     """``POST /rerank``: TEI's ``[{index, score, text?}]``; its errors take TEI's shape on the
     way out (``/rerank`` is one of ``app.tei_routes``: ``errors.ErrorStyle``)."""
-    state = request.state
     raw = await read_json_body(request)
     parsed = await _maybe_offload(len(raw) > OFFLOAD_BODY_BYTES, parse_tei_rerank_request,
-                                  raw, state.settings)
+                                  raw, request.state.settings)
+    return await tei_rerank_parsed(request, parsed)
+
+
+async def tei_rerank_parsed(request: Request, parsed: RerankRequest) -> Response:
+    """``tei_rerank`` of a body already parsed (``POST /``'s)."""
+    state = request.state
     try:
         result = await unless_disconnected(request, state.service.rerank(
             parsed.query, parsed.documents, parsed.options, request_id=state.request_id))

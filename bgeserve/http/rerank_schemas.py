@@ -201,7 +201,11 @@ def parse_rerank_request(raw: bytes, settings: Settings,
 def parse_tei_rerank_request(raw: bytes, settings: Settings) -> RerankRequest:
     """TEI's ``/rerank`` body: sigmoid scores unless ``raw_scores``; ``truncate`` cuts (from
     the right, or the left with ``truncation_direction``), else long texts are windowed."""
-    body = load_object(raw)
+    return tei_rerank_fields(load_object(raw), settings)
+
+
+def tei_rerank_fields(body: dict[str, Any], settings: Settings) -> RerankRequest:
+    """``parse_tei_rerank_request`` of a body already read (``POST /``'s)."""
     direction = body.get("truncation_direction")
     if direction is not None and (not isinstance(direction, str) or direction not in DIRECTIONS):
         raise InvalidInput("truncation_direction must be one of Left, left, Right, right",

@@ -26,6 +26,7 @@ from bgeserve.http.handlers import (
     unless_disconnected,
 )
 from bgeserve.http.render import select_sparse
+from bgeserve.http.rerank_schemas import RerankRequest
 from bgeserve.http.schemas import check_dimensions
 from bgeserve.http.tei_schemas import (
     TeiEmbedRequest,
@@ -139,8 +140,9 @@ async def root(request: Request) -> Response:
         return await health(request)
     kind, parsed = await _parse(request, parse_root)
     if kind == "rerank":
-        return await rerank.tei_rerank(request)  # the body is read once: Starlette keeps it
-    assert parsed is not None
+        assert isinstance(parsed, RerankRequest)
+        return await rerank.tei_rerank_parsed(request, parsed)
+    assert isinstance(parsed, TeiEmbedRequest)
     if kind == "similarity":
         return _json(await _similarities(request, parsed))
     return await _dense_response(request, parsed)

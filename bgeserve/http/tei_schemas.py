@@ -17,6 +17,7 @@ from typing import Any
 
 from bgeserve.config import Settings
 from bgeserve.errors import BgeServeError, InvalidInput, TooLarge
+from bgeserve.http.rerank_schemas import RerankRequest, tei_rerank_fields
 from bgeserve.http.schemas import OPTION_PARSERS, _as_int, flag, load_object, parse_input
 
 DIRECTIONS = {"right": False, "Right": False, "left": True, "Left": True}
@@ -159,14 +160,14 @@ def parse_similarity(raw: bytes, settings: Settings) -> TeiEmbedRequest:
     return similarity_inputs(load_object(raw), settings)
 
 
-def parse_root(raw: bytes, settings: Settings) -> tuple[str, TeiEmbedRequest | None]:
+def parse_root(raw: bytes, settings: Settings) -> tuple[str, TeiEmbedRequest | RerankRequest]:
     """A ``POST /`` body by what it holds (TEI picks by the model it serves; this server
     serves both): ("similarity", its request) when ``inputs`` is an object, ("embed", an
-    ``/embed`` request) when it has ``inputs``, ("rerank", None) when it has a ``query`` or
-    ``texts`` and no ``inputs`` (``/rerank`` parses it)."""
+    ``/embed`` request) when it has ``inputs``, ("rerank", a ``/rerank`` request) when it has
+    a ``query`` or ``texts`` and no ``inputs``."""
     body = load_object(raw)
     if "inputs" not in body and ("query" in body or "texts" in body):
-        return "rerank", None
+        return "rerank", tei_rerank_fields(body, settings)
     if isinstance(body.get("inputs"), dict):
         return "similarity", similarity_inputs(body, settings)
     return "embed", embed_fields(body, settings, dense=True)

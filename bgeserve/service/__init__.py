@@ -341,6 +341,11 @@ class Service:
                                            self.settings.request_timeout_secs or None,
                                            request_id)
 
+    @property
+    def compute_type(self) -> str:
+        """What runs the model, as TEI's ``x-compute-type`` header says it: cpu or gpu."""
+        return "gpu" if runtime.on_gpu(self.settings.execution_provider) else "cpu"
+
     def rerank_model_ids(self) -> tuple[str, ...]:
         """The ids ``model`` may name for the reranker (none when none is loaded)."""
         return self.reranking.model_ids
@@ -351,7 +356,7 @@ class Service:
             return 503, {"status": "fail" if self.fatal_error else "loading",
                          "reason": str(self.fatal_error or "the model is still loading")}
         stats = self.engine.stats() if self.engine is not None else None
-        if stats is not None and stats["live"] and not stats["loaded"]:
+        if stats is not None and stats.get("idle_unloaded") == stats["total"]:
             # Unloaded after BGE_M3_IDLE_TIMEOUT_SECS: a probe loading it again every period
             # kept it loaded for good (a liveness probe is the documented use).
             return 200, {"status": "idle", "reason": "the sessions are unloaded while idle "

@@ -61,7 +61,8 @@ class Metrics:
         self.timeouts = Counter("bgeserve_deadline_exceeded_requests",
                                 "Requests answered 504", registry=r)
         # What an autoscaler reads beside the queue gauges: requests being read, tokenized,
-        # queued or run (HTTP middleware counts them; /health and /metrics excluded).
+        # queued or run (HTTP middleware counts them; probes and scrapes, GET of /health,
+        # /health/deep, /, /ping and /metrics, excluded).
         self.in_flight = Gauge("bgeserve_requests_in_flight", "Requests in progress",
                                registry=r)
         # What usage reports: every text answered, from the cache or repeated in its request
@@ -182,8 +183,8 @@ class _StateCollector:
                     "rejected", "cancelled_texts", "oom_splits", "worker_restarts")})
             for name, key, doc in (
                 ("bgeserve_rejected_requests", "rejected",
-                 ("Requests answered 429 (queue full, or the request bodies in progress at "
-                 "BGE_M3_MAX_INFLIGHT_MB; embedding and rerank routes)")),
+                 ("Requests answered 429 (a full queue, embedding and rerank routes; or the "
+                  "request bodies in progress at BGE_M3_MAX_INFLIGHT_MB, any route)")),
                 ("bgeserve_cancelled_texts", "cancelled_texts",
                  "Texts dropped before running (client gone or deadline)"),
                 ("bgeserve_oom_splits", "oom_splits", "Chunks split after an allocation failure"),
