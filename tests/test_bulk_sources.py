@@ -68,7 +68,7 @@ def test_jsonl_rows_are_numbered_by_line_and_bad_ones_say_why(tmp_path: Path):
                       "'id' is float, not a string or an integer"]
 
 
-def test_a_json_file_holding_one_array_gives_its_items_as_rows(tmp_path: Path):
+def test_a_json_file_holding_one_array_gives_its_items_as_rows(tmp_path: Path, caplog):
     """Most .json files are one array, not JSON lines: its items are the rows (row i the
     array's item i), bad ones saying why, whatever its layout (BOM, blank lines, pretty-printed,
     gzipped); it was one bad row "not a JSON object", 0 rows embedded and exit 0. One that
@@ -93,8 +93,15 @@ def test_a_json_file_holding_one_array_gives_its_items_as_rows(tmp_path: Path):
     (tmp_path / "lines.jsonl").write_text(json.dumps(items) + '\n{"id": "b", "text": "y"}\n')
     for name, why in (("bad.json", "not valid JSON"), ("lines.json", "not a JSON object"),
                       ("lines.jsonl", "not a JSON object")):
-        assert rows_of(Source(tmp_path / name, "jsonl")) == (
-            [0, 1], [None, "b"], [None, "y"], [why, None]), name
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="bgeserve.bulk"):
+            assert rows_of(Source(tmp_path / name, "jsonl")) == (
+                [0, 1], [None, "b"], [None, "y"], [why, None]), name
+        # where a .json file stopped being one array is said, not only its lines' errors
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert {"bad.json": "ends after 1 items", "lines.json": "more after the array's end "
+                "at byte 7", "lines.jsonl": ""}[name] in said, (name, said)
+        assert ("starts as a JSON array" in said) == name.endswith(".json"), (name, said)
     assert rows_of(Source(tmp_path / "a.json", "jsonl"))[0] == [0, 1, 2, 3]  # as an array
 
 

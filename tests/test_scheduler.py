@@ -754,14 +754,33 @@ def test_the_scheduler_tells_an_idle_unload_from_a_dropped_session():
     it, and the canary must run); a session opening again clears it."""
     factory = Factory()
     with scheduler(factory, idle_timeout_s=0.3) as sched:
-        assert factory.closed.wait(TIMEOUT)
-        assert sched.stats()["loaded"] == 0 and sched.stats()["idle_unloaded"] == 1
+        assert wait_until(lambda: sched.stats()["idle_unloaded"] == 1)
+        assert sched.stats()["loaded"] == 0
         job = job_of(unique_texts(1, [2]))
         sched.submit(job)
         assert_dense_right(job)
         assert sched.stats()["idle_unloaded"] == 0
         sched._reopen_later(0, "a test failure")
         assert sched.stats()["loaded"] == 0 and sched.stats()["idle_unloaded"] == 0
+
+
+def test_the_canary_does_not_keep_an_idle_session_loaded():
+    """Solo chunks (the /health/deep canary) are not work: a probe every period shorter than
+    BGE_M3_IDLE_TIMEOUT_SECS kept the sessions loaded for good after one request; the idle
+    timer runs from the last real chunk's end."""
+    factory = Factory()
+    with scheduler(factory, idle_timeout_s=0.4) as sched:
+        job = job_of(unique_texts(1, [2]))
+        sched.submit(job)
+        assert_dense_right(job)
+        began = time.monotonic()
+        while not factory.closed.is_set() and time.monotonic() - began < 3.0:
+            canary = job_of(unique_texts(2, [2]), solo=True)
+            sched.submit(canary)
+            assert_dense_right(canary)
+            time.sleep(0.1)
+        assert factory.closed.is_set(), "the canaries kept the session loaded"
+        assert time.monotonic() - began >= 0.3
 
 
 def test_a_failed_reload_fails_the_chunk_and_the_next_job_retries():
@@ -918,8 +937,8 @@ def test_stop_finishes_queued_work_then_refuses_new_jobs():
         sched.stop(timeout=TIMEOUT)
     for job in jobs:
         assert_dense_right(job)
-    assert sched.stats() == {"total": 1, "live": 0, "loaded": 0, "busy": 0, "queue_texts": 0,
-                             "queue_tokens": 0}
+    assert sched.stats() == {"total": 1, "live": 0, "loaded": 0, "idle_unloaded": 0, "busy": 0,
+                             "queue_texts": 0, "queue_tokens": 0}
     assert factory.forwards[0].closed
     with pytest.raises(NotReady):
         sched.submit(job_of(unique_texts(3, [2])))
@@ -946,8 +965,8 @@ def test_stats_report_the_queue():
     factory = Factory()
     with scheduler(factory) as sched, held(sched, factory):
         sched.submit(job_of(unique_texts(1, [2, 3])))
-        assert sched.stats() == {"total": 1, "live": 1, "loaded": 1, "busy": 1,
-                                 "queue_texts": 2, "queue_tokens": 9}
+        assert sched.stats() == {"total": 1, "live": 1, "loaded": 1, "idle_unloaded": 0,
+                                 "busy": 1, "queue_texts": 2, "queue_tokens": 9}
 
 
 # ------------------------------------------------------------------------------- chaos

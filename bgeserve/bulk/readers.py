@@ -16,6 +16,7 @@ import contextlib
 import gzip
 import io
 import json
+import logging
 import re
 from collections.abc import Iterator
 
@@ -24,6 +25,8 @@ import orjson
 
 from bgeserve.bulk.sources import Rows, Source
 from bgeserve.errors import InvalidInput, surrogate_error
+
+log = logging.getLogger("bgeserve.bulk")
 
 READ_ROWS = 8192  # rows per read from a JSONL or Parquet file
 CSV_BLOCK_BYTES = 4 << 20  # bytes per read from a CSV file
@@ -107,12 +110,15 @@ def _array(source: Source) -> Iterator[object] | None:
         with _open(source) as f:
             for _ in _item_bytes(f):
                 pass
-    except _NotOneArray:
+    except _NotOneArray as exc:
+        log.warning("%s starts as a JSON array but is not one whole (%s): read as JSON lines, "
+                    "each line a row", source.path, exc)
         return None
     return _items(source)
 
 
 def _items(source: Source) -> Iterator[object]:
+    """Each item of a file ``_array`` found to be one array, parsed (a bad one: why)."""
     with _open(source) as f:
         for item in _item_bytes(f):
             yield _parse(item) if item.strip() else _Invalid("not valid JSON")
@@ -138,8 +144,10 @@ def _item_bytes(f: io.BufferedIOBase) -> Iterator[bytes]:
     lone surrogate into "?" (the other readers report that row) and its Python one keeps the
     whole file in memory."""
     first = f.read(3)
+    offset = 3  # the file's bytes before the current read (for the reason a file is refused)
     if first != b"\xef\xbb\xbf":
         f.seek(0)
+        offset = 0
     started = ended = in_string = escaped = False
     depth = 0  # inside the array's items: 0 between them
     count = 0  # items cut so far
@@ -160,15 +168,17 @@ def _item_bytes(f: io.BufferedIOBase) -> Iterator[bytes]:
                     i += 1
                 continue
             if ended:
-                if chunk[i:].strip(_SPACE):
-                    raise _NotOneArray
+                rest = chunk[i:].lstrip(_SPACE)
+                if rest:
+                    raise _NotOneArray("more after the array's end at byte "
+                                       f"{offset + n - len(rest)}")
                 break
             if not started:
                 rest = chunk[i:].lstrip(_SPACE)
                 if not rest:
                     break
                 if rest[0] != 0x5B:  # '['
-                    raise _NotOneArray
+                    raise _NotOneArray("no '[' at its start")
                 started, i = True, n - len(rest) + 1
                 start = i
                 continue
@@ -183,7 +193,7 @@ def _item_bytes(f: io.BufferedIOBase) -> Iterator[bytes]:
             elif depth:
                 depth -= 1 if c in b"]}" else 0
             elif c == 0x7D:  # a '}' closing nothing
-                raise _NotOneArray
+                raise _NotOneArray(f"a '}}' closing nothing at byte {offset + m.start()}")
             else:  # the array's own ',' or ']'
                 item += chunk[start:m.start()]
                 start, ended = i, c == 0x5D
@@ -193,8 +203,10 @@ def _item_bytes(f: io.BufferedIOBase) -> Iterator[bytes]:
                 item.clear()
         if started and not ended:
             item += chunk[start:]
+        offset += n
     if not ended:
-        raise _NotOneArray
+        where = "inside a string" if in_string else f"after {count} items"
+        raise _NotOneArray(f"it ends {where}, before the array does (cut short?)")
 
 
 def _rows(source: Source, items: Iterator[tuple[int, object]], text_column: str,

@@ -117,6 +117,10 @@ class Scheduler(Workers):
         # Whose session was unloaded for idleness (not dropped after a failure): /health/deep
         # answers "idle" without loading it only when every worker's was.
         self._idle_unloaded = [False] * n
+        # When each worker last finished a chunk of real work: the idle timer's start. A solo
+        # chunk (the /health/deep canary) is not work: a liveness probe every 20 s kept the
+        # sessions loaded for good past BGE_M3_IDLE_TIMEOUT_SECS.
+        self._last_work = [time.monotonic()] * n
         self._deaths = [0] * n
         # What each worker's session has run (engine/shapes.py), with a weak reference to the
         # session it is for: an unloaded session must not be kept alive by it.
@@ -296,8 +300,13 @@ class Scheduler(Workers):
                         # runs on every idle worker, not only the first.
                         self._cond.notify()
                     return chunk
-                if not self._cond.wait(idle) and self._forwards[worker] is not None:
+                if idle is None or self._forwards[worker] is None:
+                    self._cond.wait()
+                    continue
+                left = self._last_work[worker] + idle - time.monotonic()
+                if left <= 0:
                     return "unload"
+                self._cond.wait(left)
 
     def _chunk_now(self, worker: int) -> Taken | None:
         """The next chunk for ``worker``, unless the batch window is still open for it: then

@@ -62,6 +62,7 @@ class Workers(abc.ABC):
     _restarting: list[bool]  # a replacement thread is waiting out its backoff
     _open_failed: list[bool]  # the last attempt to open the session failed
     _idle_unloaded: list[bool]  # its session was unloaded for idleness (not after a failure)
+    _last_work: list[float]  # monotonic end of its last chunk of real work (not the canary's)
     _deaths: list[int]  # consecutive deaths: sets the restart backoff
 
     @abc.abstractmethod
@@ -178,6 +179,8 @@ class Workers(abc.ABC):
             with self._cond:
                 self._running[w] = None
                 self._holding[w] = []
+                if not all(p.job.solo for p in chunk):  # the canary is no work: idle still
+                    self._last_work[w] = time.monotonic()
 
     def _execute(self, w: int, chunk: Taken) -> None:
         live = [p for p in chunk if not p.job.done]

@@ -98,12 +98,14 @@ CORS_EXPOSED = ("Retry-After", "X-Request-ID", "x-compute-type", "x-compute-time
 def _cors(settings: Settings) -> list[Middleware]:
     """Starlette's CORS middleware for BGE_M3_CORS_ALLOW_ORIGINS (as TEI's: GET and POST, any
     origin unless named), outside the key check: a browser's preflight carries no key. None
-    where the setting is empty."""
+    where the setting is empty. No credentials (cookies): the key is a header."""
     origins = settings.cors_allow_origins
     if not origins:
         return []
     return [Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
-                       allow_headers=["Content-Type", "Authorization", "X-Request-ID"],
+                       # Any header a page asks to send: OpenAI's JS SDK adds x-stainless-*
+                       # to every request, and a fixed list refused its preflights.
+                       allow_headers=["*"],
                        expose_headers=list(CORS_EXPOSED), max_age=600)]
 
 

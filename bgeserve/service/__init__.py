@@ -198,9 +198,12 @@ class Service:
             gc.collect()
             gc.freeze()
             self._ready.set()
-            log.info("ready: probe %s, c=%.0f a=%.0f b=%.2f, %d MiB workspace per worker, texts "
-                     "up to %d tokens fit", tuner.state.probe_status, cost.c, cost.a, cost.b,
-                     cost.max_workspace_bytes >> 20, cost.max_seq())
+            # The memory's bound, said beside the configured one: "texts up to 274988 tokens
+            # fit" read as the cap on a server that cuts texts at 8,192.
+            log.info("ready: probe %s, c=%.0f a=%.0f b=%.2f, %d MiB workspace per worker: the "
+                     "memory fits one text of up to %d tokens; texts are cut at %d "
+                     "(BGE_M3_MAX_SEQ_LENGTH)", tuner.state.probe_status, cost.c, cost.a, cost.b,
+                     cost.max_workspace_bytes >> 20, cost.max_seq(), engine.config.max_seq)
             if tuner.state.probe_status == "running":  # then the reranker's: one at a time
                 tuner.start_probe(probe_source(engine, spec, in_process=False), model_cost,
                                   fingerprint, parts, on_done=self.reranking.start_probe)
