@@ -134,7 +134,8 @@ def test_bge_m3_scores_through_the_same_route(server: ServerProc, flag_model, ca
 
 def test_metrics_count_pairs_windows_and_latency(server: ServerProc, case) -> None:
     """/metrics counts rerank requests, pairs, windows, tokens and latency per scorer, and the
-    reranker's own workers."""
+    reranker's own workers, runs (they were in no histogram) and queue (texts and tokens,
+    empty when idle)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     query, docs, _ = case
@@ -149,6 +150,9 @@ def test_metrics_count_pairs_windows_and_latency(server: ServerProc, case) -> No
     assert samples[("bgeserve_rerank_tokens_total", scorer)] > 0
     assert samples[("bgeserve_rerank_duration_seconds_count", scorer)] >= 1
     assert samples[("bgeserve_reranker_workers", "total")] == 1
+    assert samples[("bgeserve_reranker_inference_duration_seconds_count", None)] >= 1
+    assert samples[("bgeserve_reranker_queue_texts", None)] == 0
+    assert samples[("bgeserve_reranker_queue_tokens", None)] == 0
 
 
 def test_the_probe_child_measures_a_reranker(tiny_reranker_export: Path, tmp_path: Path) -> None:

@@ -91,6 +91,9 @@ class Metrics:
     def observe_rerank(self, result: RerankResult, seconds: float) -> None:
         self.rerank.observe(result, seconds)
 
+    def observe_reranker_chunk(self, stats: ChunkStats) -> None:
+        self.rerank.inference.observe(stats.seconds)
+
     def observe_http(self, route: str, status: int, seconds: float) -> None:
         self.http_requests.labels(route, str(status)).inc()
         self.http_latency.labels(route).observe(seconds)
@@ -126,6 +129,10 @@ class RerankMetrics:
                                  ["scorer"], registry=r)
         self.tokens = Counter("bgeserve_rerank_tokens", "Tokens fed to the scorer",
                               ["scorer"], registry=r)
+        # The cross-encoder's own runs (bge-m3's scores run in bge-m3's chunks, counted there).
+        self.inference = Histogram("bgeserve_reranker_inference_duration_seconds",
+                                   "session.run time per reranker chunk", buckets=_LATENCY,
+                                   registry=r)
         self.latency = Histogram("bgeserve_rerank_duration_seconds",
                                  "Rerank latency inside the service (tokenize, queue, inference)",
                                  ["scorer"], buckets=_LATENCY, registry=r)
@@ -213,6 +220,9 @@ class _StateCollector:
             yield workers
             yield GaugeMetricFamily("bgeserve_reranker_queue_tokens", "Reranker tokens waiting",
                                     value=stats["queue_tokens"])
+            yield GaugeMetricFamily("bgeserve_reranker_queue_texts",
+                                    "Reranker (query, document) windows waiting",
+                                    value=stats["queue_texts"])
         audit = getattr(service, "audit", None)
         if audit is not None:
             yield from _audit_families(audit)

@@ -170,6 +170,7 @@ class Reranking:
 
     def _on_chunk(self, stats: ChunkStats) -> None:
         self.drain.record(stats.real_tokens, stats.seconds)
+        self.metrics.observe_reranker_chunk(stats)
 
     @property
     def refused(self) -> int:
