@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from bgeserve.config import M3_MODEL_IDS, Settings
 from bgeserve.http import guards, handlers, linger, rerank, tei
-from bgeserve.http.context import RequestContext
+from bgeserve.http.context import PROBE_PATHS, RequestContext
 from bgeserve.http.errors import EXCEPTION_HANDLERS, ErrorStyle
 from bgeserve.http.guards import BearerAuth, BodyAllowance, BodyLimit, InflightLimit, Uploads
 from bgeserve.http.linger import LingeringClose
@@ -139,7 +139,7 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
                     "(BGE_M3_MAX_BODY_BYTES=%d): %.0f MiB of bodies are let in at once",
                     settings.max_inflight_mb, settings.max_body_bytes,
                     settings.inflight_limit_bytes / 2**20)
-    open_paths = {"/health", "/health/deep", "/", "/ping"}  # probes (GET), which carry no key
+    open_paths = set(PROBE_PATHS)  # probes carry no key
     if not settings.metrics_auth:
         open_paths.add("/metrics")
     middleware = [

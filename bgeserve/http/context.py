@@ -24,9 +24,11 @@ log = logging.getLogger("bgeserve.http")
 
 _HEADER = b"x-request-id"
 _VALID_ID = re.compile(r"[\x20-\x7e]{1,128}")
-# Probes and scrapes (GET): logged at debug and not counted in flight (an autoscaler reads
-# that gauge). TEI's `GET /` is a health check; its `POST /` embeds.
-_QUIET_PATHS = frozenset({"/health", "/health/deep", "/metrics", "/", "/ping"})
+# The health checks, bgeserve's and TEI's (its `GET /`; its `POST /` embeds): a GET of one
+# needs no key (app.py). With the scrapes, they are logged at debug and not counted in flight
+# (an autoscaler reads that gauge).
+PROBE_PATHS = frozenset({"/health", "/health/deep", "/", "/ping"})
+_QUIET_PATHS = PROBE_PATHS | {"/metrics"}
 
 
 def _quiet(scope: Scope) -> bool:

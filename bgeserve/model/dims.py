@@ -60,15 +60,20 @@ def model_max_seq(artifacts: ModelArtifacts) -> int | None:
         return None
 
 
-def clamp_max_seq(requested: int, artifacts: ModelArtifacts) -> int:
+def fitting_max_seq(requested: int, artifacts: ModelArtifacts) -> int:
     """``requested`` tokens per text, but no more than the model holds: a longer text would
     index past its position embeddings and fail the whole chunk."""
     held = model_max_seq(artifacts)
-    if held is not None and 2 <= held < requested:
+    return held if held is not None and 2 <= held < requested else requested
+
+
+def clamp_max_seq(requested: int, artifacts: ModelArtifacts) -> int:
+    """``fitting_max_seq``, said in the log where it cuts ``requested``."""
+    fitted = fitting_max_seq(requested, artifacts)
+    if fitted < requested:
         log.warning("max_seq %d is more than this model's %d positions hold: texts are "
-                    "truncated at %d tokens (BGE_M3_MAX_SEQ_LENGTH)", requested, held, held)
-        return held
-    return requested
+                    "truncated at %d tokens (BGE_M3_MAX_SEQ_LENGTH)", requested, fitted, fitted)
+    return fitted
 
 
 def _config_json(artifacts: ModelArtifacts) -> dict:

@@ -305,8 +305,10 @@ class Service:
         started = time.perf_counter()
         arrived = time.monotonic()  # the deadline counts tokenizing too (job.deadline)
 
-        characters = (len(inputs) if isinstance(inputs, str)
-                      else sum(len(x) for x in inputs if isinstance(x, str)))
+        characters = 0  # only counted for a request whose answer says it (timings)
+        if timings.active():
+            characters = (len(inputs) if isinstance(inputs, str)
+                          else sum(len(x) for x in inputs if isinstance(x, str)))
 
         async def run() -> Embeddings:
             nonlocal inputs

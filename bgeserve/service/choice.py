@@ -32,7 +32,7 @@ from bgeserve import runtime
 from bgeserve.config import Settings
 from bgeserve.errors import BgeServeError
 from bgeserve.model.artifacts import ModelArtifacts, export_variants, resolve
-from bgeserve.model.dims import model_dims, model_max_seq
+from bgeserve.model.dims import fitting_max_seq, model_dims
 from bgeserve.runtime.select import THIS_MACHINE, Candidate, Machine, cpu_candidates, pick
 from bgeserve.tuning import memory
 from bgeserve.tuning.budget import HEADROOM_BYTES
@@ -153,8 +153,8 @@ def choice_parts(settings: Settings,
 def workload_max_seq(settings: Settings, artifacts: Mapping[Candidate, ModelArtifacts]) -> int:
     """The longest text of the timing workload: cut to what the candidates' positions hold
     and to BGE_M3_MAX_SEQ_LENGTH, as the server cuts a text."""
-    held = [n for a in artifacts.values() if (n := model_max_seq(a)) is not None and n >= 2]
-    return min([settings.max_seq_length, *held, max(MIXED_LENGTHS)])
+    return min([max(MIXED_LENGTHS), *(fitting_max_seq(settings.max_seq_length, a)
+                                      for a in artifacts.values())])
 
 
 def chunk_tokens(settings: Settings, provider: str) -> int:

@@ -181,7 +181,6 @@ class _StateCollector:
             # 429s decided before tokenizing are the admission's, not the scheduler's; the
             # reranker's engine has its own scheduler (its 429s, drops, splits, restarts are
             # the server's too: these counters answer for every route).
-            bodies = self._metrics._bodies
             extra = collections.Counter(rejected=getattr(service, "rejected_at_admission", 0)
                                         + (bodies.refused if bodies is not None else 0))
             reranking = getattr(getattr(service, "reranking", None), "engine", None)
