@@ -208,7 +208,7 @@ def _prepare(args: argparse.Namespace) -> int:
     except BgeServeError as exc:
         print(f"bgeserve: {exc}", file=sys.stderr)
         return 2
-    setup_logging(settings.log_format, settings.log_level)
+    setup_logging(settings.log_format, settings.log_level, stderr=True)  # stdout: the path
     warn_unknown_variables(os.environ)
 
     def stop(signum: int, frame: object) -> None:
@@ -294,6 +294,12 @@ def _main(argv: list[str] | None) -> int:
         from bgeserve.bulk.main import run as bulk
 
         return bulk(args)
+    missing = _missing_export_extra() if args.command in ("export", "build-random-model") else []
+    if missing:  # a serving install: one line, not an import traceback from a child step
+        print(f"bgeserve {args.command}: needs {' and '.join(missing)}, which a serving install "
+              "leaves out: pip install -e '.[export]' (torch's CPU build: add "
+              "--extra-index-url https://download.pytorch.org/whl/cpu)", file=sys.stderr)
+        return 2
     if args.command == "export":
         from bgeserve.export.main import run
 
@@ -304,6 +310,14 @@ def _main(argv: list[str] | None) -> int:
     if args.vocab_size:
         rest += ["--vocab-size", str(args.vocab_size)]
     return build(rest)
+
+
+def _missing_export_extra() -> list[str]:
+    """The PyTorch stack ``export`` and ``build-random-model`` load, where it is not installed
+    (found without importing it: torch alone takes seconds)."""
+    import importlib.util
+
+    return [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
 
 
 if __name__ == "__main__":

@@ -59,16 +59,19 @@ class RequestIdFilter(logging.Filter):
 
 
 class Stdout(logging.StreamHandler):
-    """Writes to whatever ``sys.stdout`` is when a record is written, as the stdlib's
-    last-resort handler does for stderr: whoever swaps stdout and closes the old one (pytest's
-    capture, a notebook, a host application) gets no "I/O operation on closed file"."""
+    """Writes to whatever ``sys.stdout`` (or ``sys.stderr``) is when a record is written, as
+    the stdlib's last-resort handler does for stderr: whoever swaps it and closes the old one
+    (pytest's capture, a notebook, a host application) gets no "I/O operation on closed
+    file"."""
 
-    def __init__(self) -> None:
-        logging.Handler.__init__(self)  # not StreamHandler's: it would bind today's stdout
+    def __init__(self, name: str = "stdout") -> None:
+        logging.Handler.__init__(self)  # not StreamHandler's: it would bind today's stream
+        self.name_of_stream = name
 
     @property
     def stream(self) -> TextIO:
-        return sys.stdout
+        stream: TextIO = getattr(sys, self.name_of_stream)
+        return stream
 
 
 class Background(logging.handlers.QueueHandler):
@@ -111,14 +114,16 @@ class Background(logging.handlers.QueueHandler):
         super().close()
 
 
-def setup_logging(fmt: str = "auto", level: str = "info", *, background: bool = False) -> None:
+def setup_logging(fmt: str = "auto", level: str = "info", *, background: bool = False,
+                  stderr: bool = False) -> None:
     """Configure the root logger once (``fmt``: auto | json | text | pretty).
 
     ``background``: records are written by a thread of their own (``Background``; the server,
-    whose event loop must not wait on stdout). The one-shot commands write them in place, so
-    what they print on stdout after logging (``bgeserve prepare``'s path) comes last."""
-    use_json = fmt == "json" or (fmt == "auto" and not sys.stdout.isatty())
-    target = Stdout()
+    whose event loop must not wait on stdout). The one-shot commands write them in place.
+    ``stderr``: the log goes there (a command whose stdout is its answer: ``bgeserve prepare``
+    prints the export's directory, which ``D=$(bgeserve prepare)`` must get alone)."""
+    target = Stdout("stderr" if stderr else "stdout")
+    use_json = fmt == "json" or (fmt == "auto" and not target.stream.isatty())
     target.setFormatter(JsonFormatter() if use_json else TextFormatter())
     handler: logging.Handler = Background(target) if background else target
     handler.addFilter(RequestIdFilter())  # here: the request's context is the caller's thread

@@ -86,12 +86,12 @@ def test_a_json_file_holding_one_array_gives_its_items_as_rows(tmp_path: Path, c
         assert rows_of(source) == ([0, 1, 2, 3], ["a", "2", None, None], ["x", "y", None, None],
                                    [None, None, "not a JSON object", "no 'id'"]), name
     assert total_rows([Source(tmp_path / "b.json", "jsonl")]) is None  # not its lines
-    # No array after all (broken, or JSON lines whose first is an array), or a .jsonl file:
-    # read line by line, each bad line a bad row; nothing stops the job.
-    (tmp_path / "bad.json").write_text('[{"id": "a", "text": "x"},\n{"id": "b", "text": "y"}\n')
+    # No array after all (JSON lines whose first is an array, a '}' closing nothing), or a
+    # .jsonl file: read line by line, each bad line a bad row; nothing stops the job.
     (tmp_path / "lines.json").write_text('[1, 2]\n{"id": "b", "text": "y"}\n')
+    (tmp_path / "brace.json").write_text('[1}\n{"id": "b", "text": "y"}\n')
     (tmp_path / "lines.jsonl").write_text(json.dumps(items) + '\n{"id": "b", "text": "y"}\n')
-    for name, why in (("bad.json", "not valid JSON"), ("lines.json", "not a JSON object"),
+    for name, why in (("lines.json", "not a JSON object"), ("brace.json", "not valid JSON"),
                       ("lines.jsonl", "not a JSON object")):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="bgeserve.bulk"):
@@ -99,10 +99,46 @@ def test_a_json_file_holding_one_array_gives_its_items_as_rows(tmp_path: Path, c
                 [0, 1], [None, "b"], [None, "y"], [why, None]), name
         # where a .json file stopped being one array is said, not only its lines' errors
         said = " ".join(r.getMessage() for r in caplog.records)
-        assert {"bad.json": "ends after 1 items", "lines.json": "more after the array's end "
-                "at byte 7", "lines.jsonl": ""}[name] in said, (name, said)
+        assert {"lines.json": "more after the array's end at byte 7",
+                "brace.json": "a '}' closing nothing at byte 2", "lines.jsonl": ""}[name] in said
         assert ("starts as a JSON array" in said) == name.endswith(".json"), (name, said)
     assert rows_of(Source(tmp_path / "a.json", "jsonl"))[0] == [0, 1, 2, 3]  # as an array
+
+
+@pytest.mark.parametrize("layout", ["one line", "an item a line", "pretty"])
+def test_a_json_array_cut_short_gives_its_whole_items(layout, tmp_path: Path, caplog):
+    """An array whose file ends before it does (a copy that stopped): its whole items are
+    rows, then the item it ends with where that is whole (only the ']' missing), else one bad
+    row saying the file ends there. Read as JSON lines it lost every row (an item a line: each
+    line ends in a comma; pretty-printed: no line is an object)."""
+    items = [{"id": f"r{i}", "text": f"text {i}"} for i in range(4)]
+    if layout == "one line":
+        data = json.dumps(items)
+    elif layout == "an item a line":
+        data = "[\n" + ",\n".join(json.dumps(x) for x in items) + "\n]\n"
+    else:
+        data = json.dumps(items, indent=2)
+    last = data.rindex("{")  # where the last item starts
+    whole = data[:data.rindex("}") + 1]  # the ']' alone missing
+    cases = {"mid": (data[:last + 12], 3, "the file ends here"),  # inside the last item
+             "comma": (data[:data.rindex(",") + 1], 3, "the file ends here"),
+             "bracket": (whole, 4, None)}
+    for case, (cut, good, why) in cases.items():
+        path = tmp_path / f"{case}.json"
+        path.write_text(cut)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="bgeserve.bulk"):
+            rows, ids, texts, errors = rows_of(Source(path, "jsonl"))
+        n = good + (why is not None)
+        assert rows == list(range(n)), case
+        assert ids[:good] == [x["id"] for x in items[:good]]
+        assert texts[:good] == [x["text"] for x in items[:good]]
+        assert errors[:good] == [None] * good
+        if why is not None:
+            assert ids[good] is None and why in errors[good] and "cut short" in errors[good]
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "is a JSON array cut short" in said and "its 3 whole items are read, then " \
+            f"{'one bad row' if why else 'the item it ends with'}" in said, (case, said)
 
 
 def test_a_json_array_is_read_an_item_at_a_time(tmp_path: Path, monkeypatch):

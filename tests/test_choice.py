@@ -82,8 +82,13 @@ def test_every_candidate_that_meets_the_bar_is_timed_and_the_fastest_serves(expo
     timer = FakeTimer({"fp32": 250.0, "int8": 800.0, "bf16": 300.0})
     settings = default_settings(export, tmp_path / "cache")
     assert (settings.variant, settings.variant_choice) == ("int8", "rule")
-    decision = choice.decide(settings, tmp_path / "cache", timer=timer, machine=OPENVINO)
+    steps: list[str] = []
+    decision = choice.decide(settings, tmp_path / "cache", timer=timer, machine=OPENVINO,
+                             on_step=steps.append)
     assert sorted(spec["variant"] for spec in timer.asked) == ["bf16", "bf16", "fp32", "fp32", "int8", "int8"]
+    # /health's step says which one is being timed (it said the step before, for minutes).
+    assert steps == [f"choosing the variant: timing {spec['variant']} (pass {n} of 2)"
+                     for n, spec in zip((1, 1, 1, 2, 2, 2), timer.asked, strict=True)]
     assert timer.asked[0]["variant"] == "int8"  # the rule's pick first
     assert {s["variant"]: s["provider"] for s in timer.asked}["bf16"] == "openvino"
     assert decision.candidates == {"fp32": 250.0, "int8": 800.0, "bf16": 300.0}
@@ -329,3 +334,16 @@ def test_a_pinned_variant_this_cpu_would_saturate_is_served_with_a_warning(tmp_p
         assert (s.variant, s.variant_choice) == ("int8", "pinned")
         assert any("BGE_M3_MODEL=int8" in r.getMessage() and "VNNI" in r.getMessage()
                    for r in caplog.records) == warned
+
+
+def test_each_keys_choice_is_kept_beside_the_newest(tmp_path):
+    """Two exports (or settings) in one cache directory by turns: each finds its own measured
+    choice (the file held the newest alone, so every switch timed the candidates again)."""
+    from bgeserve.tuning.cache import Choice
+
+    store = ChoiceCache.at(tmp_path / "c")
+    first = Choice("int8", "cpu", {"int8": 800.0, "fp32": 250.0}, {})
+    second = Choice("bf16", "openvino", {"bf16": 900.0}, {"fp32": "too slow"})
+    store.save("k1", first, {"export": "one"})
+    store.save("k2", second, {"export": "two"})
+    assert (store.load("k1"), store.load("k2"), store.load("k3")) == (first, second, None)

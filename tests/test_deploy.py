@@ -19,13 +19,14 @@ from bgeserve.config import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "kubernetes"
+BASE = K8S / "base"  # the objects; K8S and K8S / "keda" are kustomizations built from it
 ECS = ROOT / "deploy" / "ecs" / "task-definition.json"
 
 
 def k8s_objects() -> dict[str, dict[str, Any]]:
-    """Every object in deploy/kubernetes/*.yaml (kustomization aside), by kind."""
+    """Every object in deploy/kubernetes/base/*.yaml (kustomization aside), by kind."""
     objects = {}
-    for path in sorted(K8S.glob("*.yaml")):
+    for path in sorted(BASE.glob("*.yaml")):
         if path.name == "kustomization.yaml":
             continue
         for doc in yaml.safe_load_all(path.read_text()):
@@ -47,9 +48,11 @@ def env_of(container: dict[str, Any], configmap: dict[str, Any]) -> dict[str, st
 
 # ------------------------------------------------------------------------------ Kubernetes
 def test_the_kustomization_lists_every_manifest():
-    """``kubectl apply -k`` applies every file in the folder."""
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    """``kubectl apply -k deploy/kubernetes`` applies the base, which lists every file in its
+    folder."""
+    assert yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"] == ["base"]
+    kustomization = yaml.safe_load((BASE / "kustomization.yaml").read_text())
+    files = {p.name for p in BASE.glob("*.yaml")} - {"kustomization.yaml"}
     assert set(kustomization["resources"]) == files
     assert set(k8s_objects()) == {"ConfigMap", "PersistentVolumeClaim", "Deployment", "Service",
                                   "HorizontalPodAutoscaler"}
@@ -283,7 +286,7 @@ def test_the_keda_overlay_scales_the_deployment_on_queued_tokens_instead_of_the_
     """The overlay adds the ScaledObject to the base and deletes the base's HPA; its first
     trigger is a Prometheus query of bgeserve_queue_tokens with the fields KEDA requires."""
     kustomization = yaml.safe_load((KEDA / "kustomization.yaml").read_text())
-    assert kustomization["resources"] == ["..", "scaledobject.yaml"]
+    assert kustomization["resources"] == ["../base", "scaledobject.yaml"]
     (patch,) = kustomization["patches"]
     deleted = yaml.safe_load(patch["patch"])
     hpa = k8s["HorizontalPodAutoscaler"]
@@ -305,11 +308,47 @@ def test_the_keda_overlay_scales_the_deployment_on_queued_tokens_instead_of_the_
         "containers"][0]["ports"][0]["containerPort"]
 
 
+def test_no_kustomization_reads_a_folder_that_holds_it():
+    """kustomize refuses a kustomization whose resources include a folder above it ("cycle
+    detected: candidate root ... contains visited root"): the KEDA overlay read ``..`` and
+    could not be applied. Each folder a kustomization reads is beside or below it."""
+    for kustomization in K8S.rglob("kustomization.yaml"):
+        here = kustomization.parent.resolve()
+        for resource in yaml.safe_load(kustomization.read_text())["resources"]:
+            target = (here / resource).resolve()
+            assert target.exists(), f"{kustomization}: {resource} does not exist"
+            assert not here.is_relative_to(target), f"{kustomization} reads {resource}, above it"
+
+
+@pytest.mark.parametrize(("folder", "kinds"), [
+    (K8S, {"ConfigMap", "PersistentVolumeClaim", "Deployment", "Service",
+           "HorizontalPodAutoscaler"}),
+    (KEDA, {"ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "ScaledObject"}),
+])
+def test_kubectl_builds_each_kustomization(folder, kinds):
+    """What ``kubectl apply -k`` would apply, built by kubectl's own kustomize where it is
+    installed: the base's objects, and the overlay's with the ScaledObject for the HPA."""
+    import shutil
+    import subprocess
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    built = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True,
+                           timeout=60, check=False)
+    assert built.returncode == 0, built.stderr
+    objects = list(yaml.safe_load_all(built.stdout))
+    assert {o["kind"] for o in objects} == kinds and len(objects) == len(kinds)
+    (dep,) = [o for o in objects if o["kind"] == "Deployment"]
+    images = {c["image"] for c in dep["spec"]["template"]["spec"]["containers"]}
+    assert images == {"registry.example.com/bgeserve:cuda"}  # the base's image in both
+
+
 def scaling_metric_names() -> set[str]:
     """Every bgeserve_* metric the manifests name (queries, and the HPA's documented
     alternative)."""
     names = set()
-    for path in [*K8S.glob("*.yaml"), *KEDA.glob("*.yaml")]:
+    for path in [*BASE.glob("*.yaml"), *KEDA.glob("*.yaml")]:
         names |= set(re.findall(r"\bbgeserve_[a-z_]+", path.read_text()))
     return names
 

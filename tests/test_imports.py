@@ -181,3 +181,23 @@ def test_serving_never_loads_torch_or_transformers():
                             text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("argv", [["build-random-model", "--out", "OUT"],
+                                  ["export", "--model", "M", "--out", "OUT"]])
+def test_commands_that_need_torch_say_which_extra_in_a_serving_install(argv, tmp_path,
+                                                                        monkeypatch, capsys):
+    """``export`` and ``build-random-model`` in an install without torch (the serving one):
+    exit 2 with the extra to install, not a 30-line traceback from a child step."""
+    import importlib.util
+
+    from bgeserve.cli import main
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else found(name, *a))
+    argv = [str(tmp_path / x) if x in ("M", "OUT") else x for x in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"bgeserve {argv[0]}: needs torch," in err and "pip install -e '.[export]'" in err
+    assert not (tmp_path / "OUT").exists()

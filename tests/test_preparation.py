@@ -38,13 +38,33 @@ from tests.serverproc import ServerProc
     ({"BGE_M3_EP": "cuda"}, "not_needed", "fp16 graph"),
     ({"BGE_M3_MODEL": "fp16"}, "not_needed", "fp16"),
 ])
-def test_starts_that_do_not_prepare_keep_their_settings(env, status, why, tmp_path) -> None:
-    """BGE_M3_PREPARE=0, a GPU EP and the fp16 variant serve as configured, saying why."""
+def test_starts_that_do_not_prepare_keep_their_settings(env, status, why, tmp_path,
+                                                        caplog) -> None:
+    """BGE_M3_PREPARE=0, a GPU EP and the fp16 variant serve as configured, saying why, in
+    /health's status and in the log."""
     s = Settings.from_env({"BGE_M3_MODEL_PATH": str(tmp_path / "nowhere"), **env})
     prep = Preparation()
 
-    assert prep.apply(s, tmp_path) is s
+    with caplog.at_level("INFO", logger="bgeserve.prepare"):
+        assert prep.apply(s, tmp_path) is s
     assert prep.status["status"] == status and why in prep.status["reason"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"serving the snapshot as it is, not prepared ({prep.status['reason']})"]
+
+
+def test_an_export_is_served_without_a_word_about_preparing(tmp_path, caplog) -> None:
+    """A `bgeserve export` has nothing to prepare: no log line says it was not."""
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "manifest.json").write_text(json.dumps({
+        "format": "bgeserve-export", "variants": {"fp32": {"path": "fp32/model.onnx"}}}))
+    s = Settings.from_env({"BGE_M3_MODEL_PATH": str(export)})
+    prep = Preparation()
+
+    with caplog.at_level("INFO", logger="bgeserve.prepare"):
+        assert prep.apply(s, tmp_path) is s
+    assert prep.status["status"] == "not_needed" and "export" in prep.status["reason"]
+    assert caplog.records == []
 
 
 @pytest.mark.parametrize(("env", "bf16", "int32", "nncf", "want"), [
@@ -177,12 +197,21 @@ def test_the_cache_is_keyed_by_the_sources_content(tmp_path, monkeypatch) -> Non
     added, _ = prep.find_or_make(tight, tmp_path / "cache", source, ["fp32", "int8", "bf16"])
     assert prep.status["status"] == "prepared" and len(calls) == 2
     assert added == first and reused[-1] == first and skips[-1] == {}
+    # Asking for fewer than it has (`prepare --variant ov-int8` after a start): what it had is
+    # asked for too (linked), not dropped from the export that replaces it.
+    fewer, _ = prep.find_or_make(s, tmp_path / "cache", source, ["fp32", "ov-int8"])
+    assert fewer == first and len(calls) == 3 and reused[-1] == first
+    assert set(json.loads((first / "manifest.json").read_text())["variants"]) == {
+        "fp32", "int8", "bf16", "ov-int8"}
+    for wanted in (["fp32", "int8"], ["fp32", "bf16"], ["fp32", "int8", "bf16", "ov-int8"]):
+        assert prep.find_or_make(s, tmp_path / "cache", source, wanted)[0] == first
+        assert prep.status["status"] == "cached" and len(calls) == 3
     (tmp_path / "src" / "model.onnx_data").write_bytes(b"x" * 64)
     changed, _ = prep.find_or_make(s, tmp_path / "cache", source, ["fp32"])
-    assert changed != first and prep.status["status"] == "prepared" and len(calls) == 3
+    assert changed != first and prep.status["status"] == "prepared" and len(calls) == 4
     assert reused[-1] is None  # a new key: nothing to reuse
     prep.find_or_make(s, tmp_path / "cache", source, ["fp32", "int8"], force=True)
-    assert len(calls) == 4 and reused[-1] is None  # forced: everything made again
+    assert len(calls) == 5 and reused[-1] is None  # forced: everything made again
 
 
 def test_a_variant_left_out_for_room_is_made_when_a_later_start_has_it(tmp_path,
@@ -354,6 +383,8 @@ def test_first_start_downloads_and_prepares_the_second_serves_from_the_cache(
     Hugging Face cache, prepares (its steps and progress in /health while loading, JSON log
     lines with bytes and step names), serves the prepared export; the second start, offline,
     serves it from ~/.cache/bgeserve in seconds."""
+    import httpx
+
     home = tmp_path / "home"
     env = {"HOME": str(home), "XDG_CACHE_HOME": "", "HF_ENDPOINT": hub_of_snapshot.url,
            "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "0",
@@ -362,6 +393,9 @@ def test_first_start_downloads_and_prepares_the_second_serves_from_the_cache(
     with ServerProc(env) as server:
         health, seen = _until_ready(server, 600)
         records = server.json_logs()
+        info = httpx.get(server.url + "/info", timeout=30).json()
+    # TEI's /info names the hub revision the prepared export was made from.
+    assert (info["model_id"], info["model_sha"]) == (BAAI_REPO, BAAI_REVISION)
     assert health["status"] == "ok", health
     model = health["model"]
     assert model["layout"] == "bgeserve" and model["prepare"]["status"] == "prepared"

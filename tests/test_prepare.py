@@ -46,6 +46,14 @@ def run_prepare(snapshot: Path, cache: Path, path: str, *args: str) -> subproces
                           capture_output=True, text=True, timeout=900, check=False)
 
 
+def exported(result: subprocess.CompletedProcess) -> Path:
+    """The directory ``bgeserve prepare`` printed: its whole stdout (the log is on stderr, so
+    ``D=$(bgeserve prepare)`` gets the path alone)."""
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1, result.stdout[-3000:]
+    return Path(lines[0])
+
+
 OV_INT8 = openvino.available() and importlib.util.find_spec("nncf") is not None
 VARIANTS = ["fp32", "int8", *(["bf16"] if openvino.available() else []),
             *(["ov-int8"] if OV_INT8 else [])]
@@ -58,7 +66,7 @@ def prepared(hub_snapshots, tmp_path_factory, no_torch_path):
     result = run_prepare(hub_snapshots["baai"], cache, no_torch_path,
                          *(x for v in VARIANTS for x in ("--variant", v)))
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
-    return Path(result.stdout.strip().splitlines()[-1]), result
+    return exported(result), result
 
 
 def test_torch_is_really_unimportable_on_the_childs_path(no_torch_path) -> None:
@@ -108,7 +116,7 @@ def test_prepare_logs_each_step_as_json(prepared) -> None:
     """Every step is a JSON log line with its name and place, and the children's own lines
     follow under the step's name."""
     _, result = prepared
-    lines = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]
+    lines = [json.loads(x) for x in result.stderr.splitlines() if x.startswith("{")]
     steps = [x["step"] for x in lines if x.get("msg", "").startswith("start-up step:")]
     names = ["graphs", *(v for v in VARIANTS if v != "fp32"), "FFN row blocks", "validation"]
     assert steps == ["hashing the model files", *(f"prepare: {n}" for n in names)]
@@ -153,13 +161,13 @@ def _inodes(root: Path, manifest: dict, variant: str) -> dict[str, int]:
 
 def _validated(result: subprocess.CompletedProcess) -> list[str]:
     """What the validation step said it validates ("int8 against the hub graph", ...)."""
-    lines = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]
+    lines = [json.loads(x) for x in result.stderr.splitlines() if x.startswith("{")]
     return [m.split("validating ", 1)[1] for x in lines if x.get("step") == "prepare: validation"
             and "validating " in (m := x.get("msg", ""))]
 
 
 def _steps(result: subprocess.CompletedProcess) -> list[str]:
-    lines = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]
+    lines = [json.loads(x) for x in result.stderr.splitlines() if x.startswith("{")]
     return [x["step"] for x in lines if x.get("msg", "").startswith("start-up step:")]
 
 
@@ -172,14 +180,14 @@ def test_a_variant_asked_for_later_is_added_and_the_others_kept(hub_snapshots, t
     cache = tmp_path / "cache"
     first = run_prepare(hub_snapshots["baai"], cache, no_torch_path, "--variant", "fp32")
     assert first.returncode == 0, first.stderr[-3000:] + first.stdout[-3000:]
-    path = Path(first.stdout.strip().splitlines()[-1])
+    path = exported(first)
     before = json.loads((path / "manifest.json").read_text())
     fp32_files = _inodes(path, before, "fp32")
 
     second = run_prepare(hub_snapshots["baai"], cache, no_torch_path,
                          "--variant", "fp32", "--variant", "int8")
     assert second.returncode == 0, second.stderr[-3000:] + second.stdout[-3000:]
-    assert Path(second.stdout.strip().splitlines()[-1]) == path
+    assert exported(second) == path
     after = json.loads((path / "manifest.json").read_text())
     assert sorted(after["variants"]) == ["fp32", "int8"]
     assert after["prepared"]["reused"] == ["fp32"]
@@ -193,11 +201,14 @@ def test_a_variant_asked_for_later_is_added_and_the_others_kept(hub_snapshots, t
         assert after["variants"][variant]["sha256"] == whole["variants"][variant]["sha256"]
     if not openvino.available():
         return
-    # bf16 on top: fp32 and int8 kept, nothing new to cut into FFN row blocks.
+    # bf16 on top, asked for without int8 (`prepare --variant bf16`): fp32 and int8 kept
+    # (int8 was dropped from the export that replaced the old one), nothing new to cut into
+    # FFN row blocks.
     int8_files = _inodes(path, after, "int8")
     third = run_prepare(hub_snapshots["baai"], cache, no_torch_path,
-                        *(x for v in ("fp32", "int8", "bf16") for x in ("--variant", v)))
+                        *(x for v in ("fp32", "bf16") for x in ("--variant", v)))
     assert third.returncode == 0, third.stderr[-3000:] + third.stdout[-3000:]
+    assert exported(third) == path
     last = json.loads((path / "manifest.json").read_text())
     assert sorted(last["variants"]) == ["bf16", "fp32", "int8"]
     assert last["prepared"]["reused"] == ["fp32", "int8"]
@@ -223,7 +234,7 @@ def test_a_xenova_snapshot_is_prepared_from_its_fp32_graph(hub_snapshots, tmp_pa
                          "--out", str(out))
 
     assert result.returncode == 0, result.stderr[-3000:]
-    assert Path(result.stdout.split()[-1]) == out  # --out: a copy outside the cache
+    assert exported(result) == out  # --out: a copy outside the cache
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["source"]["layout"] == "hidden" and list(manifest["variants"]) == ["fp32"]
     assert (out / "fp32" / "model.onnx").is_file() and (out / "tokenizer.json").is_file()

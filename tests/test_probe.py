@@ -310,12 +310,47 @@ def test_unreadable_cache_is_a_miss(cache, caplog):
     assert "cannot be read" in caplog.text
 
 
+def saved_files(cache: ProbeCache) -> list[str]:
+    """Every file under the cache's directory, temporary ones included, by relative path."""
+    root = cache.path.parent
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
 def test_save_leaves_no_temp_files(cache):
-    """Saving twice replaces the file in place; only the cache file remains."""
+    """Saving twice replaces the file in place; only the cache file and each fingerprint's
+    kept copy remain."""
     cache.save("f", FIT, PARTS, SAMPLES)
     cache.save("g", FIT, PARTS, SAMPLES)
-    assert [p.name for p in cache.path.parent.iterdir()] == [cache.path.name]
+    assert saved_files(cache) == ["probe-coefficients.d/f.json", "probe-coefficients.d/g.json",
+                                  cache.path.name]
     assert cache.load("g") == FIT
+
+
+def test_each_fingerprints_record_is_kept_beside_the_newest(cache, caplog):
+    """One cache directory, two models or variants by turns: each start finds its own fit,
+    chunk rates and run cost (the file held the newest alone, so every switch probed again);
+    a failure is counted per fingerprint; the oldest beyond KEPT_RECORDS are removed."""
+    from bgeserve.tuning import cache as cache_module
+
+    other = Fit(7.0, 8.0, 0.2, None)
+    cache.save("f", FIT, PARTS, SAMPLES, chunk_rates={4096: 900.0})
+    cache.save("g", other, PARTS, SAMPLES, chunk_rates={2048: 700.0})
+    with caplog.at_level(logging.WARNING, "bgeserve.probe"):
+        assert (cache.load("f"), cache.load("g")) == (FIT, other)
+    assert caplog.text == ""
+    assert json.loads(cache.path.read_text())["fingerprint"] == "g"  # the file: the newest
+    assert (cache.chunk_rates("f"), cache.chunk_rates("g")) == ({4096: 900.0}, {2048: 700.0})
+    cache.save_failure("h", "no fit", PARTS, SAMPLES)
+    cache.save_failure("h", "no fit", PARTS, SAMPLES)
+    assert cache.load("f") == FIT and cache.outcome("h").attempts == 2
+    with caplog.at_level(logging.WARNING, "bgeserve.probe"):
+        assert cache.load("unknown") is None
+    assert "another model" in caplog.text  # none kept: a miss that says so, as before
+    for n in range(cache_module.KEPT_RECORDS):
+        cache.save(f"n{n}", FIT, PARTS, SAMPLES)
+    kept = [p for p in saved_files(cache) if p.startswith("probe-coefficients.d/")]
+    assert len(kept) == cache_module.KEPT_RECORDS and cache.load("n0") == FIT
+    assert cache.load("f") is None  # the oldest, removed
 
 
 def test_save_to_an_unusable_directory_only_warns(tmp_path, caplog):
@@ -339,7 +374,7 @@ def test_failed_write_removes_its_temp_file(cache, caplog):
     with caplog.at_level(logging.WARNING, "bgeserve.probe"):
         cache.save("g", bad, {"x": Boom()}, [])
     assert "cannot save probe cache" in caplog.text
-    assert [p.name for p in cache.path.parent.iterdir()] == [cache.path.name]
+    assert saved_files(cache) == ["probe-coefficients.d/f.json", cache.path.name]
     assert cache.load("f") == FIT
 
 

@@ -101,15 +101,22 @@ class _Invalid(str):
 
 def _array(source: Source) -> Iterator[object] | None:
     """The items of a file that is one JSON array, one at a time, each parsed as a JSON line
-    is; None where the whole file is no JSON array (JSON lines whose first is an array, or an
-    array cut short: read line by line, its bad lines reported as bad rows). Two passes, so
-    that which reading a file gets is known before its first row: one that checks the whole
-    file is one array, then its items. Never read whole: a file of a few GB parsed whole took
-    several times its size in memory."""
+    is; None where the whole file is no JSON array (JSON lines whose first is an array: read
+    line by line, its bad lines reported as bad rows). An array cut short (a copy or download
+    that stopped) gives its whole items, then what follows them: an item where it parses (only
+    the ']' missing), else one bad row saying the file ends there; read as lines, an array
+    written one item a line lost every row to its commas, and a pretty-printed one all of them.
+    Two passes, so that which reading a file gets is known before its first row: one that
+    checks the whole file is one array, then its items. Never read whole: a file of a few GB
+    parsed whole took several times its size in memory."""
     try:
         with _open(source) as f:
             for _ in _item_bytes(f):
                 pass
+    except _CutShort as exc:
+        log.warning("%s is a JSON array cut short (%s): its %d whole items are read, then %s",
+                    source.path, exc, exc.count, "the item it ends with (only the ']' is "
+                    "missing)" if _whole_item(exc.tail) else "one bad row where it ends")
     except _NotOneArray as exc:
         log.warning("%s starts as a JSON array but is not one whole (%s): read as JSON lines, "
                     "each line a row", source.path, exc)
@@ -118,14 +125,33 @@ def _array(source: Source) -> Iterator[object] | None:
 
 
 def _items(source: Source) -> Iterator[object]:
-    """Each item of a file ``_array`` found to be one array, parsed (a bad one: why)."""
+    """Each item of a file ``_array`` found to be one array, or one cut short, parsed (a bad
+    one: why)."""
     with _open(source) as f:
-        for item in _item_bytes(f):
-            yield _parse(item) if item.strip() else _Invalid("not valid JSON")
+        try:
+            for item in _item_bytes(f):
+                yield _parse(item) if item.strip() else _Invalid("not valid JSON")
+        except _CutShort as exc:
+            yield (_parse(exc.tail) if _whole_item(exc.tail) else
+                   _Invalid("the file ends here, before its array does (cut short?)"))
+
+
+def _whole_item(tail: bytes) -> bool:
+    """Whether what a cut-short array ends with is one whole item (its ']' alone missing)."""
+    return bool(tail.strip()) and not isinstance(_parse(tail), _Invalid)
 
 
 class _NotOneArray(Exception):
     """The file is not one JSON array: bytes after its end, none, or an end missing."""
+
+
+class _CutShort(_NotOneArray):
+    """The file is one JSON array up to where it ends, before the array does: ``count`` items
+    were whole, ``tail`` is what follows the last of them."""
+
+    def __init__(self, message: str, count: int, tail: bytes):
+        super().__init__(message)
+        self.count, self.tail = count, tail
 
 
 # A string's bytes up to its closing quote, escapes skipped whole (possessive: no backtracking
@@ -204,9 +230,11 @@ def _item_bytes(f: io.BufferedIOBase) -> Iterator[bytes]:
         if started and not ended:
             item += chunk[start:]
         offset += n
+    if not started:
+        raise _NotOneArray("it holds no '['")
     if not ended:
         where = "inside a string" if in_string else f"after {count} items"
-        raise _NotOneArray(f"it ends {where}, before the array does (cut short?)")
+        raise _CutShort(f"it ends {where}, before the array does", count, bytes(item))
 
 
 def _rows(source: Source, items: Iterator[tuple[int, object]], text_column: str,

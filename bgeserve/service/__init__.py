@@ -101,7 +101,8 @@ class Service:
                 s.cache_dir, required=s.model_path is None or s.execution_provider == "tensorrt")
             s = self.settings = self.preparation.apply(s, cache_dir)
             # Neither BGE_M3_EP nor BGE_M3_MODEL set: the fastest variant measured here (cached).
-            self.choice = choice.decide(s, cache_dir, stop=self._stopping)
+            self.choice = choice.decide(s, cache_dir, stop=self._stopping,
+                                        on_step=self.progress.step)
             s = self.settings = self.choice.settings
             if self._stopping.is_set():  # stopped mid-preparation (or choice): loading a graph
                 log.info("start-up stopped: the server is shutting down")  # only delays exit

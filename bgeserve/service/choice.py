@@ -74,10 +74,12 @@ def measurable(settings: Settings) -> bool:
 
 def decide(settings: Settings, cache_dir: Path, *, timer: Timer | None = None,
            machine: Machine = THIS_MACHINE, stop: threading.Event | None = None,
-           remeasure: bool = False) -> Decision:
+           remeasure: bool = False,
+           on_step: Callable[[str], None] | None = None) -> Decision:
     """The variant that serves ``settings`` (resolved by ``plan.resolve``): measured, cached,
     or the rule's when measuring is off or impossible. ``timer`` times one candidate (default:
-    in a child process); ``remeasure`` ignores a cached choice (``bgeserve probe``)."""
+    in a child process); ``remeasure`` ignores a cached choice (``bgeserve probe``);
+    ``on_step`` hears which candidate is being timed (``/health``'s step while loading)."""
     if not measurable(settings):
         return Decision(settings)
     found, left_out = cpu_candidates(export_variants(settings.model_path), machine)
@@ -101,7 +103,8 @@ def decide(settings: Settings, cache_dir: Path, *, timer: Timer | None = None,
                  cached.provider, _rates(cached.rates))
         return Decision(_serving(settings, cached.variant, cached.provider), cached.rates,
                         cached.left_out, cached=True)
-    rates, timed_out = _time_all(settings, cache_dir, artifacts, timer or _child_timer(stop))
+    rates, timed_out = _time_all(settings, cache_dir, artifacts, timer or _child_timer(stop),
+                                 on_step or (lambda step: None))
     left_out.update(timed_out)
     if not rates:
         log.warning("variant choice: no candidate could be timed (%s); serving the rule's %s",
@@ -175,7 +178,8 @@ def memory_needed(settings: Settings, artifacts: ModelArtifacts, provider: str,
 
 def _time_all(settings: Settings, cache_dir: Path,
               artifacts: Mapping[Candidate, ModelArtifacts],
-              timer: Timer) -> tuple[dict[str, float], dict[str, str]]:
+              timer: Timer, on_step: Callable[[str], None],
+              ) -> tuple[dict[str, float], dict[str, str]]:
     """Tokens/s of each candidate that fits, one at a time (the rule's pick first), then each
     once more in the other order: the mean of its two passes."""
     available = memory.detect_available_memory(settings.available_memory_bytes).available_bytes
@@ -198,6 +202,9 @@ def _time_all(settings: Settings, cache_dir: Path,
                 "cache_dir": str(cache_dir), "chunk_tokens": chunk_tokens(settings, c.provider),
                 "max_seq": longest, "rounds": ROUNDS, "max_seconds": MAX_WARMUP_SECONDS}
         started = time.monotonic()
+        # Seconds to minutes each: /health said the step before ("hashing the model files").
+        on_step(f"choosing the variant: timing {c.variant} "
+                f"(pass {len(passes.get(c.variant, [])) + 1} of 2)")
         try:
             answer = timer(spec)
         except ChildDied as exc:

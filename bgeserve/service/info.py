@@ -31,7 +31,8 @@ def model_info(service: Service) -> ModelInfo:
     assert service.artifacts is not None
     variant = service.artifacts.variant
     max_chunk = engine.config.scheduler.max_chunk
-    hub = HUB_SOURCES.get(variant) if s.model_path is None else None
+    # A preparation serves its own export (a model path) made from the hub's fp32 graph.
+    hub = HUB_SOURCES.get(variant) if s.model_path is None else service.preparation.hub
     # A text longer than the chunk-token cap runs alone, so a run can hold max_seq tokens.
     batch_tokens = max(engine.max_chunk_tokens or s.max_seq_length * max_chunk,
                        s.max_seq_length)

@@ -28,7 +28,7 @@ from typing import Any
 
 from bgeserve.config import Settings
 from bgeserve.errors import ModelUnavailable
-from bgeserve.model.artifacts import export_variants, resolve
+from bgeserve.model.artifacts import HUB_SOURCES, HubSource, export_variants, resolve
 from bgeserve.model.prepared import (
     PreparedStore,
     PrepareSource,
@@ -51,6 +51,9 @@ class Preparation:
     def __init__(self, progress: Progress | None = None):
         self.progress = progress or Progress()
         self.status: dict[str, Any] = {"status": "not_run"}
+        # The hub graph a served preparation was made from (the model downloaded, not a
+        # BGE_M3_MODEL_PATH): /info's model_id and model_sha.
+        self.hub: HubSource | None = None
         # The prepare child now running and the directory it builds in, for ``stop``.
         self._guard = threading.Lock()
         self._child: subprocess.Popen[str] | None = None
@@ -93,6 +96,8 @@ class Preparation:
         if reason is not None:
             self.status = {"status": "disabled" if not s.prepare else "not_needed",
                            "reason": reason}
+            if not prepare_plan.is_export(s):  # a snapshot served as it is: the log says so
+                log.info("serving the snapshot as it is, not prepared (%s)", reason)
             return s
         try:
             art = resolve(model_path=s.model_path, variant="fp32", cache_dir=cache_dir,
@@ -121,6 +126,7 @@ class Preparation:
             self._fallback("skipped", f"BGE_M3_MODEL={s.variant} was not prepared ({why})")
             return s
         self.status.update(path=str(prepared), variants=sorted(variants))
+        self.hub = HUB_SOURCES["fp32"] if s.model_path is None else None
         chosen = dataclasses.replace(s, model_path=prepared)
         if choose:  # the rule again, now over the prepared export's variants
             chosen = plan.resolve(dataclasses.replace(chosen, variant_choice=""))
@@ -184,8 +190,12 @@ class Preparation:
                      f"; {', '.join(sorted(have))} kept from {reuse}" if have else "",
                      store.path(key))
             staged = store.staging(key)
+            # What the earlier export has is asked for too: the new one replaces it whole, so
+            # a variant left out of ``wanted`` (`prepare --variant bf16` after a start that
+            # made int8) would be dropped, and made again (minutes, GiBs) by the next start.
+            asked = [*wanted, *sorted(have - set(wanted))]
             try:
-                outcome = run_recipe(source, staged, wanted, skip=skip, hashes=digests,
+                outcome = run_recipe(source, staged, asked, skip=skip, hashes=digests,
                                      weights=encoding, progress=self.progress, reuse=reuse,
                                      on_start=lambda child: self._started(child, staged))
             except Exception as exc:

@@ -67,9 +67,14 @@ def not_needed(s: Settings) -> str | None:
         return f"BGE_M3_EP={s.execution_provider} serves the hub's fp16 graph"
     if s.variant == "fp16":
         return "BGE_M3_MODEL=fp16 is the hub's own graph"
-    if s.model_path is not None and export_variants(s.model_path):
+    if is_export(s):
         return "BGE_M3_MODEL_PATH is a `bgeserve export` already"
     return None
+
+
+def is_export(s: Settings) -> bool:
+    """Whether ``s`` serves a `bgeserve export` (nothing to prepare) rather than a snapshot."""
+    return s.model_path is not None and bool(export_variants(s.model_path))
 
 
 def wanted(s: Settings) -> list[str]:

@@ -31,6 +31,27 @@ logger = logging.getLogger("bgeserve.probe")
 # 5: the run cost carries what a new shape costs (engine/shapes.py).
 PROBE_SCHEMA = 5
 CACHE_FILE = "probe-coefficients.json"  # in BGE_M3_CACHE_DIR
+# Records of other fingerprints (keys) kept beside the newest, each under its own name in a
+# folder beside the file: one cache directory serving several models or variants by turns (a
+# server and a `bgeserve bulk` job of another variant, `BGE_M3_MODEL` switched back and forth,
+# replicas of other settings on one volume) re-measured at every switch when the file held one.
+KEPT_RECORDS = 16
+_OTHER = "was made for another model, runtime or configuration"
+
+
+def kept_path(path: Path, key: str) -> Path:
+    """Where the record of ``key`` is kept beside ``path`` (the newest record's file)."""
+    return path.with_name(f"{path.stem}.d") / f"{key}.json"
+
+
+def _read_kept(path: Path, key: str) -> str | None:
+    """The text of ``key``'s kept record, None where there is none (or it cannot be read)."""
+    if not key or "/" in key or key.startswith("."):  # a name in the folder, nothing else
+        return None
+    try:
+        return kept_path(path, key).read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def fingerprint(parts: Mapping[str, str | int | float]) -> str:
@@ -80,7 +101,7 @@ def _parse_record(text: str, fingerprint: str) -> Fit | Failure | str:
     if data.get("schema") != PROBE_SCHEMA:
         return f"has probe schema {data.get('schema')!r}, expected {PROBE_SCHEMA}"
     if data.get("fingerprint") != fingerprint:
-        return "was made for another model, runtime or configuration"
+        return _OTHER
     if "failed" in data:
         return _parse_failure(data)
     a, b = _coefficient(data.get("a")), _coefficient(data.get("b"))
@@ -123,6 +144,9 @@ class ProbeCache:
             reason: Fit | Failure | str = f"cannot be read ({exc})"
         else:
             reason = _parse_record(text, fingerprint)
+            kept = _read_kept(self.path, fingerprint) if reason == _OTHER else None
+            if kept is not None:  # the newest is another's: this fingerprint's own record
+                reason = _parse_record(kept, fingerprint)
         if not isinstance(reason, str):
             return reason
         logger.warning("probe cache %s %s; ignoring it and probing again", self.path, reason)
@@ -144,12 +168,13 @@ class ProbeCache:
 
     def _saved(self, fingerprint: str) -> dict:
         """The record saved with ``fingerprint``'s fit; {} if none can be read."""
-        try:
-            record = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        if isinstance(record, dict) and record.get("fingerprint") == fingerprint:
-            return record
+        for text in (_read_text(self.path), _read_kept(self.path, fingerprint)):
+            try:
+                record = json.loads(text or "")
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("fingerprint") == fingerprint:
+                return record
         return {}
 
     def chunk_rates(self, fingerprint: str) -> dict[int, float]:
@@ -186,7 +211,30 @@ class ProbeCache:
         })
 
     def _write(self, record: Mapping[str, object]) -> None:
-        write_atomic(self.path, record)
+        write_keyed(self.path, str(record["fingerprint"]), record)
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def write_keyed(path: Path, key: str, record: Mapping[str, object]) -> None:
+    """``record`` at ``path`` (the newest) and kept under ``key`` beside it, the oldest kept
+    records beyond ``KEPT_RECORDS`` removed; a failure only logs, as ``write_atomic``'s."""
+    write_atomic(path, record)
+    if not key or "/" in key or key.startswith("."):
+        return
+    folder = kept_path(path, key).parent
+    write_atomic(kept_path(path, key), record)
+    try:
+        kept = sorted(folder.glob("*.json"), key=lambda p: (p.stat().st_mtime_ns, p.name))
+        for old in kept[:-KEPT_RECORDS]:
+            old.unlink(missing_ok=True)
+    except OSError as exc:  # another process pruning at once, say: the next save prunes
+        logger.debug("cannot prune %s (%s)", folder, exc)
 
 
 def write_atomic(path: Path, record: Mapping[str, object]) -> None:
@@ -249,6 +297,11 @@ class ChoiceCache:
             logger.warning("variant choice %s cannot be read (%s); measuring again", self.path,
                            exc)
             return None
+        if isinstance(data, dict) and data.get("key") != key:  # another's: this key's own
+            try:
+                data = json.loads(_read_kept(self.path, key) or "null")
+            except ValueError:
+                data = None
         if not isinstance(data, dict) or data.get("key") != key:
             return None
         variant, provider, rates = data.get("variant"), data.get("provider"), data.get("rates")
@@ -266,5 +319,5 @@ class ChoiceCache:
         return Choice(variant, provider, clean, {str(k): str(v) for k, v in left_out.items()})
 
     def save(self, key: str, choice: Choice, parts: Mapping[str, object]) -> None:
-        write_atomic(self.path, {"key": key, **asdict(choice), "parts": dict(parts),
-                                 "measured_at_unix": int(time.time())})
+        write_keyed(self.path, key, {"key": key, **asdict(choice), "parts": dict(parts),
+                                     "measured_at_unix": int(time.time())})
