@@ -19,7 +19,8 @@ case "$host" in
   *:*) case "$host" in "["*) ;; *) host="[$host]" ;; esac ;;  # a bare IPv6 literal
 esac
 scheme="http"
-[ -n "${BGE_M3_TLS_CERT_FILE:-}" ] && scheme="https"
+# BGE_M3_TLS_CERT_PATH: the reference server's name, which bgeserve reads as the same.
+[ -n "${BGE_M3_TLS_CERT_FILE:-}${BGE_M3_TLS_CERT_PATH:-}" ] && scheme="https"
 url="${scheme}://${host}:${port}/health"
 timeout="${HEALTHCHECK_TIMEOUT:-3}"
 cert="${HEALTHCHECK_CERT_FILE:-}"

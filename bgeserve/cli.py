@@ -42,9 +42,11 @@ def _serve(args: argparse.Namespace) -> int:
     from bgeserve.tuning import memory
 
     try:
-        settings = Settings.from_env(os.environ)
-        if args.bind:  # checked as BGE_M3_BIND is (it was taken as given: a traceback)
-            settings = dataclasses.replace(settings, bind=parse_bind("--bind", args.bind))
+        environ = dict(os.environ)
+        if args.bind:  # checked as BGE_M3_BIND is (it was taken as given: a traceback), and
+            # in its place: a bad BGE_M3_BIND it overrides is no reason to refuse to start
+            environ["BGE_M3_BIND"] = parse_bind("--bind", args.bind)
+        settings = Settings.from_env(environ)
     except BgeServeError as exc:
         print(f"bgeserve: {exc}", file=sys.stderr)
         return 2
@@ -56,6 +58,12 @@ def _serve(args: argparse.Namespace) -> int:
         settings = plan.resolve(settings)
     except BgeServeError as exc:
         print(f"bgeserve: {exc}", file=sys.stderr)
+        return 2
+    if settings.model_path is not None and not settings.model_path.exists():
+        # Found by the loader only after the port was bound (exit 3, the reason in the log):
+        # a path that is not there cannot appear while the server waits.
+        print(f"bgeserve: model directory {settings.model_path} (BGE_M3_MODEL_PATH) does not "
+              "exist", file=sys.stderr)
         return 2
     if settings.max_inflight_mb is None:
         settings = dataclasses.replace(settings, max_inflight_mb=inflight_mb(settings))
@@ -127,6 +135,8 @@ def _serve(args: argparse.Namespace) -> int:
               "see the error above", file=sys.stderr)
     else:
         code = 3 if service.fatal_error is not None else 0
+        if service.fatal_error is not None:  # the log has it too; stderr is where people look
+            print(f"bgeserve: start-up failed: {service.fatal_error}", file=sys.stderr)
     # A preparation still running (stopped mid-start) lives in processes of its own, which the
     # exit below would leave running: they end with the server (Service.stop does it too, when
     # the lifespan got as far as stopping the service).

@@ -47,23 +47,37 @@ def _bool(name: str, raw: str) -> bool:
     raise ConfigError(f"{name}={raw!r} is not a boolean; use 1/true/yes or 0/false/no", param=name)
 
 
+# The largest integer a setting may hold: every JSON reader keeps it exact, and /health,
+# /info and /openapi.json write them (orjson refuses 2**64 and up: each poll was a 500).
+MAX_INT = 2**53
+
+
 def _number(cast: Callable[[str], T], lo: float | None = None, hi: float | None = None):
+    if cast is int and hi is None:
+        hi = MAX_INT
+    bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+
     def parse(name: str, raw: str) -> T:
+        text = raw.strip()
         try:
-            value = cast(raw.strip())
+            # int() and float() also take "1_0" and other scripts' digits ("٢"): not numbers
+            # anyone writes in a variable on purpose.
+            if not text.isascii() or "_" in text:
+                raise ValueError(text)
+            value = cast(text)
         except ValueError:
             raise ConfigError(
-                f"{name}={raw!r} is not a valid {cast.__name__}", param=name
+                f"{name}={raw!r} is not a valid {cast.__name__} in {bounds}", param=name
             ) from None
         # nan slips through every range check; inf crashes later (int(inf), Condition.wait(inf)).
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{name}={raw!r} is not a finite number", param=name)
         # T is int or float here (the casts _number is used with); mypy cannot see that.
         if (lo is not None and value < lo) or (hi is not None and value > hi):  # type: ignore[operator]
-            bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
             raise ConfigError(f"{name}={raw!r} is out of range {bounds}", param=name)
         return value
 
+    parse.allowed = bounds  # type: ignore[attr-defined]  # `serve --help` shows it
     return parse
 
 
@@ -85,6 +99,7 @@ def _choice(*allowed: str):
             raise ConfigError(f"{name}={raw!r} must be one of {', '.join(allowed)}", param=name)
         return value
 
+    parse.allowed = "|".join(allowed)  # type: ignore[attr-defined]  # `serve --help` shows it
     return parse
 
 
@@ -132,7 +147,7 @@ class Settings:
         "BGE_M3_MODEL_PATH", _path, None,
         "local model directory: a `bgeserve export` or a Hugging Face snapshot")
     variant: str = _var("BGE_M3_MODEL", _choice(*VARIANTS), "fp32",
-                        "model variant: fp32|fp16|int8|bf16|ov-int8 (bf16, ov-int8: OpenVINO; "
+                        "model variant (bf16, ov-int8: OpenVINO; "
                         "unset: the fastest keeping dense cos >= 0.999 here, see "
                         "runtime/select.py)")
     cache_dir: Path = _var("BGE_M3_CACHE_DIR", _path, Path("~/.cache/bgeserve"),
@@ -187,8 +202,10 @@ class Settings:
                                      "conservative cost model, no probe")
     disable_probe_cache: bool = _var("BGE_M3_DISABLE_PROBE_CACHE", _bool, False,
                                      "always probe; never read or write the cache")
-    onnx_batch_size: int | None = _var("BGE_M3_ONNX_BATCH_SIZE", _number(int, 1), None,
-                                       "deprecated: translated to BGE_M3_TOKEN_BUDGET")
+    onnx_batch_size: int | None = _var("BGE_M3_ONNX_BATCH_SIZE", _number(int, 1, 4096), None,
+                                       "deprecated: translated to BGE_M3_TOKEN_BUDGET (the "
+                                       "workspace of that many 512-token texts) and "
+                                       "BGE_M3_MAX_CHUNK; either, set, wins")
     # http
     bind: str = _var("BGE_M3_BIND", parse_bind, "0.0.0.0:8081", "HOST:PORT to listen on")
     max_batch: int = _var("BGE_M3_MAX_BATCH", _number(int, 1, 100_000), 2048,
@@ -201,12 +218,13 @@ class Settings:
     max_text_chars: int = _var("BGE_M3_MAX_TEXT_CHARS", _number(int, 1), 131_072,
                                "characters of a text tokenized whole (a longer one truncated "
                                "from the right keeps its leading words, where exact)")
-    max_colbert_mb: int | None = _var("BGE_M3_MAX_COLBERT_MB", _number(int, 1), None,
+    max_colbert_mb: int | None = _var("BGE_M3_MAX_COLBERT_MB", _number(int, 1, MAX_INT >> 20),
+                                      None,
                                       "ColBERT output (float32 MiB) of a request before 413, "
                                       "and of the requests in progress together (others wait)"
                                       " (unset: 1/20 of the memory, <= 512)")
     max_inflight_mb: int | None = _var(
-        "BGE_M3_MAX_INFLIGHT_MB", _number(int, 1), None,
+        "BGE_M3_MAX_INFLIGHT_MB", _number(int, 1, MAX_INT >> 20), None,
         "MiB of request bodies in progress before 429 (unset: 1/8 of the memory, <= 512; "
         "never below BGE_M3_MAX_BODY_BYTES, so the largest body always fits)")
     api_keys: tuple[str, ...] = _var("BGE_M3_API_KEY", _keys, (),
@@ -250,8 +268,8 @@ class Settings:
                         "load BAAI/bge-reranker-v2-m3 (pinned commit, its hub ONNX graph) beside "
                         "bge-m3 when BGE_M3_RERANK_MODEL_PATH is unset")
     rerank_variant: str = _var("BGE_M3_RERANK_VARIANT", _choice(*VARIANTS), "fp32",
-                               "the reranker's variant: fp32|fp16|int8|bf16 (int8 moves "
-                               "rankings: docs/rerank.md)")
+                               "the reranker's variant (int8 moves rankings: "
+                               "docs/rerank.md)")
     rerank_max_length: int = _var("BGE_M3_RERANK_MAX_LENGTH", _number(int, 16, MAX_POSITIONS),
                                   MAX_POSITIONS, "tokens per (query, document) pair or window, "
                                   "special tokens included")
@@ -267,7 +285,8 @@ class Settings:
                                       0.5, "the reranker's share of the memory both models "
                                       "leave free (workspace for its windows)")
     # operations
-    log_format: str = _var("BGE_M3_LOG_FORMAT", _choice(*LOG_FORMATS), "auto", "json|text|auto")
+    log_format: str = _var("BGE_M3_LOG_FORMAT", _choice(*LOG_FORMATS), "auto",
+                           "log lines (auto: json when stdout is not a terminal)")
     log_level: str = _var("BGE_M3_LOG_LEVEL", _choice("debug", "info", "warning", "error"),
                           "info", "log level")
     heartbeat_secs: float = _var("BGE_M3_HEARTBEAT_SECS", _SECONDS, 60.0,
@@ -278,7 +297,9 @@ class Settings:
     gpu_vram_budget_bytes: int | None = _var("BGE_M3_GPU_VRAM_BUDGET_BYTES", _number(int, 1),
                                              None, "workspace ceiling on GPU EPs")
     trt_warmup_shapes: str = _var("BGE_M3_TRT_WARMUP_SHAPES", _text, "",
-                                  "BxL,BxL shapes to pre-build (tensorrt)")
+                                  "BxL,BxL shapes to pre-build (tensorrt; unset: 24 shapes, "
+                                  "1-32 texts x 128-8192 tokens, those past "
+                                  "BGE_M3_MAX_SEQ_LENGTH left out)")
     warmup_only: bool = _var("BGE_M3_WARMUP_ONLY", _bool, False,
                              "build TensorRT engines, then exit")
     allow_cpu_fallback: bool = _var("BGE_M3_ALLOW_CPU_FALLBACK", _bool, False,
@@ -292,7 +313,7 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """Parse every known variable from ``environ`` (default ``os.environ``)."""
-        environ = os.environ if environ is None else environ
+        environ = _reference_names_read(os.environ if environ is None else environ)
         values: dict[str, Any] = {}
         given = set()
         for f in _env_fields(cls):
@@ -373,6 +394,8 @@ class Settings:
             # A doc that says what unset means already says the default ("(default: fp32)"
             # after "unset: the fastest ..." read as if fp32 were served when unset).
             default = "" if SAYS_DEFAULT.search(doc) else f" (default: {f.default})"
+            allowed = getattr(f.metadata["parse"], "allowed", None)
+            doc = f"{doc} {allowed}" if allowed else doc  # a range [lo, hi] or the choices
             lines.append(f"  {f.metadata['env']:<34} {doc}{default}")
         return "\n".join(lines)
 
@@ -382,13 +405,58 @@ def _env_fields(cls: Any) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if "env" in f.metadata]
 
 
+# The reference server's names for settings bgeserve names otherwise (SPEC §7: a drop-in).
+# Its TLS pair was ignored with a warning: the server then served plain HTTP.
+REFERENCE_NAMES = {"BGE_M3_TLS_CERT_PATH": "BGE_M3_TLS_CERT_FILE",
+                   "BGE_M3_TLS_KEY_PATH": "BGE_M3_TLS_KEY_FILE"}
+
+
+def _reference_names_read(environ: Mapping[str, str]) -> Mapping[str, str]:
+    """``environ`` with each reference name's value under bgeserve's name (ConfigError where
+    both are set to different values)."""
+    given = {old: new for old, new in REFERENCE_NAMES.items() if old in environ}
+    if not given:
+        return environ
+    out = dict(environ)
+    for old, new in given.items():
+        if new in environ and environ[new].strip() != environ[old].strip():
+            raise ConfigError(f"{old} (the reference server's name) and {new} are both set, "
+                              "to different files: set one", param=new)
+        out[new] = environ[old]
+    return out
+
+
+def setting_notes(environ: Mapping[str, str]) -> list[str]:
+    """A line for each setting given in a way worth a word: a reference name read as
+    bgeserve's, the deprecated BGE_M3_ONNX_BATCH_SIZE (and which of the settings it stands
+    for wins), an API key variable that holds no key."""
+    lines = [f"{old} (the reference server's name) is read as {new}"
+             for old, new in REFERENCE_NAMES.items() if old in environ]
+    batch = environ.get("BGE_M3_ONNX_BATCH_SIZE", "").strip()
+    if batch:
+        stands = {"BGE_M3_TOKEN_BUDGET": f"the workspace of {batch} 512-token texts",
+                  "BGE_M3_MAX_CHUNK": f"{batch} texts per run"}
+        parts = [f"{name} is set and wins over it" if environ.get(name, "").strip()
+                 else f"read as {name} ({what})" for name, what in stands.items()]
+        lines.append(f"BGE_M3_ONNX_BATCH_SIZE={batch} is deprecated: {'; '.join(parts)}")
+    for f in _env_fields(Settings):  # VAR= (a template's empty slot): the default, said
+        raw = environ.get(f.metadata["env"])
+        if raw is not None and not raw.strip() and f.type not in ("str", "tuple[str, ...]"):
+            lines.append(f"{f.metadata['env']} is set but empty: its default is used")
+    if "BGE_M3_API_KEY" in environ and not _keys("BGE_M3_API_KEY", environ["BGE_M3_API_KEY"]):
+        lines.append("BGE_M3_API_KEY is set but holds no key: requests need none (unset it, "
+                     "or give it the keys)")
+    return lines
+
+
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     """A line for each ``BGE_M3_*`` variable that is no setting (a misspelt one was ignored
     without a word: two letters swapped in BGE_M3_MAX_SEQ_LENGTH served 8,192-token texts),
     with the closest real name."""
     known = [f.metadata["env"] for f in _env_fields(Settings)]
     lines = []
-    for name in sorted(n for n in environ if n.startswith("BGE_M3_") and n not in known):
+    for name in sorted(n for n in environ if n.startswith("BGE_M3_") and n not in known
+                       and n not in REFERENCE_NAMES):
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
         hint = f"; did you mean {close[0]}?" if close else ""
         lines.append(f"{name} is not a bgeserve setting and is ignored{hint}")
@@ -396,6 +464,7 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
 
 
 def warn_unknown_variables(environ: Mapping[str, str]) -> None:
-    """Log ``unknown_variables`` as warnings (the commands call it once logging is set up)."""
-    for line in unknown_variables(environ):
+    """Log ``unknown_variables`` and ``setting_notes`` as warnings (the commands call it once
+    logging is set up; a DeprecationWarning alone is hidden by Python's default filters)."""
+    for line in [*unknown_variables(environ), *setting_notes(environ)]:
         logging.getLogger("bgeserve").warning("%s", line)

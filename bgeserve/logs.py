@@ -40,13 +40,29 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
+    """A line a person reads: time, level, logger, message, then the ``extra`` fields JSON
+    lines carry as ``key=value`` (the heartbeat's RSS, workers and queue were in JSON only:
+    "heartbeat" alone), then the request id. A traceback follows on its own lines."""
+
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
 
-    def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        text = super().formatMessage(record)
+        extras = [f"{key}={_text_value(value)}" for key, value in vars(record).items()
+                  if key not in _STD and key != "request_id" and value is not None]
         rid = getattr(record, "request_id", None)
-        return f"{text} [{rid}]" if rid else text
+        return " ".join([text, *extras, *([f"[{rid}]"] if rid else [])])
+
+
+def _text_value(value: object) -> str:
+    """A field as ``key=value`` shows it: strings as they are (quoted where they hold a
+    space), numbers as written, anything else as its JSON."""
+    if isinstance(value, str):
+        return orjson.dumps(value).decode() if not value or " " in value else value
+    if isinstance(value, bool | int | float):
+        return str(value)
+    return orjson.dumps(value, default=str).decode()
 
 
 class RequestIdFilter(logging.Filter):

@@ -347,3 +347,17 @@ def test_each_keys_choice_is_kept_beside_the_newest(tmp_path):
     store.save("k1", first, {"export": "one"})
     store.save("k2", second, {"export": "two"})
     assert (store.load("k1"), store.load("k2"), store.load("k3")) == (first, second, None)
+
+
+def test_a_timing_stopped_by_a_signal_is_not_kept(export, tmp_path):
+    """A timing process ended by SIGTERM (the server's process group stopped) leaves its
+    candidate out for no reason of its own: the choice serves this start but is not kept, so
+    the next start times every candidate again (kept, it left bf16 out for good)."""
+    from bgeserve.tuning.child import ChildStopped
+
+    timer = FakeTimer({"fp32": 250.0, "int8": 800.0,
+                       "bf16": ChildStopped("on SIGTERM, asked to stop")})
+    settings = default_settings(export, tmp_path / "c")
+    decision = choice.decide(settings, tmp_path / "c", timer=timer, machine=OPENVINO)
+    assert decision.settings.variant == "int8" and "SIGTERM" in decision.left_out["bf16"]
+    assert ChoiceCache.at(tmp_path / "c").path.exists() is False

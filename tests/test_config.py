@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bgeserve.config import Settings
+from bgeserve.config import REFERENCE_NAMES, Settings
 from bgeserve.errors import ConfigError
 
 PACKAGE = Path(__file__).resolve().parents[1] / "bgeserve"
@@ -348,6 +348,11 @@ def test_help_text_lists_every_variable_with_its_default():
     assert by_name["BGE_M3_TRUNCATE"].endswith("(default: True)")
     assert by_name["BGE_M3_RERANK"].endswith("(default: False)")
     assert by_name["BGE_M3_WORKERS"].endswith("(default: 1)")
+    # what a value may be: a number's range, a choice's values (pretty was missing)
+    assert "[1, 256] (default: 1)" in by_name["BGE_M3_WORKERS"]
+    assert "auto|json|text|pretty" in by_name["BGE_M3_LOG_FORMAT"]
+    assert "fp32|fp16|int8|bf16|ov-int8" in by_name["BGE_M3_RERANK_VARIANT"]
+    assert "[0.1, 1.0]" in by_name["BGE_M3_MEMORY_SAFETY_FACTOR"]
 
 
 def test_every_variable_the_code_mentions_exists():
@@ -355,7 +360,7 @@ def test_every_variable_the_code_mentions_exists():
     mentioned = set()
     for path in PACKAGE.rglob("*.py"):
         mentioned |= set(re.findall(r"BGE_M3_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
-    assert mentioned - set(ENV) == set()
+    assert mentioned - set(ENV) == set(REFERENCE_NAMES)  # read as bgeserve's own
 
 
 @pytest.mark.parametrize("command", ["serve", "probe", "prepare"])
@@ -445,3 +450,121 @@ def test_unknown_bge_m3_variables_are_named_with_the_closest_setting(caplog):
         warn_unknown_variables(environ)
     assert [r.getMessage() for r in caplog.records] == unknown_variables(environ)
     assert unknown_variables({"BGE_M3_MODEL": "fp32", "HOME": "/root"}) == []
+
+
+def test_bind_flag_overrides_a_bad_bge_m3_bind(monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture) -> None:
+    """``--bind`` takes BGE_M3_BIND's place: a bad value of the variable it overrides was
+    refused ("BGE_M3_BIND='garbage' must be HOST:PORT") before the flag was read."""
+    import socket
+
+    from bgeserve import service
+    from bgeserve.cli import main
+
+    monkeypatch.setattr(service, "Service", None)  # never reached: the port is taken
+    monkeypatch.setenv("BGE_M3_BIND", "garbage")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        bind = f"127.0.0.1:{held.getsockname()[1]}"
+        assert main(["serve", "--bind", bind]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on {bind}" in err and "garbage" not in err
+
+
+@pytest.mark.parametrize("var", ["BGE_M3_TOKEN_BUDGET", "BGE_M3_AVAILABLE_MEMORY_BYTES",
+                                 "BGE_M3_MAX_BODY_BYTES", "BGE_M3_MAX_CHUNK_TOKENS",
+                                 "BGE_M3_MAX_QUEUE_TOKENS", "BGE_M3_GPU_VRAM_BUDGET_BYTES"])
+def test_integers_past_what_json_keeps_are_refused_with_the_range(var):
+    """2**64 was taken: /health, /info and /openapi.json write these, orjson refuses integers
+    of 64 bits and more, and every poll was a 500 (a container's health check never passed)."""
+    import orjson
+
+    from bgeserve.config import MAX_INT
+
+    assert getattr(parse(**{var: str(MAX_INT)}), ENV[var].name) == MAX_INT
+    error = refuse({var: str(2**64)})
+    assert "out of range [" in error.message and f"{MAX_INT}]" in error.message
+    orjson.dumps(MAX_INT)  # what a setting may hold, JSON writes
+
+
+@pytest.mark.parametrize(("var", "raw"), [("BGE_M3_MAX_INFLIGHT_MB", str(2**44)),
+                                          ("BGE_M3_MAX_COLBERT_MB", str(2**44)),
+                                          ("BGE_M3_ONNX_BATCH_SIZE", "4097")])
+def test_counts_multiplied_later_are_bounded_where_they_are_read(var, raw):
+    """MiB are shifted into bytes, ONNX_BATCH_SIZE multiplied into a budget: bounded so the
+    product stays one JSON keeps (ONNX_BATCH_SIZE as BGE_M3_MAX_CHUNK is, which it stands
+    for)."""
+    assert "out of range" in refuse({var: raw}).message
+
+
+@pytest.mark.parametrize("raw", ["1_0", "\u0662", "\uff18", "1_000"])
+def test_numbers_are_plain_ascii_digits(raw):
+    """int() takes "1_0" (10) and other scripts' digits ("٢" is 2): refused, with the range."""
+    error = refuse({"BGE_M3_WORKERS": raw})
+    assert "is not a valid int in [1, 256]" in error.message
+    assert "is not a valid float in [0.1, 1.0]" in refuse(
+        {"BGE_M3_MEMORY_SAFETY_FACTOR": "0_5"}).message
+
+
+def test_the_reference_servers_tls_names_are_read_as_bgeserves():
+    """BGE_M3_TLS_CERT_PATH / _KEY_PATH (the reference server's names) were ignored with a
+    warning and the server served plain HTTP: they are read as *_FILE, said in the log, and
+    both names set to different files is refused."""
+    from bgeserve.config import setting_notes, unknown_variables
+
+    env = {"BGE_M3_TLS_CERT_PATH": "/tls/c.pem", "BGE_M3_TLS_KEY_PATH": "/tls/k.pem"}
+    s = Settings.from_env(env)
+    assert (s.tls_cert_file, s.tls_key_file) == (Path("/tls/c.pem"), Path("/tls/k.pem"))
+    assert s.is_explicit("BGE_M3_TLS_CERT_FILE")
+    assert unknown_variables(env) == []
+    assert setting_notes(env) == [
+        "BGE_M3_TLS_CERT_PATH (the reference server's name) is read as BGE_M3_TLS_CERT_FILE",
+        "BGE_M3_TLS_KEY_PATH (the reference server's name) is read as BGE_M3_TLS_KEY_FILE"]
+    assert Settings.from_env({**env, "BGE_M3_TLS_CERT_FILE": "/tls/c.pem"}).tls_cert_file == \
+        Path("/tls/c.pem")
+    refuse({**env, "BGE_M3_TLS_CERT_FILE": "/other.pem"}, var="BGE_M3_TLS_CERT_FILE")
+    refuse({"BGE_M3_TLS_KEY_PATH": "/tls/k.pem"}, var="BGE_M3_TLS_KEY_FILE")  # needs a cert
+
+
+def test_onnx_batch_size_says_what_it_stands_for_and_what_wins(caplog):
+    """BGE_M3_ONNX_BATCH_SIZE stands for a budget and a chunk cap: each of the two settings it
+    replaces, set, wins (BGE_M3_MAX_CHUNK lost without a word), and the log says which (the
+    DeprecationWarning alone is hidden by Python's default filters)."""
+    import logging
+
+    from bgeserve.config import setting_notes, warn_unknown_variables
+    from bgeserve.service.plan import profile_max_batch
+
+    with pytest.warns(DeprecationWarning):
+        alone = parse(BGE_M3_ONNX_BATCH_SIZE="16")
+    with pytest.warns(DeprecationWarning):
+        capped = parse(BGE_M3_ONNX_BATCH_SIZE="16", BGE_M3_MAX_CHUNK="4")
+    assert (profile_max_batch(alone), profile_max_batch(capped)) == (16, 4)
+    assert setting_notes({"BGE_M3_ONNX_BATCH_SIZE": "16"}) == [
+        ("BGE_M3_ONNX_BATCH_SIZE=16 is deprecated: read as BGE_M3_TOKEN_BUDGET (the workspace "
+        "of 16 512-token texts); read as BGE_M3_MAX_CHUNK (16 texts per run)")]
+    both = {"BGE_M3_ONNX_BATCH_SIZE": "16", "BGE_M3_MAX_CHUNK": "4",
+            "BGE_M3_TOKEN_BUDGET": "1000000"}
+    assert setting_notes(both) == [
+        ("BGE_M3_ONNX_BATCH_SIZE=16 is deprecated: BGE_M3_TOKEN_BUDGET is set and wins over "
+        "it; BGE_M3_MAX_CHUNK is set and wins over it")]
+    with caplog.at_level(logging.WARNING, logger="bgeserve"):
+        warn_unknown_variables(both)
+    assert [r.getMessage() for r in caplog.records] == setting_notes(both)
+
+
+def test_an_api_key_variable_without_a_key_is_said(caplog):
+    """BGE_M3_API_KEY=" " (a secret that rendered empty) asks for no key: still so (empty
+    means no auth), but the log says so."""
+    from bgeserve.config import setting_notes
+
+    assert parse(BGE_M3_API_KEY=" , ").api_keys == ()
+    assert setting_notes({"BGE_M3_API_KEY": " , "}) == [
+        ("BGE_M3_API_KEY is set but holds no key: requests need none (unset it, or give it "
+        "the keys)")]
+    assert setting_notes({"BGE_M3_API_KEY": "k1"}) == setting_notes({}) == []
+    # any other variable left empty (a template's slot): its default, and a word
+    assert setting_notes({"BGE_M3_MODEL_PATH": "", "BGE_M3_WORKERS": " "}) == [
+        "BGE_M3_MODEL_PATH is set but empty: its default is used",
+        "BGE_M3_WORKERS is set but empty: its default is used"]

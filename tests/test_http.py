@@ -711,6 +711,14 @@ def test_cors_as_teis_any_origin_by_default_named_or_off() -> None:
         assert r.headers["access-control-allow-origin"] == "https://app.example"
         r = c.post("/v1/embeddings", json={"input": "x"}, headers={"origin": "https://evil.example"})
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        # A preflight from another origin: refused in the error envelope (it was text/plain)
+        r = c.options("/v1/embeddings", headers={**preflight, "origin": "https://evil.example"})
+        error = assert_error(r, 400, "cors_refused", "origin")
+        assert "BGE_M3_CORS_ALLOW_ORIGINS" in error["message"]
+        assert "access-control-allow-origin" not in r.headers
+        r = c.options("/v1/embeddings", headers={**preflight, "access-control-request-method":
+                                                 "DELETE"})
+        assert assert_error(r, 400, "cors_refused")["param"] is None
     with serve(cors_allow_origins=()) as c:
         assert c.options("/v1/embeddings", headers=preflight).status_code == 405
         r = c.post("/v1/embeddings", json={"input": "x"}, headers=origin)

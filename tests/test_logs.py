@@ -94,3 +94,26 @@ def test_records_go_to_the_stdout_of_the_moment(monkeypatch, capsys) -> None:
         root.setLevel(level)
     assert [json.loads(x)["msg"] for x in second.getvalue().splitlines()] == ["two"]
     assert "Logging error" not in capsys.readouterr().err
+
+
+def test_text_lines_carry_the_extra_fields_json_lines_do() -> None:
+    """BGE_M3_LOG_FORMAT=text: the heartbeat read "heartbeat" alone, its RSS, workers and
+    queue only in JSON. The fields follow the message as key=value, the request id last, a
+    traceback on its own lines."""
+    from bgeserve.logs import TextFormatter
+
+    record = logging.LogRecord("bgeserve", logging.INFO, __file__, 1, "heartbeat", None, None)
+    record.__dict__.update({"rss_mb": 512, "workers": {"ready": 2}, "probe_status": "complete",
+                            "note": "two words", "skipped": None, "request_id": "req-9"})
+    line = TextFormatter().format(record)
+    assert line.endswith('bgeserve: heartbeat rss_mb=512 workers={"ready":2} '
+                         'probe_status=complete note="two words" [req-9]'), line
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys
+
+        failed = logging.LogRecord("bgeserve", logging.ERROR, __file__, 1, "failed", None,
+                                   sys.exc_info())
+    text = TextFormatter().format(failed)
+    assert text.splitlines()[0].endswith("bgeserve: failed") and "ValueError: boom" in text

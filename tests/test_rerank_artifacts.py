@@ -28,6 +28,16 @@ def test_an_export_resolves_to_its_score_graph(tiny_reranker_export, tmp_path) -
         resolve(model_path=tiny_reranker_export, variant="fp32", cache_dir=tmp_path)
 
 
+def test_a_variant_the_reranker_export_lacks_names_the_rerankers_setting(
+        tiny_reranker_export, tmp_path) -> None:
+    """The variant is BGE_M3_RERANK_VARIANT's: the error named BGE_M3_MODEL (bge-m3's)."""
+    with pytest.raises(ModelUnavailable) as info:
+        resolve_reranker(model_path=tiny_reranker_export, variant="fp16", cache_dir=tmp_path)
+    assert info.value.param == "BGE_M3_RERANK_VARIANT"
+    assert "set BGE_M3_RERANK_VARIANT" in info.value.message
+    assert "BGE_M3_MODEL " not in info.value.message
+
+
 def test_a_bge_m3_export_is_not_a_reranker(tiny_export, tmp_path) -> None:
     """Pointing the reranker at bge-m3's export says which variable takes which."""
     with pytest.raises(ModelUnavailable, match="BGE_M3_MODEL_PATH"):

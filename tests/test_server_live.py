@@ -361,10 +361,23 @@ def test_idle_unload_and_reload(tiny_export: Path, tmp_path: Path, engine: Engin
 
 # -- start-up failure ------------------------------------------------------------------------
 def test_missing_model_exits_non_zero(tmp_path: Path) -> None:
+    """A model path that is not there: exit 2 before the port is bound, one line on stderr
+    naming it (it was found after the bind, exit 3, in the log only). One that is there but
+    holds no model fails once loading: exit 3, the reason in the log and on stderr."""
     missing = tmp_path / "no-model-here"
     with ServerProc(server_env(missing, tmp_path / "cache")) as proc:
         rc = proc.wait(timeout=START_TIMEOUT)
+        assert rc == 2, proc.output()
+        assert proc.stderr_lines == [(f"bgeserve: model directory {missing} "
+                                       "(BGE_M3_MODEL_PATH) does not exist")], proc.output()
+        assert not any("Uvicorn running" in line for line in proc.stdout_lines)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with ServerProc(server_env(empty, tmp_path / "cache")) as proc:
+        rc = proc.wait(timeout=START_TIMEOUT)
         assert rc == 3, proc.output()
         errors = [rec for rec in proc.json_logs() if rec.get("level") == "error"]
-        assert any("start-up failed" in rec["msg"] and str(missing) in rec["msg"]
+        assert any("start-up failed" in rec["msg"] and str(empty) in rec["msg"]
                    for rec in errors), proc.output()
+        assert any(line.startswith("bgeserve: start-up failed: ") and str(empty) in line
+                   for line in proc.stderr_lines), proc.output()

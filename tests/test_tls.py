@@ -159,6 +159,9 @@ def test_a_live_server_serves_https(tiny_export: Path, tmp_path: Path, pki: dict
         for path in client_paths:
             ok = healthcheck(bind, path, BGE_M3_TLS_CERT_FILE=str(pki["server"]))
             assert ok.returncode == 0, (path, ok.stderr)
+            # the reference server's name, which the server reads as BGE_M3_TLS_CERT_FILE
+            ok = healthcheck(bind, path, BGE_M3_TLS_CERT_PATH=str(pki["server"]))
+            assert ok.returncode == 0, (path, ok.stderr)
             assert healthcheck(bind, path).returncode == 1  # plain HTTP to a TLS port
 
 

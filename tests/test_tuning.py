@@ -403,6 +403,23 @@ def test_tiny_memory_refuses_to_start(tiny_export: Path, tmp_path: Path) -> None
     asyncio.run(service.stop())
 
 
+def test_a_pinned_budget_too_small_says_to_raise_it(tiny_export: Path, tmp_path: Path) -> None:
+    """BGE_M3_TOKEN_BUDGET is each worker's workspace in bytes, whatever the memory, workers or
+    cache: a refusal says to raise it (and how far), not to reduce workers or memory, which
+    change nothing (8192, a token count as the reference's code read it, said so)."""
+    settings = Settings.from_env(env_for(tiny_export, tmp_path, BGE_M3_MODEL="fp32",
+                                         BGE_M3_TOKEN_BUDGET="8192"))
+    service = Service(settings)
+    with pytest.raises(ConfigError) as info:
+        service.load_blocking()
+    message = str(info.value)
+    assert "(BGE_M3_TOKEN_BUDGET, in bytes)" in message, message
+    assert f"raise BGE_M3_TOKEN_BUDGET (workspace bytes per worker: one {MAX_SEQ}-token text " \
+        "needs " in message, message
+    assert "BGE_M3_WORKERS" not in message and "memory limit" not in message
+    asyncio.run(service.stop())
+
+
 def test_a_refusal_by_the_conservative_estimate_is_measured_first(
         tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -835,3 +852,36 @@ def test_a_probe_child_stopped_on_request_is_not_called_out_of_memory(
         child.run_json("sleep" if asked else "die", stop)  # type: ignore[arg-type]
     assert ("asked to stop" in str(died.value)) is asked
     assert ("out of memory?" in str(died.value)) is not asked
+
+
+def test_a_probe_child_stopped_by_a_signal_to_the_group_is_not_remembered(
+        tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """systemd's default KillMode (and ``timeout``, supervisord's ``stopasgroup``) SIGTERMs the
+    server's whole process group: the probe child may end before the server hears of it. That
+    was cached as a probe process that died ("out of memory?"), so the next start measured on
+    the serving session before serving (minutes at full size). A child ended by SIGTERM,
+    SIGINT or SIGHUP is a stop: nothing is remembered and the next start probes in a child."""
+    import threading
+
+    from bgeserve.tuning import child
+
+    (tmp_path / "fakeprobe.py").write_text(
+        "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(child, "CHILD_MODULE", "fakeprobe")
+    with pytest.raises(child.ChildStopped, match="SIGTERM"):
+        child.run_json({}, threading.Event())
+    result = child.run_child({}, threading.Event())
+    assert result.stopped and not result.process_died
+
+    config = TuningConfig(max_seq=512, cache_dir=tmp_path, dims=tiny_dims(tiny_export),
+                          available_override=8 << 30)
+    tuner = Tuner(config, apply=lambda cost: None)
+    tuner.initial(model_cost=16 << 20, fingerprint="s" * 64)
+    tuner.start_probe(SimpleNamespace(measure=lambda request, stop: result), 16 << 20,
+                      "s" * 64, {"max_seq": 512})
+    assert tuner.wait(PROBE_TIMEOUT) and tuner.state.probe_status == "failed"
+    assert ProbeCache(tmp_path / "probe-coefficients.json").outcome("s" * 64) is None
+    again = Tuner(config, apply=lambda cost: None)
+    again.initial(model_cost=16 << 20, fingerprint="s" * 64)
+    assert (again.state.probe_status, again.state.probe_mode) == ("running", "child")

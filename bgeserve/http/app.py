@@ -12,14 +12,16 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import Response
 from starlette.routing import Route
 
 from bgeserve.config import M3_MODEL_IDS, Settings
 from bgeserve.http import guards, handlers, linger, rerank, tei
 from bgeserve.http.context import PROBE_PATHS, RequestContext
-from bgeserve.http.errors import EXCEPTION_HANDLERS, ErrorStyle
+from bgeserve.http.errors import EXCEPTION_HANDLERS, ErrorStyle, envelope, json_error
 from bgeserve.http.guards import BearerAuth, BodyAllowance, BodyLimit, InflightLimit, Uploads
 from bgeserve.http.linger import LingeringClose
 from bgeserve.http.schemas import BOTH, DENSE, SPARSE
@@ -95,6 +97,24 @@ CORS_EXPOSED = ("Retry-After", "X-Request-ID", "x-compute-type", "x-compute-time
                 "x-tokenization-time", "x-queue-time", "x-inference-time")
 
 
+class Cors(CORSMiddleware):
+    """Starlette's CORS middleware, its refused preflight in the error envelope (it answered
+    400 text/plain "Disallowed CORS origin"), naming the setting that allows origins."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        what = bytes(response.body).decode().removeprefix("Disallowed CORS ")
+        message = (f"CORS preflight refused: this {what} is not allowed"
+                   + (" (allowed origins: BGE_M3_CORS_ALLOW_ORIGINS)" if "origin" in what
+                      else ""))
+        headers = {k: v for k, v in response.headers.items()
+                   if k.lower() not in ("content-length", "content-type")}
+        return json_error(400, envelope(400, message, "cors_refused", "origin"
+                                        if "origin" in what else None), headers)
+
+
 def _cors(settings: Settings) -> list[Middleware]:
     """Starlette's CORS middleware for BGE_M3_CORS_ALLOW_ORIGINS (as TEI's: GET and POST, any
     origin unless named), outside the key check: a browser's preflight carries no key. None
@@ -102,7 +122,7 @@ def _cors(settings: Settings) -> list[Middleware]:
     origins = settings.cors_allow_origins
     if not origins:
         return []
-    return [Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
+    return [Middleware(Cors, allow_origins=list(origins), allow_methods=["GET", "POST"],
                        # Any header a page asks to send: OpenAI's JS SDK adds x-stainless-*
                        # to every request, and a fixed list refused its preflights.
                        allow_headers=["*"],

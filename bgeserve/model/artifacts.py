@@ -132,18 +132,19 @@ def resolve(
     ``report`` gets (file, bytes done, bytes total) while a file downloads. ``reranker``: the
     export at ``model_path`` must be a reranker's (else bge-m3's).
     """
+    variable = "BGE_M3_RERANK_VARIANT" if reranker else "BGE_M3_MODEL"  # what sets variant
     if variant not in (*HUB_SOURCES, *EXPORT_ONLY_VARIANTS):
         raise ConfigError(
             f"unknown model variant {variant!r}: choose one of "
             f"{', '.join((*HUB_SOURCES, *EXPORT_ONLY_VARIANTS))}",
-            param="BGE_M3_MODEL",
+            param=variable,
         )
     # A local model downloads nothing, or only missing head files (a failure then names the
     # cache): its cache directory need not be writable (the service warns if it is not).
     legacy = validate_cache_dir(cache_dir) if model_path is None else Path(cache_dir).expanduser()
     fetch = Fetcher(hub_cache, offline, endpoint, progress, legacy_cache=legacy, report=report)
     if model_path is not None:
-        found = _resolve_local(Path(model_path).expanduser(), variant, fetch)
+        found = _resolve_local(Path(model_path).expanduser(), variant, fetch, variable)
         if found.layout.reranker != reranker:
             what = "a reranker (bge-reranker-v2-m3)" if found.layout.reranker else "bge-m3"
             raise ModelUnavailable(
@@ -169,7 +170,8 @@ def resolve(
     return ModelArtifacts(onnx, tokenizer, source.layout, variant, heads, description, data)
 
 
-def _resolve_local(root: Path, variant: str, fetch: Fetcher) -> ModelArtifacts:
+def _resolve_local(root: Path, variant: str, fetch: Fetcher,
+                   variable: str = "BGE_M3_MODEL") -> ModelArtifacts:
     if not root.is_dir():
         raise ModelUnavailable(
             f"model directory {root} (BGE_M3_MODEL_PATH) does not exist or is not a "
@@ -178,7 +180,7 @@ def _resolve_local(root: Path, variant: str, fetch: Fetcher) -> ModelArtifacts:
         )
     manifest = _read_manifest(root / "manifest.json")
     if manifest is not None and manifest.get("format") == _MANIFEST_FORMAT:
-        return _resolve_export(root, manifest, variant)
+        return _resolve_export(root, manifest, variant, variable)
 
     graphs = {v: root / s.onnx for v, s in HUB_SOURCES.items() if (root / s.onnx).is_file()}
     if variant in graphs:
@@ -251,7 +253,10 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _resolve_export(root: Path, manifest: dict[str, Any], variant: str) -> ModelArtifacts:
+def _resolve_export(root: Path, manifest: dict[str, Any], variant: str,
+                    variable: str = "BGE_M3_MODEL") -> ModelArtifacts:
+    """``variant`` of the export at ``root``; ``variable``: the setting that chose it (the
+    reranker's is BGE_M3_RERANK_VARIANT), named where the export lacks it."""
     variants = manifest.get("variants")
     if manifest.get("schema") != 1 or not isinstance(variants, dict):
         raise ModelUnavailable(
@@ -270,11 +275,11 @@ def _resolve_export(root: Path, manifest: dict[str, Any], variant: str) -> Model
         model = source.get("model") if isinstance(source, dict) else None
         raise ModelUnavailable(
             f"export {root} has variants {', '.join(sorted(variants)) or 'none'} but not {variant}: "
-            f"set BGE_M3_MODEL (the library's variant=) to one of those, or add it with "
+            f"set {variable} (the library's variant=) to one of those, or add it with "
             f"`bgeserve export --model "
             f"{model if isinstance(model, str) else 'MODEL'} --out {root} --variant {variant}`"
             + (f" {hint}" if hint else ""),
-            param="BGE_M3_MODEL",
+            param=variable,
         )
     runtime = entry.get("runtime", "onnxruntime")
     if runtime not in RUNTIMES:

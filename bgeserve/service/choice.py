@@ -37,7 +37,7 @@ from bgeserve.runtime.select import THIS_MACHINE, Candidate, Machine, cpu_candid
 from bgeserve.tuning import memory
 from bgeserve.tuning.budget import HEADROOM_BYTES
 from bgeserve.tuning.cache import Choice, ChoiceCache, fingerprint
-from bgeserve.tuning.child import ChildDied, run_json
+from bgeserve.tuning.child import ChildDied, ChildStopped, run_json
 from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
 from bgeserve.tuning.synthetic import MIXED_LENGTHS, workload_chunks
 
@@ -103,9 +103,11 @@ def decide(settings: Settings, cache_dir: Path, *, timer: Timer | None = None,
                  cached.provider, _rates(cached.rates))
         return Decision(_serving(settings, cached.variant, cached.provider), cached.rates,
                         cached.left_out, cached=True)
-    rates, timed_out = _time_all(settings, cache_dir, artifacts, timer or _child_timer(stop),
-                                 on_step or (lambda step: None))
+    rates, timed_out, interrupted = _time_all(settings, cache_dir, artifacts,
+                                              timer or _child_timer(stop),
+                                              on_step or (lambda step: None))
     left_out.update(timed_out)
+    interrupted = interrupted or (stop is not None and stop.is_set())
     if not rates:
         log.warning("variant choice: no candidate could be timed (%s); serving the rule's %s",
                     "; ".join(f"{v}: {why}" for v, why in left_out.items()), settings.variant)
@@ -114,7 +116,9 @@ def decide(settings: Settings, cache_dir: Path, *, timer: Timer | None = None,
     provider = next(c.provider for c in artifacts if c.variant == chosen)
     log.info("variant choice: %s on %s, measured %s (the rule's pick: %s)", chosen, provider,
              _rates(rates), settings.variant)
-    if not settings.disable_probe_cache:
+    # A timing stopped (the server stopping, a signal to its process group) left a candidate
+    # out for no reason of its own: kept, the choice would leave it out at every later start.
+    if not settings.disable_probe_cache and not interrupted:
         store.save(key, Choice(chosen, provider, rates, left_out), parts)
     return Decision(_serving(settings, chosen, provider), rates, left_out)
 
@@ -179,15 +183,17 @@ def memory_needed(settings: Settings, artifacts: ModelArtifacts, provider: str,
 def _time_all(settings: Settings, cache_dir: Path,
               artifacts: Mapping[Candidate, ModelArtifacts],
               timer: Timer, on_step: Callable[[str], None],
-              ) -> tuple[dict[str, float], dict[str, str]]:
+              ) -> tuple[dict[str, float], dict[str, str], bool]:
     """Tokens/s of each candidate that fits, one at a time (the rule's pick first), then each
-    once more in the other order: the mean of its two passes."""
+    once more in the other order: the mean of its two passes; the candidates left out, why;
+    whether a timing process was stopped (``ChildStopped``) rather than failed."""
     available = memory.detect_available_memory(settings.available_memory_bytes).available_bytes
     rates: dict[str, float] = {}  # the mean of a candidate's passes
     passes: dict[str, list[float]] = {}
     left_out: dict[str, str] = {}
     order = sorted(artifacts, key=lambda c: c.variant != settings.variant)
     longest = workload_max_seq(settings, artifacts)
+    stopped: list[str] = []
 
     def once(c: Candidate) -> None:
         free = available - memory.rss_bytes()
@@ -208,6 +214,8 @@ def _time_all(settings: Settings, cache_dir: Path,
         try:
             answer = timer(spec)
         except ChildDied as exc:
+            if isinstance(exc, ChildStopped):
+                stopped.append(c.variant)
             left_out[c.variant] = f"its timing process ended {exc}"
             log.warning("variant choice: %s not timed: %s", c.variant, left_out[c.variant])
             return
@@ -227,7 +235,7 @@ def _time_all(settings: Settings, cache_dir: Path,
     if len(rates) > 1:
         for c in reversed([c for c in order if c.variant in rates]):
             once(c)
-    return rates, left_out
+    return rates, left_out, bool(stopped)
 
 
 def _child_timer(stop: threading.Event | None) -> Timer:

@@ -186,7 +186,10 @@ def pad_multiple(settings: Settings) -> int:
 
 def profile_max_batch(settings: Settings) -> int:
     """Most texts one ``session.run`` may hold (the scheduler's chunk cap)."""
-    return settings.max_chunk if settings.onnx_batch_size is None else settings.onnx_batch_size
+    # BGE_M3_MAX_CHUNK, set, wins over the deprecated BGE_M3_ONNX_BATCH_SIZE it replaces.
+    if settings.onnx_batch_size is None or settings.is_explicit("BGE_M3_MAX_CHUNK"):
+        return settings.max_chunk
+    return settings.onnx_batch_size
 
 
 def session_config(settings: Settings, *, gpu_mem_limit: int | None = None) -> SessionConfig:

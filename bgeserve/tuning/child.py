@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import subprocess
 import sys
 import threading
@@ -23,6 +24,17 @@ CHILD_MODULE = "bgeserve.service.probe_child"
 
 class ChildDied(Exception):
     """The child process ended without an answer; the message says how."""
+
+
+class ChildStopped(ChildDied):
+    """The child ended on a signal that asks a process to stop (``STOP_SIGNALS``), not one
+    that kills it: systemd's default KillMode, ``timeout`` and supervisord's ``stopasgroup``
+    send SIGTERM to the server's whole process group, its children included, before the server
+    itself has said it is stopping. A stop, not a fault of the model or of its memory."""
+
+
+# The OOM killer sends SIGKILL; these only ever come from someone stopping the process.
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
 
 def run_json(spec: dict[str, Any], stop: threading.Event) -> dict[str, Any]:
@@ -49,6 +61,8 @@ def run_json(spec: dict[str, Any], stop: threading.Event) -> dict[str, Any]:
     out = proc.stdout.read() if proc.stdout else ""
     reader.join(1.0)
     if proc.returncode != 0:
+        if -proc.returncode in STOP_SIGNALS:
+            raise ChildStopped(f"on {signal.Signals(-proc.returncode).name}, asked to stop")
         reason = ("when asked to stop" if stop.is_set() else
                   f"by signal {-proc.returncode} (out of memory?)" if proc.returncode < 0
                   else f"with exit code {proc.returncode}")
@@ -66,6 +80,8 @@ def run_child(spec: dict[str, Any], stop: threading.Event) -> ProbeResult:
     """The probe child's result for ``spec``; its death is a failed probe, not ours."""
     try:
         return ProbeResult.from_json(run_json(spec, stop))
+    except ChildStopped as exc:
+        return ProbeResult.failed(f"the probe process ended {exc}", stopped=True)
     except ChildDied as exc:
         return ProbeResult.failed(f"the probe process ended {exc}", process_died=True)
 

@@ -105,6 +105,9 @@ class ProbeResult:
     chunk_rates: dict[int, float] = field(default_factory=dict)  # padded tokens → tokens/s
     process_died: bool = False
     run_cost: RunCost | None = None  # what a run of a shape takes (timed with the chunks)
+    # Its process was asked to stop (SIGTERM, SIGINT, SIGHUP: a service manager stopping the
+    # server's whole process group), not killed: no fact about the model, nothing to remember.
+    stopped: bool = False
 
     @property
     def starved(self) -> bool:
@@ -142,9 +145,10 @@ class ProbeResult:
             run_cost=RunCost.from_json(data.get("run_cost")))
 
     @classmethod
-    def failed(cls, error: str, *, process_died: bool = False) -> ProbeResult:
+    def failed(cls, error: str, *, process_died: bool = False,
+               stopped: bool = False) -> ProbeResult:
         """No measurement at all (the probe process died, say)."""
-        return cls([], [], None, None, error, 0.0, process_died=process_died)
+        return cls([], [], None, None, error, 0.0, process_died=process_died, stopped=stopped)
 
 
 class _PeakSampler:

@@ -252,7 +252,7 @@ class Tuner:
         if c.reserved_bytes:
             held.insert(0, f"{c.reserved_bytes >> 20} MiB embedding cache (BGE_M3_CACHE_MB)")
         if c.token_budget is not None:
-            why = "BGE_M3_TOKEN_BUDGET"
+            why = "BGE_M3_TOKEN_BUDGET, in bytes"
         elif c.gpu:
             why = "the GPU's budget, BGE_M3_GPU_VRAM_BUDGET_BYTES"
         else:
@@ -264,9 +264,14 @@ class Tuner:
             f"one {c.max_seq}-token text needs ~{cost.cost(1, c.max_seq) / 2**20:.0f} MiB of "
             f"workspace but each of the {c.workers} worker(s) gets "
             f"{cost.max_workspace_bytes / 2**20:.0f} MiB ({why}). Lower {c.length_variable} "
-            f"(longest that fits: {cost.max_seq()}), reduce {c.workers_variable}"
-            + (", set BGE_M3_CACHE_MB=0" if c.reserved_bytes and host else "")
-            + ", or raise the memory limit / BGE_M3_MEMORY_SAFETY_FACTOR"
+            f"(longest that fits: {cost.max_seq()})"
+            # A pinned budget is each worker's whatever the memory, workers or cache.
+            + (f", or raise BGE_M3_TOKEN_BUDGET (workspace bytes per worker: one "
+               f"{c.max_seq}-token text needs {int(cost.cost(1, c.max_seq))})"
+               if c.token_budget is not None else
+               f", reduce {c.workers_variable}"
+               + (", set BGE_M3_CACHE_MB=0" if c.reserved_bytes and host else "")
+               + ", or raise the memory limit / BGE_M3_MEMORY_SAFETY_FACTOR")
             + ("" if self.state.probe_status not in ("running", "failed") else
                ". This is the conservative estimate (no probe measurement is cached yet); the "
                "measured cost is usually far lower: run `bgeserve probe` once with the same "
@@ -363,11 +368,13 @@ class Tuner:
         caching = bool(fingerprint) and c.cache_dir is not None and not c.disable_probe_cache
         if result.fit is None:
             error = result.error or "the probe gave no fit"
-            # A probe stopped by shutdown proves nothing, nor one whose budget let too few
-            # shapes run: remembered, it kept later starts with more memory from probing
-            # (two starts capped at 300 MB made an uncapped start serve the conservative
-            # model, and a 430 MB start refuse, for good on that cache).
-            if caching and not self._stop.is_set() and not result.starved:
+            # A probe stopped by shutdown (or its process by a signal to the server's process
+            # group: it may end before the server hears of it) proves nothing, nor one whose
+            # budget let too few shapes run: remembered, it kept later starts with more memory
+            # from probing (two starts capped at 300 MB made an uncapped start serve the
+            # conservative model, and a 430 MB start refuse, for good on that cache).
+            stopping = self._stop.is_set() or result.stopped
+            if caching and not stopping and not result.starved:
                 failure = cache.ProbeCache(self.cache_path).save_failure(
                     fingerprint or "", error, parts, result.samples, held_out=result.held_out,
                     process_died=result.process_died)
@@ -378,7 +385,7 @@ class Tuner:
                           "next start probes again)")
             self.state.probe_status, self.state.probe_error = "failed", error
             self._publish(CostModel(a, b, self.budget(model_cost)))
-            if self._stop.is_set():  # the server or a bulk job ending: no fault to warn of
+            if stopping:  # the server or a bulk job ending: no fault to warn of
                 log.info("probe stopped before it finished (%s)", error)
             else:
                 log.warning("probe gave no usable fit (%s); keeping the conservative model",
