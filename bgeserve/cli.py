@@ -307,8 +307,9 @@ def _main(argv: list[str] | None) -> int:
     missing = _missing_export_extra() if args.command in ("export", "build-random-model") else []
     if missing:  # a serving install: one line, not an import traceback from a child step
         print(f"bgeserve {args.command}: needs {' and '.join(missing)}, which a serving install "
-              "leaves out: pip install -e '.[export]' (torch's CPU build: add "
-              "--extra-index-url https://download.pytorch.org/whl/cpu)", file=sys.stderr)
+              "leaves out: pip install 'bgeserve[export]' (from a checkout: pip install -e "
+              "'.[export]'; torch's CPU build: add --extra-index-url "
+              "https://download.pytorch.org/whl/cpu)", file=sys.stderr)
         return 2
     if args.command == "export":
         from bgeserve.export.main import run

@@ -268,8 +268,8 @@ class Settings:
                         "load BAAI/bge-reranker-v2-m3 (pinned commit, its hub ONNX graph) beside "
                         "bge-m3 when BGE_M3_RERANK_MODEL_PATH is unset")
     rerank_variant: str = _var("BGE_M3_RERANK_VARIANT", _choice(*VARIANTS), "fp32",
-                               "the reranker's variant (int8 moves rankings: "
-                               "docs/rerank.md)")
+                               "the reranker's variant: fp32|fp16|int8|bf16 (int8 moves "
+                               "rankings: docs/rerank.md)")
     rerank_max_length: int = _var("BGE_M3_RERANK_MAX_LENGTH", _number(int, 16, MAX_POSITIONS),
                                   MAX_POSITIONS, "tokens per (query, document) pair or window, "
                                   "special tokens included")
@@ -286,7 +286,7 @@ class Settings:
                                       "leave free (workspace for its windows)")
     # operations
     log_format: str = _var("BGE_M3_LOG_FORMAT", _choice(*LOG_FORMATS), "auto",
-                           "log lines (auto: json when stdout is not a terminal)")
+                           "log lines (auto: json unless the log goes to a terminal)")
     log_level: str = _var("BGE_M3_LOG_LEVEL", _choice("debug", "info", "warning", "error"),
                           "info", "log level")
     heartbeat_secs: float = _var("BGE_M3_HEARTBEAT_SECS", _SECONDS, 60.0,
@@ -395,7 +395,8 @@ class Settings:
             # after "unset: the fastest ..." read as if fp32 were served when unset).
             default = "" if SAYS_DEFAULT.search(doc) else f" (default: {f.default})"
             allowed = getattr(f.metadata["parse"], "allowed", None)
-            doc = f"{doc} {allowed}" if allowed else doc  # a range [lo, hi] or the choices
+            if allowed and "|" not in doc:  # a range [lo, hi] or the choices, unless listed
+                doc = f"{doc} {allowed}"
             lines.append(f"  {f.metadata['env']:<34} {doc}{default}")
         return "\n".join(lines)
 
@@ -414,7 +415,7 @@ REFERENCE_NAMES = {"BGE_M3_TLS_CERT_PATH": "BGE_M3_TLS_CERT_FILE",
 def _reference_names_read(environ: Mapping[str, str]) -> Mapping[str, str]:
     """``environ`` with each reference name's value under bgeserve's name (ConfigError where
     both are set to different values)."""
-    given = {old: new for old, new in REFERENCE_NAMES.items() if old in environ}
+    given = {old: new for old, new in REFERENCE_NAMES.items() if environ.get(old, "").strip()}
     if not given:
         return environ
     out = dict(environ)
@@ -431,7 +432,7 @@ def setting_notes(environ: Mapping[str, str]) -> list[str]:
     bgeserve's, the deprecated BGE_M3_ONNX_BATCH_SIZE (and which of the settings it stands
     for wins), an API key variable that holds no key."""
     lines = [f"{old} (the reference server's name) is read as {new}"
-             for old, new in REFERENCE_NAMES.items() if old in environ]
+             for old, new in REFERENCE_NAMES.items() if environ.get(old, "").strip()]
     batch = environ.get("BGE_M3_ONNX_BATCH_SIZE", "").strip()
     if batch:
         stands = {"BGE_M3_TOKEN_BUDGET": f"the workspace of {batch} 512-token texts",

@@ -16,6 +16,8 @@ import orjson
 request_id_var: ContextVar[str | None] = ContextVar("bgeserve_request_id", default=None)
 
 _STD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+# uvicorn's own lines carry their message again with terminal colours: not a field.
+_HIDDEN = _STD | {"color_message"}
 
 
 class JsonFormatter(logging.Formatter):
@@ -30,13 +32,13 @@ class JsonFormatter(logging.Formatter):
             "msg": record.getMessage(),
         }
         for key, value in vars(record).items():
-            if key not in _STD and value is not None:
+            if key not in _HIDDEN and value is not None:
                 out[key] = value
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         elif record.exc_text:  # formatted by Background.prepare in the logging thread
             out["exc"] = record.exc_text
-        return orjson.dumps(out, default=str).decode()
+        return orjson.dumps(out, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
 class TextFormatter(logging.Formatter):
@@ -50,19 +52,21 @@ class TextFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         text = super().formatMessage(record)
         extras = [f"{key}={_text_value(value)}" for key, value in vars(record).items()
-                  if key not in _STD and key != "request_id" and value is not None]
+                  if key not in _HIDDEN and key != "request_id" and value is not None]
         rid = getattr(record, "request_id", None)
         return " ".join([text, *extras, *([f"[{rid}]"] if rid else [])])
 
 
 def _text_value(value: object) -> str:
-    """A field as ``key=value`` shows it: strings as they are (quoted where they hold a
-    space), numbers as written, anything else as its JSON."""
+    """A field as ``key=value`` shows it: strings as they are, quoted (JSON) where they hold
+    a space, a quote, an '=' or anything unprintable (a newline would split the line);
+    numbers as written; anything else as its JSON."""
     if isinstance(value, str):
-        return orjson.dumps(value).decode() if not value or " " in value else value
+        plain = value and value.isprintable() and not any(c in value for c in ' "=')
+        return value if plain else orjson.dumps(value).decode()
     if isinstance(value, bool | int | float):
         return str(value)
-    return orjson.dumps(value, default=str).decode()
+    return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
 class RequestIdFilter(logging.Filter):
@@ -74,7 +78,7 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
-class Stdout(logging.StreamHandler):
+class LiveStream(logging.StreamHandler):
     """Writes to whatever ``sys.stdout`` (or ``sys.stderr``) is when a record is written, as
     the stdlib's last-resort handler does for stderr: whoever swaps it and closes the old one
     (pytest's capture, a notebook, a host application) gets no "I/O operation on closed
@@ -138,7 +142,7 @@ def setup_logging(fmt: str = "auto", level: str = "info", *, background: bool = 
     whose event loop must not wait on stdout). The one-shot commands write them in place.
     ``stderr``: the log goes there (a command whose stdout is its answer: ``bgeserve prepare``
     prints the export's directory, which ``D=$(bgeserve prepare)`` must get alone)."""
-    target = Stdout("stderr" if stderr else "stdout")
+    target = LiveStream("stderr" if stderr else "stdout")
     use_json = fmt == "json" or (fmt == "auto" and not target.stream.isatty())
     target.setFormatter(JsonFormatter() if use_json else TextFormatter())
     handler: logging.Handler = Background(target) if background else target

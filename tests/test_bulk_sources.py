@@ -137,7 +137,7 @@ def test_a_json_array_cut_short_gives_its_whole_items(layout, tmp_path: Path, ca
         if why is not None:
             assert ids[good] is None and why in errors[good] and "cut short" in errors[good]
         said = " ".join(r.getMessage() for r in caplog.records)
-        assert "is a JSON array cut short" in said and "its 3 whole items are read, then " \
+        assert "is a JSON array cut short" in said and "its whole items (3) are read, then " \
             f"{'one bad row' if why else 'the item it ends with'}" in said, (case, said)
 
 

@@ -205,6 +205,15 @@ def test_candidates_that_do_not_fit_or_die_are_left_out(export, tmp_path, monkey
     assert "signal 9" in decision.left_out["bf16"]
     assert decision.candidates == {"int8": 800.0}
     assert decision.settings.variant_choice == "measured"
+    # The same memory again: the kept choice. More memory: fp32, left out for want of it,
+    # fits now, so the candidates are timed again (the choice was kept without it for good).
+    again = FakeTimer({"int8": 800.0, "bf16": 300.0, "fp32": 900.0})
+    assert choice.decide(settings, tmp_path / "c", timer=again, machine=OPENVINO).cached
+    assert again.asked == []
+    roomy = dataclasses.replace(settings, available_memory_bytes=64 << 30)
+    grown = choice.decide(roomy, tmp_path / "c", timer=again, machine=OPENVINO)
+    assert not grown.cached and grown.settings.variant == "fp32"
+    assert "fp32" in {spec["variant"] for spec in again.asked}
 
 
 def test_nothing_timed_keeps_the_rule(export, tmp_path):
@@ -360,4 +369,115 @@ def test_a_timing_stopped_by_a_signal_is_not_kept(export, tmp_path):
     settings = default_settings(export, tmp_path / "c")
     decision = choice.decide(settings, tmp_path / "c", timer=timer, machine=OPENVINO)
     assert decision.settings.variant == "int8" and "SIGTERM" in decision.left_out["bf16"]
+    assert ChoiceCache.at(tmp_path / "c").path.exists() is False
+
+
+@pytest.mark.slow
+def test_a_measured_choice_that_does_not_fit_the_memory_serves_the_next(two_variant_export,
+                                                                       tmp_path):
+    """fp32 measured fastest but too big for the memory here: the next fastest measured that
+    loads in less (bf16: the tiny model's IR holds half fp32's bytes) serves, in the same
+    start, and the choice cache says so once it has served, so a restart serves it at once.
+    Every start was refused for memory, the refused choice cached: a crash loop."""
+    import asyncio
+
+    from bgeserve.service import Service
+    from bgeserve.tuning import tuner as tuner_module
+
+    env = {"BGE_M3_MODEL_PATH": str(two_variant_export), "BGE_M3_CACHE_DIR": str(tmp_path),
+           "HF_HUB_OFFLINE": "1", "BGE_M3_MAX_SEQ_LENGTH": "512",
+           "BGE_M3_AVAILABLE_MEMORY_BYTES": str(8 << 30)}
+    rates = {"fp32": 900.0, "bf16": 250.0}
+    real = tuner_module.Tuner.check_room
+    refused: list[str] = []
+
+    def check_room(self, model_bytes, other_variants=""):  # fp32 alone does not fit
+        if not self.config.retains_workspace:  # ONNX Runtime's: fp32
+            refused.append(other_variants)
+            raise tuner_module.DoesNotFit("the model's files alone are too big", param="x")
+        return real(self, model_bytes, other_variants)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(choice, "_child_timer", lambda stop: lambda spec: {
+            "tokens_per_s": rates[spec["variant"]]})
+        mp.setattr(tuner_module.Tuner, "check_room", check_room)
+        service = Service(Settings.from_env(env))
+        service.load_blocking()
+    try:
+        model = service.health()["model"]
+        assert (model["variant"], model["choice"]) == ("bf16", "fallback"), model
+        assert refused and "bf16 (~" in refused[0]  # the refusal names what loads in less
+        assert "too big" in service.choice.left_out["fp32"]
+        assert service.engine is not None and service.engine.embed("hi").dense is not None
+    finally:
+        asyncio.run(service.stop())
+    kept = json.loads(ChoiceCache.at(tmp_path).path.read_text())
+    assert (kept["variant"], kept["rates"]) == ("bf16", {"bf16": 250.0})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(choice, "_child_timer", lambda stop: pytest.fail("timed again"))
+        again = Service(Settings.from_env(env))
+        again.load_blocking()
+    try:
+        assert (again.health()["model"]["variant"], again.choice.cached) == ("bf16", True)
+    finally:
+        asyncio.run(again.stop())
+
+
+def test_without_serves_the_next_fastest_that_loads_in_less(tmp_path):
+    """``without``: the fastest measured candidate left that loads in less memory serves
+    (``fallback``; the full-size bf16, which OpenVINO holds in more than int8, is no way out
+    of int8 not fitting), the one left out says why; ``keep`` puts it in the cache. Nothing
+    measured left: None, as for a choice that was not measured (a pinned BGE_M3_MODEL is the
+    operator's)."""
+    gib = 1 << 30
+    export = fake_export(tmp_path / "e", {"fp32": {}, "int8": {}, "bf16": {"runtime": "openvino"}})
+    manifest = json.loads((export / "manifest.json").read_text())
+    for variant, size in (("fp32", 2.27), ("int8", 1.37), ("bf16", 1.14)):
+        manifest["variants"][variant]["total_bytes"] = int(size * gib)
+    (export / "manifest.json").write_text(json.dumps(manifest))
+    assert choice.loaded_bytes(manifest["variants"], "bf16") > choice.loaded_bytes(
+        manifest["variants"], "int8")  # 1.14 GB x 1.7 (a bf16 copy) > 1.37 GB x 1.25
+    settings = default_settings(export, tmp_path / "c")
+    int8_first = choice.Decision(
+        dataclasses.replace(settings, variant="int8", variant_choice="measured"),
+        {"int8": 800.0, "bf16": 900.0, "fp32": 250.0},
+        providers={"bf16": "openvino", "int8": "cpu", "fp32": "cpu"}, key="k0")
+    assert choice.without(int8_first, "int8", "too big") is None  # only bigger ones left
+    measured = choice.Decision(
+        dataclasses.replace(settings, variant="bf16", execution_provider="openvino",
+                            variant_choice="measured"),
+        {"bf16": 900.0, "int8": 800.0, "fp32": 250.0},
+        providers={"bf16": "openvino", "int8": "cpu", "fp32": "cpu"}, key="k1",
+        parts={"x": 1})
+    nxt = choice.without(measured, "bf16", "too big here")
+    assert nxt is not None
+    assert (nxt.settings.variant, nxt.settings.execution_provider,
+            nxt.settings.variant_choice) == ("int8", "cpu", "fallback")
+    assert nxt.left_out == {"bf16": "too big here"} and "bf16" not in nxt.candidates
+    assert ChoiceCache.at(tmp_path / "c").load("k1") is None  # kept once it has served
+    choice.keep(nxt, tmp_path / "c")
+    assert ChoiceCache.at(tmp_path / "c").load("k1").variant == "int8"
+    assert choice.without(nxt, "int8", "no") is None  # fp32 loads in more
+    pinned = dataclasses.replace(measured, settings=dataclasses.replace(
+        measured.settings, variant_choice="pinned"))
+    assert choice.without(pinned, "bf16", "x") is None
+
+
+def test_a_choice_timed_while_the_server_stops_is_not_kept(export, tmp_path):
+    """The server asked to stop while candidates are timed (its stop event set): what was
+    timed decides this start, nothing is kept (the candidates stopped mid-way were left out
+    for no reason of their own)."""
+    import threading
+
+    stop = threading.Event()
+    rates = {"fp32": 250.0, "int8": 800.0, "bf16": 300.0}
+
+    def timer(spec):
+        stop.set()
+        return {"tokens_per_s": rates[spec["variant"]]}
+
+    settings = default_settings(export, tmp_path / "c")
+    decision = choice.decide(settings, tmp_path / "c", timer=timer, machine=OPENVINO,
+                             stop=stop)
+    assert decision.settings.variant_choice == "measured"
     assert ChoiceCache.at(tmp_path / "c").path.exists() is False

@@ -351,7 +351,8 @@ def test_help_text_lists_every_variable_with_its_default():
     # what a value may be: a number's range, a choice's values (pretty was missing)
     assert "[1, 256] (default: 1)" in by_name["BGE_M3_WORKERS"]
     assert "auto|json|text|pretty" in by_name["BGE_M3_LOG_FORMAT"]
-    assert "fp32|fp16|int8|bf16|ov-int8" in by_name["BGE_M3_RERANK_VARIANT"]
+    assert "fp32|fp16|int8|bf16|ov-int8" in by_name["BGE_M3_MODEL"]
+    assert by_name["BGE_M3_EP"].count("cpu|") == 1  # listed by hand: not twice
     assert "[0.1, 1.0]" in by_name["BGE_M3_MEMORY_SAFETY_FACTOR"]
 
 
@@ -492,9 +493,9 @@ def test_integers_past_what_json_keeps_are_refused_with_the_range(var):
                                           ("BGE_M3_MAX_COLBERT_MB", str(2**44)),
                                           ("BGE_M3_ONNX_BATCH_SIZE", "4097")])
 def test_counts_multiplied_later_are_bounded_where_they_are_read(var, raw):
-    """MiB are shifted into bytes, ONNX_BATCH_SIZE multiplied into a budget: bounded so the
-    product stays one JSON keeps (ONNX_BATCH_SIZE as BGE_M3_MAX_CHUNK is, which it stands
-    for)."""
+    """MiB are shifted into bytes: bounded so the product stays one JSON keeps;
+    ONNX_BATCH_SIZE caps the texts of a run as BGE_M3_MAX_CHUNK, which it stands for, and
+    is bounded as that is."""
     assert "out of range" in refuse({var: raw}).message
 
 
@@ -524,6 +525,10 @@ def test_the_reference_servers_tls_names_are_read_as_bgeserves():
     assert Settings.from_env({**env, "BGE_M3_TLS_CERT_FILE": "/tls/c.pem"}).tls_cert_file == \
         Path("/tls/c.pem")
     refuse({**env, "BGE_M3_TLS_CERT_FILE": "/other.pem"}, var="BGE_M3_TLS_CERT_FILE")
+    # an empty slot of an old template is no name given (it refused a start with the other)
+    blank = {"BGE_M3_TLS_CERT_PATH": " ", "BGE_M3_TLS_CERT_FILE": "/tls/c.pem"}
+    assert Settings.from_env(blank).tls_cert_file == Path("/tls/c.pem")
+    assert setting_notes(blank) == []
     refuse({"BGE_M3_TLS_KEY_PATH": "/tls/k.pem"}, var="BGE_M3_TLS_KEY_FILE")  # needs a cert
 
 

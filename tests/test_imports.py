@@ -199,5 +199,5 @@ def test_commands_that_need_torch_say_which_extra_in_a_serving_install(argv, tmp
     argv = [str(tmp_path / x) if x in ("M", "OUT") else x for x in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert f"bgeserve {argv[0]}: needs torch," in err and "pip install -e '.[export]'" in err
+    assert f"bgeserve {argv[0]}: needs torch," in err and "pip install 'bgeserve[export]'" in err
     assert not (tmp_path / "OUT").exists()

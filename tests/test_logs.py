@@ -117,3 +117,13 @@ def test_text_lines_carry_the_extra_fields_json_lines_do() -> None:
                                    sys.exc_info())
     text = TextFormatter().format(failed)
     assert text.splitlines()[0].endswith("bgeserve: failed") and "ValueError: boom" in text
+    # uvicorn's colour copy of its message is no field; a value that would break the line or
+    # its key=value reading is quoted; a dict keyed by numbers is still written
+    odd = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 1, "Started", None, None)
+    odd.__dict__.update({"color_message": "Started \x1b[36m%d\x1b[0m", "path": "a\nb",
+                         "eq": "k=v", "codes": {200: 3}})
+    line = TextFormatter().format(odd)
+    assert line.endswith('Started path="a\\nb" eq="k=v" codes={"200":3}'), line
+    assert "\n" not in line and "color_message" not in line
+    assert "color_message" not in JsonFormatter().format(odd)
+    assert json.loads(JsonFormatter().format(odd))["codes"] == {"200": 3}

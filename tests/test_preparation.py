@@ -152,7 +152,8 @@ def _write_export(out: Path, variants, prepared: dict) -> None:
         (out / variant).mkdir(parents=True, exist_ok=True)
         (out / variant / "model.onnx").write_bytes(b"g" * 10)
         (out / variant / "model.onnx_data").write_bytes(b"w" * 90)
-        entries[variant] = {"path": f"{variant}/model.onnx", "bytes": 10, "total_bytes": 100}
+        entries[variant] = {"path": f"{variant}/model.onnx", "bytes": 10, "total_bytes": 100,
+                            "agreement": {"dense_cos_min": 1.0}}
     (out / "tokenizer.json").write_text("{}")
     (out / "manifest.json").write_text(json.dumps(
         {"format": "bgeserve-export", "variants": entries, "tokenizer": "tokenizer.json",

@@ -202,8 +202,8 @@ def test_a_variant_asked_for_later_is_added_and_the_others_kept(hub_snapshots, t
     if not openvino.available():
         return
     # bf16 on top, asked for without int8 (`prepare --variant bf16`): fp32 and int8 kept
-    # (int8 was dropped from the export that replaced the old one), nothing new to cut into
-    # FFN row blocks.
+    # (int8 used to be dropped from the export that replaced the old one), nothing new to cut
+    # into FFN row blocks.
     int8_files = _inodes(path, after, "int8")
     third = run_prepare(hub_snapshots["baai"], cache, no_torch_path,
                         *(x for v in ("fp32", "bf16") for x in ("--variant", v)))

@@ -293,10 +293,17 @@ def test_corrupt_cache_is_a_miss(cache, caplog, text):
 
 
 def test_truncated_cache_is_a_miss(cache, caplog):
-    """A file cut off halfway (e.g. by a crash mid-write elsewhere) is a miss."""
+    """A file cut off halfway (e.g. by a crash mid-write elsewhere) is a miss; where the
+    fingerprint's kept copy is whole, that copy is the hit."""
+    from bgeserve.tuning.cache import kept_path
+
     cache.save("f", FIT, PARTS, SAMPLES)
     text = cache.path.read_text()
     cache.path.write_text(text[: len(text) // 2])
+    assert cache.load("f") == FIT  # the copy kept beside it
+    kept = kept_path(cache.path, "f")
+    assert kept is not None
+    kept.write_text(text[: len(text) // 2])
     with caplog.at_level(logging.WARNING, "bgeserve.probe"):
         assert cache.load("f") is None
     assert "corrupt or truncated" in caplog.text

@@ -885,3 +885,27 @@ def test_a_probe_child_stopped_by_a_signal_to_the_group_is_not_remembered(
     again = Tuner(config, apply=lambda cost: None)
     again.initial(model_cost=16 << 20, fingerprint="s" * 64)
     assert (again.state.probe_status, again.state.probe_mode) == ("running", "child")
+
+
+def test_a_model_bigger_than_the_memory_is_refused_before_it_loads(tmp_path: Path) -> None:
+    """Files plus headroom past a real limit (a cgroup's, MemAvailable): refused before the
+    load, which was killed for memory (a 1.5 GiB container and the full-size int8: exit 137,
+    nothing said), naming what else would load. Not for BGE_M3_AVAILABLE_MEMORY_BYTES (a
+    budget nothing enforces: the floor after loading speaks), nor on a GPU."""
+    from bgeserve.tuning.budget import HEADROOM_BYTES
+    from bgeserve.tuning.tuner import DoesNotFit
+
+    tuner = Tuner(TuningConfig(max_seq=512, cache_dir=tmp_path), apply=lambda cost: None)
+    tuner.state.memory_source, tuner.state.available_bytes = "cgroup_v1", 1536 << 20
+    model = 1304 << 20
+    with pytest.raises(DoesNotFit) as info:
+        tuner.check_room(model, "ov-int8 (~933 MiB loaded, BGE_M3_MODEL=ov-int8)")
+    message = info.value.message
+    assert "1304 MiB" in message and "1536 MiB of memory available (cgroup_v1)" in message
+    assert "serve a smaller variant: ov-int8" in message and info.value.param == "BGE_M3_MODEL"
+    tuner.check_room((1536 << 20) - HEADROOM_BYTES)  # exactly fits: loads
+    tuner.state.memory_source = "override"
+    tuner.check_room(model)
+    gpu = Tuner(TuningConfig(max_seq=512, cache_dir=tmp_path, gpu=True), apply=lambda c: None)
+    gpu.state.memory_source, gpu.state.available_bytes = "cgroup_v1", 1 << 30
+    gpu.check_room(8 << 30)

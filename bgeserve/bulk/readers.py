@@ -114,7 +114,7 @@ def _array(source: Source) -> Iterator[object] | None:
             for _ in _item_bytes(f):
                 pass
     except _CutShort as exc:
-        log.warning("%s is a JSON array cut short (%s): its %d whole items are read, then %s",
+        log.warning("%s is a JSON array cut short (%s): its whole items (%d) are read, then %s",
                     source.path, exc, exc.count, "the item it ends with (only the ']' is "
                     "missing)" if _whole_item(exc.tail) else "one bad row where it ends")
     except _NotOneArray as exc:

@@ -21,7 +21,7 @@ from bgeserve.config import Settings
 from bgeserve.engine import ChunkStats, Engine, Inputs
 from bgeserve.engine.tokenizer import Encoded
 from bgeserve.errors import BgeServeError, DeadlineExceeded, NotReady, Overloaded
-from bgeserve.model.artifacts import ModelArtifacts, resolve, validate_cache_dir
+from bgeserve.model.artifacts import ModelArtifacts, export_variants, resolve, validate_cache_dir
 from bgeserve.progress import Progress
 from bgeserve.results import Embeddings, EmbedOptions, ModelInfo, RerankOptions, RerankResult, Token
 from bgeserve.runtime import gpu
@@ -34,7 +34,7 @@ from bgeserve.service.probing import probe_source
 from bgeserve.tuning import cache, memory
 from bgeserve.tuning.audit import AuditSample, WorkspaceAudit
 from bgeserve.tuning.budget import measure_model_cost, split_available
-from bgeserve.tuning.tuner import Tuner, UnmeasuredFloor
+from bgeserve.tuning.tuner import DoesNotFit, Tuner, UnmeasuredFloor
 
 log = logging.getLogger("bgeserve.service")
 T = TypeVar("T")
@@ -59,6 +59,10 @@ class Service:
         self.reranking = reranking.Reranking(self.metrics_registry)
         self.artifacts: ModelArtifacts | None = None
         self.choice = choice.Decision(settings)
+        # The next measured variant to load, when the chosen one did not fit (``_load``), and
+        # the chosen one's refusal (said if none fits).
+        self._fallback: choice.Decision | None = None
+        self._refusal: BaseException | None = None
         self.fatal_error: BaseException | None = None
         self.on_fatal = on_fatal
         self._ready = threading.Event()
@@ -99,10 +103,14 @@ class Service:
             s = self.settings = plan.resolve(self.settings)
             cache_dir = validate_cache_dir(  # a local model runs without a cache (warning)
                 s.cache_dir, required=s.model_path is None or s.execution_provider == "tensorrt")
-            s = self.settings = self.preparation.apply(s, cache_dir)
-            # Neither BGE_M3_EP nor BGE_M3_MODEL set: the fastest variant measured here (cached).
-            self.choice = choice.decide(s, cache_dir, stop=self._stopping,
-                                        on_step=self.progress.step)
+            if self._fallback is None:
+                s = self.settings = self.preparation.apply(s, cache_dir)
+                # Neither BGE_M3_EP nor BGE_M3_MODEL set: the fastest variant measured here
+                # (cached).
+                self.choice = choice.decide(s, cache_dir, stop=self._stopping,
+                                            on_step=self.progress.step)
+            else:  # the measured choice did not fit the memory: the next fastest (_load's end)
+                self.choice, self._fallback = self._fallback, None
             s = self.settings = self.choice.settings
             if self._stopping.is_set():  # stopped mid-preparation (or choice): loading a graph
                 log.info("start-up stopped: the server is shutting down")  # only delays exit
@@ -147,9 +155,11 @@ class Service:
 
             model_bytes = sum(p.stat().st_size for p in (artifacts.onnx_path,
                                                           *artifacts.external_data))
+            copies = runtime.weight_copies(serving.runtime, s.workers)
+            tuner.check_room(model_bytes * copies, _smaller_variants(
+                s, artifacts.variant, model_bytes, serving.runtime))
             model_cost = measure_model_cost(
-                load, s.workers, model_bytes,
-                copies=runtime.weight_copies(serving.runtime, s.workers))
+                load, s.workers, model_bytes, copies=copies)
             if s.rerank_model_aliases and not reranking.configured(s):
                 log.warning("BGE_M3_RERANK_MODEL_ALIASES names a reranker, but none is loaded "
                             "(BGE_M3_RERANK_MODEL_PATH / BGE_M3_RERANK unset): requests naming "
@@ -178,6 +188,9 @@ class Service:
                     ". ")[0])
                 first = True
             if first:  # on the serving session, before anything is served
+                # Minutes at full size: /health said "loading the model", progress 0.
+                self.progress.step("measuring what texts cost in memory (the probe, on "
+                                   "the serving session, before serving)")
                 tuner.measure_first(probe_source(engine, spec, in_process=True), model_cost,
                                     fingerprint, parts)
                 cost = tuner.initial(model_cost, fingerprint)  # refuses if still too short
@@ -192,6 +205,7 @@ class Service:
             self.deep = deep
             self.engine = engine
             self.progress.done()
+            choice.keep(self.choice, cache_dir)  # a fallback that serves: the next start's
             # What the start made (modules, sessions' metadata, the tokenizer) lives as long as
             # the process: out of the collector's sight, a full collection walks only what was
             # made since. On the tiny model the first burst of requests after a start ran one
@@ -211,12 +225,23 @@ class Service:
             else:
                 self.reranking.start_probe()
         except BaseException as exc:  # start-up failures are reported, not raised on a thread
-            log.error("start-up failed: %s", exc, exc_info=not isinstance(exc, BgeServeError))
-            self.fatal_error = exc
             if engine is not None and self.engine is None:
                 # Sessions may be loaded (e.g. the memory floor refused after loading): release
                 # them and their worker threads; stop() only closes a published engine.
                 engine.close(5.0)
+            # A measured choice that does not fit here (the fastest in a 2.5 GiB container was
+            # bf16, which OpenVINO holds in more memory than int8): the next fastest measured,
+            # kept for the next start too, not a refusal at every start.
+            if isinstance(exc, DoesNotFit) and not self._stopping.is_set():
+                self._refusal = self._refusal or exc  # the chosen one's: its advice counts
+                self._fallback = choice.without(self.choice, self.settings.variant, exc.message)
+                if self._fallback is not None:
+                    self.reranking.close(5.0)  # loaded again beside the next one
+                    self._load()
+                    return
+                exc = self._refusal
+            log.error("start-up failed: %s", exc, exc_info=not isinstance(exc, BgeServeError))
+            self.fatal_error = exc
             if self.on_fatal is not None:
                 self.on_fatal(exc)
 
@@ -458,3 +483,23 @@ class Service:
 def build_service(settings: Settings) -> Service:
     """The factory ``create_app`` uses."""
     return Service(settings)
+
+
+def _smaller_variants(settings: Settings, served: str, model_bytes: int,
+                      kind: str) -> str:
+    """The export's other variants that load in less memory than ``served`` (files of
+    ``model_bytes`` on runtime ``kind``), with their estimated resident size, smallest first
+    ("ov-int8 (~930 MiB loaded, ...)"): the way out of a model too big for the memory. By
+    what they hold once loaded, not their files: bf16's IR is smaller than int8's graph and
+    takes more (OpenVINO keeps a bf16 copy)."""
+    def agreement(entry: dict[str, Any]) -> str:  # what it gives up, where it was measured
+        cos = (entry.get("agreement") or {}).get("dense_cos_min")
+        return f", dense cosine {cos:.4f} vs fp32" if isinstance(cos, float) else ""
+
+    mine = int(model_bytes * runtime.get(kind).resident_per_file_byte)
+    entries = export_variants(settings.model_path)
+    smaller = sorted((size, variant) for variant in entries
+                     if variant not in (served, "fp16")  # fp16: the GPU's
+                     and (size := choice.loaded_bytes(entries, variant)) is not None)
+    return ", ".join(f"{variant} (~{size >> 20} MiB loaded{agreement(entries[variant])}, "
+                     f"BGE_M3_MODEL={variant})" for size, variant in smaller if size < mine)

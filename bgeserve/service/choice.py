@@ -45,10 +45,6 @@ log = logging.getLogger("bgeserve.backend")
 CHOICE_SCHEMA = 1  # bump when the workload or the way it is timed changes
 ROUNDS = 2
 MAX_WARMUP_SECONDS = 60.0  # a candidate whose warm-up round takes longer is not timed further
-# Resident memory of a loaded candidate per byte of its files, generously: OpenVINO keeps a
-# bf16 copy of fp16-stored weights (1.8 GiB for the full-size model's 1.14 GB IR), ONNX
-# Runtime about its files (docs/startup-probe.md §10).
-RESIDENT_PER_FILE_BYTE = 1.7
 
 Timer = Callable[[dict[str, Any]], dict[str, Any]]  # a time-task spec -> its answer
 
@@ -62,6 +58,9 @@ class Decision:
     candidates: dict[str, float] = field(default_factory=dict)
     left_out: dict[str, str] = field(default_factory=dict)
     cached: bool = False
+    providers: dict[str, str] = field(default_factory=dict)  # each candidate's
+    key: str = ""  # the choice cache's (``without`` rewrites it there)
+    parts: dict[str, Any] = field(default_factory=dict)
 
 
 def measurable(settings: Settings) -> bool:
@@ -96,16 +95,22 @@ def decide(settings: Settings, cache_dir: Path, *, timer: Timer | None = None,
         return Decision(settings, left_out=left_out)
     parts = choice_parts(settings, artifacts)
     key = fingerprint(parts)
+    providers = {c.variant: c.provider for c in artifacts}
     store = ChoiceCache.at(cache_dir)
     cached = None if remeasure or settings.disable_probe_cache else store.load(key)
-    if cached is not None and any(c.variant == cached.variant for c in artifacts):
+    roomier = _now_fits(settings, cached.needs) if cached is not None else []
+    if roomier:  # the memory grew since: what was left out for it may be the fastest
+        log.info("variant choice: cached, but %s, left out for memory then, fits now: "
+                 "measuring again", ", ".join(roomier))
+    elif cached is not None and any(c.variant == cached.variant for c in artifacts):
         log.info("variant choice (cached): %s on %s; measured %s", cached.variant,
                  cached.provider, _rates(cached.rates))
         return Decision(_serving(settings, cached.variant, cached.provider), cached.rates,
-                        cached.left_out, cached=True)
-    rates, timed_out, interrupted = _time_all(settings, cache_dir, artifacts,
-                                              timer or _child_timer(stop),
-                                              on_step or (lambda step: None))
+                        cached.left_out, cached=True, providers=providers, key=key,
+                        parts=parts)
+    rates, timed_out, needs, interrupted = _time_all(settings, cache_dir, artifacts,
+                                                     timer or _child_timer(stop),
+                                                     on_step or (lambda step: None))
     left_out.update(timed_out)
     interrupted = interrupted or (stop is not None and stop.is_set())
     if not rates:
@@ -119,8 +124,64 @@ def decide(settings: Settings, cache_dir: Path, *, timer: Timer | None = None,
     # A timing stopped (the server stopping, a signal to its process group) left a candidate
     # out for no reason of its own: kept, the choice would leave it out at every later start.
     if not settings.disable_probe_cache and not interrupted:
-        store.save(key, Choice(chosen, provider, rates, left_out), parts)
-    return Decision(_serving(settings, chosen, provider), rates, left_out)
+        store.save(key, Choice(chosen, provider, rates, left_out, needs), parts)
+    return Decision(_serving(settings, chosen, provider), rates, left_out,
+                    providers=providers, key=key, parts=parts)
+
+
+def without(decision: Decision, variant: str, reason: str) -> Decision | None:
+    """The measured ``decision`` with ``variant`` left out (``reason``: it does not fit the
+    memory here), serving the fastest candidate left that loads in less memory (one that
+    takes more cannot fit where it did not: the full-size bf16 after int8, say). None where
+    no such measured candidate is left. ``keep`` it once it has served."""
+    entries = export_variants(decision.settings.model_path)
+    limit = loaded_bytes(entries, variant)
+    rates = {v: r for v, r in decision.candidates.items()
+             if v != variant and v in decision.providers
+             and (limit is None or (loaded_bytes(entries, v) or 0) < limit)}
+    if decision.settings.variant_choice not in ("measured", "fallback") or not rates:
+        return None
+    chosen = max(rates, key=lambda v: rates[v])
+    provider = decision.providers[chosen]
+    log.warning("variant choice: %s does not fit the memory here (%s); serving %s, the "
+                "fastest measured of those that load in less (%s)", variant,
+                reason.split(". ")[0], chosen, _rates(rates))
+    return dataclasses.replace(
+        decision, candidates=rates, left_out={**decision.left_out, variant: reason},
+        settings=dataclasses.replace(_serving(decision.settings, chosen, provider),
+                                     variant_choice="fallback"))
+
+
+def keep(decision: Decision, cache_dir: Path) -> None:
+    """Keep a ``fallback`` that served in the choice cache, so that a restart serves it at
+    once (a start refused for memory every time, the refused choice cached, was a crash
+    loop); kept only once it has served, or a fallback that failed too would hide the first
+    refusal's advice from every later start."""
+    s = decision.settings
+    if s.variant_choice == "fallback" and decision.key and not s.disable_probe_cache:
+        ChoiceCache.at(cache_dir).save(decision.key, Choice(
+            s.variant, s.execution_provider, decision.candidates, decision.left_out),
+            decision.parts)
+
+
+def loaded_bytes(entries: Mapping[str, Mapping[str, Any]], variant: str) -> int | None:
+    """Bytes ``variant`` of an export (its manifest ``entries``) holds once loaded, by its
+    files and its runtime's ``resident_per_file_byte``; None where its size is not recorded."""
+    entry = entries.get(variant) or {}
+    size = entry.get("total_bytes")
+    if not isinstance(size, int):
+        return None
+    kind = "openvino" if entry.get("runtime") == "openvino" else "cpu"
+    return int(size * runtime.get(kind).resident_per_file_byte)
+
+
+def _now_fits(settings: Settings, needs: Mapping[str, int]) -> list[str]:
+    """The candidates left out for memory (``needs``: bytes each asked for) that fit now."""
+    if not needs:
+        return []
+    available = memory.detect_available_memory(settings.available_memory_bytes).available_bytes
+    free = available - memory.rss_bytes()
+    return sorted(v for v, need in needs.items() if need <= free)
 
 
 def _serving(settings: Settings, variant: str, provider: str) -> Settings:
@@ -177,16 +238,21 @@ def memory_needed(settings: Settings, artifacts: ModelArtifacts, provider: str,
     a, b = conservative_coefficients(**model_dims(artifacts))
     largest = max(CostModel(a, b, 0).cost(batch, seq)
                   for batch, seq in workload_chunks(chunk_tokens(settings, provider), max_seq))
-    return int(files * RESIDENT_PER_FILE_BYTE + HEADROOM_BYTES + largest)
+    # Per runtime: one factor for all (OpenVINO's 1.7) left the full-size int8 untimed in a
+    # 2.5 GiB container (2,538 MiB asked, its load takes ~1,574) and bf16, which needs more
+    # there, chosen; the server then could not serve it.
+    resident = runtime.get(runtime.kind_of(artifacts, provider)).resident_per_file_byte
+    return int(files * resident + HEADROOM_BYTES + largest)
 
 
 def _time_all(settings: Settings, cache_dir: Path,
               artifacts: Mapping[Candidate, ModelArtifacts],
               timer: Timer, on_step: Callable[[str], None],
-              ) -> tuple[dict[str, float], dict[str, str], bool]:
+              ) -> tuple[dict[str, float], dict[str, str], dict[str, int], bool]:
     """Tokens/s of each candidate that fits, one at a time (the rule's pick first), then each
     once more in the other order: the mean of its two passes; the candidates left out, why;
-    whether a timing process was stopped (``ChildStopped``) rather than failed."""
+    the bytes those left out for memory asked for; whether a timing process was stopped
+    (``ChildStopped``) rather than failed."""
     available = memory.detect_available_memory(settings.available_memory_bytes).available_bytes
     rates: dict[str, float] = {}  # the mean of a candidate's passes
     passes: dict[str, list[float]] = {}
@@ -194,11 +260,15 @@ def _time_all(settings: Settings, cache_dir: Path,
     order = sorted(artifacts, key=lambda c: c.variant != settings.variant)
     longest = workload_max_seq(settings, artifacts)
     stopped: list[str] = []
+    needs: dict[str, int] = {}
 
     def once(c: Candidate) -> None:
+        if stopped:  # a signal to the process group: the server is going, time no more
+            return
         free = available - memory.rss_bytes()
         need = memory_needed(settings, artifacts[c], c.provider, longest)
         if need > free:
+            needs[c.variant] = need
             left_out[c.variant] = (f"needs ~{need >> 20} MiB to be timed, {max(free, 0) >> 20} "
                                    "MiB are free")
             log.info("variant choice: %s not timed: %s", c.variant, left_out[c.variant])
@@ -209,8 +279,9 @@ def _time_all(settings: Settings, cache_dir: Path,
                 "max_seq": longest, "rounds": ROUNDS, "max_seconds": MAX_WARMUP_SECONDS}
         started = time.monotonic()
         # Seconds to minutes each: /health said the step before ("hashing the model files").
-        on_step(f"choosing the variant: timing {c.variant} "
-                f"(pass {len(passes.get(c.variant, [])) + 1} of 2)")
+        on_step(f"choosing the variant: timing {c.variant}"
+                + (f" (pass {len(passes.get(c.variant, [])) + 1} of 2)" if len(order) > 1
+                   else ""))
         try:
             answer = timer(spec)
         except ChildDied as exc:
@@ -235,7 +306,7 @@ def _time_all(settings: Settings, cache_dir: Path,
     if len(rates) > 1:
         for c in reversed([c for c in order if c.variant in rates]):
             once(c)
-    return rates, left_out, bool(stopped)
+    return rates, left_out, needs, bool(stopped)
 
 
 def _child_timer(stop: threading.Event | None) -> Timer:

@@ -158,7 +158,10 @@ class Preparation:
             # checks it is whole), so only the others are weighed against memory and disk
             # (fp32 always: its graphs are rewritten again to make the others from).
             earlier = None if force else _earlier(store, key)
-            have = set(earlier["variants"]) - {"fp32"} if earlier is not None else set()
+            # What it holds whole: with its agreement (prepare.py links only those; one from
+            # an older version without it is made again, and so weighed as new).
+            have = ({v for v, entry in earlier["variants"].items() if isinstance(entry, dict)
+                     and "agreement" in entry} - {"fp32"} if earlier is not None else set())
             new = [v for v in wanted if v not in have]
             weights = source.weight_bytes
             available = memory.detect_available_memory(s.available_memory_bytes).available_bytes

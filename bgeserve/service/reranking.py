@@ -102,7 +102,8 @@ class Reranking:
                  runtime.get(serving.runtime).version(), s.max_seq_length)
         engine = Engine(artifacts=artifacts, config=serving.engine, start=False,
                         auto_budget=False, on_chunk=self._on_chunk)
-        # Its fit in a cache file of its own: the cache keeps one fit per file (bge-m3's).
+        # Its fit in a cache folder of its own, beside bge-m3's (each file's newest record is
+        # the one an operator reads first).
         (cache_dir / PROBE_CACHE_DIR).mkdir(exist_ok=True)
         tuning = dataclasses.replace(serving.tuning, cache_dir=cache_dir / PROBE_CACHE_DIR,
                                      length_variable="BGE_M3_RERANK_MAX_LENGTH",

@@ -17,7 +17,7 @@ import os
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bgeserve.tuning.costmodel import Fit, Sample
@@ -39,19 +39,18 @@ KEPT_RECORDS = 16
 _OTHER = "was made for another model, runtime or configuration"
 
 
-def kept_path(path: Path, key: str) -> Path:
-    """Where the record of ``key`` is kept beside ``path`` (the newest record's file)."""
+def kept_path(path: Path, key: str) -> Path | None:
+    """Where the record of ``key`` is kept beside ``path`` (the newest record's file); None
+    for a key that is no plain name in that folder (the fingerprints are hex digests)."""
+    if not key or "/" in key or key.startswith("."):
+        return None
     return path.with_name(f"{path.stem}.d") / f"{key}.json"
 
 
 def _read_kept(path: Path, key: str) -> str | None:
     """The text of ``key``'s kept record, None where there is none (or it cannot be read)."""
-    if not key or "/" in key or key.startswith("."):  # a name in the folder, nothing else
-        return None
-    try:
-        return kept_path(path, key).read_text()
-    except (OSError, UnicodeDecodeError):
-        return None
+    kept = kept_path(path, key)
+    return _read_text(kept) if kept is not None else None
 
 
 def fingerprint(parts: Mapping[str, str | int | float]) -> str:
@@ -136,18 +135,20 @@ class ProbeCache:
     def outcome(self, fingerprint: str) -> Fit | Failure | None:
         """The cached fit or failure for ``fingerprint``; None (with a logged reason if the
         file is unusable) when there is neither."""
+        reason: Fit | Failure | str | None
         try:
-            text = self.path.read_text()
+            reason = _parse_record(self.path.read_text(), fingerprint)
         except FileNotFoundError:
-            return None
+            reason = None
         except (OSError, UnicodeDecodeError) as exc:
-            reason: Fit | Failure | str = f"cannot be read ({exc})"
-        else:
-            reason = _parse_record(text, fingerprint)
-            kept = _read_kept(self.path, fingerprint) if reason == _OTHER else None
-            if kept is not None:  # the newest is another's: this fingerprint's own record
-                reason = _parse_record(kept, fingerprint)
-        if not isinstance(reason, str):
+            reason = f"cannot be read ({exc})"
+        # The newest is another's, damaged, gone, or of another schema (an older replica on
+        # the same volume): this fingerprint's own record, kept beside it.
+        kept = _read_kept(self.path, fingerprint) if not isinstance(reason, Fit | Failure) \
+            else None
+        if kept is not None:
+            reason = _parse_record(kept, fingerprint)
+        if reason is None or not isinstance(reason, str):
             return reason
         logger.warning("probe cache %s %s; ignoring it and probing again", self.path, reason)
         return None
@@ -215,6 +216,7 @@ class ProbeCache:
 
 
 def _read_text(path: Path) -> str | None:
+    """``path``'s text; None where it cannot be read (missing, a folder, not UTF-8)."""
     try:
         return path.read_text()
     except (OSError, UnicodeDecodeError):
@@ -225,13 +227,16 @@ def write_keyed(path: Path, key: str, record: Mapping[str, object]) -> None:
     """``record`` at ``path`` (the newest) and kept under ``key`` beside it, the oldest kept
     records beyond ``KEPT_RECORDS`` removed; a failure only logs, as ``write_atomic``'s."""
     write_atomic(path, record)
-    if not key or "/" in key or key.startswith("."):
+    kept = kept_path(path, key)
+    if kept is None:
         return
-    folder = kept_path(path, key).parent
-    write_atomic(kept_path(path, key), record)
+    folder = kept.parent
+    write_atomic(kept, record)
+    # Two processes pruning at once may remove a record the other just wrote (past 16 keys,
+    # among the oldest): that key is measured again once.
     try:
-        kept = sorted(folder.glob("*.json"), key=lambda p: (p.stat().st_mtime_ns, p.name))
-        for old in kept[:-KEPT_RECORDS]:
+        records = sorted(folder.glob("*.json"), key=lambda p: (p.stat().st_mtime_ns, p.name))
+        for old in records[:-KEPT_RECORDS]:
             old.unlink(missing_ok=True)
     except OSError as exc:  # another process pruning at once, say: the next save prunes
         logger.debug("cannot prune %s (%s)", folder, exc)
@@ -270,6 +275,9 @@ class Choice:
     provider: str
     rates: dict[str, float]
     left_out: dict[str, str]
+    # Bytes each candidate left out for want of memory asked for: a start with that much free
+    # measures again (a choice made in less memory kept its candidates out for good).
+    needs: dict[str, int] = field(default_factory=dict)
 
 
 class ChoiceCache:
@@ -316,7 +324,10 @@ class ChoiceCache:
             logger.warning("variant choice %s names an untimed variant; measuring again",
                            self.path)
             return None
-        return Choice(variant, provider, clean, {str(k): str(v) for k, v in left_out.items()})
+        needs = data.get("needs") or {}
+        return Choice(variant, provider, clean, {str(k): str(v) for k, v in left_out.items()},
+                      {str(k): int(v) for k, v in needs.items() if isinstance(v, int)}
+                      if isinstance(needs, dict) else {})
 
     def save(self, key: str, choice: Choice, parts: Mapping[str, object]) -> None:
         write_keyed(self.path, key, {"key": key, **asdict(choice), "parts": dict(parts),

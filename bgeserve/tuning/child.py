@@ -33,7 +33,9 @@ class ChildStopped(ChildDied):
     itself has said it is stopping. A stop, not a fault of the model or of its memory."""
 
 
-# The OOM killer sends SIGKILL; these only ever come from someone stopping the process.
+# The kernel's OOM killer sends SIGKILL; these come from someone stopping the process (a
+# service manager, mostly; a user-space OOM daemon such as earlyoom sends SIGTERM first, and
+# such a stop is then not remembered either: the next start measures again).
 STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
 
@@ -45,21 +47,22 @@ def run_json(spec: dict[str, Any], stop: threading.Event) -> dict[str, Any]:
     Raises:
         ChildDied: it was killed (by a signal: the OOM killer, say, or ``stop``) or failed.
     """
-    proc = subprocess.Popen([sys.executable, "-m", CHILD_MODULE, json.dumps(spec)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # The context closes both pipes (left open, each call leaked two files).
+    with subprocess.Popen([sys.executable, "-m", CHILD_MODULE, json.dumps(spec)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
 
-    def relay() -> None:
-        assert proc.stderr is not None  # Popen(stderr=PIPE)
-        for line in proc.stderr:
-            log.info("%s", line.rstrip())
+        def relay() -> None:
+            assert proc.stderr is not None  # Popen(stderr=PIPE)
+            for line in proc.stderr:
+                log.info("%s", line.rstrip())
 
-    reader = threading.Thread(target=relay, daemon=True)
-    reader.start()
-    while proc.poll() is None:
-        if stop.wait(0.5):
-            proc.kill()
-    out = proc.stdout.read() if proc.stdout else ""
-    reader.join(1.0)
+        reader = threading.Thread(target=relay, daemon=True)
+        reader.start()
+        while proc.poll() is None:
+            if stop.wait(0.5):
+                proc.kill()
+        out = proc.stdout.read() if proc.stdout else ""
+        reader.join(1.0)
     if proc.returncode != 0:
         if -proc.returncode in STOP_SIGNALS:
             raise ChildStopped(f"on {signal.Signals(-proc.returncode).name}, asked to stop")

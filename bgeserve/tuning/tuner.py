@@ -105,7 +105,15 @@ class TuningState:
         return out
 
 
-class UnmeasuredFloor(ConfigError):
+MIN_USEFUL_SEQ = 64  # a budget fitting no text this long is no budget to serve with
+
+
+class DoesNotFit(ConfigError):
+    """The model, or one ``max_seq`` text beside it, does not fit the memory: a fact about
+    this variant here (another, smaller, may fit; ``Service`` tries the next one measured)."""
+
+
+class UnmeasuredFloor(DoesNotFit):
     """One ``max_seq`` text does not fit by the conservative estimate, and nothing measured
     says otherwise yet: the caller may measure first (``Tuner.measure_first``)."""
 
@@ -129,6 +137,7 @@ class Tuner:
         self._measured: tuple[Fit, dict[int, float], RunCost | None] | None = None
         self._gave_up: str | None = None  # why no more probing this start (a failed attempt)
         self._in_process = False  # the last cached failure was the probe process dying
+        self._translated = False  # token_budget came from BGE_M3_ONNX_BATCH_SIZE
 
     # -- measurement -----------------------------------------------------------------------
     def budget(self, model_cost: int, extra_sessions: int = 0) -> int:
@@ -154,6 +163,30 @@ class Tuner:
         """
         info = memory.detect_available_memory(self.config.available_override)
         self.state.memory_source, self.state.available_bytes = info.source, info.available_bytes
+
+    def check_room(self, model_bytes: int, other_variants: str = "") -> None:
+        """Refuse, before loading, a model whose files alone (``model_bytes``: every copy the
+        workers keep) and the headroom exceed the memory: loading it was killed for memory (a
+        1.5 GiB container and the full-size int8: exit 137 while loading, nothing said). The
+        floor after loading refuses such a start anyway (no workspace is left); here it does
+        so before the kill. ``other_variants``: what the model directory also holds, and how
+        big (the message's way out). Not on a GPU, whose weights are in its own memory."""
+        c = self.config
+        # BGE_M3_AVAILABLE_MEMORY_BYTES is a budget, not a limit anything enforces: the floor
+        # after loading says what it leaves.
+        source = self.state.memory_source
+        if c.gpu or source == "override" or (
+                model_bytes + HEADROOM_BYTES <= self.state.available_bytes):
+            return
+        need = (model_bytes + HEADROOM_BYTES) >> 20
+        raise DoesNotFit(
+            f"the model's files alone are {model_bytes >> 20} MiB ({c.workers} worker(s)), and "
+            f"with {HEADROOM_BYTES >> 20} MiB headroom more than the "
+            f"{self.state.available_bytes >> 20} MiB of memory available ({source}): loading "
+            f"it would be killed for memory. Raise the memory limit well above {need} MiB "
+            "(a text's workspace comes on top)"
+            + (f", or serve a smaller variant: {other_variants}" if other_variants else ""),
+            param="BGE_M3_MODEL")
 
     def share(self, available: int, source: str) -> None:
         """Tune with ``available`` bytes (described as ``source``) instead of what
@@ -184,6 +217,7 @@ class Tuner:
                         "BGE_M3_TOKEN_BUDGET=%d (workspace bytes of that many %d-token texts)",
                         c.legacy_batch_size, token_budget, LEGACY_BATCH_SEQ)
             self.config = c = TuningConfig(**{**asdict(c), "token_budget": token_budget})
+            self._translated = True  # the budget is BGE_M3_ONNX_BATCH_SIZE's (floor message)
         if c.cost_a is not None and c.cost_b is not None:
             a, b, s.probe_status = c.cost_a, c.cost_b, "disabled"
         elif c.disable_auto_budget or c.token_budget is not None or c.gpu:
@@ -252,7 +286,9 @@ class Tuner:
         if c.reserved_bytes:
             held.insert(0, f"{c.reserved_bytes >> 20} MiB embedding cache (BGE_M3_CACHE_MB)")
         if c.token_budget is not None:
-            why = "BGE_M3_TOKEN_BUDGET, in bytes"
+            why = ("BGE_M3_TOKEN_BUDGET, in bytes" if not self._translated else
+                   f"BGE_M3_ONNX_BATCH_SIZE={c.legacy_batch_size}: the workspace of that many "
+                   "512-token texts, pinned as BGE_M3_TOKEN_BUDGET")
         elif c.gpu:
             why = "the GPU's budget, BGE_M3_GPU_VRAM_BUDGET_BYTES"
         else:
@@ -260,11 +296,16 @@ class Tuner:
             source = "BGE_M3_AVAILABLE_MEMORY_BYTES" if source == "override" else source
             why = (f"{self.state.available_bytes / 2**30:.2f} GiB available from {source}, less {', '.join(held)}, x safety factor "
                    f"{c.safety_factor:g} (BGE_M3_MEMORY_SAFETY_FACTOR), / {c.workers} worker(s)")
-        raise (UnmeasuredFloor if unmeasured else ConfigError)(
+        raise (UnmeasuredFloor if unmeasured else DoesNotFit)(
             f"one {c.max_seq}-token text needs ~{cost.cost(1, c.max_seq) / 2**20:.0f} MiB of "
             f"workspace but each of the {c.workers} worker(s) gets "
-            f"{cost.max_workspace_bytes / 2**20:.0f} MiB ({why}). Lower {c.length_variable} "
-            f"(longest that fits: {cost.max_seq()})"
+            f"{cost.max_workspace_bytes / 2**20:.0f} MiB ({why}). "
+            # "longest that fits: 0": no length to lower to (the runtime's fixed term alone,
+            # OpenVINO's ~390 MiB pool, was more than the budget).
+            + (f"Lower {c.length_variable} (longest that fits: {cost.max_seq()})"
+               if cost.max_seq() >= MIN_USEFUL_SEQ else
+               f"Not even a {MIN_USEFUL_SEQ}-token text fits: lowering {c.length_variable} "
+               "does not help; serve a variant that needs less memory (BGE_M3_MODEL)")
             # A pinned budget is each worker's whatever the memory, workers or cache.
             + (f", or raise BGE_M3_TOKEN_BUDGET (workspace bytes per worker: one "
                f"{c.max_seq}-token text needs {int(cost.cost(1, c.max_seq))})"
