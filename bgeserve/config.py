@@ -120,7 +120,8 @@ def parse_bind(name: str, raw: str) -> str:
     host, sep, port = raw.strip().rpartition(":")
     # isascii: str.isdigit() accepts "²", which int() then rejects with a bare ValueError.
     if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-        raise ConfigError(f"{name}={raw!r} must be HOST:PORT, e.g. 0.0.0.0:8081", param=name)
+        raise ConfigError(f"{name}={raw!r} must be HOST:PORT with a port in [1, 65535], e.g. "
+                          "0.0.0.0:8081", param=name)
     return raw.strip()
 
 

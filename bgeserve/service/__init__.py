@@ -60,9 +60,9 @@ class Service:
         self.artifacts: ModelArtifacts | None = None
         self.choice = choice.Decision(settings)
         # The next measured variant to load, when the chosen one did not fit (``_load``), and
-        # the chosen one's refusal (said if none fits).
+        # each refusal so far (the chosen one's advice is said if none fits).
         self._fallback: choice.Decision | None = None
-        self._refusal: BaseException | None = None
+        self._refusals: list[tuple[str, DoesNotFit]] = []
         self.fatal_error: BaseException | None = None
         self.on_fatal = on_fatal
         self._ready = threading.Event()
@@ -97,6 +97,15 @@ class Service:
             raise self.fatal_error
 
     def _load(self) -> None:
+        # Once more for each measured variant the memory could not take (``_load_once``): out
+        # of the handler that refused, so the refused attempt's engine is gone before the next
+        # one loads (its memory would read as the next one's).
+        while self._load_once():
+            pass
+
+    def _load_once(self) -> bool:
+        """One attempt at the start: True where the chosen variant did not fit the memory and
+        the next measured one is to be loaded (``_fallback``)."""
         engine: Engine | None = None
         try:
             # Runtime, provider and variant decided, GPUs counted (a no-op if the CLI did it).
@@ -114,7 +123,7 @@ class Service:
             s = self.settings = self.choice.settings
             if self._stopping.is_set():  # stopped mid-preparation (or choice): loading a graph
                 log.info("start-up stopped: the server is shutting down")  # only delays exit
-                return
+                return False
             self.progress.step("loading the model")
             self.artifacts = artifacts = resolve(model_path=s.model_path, variant=s.variant,
                                                  cache_dir=cache_dir, offline=s.offline,
@@ -156,8 +165,10 @@ class Service:
             model_bytes = sum(p.stat().st_size for p in (artifacts.onnx_path,
                                                           *artifacts.external_data))
             copies = runtime.weight_copies(serving.runtime, s.workers)
-            tuner.check_room(model_bytes * copies, _smaller_variants(
-                s, artifacts.variant, model_bytes, serving.runtime))
+            resident = int(model_bytes * copies
+                           * runtime.get(serving.runtime).resident_per_file_byte)
+            tuner.check_room(resident, model_bytes * copies, lambda: _smaller_variants(
+                s, artifacts.variant, resident // copies))
             model_cost = measure_model_cost(
                 load, s.workers, model_bytes, copies=copies)
             if s.rerank_model_aliases and not reranking.configured(s):
@@ -233,17 +244,17 @@ class Service:
             # bf16, which OpenVINO holds in more memory than int8): the next fastest measured,
             # kept for the next start too, not a refusal at every start.
             if isinstance(exc, DoesNotFit) and not self._stopping.is_set():
-                self._refusal = self._refusal or exc  # the chosen one's: its advice counts
+                self._refusals.append((self.settings.variant, exc))
                 self._fallback = choice.without(self.choice, self.settings.variant, exc.message)
                 if self._fallback is not None:
                     self.reranking.close(5.0)  # loaded again beside the next one
-                    self._load()
-                    return
-                exc = self._refusal
+                    return True
+                exc = _first_refusal(self._refusals)
             log.error("start-up failed: %s", exc, exc_info=not isinstance(exc, BgeServeError))
             self.fatal_error = exc
             if self.on_fatal is not None:
                 self.on_fatal(exc)
+        return False
 
     def _heartbeat(self) -> None:
         """Log RSS, workers, queue and probe status every BGE_M3_HEARTBEAT_SECS."""
@@ -485,18 +496,28 @@ def build_service(settings: Settings) -> Service:
     return Service(settings)
 
 
-def _smaller_variants(settings: Settings, served: str, model_bytes: int,
-                      kind: str) -> str:
-    """The export's other variants that load in less memory than ``served`` (files of
-    ``model_bytes`` on runtime ``kind``), with their estimated resident size, smallest first
+def _first_refusal(refusals: list[tuple[str, DoesNotFit]]) -> DoesNotFit:
+    """The chosen variant's refusal, saying which others were tried and why they did not fit
+    either (its advice may name them)."""
+    first = refusals[0][1]
+    if len(refusals) == 1:
+        return first
+    tried = "; ".join(f"{variant}: {exc.message.split('. ')[0]}" for variant, exc in refusals[1:])
+    return DoesNotFit(f"{first.message}. Tried too, and did not fit either: {tried}",
+                      param=first.param)
+
+
+def _smaller_variants(settings: Settings, served: str, mine: int) -> str:
+    """The export's other variants that load in less memory than ``served`` (``mine``: its
+    estimated resident bytes a copy), with their estimated resident size, smallest first
     ("ov-int8 (~930 MiB loaded, ...)"): the way out of a model too big for the memory. By
     what they hold once loaded, not their files: bf16's IR is smaller than int8's graph and
     takes more (OpenVINO keeps a bf16 copy)."""
     def agreement(entry: dict[str, Any]) -> str:  # what it gives up, where it was measured
-        cos = (entry.get("agreement") or {}).get("dense_cos_min")
+        found = entry.get("agreement")
+        cos = found.get("dense_cos_min") if isinstance(found, dict) else None
         return f", dense cosine {cos:.4f} vs fp32" if isinstance(cos, float) else ""
 
-    mine = int(model_bytes * runtime.get(kind).resident_per_file_byte)
     entries = export_variants(settings.model_path)
     smaller = sorted((size, variant) for variant in entries
                      if variant not in (served, "fp16")  # fp16: the GPU's

@@ -44,6 +44,9 @@ from bgeserve.tuning.synthetic import MIXED_LENGTHS, workload_chunks
 log = logging.getLogger("bgeserve.backend")
 CHOICE_SCHEMA = 1  # bump when the workload or the way it is timed changes
 ROUNDS = 2
+# A variant refused for memory is timed again once a start has this much more than the
+# refusing one had (less would time it again at every start of the same container).
+REFUSED_MARGIN_BYTES = 512 << 20
 MAX_WARMUP_SECONDS = 60.0  # a candidate whose warm-up round takes longer is not timed further
 
 Timer = Callable[[dict[str, Any]], dict[str, Any]]  # a time-task spec -> its answer
@@ -59,8 +62,11 @@ class Decision:
     left_out: dict[str, str] = field(default_factory=dict)
     cached: bool = False
     providers: dict[str, str] = field(default_factory=dict)  # each candidate's
-    key: str = ""  # the choice cache's (``without`` rewrites it there)
+    key: str = ""  # the choice cache's (``keep`` rewrites it there)
     parts: dict[str, Any] = field(default_factory=dict)
+    # Bytes free that would let a candidate left out for memory in (kept with the choice: a
+    # start with that much times them all again).
+    needs: dict[str, int] = field(default_factory=dict)
 
 
 def measurable(settings: Settings) -> bool:
@@ -107,7 +113,7 @@ def decide(settings: Settings, cache_dir: Path, *, timer: Timer | None = None,
                  cached.provider, _rates(cached.rates))
         return Decision(_serving(settings, cached.variant, cached.provider), cached.rates,
                         cached.left_out, cached=True, providers=providers, key=key,
-                        parts=parts)
+                        parts=parts, needs=cached.needs)
     rates, timed_out, needs, interrupted = _time_all(settings, cache_dir, artifacts,
                                                      timer or _child_timer(stop),
                                                      on_step or (lambda step: None))
@@ -126,7 +132,7 @@ def decide(settings: Settings, cache_dir: Path, *, timer: Timer | None = None,
     if not settings.disable_probe_cache and not interrupted:
         store.save(key, Choice(chosen, provider, rates, left_out, needs), parts)
     return Decision(_serving(settings, chosen, provider), rates, left_out,
-                    providers=providers, key=key, parts=parts)
+                    providers=providers, key=key, parts=parts, needs=needs)
 
 
 def without(decision: Decision, variant: str, reason: str) -> Decision | None:
@@ -136,9 +142,11 @@ def without(decision: Decision, variant: str, reason: str) -> Decision | None:
     no such measured candidate is left. ``keep`` it once it has served."""
     entries = export_variants(decision.settings.model_path)
     limit = loaded_bytes(entries, variant)
+    # Only sizes known to be smaller (a manifest of an older version records none: no way to
+    # tell, so no fallback rather than one that may be killed for memory).
     rates = {v: r for v, r in decision.candidates.items()
-             if v != variant and v in decision.providers
-             and (limit is None or (loaded_bytes(entries, v) or 0) < limit)}
+             if v != variant and v in decision.providers and limit is not None
+             and (size := loaded_bytes(entries, v)) is not None and size < limit}
     if decision.settings.variant_choice not in ("measured", "fallback") or not rates:
         return None
     chosen = max(rates, key=lambda v: rates[v])
@@ -146,8 +154,12 @@ def without(decision: Decision, variant: str, reason: str) -> Decision | None:
     log.warning("variant choice: %s does not fit the memory here (%s); serving %s, the "
                 "fastest measured of those that load in less (%s)", variant,
                 reason.split(". ")[0], chosen, _rates(rates))
+    # Timed again (it may be the fastest) once a start has clearly more memory than this one.
+    available = memory.detect_available_memory(
+        decision.settings.available_memory_bytes).available_bytes
     return dataclasses.replace(
         decision, candidates=rates, left_out={**decision.left_out, variant: reason},
+        needs={**decision.needs, variant: available + REFUSED_MARGIN_BYTES},
         settings=dataclasses.replace(_serving(decision.settings, chosen, provider),
                                      variant_choice="fallback"))
 
@@ -160,8 +172,8 @@ def keep(decision: Decision, cache_dir: Path) -> None:
     s = decision.settings
     if s.variant_choice == "fallback" and decision.key and not s.disable_probe_cache:
         ChoiceCache.at(cache_dir).save(decision.key, Choice(
-            s.variant, s.execution_provider, decision.candidates, decision.left_out),
-            decision.parts)
+            s.variant, s.execution_provider, decision.candidates, decision.left_out,
+            decision.needs), decision.parts)
 
 
 def loaded_bytes(entries: Mapping[str, Mapping[str, Any]], variant: str) -> int | None:
@@ -169,7 +181,7 @@ def loaded_bytes(entries: Mapping[str, Mapping[str, Any]], variant: str) -> int 
     files and its runtime's ``resident_per_file_byte``; None where its size is not recorded."""
     entry = entries.get(variant) or {}
     size = entry.get("total_bytes")
-    if not isinstance(size, int):
+    if not isinstance(size, int) or isinstance(size, bool):
         return None
     kind = "openvino" if entry.get("runtime") == "openvino" else "cpu"
     return int(size * runtime.get(kind).resident_per_file_byte)

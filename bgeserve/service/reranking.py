@@ -25,7 +25,7 @@ from bgeserve.config import Settings
 from bgeserve.engine import ChunkStats, Engine, m3rerank
 from bgeserve.engine.jobs import Job
 from bgeserve.engine.reranker import Reranker
-from bgeserve.errors import DeadlineExceeded, InvalidInput
+from bgeserve.errors import ConfigError, DeadlineExceeded, InvalidInput
 from bgeserve.model.rerank_artifacts import RERANK_MODEL_ID, RERANK_MODEL_IDS, resolve_reranker
 from bgeserve.results import EmbedOptions, RerankOptions, RerankResult
 from bgeserve.service import info, outputs, plan
@@ -34,7 +34,7 @@ from bgeserve.service.metrics import Metrics
 from bgeserve.service.probing import probe_source
 from bgeserve.tuning import cache
 from bgeserve.tuning.budget import measure_model_cost
-from bgeserve.tuning.tuner import Tuner, UnmeasuredFloor
+from bgeserve.tuning.tuner import DoesNotFit, Tuner, UnmeasuredFloor
 
 log = logging.getLogger("bgeserve.rerank")
 PRIMING_PAIR = [0, 5, 2, 2, 6, 2]  # <s> a </s></s> b </s>: one tiny row primes the sessions
@@ -140,16 +140,21 @@ class Reranking:
         spec, fingerprint, parts = self._probe
         self.tuner.share(available, source)
         try:
-            cost = self.tuner.initial(self.model_cost, fingerprint)
-        except UnmeasuredFloor as exc:
-            # On the serving sessions, as bge-m3's is when a second copy does not fit: a probe
-            # child loading its own copy beside both models ran out of the room it was measuring
-            # (full-size int8 pair in a 4 GiB cgroup: refused at start).
-            log.warning("reranker: %s. Measuring on its serving sessions before deciding",
-                        exc.message.split(". ")[0])
-            self.tuner.measure_first(probe_source(self.engine, spec, in_process=True),
-                                     self.model_cost, fingerprint, parts)
-            cost = self.tuner.initial(self.model_cost, fingerprint)
+            try:
+                cost = self.tuner.initial(self.model_cost, fingerprint)
+            except UnmeasuredFloor as exc:
+                # On the serving sessions, as bge-m3's is when a second copy does not fit: a
+                # probe child loading its own copy beside both models ran out of the room it
+                # was measuring (full-size int8 pair in a 4 GiB cgroup: refused at start).
+                log.warning("reranker: %s. Measuring on its serving sessions before deciding",
+                            exc.message.split(". ")[0])
+                self.tuner.measure_first(probe_source(self.engine, spec, in_process=True),
+                                         self.model_cost, fingerprint, parts)
+                cost = self.tuner.initial(self.model_cost, fingerprint)
+        except DoesNotFit as exc:
+            # The reranker's own refusal: no reason to serve bge-m3 in another variant (the
+            # service does that for a DoesNotFit of bge-m3's).
+            raise ConfigError(exc.message, param=exc.param) from None
         log.info("reranker ready: probe %s, %d MiB workspace per worker, windows up to %d "
                  "tokens fit", self.tuner.state.probe_status, cost.max_workspace_bytes >> 20,
                  cost.max_seq())

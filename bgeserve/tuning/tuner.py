@@ -164,28 +164,31 @@ class Tuner:
         info = memory.detect_available_memory(self.config.available_override)
         self.state.memory_source, self.state.available_bytes = info.source, info.available_bytes
 
-    def check_room(self, model_bytes: int, other_variants: str = "") -> None:
-        """Refuse, before loading, a model whose files alone (``model_bytes``: every copy the
-        workers keep) and the headroom exceed the memory: loading it was killed for memory (a
-        1.5 GiB container and the full-size int8: exit 137 while loading, nothing said). The
-        floor after loading refuses such a start anyway (no workspace is left); here it does
-        so before the kill. ``other_variants``: what the model directory also holds, and how
-        big (the message's way out). Not on a GPU, whose weights are in its own memory."""
+    def check_room(self, resident: int, files: int,
+                   other_variants: Callable[[], str] = lambda: "") -> None:
+        """Refuse, before loading, a model that takes more than the memory once loaded
+        (``resident``: its ``files``, every copy the workers keep, times its runtime's
+        resident factor) with the headroom: loading it was killed for memory (a 1.5 GiB
+        container and the full-size int8: exit 137 while loading, nothing said). The floor
+        after loading refuses such a start anyway (no workspace is left); here it does so
+        before the kill. ``other_variants``: what the model directory also holds that loads
+        in less (the message's way out). Not on a GPU, whose weights are in its own memory."""
         c = self.config
         # BGE_M3_AVAILABLE_MEMORY_BYTES is a budget, not a limit anything enforces: the floor
         # after loading says what it leaves.
         source = self.state.memory_source
         if c.gpu or source == "override" or (
-                model_bytes + HEADROOM_BYTES <= self.state.available_bytes):
+                resident + HEADROOM_BYTES <= self.state.available_bytes):
             return
-        need = (model_bytes + HEADROOM_BYTES) >> 20
+        need = (resident + HEADROOM_BYTES) >> 20
+        others = other_variants()
         raise DoesNotFit(
-            f"the model's files alone are {model_bytes >> 20} MiB ({c.workers} worker(s)), and "
-            f"with {HEADROOM_BYTES >> 20} MiB headroom more than the "
-            f"{self.state.available_bytes >> 20} MiB of memory available ({source}): loading "
-            f"it would be killed for memory. Raise the memory limit well above {need} MiB "
-            "(a text's workspace comes on top)"
-            + (f", or serve a smaller variant: {other_variants}" if other_variants else ""),
+            f"the model takes ~{resident >> 20} MiB once loaded (its files: {files >> 20} MiB; "
+            f"{c.workers} worker(s)), and with {HEADROOM_BYTES >> 20} MiB headroom more than "
+            f"the {self.state.available_bytes >> 20} MiB of memory available ({source}): "
+            f"loading it would be killed for memory. Raise the memory limit well above {need} "
+            "MiB (a text's workspace comes on top)"
+            + (f", or serve a variant that loads in less: {others}" if others else ""),
             param="BGE_M3_MODEL")
 
     def share(self, available: int, source: str) -> None:
@@ -296,14 +299,17 @@ class Tuner:
             source = "BGE_M3_AVAILABLE_MEMORY_BYTES" if source == "override" else source
             why = (f"{self.state.available_bytes / 2**30:.2f} GiB available from {source}, less {', '.join(held)}, x safety factor "
                    f"{c.safety_factor:g} (BGE_M3_MEMORY_SAFETY_FACTOR), / {c.workers} worker(s)")
-        raise (UnmeasuredFloor if unmeasured else DoesNotFit)(
+        # A pinned budget (BGE_M3_TOKEN_BUDGET) or the GPU's is the same for every variant:
+        # no reason to serve another (DoesNotFit), only to change the setting.
+        refusal = (UnmeasuredFloor if unmeasured else DoesNotFit if host else ConfigError)
+        raise refusal(
             f"one {c.max_seq}-token text needs ~{cost.cost(1, c.max_seq) / 2**20:.0f} MiB of "
             f"workspace but each of the {c.workers} worker(s) gets "
             f"{cost.max_workspace_bytes / 2**20:.0f} MiB ({why}). "
             # "longest that fits: 0": no length to lower to (the runtime's fixed term alone,
             # OpenVINO's ~390 MiB pool, was more than the budget).
             + (f"Lower {c.length_variable} (longest that fits: {cost.max_seq()})"
-               if cost.max_seq() >= MIN_USEFUL_SEQ else
+               if cost.max_seq() >= MIN_USEFUL_SEQ or not host else
                f"Not even a {MIN_USEFUL_SEQ}-token text fits: lowering {c.length_variable} "
                "does not help; serve a variant that needs less memory (BGE_M3_MODEL)")
             # A pinned budget is each worker's whatever the memory, workers or cache.
