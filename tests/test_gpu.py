@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from types import SimpleNamespace
@@ -173,6 +174,8 @@ def test_the_profile_covers_every_chunk_the_scheduler_can_form(tmp_path: Path):
     legacy = Settings(execution_provider="tensorrt", gpu_count=1, cache_dir=tmp_path,
                       onnx_batch_size=5, max_seq_length=1024)
     assert plan.profile_max_batch(legacy) == 5
+    # BGE_M3_MAX_CHUNK, given, wins over the deprecated variable it replaces
+    assert plan.profile_max_batch(dataclasses.replace(legacy, max_chunk=16)) == 16
 
 
 def test_session_config_per_provider(tmp_path: Path, caplog):

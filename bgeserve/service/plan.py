@@ -186,10 +186,13 @@ def pad_multiple(settings: Settings) -> int:
 
 def profile_max_batch(settings: Settings) -> int:
     """Most texts one ``session.run`` may hold (the scheduler's chunk cap)."""
-    # BGE_M3_MAX_CHUNK, set, wins over the deprecated BGE_M3_ONNX_BATCH_SIZE it replaces.
-    if settings.onnx_batch_size is None or settings.is_explicit("BGE_M3_MAX_CHUNK"):
-        return settings.max_chunk
-    return settings.onnx_batch_size
+    # BGE_M3_MAX_CHUNK, set, wins over the deprecated BGE_M3_ONNX_BATCH_SIZE it replaces
+    # (Settings made in code record no variables: there, a max_chunk off its default is set).
+    s = settings
+    default = next(f.default for f in dataclasses.fields(s) if f.name == "max_chunk")
+    given = "BGE_M3_MAX_CHUNK" in s.explicit if s.explicit is not None else (
+        s.max_chunk != default)
+    return s.max_chunk if s.onnx_batch_size is None or given else s.onnx_batch_size
 
 
 def session_config(settings: Settings, *, gpu_mem_limit: int | None = None) -> SessionConfig:
