@@ -21,7 +21,7 @@ from bgeserve.config import Settings
 from bgeserve.engine import ChunkStats, Engine, Inputs
 from bgeserve.engine.tokenizer import Encoded
 from bgeserve.errors import BgeServeError, DeadlineExceeded, NotReady, Overloaded
-from bgeserve.model.artifacts import ModelArtifacts, export_variants, resolve, validate_cache_dir
+from bgeserve.model.artifacts import ModelArtifacts, resolve, validate_cache_dir
 from bgeserve.progress import Progress
 from bgeserve.results import Embeddings, EmbedOptions, ModelInfo, RerankOptions, RerankResult, Token
 from bgeserve.runtime import gpu
@@ -167,7 +167,7 @@ class Service:
             copies = runtime.weight_copies(serving.runtime, s.workers)
             resident = int(model_bytes * copies
                            * runtime.get(serving.runtime).resident_per_file_byte)
-            tuner.check_room(resident, model_bytes * copies, lambda: _smaller_variants(
+            tuner.check_room(resident, model_bytes * copies, lambda: choice.smaller_variants(
                 s, artifacts.variant, resident // copies))
             model_cost = measure_model_cost(
                 load, s.workers, model_bytes, copies=copies)
@@ -505,22 +505,3 @@ def _first_refusal(refusals: list[tuple[str, DoesNotFit]]) -> DoesNotFit:
     tried = "; ".join(f"{variant}: {exc.message.split('. ')[0]}" for variant, exc in refusals[1:])
     return DoesNotFit(f"{first.message}. Tried too, and did not fit either: {tried}",
                       param=first.param)
-
-
-def _smaller_variants(settings: Settings, served: str, mine: int) -> str:
-    """The export's other variants that load in less memory than ``served`` (``mine``: its
-    estimated resident bytes a copy), with their estimated resident size, smallest first
-    ("ov-int8 (~930 MiB loaded, ...)"): the way out of a model too big for the memory. By
-    what they hold once loaded, not their files: bf16's IR is smaller than int8's graph and
-    takes more (OpenVINO keeps a bf16 copy)."""
-    def agreement(entry: dict[str, Any]) -> str:  # what it gives up, where it was measured
-        found = entry.get("agreement")
-        cos = found.get("dense_cos_min") if isinstance(found, dict) else None
-        return f", dense cosine {cos:.4f} vs fp32" if isinstance(cos, float) else ""
-
-    entries = export_variants(settings.model_path)
-    smaller = sorted((size, variant) for variant in entries
-                     if variant not in (served, "fp16")  # fp16: the GPU's
-                     and (size := choice.loaded_bytes(entries, variant)) is not None)
-    return ", ".join(f"{variant} (~{size >> 20} MiB loaded{agreement(entries[variant])}, "
-                     f"BGE_M3_MODEL={variant})" for size, variant in smaller if size < mine)

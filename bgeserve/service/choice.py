@@ -176,6 +176,25 @@ def keep(decision: Decision, cache_dir: Path) -> None:
             decision.needs), decision.parts)
 
 
+def smaller_variants(settings: Settings, served: str, mine: int) -> str:
+    """The export's other variants that load in less memory than ``served`` (``mine``: its
+    estimated resident bytes a copy), with their estimated resident size, smallest first
+    ("ov-int8 (~930 MiB loaded, ...)"): the way out of a model too big for the memory. By
+    what they hold once loaded, not their files: bf16's IR is smaller than int8's graph and
+    takes more (OpenVINO keeps a bf16 copy)."""
+    def agreement(entry: dict[str, Any]) -> str:  # what it gives up, where it was measured
+        found = entry.get("agreement")
+        cos = found.get("dense_cos_min") if isinstance(found, dict) else None
+        return f", dense cosine {cos:.4f} vs fp32" if isinstance(cos, float) else ""
+
+    entries = export_variants(settings.model_path)
+    smaller = sorted((size, variant) for variant in entries
+                     if variant not in (served, "fp16")  # fp16: the GPU's
+                     and (size := loaded_bytes(entries, variant)) is not None)
+    return ", ".join(f"{variant} (~{size >> 20} MiB loaded{agreement(entries[variant])}, "
+                     f"BGE_M3_MODEL={variant})" for size, variant in smaller if size < mine)
+
+
 def loaded_bytes(entries: Mapping[str, Mapping[str, Any]], variant: str) -> int | None:
     """Bytes ``variant`` of an export (its manifest ``entries``) holds once loaded, by its
     files and its runtime's ``resident_per_file_byte``; None where its size is not recorded."""

@@ -189,9 +189,8 @@ def profile_max_batch(settings: Settings) -> int:
     # BGE_M3_MAX_CHUNK, set, wins over the deprecated BGE_M3_ONNX_BATCH_SIZE it replaces
     # (Settings made in code record no variables: there, a max_chunk off its default is set).
     s = settings
-    default = next(f.default for f in dataclasses.fields(s) if f.name == "max_chunk")
     given = "BGE_M3_MAX_CHUNK" in s.explicit if s.explicit is not None else (
-        s.max_chunk != default)
+        s.max_chunk != Settings.max_chunk)
     return s.max_chunk if s.onnx_batch_size is None or given else s.onnx_batch_size
 
 

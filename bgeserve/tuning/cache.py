@@ -36,7 +36,6 @@ CACHE_FILE = "probe-coefficients.json"  # in BGE_M3_CACHE_DIR
 # server and a `bgeserve bulk` job of another variant, `BGE_M3_MODEL` switched back and forth,
 # replicas of other settings on one volume) re-measured at every switch when the file held one.
 KEPT_RECORDS = 16
-_OTHER = "was made for another model, runtime or configuration"
 
 
 def kept_path(path: Path, key: str) -> Path | None:
@@ -100,7 +99,7 @@ def _parse_record(text: str, fingerprint: str) -> Fit | Failure | str:
     if data.get("schema") != PROBE_SCHEMA:
         return f"has probe schema {data.get('schema')!r}, expected {PROBE_SCHEMA}"
     if data.get("fingerprint") != fingerprint:
-        return _OTHER
+        return "was made for another model, runtime or configuration"
     if "failed" in data:
         return _parse_failure(data)
     a, b = _coefficient(data.get("a")), _coefficient(data.get("b"))
@@ -148,7 +147,7 @@ class ProbeCache:
             else None
         if kept is not None:
             reason = _parse_record(kept, fingerprint)
-        if reason is None or not isinstance(reason, str):
+        if not isinstance(reason, str):
             return reason
         logger.warning("probe cache %s %s; ignoring it and probing again", self.path, reason)
         return None
