@@ -288,11 +288,18 @@ def _main(argv: list[str] | None) -> int:
     add_arguments(export)
     rand = sub.add_parser("build-random-model",
                           help="build a random-weight bge-m3 or reranker (tests, benchmarks)")
-    rand.add_argument("--kind", choices=["embedding", "reranker"], default="embedding")
-    rand.add_argument("--size", choices=["tiny", "full"], default="tiny")
-    rand.add_argument("--seed", type=int, default=0)
-    rand.add_argument("--vocab-size", type=int, default=None)
-    rand.add_argument("--out", required=True)
+    rand.add_argument("--kind", choices=["embedding", "reranker"], default="embedding",
+                      help="bge-m3 (default) or bge-reranker-v2-m3's layout")
+    rand.add_argument("--size", choices=["tiny", "full"], default="tiny",
+                      help="tiny: 2 layers, hidden 32, seconds to build (default); full: "
+                      "the real model's 24 layers x 1024, 250,002 pieces, ~2.3 GB")
+    rand.add_argument("--seed", type=int, default=0,
+                      help="weights and tokenizer; the same size, seed and vocabulary give the "
+                      "same files (default 0)")
+    rand.add_argument("--vocab-size", type=int, default=None,
+                      help="tokenizer pieces (default 3,000 for tiny, 250,002 for full; at "
+                      "least ~970, the generated alphabet and the specials)")
+    rand.add_argument("--out", required=True, help="directory to write (made atomically)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)

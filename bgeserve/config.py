@@ -88,6 +88,20 @@ MAX_SECONDS = 1e9
 _SECONDS = _number(float, 0.0, MAX_SECONDS)
 
 
+def _period(lo: float):
+    """Seconds of a period: 0 = off, else at least ``lo`` (a heartbeat every 0.001 s wrote
+    1,000 log lines a second; sessions unloaded after 0.01 s idle reload for every request)."""
+    def parse(name: str, raw: str) -> float:
+        value = _SECONDS(name, raw)
+        if 0 < value < lo:
+            raise ConfigError(f"{name}={raw!r} is too short: 0 (off) or at least {lo:g} s",
+                              param=name)
+        return value
+
+    parse.allowed = f"0 or [{lo}, {MAX_SECONDS}]"  # type: ignore[attr-defined]
+    return parse
+
+
 # A doc that says what an unset variable means ("unset: ...", "default: ...", "(default ...").
 SAYS_DEFAULT = re.compile(r"unset:|default:|\(default")
 
@@ -255,7 +269,7 @@ class Settings:
                                 "move with their batch-mates")
     request_timeout_secs: float = _var("BGE_M3_REQUEST_TIMEOUT_SECS",
                                        _SECONDS, 300.0, "per-request deadline; 0 = none")
-    idle_timeout_secs: float = _var("BGE_M3_IDLE_TIMEOUT_SECS", _SECONDS, 300.0,
+    idle_timeout_secs: float = _var("BGE_M3_IDLE_TIMEOUT_SECS", _period(1.0), 300.0,
                                     "unload sessions after this idle time; 0 = never")
     shutdown_timeout_secs: float = _var("BGE_M3_SHUTDOWN_TIMEOUT_SECS", _SECONDS,
                                         30.0, "SIGTERM: in-flight work gets this long, then what "
@@ -290,7 +304,7 @@ class Settings:
                            "log lines (auto: json unless the log goes to a terminal)")
     log_level: str = _var("BGE_M3_LOG_LEVEL", _choice("debug", "info", "warning", "error"),
                           "info", "log level")
-    heartbeat_secs: float = _var("BGE_M3_HEARTBEAT_SECS", _SECONDS, 60.0,
+    heartbeat_secs: float = _var("BGE_M3_HEARTBEAT_SECS", _period(1.0), 60.0,
                                  "heartbeat log period; 0 = off")
     # gpu
     gpu_count: int | None = _var("BGE_M3_GPU_COUNT", _number(int, 1, 1024), None,

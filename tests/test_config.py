@@ -232,6 +232,17 @@ def test_an_out_of_range_number_is_refused(var, raw):
     assert "out of range" in refuse({var: raw}).message
 
 
+@pytest.mark.parametrize("var", ["BGE_M3_HEARTBEAT_SECS", "BGE_M3_IDLE_TIMEOUT_SECS"])
+def test_a_period_is_off_or_at_least_a_second(var):
+    """0 turns a period off and 1 s is the shortest taken: a heartbeat every 0.001 s wrote
+    1,000 log lines a second."""
+    assert "0 (off) or at least 1 s" in refuse({var: "0.001"}).message
+    assert "0 (off) or at least 1 s" in refuse({var: "0.999"}).message
+    for raw, want in (("0", 0.0), ("1", 1.0), ("2.5", 2.5)):
+        s = parse(**{var: raw})
+        assert getattr(s, "heartbeat_secs" if "HEARTBEAT" in var else "idle_timeout_secs") == want
+
+
 def test_range_bounds_are_inclusive():
     """The documented bounds themselves are accepted."""
     s = parse(BGE_M3_WORKERS="256", BGE_M3_MAX_SEQ_LENGTH="2", BGE_M3_MEMORY_SAFETY_FACTOR="1.0",

@@ -581,7 +581,7 @@ def test_token_budget_setting_is_enforced(tiny_export: Path, tmp_path: Path,
 def test_heartbeat_logs_rss_workers_queue_and_probe(tiny_export: Path, tmp_path: Path,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     """Every BGE_M3_HEARTBEAT_SECS a 'heartbeat' record carries RSS, workers, queue, probe."""
-    env = base_env(tiny_export, tmp_path, BGE_M3_HEARTBEAT_SECS="0.2")
+    env = base_env(tiny_export, tmp_path, BGE_M3_HEARTBEAT_SECS="1")
     with caplog.at_level(logging.INFO, "bgeserve.service"), serving(env) as (client, _):
         wait_health(client)
         deadline = time.monotonic() + 10

@@ -332,7 +332,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="repeatable; default: every CPU variant (fp32, int8, and bf16 — "
                              "an OpenVINO IR — when openvino is installed, ov-int8 — NNCF's "
                              "int8 IR — when nncf is too)")
-    parser.add_argument("--opset", type=int, default=18)
+    parser.add_argument("--opset", type=int, default=18,
+                        help="ONNX opset of the graphs (default 18, what ONNX Runtime and "
+                             "OpenVINO here load)")
     parser.add_argument("--attention-block", type=int, default=None,
                         help="query rows per attention block for long texts (default 256; "
                              "0 = plain attention, quadratic memory, and no FFN row blocks)")
