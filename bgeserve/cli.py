@@ -37,6 +37,7 @@ def _serve(args: argparse.Namespace) -> int:
     from bgeserve.http.app import create_app
     from bgeserve.http.drain import DrainingServer
     from bgeserve.http.headlimits import BoundedHttpTools
+    from bgeserve.http.linger import LINGER_SECONDS
     from bgeserve.logs import setup_logging
     from bgeserve.service import Service, plan
     from bgeserve.tuning import memory
@@ -95,20 +96,29 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(settings, service_factory=lambda _: service)
     # uvicorn cancels the requests still running when its grace ends, answering a bare 500;
     # the service answers them 503 at BGE_M3_SHUTDOWN_TIMEOUT_SECS, so uvicorn's grace is a
-    # little longer (the time to render and send those answers).
-    grace = (settings.shutdown_timeout_secs + SHUTDOWN_ANSWER_SECS
+    # little longer: the time to render and send those answers, and to read the rest of a
+    # body a 503 cut short (linger.py; cancelled, it was a traceback and the stop overran).
+    grace = (settings.shutdown_timeout_secs + SHUTDOWN_ANSWER_SECS + LINGER_SECONDS
              if settings.shutdown_timeout_secs else None)  # 0: no bound
     config = uvicorn.Config(app, host=host.strip("[]"), port=int(port), log_config=None,
                             # uvicorn types it int | None; it waits a float as well.
                             timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
-                            lifespan="on", http=BoundedHttpTools, **ssl_options)
+                            lifespan="on", http=BoundedHttpTools,
+                            # No WebSocket route: an Upgrade: websocket request is served as
+                            # plain HTTP (upgrades.py), not refused in plain text.
+                            ws="none", **ssl_options)
 
     def begin_shutdown() -> None:
         service.begin_shutdown()
         # Requests still sending their body are not in the service: theirs is the same 503.
         app.state.uploads.abort_after(settings.shutdown_timeout_secs)
 
-    server = holder["server"] = DrainingServer(config, on_shutdown=begin_shutdown)
+    def stop_now() -> None:  # a second Ctrl-C
+        service.stop_now()
+        app.state.uploads.abort()
+
+    server = holder["server"] = DrainingServer(config, on_shutdown=begin_shutdown,
+                                               on_force=stop_now)
 
     def on_signal(sig: int, frame: object) -> None:
         # uvicorn handles SIGTERM/SIGINT while it runs (graceful drain), then restores these

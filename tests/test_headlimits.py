@@ -1,6 +1,7 @@
 """Request heads on a real uvicorn with ``BoundedHttpTools``: a cap on their size, a limit on
 their time, and nothing else changed (large headers within the cap, kept-alive connections,
-large bodies)."""
+large bodies); an ``Upgrade`` request served as HTTP/1.1 with its body, the parser's
+refusals in the JSON envelope (``upgrades.py``)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
 @contextmanager
 def running() -> Iterator[int]:
     config = uvicorn.Config(app, log_level="critical", lifespan="off",
-                            http=headlimits.BoundedHttpTools)
+                            http=headlimits.BoundedHttpTools, ws="none")  # as cli.py runs it
     with serving(uvicorn.Server(config)) as (port, _):
         yield port
 
@@ -128,3 +129,82 @@ def test_bytes_of_the_next_head_never_break_the_answer_in_progress(
             assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
             first = answer.split(b"\r\n\r\n", 1)[1]
             assert first.startswith(b"2"), answer[:300]  # the body read: 2 bytes
+
+
+H2C = (b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+       b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n")
+
+
+def bodies(answer: bytes) -> list[bytes]:
+    """The bodies of the responses in ``answer``, in order (each has a content-length)."""
+    out = []
+    while answer:
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:")))
+        out.append(rest[:length])
+        answer = rest[length:]
+    return out
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked", "split"])
+def test_an_upgrade_request_is_served_with_its_body(framing: str) -> None:
+    """``Upgrade: h2c`` (curl --http2, Java's HttpClient) is ignored and the request answered
+    with its whole body, then the next request on the connection: llhttp ended the message at
+    its head, and the app got an empty body (a valid POST answered 400)."""
+    body = b"x" * 3000
+    if framing == "chunked":
+        head = b"Transfer-Encoding: chunked\r\n\r\n"
+        payload = b"%x\r\n" % 1000 + body[:1000] + b"\r\n%x\r\n" % 2000 + body[1000:] \
+            + b"\r\n0\r\n\r\n"
+    else:
+        head, payload = b"Content-Length: %d\r\n\r\n" % len(body), body
+    first = b"POST /up HTTP/1.1\r\nHost: x\r\n" + H2C + head
+    then = b"POST /next HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 5\r\n\r\nhello"
+    with running() as port, socket.create_connection(("127.0.0.1", port)) as conn:
+        if framing == "split":  # the head alone, then the body in pieces
+            conn.sendall(first)
+            time.sleep(0.2)
+            for i in range(0, len(body), 700):
+                conn.sendall(body[i:i + 700])
+                time.sleep(0.05)
+            conn.sendall(then)
+        else:
+            conn.sendall(first + payload + then)
+        answer = read_all(conn)
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    assert bodies(answer) == [b"3000", b"5"]
+
+
+def test_an_upgrade_without_a_body_and_a_websocket_upgrade_are_served() -> None:
+    """A GET asking for h2c or a WebSocket (no WebSocket route here: ws='none') is answered
+    as HTTP/1.1, and pipelined requests after it too (it was a plain-text 403 / 400)."""
+    ws = (b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+          b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n")
+    with running() as port, socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n" + H2C + b"\r\n"
+                     + b"GET /b HTTP/1.1\r\nHost: x\r\n" + ws + b"\r\n"
+                     + b"GET /c HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = read_all(conn)
+    assert answer.count(b"HTTP/1.1 200 ") == 3 and bodies(answer) == [b"0"] * 3
+
+
+def test_the_parsers_refusals_are_json() -> None:
+    """Bytes that are not HTTP are 400 ``invalid_http`` and a request target past httptools'
+    65,535 bytes is 414, both in the envelope, the connection closed (plain text before)."""
+    with running() as port:
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"zz\r\n")
+            answer = read_all(conn)
+        assert answer.startswith(b"HTTP/1.1 400 ")
+        assert error(answer)["code"] == "invalid_http"
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(b"GET /?" + b"a" * 65600 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = read_all(conn)
+        assert answer.startswith(b"HTTP/1.1 414 ")
+        assert error(answer)["code"] == "uri_too_long"
+        with socket.create_connection(("127.0.0.1", port)) as conn:  # within it: served
+            conn.sendall(b"GET /?" + b"a" * 65000 + b" HTTP/1.1\r\nHost: x\r\n"
+                         b"Connection: close\r\n\r\n")
+            assert read_all(conn).startswith(b"HTTP/1.1 200 ")

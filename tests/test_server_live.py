@@ -342,6 +342,46 @@ def test_sigterm_answers_what_is_left_503_after_the_shutdown_timeout(tiny_export
     assert rc == 0, proc.output()
 
 
+def test_a_second_sigint_answers_what_is_left_503_at_once(tiny_export: Path,
+                                                         tmp_path: Path) -> None:
+    """Ctrl-C twice: the drain stops at once and every request still in progress is answered
+    503 in the envelope (uvicorn's forced exit cancelled them: a plain-text 500 and a
+    traceback each), then exit 0."""
+    env = server_env(tiny_export, tmp_path, BGE_M3_MAX_SEQ_LENGTH="8192",
+                     BGE_M3_SHUTDOWN_TIMEOUT_SECS="60", BGE_M3_MAX_CHUNK="1",
+                     BGE_M3_INTRA_THREADS="1")
+    n = 6
+    long_text = "lorem ipsum dolor " * 3000  # ~1 s each here: the drain would take ~20 s
+    with ServerProc(env) as proc:
+        proc.wait_health(timeout=START_TIMEOUT)
+
+        def one(i: int) -> httpx.Response:
+            return httpx.post(f"{proc.url}/v1/embeddings", timeout=60,
+                              json={"input": [f"{i} {j} {long_text}" for j in range(4)]})
+
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            futures = [pool.submit(one, i) for i in range(n)]
+            deadline = time.monotonic() + 20
+            while proc.health().json()["queue"]["texts"] < 4 * (n - 1):
+                assert time.monotonic() < deadline, "the requests were never queued"
+                time.sleep(0.01)
+            proc.signal(signal.SIGINT)
+            time.sleep(0.5)  # the drain has begun
+            proc.signal(signal.SIGINT)
+            signalled = time.monotonic()
+            responses = [f.result(timeout=30) for f in futures]
+            answered = time.monotonic() - signalled
+        rc = proc.wait(timeout=30)
+    assert 503 in {r.status_code for r in responses}
+    for r in responses:
+        assert r.status_code in (200, 503) and r.headers["content-type"] == "application/json"
+        if r.status_code == 503:
+            assert r.json()["error"]["code"] == "not_ready"
+            assert "stopped at once" in r.json()["error"]["message"]
+    assert answered < 5, f"the last answer came {answered:.1f}s after the second SIGINT"
+    assert rc == 0 and "Traceback" not in proc.output(), proc.output()
+
+
 # -- idle unload ---------------------------------------------------------------------------------
 def test_idle_unload_and_reload(tiny_export: Path, tmp_path: Path, engine: Engine) -> None:
     env = server_env(tiny_export, tmp_path, BGE_M3_IDLE_TIMEOUT_SECS="1")

@@ -17,13 +17,21 @@ answers what is in progress (``Connection: close``) and closes the rest. Go's
 ``http.Server.Shutdown`` treats a new connection the same way (golang/go#22682: idle only
 after 5 s without its first request). A keep-alive connection between requests is closed at
 once, as everywhere: its client retries on a fresh connection.
+
+A second Ctrl-C (SIGINT while stopping) is uvicorn's forced exit, which leaves the requests
+still running to be cancelled with the event loop: each was a plain-text 500 and a traceback.
+Here it first calls ``on_force`` (the service answers everything in progress 503 at once),
+gives those answers up to ``FORCE_ANSWER_SECS`` to go out, and then exits as uvicorn would. A
+third is uvicorn's forced exit at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 from collections.abc import Callable
+from types import FrameType
 
 import uvicorn
 
@@ -32,6 +40,7 @@ ACCEPT_SECS = 0.05  # the loop's passes that accept the queue before the listene
 # bounds what a silent connection (a preconnect, a port check) adds to every stop.
 NEW_CONNECTION_GRACE_SECS = 2.0
 POLL_SECS = 0.01
+FORCE_ANSWER_SECS = 2.0  # a second Ctrl-C: the 503s go out within this, then the exit
 
 _NO_CYCLE = object()
 
@@ -43,13 +52,41 @@ def awaiting_first_request(connection: object) -> bool:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, with ``on_shutdown`` called first and the new connections' grace."""
+    """uvicorn's server, with ``on_shutdown`` called first and the new connections' grace;
+    a forced exit (a second Ctrl-C) calls ``on_force`` and lets its answers out first."""
 
     def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None],
-                 new_connection_grace: float = NEW_CONNECTION_GRACE_SECS) -> None:
+                 new_connection_grace: float = NEW_CONNECTION_GRACE_SECS,
+                 on_force: Callable[[], None] = lambda: None) -> None:
         super().__init__(config)
         self.on_shutdown = on_shutdown
+        self.on_force = on_force
         self.new_connection_grace = new_connection_grace
+        self._forcing = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGINT or not self.should_exit or self._forcing:
+            super().handle_exit(sig, frame)  # a first signal, or a third Ctrl-C: uvicorn's
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not serving yet (or any more): nothing to answer
+            super().handle_exit(sig, frame)
+            return
+        self._forcing = True
+        # A signal handler interrupts the loop anywhere: the work is scheduled, not done here.
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._force()))
+
+    async def _force(self) -> None:
+        self.on_force()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + FORCE_ANSWER_SECS
+        while self.server_state.tasks and loop.time() < deadline:
+            await asyncio.sleep(POLL_SECS)
+        # All answered: the stop goes on as a first signal's does (the service's stop, whose
+        # workers the abort emptied); else uvicorn's forced exit for what still runs.
+        if self.server_state.tasks:
+            self.force_exit = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.on_shutdown()

@@ -105,9 +105,11 @@ class Uploads:
                 wait.reschedule(now)
 
     def refusal(self) -> NotReady:
-        return NotReady("the server is shutting down and this request's body did not arrive "
-                        "within BGE_M3_SHUTDOWN_TIMEOUT_SECS; retry (another instance will "
-                        "answer)")
+        # Its body may have arrived whole and waited behind another request on its
+        # connection (pipelined): it was not read, whichever.
+        return NotReady("the server is shutting down and this request's body was not read "
+                        "before it stopped reading them (BGE_M3_SHUTDOWN_TIMEOUT_SECS, or "
+                        "Ctrl-C twice); retry (another instance will answer)")
 
     @contextlib.asynccontextmanager
     async def waiting(self, seconds: float) -> AsyncIterator[None]:

@@ -54,6 +54,12 @@ async def read_json_body(request: Request) -> bytes:
         # happened to be JSON, silently taken as if it were not compressed.
         raise UnsupportedMediaType(
             f"Content-Encoding {coding!r} is not supported; send the body uncompressed")
+    transfer = request.headers.get("transfer-encoding", "").strip().lower()
+    if [c.strip() for c in transfer.split(",") if c.strip()] not in ([], ["chunked"]):
+        # The parser takes off the chunking alone: a gzip coding under it was read as the body.
+        raise UnsupportedMediaType(
+            f"Transfer-Encoding {transfer!r} is not supported; send the body uncompressed "
+            "(chunked alone is)")
     try:
         return await request.body()
     except ClientDisconnect:

@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import asyncio
 
-import orjson
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from bgeserve.http.upgrades import PlainHttpTools, answer
 
 # The bytes of one read may hold a head and the start of its body (asyncio and uvloop read up
 # to 256 KiB at a time), all counted until the head completes: the cap leaves room for that.
@@ -38,15 +37,9 @@ LINGER_S = 2.0
 LINGER_BYTES = 16 << 20
 
 
-def _answer(status: int, reason: str, code: str, message: str) -> bytes:
-    body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                   "code": code, "param": None}})
-    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
-
-
-class BoundedHttpTools(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a size cap and a time limit on each request head."""
+class BoundedHttpTools(PlainHttpTools):
+    """uvicorn's httptools protocol (upgrades served as HTTP/1.1, ``upgrades.py``) with a size
+    cap and a time limit on each request head."""
 
     _in_head = True
     _head_bytes = 0
@@ -138,5 +131,5 @@ class BoundedHttpTools(HttpToolsProtocol):
             # Never into the answer in progress: uvicorn closes the connection after it.
             cycle.keep_alive = False
             return
-        self.transport.write(_answer(status, reason, code, message))
+        self.transport.write(answer(status, reason, code, message))
         self.loop.call_later(LINGER_S, self.transport.close)

@@ -293,18 +293,28 @@ class Service:
         """bge-m3's engine and the reranker's, those that exist."""
         return [e for e in (self.engine, self.reranking.engine) if e is not None]
 
-    def _abort_waiting(self) -> None:
+    def stop_now(self) -> None:
+        """A second Ctrl-C: whatever is still in progress is answered 503 now."""
+        self._draining = True
+        if self._abort_timer is not None:
+            self._abort_timer.cancel()
+        self._abort_waiting(forced=True)
+
+    def _abort_waiting(self, forced: bool = False) -> None:
         # The reranker's too: a rerank request still queued when the HTTP server's own grace
         # ran out was cancelled, a plain-text 500 instead of this JSON 503.
-        error = NotReady("the server is shutting down and this request did not finish within "
-                         "BGE_M3_SHUTDOWN_TIMEOUT_SECS; retry (another instance will answer)")
+        why = ("was stopped at once (a second Ctrl-C) before this request finished" if forced else
+               "is shutting down and this request did not finish within "
+               "BGE_M3_SHUTDOWN_TIMEOUT_SECS")
+        error = NotReady(f"the server {why}; retry (another instance will answer)")
         answered = sum(engine.abort(error) for engine in self._engines())
         for admission in (self.admission, self.reranking.admission):  # and those still
             if admission is not None:  # waiting to tokenize
                 answered += admission.abort(error)
         if answered:
-            log.warning("shutdown: %d requests were still waiting after %gs and were answered "
-                        "503", answered, self.settings.shutdown_timeout_secs)
+            log.warning("shutdown: %d requests were still waiting %s and were answered 503",
+                        answered, "at the forced stop" if forced else
+                        f"after {self.settings.shutdown_timeout_secs:g}s")
 
     async def stop(self) -> None:
         """Drain in-flight work (bounded by BGE_M3_SHUTDOWN_TIMEOUT_SECS) and unload."""
