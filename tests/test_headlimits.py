@@ -37,9 +37,10 @@ async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
 
 
 @contextmanager
-def running() -> Iterator[int]:
+def running(keep_alive: float = 5) -> Iterator[int]:
     config = uvicorn.Config(app, log_level="critical", lifespan="off",
-                            http=headlimits.BoundedHttpTools, ws="none")  # as cli.py runs it
+                            http=headlimits.BoundedHttpTools, ws="none",  # as cli.py runs it
+                            timeout_keep_alive=keep_alive)  # type: ignore[arg-type]
     with serving(uvicorn.Server(config)) as (port, _):
         yield port
 
@@ -208,3 +209,15 @@ def test_the_parsers_refusals_are_json() -> None:
             conn.sendall(b"GET /?" + b"a" * 65000 + b" HTTP/1.1\r\nHost: x\r\n"
                          b"Connection: close\r\n\r\n")
             assert read_all(conn).startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_pipelined_head_outlives_the_keep_alive_timer() -> None:
+    """A next head begun while the previous answer was being sent gets its own clock
+    (HEAD_TIMEOUT_S) from that answer's end: uvicorn's keep-alive timer closed the connection
+    under it without a word."""
+    with running(keep_alive=0.5) as port, socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n")
+        time.sleep(1.5 + 1.5)  # the first answered (1.5 s), then past the keep-alive timer
+        conn.sendall(b"Connection: close\r\n\r\n")
+        answer = read_all(conn)
+    assert answer.count(b"HTTP/1.1 200 ") == 2, answer

@@ -43,6 +43,8 @@ class BoundedHttpTools(PlainHttpTools):
 
     _in_head = True
     _head_bytes = 0
+    _head_begun = False  # the parser has the start of a request line (bytes of the same read
+    # as the previous message are not counted in _head_bytes)
     _head_timer: asyncio.TimerHandle | None = None
     _dropping = False  # refused: what still arrives is read and dropped until the close
 
@@ -70,8 +72,13 @@ class BoundedHttpTools(PlainHttpTools):
                 self._start_timer()  # a kept-alive connection's next request began
         super().data_received(data)
 
+    def on_message_begin(self) -> None:
+        self._head_begun = True
+        super().on_message_begin()
+
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._head_begun = False
         self._stop_timer()
         super().on_headers_complete()
 
@@ -85,9 +92,17 @@ class BoundedHttpTools(PlainHttpTools):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self._in_head and self._head_bytes and self._head_timer is None \
+        if self._in_head and self._began() and self._head_timer is None \
                 and not self.transport.is_closing():
-            self._start_timer()  # the next head began while this was being answered
+            # The next head began while this was being answered: its own clock governs, not
+            # uvicorn's keep-alive timer for an idle connection (5 s: it closed the connection
+            # under a pipelined head without a word).
+            self._unset_keepalive_if_required()
+            self._start_timer()
+
+    def _began(self) -> bool:
+        """Whether the next request's head has begun."""
+        return bool(self._head_bytes) or self._head_begun
 
     def _answering(self) -> bool:
         """Whether a response is in progress on this connection."""
@@ -112,7 +127,7 @@ class BoundedHttpTools(PlainHttpTools):
         self._head_timer = None
         if not self._in_head or self._answering():
             return
-        if not self._head_bytes:  # it never said a word: nothing to answer
+        if not self._began():  # it never said a word: nothing to answer
             self._in_head = False
             self.transport.close()
             return
