@@ -460,7 +460,8 @@ class Tokenizer:
 
         ``<s>`` is added unless the sequence starts with it and ``</s>`` unless it ends with
         it, so the ids a client got from ``tokenizer(text)`` with or without special tokens
-        embed exactly like ``text``.
+        embed exactly like ``text`` (a text whose own words begin with a literal ``<s>`` or
+        end with ``</s>`` is told apart only when sent with its special tokens: README).
         """
         out = []
         for i, seq in enumerate(sequences):
