@@ -151,8 +151,9 @@ def bodies(answer: bytes) -> list[bytes]:
 @pytest.mark.parametrize("framing", ["content-length", "chunked", "split"])
 def test_an_upgrade_request_is_served_with_its_body(framing: str) -> None:
     """``Upgrade: h2c`` (curl --http2, Java's HttpClient) is ignored and the request answered
-    with its whole body, then the next request on the connection: llhttp ended the message at
-    its head, and the app got an empty body (a valid POST answered 400)."""
+    with its whole body (llhttp ended the message at its head: the app got an empty body, a
+    valid POST answered 400); the connection closes after it, so the bytes a proxy tunnelling
+    on ``Upgrade`` would pass on are never read as requests."""
     body = b"x" * 3000
     if framing == "chunked":
         head = b"Transfer-Encoding: chunked\r\n\r\n"
@@ -161,7 +162,7 @@ def test_an_upgrade_request_is_served_with_its_body(framing: str) -> None:
     else:
         head, payload = b"Content-Length: %d\r\n\r\n" % len(body), body
     first = b"POST /up HTTP/1.1\r\nHost: x\r\n" + H2C + head
-    then = b"POST /next HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 5\r\n\r\nhello"
+    then = b"POST /next HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
     with running() as port, socket.create_connection(("127.0.0.1", port)) as conn:
         if framing == "split":  # the head alone, then the body in pieces
             conn.sendall(first)
@@ -173,35 +174,49 @@ def test_an_upgrade_request_is_served_with_its_body(framing: str) -> None:
         else:
             conn.sendall(first + payload + then)
         answer = read_all(conn)
-    assert answer.startswith(b"HTTP/1.1 200 ")
-    assert bodies(answer) == [b"3000", b"5"]
+    assert answer.startswith(b"HTTP/1.1 200 ") and b"connection: close" in answer.lower()
+    assert bodies(answer) == [b"3000"]
 
 
-def test_an_upgrade_without_a_body_and_a_websocket_upgrade_are_served() -> None:
-    """A GET asking for h2c or a WebSocket (no WebSocket route here: ws='none') is answered
-    as HTTP/1.1, and pipelined requests after it too (it was a plain-text 403 / 400)."""
+def test_upgrades_without_a_body_are_served_and_many_in_one_read_are_one_answer() -> None:
+    """A GET asking for h2c or a WebSocket (no WebSocket route here: ws='none') is answered as
+    HTTP/1.1 (it was a plain-text 403 / 400); 400 of them in one read are one answer and a
+    close (a recursion per request ended in RecursionError, no answer, a 238 KB log line)."""
     ws = (b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
           b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n")
+    with running() as port:
+        for upgrade, count in ((H2C, 1), (ws, 1), (H2C, 400)):
+            with socket.create_connection(("127.0.0.1", port)) as conn:
+                conn.sendall((b"GET /a HTTP/1.1\r\nHost: x\r\n" + upgrade + b"\r\n") * count)
+                answer = read_all(conn)
+            assert answer.startswith(b"HTTP/1.1 200 ") and bodies(answer) == [b"0"]
+
+
+def test_an_upgrade_whose_framing_is_refused_is_answered_400() -> None:
+    """llhttp checks Transfer-Encoding only past an upgrade's head: the made-up head's refusal
+    is the 400 the same request without Upgrade gets (it was an error on the transport, and the
+    client got nothing)."""
     with running() as port, socket.create_connection(("127.0.0.1", port)) as conn:
-        conn.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n" + H2C + b"\r\n"
-                     + b"GET /b HTTP/1.1\r\nHost: x\r\n" + ws + b"\r\n"
-                     + b"GET /c HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        conn.sendall(b"POST /up HTTP/1.1\r\nHost: x\r\n" + H2C
+                     + b"Transfer-Encoding: gzip\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
         answer = read_all(conn)
-    assert answer.count(b"HTTP/1.1 200 ") == 3 and bodies(answer) == [b"0"] * 3
+    assert answer.startswith(b"HTTP/1.1 400 ") and error(answer)["code"] == "invalid_http"
 
 
-def test_the_parsers_refusals_are_json() -> None:
+def test_the_parsers_refusals_are_json_and_readable() -> None:
     """Bytes that are not HTTP are 400 ``invalid_http`` and a request target past httptools'
-    65,535 bytes is 414, both in the envelope, the connection closed (plain text before)."""
+    65,535 bytes is 414, in the envelope (plain text before), and the rest of what the client
+    sends is read before the close (a client writing 1 MiB before reading got a reset)."""
     with running() as port:
         with socket.create_connection(("127.0.0.1", port)) as conn:
             conn.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                         b"zz\r\n")
+                         b"zz\r\n" + b"y" * (1 << 20))
             answer = read_all(conn)
         assert answer.startswith(b"HTTP/1.1 400 ")
         assert error(answer)["code"] == "invalid_http"
         with socket.create_connection(("127.0.0.1", port)) as conn:
-            conn.sendall(b"GET /?" + b"a" * 65600 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            conn.sendall(b"POST /?" + b"a" * 65600 + b" HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Length: 1048576\r\n\r\n" + b"y" * (1 << 20))
             answer = read_all(conn)
         assert answer.startswith(b"HTTP/1.1 414 ")
         assert error(answer)["code"] == "uri_too_long"
@@ -209,6 +224,17 @@ def test_the_parsers_refusals_are_json() -> None:
             conn.sendall(b"GET /?" + b"a" * 65000 + b" HTTP/1.1\r\nHost: x\r\n"
                          b"Connection: close\r\n\r\n")
             assert read_all(conn).startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_refused_pipelined_request_is_not_written_into_the_answer_in_progress() -> None:
+    """A bad request behind one being answered: that answer goes out whole, then the close
+    (the 414 was the answer the first request read)."""
+    with running() as port, socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.2)
+        conn.sendall(b"GET /?" + b"a" * 70000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = read_all(conn)
+    assert answer.startswith(b"HTTP/1.1 200 ") and bodies(answer) == [b"0"]
 
 
 def test_a_pipelined_head_outlives_the_keep_alive_timer() -> None:

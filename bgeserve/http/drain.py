@@ -21,7 +21,8 @@ once, as everywhere: its client retries on a fresh connection.
 A second Ctrl-C (SIGINT while stopping) is uvicorn's forced exit, which leaves the requests
 still running to be cancelled with the event loop: each was a plain-text 500 and a traceback.
 Here it first calls ``on_force`` (the service answers everything in progress 503 at once),
-gives those answers up to ``FORCE_ANSWER_SECS`` to go out, and then exits as uvicorn would. A
+gives those answers up to ``FORCE_ANSWER_SECS`` to go out (and the bodies they cut short to be
+read, linger.py), and then exits as uvicorn would. A
 third is uvicorn's forced exit at once.
 """
 
@@ -35,12 +36,16 @@ from types import FrameType
 
 import uvicorn
 
+from bgeserve.http.linger import LINGER_SECONDS
+
 ACCEPT_SECS = 0.05  # the loop's passes that accept the queue before the listeners close
 # A client writes its request right after connecting: this covers a starved event loop and
 # bounds what a silent connection (a preconnect, a port check) adds to every stop.
 NEW_CONNECTION_GRACE_SECS = 2.0
 POLL_SECS = 0.01
-FORCE_ANSWER_SECS = 2.0  # a second Ctrl-C: the 503s go out within this, then the exit
+# A second Ctrl-C: the 503s go out, and the rest of a body they cut short is read (linger.py),
+# within this; then the exit.
+FORCE_ANSWER_SECS = 2.0 + LINGER_SECONDS
 
 _NO_CYCLE = object()
 

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 
-from bgeserve.http.upgrades import PlainHttpTools, answer
+import orjson
+
+from bgeserve.http.upgrades import PlainHttpTools
 
 # The bytes of one read may hold a head and the start of its body (asyncio and uvloop read up
 # to 256 KiB at a time), all counted until the head completes: the cap leaves room for that.
@@ -35,6 +37,14 @@ MAX_HEAD_BYTES = 1 << 20
 HEAD_TIMEOUT_S = 30.0  # nginx's client_header_timeout is 60 s; Apache's reqtimeout 20-40 s
 LINGER_S = 2.0
 LINGER_BYTES = 16 << 20
+MAX_URL_BYTES = 0xFFFF  # httptools.parse_url takes no more (a 16-bit length)
+
+
+def _answer(status: int, reason: str, code: str, message: str) -> bytes:
+    body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error",
+                                   "code": code, "param": None}})
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
 
 
 class BoundedHttpTools(PlainHttpTools):
@@ -100,6 +110,25 @@ class BoundedHttpTools(PlainHttpTools):
             self._unset_keepalive_if_required()
             self._start_timer()
 
+    def send_400_response(self, msg: str) -> None:
+        # The parser's refusals (bytes that are not HTTP: a malformed chunk, a control
+        # character in a header; a URL past httptools' 65,535 bytes) were a plain-text 400
+        # without a request id, closed at once (a client still sending got a reset) and
+        # written into a pipelined answer in progress: here they are a refused head's.
+        cycle = self.cycle
+        reading = (cycle is not None and not cycle.response_complete
+                   and not cycle.response_started and cycle.more_body)
+        if reading:  # the bytes at fault are the body being read: this is its request's
+            # answer, and its handler hears a disconnect (what it sends is dropped)
+            cycle.disconnected = True
+            cycle.message_event.set()
+        if len(self.url) > MAX_URL_BYTES:
+            self._refuse(414, "URI Too Long", "uri_too_long",
+                         f"the request target is {len(self.url)} bytes, past {MAX_URL_BYTES}",
+                         answer_now=reading)
+        else:
+            self._refuse(400, "Bad Request", "invalid_http", msg, answer_now=reading)
+
     def _began(self) -> bool:
         """Whether the next request's head has begun."""
         return bool(self._head_bytes) or self._head_begun
@@ -134,7 +163,8 @@ class BoundedHttpTools(PlainHttpTools):
         self._refuse(408, "Request Timeout", "request_timeout",
                      f"the request line and headers did not arrive within {HEAD_TIMEOUT_S:g}s")
 
-    def _refuse(self, status: int, reason: str, code: str, message: str) -> None:
+    def _refuse(self, status: int, reason: str, code: str, message: str,
+                answer_now: bool = False) -> None:
         self._stop_timer()
         self._in_head = False
         self._dropping = True
@@ -142,9 +172,9 @@ class BoundedHttpTools(PlainHttpTools):
             return
         self.logger.warning("refused a request head: %s", message)
         cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
+        if not answer_now and cycle is not None and not cycle.response_complete:
             # Never into the answer in progress: uvicorn closes the connection after it.
             cycle.keep_alive = False
             return
-        self.transport.write(answer(status, reason, code, message))
+        self.transport.write(_answer(status, reason, code, message))
         self.loop.call_later(LINGER_S, self.transport.close)
