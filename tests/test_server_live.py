@@ -303,15 +303,16 @@ def test_sigterm_drains_accepted_requests_and_exits_0(tiny_export: Path, tmp_pat
     assert took < 15, f"shutdown took {took:.1f}s"
 
 
-def test_sigterm_answers_what_is_left_503_after_the_shutdown_timeout(tiny_export: Path,
-                                                                     tmp_path: Path) -> None:
-    """Work that cannot finish within BGE_M3_SHUTDOWN_TIMEOUT_SECS is answered 503 in the
-    envelope (not cut off by the HTTP server's grace with a bare 500), and the exit is 0."""
+def stopped_mid_work(tiny_export: Path, tmp_path: Path, shutdown_secs: str,
+                     signals: list[signal.Signals]) -> tuple[list[httpx.Response], float, int, str]:
+    """Six requests of four 8,192-token texts each (~1 s a text here, one at a time) queued,
+    then ``signals`` sent 0.5 s apart: the answers, the seconds from the last signal to the
+    last answer, the exit code and the server's output."""
     env = server_env(tiny_export, tmp_path, BGE_M3_MAX_SEQ_LENGTH="8192",
-                     BGE_M3_SHUTDOWN_TIMEOUT_SECS="1", BGE_M3_MAX_CHUNK="1",
+                     BGE_M3_SHUTDOWN_TIMEOUT_SECS=shutdown_secs, BGE_M3_MAX_CHUNK="1",
                      BGE_M3_INTRA_THREADS="1")
     n = 6
-    long_text = "lorem ipsum dolor " * 3000  # truncated to 8,192 tokens: ~1 s each here
+    long_text = "lorem ipsum dolor " * 3000  # truncated to 8,192 tokens
     with ServerProc(env) as proc:
         proc.wait_health(timeout=START_TIMEOUT)
 
@@ -326,60 +327,49 @@ def test_sigterm_answers_what_is_left_503_after_the_shutdown_timeout(tiny_export
             while proc.health().json()["queue"]["texts"] < 4 * (n - 1):
                 assert time.monotonic() < deadline, "the requests were never queued"
                 time.sleep(0.01)
-            proc.signal(signal.SIGTERM)
+            for k, sig in enumerate(signals):
+                if k:
+                    time.sleep(0.5)  # the drain has begun
+                proc.signal(sig)
             signalled = time.monotonic()
             responses = [f.result(timeout=30) for f in futures]
             answered = time.monotonic() - signalled
         rc = proc.wait(timeout=30)
-    statuses = sorted(r.status_code for r in responses)
-    assert set(statuses) <= {200, 503} and 503 in statuses, statuses
+        return responses, answered, rc, proc.output(tail=100_000)
+
+
+def assert_answered_503(responses: list[httpx.Response], says: str) -> None:
+    """Each answer is a 200 or a 503 ``not_ready`` in the envelope saying ``says``; some 503."""
+    assert 503 in {r.status_code for r in responses}, [r.status_code for r in responses]
     for r in responses:
-        assert r.headers["content-type"] == "application/json" and r.headers["x-request-id"]
+        assert r.status_code in (200, 503) and r.headers["content-type"] == "application/json"
+        assert r.headers["x-request-id"]
         if r.status_code == 503:
             assert r.json()["error"]["code"] == "not_ready"
-            assert "BGE_M3_SHUTDOWN_TIMEOUT_SECS" in r.json()["error"]["message"]
+            assert says in r.json()["error"]["message"]
+
+
+def test_sigterm_answers_what_is_left_503_after_the_shutdown_timeout(tiny_export: Path,
+                                                                     tmp_path: Path) -> None:
+    """Work that cannot finish within BGE_M3_SHUTDOWN_TIMEOUT_SECS is answered 503 in the
+    envelope (not cut off by the HTTP server's grace with a bare 500), and the exit is 0."""
+    responses, answered, rc, output = stopped_mid_work(tiny_export, tmp_path, "1",
+                                                       [signal.SIGTERM])
+    assert_answered_503(responses, "BGE_M3_SHUTDOWN_TIMEOUT_SECS")
     assert answered < 10, f"the last answer came {answered:.1f}s after SIGTERM"
-    assert rc == 0, proc.output()
+    assert rc == 0, output
 
 
 def test_a_second_sigint_answers_what_is_left_503_at_once(tiny_export: Path,
                                                          tmp_path: Path) -> None:
-    """Ctrl-C twice: the drain stops at once and every request still in progress is answered
-    503 in the envelope (uvicorn's forced exit cancelled them: a plain-text 500 and a
-    traceback each), then exit 0."""
-    env = server_env(tiny_export, tmp_path, BGE_M3_MAX_SEQ_LENGTH="8192",
-                     BGE_M3_SHUTDOWN_TIMEOUT_SECS="60", BGE_M3_MAX_CHUNK="1",
-                     BGE_M3_INTRA_THREADS="1")
-    n = 6
-    long_text = "lorem ipsum dolor " * 3000  # ~1 s each here: the drain would take ~20 s
-    with ServerProc(env) as proc:
-        proc.wait_health(timeout=START_TIMEOUT)
-
-        def one(i: int) -> httpx.Response:
-            return httpx.post(f"{proc.url}/v1/embeddings", timeout=60,
-                              json={"input": [f"{i} {j} {long_text}" for j in range(4)]})
-
-        with ThreadPoolExecutor(max_workers=n) as pool:
-            futures = [pool.submit(one, i) for i in range(n)]
-            deadline = time.monotonic() + 20
-            while proc.health().json()["queue"]["texts"] < 4 * (n - 1):
-                assert time.monotonic() < deadline, "the requests were never queued"
-                time.sleep(0.01)
-            proc.signal(signal.SIGINT)
-            time.sleep(0.5)  # the drain has begun
-            proc.signal(signal.SIGINT)
-            signalled = time.monotonic()
-            responses = [f.result(timeout=30) for f in futures]
-            answered = time.monotonic() - signalled
-        rc = proc.wait(timeout=30)
-    assert 503 in {r.status_code for r in responses}
-    for r in responses:
-        assert r.status_code in (200, 503) and r.headers["content-type"] == "application/json"
-        if r.status_code == 503:
-            assert r.json()["error"]["code"] == "not_ready"
-            assert "stopped at once" in r.json()["error"]["message"]
+    """Ctrl-C twice: the drain (~20 s of work) stops at once and every request still in
+    progress is answered 503 in the envelope (uvicorn's forced exit cancelled them: a
+    plain-text 500 and a traceback each), then exit 0."""
+    responses, answered, rc, output = stopped_mid_work(tiny_export, tmp_path, "60",
+                                                       [signal.SIGINT, signal.SIGINT])
+    assert_answered_503(responses, "stopped at once")
     assert answered < 5, f"the last answer came {answered:.1f}s after the second SIGINT"
-    assert rc == 0 and "Traceback" not in proc.output(), proc.output()
+    assert rc == 0 and "Traceback" not in output, output
 
 
 # -- idle unload ---------------------------------------------------------------------------------
