@@ -247,3 +247,24 @@ def test_a_pipelined_head_outlives_the_keep_alive_timer() -> None:
         conn.sendall(b"Connection: close\r\n\r\n")
         answer = read_all(conn)
     assert answer.count(b"HTTP/1.1 200 ") == 2, answer
+
+
+def test_a_pipelined_request_with_a_bad_body_leaves_the_answer_before_it_whole() -> None:
+    """A malformed chunk in a queued request's body: the request being answered gets its own
+    answer, untouched, then the close (the 400 went out first, as its answer)."""
+    with running() as port, socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\na"
+                     b"POST /b HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+        answer = read_all(conn)
+    assert answer.startswith(b"HTTP/1.1 200 ") and bodies(answer) == [b"1"], answer
+
+
+def test_a_bad_body_before_its_handler_reads_is_its_answer_without_a_100_continue() -> None:
+    """The request whose own body is malformed is answered 400, and nothing after it: its
+    handler, reading later, hears a disconnect (a stray ``100 Continue`` followed the 400)."""
+    with running() as port, socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(b"POST /slow HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\nzz\r\n")
+        answer = read_all(conn)
+    assert answer.startswith(b"HTTP/1.1 400 ") and error(answer)["code"] == "invalid_http"
+    assert b"100 Continue" not in answer

@@ -26,10 +26,15 @@ progress: the connection is marked to close after it, and what arrives is droppe
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 import orjson
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from bgeserve.http.upgrades import PlainHttpTools
+
+if TYPE_CHECKING:
+    from uvicorn._types import ASGI3Application
 
 # The bytes of one read may hold a head and the start of its body (asyncio and uvloop read up
 # to 256 KiB at a time), all counted until the head completes: the cap leaves room for that.
@@ -38,6 +43,7 @@ HEAD_TIMEOUT_S = 30.0  # nginx's client_header_timeout is 60 s; Apache's reqtime
 LINGER_S = 2.0
 LINGER_BYTES = 16 << 20
 MAX_URL_BYTES = 0xFFFF  # httptools.parse_url takes no more (a 16-bit length)
+_IN_PROGRESS = object()
 
 
 def _answer(status: int, reason: str, code: str, message: str) -> bytes:
@@ -57,6 +63,8 @@ class BoundedHttpTools(PlainHttpTools):
     # as the previous message are not counted in _head_bytes)
     _head_timer: asyncio.TimerHandle | None = None
     _dropping = False  # refused: what still arrives is read and dropped until the close
+    # The request being answered (uvicorn's ``cycle`` is the newest one parsed).
+    _running: RequestResponseCycle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -116,18 +124,28 @@ class BoundedHttpTools(PlainHttpTools):
         # without a request id, closed at once (a client still sending got a reset) and
         # written into a pipelined answer in progress: here they are a refused head's.
         cycle = self.cycle
-        reading = (cycle is not None and not cycle.response_complete
+        in_body = (cycle is not None and not cycle.response_complete
                    and not cycle.response_started and cycle.more_body)
-        if reading:  # the bytes at fault are the body being read: this is its request's
-            # answer, and its handler hears a disconnect (what it sends is dropped)
+        after: RequestResponseCycle | None = cycle
+        if in_body and cycle is self._running:  # the body being read is at fault: this is
+            # its request's answer, and its handler hears a disconnect (what it sends is
+            # dropped; no 100 Continue after it)
+            cycle.waiting_for_100_continue = False
             cycle.disconnected = True
             cycle.message_event.set()
+            after = None
+        elif in_body:  # a pipelined request's body: it never runs, and the connection
+            after = self._running  # closes after the answer in progress, untouched
         if len(self.url) > MAX_URL_BYTES:
             self._refuse(414, "URI Too Long", "uri_too_long",
                          f"the request target is {len(self.url)} bytes, past {MAX_URL_BYTES}",
-                         answer_now=reading)
+                         after=after)
         else:
-            self._refuse(400, "Bad Request", "invalid_http", msg, answer_now=reading)
+            self._refuse(400, "Bad Request", "invalid_http", msg, after=after)
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
 
     def _began(self) -> bool:
         """Whether the next request's head has begun."""
@@ -164,15 +182,18 @@ class BoundedHttpTools(PlainHttpTools):
                      f"the request line and headers did not arrive within {HEAD_TIMEOUT_S:g}s")
 
     def _refuse(self, status: int, reason: str, code: str, message: str,
-                answer_now: bool = False) -> None:
+                after: RequestResponseCycle | None | object = _IN_PROGRESS) -> None:
+        """Answer ``status`` and close, or, while ``after`` (default: the newest request) is
+        being answered, close once it is (None: answer now)."""
         self._stop_timer()
         self._in_head = False
         self._dropping = True
+        self.flow.resume_reading()  # what arrives is read (and dropped) until the close
         if self.transport.is_closing():
             return
         self.logger.warning("refused a request head: %s", message)
-        cycle = self.cycle
-        if not answer_now and cycle is not None and not cycle.response_complete:
+        cycle = self.cycle if after is _IN_PROGRESS else after
+        if isinstance(cycle, RequestResponseCycle) and not cycle.response_complete:
             # Never into the answer in progress: uvicorn closes the connection after it.
             cycle.keep_alive = False
             return
