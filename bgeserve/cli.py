@@ -10,8 +10,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from bgeserve.config import Settings
 
-SHUTDOWN_ANSWER_SECS = 2.0  # after the drain deadline: time to send the 503s
-
 
 def inflight_mb(settings: Settings) -> int:
     """The default allowance of request bodies in progress: an eighth of the memory the
@@ -35,9 +33,8 @@ def _serve(args: argparse.Namespace) -> int:
     from bgeserve.errors import BgeServeError
     from bgeserve.http import tls
     from bgeserve.http.app import create_app
-    from bgeserve.http.drain import DrainingServer
+    from bgeserve.http.drain import ANSWER_SECS, DrainingServer
     from bgeserve.http.headlimits import BoundedHttpTools
-    from bgeserve.http.linger import LINGER_SECONDS
     from bgeserve.logs import setup_logging
     from bgeserve.service import Service, plan
     from bgeserve.tuning import memory
@@ -98,7 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
     # the service answers them 503 at BGE_M3_SHUTDOWN_TIMEOUT_SECS, so uvicorn's grace is a
     # little longer: the time to render and send those answers, and to read the rest of a
     # body a 503 cut short (linger.py; cancelled, it was a traceback and the stop overran).
-    grace = (settings.shutdown_timeout_secs + SHUTDOWN_ANSWER_SECS + LINGER_SECONDS
+    grace = (settings.shutdown_timeout_secs + ANSWER_SECS
              if settings.shutdown_timeout_secs else None)  # 0: no bound
     config = uvicorn.Config(app, host=host.strip("[]"), port=int(port), log_config=None,
                             # uvicorn types it int | None; it waits a float as well.

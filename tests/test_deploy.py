@@ -77,16 +77,14 @@ def test_the_pod_pauses_before_sigterm_and_its_grace_covers_the_drain(k8s):
     request routed in between met a closed port); the grace period covers the pause, the
     drain (BGE_M3_SHUTDOWN_TIMEOUT_SECS) and what the HTTP server waits after it (the 503s
     sent, the rest of a body they cut short read)."""
-    from bgeserve.cli import SHUTDOWN_ANSWER_SECS
-    from bgeserve.http.linger import LINGER_SECONDS
+    from bgeserve.http.drain import ANSWER_SECS
 
     pod = k8s["Deployment"]["spec"]["template"]["spec"]
     (server,) = pod["containers"]
     command = server["lifecycle"]["preStop"]["exec"]["command"]
     assert command[0] == "sleep" and int(command[1]) >= 3
     drain = int(env_of(server, k8s["ConfigMap"])["BGE_M3_SHUTDOWN_TIMEOUT_SECS"])
-    assert pod["terminationGracePeriodSeconds"] >= (int(command[1]) + drain
-                                                    + SHUTDOWN_ANSWER_SECS + LINGER_SECONDS)
+    assert pod["terminationGracePeriodSeconds"] >= int(command[1]) + drain + ANSWER_SECS
 
 
 def test_the_warmup_init_container_shares_settings_and_cache(k8s):

@@ -21,9 +21,8 @@ once, as everywhere: its client retries on a fresh connection.
 A second Ctrl-C (SIGINT while stopping) is uvicorn's forced exit, which leaves the requests
 still running to be cancelled with the event loop: each was a plain-text 500 and a traceback.
 Here it first calls ``on_force`` (the service answers everything in progress 503 at once),
-gives those answers up to ``FORCE_ANSWER_SECS`` to go out (and the bodies they cut short to be
-read, linger.py), and then exits as uvicorn would. A
-third is uvicorn's forced exit at once.
+gives those answers up to ``ANSWER_SECS`` to go out (and the bodies they cut short to be read,
+linger.py), and then exits as uvicorn would. A third is uvicorn's forced exit at once.
 """
 
 from __future__ import annotations
@@ -43,9 +42,9 @@ ACCEPT_SECS = 0.05  # the loop's passes that accept the queue before the listene
 # bounds what a silent connection (a preconnect, a port check) adds to every stop.
 NEW_CONNECTION_GRACE_SECS = 2.0
 POLL_SECS = 0.01
-# A second Ctrl-C: the 503s go out, and the rest of a body they cut short is read (linger.py),
-# within this; then the exit.
-FORCE_ANSWER_SECS = 2.0 + LINGER_SECONDS
+# After the drain's deadline or a second Ctrl-C: the 503s go out, and the rest of a body they
+# cut short is read (linger.py), within this.
+ANSWER_SECS = 2.0 + LINGER_SECONDS
 
 _NO_CYCLE = object()
 
@@ -85,7 +84,7 @@ class DrainingServer(uvicorn.Server):
     async def _force(self) -> None:
         self.on_force()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + FORCE_ANSWER_SECS
+        deadline = loop.time() + ANSWER_SECS
         while self.server_state.tasks and loop.time() < deadline:
             await asyncio.sleep(POLL_SECS)
         # All answered: the stop goes on as a first signal's does (the service's stop, whose

@@ -43,7 +43,6 @@ HEAD_TIMEOUT_S = 30.0  # nginx's client_header_timeout is 60 s; Apache's reqtime
 LINGER_S = 2.0
 LINGER_BYTES = 16 << 20
 MAX_URL_BYTES = 0xFFFF  # httptools.parse_url takes no more (a 16-bit length)
-_IN_PROGRESS = object()
 
 
 def _answer(status: int, reason: str, code: str, message: str) -> bytes:
@@ -84,7 +83,8 @@ class BoundedHttpTools(PlainHttpTools):
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._refuse(431, "Request Header Fields Too Large", "headers_too_large",
-                             f"the request line and headers passed {MAX_HEAD_BYTES} bytes")
+                             f"the request line and headers passed {MAX_HEAD_BYTES} bytes",
+                             self.cycle)
                 return
             if self._head_timer is None and not self._answering():
                 self._start_timer()  # a kept-alive connection's next request began
@@ -139,9 +139,9 @@ class BoundedHttpTools(PlainHttpTools):
         if len(self.url) > MAX_URL_BYTES:
             self._refuse(414, "URI Too Long", "uri_too_long",
                          f"the request target is {len(self.url)} bytes, past {MAX_URL_BYTES}",
-                         after=after)
+                         after)
         else:
-            self._refuse(400, "Bad Request", "invalid_http", msg, after=after)
+            self._refuse(400, "Bad Request", "invalid_http", msg, after)
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
         self._running = cycle
@@ -179,12 +179,13 @@ class BoundedHttpTools(PlainHttpTools):
             self.transport.close()
             return
         self._refuse(408, "Request Timeout", "request_timeout",
-                     f"the request line and headers did not arrive within {HEAD_TIMEOUT_S:g}s")
+                     f"the request line and headers did not arrive within {HEAD_TIMEOUT_S:g}s",
+                     self.cycle)
 
     def _refuse(self, status: int, reason: str, code: str, message: str,
-                after: RequestResponseCycle | None | object = _IN_PROGRESS) -> None:
-        """Answer ``status`` and close, or, while ``after`` (default: the newest request) is
-        being answered, close once it is (None: answer now)."""
+                after: RequestResponseCycle | None) -> None:
+        """Answer ``status`` and close, or, while ``after`` is being answered, close once it
+        is (None: answer now)."""
         self._stop_timer()
         self._in_head = False
         self._dropping = True
@@ -192,10 +193,9 @@ class BoundedHttpTools(PlainHttpTools):
         if self.transport.is_closing():
             return
         self.logger.warning("refused a request head: %s", message)
-        cycle = self.cycle if after is _IN_PROGRESS else after
-        if isinstance(cycle, RequestResponseCycle) and not cycle.response_complete:
+        if after is not None and not after.response_complete:
             # Never into the answer in progress: uvicorn closes the connection after it.
-            cycle.keep_alive = False
+            after.keep_alive = False
             return
         self.transport.write(_answer(status, reason, code, message))
         self.loop.call_later(LINGER_S, self.transport.close)

@@ -76,9 +76,7 @@ class PlainHttpTools(HttpToolsProtocol):
         """The request's body framing as header lines, or None when it has no body."""
         lines = [name + b": " + value for name, value in self.headers
                  if name in (b"transfer-encoding", b"content-length")]
-        if not lines or lines == [b"content-length: 0"]:
-            return None
-        return b"\r\n".join(lines)
+        return b"\r\n".join(lines) if lines else None
 
     def on_message_begin(self) -> None:
         if not self._framing_head:
