@@ -34,7 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
     from bgeserve.http import tls
     from bgeserve.http.app import create_app
     from bgeserve.http.drain import ANSWER_SECS, DrainingServer
-    from bgeserve.http.headlimits import BoundedHttpTools
+    from bgeserve.http.stalls import StallBoundHttpTools
     from bgeserve.logs import setup_logging
     from bgeserve.service import Service, plan
     from bgeserve.tuning import memory
@@ -100,7 +100,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=host.strip("[]"), port=int(port), log_config=None,
                             # uvicorn types it int | None; it waits a float as well.
                             timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
-                            lifespan="on", http=BoundedHttpTools,
+                            lifespan="on", http=StallBoundHttpTools,
                             # No WebSocket route: an Upgrade: websocket request is served as
                             # plain HTTP (upgrades.py), not refused in plain text.
                             ws="none", **ssl_options)

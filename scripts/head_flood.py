@@ -1,7 +1,7 @@
 """Unfinished request heads against `bgeserve serve`: the server's RSS, bounded vs stock uvicorn.
 
 Starts the server on an export (tiny is enough: the point is the HTTP layer) with bgeserve's
-protocol (``http/headlimits.py``) or, with ``--stock``, uvicorn's own httptools protocol, then
+protocol (``http/headlimits.py``, ``http/stalls.py``) or, with ``--stock``, uvicorn's own httptools protocol, then
 opens ``--connections`` connections that each send ``--mib`` MiB of one header without ending
 it; prints the server's RSS before, at its peak and after, what each client read back, and the
 status of one ordinary request afterwards. ``--requests N`` first times N sequential one-text
@@ -27,8 +27,8 @@ import httpx
 import psutil
 from benchkit.common import wait_healthy
 
-STOCK = ("import bgeserve.http.headlimits as h, uvicorn.protocols.http.httptools_impl as u; "
-         "h.BoundedHttpTools = u.HttpToolsProtocol; ")
+STOCK = ("import bgeserve.http.stalls as s, uvicorn.protocols.http.httptools_impl as u; "
+         "s.StallBoundHttpTools = u.HttpToolsProtocol; ")
 
 
 def main() -> None:

@@ -1196,3 +1196,52 @@ def test_abandoned_work_that_ends_in_an_error_is_not_logged_as_never_retrieved(
         return unretrieved
 
     assert asyncio.run(main()) == []
+
+
+@pytest.mark.parametrize(("route", "body"), [
+    ("/v1/embeddings:both", {"input": ["a b c", "d e", "", "f g h i"], "outputs":
+                             ["dense", "sparse", "colbert"], "sparse_format": "tokens"}),
+    ("/v1/embeddings:both", {"input": ["a b c", "d e", "f g h i"], "outputs": ["colbert"],
+                             "encoding_format": "base64", "colbert_dtype": "float16"}),
+    ("/v1/embeddings", {"input": ["a b c", "d e", "f"]}),
+    ("/v1/sparse-embeddings", {"input": ["a b c", "", "f"], "sparse_empty": "omit"}),
+    ("/embed", {"inputs": ["a b c", "d e", "f"]}),
+    ("/embed_all", {"inputs": ["a b c", "d e", "f"]}),
+])
+def test_a_large_answer_is_streamed_as_the_same_bytes(monkeypatch: pytest.MonkeyPatch,
+                                                       route: str, body: dict) -> None:
+    """Past STREAM_BYTES an answer goes out as it is rendered (no Content-Length; a ColBERT
+    answer rendered whole peaked at ~5x its vectors): the same bytes as the whole answer,
+    however small its pieces."""
+    from bgeserve.http import render
+
+    with serve() as client:
+        whole = client.post(route, json=body)
+        assert whole.status_code == 200 and whole.headers["content-length"], whole.text
+        orjson.loads(whole.content)  # one JSON document
+        for piece in (1, 100, 1 << 30):
+            monkeypatch.setattr(render, "PIECE_BYTES", piece)
+            monkeypatch.setattr(render, "STREAM_BYTES", -1)
+            streamed = client.post(route, json=body)
+            assert streamed.status_code == 200
+            assert "content-length" not in streamed.headers
+            assert streamed.headers["content-type"] == "application/json"
+            assert streamed.content == whole.content
+            monkeypatch.undo()
+
+
+def test_only_a_large_answer_over_http_1_1_is_streamed() -> None:
+    """Streamed answers are chunked (uvicorn frames one without a length so, whatever the
+    client's version): an HTTP/1.0 client, which cannot read that, gets its answer whole."""
+    from starlette.requests import Request
+
+    from bgeserve.http import handlers, render
+
+    def request(version: str) -> Request:
+        return Request({"type": "http", "http_version": version, "method": "POST",
+                        "headers": [], "path": "/"})
+
+    big = render.STREAM_BYTES + 1
+    assert handlers.streams(request("1.1"), big)
+    assert not handlers.streams(request("1.1"), render.STREAM_BYTES)
+    assert not handlers.streams(request("1.0"), big)

@@ -67,12 +67,15 @@ class RequestContext:
         scope.setdefault("state", {})["request_id"] = rid
         request_id_var.set(rid)
         status = 500  # what the log says if the app raises before starting a response
+        complete = False  # the answer's last byte went out
         started = time.perf_counter()
         spent = Timings()
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
+            nonlocal status, complete
+            if message["type"] == "http.response.body":
+                complete = not message.get("more_body", False)
+            elif message["type"] == "http.response.start":
                 status = message["status"]
                 headers = [(k, v) for k, v in message.get("headers", []) if k != _HEADER]
                 headers.append((_HEADER, rid.encode("latin-1")))
@@ -86,20 +89,27 @@ class RequestContext:
         metrics = _metrics(scope) if not quiet else None
         if metrics is not None:
             metrics.in_flight.inc()
+        returned = False
         try:
             with measuring(spent):
                 await self.app(scope, receive, send_with_id)
+            returned = True
         finally:
             if metrics is not None:
                 metrics.in_flight.dec()
             seconds = time.perf_counter() - started
+            state = scope.get("state", {})
+            route = _route(scope, self.routes)
+            error, param = state.get("error"), state.get("error_param")
+            if status < 400 and not complete:
+                # Started but never finished: a streamed answer its client left mid-way (or
+                # stopped reading, stalls.py) is not one it got; one the app broke off by
+                # raising, uvicorn cuts short.
+                status, error = (499, "client_disconnected") if returned else (500, error)
             # A 5xx is the server's failure: above info, so that a warning filter keeps it; a
             # probe's 503 (loading, draining) is its answer, every few seconds: debug.
             level = (logging.DEBUG if quiet else
                      logging.WARNING if status >= 500 else logging.INFO)
-            state = scope.get("state", {})
-            route = _route(scope, self.routes)
-            error, param = state.get("error"), state.get("error_param")
             log.log(
                 level,
                 "%s %s %d %.1fms%s",

@@ -16,12 +16,12 @@ from typing import Any, TypeVar
 import anyio.to_thread
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from bgeserve.errors import InvalidInput
-from bgeserve.http import contract
+from bgeserve.http import contract, render
 from bgeserve.http.errors import ClientGone, ModelNotFound, UnsupportedMediaType
-from bgeserve.http.render import render_embeddings, render_json
+from bgeserve.http.render import embedding_parts, numbers_bytes, render_embeddings, render_json
 from bgeserve.http.schemas import Endpoint, check_dimensions, parse_embed_request
 
 T = TypeVar("T")
@@ -108,6 +108,14 @@ def _abandon(task: asyncio.Future[Any]) -> None:
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
+def streams(request: Request, vector_bytes: int) -> bool:
+    """Whether an answer carrying ``vector_bytes`` of float32 vectors is sent as it is rendered
+    (``render.STREAM_BYTES``; StreamingResponse renders each piece on a thread). Over HTTP/1.1
+    only: such an answer has no Content-Length, and uvicorn frames it chunked whatever the
+    client's version; an HTTP/1.0 client cannot read that, so it gets the answer whole."""
+    return vector_bytes > render.STREAM_BYTES and request.scope.get("http_version") == "1.1"
+
+
 def embed_endpoint(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
     """A handler for one embedding route (dense, sparse or both)."""
 
@@ -127,6 +135,10 @@ def embed_endpoint(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response
         result = await unless_disconnected(request, state.service.embed(
             parsed.inputs, parsed.options, request_id=state.request_id
         ))
+        if streams(request, numbers_bytes(result, parsed.outputs)):
+            return StreamingResponse(embedding_parts(
+                endpoint, parsed, result, state.service.model_name, state.service.token_strings,
+            ), media_type="application/json")
         body = await _maybe_offload(
             len(result) > OFFLOAD_ITEMS or "colbert" in parsed.outputs,
             render_embeddings, endpoint, parsed, result, state.service.model_name,

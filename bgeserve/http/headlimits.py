@@ -72,6 +72,12 @@ class BoundedHttpTools(PlainHttpTools):
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
         super().connection_lost(exc)
+        running = self._running
+        if running is not None and running is not self.cycle and not running.response_complete:
+            # uvicorn tells the newest request parsed only: the one being answered, with a
+            # pipelined one parsed behind it, went on rendering into a closed transport.
+            running.disconnected = True
+            running.message_event.set()
 
     def data_received(self, data: bytes) -> None:
         if self._dropping:

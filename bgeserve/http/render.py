@@ -8,7 +8,7 @@ little-endian bytes, float32 unless ``colbert_dtype`` asks for float16.
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,12 @@ from bgeserve.http.schemas import EmbedRequest, Endpoint
 from bgeserve.results import Embeddings
 
 TokenStrings = Callable[[Sequence[int]], list[str]]
+
+# An answer whose vectors pass STREAM_BYTES (float32) is sent as it is rendered, PIECE_BYTES at
+# a time: rendered whole, a ColBERT answer peaked at ~5x its vectors (the JSON text, ~3x, and
+# orjson's growing buffer) before its first byte went out, outside the workspace budget.
+STREAM_BYTES = 4 << 20
+PIECE_BYTES = 1 << 20
 
 
 def encode_array(array: np.ndarray, encoding_format: str, dtype: str = "<f4") -> Any:
@@ -67,7 +73,20 @@ def render_embeddings(
     model: str,
     token_strings: TokenStrings,
 ) -> bytes:
-    """The full JSON body for an embedding route, items in input order.
+    """The full JSON body for an embedding route, items in input order (``embedding_parts``
+    joined)."""
+    return b"".join(embedding_parts(endpoint, request, result, model, token_strings))
+
+
+def embedding_parts(
+    endpoint: Endpoint,
+    request: EmbedRequest,
+    result: Embeddings,
+    model: str,
+    token_strings: TokenStrings,
+) -> Iterator[bytes]:
+    """The JSON body for an embedding route in pieces of about ``PIECE_BYTES``, rendered one
+    at a time (a streamed answer holds one piece, not the whole text).
 
     With ``sparse_empty: omit``, an item whose sparse vector is empty (after ``sparse_top_k``
     and ``sparse_min_weight``) is left out; the others keep their input ``index``.
@@ -78,32 +97,59 @@ def render_embeddings(
     sparse = result.sparse if "sparse" in request.outputs else None
     colbert = result.colbert if "colbert" in request.outputs else None
     omit_empty = sparse is not None and request.sparse_empty == "omit"
-    items = []
-    for i in range(len(result)):
-        item: dict[str, Any] = {"object": endpoint.item_object, "index": i}
-        if sparse is not None:
-            ids, weights = select_sparse(*sparse[i], request.sparse_top_k,
-                                         request.sparse_min_weight)
-            if omit_empty and len(ids) == 0:
-                continue
-        if dense is not None:
-            item["embedding"] = encode_array(dense[i], fmt)
-        if sparse is not None:
-            item["sparse_values"] = format_sparse(ids, weights, request.sparse_format,
-                                                  token_strings)
-        if colbert is not None:
-            item["colbert"] = encode_array(colbert[i], fmt, colbert_dtype)
-        if result.truncated[i]:
-            item["truncated"] = True
-        items.append(item)
+
+    def items() -> Iterator[bytes]:
+        for i in range(len(result)):
+            item: dict[str, Any] = {"object": endpoint.item_object, "index": i}
+            if sparse is not None:
+                ids, weights = select_sparse(*sparse[i], request.sparse_top_k,
+                                             request.sparse_min_weight)
+                if omit_empty and len(ids) == 0:
+                    continue
+            if dense is not None:
+                item["embedding"] = encode_array(dense[i], fmt)
+            if sparse is not None:
+                item["sparse_values"] = format_sparse(ids, weights, request.sparse_format,
+                                                      token_strings)
+            if colbert is not None:
+                item["colbert"] = encode_array(colbert[i], fmt, colbert_dtype)
+            if result.truncated[i]:
+                item["truncated"] = True
+            yield orjson.dumps(item, option=orjson.OPT_SERIALIZE_NUMPY)
+
     tokens = result.prompt_tokens
-    body = {
-        "object": "list",
-        "model": model,
-        "data": items,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }
-    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    usage = orjson.dumps({"prompt_tokens": tokens, "total_tokens": tokens})
+    # What orjson.dumps writes for {"object", "model", "data", "usage"}, byte for byte.
+    head = b'{"object":"list","model":' + orjson.dumps(model) + b',"data":['
+    return json_pieces(head, items(), b'],"usage":' + usage + b"}")
+
+
+def json_pieces(head: bytes, items: Iterable[bytes], tail: bytes) -> Iterator[bytes]:
+    """``head``, the items comma-separated, ``tail``: in pieces of about ``PIECE_BYTES``."""
+    piece = [head]
+    size = len(head)
+    first = True
+    for item in items:
+        if not first:
+            piece.append(b",")
+        first = False
+        piece.append(item)
+        size += len(item)
+        if size >= PIECE_BYTES:
+            yield b"".join(piece)
+            piece, size = [], 0
+    piece.append(tail)
+    yield b"".join(piece)
+
+
+def numbers_bytes(result: Embeddings, outputs: Collection[str]) -> int:
+    """The float32 bytes of the vectors an answer carries (its JSON text is ~3x that)."""
+    total = 0
+    if "dense" in outputs and result.dense is not None:
+        total += int(np.asarray(result.dense).nbytes)
+    if "colbert" in outputs and result.colbert is not None:
+        total += sum(int(np.asarray(m).size) * 4 for m in result.colbert)
+    return total
 
 
 def render_json(content: Any) -> bytes:

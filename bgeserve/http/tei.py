@@ -8,12 +8,13 @@ read → parse → service call → render, like ``handlers.embed_endpoint``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from bgeserve.errors import BgeServeError
 from bgeserve.http import rerank
@@ -23,9 +24,10 @@ from bgeserve.http.handlers import (
     _maybe_offload,
     health,
     read_json_body,
+    streams,
     unless_disconnected,
 )
-from bgeserve.http.render import select_sparse
+from bgeserve.http.render import json_pieces, numbers_bytes, select_sparse
 from bgeserve.http.rerank_schemas import RerankRequest
 from bgeserve.http.schemas import check_dimensions
 from bgeserve.http.tei_schemas import (
@@ -76,8 +78,17 @@ async def _dense_response(request: Request, parsed: TeiEmbedRequest) -> Response
     check_dimensions(parsed.dimensions, request.state.service.dense_width())
     result = await _embed(request, parsed, EmbedOptions(truncate=parsed.truncate))
     rows = _dense_rows(result)
+    if streams(request, rows.nbytes):
+        return _streamed(rows)
     body = await _maybe_offload(len(result) > OFFLOAD_ITEMS, orjson.dumps, rows, None, _NUMPY)
     return Response(body, media_type="application/json")
+
+
+def _streamed(arrays: Iterable[np.ndarray]) -> Response:
+    """``[a, b, ...]`` of float32 arrays, rendered as it is sent (``render.STREAM_BYTES``)."""
+    items = (orjson.dumps(np.ascontiguousarray(a, dtype=np.float32), option=_NUMPY)
+             for a in arrays)
+    return StreamingResponse(json_pieces(b"[", items, b"]"), media_type="application/json")
 
 
 def _sparse_items(result: Embeddings, parsed: TeiEmbedRequest) -> list[list[dict[str, Any]]]:
@@ -108,6 +119,8 @@ async def embed_all(request: Request) -> Response:
     options = EmbedOptions(dense=False, colbert=True, truncate=parsed.truncate)
     result = await _embed(request, parsed, options)
     assert result.colbert is not None
+    if streams(request, numbers_bytes(result, ("colbert",))):
+        return _streamed(result.colbert)
     matrices = [np.ascontiguousarray(m, dtype=np.float32) for m in result.colbert]
     body = await _maybe_offload(True, orjson.dumps, matrices, None, _NUMPY)
     return Response(body, media_type="application/json")

@@ -1,0 +1,212 @@
+"""A client that reads nothing of its answer, on a real uvicorn with ``StallBoundHttpTools``:
+dropped after ``SEND_STALL_S`` whether its answer was sent whole or streamed; a slow reader is
+not; and the access log calls a streamed answer cut short a 499, not the 200 it started as."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import uvicorn
+from starlette.responses import StreamingResponse
+from starlette.types import Message
+
+from bgeserve.http import stalls
+from bgeserve.http.context import RequestContext
+from tests.uvithread import serving
+
+PIECE = 1 << 20
+PIECES = 256
+ended: dict[str, int] = {}  # path -> pieces the app rendered, once its answer ended
+
+
+async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    path = scope["path"]
+    if path.startswith("/whole/"):  # /whole/<MiB>
+        body = b"x" * (int(path.rsplit("/", 1)[1]) << 20)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+        return
+    rendered = 0
+
+    def pieces() -> Iterator[bytes]:  # rendered on a thread, as the embedding routes' are
+        nonlocal rendered
+        for _ in range(PIECES):
+            rendered += 1
+            yield b"x" * PIECE
+
+    try:
+        await StreamingResponse(pieces())(scope, receive, send)
+    finally:
+        ended[path] = rendered
+
+
+@contextmanager
+def running() -> Iterator[uvicorn.Server]:
+    config = uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off",
+                            http=stalls.StallBoundHttpTools, ws="none")  # as cli.py runs it
+    server = uvicorn.Server(config)
+    with serving(server) as (port, _):
+        server.port = port  # type: ignore[attr-defined]
+        yield server
+
+
+def connect(server: uvicorn.Server) -> socket.socket:
+    conn = socket.socket()
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)  # fills at once
+    conn.connect(("127.0.0.1", server.port))  # type: ignore[attr-defined]
+    return conn
+
+
+def request(path: str, *extra: str) -> bytes:
+    return (f"GET {path} HTTP/1.1\r\nHost: x\r\n" + "".join(extra) + "\r\n").encode()
+
+
+def wait_for(condition, seconds: float) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.fixture
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stalls, "SEND_STALL_S", 0.5)
+
+
+@pytest.mark.usefixtures("quick")
+def test_a_client_that_reads_nothing_of_a_whole_answer_is_dropped(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """64 MiB sent whole sat in the transport's buffer for as long as the connection lived;
+    now it is dropped once nothing was read for SEND_STALL_S, with a warning."""
+    with caplog.at_level(logging.WARNING), running() as server:
+        conn = connect(server)
+        try:
+            conn.sendall(request("/whole/64"))
+            assert wait_for(lambda: server.server_state.connections, 5)
+            assert wait_for(lambda: not server.server_state.connections, 10), "still open"
+        finally:
+            conn.close()
+    assert any("read nothing of its answer for 0.5s" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.usefixtures("quick")
+def test_a_streamed_answer_nobody_reads_stops_being_rendered() -> None:
+    """A stalled reader of a streamed answer held its request's scope (its ColBERT and body
+    allowances) until its socket closed; now the stream ends after a few pieces."""
+    with running() as server:
+        conn = connect(server)
+        try:
+            conn.sendall(request("/stalled"))
+            assert wait_for(lambda: "/stalled" in ended, 10), "the stream went on"
+        finally:
+            conn.close()
+    assert ended.pop("/stalled") < PIECES // 4
+
+
+def test_a_slow_reader_is_not_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader that takes something in every SEND_STALL_S gets its whole answer, however
+    long it takes: what the client acknowledges counts, not only what leaves the transport's
+    buffer (that moved only once a third of the socket's megabytes were free: this reader was
+    dropped at 3.6 of 12 MiB)."""
+    monkeypatch.setattr(stalls, "SEND_STALL_S", 0.3)
+    looks = 0
+    look = stalls.StallBoundHttpTools._look
+
+    def counted(self: stalls.StallBoundHttpTools) -> None:
+        nonlocal looks
+        looks += 1
+        look(self)
+
+    monkeypatch.setattr(stalls.StallBoundHttpTools, "_look", counted)
+    size = 4 << 20
+    with running() as server, connect(server) as conn:
+        conn.sendall(request(f"/whole/{size >> 20}"))
+        conn.settimeout(5)
+        data = b""
+        while len(data) < size and (chunk := conn.recv(512 << 10)):
+            data += chunk
+            time.sleep(0.01)
+        assert data.split(b"\r\n\r\n", 1)[0].startswith(b"HTTP/1.1 200")
+        assert len(data.split(b"\r\n\r\n", 1)[1]) == size
+    assert looks >= 2, "the reader never looked stalled: the test proves nothing"
+
+
+@pytest.mark.usefixtures("quick")
+def test_an_answer_with_a_pipelined_request_behind_it_hears_its_client_leave(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """uvicorn tells only the newest request parsed that the connection is gone: a streamed
+    answer with a pipelined request behind it went on writing into a closed transport (an
+    error and a traceback under uvloop, which refuses such writes)."""
+    with caplog.at_level(logging.WARNING), running() as server:
+        conn = connect(server)
+        conn.sendall(request("/first") + request("/whole/1"))
+        time.sleep(0.3)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        conn.close()  # a reset
+        assert wait_for(lambda: "/first" in ended, 5), "the stream went on"
+    assert ended.pop("/first") < PIECES // 4
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def run_context(*messages: Message, raises: bool = False) -> list[logging.LogRecord]:
+    """RequestContext around an app that sends ``messages`` and returns (or raises)."""
+    async def inner(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        for message in messages:
+            await send(message)
+        if raises:
+            raise RuntimeError("broke off")
+
+    async def send(message: Message) -> None:
+        pass
+
+    async def receive() -> Message:
+        return {"type": "http.disconnect"}
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("bgeserve.http")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        scope = {"type": "http", "method": "POST", "path": "/v1/embeddings", "headers": []}
+        try:
+            asyncio.run(RequestContext(inner)(scope, receive, send))
+        except RuntimeError:
+            assert raises
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    return records
+
+
+START: Message = {"type": "http.response.start", "status": 200, "headers": []}
+PIECE_SENT: Message = {"type": "http.response.body", "body": b"[", "more_body": True}
+LAST: Message = {"type": "http.response.body", "body": b"]"}
+
+
+@pytest.mark.parametrize(("messages", "raises", "status", "error"), [
+    ((START, PIECE_SENT, LAST), False, 200, None),
+    ((START, PIECE_SENT), False, 499, "client_disconnected"),  # the client left mid-stream
+    ((START, PIECE_SENT), True, 500, None),  # the app broke off: uvicorn cuts the answer
+])
+def test_the_access_log_says_whether_a_started_answer_was_finished(
+        messages: tuple[Message, ...], raises: bool, status: int, error: str | None) -> None:
+    (record,) = run_context(*messages, raises=raises)
+    assert (record.status, record.error) == (status, error)  # type: ignore[attr-defined]
+    assert record.getMessage().startswith(f"POST /v1/embeddings {status} ")
+
