@@ -67,23 +67,28 @@ class Queued(Protocol):
 
     submitted: float
     started: float
+    room_wait: float
 
 
 def record(characters: int, tokens: int, arrived: float, queued: float,
            jobs: Sequence[Queued], ended: float) -> None:
     """Add one model call to the open request's timings (nothing outside one), its parts
     adding up to ``ended - arrived`` (monotonic seconds): tokenizing until the first job was
-    submitted (``queued`` where none was), each job's wait from its submission to its first
-    chunk (queue), and the rest (inference; for bge-m3's rerank scores, a later group's wait
-    for room for its ColBERT vectors too)."""
+    submitted (``queued`` where none was), less its wait for room for its ColBERT output;
+    each job's waits (for that room, and from its submission to its first chunk: queue);
+    and the rest (inference)."""
     timings = _CURRENT.get()
     if timings is None:
         return
     tokenized = jobs[0].submitted if jobs and jobs[0].submitted else queued
     waited = sum(max(0.0, j.started - j.submitted) for j in jobs if j.started and j.submitted)
+    # Room for ColBERT output: the first job's wait came before its submission, the later
+    # jobs' (a rerank's groups of windows) after the first's.
+    first_room = jobs[0].room_wait if jobs else 0.0
+    later_room = sum(j.room_wait for j in jobs[1:])
     timings.characters += characters
     timings.tokens += tokens
-    timings.tokenization_s += max(0.0, tokenized - arrived)
-    timings.queue_s += waited
-    timings.inference_s += max(0.0, ended - tokenized - waited)
+    timings.tokenization_s += max(0.0, tokenized - arrived - first_room)
+    timings.queue_s += waited + first_room + later_room
+    timings.inference_s += max(0.0, ended - tokenized - waited - later_room)
     timings.calls += 1

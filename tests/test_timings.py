@@ -15,9 +15,11 @@ def test_calls_inside_a_scope_are_summed_and_outside_one_ignored() -> None:
     timings.record(5, 3, 0.0, 1.0, [], 2.0)  # no scope: no error, nothing kept
     spent = timings.Timings()
     with timings.measuring(spent):
-        timings.record(10, 4, 100.0, 100.7, [SimpleNamespace(submitted=100.5, started=101.0)],
+        timings.record(10, 4, 100.0, 100.7, [SimpleNamespace(submitted=100.5, started=101.0,
+                                                                  room_wait=0.0)],
                        103.0)
-        timings.record(2, 1, 200.0, 200.1, [SimpleNamespace(submitted=200.1, started=0.0)],
+        timings.record(2, 1, 200.0, 200.1, [SimpleNamespace(submitted=200.1, started=0.0,
+                                                                  room_wait=0.0)],
                        200.2)
     timings.record(5, 3, 0.0, 1.0, [], 2.0)  # after it: not added
     assert (spent.characters, spent.tokens, spent.calls) == (12, 5, 2)
@@ -30,3 +32,19 @@ def test_calls_inside_a_scope_are_summed_and_outside_one_ignored() -> None:
                        b"x-compute-characters": b"12", b"x-compute-tokens": b"5",
                        b"x-total-time": b"3257", b"x-tokenization-time": b"600",
                        b"x-queue-time": b"500", b"x-inference-time": b"2100"}
+
+
+def test_a_wait_for_room_for_colbert_output_is_queue_time_not_tokenizing() -> None:
+    """A request that waited 5 s for room for its ColBERT vectors (behind another being sent)
+    said x-tokenization-time 5053 ms: the first job's wait came before its submission, a
+    later job's (a rerank's next group) after it; both are queue time, the parts still adding
+    up to the call's."""
+    spent = timings.Timings()
+    with timings.measuring(spent):
+        timings.record(10, 4, 100.0, 106.0, [
+            SimpleNamespace(submitted=105.5, started=106.0, room_wait=5.0),
+            SimpleNamespace(submitted=107.5, started=107.5, room_wait=1.0),
+        ], 109.0)
+    assert abs(spent.tokenization_s - 0.5) < 1e-9
+    assert abs(spent.queue_s - 6.5) < 1e-9
+    assert abs(spent.inference_s - 2.0) < 1e-9

@@ -37,6 +37,7 @@ class Job:
     done: bool = False
     submitted: float = 0.0
     started: float = 0.0  # monotonic seconds when a chunk first took its texts (0: never)
+    room_wait: float = 0.0  # seconds it waited for room for its ColBERT output, before queued
     served: int = 0  # the queue's turn when a chunk last took its texts (0: never)
     # The indices the queue must run (None: every text; ``reuse`` narrows it).
     todo: list[int] | None = None
