@@ -1,6 +1,7 @@
 """A client that reads nothing of its answer, on a real uvicorn with ``StallBoundHttpTools``:
 dropped after ``SEND_STALL_S`` whether its answer was sent whole or streamed; a slow reader is
-not; and the access log calls a streamed answer cut short a 499, not the 200 it started as."""
+not; the access log calls a streamed answer cut short a 499, not the 200 it started as; a stop
+cuts the streams still being sent before uvicorn's grace ends (``DrainingServer``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import uvicorn
 from starlette.responses import StreamingResponse
 from starlette.types import Message
 
-from bgeserve.http import stalls
+from bgeserve.http import drain, stalls
 from bgeserve.http.context import RequestContext
 from tests.uvithread import serving
 
@@ -38,12 +39,13 @@ async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
         await send({"type": "http.response.body", "body": body})
         return
     rendered = 0
+    count, size = (1, 8 * PIECE) if path == "/one" else (PIECES, PIECE)
 
     def pieces() -> Iterator[bytes]:  # rendered on a thread, as the embedding routes' are
         nonlocal rendered
-        for _ in range(PIECES):
+        for _ in range(count):
             rendered += 1
-            yield b"x" * PIECE
+            yield b"x" * size
 
     try:
         await StreamingResponse(pieces())(scope, receive, send)
@@ -52,12 +54,18 @@ async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
 
 
 @contextmanager
-def running() -> Iterator[uvicorn.Server]:
-    config = uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off",
-                            http=stalls.StallBoundHttpTools, ws="none")  # as cli.py runs it
-    server = uvicorn.Server(config)
-    with serving(server) as (port, _):
+def running(loop: str = "auto", logged: bool = False, grace: float | None = None,
+            ) -> Iterator[uvicorn.Server]:
+    """``app`` (inside ``RequestContext`` if ``logged``) on a ``DrainingServer`` as cli.py
+    runs it (``grace``: its timeout_graceful_shutdown)."""
+    config = uvicorn.Config(RequestContext(app) if logged else app, log_config=None,
+                            log_level="warning", lifespan="off", loop=loop,  # type: ignore
+                            http=stalls.StallBoundHttpTools, ws="none",
+                            timeout_graceful_shutdown=grace)  # type: ignore[arg-type]
+    server = drain.DrainingServer(config, on_shutdown=lambda: None)
+    with serving(server) as (port, thread):
         server.port = port  # type: ignore[attr-defined]
+        server.thread = thread  # type: ignore[attr-defined]
         yield server
 
 
@@ -159,6 +167,107 @@ def test_an_answer_with_a_pipelined_request_behind_it_hears_its_client_leave(
         assert wait_for(lambda: "/first" in ended, 5), "the stream went on"
     assert ended.pop("/first") < PIECES // 4
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def access_lines(records: list[logging.LogRecord]) -> list[tuple[str, int]]:
+    return [(r.path, r.status) for r in records  # type: ignore[attr-defined]
+            if r.name == "bgeserve.http" and hasattr(r, "status")]
+
+
+@pytest.mark.usefixtures("quick")
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_stream_cut_while_its_last_message_waits_is_logged_499(
+        caplog: pytest.LogCaptureFixture, loop: str) -> None:
+    """One 8 MiB piece leaves writing paused, so the stream's last (empty) message waits for
+    the client; cut then, uvicorn dropped that message without a word and the app returned as
+    if it had been sent: the access line said 200."""
+    with caplog.at_level(logging.INFO), running(loop, logged=True) as server:
+        conn = connect(server)
+        try:
+            conn.sendall(request("/one"))
+            assert wait_for(lambda: "/one" in ended, 10), "the stream went on"
+        finally:
+            conn.close()
+        assert wait_for(lambda: access_lines(caplog.records), 5)
+    ended.pop("/one")
+    assert access_lines(caplog.records) == [("/one", 499)]
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_stop_cuts_the_streams_still_being_sent_before_its_grace_ends(
+        caplog: pytest.LogCaptureFixture, loop: str) -> None:
+    """A stream to a reader too slow for the stop's grace (here one that reads nothing, and
+    the stall bound at its 60 s) was cancelled by uvicorn: a traceback and a 500. Now it is
+    cut CUT_MARGIN_SECS before, logged 499, and the stop ends in its grace."""
+    with caplog.at_level(logging.INFO), running(loop, logged=True, grace=1.5) as server:
+        conn = connect(server)
+        try:
+            conn.sendall(request("/slow-reader"))
+            time.sleep(0.5)
+            began = time.monotonic()
+            server.should_exit = True
+            server.thread.join(10)  # type: ignore[attr-defined]
+            assert not server.thread.is_alive()  # type: ignore[attr-defined]
+            assert time.monotonic() - began < 3
+        finally:
+            conn.close()
+    assert ended.pop("/slow-reader") < PIECES // 4
+    assert access_lines(caplog.records) == [("/slow-reader", 499)]
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("cut 1 answer(s) still being sent" in m for m in messages), messages
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+class FakeLoop:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.due: list[tuple[float, object]] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_later(self, delay: float, callback: object) -> object:
+        self.due.append((self.now + delay, callback))
+        return object()  # its handle: never cancelled here
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.unsent = 1000
+        self.aborted_at: float | None = None
+        self.loop: FakeLoop | None = None
+
+    def get_write_buffer_size(self) -> int:
+        return self.unsent
+
+    def get_extra_info(self, name: str) -> None:
+        return None  # no socket: the buffer alone
+
+    def abort(self) -> None:
+        assert self.loop is not None
+        self.aborted_at = self.loop.now
+
+
+def test_the_bound_counts_from_the_last_progress_not_from_fixed_periods() -> None:
+    """A reader that takes a little right after writing paused and then nothing is dropped
+    SEND_STALL_S after that, within a quarter of it (looked at once a period, it was dropped
+    at the end of the second: nearly twice)."""
+    protocol = object.__new__(stalls.StallBoundHttpTools)
+    loop, transport = FakeLoop(), FakeTransport()
+    transport.loop = loop
+    protocol.loop = loop  # type: ignore[assignment]
+    protocol.transport = transport  # type: ignore[assignment]
+    protocol.logger = logging.getLogger("test")
+    protocol._unsent, protocol._since = transport.unsent, 0.0
+    protocol._next_look()
+    progress = loop.now = 1.0
+    transport.unsent -= 10  # it read a little, then nothing more
+    while transport.aborted_at is None and loop.due:
+        loop.now, callback = loop.due.pop(0)
+        callback()  # type: ignore[operator]
+    stall = stalls.SEND_STALL_S
+    assert transport.aborted_at is not None
+    assert progress + stall <= transport.aborted_at <= progress + stall * (1 + 1 / stalls.LOOKS)
 
 
 def run_context(*messages: Message, raises: bool = False) -> list[logging.LogRecord]:

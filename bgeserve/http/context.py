@@ -23,6 +23,10 @@ from bgeserve.timings import Timings, measuring
 log = logging.getLogger("bgeserve.http")
 
 _HEADER = b"x-request-id"
+# Set in ``scope["state"]`` by the HTTP protocol (headlimits.py) when the connection is lost with
+# the request's answer started and not all written: uvicorn drops what the app sends after
+# that without a word, so the app may finish its answer thinking it was sent.
+ANSWER_CUT = "answer_cut"
 _VALID_ID = re.compile(r"[\x20-\x7e]{1,128}")
 # The health checks, bgeserve's and TEI's (its `GET /`; its `POST /` embeds): a GET of one
 # needs no key (app.py). With the scrapes, they are logged at debug and not counted in flight
@@ -101,7 +105,7 @@ class RequestContext:
             state = scope.get("state", {})
             route = _route(scope, self.routes)
             error, param = state.get("error"), state.get("error_param")
-            if status < 400 and not complete:
+            if status < 400 and (not complete or state.get(ANSWER_CUT)):
                 # Started but never finished: a streamed answer its client left mid-way (or
                 # stopped reading, stalls.py) is not one it got; one the app broke off by
                 # raising, uvicorn cuts short.

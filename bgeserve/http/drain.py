@@ -23,11 +23,17 @@ still running to be cancelled with the event loop: each was a plain-text 500 and
 Here it first calls ``on_force`` (the service answers everything in progress 503 at once),
 gives those answers up to ``ANSWER_SECS`` to go out (and the bodies they cut short to be read,
 linger.py), and then exits as uvicorn would. A third is uvicorn's forced exit at once.
+
+uvicorn cancels what still runs when its grace ends, each a traceback and a 500 in the log: a
+large answer streamed to a slow reader may (a stalled one is dropped only after 60 s,
+stalls.py). ``CUT_MARGIN_SECS`` before that, the connections of answers still being streamed
+are reset instead: their handlers hear the client leave and end, logged 499.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import socket
 from collections.abc import Callable
@@ -45,6 +51,9 @@ POLL_SECS = 0.01
 # After the drain's deadline or a second Ctrl-C: the 503s go out, and the rest of a body they
 # cut short is read (linger.py), within this.
 ANSWER_SECS = 2.0 + LINGER_SECONDS
+CUT_MARGIN_SECS = 1.0  # before uvicorn's grace ends: a cut stream's handler ends within it
+
+log = logging.getLogger("bgeserve.http")
 
 _NO_CYCLE = object()
 
@@ -94,8 +103,25 @@ class DrainingServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.on_shutdown()
-        await self.admit_pending(sockets)
-        await super().shutdown(sockets)
+        grace = self.config.timeout_graceful_shutdown
+        # uvicorn's grace starts after admit_pending: counted from here, the cut comes earlier.
+        cut = None if grace is None else asyncio.get_running_loop().call_later(
+            max(0.0, grace - CUT_MARGIN_SECS), self.cut_streams)
+        try:
+            await self.admit_pending(sockets)
+            await super().shutdown(sockets)
+        finally:
+            if cut is not None:
+                cut.cancel()
+
+    def cut_streams(self) -> int:
+        """Reset the connections of answers still being streamed (``cut_stream``); how many."""
+        cut = sum(1 for connection in list(self.server_state.connections)
+                  if getattr(connection, "cut_stream", lambda: False)())
+        if cut:
+            log.warning("stopping: cut %d answer(s) still being sent at the end of the grace "
+                        "(their clients read too slowly)", cut)
+        return cut
 
     async def admit_pending(self, sockets: list[socket.socket] | None) -> None:
         await asyncio.sleep(ACCEPT_SECS)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import orjson
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
+from bgeserve.http.context import ANSWER_CUT
 from bgeserve.http.upgrades import PlainHttpTools
 
 if TYPE_CHECKING:
@@ -71,6 +72,9 @@ class BoundedHttpTools(PlainHttpTools):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
+        for cycle in {self.cycle, self._running}:
+            if cycle is not None and cycle.response_started and not cycle.response_complete:
+                cycle.scope["state"][ANSWER_CUT] = True  # the access log's 499 (context.py)
         super().connection_lost(exc)
         running = self._running
         if running is not None and running is not self.cycle and not running.response_complete:

@@ -20,8 +20,9 @@ from bgeserve.results import Embeddings
 TokenStrings = Callable[[Sequence[int]], list[str]]
 
 # An answer whose vectors pass STREAM_BYTES (float32) is sent as it is rendered, PIECE_BYTES at
-# a time: rendered whole, a ColBERT answer peaked at ~5x its vectors (the JSON text, ~3x, and
-# orjson's growing buffer) before its first byte went out, outside the workspace budget.
+# a time: rendered whole, a ColBERT answer's JSON text (~3x its float32 vectors, more while
+# orjson's buffer grows) and then its unsent part, copied into the transport's buffer, came on
+# top of the vectors, outside every allowance.
 STREAM_BYTES = 4 << 20
 PIECE_BYTES = 1 << 20
 
@@ -73,9 +74,20 @@ def render_embeddings(
     model: str,
     token_strings: TokenStrings,
 ) -> bytes:
-    """The full JSON body for an embedding route, items in input order (``embedding_parts``
-    joined)."""
-    return b"".join(embedding_parts(endpoint, request, result, model, token_strings))
+    """The full JSON body for an embedding route, items in input order: one ``orjson.dumps``
+    (the text once; joining ``embedding_parts`` held it twice at the peak).
+
+    With ``sparse_empty: omit``, an item whose sparse vector is empty (after ``sparse_top_k``
+    and ``sparse_min_weight``) is left out; the others keep their input ``index``.
+    """
+    tokens = result.prompt_tokens
+    body = {
+        "object": "list",
+        "model": model,
+        "data": list(_items(endpoint, request, result, token_strings)),
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def embedding_parts(
@@ -85,43 +97,47 @@ def embedding_parts(
     model: str,
     token_strings: TokenStrings,
 ) -> Iterator[bytes]:
-    """The JSON body for an embedding route in pieces of about ``PIECE_BYTES``, rendered one
-    at a time (a streamed answer holds one piece, not the whole text).
+    """``render_embeddings``' bytes in pieces of about ``PIECE_BYTES``, each rendered when it
+    is asked for (a streamed answer holds one piece, not the whole text)."""
+    items = (orjson.dumps(item, option=orjson.OPT_SERIALIZE_NUMPY)
+             for item in _items(endpoint, request, result, token_strings))
+    tokens = result.prompt_tokens
+    usage = orjson.dumps({"prompt_tokens": tokens, "total_tokens": tokens})
+    # What orjson.dumps writes for {"object", "model", "data", "usage"}, byte for byte.
+    head = b'{"object":"list","model":' + orjson.dumps(model) + b',"data":['
+    return json_pieces(head, items, b'],"usage":' + usage + b"}")
 
-    With ``sparse_empty: omit``, an item whose sparse vector is empty (after ``sparse_top_k``
-    and ``sparse_min_weight``) is left out; the others keep their input ``index``.
-    """
+
+def _items(
+    endpoint: Endpoint,
+    request: EmbedRequest,
+    result: Embeddings,
+    token_strings: TokenStrings,
+) -> Iterator[dict[str, Any]]:
+    """The answer's items in input order, one at a time."""
     fmt = request.encoding_format
     colbert_dtype = "<f2" if request.colbert_dtype == "float16" else "<f4"
     dense = result.dense if "dense" in request.outputs else None
     sparse = result.sparse if "sparse" in request.outputs else None
     colbert = result.colbert if "colbert" in request.outputs else None
     omit_empty = sparse is not None and request.sparse_empty == "omit"
-
-    def items() -> Iterator[bytes]:
-        for i in range(len(result)):
-            item: dict[str, Any] = {"object": endpoint.item_object, "index": i}
-            if sparse is not None:
-                ids, weights = select_sparse(*sparse[i], request.sparse_top_k,
-                                             request.sparse_min_weight)
-                if omit_empty and len(ids) == 0:
-                    continue
-            if dense is not None:
-                item["embedding"] = encode_array(dense[i], fmt)
-            if sparse is not None:
-                item["sparse_values"] = format_sparse(ids, weights, request.sparse_format,
-                                                      token_strings)
-            if colbert is not None:
-                item["colbert"] = encode_array(colbert[i], fmt, colbert_dtype)
-            if result.truncated[i]:
-                item["truncated"] = True
-            yield orjson.dumps(item, option=orjson.OPT_SERIALIZE_NUMPY)
-
-    tokens = result.prompt_tokens
-    usage = orjson.dumps({"prompt_tokens": tokens, "total_tokens": tokens})
-    # What orjson.dumps writes for {"object", "model", "data", "usage"}, byte for byte.
-    head = b'{"object":"list","model":' + orjson.dumps(model) + b',"data":['
-    return json_pieces(head, items(), b'],"usage":' + usage + b"}")
+    for i in range(len(result)):
+        item: dict[str, Any] = {"object": endpoint.item_object, "index": i}
+        if sparse is not None:
+            ids, weights = select_sparse(*sparse[i], request.sparse_top_k,
+                                         request.sparse_min_weight)
+            if omit_empty and len(ids) == 0:
+                continue
+        if dense is not None:
+            item["embedding"] = encode_array(dense[i], fmt)
+        if sparse is not None:
+            item["sparse_values"] = format_sparse(ids, weights, request.sparse_format,
+                                                  token_strings)
+        if colbert is not None:
+            item["colbert"] = encode_array(colbert[i], fmt, colbert_dtype)
+        if result.truncated[i]:
+            item["truncated"] = True
+        yield item
 
 
 def json_pieces(head: bytes, items: Iterable[bytes], tail: bytes) -> Iterator[bytes]:

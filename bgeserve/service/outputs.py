@@ -1,8 +1,8 @@
 """ColBERT output of the requests in progress, held together within one allowance.
 
 A request's ColBERT vectors (``tokens - 1`` rows of 1,024 floats per text) live until the answer
-is sent (a large one as it is rendered, ``http/render.py``: rendered whole, its JSON text added
-~2x their float32 size at the peak). ``Engine.admit`` caps one request's
+is sent (a large one as it is rendered, ``http/render.py``: rendered whole, its JSON text, ~3x
+their float32 size, and its unsent part's copy came on top). ``Engine.admit`` caps one request's
 (BGE_M3_MAX_COLBERT_MB, a 413 above it), but requests in progress added up: in a 600 MiB
 container three concurrent requests at the 30 MiB cap peaked at 537 MiB (rendered whole).
 ``OutputAllowance`` holds them all within that same cap: a request whose vectors do not fit
