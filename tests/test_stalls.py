@@ -7,18 +7,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import socket
+import ssl
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import uvicorn
 from starlette.responses import StreamingResponse
-from starlette.types import Message
+from starlette.types import ASGIApp, Message
 
 from bgeserve.http import drain, stalls
 from bgeserve.http.context import RequestContext
+from bgeserve.http.linger import LingeringClose
 from tests.uvithread import serving
 
 PIECE = 1 << 20
@@ -55,13 +60,15 @@ async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
 
 @contextmanager
 def running(loop: str = "auto", logged: bool = False, grace: float | None = None,
+            inner: ASGIApp = app, tls: dict[str, str] | None = None,
             ) -> Iterator[uvicorn.Server]:
-    """``app`` (inside ``RequestContext`` if ``logged``) on a ``DrainingServer`` as cli.py
-    runs it (``grace``: its timeout_graceful_shutdown)."""
-    config = uvicorn.Config(RequestContext(app) if logged else app, log_config=None,
+    """``inner`` (inside ``RequestContext`` if ``logged``) on a ``DrainingServer`` as cli.py
+    runs it (``grace``: its timeout_graceful_shutdown; ``tls``: its ssl options)."""
+    config = uvicorn.Config(RequestContext(inner) if logged else inner, log_config=None,
                             log_level="warning", lifespan="off", loop=loop,  # type: ignore
                             http=stalls.StallBoundHttpTools, ws="none",
-                            timeout_graceful_shutdown=grace)  # type: ignore[arg-type]
+                            timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
+                            **(tls or {}))
     server = drain.DrainingServer(config, on_shutdown=lambda: None)
     with serving(server) as (port, thread):
         server.port = port  # type: ignore[attr-defined]
@@ -76,7 +83,7 @@ def connect(server: uvicorn.Server) -> socket.socket:
     return conn
 
 
-def request(path: str, *extra: str) -> bytes:
+def ask(path: str, *extra: str) -> bytes:
     return (f"GET {path} HTTP/1.1\r\nHost: x\r\n" + "".join(extra) + "\r\n").encode()
 
 
@@ -89,25 +96,68 @@ def wait_for(condition, seconds: float) -> bool:  # type: ignore[no-untyped-def]
     return True
 
 
+def unread(server: uvicorn.Server, path: str) -> int:
+    """Ask for a stream at ``path`` and read none of it: the pieces the app rendered before
+    its answer ended."""
+    conn = connect(server)
+    try:
+        conn.sendall(ask(path))
+        assert wait_for(lambda: path in ended, 10), "the stream went on"
+    finally:
+        conn.close()
+    return ended.pop(path)
+
+
 @pytest.fixture
 def quick(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(stalls, "SEND_STALL_S", 0.5)
 
 
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """uvicorn's ssl options for a self-signed certificate (the openssl CLI makes it)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl CLI is not installed")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:P-256", "-nodes", "-keyout", str(d / "k.pem"), "-out",
+                    str(d / "c.pem"), "-days", "2", "-subj", "/CN=localhost"],
+                   check=True, capture_output=True, timeout=60)
+    return {"ssl_certfile": str(d / "c.pem"), "ssl_keyfile": str(d / "k.pem")}
+
+
+def wrapped(conn: socket.socket) -> socket.socket:
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context.wrap_socket(conn)
+
+
 @pytest.mark.usefixtures("quick")
-def test_a_client_that_reads_nothing_of_a_whole_answer_is_dropped(
-        caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "tls"])
+def test_a_client_that_reads_nothing_of_a_whole_answer_is_reset(
+        caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest, secure: bool) -> None:
     """64 MiB sent whole sat in the transport's buffer for as long as the connection lived;
-    now it is dropped once nothing was read for SEND_STALL_S, with a warning."""
-    with caplog.at_level(logging.WARNING), running() as server:
+    now the connection is reset (the kernel drops its queue too) once nothing was taken for
+    SEND_STALL_S, with a warning. Under TLS the answer is encrypted whole into the transport
+    below, which never paused the HTTP protocol: it was never watched."""
+    tls = request.getfixturevalue("certificate") if secure else None
+    with caplog.at_level(logging.WARNING), running(tls=tls) as server:
         conn = connect(server)
         try:
-            conn.sendall(request("/whole/64"))
+            if secure:
+                conn = wrapped(conn)
+            conn.sendall(ask("/whole/64"))
             assert wait_for(lambda: server.server_state.connections, 5)
             assert wait_for(lambda: not server.server_state.connections, 10), "still open"
+            if not secure:  # (ssl reads a reset as an unexpected end: no error to tell)
+                conn.settimeout(5)
+                with pytest.raises(ConnectionResetError):  # a reset, not an orderly close
+                    while conn.recv(1 << 20):
+                        pass
         finally:
             conn.close()
-    assert any("read nothing of its answer for 0.5s" in r.getMessage() for r in caplog.records)
+    assert any("took nothing of its answer for 0.5s" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.usefixtures("quick")
@@ -115,13 +165,7 @@ def test_a_streamed_answer_nobody_reads_stops_being_rendered() -> None:
     """A stalled reader of a streamed answer held its request's scope (its ColBERT and body
     allowances) until its socket closed; now the stream ends after a few pieces."""
     with running() as server:
-        conn = connect(server)
-        try:
-            conn.sendall(request("/stalled"))
-            assert wait_for(lambda: "/stalled" in ended, 10), "the stream went on"
-        finally:
-            conn.close()
-    assert ended.pop("/stalled") < PIECES // 4
+        assert unread(server, "/stalled") < PIECES // 4
 
 
 def test_a_slow_reader_is_not_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -141,7 +185,7 @@ def test_a_slow_reader_is_not_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(stalls.StallBoundHttpTools, "_look", counted)
     size = 4 << 20
     with running() as server, connect(server) as conn:
-        conn.sendall(request(f"/whole/{size >> 20}"))
+        conn.sendall(ask(f"/whole/{size >> 20}"))
         conn.settimeout(5)
         data = b""
         while len(data) < size and (chunk := conn.recv(512 << 10)):
@@ -160,7 +204,7 @@ def test_an_answer_with_a_pipelined_request_behind_it_hears_its_client_leave(
     error and a traceback under uvloop, which refuses such writes)."""
     with caplog.at_level(logging.WARNING), running() as server:
         conn = connect(server)
-        conn.sendall(request("/first") + request("/whole/1"))
+        conn.sendall(ask("/first") + ask("/whole/1"))
         time.sleep(0.3)
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         conn.close()  # a reset
@@ -182,14 +226,8 @@ def test_a_stream_cut_while_its_last_message_waits_is_logged_499(
     the client; cut then, uvicorn dropped that message without a word and the app returned as
     if it had been sent: the access line said 200."""
     with caplog.at_level(logging.INFO), running(loop, logged=True) as server:
-        conn = connect(server)
-        try:
-            conn.sendall(request("/one"))
-            assert wait_for(lambda: "/one" in ended, 10), "the stream went on"
-        finally:
-            conn.close()
+        unread(server, "/one")
         assert wait_for(lambda: access_lines(caplog.records), 5)
-    ended.pop("/one")
     assert access_lines(caplog.records) == [("/one", 499)]
 
 
@@ -202,7 +240,7 @@ def test_a_stop_cuts_the_streams_still_being_sent_before_its_grace_ends(
     with caplog.at_level(logging.INFO), running(loop, logged=True, grace=1.5) as server:
         conn = connect(server)
         try:
-            conn.sendall(request("/slow-reader"))
+            conn.sendall(ask("/slow-reader"))
             time.sleep(0.5)
             began = time.monotonic()
             server.should_exit = True
@@ -214,8 +252,48 @@ def test_a_stop_cuts_the_streams_still_being_sent_before_its_grace_ends(
     assert ended.pop("/slow-reader") < PIECES // 4
     assert access_lines(caplog.records) == [("/slow-reader", 499)]
     messages = [r.getMessage() for r in caplog.records]
-    assert any("cut 1 answer(s) still being sent" in m for m in messages), messages
+    assert any("reset 1 connection(s) still sending" in m for m in messages), messages
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def answer_at_once(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+    """200 before the body is read (as a guard's refusal is): LingeringClose reads the rest."""
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+def test_an_answer_written_whole_stays_the_clients_when_it_leaves_during_the_linger(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The client read its whole answer and closed while the rest of its body was read and
+    dropped (linger.py): its answer, logged 200, not a 499."""
+    inner = LingeringClose(answer_at_once, max_bytes=1 << 20, max_seconds=2)
+    with caplog.at_level(logging.INFO), running(logged=True, inner=inner) as server, \
+            socket.create_connection(("127.0.0.1", server.port)) as conn:  # type: ignore
+        conn.settimeout(5)
+        conn.sendall(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"a" * 10)
+        answer = b""
+        while not answer.endswith(b"ok"):
+            answer += conn.recv(4096)
+        conn.close()
+        assert wait_for(lambda: access_lines(caplog.records), 5)
+    assert access_lines(caplog.records) == [("/early", 200)]
+
+
+@pytest.mark.usefixtures("quick")
+def test_an_answer_whose_head_never_went_out_is_logged_499(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A pipelined answer behind one its client stopped reading waits to write its head; the
+    reset drops it without a word: it was logged 200."""
+    with caplog.at_level(logging.INFO), running(logged=True) as server:
+        conn = connect(server)
+        try:
+            conn.sendall(ask("/whole/64") + ask("/whole/1"))
+            assert wait_for(lambda: len(access_lines(caplog.records)) == 2, 10)
+        finally:
+            conn.close()
+    assert access_lines(caplog.records) == [("/whole/64", 200), ("/whole/1", 499)]
 
 
 class FakeLoop:
@@ -258,7 +336,8 @@ def test_the_bound_counts_from_the_last_progress_not_from_fixed_periods() -> Non
     protocol.loop = loop  # type: ignore[assignment]
     protocol.transport = transport  # type: ignore[assignment]
     protocol.logger = logging.getLogger("test")
-    protocol._unsent, protocol._since = transport.unsent, 0.0
+    protocol.flow = SimpleNamespace(write_paused=True)  # type: ignore[assignment]
+    protocol._taken, protocol._since = (None, transport.unsent), 0.0
     protocol._next_look()
     progress = loop.now = 1.0
     transport.unsent -= 10  # it read a little, then nothing more

@@ -24,10 +24,11 @@ Here it first calls ``on_force`` (the service answers everything in progress 503
 gives those answers up to ``ANSWER_SECS`` to go out (and the bodies they cut short to be read,
 linger.py), and then exits as uvicorn would. A third is uvicorn's forced exit at once.
 
-uvicorn cancels what still runs when its grace ends, each a traceback and a 500 in the log: a
-large answer streamed to a slow reader may (a stalled one is dropped only after 60 s,
-stalls.py). ``CUT_MARGIN_SECS`` before that, the connections of answers still being streamed
-are reset instead: their handlers hear the client leave and end, logged 499.
+uvicorn cancels what still runs when its grace ends, each a traceback and a 500 in the log, and
+logs an error for connections still sending: a large answer streamed to a slow reader may still
+be (a stalled one is dropped only after 60 s, stalls.py). At least ``CUT_MARGIN_SECS`` before
+that, the connections still sending are reset instead: a streamed answer's handler hears the
+client leave and ends, logged 499.
 """
 
 from __future__ import annotations
@@ -115,12 +116,16 @@ class DrainingServer(uvicorn.Server):
                 cut.cancel()
 
     def cut_streams(self) -> int:
-        """Reset the connections of answers still being streamed (``cut_stream``); how many."""
-        cut = sum(1 for connection in list(self.server_state.connections)
-                  if getattr(connection, "cut_stream", lambda: False)())
+        """Reset the connections still sending an answer (``cut_sending``); how many."""
+        cut = 0
+        for connection in list(self.server_state.connections):
+            try:
+                cut += bool(getattr(connection, "cut_sending", lambda: False)())
+            except Exception:  # one connection's failure must not spare the rest
+                log.exception("stopping: could not reset a connection still sending")
         if cut:
-            log.warning("stopping: cut %d answer(s) still being sent at the end of the grace "
-                        "(their clients read too slowly)", cut)
+            log.warning("stopping: reset %d connection(s) still sending an answer at the end "
+                        "of the grace", cut)
         return cut
 
     async def admit_pending(self, sockets: list[socket.socket] | None) -> None:

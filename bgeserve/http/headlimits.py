@@ -72,11 +72,15 @@ class BoundedHttpTools(PlainHttpTools):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
-        for cycle in {self.cycle, self._running}:
-            if cycle is not None and cycle.response_started and not cycle.response_complete:
-                cycle.scope["state"][ANSWER_CUT] = True  # the access log's 499 (context.py)
-        super().connection_lost(exc)
         running = self._running
+        if running is not None and not running.response_complete and (
+                not running.response_started or running.chunked_encoding
+                or running.expected_content_length > 0):
+            # Its answer, or a part of it, was not written: uvicorn drops what the app sends
+            # now without a word. The access log's 499 (context.py). One written whole and
+            # lingering (linger.py reads the rest of the body) was the client's.
+            running.scope["state"][ANSWER_CUT] = True
+        super().connection_lost(exc)
         if running is not None and running is not self.cycle and not running.response_complete:
             # uvicorn tells the newest request parsed only: the one being answered, with a
             # pipelined one parsed behind it, went on rendering into a closed transport.

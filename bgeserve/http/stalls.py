@@ -9,14 +9,17 @@ transport's buffer (up to ~3x the vectors of a large ColBERT answer, outside eve
 streamed answer's request scope with its ColBERT and body allowances (``render.STREAM_BYTES``),
 which the next requests wait for; and a graceful stop waited for that connection to its end.
 
-``StallBoundHttpTools`` watches a transport whose writing is paused: when what it has not sent
-(its own buffer and, on Linux, the socket's send queue) has not shrunk for ``SEND_STALL_S``
+``StallBoundHttpTools`` watches a connection while its writing is paused, and after an answer
+that left bytes unsent (under TLS the whole answer is encrypted into a transport below this
+one, which never pauses this protocol). When the client has taken nothing for ``SEND_STALL_S``
 (looked at four times in that period: within a quarter of it), the connection is reset (a
-warning says so), as nginx's ``send_timeout`` (60 s between two successive writes) does. A slow reader that takes anything in that time goes on: the socket's
-queue counts each byte the client acknowledges, where the transport's buffer alone moves only
-once a third of the socket's buffer (autotuned to megabytes) is free. The aborted request's handler hears a disconnect; a streamed answer cut
-short is logged 499 (``context.py``). A stop cuts the streamed answers still being sent just
-before uvicorn's grace ends (``cut_stream``, drain.py): uvicorn cancelled them, a traceback each.
+warning says so), as nginx's ``send_timeout`` (60 s between two successive writes) does. Taken
+means, on Linux, bytes the client acknowledged (``TCP_INFO``'s ``bytes_acked``), else what is
+unsent shrinking: the transport's buffer and the socket's send queue (``SIOCOUTQ``). A slow
+reader that takes anything in that time goes on. The reset request's handler hears a
+disconnect; a streamed answer cut short is logged 499 (``context.py``). A stop resets the
+connections still sending at least ``drain.CUT_MARGIN_SECS`` before uvicorn's grace ends
+(``cut_sending``): uvicorn cancelled those streams, a traceback each.
 """
 
 from __future__ import annotations
@@ -32,79 +35,111 @@ from bgeserve.http.headlimits import BoundedHttpTools
 SEND_STALL_S = 60.0
 LOOKS = 4  # per SEND_STALL_S
 _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: the close is a reset, the queue dropped
+# struct tcp_info (linux/tcp.h): the u64 tcpi_bytes_acked at byte 120 (Linux 4.1 and later).
+_ACKED = struct.Struct("Q")
+_ACKED_AT = 120
 
 
 class StallBoundHttpTools(BoundedHttpTools):
-    """``BoundedHttpTools`` that resets a connection whose client reads nothing of its answer
+    """``BoundedHttpTools`` that resets a connection whose client takes nothing of its answer
     for ``SEND_STALL_S``."""
 
     _stall_timer: asyncio.TimerHandle | None = None
-    _unsent = 0  # what was not sent at the last progress
-    _since = 0.0  # loop time of the last progress (or of the pause)
+    _taken: tuple[int | None, int] = (None, 0)  # (bytes acknowledged, unsent) at the last look
+    _since = 0.0  # loop time of the last progress (or of the watch's start)
 
     def pause_writing(self) -> None:
         super().pause_writing()
-        if self._stall_timer is None:
-            self._unsent = self._pending()
-            self._since = self.loop.time()
-            self._next_look()
+        self._watch()
 
-    def resume_writing(self) -> None:
-        self._unwatch()
-        super().resume_writing()
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._unsent():  # under TLS: nothing paused this protocol, however much waits
+            self._watch()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._unwatch()
         super().connection_lost(exc)
 
-    def cut_stream(self) -> bool:
-        """Reset the connection if a streamed (length-less) answer is still being sent on it;
-        whether it was. Its handler hears the client leave, and it is logged 499."""
+    def cut_sending(self) -> bool:
+        """Reset the connection if it is still sending: a streamed (length-less) answer in
+        progress, or bytes of an answer not yet taken; whether it was. A streamed answer's
+        handler hears the client leave, and it is logged 499."""
+        if self.transport.is_closing():
+            return False
         cycle = self._running or self.cycle
-        if cycle is None or not cycle.response_started or cycle.response_complete \
-                or not cycle.chunked_encoding or self.transport.is_closing():
+        streaming = cycle is not None and cycle.response_started \
+            and not cycle.response_complete and bool(cycle.chunked_encoding)
+        if not streaming and not self._unsent():
             return False
         self._reset()
         return True
 
-    def _pending(self) -> int:
-        """Bytes written but not yet taken by the client."""
-        pending = self.transport.get_write_buffer_size()
-        sock = self.transport.get_extra_info("socket")
-        try:  # the socket's send queue: sent or not, not yet acknowledged (Linux's SIOCOUTQ)
-            queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4)
-            pending += struct.unpack("i", queued)[0]
-        except (AttributeError, OSError, ValueError):  # no socket, not Linux: the buffer alone
-            pass
-        return pending
-
-    def _next_look(self) -> None:
-        self._stall_timer = self.loop.call_later(SEND_STALL_S / LOOKS, self._look)
+    def _watch(self) -> None:
+        if self._stall_timer is None and not self.transport.is_closing():
+            self._taken = self._progress()
+            self._since = self.loop.time()
+            self._next_look()
 
     def _unwatch(self) -> None:
         if self._stall_timer is not None:
             self._stall_timer.cancel()
             self._stall_timer = None
 
+    def _next_look(self) -> None:
+        self._stall_timer = self.loop.call_later(SEND_STALL_S / LOOKS, self._look)
+
     def _look(self) -> None:
         self._stall_timer = None
-        unsent = self._pending()
+        acked, unsent = taken = self._progress()
+        if not unsent and not self.flow.write_paused:  # all sent: nothing to watch
+            return
         now = self.loop.time()
-        if unsent < self._unsent:  # it read something
-            self._unsent, self._since = unsent, now
+        last_acked, last_unsent = self._taken
+        if (acked is not None and last_acked is not None and acked > last_acked) \
+                or unsent < last_unsent:  # it took something
+            self._since = now
         elif now - self._since >= SEND_STALL_S * (1 - 1e-6):
-            self.logger.warning("reset a connection whose client read nothing of its answer "
+            self.logger.warning("reset a connection whose client took nothing of its answer "
                                 "for %gs (%d bytes unsent)", SEND_STALL_S, unsent)
             self._reset()
             return
+        self._taken = taken
         self._next_look()
+
+    def _socket(self) -> socket.socket | None:
+        return self.transport.get_extra_info("socket")
+
+    def _unsent(self) -> int:
+        """Bytes written but not yet taken by the client: the transport's buffer and the
+        socket's send queue (sent or not, not acknowledged; Linux's SIOCOUTQ)."""
+        unsent = self.transport.get_write_buffer_size()
+        try:
+            queued = fcntl.ioctl(self._socket().fileno(), termios.TIOCOUTQ,  # type: ignore
+                                 b"\0" * 4)
+            unsent += struct.unpack("i", queued)[0]
+        except (AttributeError, OSError, ValueError):  # no socket, not Linux: the buffer alone
+            pass
+        return unsent
+
+    def _progress(self) -> tuple[int | None, int]:
+        """(bytes the client acknowledged so far, None where unknown; ``_unsent()``)."""
+        acked = None
+        try:
+            info = self._socket().getsockopt(  # type: ignore[union-attr]
+                socket.IPPROTO_TCP, socket.TCP_INFO, _ACKED_AT + _ACKED.size)
+            if len(info) >= _ACKED_AT + _ACKED.size:
+                acked = _ACKED.unpack_from(info, _ACKED_AT)[0]
+        except (AttributeError, OSError, ValueError, TypeError):
+            pass
+        return acked, self._unsent()
 
     def _reset(self) -> None:
         """Abort the connection with a reset, so that the kernel drops its queue at once (an
         orphaned socket kept it, probing the client for minutes)."""
-        sock = self.transport.get_extra_info("socket")
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
-        except (AttributeError, OSError):
+            self._socket().setsockopt(  # type: ignore[union-attr]
+                socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+        except (AttributeError, OSError, ValueError, TypeError):
             pass
         self.transport.abort()
