@@ -268,3 +268,32 @@ def test_a_bad_body_before_its_handler_reads_is_its_answer_without_a_100_continu
         answer = read_all(conn)
     assert answer.startswith(b"HTTP/1.1 400 ") and error(answer)["code"] == "invalid_http"
     assert b"100 Continue" not in answer
+
+
+def test_pipelined_requests_each_get_their_own_scope() -> None:
+    """A pipelined request's task was started from inside the previous one's and copied its
+    context, its request scope (holds.answering) included: what it handed to that scope (the
+    room of its ColBERT output) went to one already closed and was never given back (a QA run
+    lost 35,968 bytes of the ColBERT allowance per two pipelined /embed_all requests)."""
+    from bgeserve import holds
+
+    released: list[str] = []
+
+    async def scoped(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["type"] != "http":
+            return
+        with holds.answering():  # as guards.InflightLimit opens it
+            path = scope["path"]
+            holds.release_when_answered(lambda: released.append(path))
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    config = uvicorn.Config(scoped, log_level="critical", lifespan="off",
+                            http=headlimits.BoundedHttpTools, ws="none")
+    with serving(uvicorn.Server(config)) as (port, _), \
+            socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n"
+                     b"GET /c HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert read_all(conn).count(b"HTTP/1.1 200 ") == 3
+    assert released == ["/a", "/b", "/c"]

@@ -26,6 +26,7 @@ progress: the connection is marked to close after it, and what arrives is droppe
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from typing import TYPE_CHECKING
 
 import orjson
@@ -68,6 +69,7 @@ class BoundedHttpTools(PlainHttpTools):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._context = contextvars.copy_context()
         self._start_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -159,7 +161,11 @@ class BoundedHttpTools(PlainHttpTools):
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
         self._running = cycle
-        super()._start_asgi_task(cycle, app)
+        # Each request starts from the connection's context. A pipelined one is started from
+        # inside the previous one's task (its answer's last send), whose context asyncio
+        # copied: that request's scope (holds.answering) with it, so the room of the next
+        # one's ColBERT output was handed to a scope already closed and never given back.
+        self._context.run(super()._start_asgi_task, cycle, app)
 
     def _began(self) -> bool:
         """Whether the next request's head has begun."""
