@@ -297,3 +297,37 @@ def test_pipelined_requests_each_get_their_own_scope() -> None:
                      b"GET /c HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert read_all(conn).count(b"HTTP/1.1 200 ") == 3
     assert released == ["/a", "/b", "/c"]
+
+
+def test_the_parsers_refusals_are_counted_in_the_metrics() -> None:
+    """A head refused before any app saw it (431, 400 invalid_http) had only the protocol's
+    warning: now /metrics counts it under the route ``unmatched``."""
+    from types import SimpleNamespace
+
+    from bgeserve.service.metrics import Metrics
+
+    metrics = Metrics()
+
+    async def with_service(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["type"] == "lifespan":  # as app.py's lifespan hands the service on
+            await receive()
+            scope["state"]["service"] = SimpleNamespace(metrics_registry=metrics)
+            await send({"type": "lifespan.startup.complete"})
+            await receive()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await app(scope, receive, send)
+
+    def counted(status: str) -> float:
+        return metrics.http_requests.labels("unmatched", status)._value.get()
+
+    config = uvicorn.Config(with_service, log_level="critical", lifespan="on",
+                            http=headlimits.BoundedHttpTools, ws="none")
+    with serving(uvicorn.Server(config)) as (port, _):
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (2 << 20))
+            assert read_all(conn).startswith(b"HTTP/1.1 431 ")
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(b"GET / HTTP/1.1\r\nHo\x01st: x\r\n\r\n")
+            assert read_all(conn).startswith(b"HTTP/1.1 400 ")
+    assert (counted("431"), counted("400")) == (1, 1)

@@ -12,7 +12,8 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -142,6 +143,15 @@ def _spent(spent: Timings) -> dict[str, float | int]:
 def _metrics(scope: Scope):
     """The service's metrics (None when the service keeps none)."""
     return getattr(scope.get("state", {}).get("service"), "metrics_registry", None)
+
+
+def count_refused(app_state: Mapping[str, Any], status: int) -> None:
+    """Count in ``/metrics`` a request the HTTP protocol refused before any app saw it
+    (headlimits.py: a head too large or too slow, bytes that are not HTTP), under the route
+    ``unmatched``: it has no access line either, only the protocol's warning."""
+    metrics = getattr(app_state.get("service"), "metrics_registry", None)
+    if metrics is not None:
+        metrics.count_http("unmatched", status)
 
 
 def _route(scope: Scope, routes: Sequence[BaseRoute]) -> str:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import orjson
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from bgeserve.http.context import ANSWER_CUT
+from bgeserve.http.context import ANSWER_CUT, count_refused
 from bgeserve.http.upgrades import PlainHttpTools
 
 if TYPE_CHECKING:
@@ -213,6 +213,7 @@ class BoundedHttpTools(PlainHttpTools):
         if self.transport.is_closing():
             return
         self.logger.warning("refused a request head: %s", message)
+        count_refused(self.app_state, status)
         if after is not None and not after.response_complete:
             # Never into the answer in progress: uvicorn closes the connection after it.
             after.keep_alive = False

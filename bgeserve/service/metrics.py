@@ -95,8 +95,12 @@ class Metrics:
         self.rerank.inference.observe(stats.seconds)
 
     def observe_http(self, route: str, status: int, seconds: float) -> None:
-        self.http_requests.labels(route, str(status)).inc()
+        self.count_http(route, status)
         self.http_latency.labels(route).observe(seconds)
+
+    def count_http(self, route: str, status: int) -> None:
+        """Count a request without its latency (one the HTTP parser refused: it never ran)."""
+        self.http_requests.labels(route, str(status)).inc()
 
     def deadline_exceeded(self) -> None:
         self.timeouts.inc()
