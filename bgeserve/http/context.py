@@ -142,14 +142,19 @@ def _spent(spent: Timings) -> dict[str, float | int]:
 
 def _metrics(scope: Scope):
     """The service's metrics (None when the service keeps none)."""
-    return getattr(scope.get("state", {}).get("service"), "metrics_registry", None)
+    return _registry(scope.get("state", {}))
+
+
+def _registry(state: Mapping[str, Any]):
+    """The metrics of the service in ``state`` (a request's, or the app's: the same service)."""
+    return getattr(state.get("service"), "metrics_registry", None)
 
 
 def count_refused(app_state: Mapping[str, Any], status: int) -> None:
     """Count in ``/metrics`` a request the HTTP protocol refused before any app saw it
     (headlimits.py: a head too large or too slow, bytes that are not HTTP), under the route
     ``unmatched``: it has no access line either, only the protocol's warning."""
-    metrics = getattr(app_state.get("service"), "metrics_registry", None)
+    metrics = _registry(app_state)
     if metrics is not None:
         metrics.count_http("unmatched", status)
 

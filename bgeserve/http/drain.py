@@ -107,7 +107,7 @@ class DrainingServer(uvicorn.Server):
         grace = self.config.timeout_graceful_shutdown
         # uvicorn's grace starts after admit_pending: counted from here, the cut comes earlier.
         cut = None if grace is None else asyncio.get_running_loop().call_later(
-            max(0.0, grace - CUT_MARGIN_SECS), self.cut_streams)
+            max(0.0, grace - CUT_MARGIN_SECS), self.cut_sending)
         try:
             await self.admit_pending(sockets)
             await super().shutdown(sockets)
@@ -115,7 +115,7 @@ class DrainingServer(uvicorn.Server):
             if cut is not None:
                 cut.cancel()
 
-    def cut_streams(self) -> int:
+    def cut_sending(self) -> int:
         """Reset the connections still sending an answer (``cut_sending``); how many."""
         cut = 0
         for connection in list(self.server_state.connections):

@@ -54,7 +54,9 @@ class StallBoundHttpTools(BoundedHttpTools):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self._unsent():  # under TLS: nothing paused this protocol, however much waits
+        # Under TLS nothing paused this protocol, however much waits (a watch that runs
+        # already goes on: no look needed per answer).
+        if self._stall_timer is None and self._unsent():
             self._watch()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -375,9 +375,7 @@ class Admission(_Admitting):
                     raise RuntimeError("Admission.submit outside holds.answering()")
                 self.gate.release(bound)
                 bound = 0
-                began = time.monotonic()
-                await self.outputs.acquire(size)
-                job.room_wait = time.monotonic() - began
+                job.room_wait = await self.outputs.acquire(size)
                 outputs = self.outputs
                 holds.release_when_answered(lambda: outputs.release(size))
             future = self.queue(job, bound)

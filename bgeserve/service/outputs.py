@@ -36,21 +36,25 @@ class OutputAllowance:
     def _fits(self, size: int) -> bool:
         return self.held == 0 or self.held + size <= self.max_bytes
 
-    async def acquire(self, size: int) -> None:
-        """Hold ``size`` bytes, waiting (in arrival order) until they fit; ``release`` them."""
+    async def acquire(self, size: int) -> float:
+        """Hold ``size`` bytes, waiting (in arrival order) until they fit; ``release`` them.
+        Returns the seconds waited (a request's queue time, ``timings.record``)."""
         if size <= 0:
-            return
+            return 0.0
         if self._aborted is not None:
             raise self._aborted
         self._grant()  # drops waiters that left from the head: they hold no turn
         if not self._waiting and self._fits(size):
             self.held += size
-            return
-        granted = asyncio.get_running_loop().create_future()
+            return 0.0
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        granted = loop.create_future()
         self._waiting.append((size, granted))
         self.waiting += 1
         try:
             await granted
+            return loop.time() - began
         except asyncio.CancelledError:
             # The caller left (deadline, client gone): a grant that raced the cancel is given
             # back, and a waiter that was first lets those behind it through.
@@ -104,13 +108,15 @@ class Holding:
         self.allowance = allowance
         self.size = 0
 
-    async def take(self, size: int) -> None:
+    async def take(self, size: int) -> float:
+        """Hold ``size`` bytes in place of what was held; the seconds waited for them."""
         # Given back first: two requests each waiting for more while holding some could wait
         # on each other for ever. So the query's vectors, kept to the last group, go uncounted
         # while it waits (at most max_seq - 1 rows: 32 MiB at 8,192 tokens).
         self.give_back()
-        await self.allowance.acquire(size)
+        waited = await self.allowance.acquire(size)
         self.size = size
+        return waited
 
     def give_back(self) -> None:
         size, self.size = self.size, 0

@@ -232,9 +232,7 @@ class Reranking:
 
         async def hold(job: Job) -> None:
             assert holding is not None
-            began = time.monotonic()
-            await holding.take(m3.colbert_bytes(job.ids) + query_bytes)
-            job.room_wait = time.monotonic() - began
+            job.room_wait = await holding.take(m3.colbert_bytes(job.ids) + query_bytes)
 
         before = None if holding is None else hold
         try:
