@@ -414,6 +414,14 @@ def test_deep_nesting_is_400(client: TestClient) -> None:
     # nesting that orjson accepts is still a schema error, not a crash
     raw = b'{"input": [' + b"[" * 500 + b"]" * 500 + b"]}"
     assert_error(client.post("/v1/embeddings", content=raw, headers=JSON), 400)
+    # ... and so is nesting under orjson's limit but past Python's, in a body orjson refuses
+    # for a lone surrogate: the standard library's parse that names its field recursed into
+    # a RecursionError (QA: a 500 and a traceback, from ~960 levels)
+    deep = b"[" * 1_000 + b"]" * 1_000
+    for raw in (b'{"x": "\ud800", "y": ' + deep + b"}",
+                b'{"y": ' + deep + b', "x": "\ud800"}',
+                b'{"y": ' + b"[" * 1_000 + b'"\ud800"' + b"]" * 1_000 + b"}"):
+        assert_error(client.post("/v1/embeddings", content=raw, headers=JSON), 400, "invalid_json")
 
 
 def test_batch_limit() -> None:

@@ -282,9 +282,11 @@ def _surrogate(raw: bytes) -> InvalidInput | None:
     which orjson refuses to decode and the standard library decodes; None if none is found."""
     try:
         body = json.loads(raw)
-    except ValueError:
+        return surrogate_error(body, "", code="invalid_json")  # a body orjson refused: TEI's 400
+    # Both recurse per level: Python's limit comes before orjson's 1,024 levels (a body nested
+    # ~960 deep with a surrogate in it was a RecursionError, a 500): then no name is given.
+    except (ValueError, RecursionError):
         return None
-    return surrogate_error(body, "", code="invalid_json")  # a body orjson refused: TEI's 400
 
 
 def parse_embed_request(
