@@ -50,11 +50,26 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:
+        # The message carries what clients send (the access line's path, a field's name in
+        # an error): a decoded newline wrote a line of its own, which read as another record
+        # (a forged ERROR), and escape codes reached the terminal. The traceback, added after
+        # this, keeps its lines.
+        record.message = _printable(record.message)
         text = super().formatMessage(record)
         extras = [f"{key}={_text_value(value)}" for key, value in vars(record).items()
                   if key not in _HIDDEN and key != "request_id" and value is not None]
         rid = getattr(record, "request_id", None)
         return " ".join([text, *extras, *([f"[{rid}]"] if rid else [])])
+
+
+def _printable(text: str) -> str:
+    """``text`` with every character that is not printable (newlines, escape codes, lone
+    surrogates; the space kept) written as its Python escape: one line, nothing a terminal
+    acts on."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c == " " else
+                   c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def _text_value(value: object) -> str:

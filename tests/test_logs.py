@@ -127,3 +127,32 @@ def test_text_lines_carry_the_extra_fields_json_lines_do() -> None:
     assert "\n" not in line and "color_message" not in line
     assert "color_message" not in JsonFormatter().format(odd)
     assert json.loads(JsonFormatter().format(odd))["codes"] == {"200": 3}
+
+
+def test_text_lines_escape_what_clients_put_in_the_message() -> None:
+    """The access line's message holds the request's path (decoded) and an error's field
+    name, both the client's: a newline in them wrote a second line that read as a record of
+    its own (QA: a forged ERROR line), an escape code reached the terminal. Escaped; the
+    traceback keeps its lines; printable text (CJK, a tab-free line) is as it was."""
+    from bgeserve.logs import TextFormatter
+
+    forged = "/nope\n2026-12-06 16:41:02,000 ERROR   bgeserve.http: FORGED\x1b[31m\r\ud800"
+    record = logging.LogRecord("bgeserve.http", logging.INFO, __file__, 1, "%s %s %d",
+                               ("POST", forged, 404), None)
+    line = TextFormatter().format(record)
+    assert "\n" not in line and "\r" not in line and "\x1b" not in line, line
+    assert line.endswith(r"POST /nope\n2026-12-06 16:41:02,000 ERROR   bgeserve.http: "
+                         r"FORGED\x1b[31m\r\ud800 404"), line
+    plain = logging.LogRecord("bgeserve", logging.INFO, __file__, 1, "模型 ready %s", ("ok",),
+                              None)
+    assert TextFormatter().format(plain).endswith("bgeserve: 模型 ready ok")
+    try:
+        raise ValueError("two\nlines")
+    except ValueError:
+        import sys
+
+        failed = logging.LogRecord("bgeserve", logging.ERROR, __file__, 1, "failed\tnow", None,
+                                   sys.exc_info())
+    text = TextFormatter().format(failed)
+    assert text.splitlines()[0].endswith("bgeserve: failed\\tnow")
+    assert "ValueError: two\nlines" in text
