@@ -478,6 +478,9 @@ def test_metrics_move(client: TestClient, engine: Engine) -> None:
     assert client.post("/v1/embeddings", content=over,
                        headers={"content-type": "application/json"}).status_code == 413
     assert client.post("/v1/nothing", json={"input": "x"}).status_code == 404
+    # A browser's CORS preflight is no embedding request (QA: counted as a 200 of the route)
+    preflight = {"origin": "https://app.example", "access-control-request-method": "POST"}
+    assert client.options("/v1/embeddings", headers=preflight).status_code == 200
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     after = metric_samples(r.text)
@@ -491,6 +494,7 @@ def test_metrics_move(client: TestClient, engine: Engine) -> None:
     assert delta("bgeserve_http_requests_total", route="/v1/embeddings", status="400") == 1
     assert delta("bgeserve_http_requests_total", route="/v1/embeddings", status="413") == 1
     assert delta("bgeserve_http_requests_total", route="unmatched", status="404") == 1
+    assert delta("bgeserve_http_requests_total", route="preflight", status="200") == 1
     assert delta("bgeserve_http_request_duration_seconds_count", route="/v1/embeddings") == 3
     assert delta("bgeserve_texts_total") == 3
     assert delta("bgeserve_truncated_texts_total") == 1
