@@ -133,6 +133,11 @@ def similarity_inputs(body: dict[str, Any], settings: Settings) -> TeiEmbedReque
     if not sentences:
         raise InvalidInput("inputs.sentences must be a non-empty array of strings",
                            param="inputs.sentences", code="empty_input")
+    if len(sentences) + 1 > settings.max_batch:  # the batch counts the source sentence too
+        raise InvalidInput(
+            f"inputs.sentences has {len(sentences)} sentences: with the source sentence, over "
+            f"the maximum batch of {settings.max_batch} texts (BGE_M3_MAX_BATCH); split the "
+            "request", param="inputs.sentences", code="batch_too_large")
     parameters = body.get("parameters")
     parameters = {} if parameters is None else parameters
     if not isinstance(parameters, dict):
