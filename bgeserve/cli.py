@@ -326,9 +326,14 @@ def _main(argv: list[str] | None) -> int:
               "https://download.pytorch.org/whl/cpu)", file=sys.stderr)
         return 2
     if args.command == "export":
+        from bgeserve.errors import BgeServeError
         from bgeserve.export.main import run
 
-        return run(args)
+        try:
+            return run(args)
+        except BgeServeError as exc:  # a checkpoint it cannot export: why, not a traceback
+            print(f"bgeserve export: {exc}", file=sys.stderr)
+            return 1
     from bgeserve.testing.randmodel import main as build
 
     rest = ["--kind", args.kind, "--size", args.size, "--seed", str(args.seed), "--out", args.out]

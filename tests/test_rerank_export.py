@@ -205,3 +205,54 @@ def test_a_classifier_with_several_labels_is_refused(tiny_reranker, tmp_path) ->
     (src / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelUnavailable, match="exactly one"):
         export(str(src), tmp_path / "out", ("fp32",))
+
+
+def test_a_checkpoint_of_another_layout_is_refused(tiny_reranker, tmp_path) -> None:
+    """The graph is XLM-R's (absolute positions from the pad id): a BERT cross-encoder was
+    loaded into it by transformers with every weight newly initialized, exported and served as
+    random weights (QA: other logits, another ranking, another at each export); relative
+    positions were dropped without a word. Each is refused before any step runs."""
+    from bgeserve.errors import ModelUnavailable
+    from bgeserve.export.main import export
+
+    config = json.loads((tiny_reranker / "config.json").read_text())
+    for name, change, match in (
+            ("bert", {"model_type": "bert", "architectures": ["BertForSequenceClassification"]},
+             "'bert' model; bgeserve exports XLM-RoBERTa"),
+            ("relative", {"position_embedding_type": "relative_key_query"},
+             "relative_key_query")):
+        src = tmp_path / name
+        shutil.copytree(tiny_reranker, src)
+        (src / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ModelUnavailable, match=match):
+            export(str(src), tmp_path / f"out-{name}", ("fp32",))
+        assert not (tmp_path / f"out-{name}").exists()
+
+
+def test_weights_missing_from_the_checkpoint_are_refused(tiny_model, tmp_path) -> None:
+    """bge-m3's encoder checkpoint said to be a reranker: its classifier is not there, and
+    transformers would make one up at random. The loader refuses, naming the weights."""
+    from bgeserve.export.rerank_graph import load_rerank_graph
+
+    src = tmp_path / "m3-as-reranker"
+    shutil.copytree(tiny_model, src)
+    config = json.loads((src / "config.json").read_text())
+    config.update(architectures=["XLMRobertaForSequenceClassification"], num_labels=1,
+                  id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"weights of the model are not in the checkpoint "
+                                         r"\(classifier\."):
+        load_rerank_graph(src)
+
+
+def test_the_export_command_says_why_in_one_line(tiny_reranker_export, tmp_path,
+                                                  capsys) -> None:
+    """An export given as --model (no config.json), a checkpoint it cannot export: one line
+    and exit 1, not a traceback."""
+    from bgeserve.cli import main
+
+    assert main(["export", "--model", str(tiny_reranker_export),
+                 "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert "has no config.json" in err and "it is a bgeserve export" in err, err
+    assert "Traceback" not in err

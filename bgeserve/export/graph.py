@@ -170,13 +170,28 @@ class M3Graph(nn.Module):
         return dense, sparse, colbert
 
 
+def complete(loaded: tuple[Any, dict[str, list[str]]], model_dir: Path) -> Any:
+    """The model ``from_pretrained(..., output_loading_info=True)`` gave, refused where a
+    weight of it was not in the checkpoint: transformers initializes it at random with a
+    warning, and the export would serve those random weights (another architecture's
+    checkpoint, a file of the wrong model)."""
+    model, info = loaded
+    missing = [k for k in info.get("missing_keys", []) if not k.endswith("position_ids")]
+    if missing:
+        shown = ", ".join(sorted(missing)[:5]) + (", ..." if len(missing) > 5 else "")
+        raise ValueError(f"{model_dir}: {len(missing)} weights of the model are not in the "
+                         f"checkpoint ({shown}): it is not of bge-m3's layout")
+    return model
+
+
 def load_graph(model_dir: Path, attention_block: int = ATTENTION_BLOCK) -> M3Graph:
     """Build the export module from a bge-m3 directory (Hugging Face layout + head files)."""
     from transformers import XLMRobertaConfig, XLMRobertaModel
 
     config = XLMRobertaConfig.from_pretrained(model_dir)
-    encoder = XLMRobertaModel.from_pretrained(model_dir, add_pooling_layer=False,
-                                              dtype=torch.float32)
+    encoder = complete(XLMRobertaModel.from_pretrained(
+        model_dir, add_pooling_layer=False, dtype=torch.float32, output_loading_info=True),
+        model_dir)
     hidden = config.hidden_size
     sparse, colbert = nn.Linear(hidden, 1), nn.Linear(hidden, hidden)
     for head, name in ((sparse, "sparse_linear.pt"), (colbert, "colbert_linear.pt")):

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from bgeserve import __version__
 from bgeserve.errors import ModelUnavailable
@@ -83,6 +84,39 @@ def _source_dir(model: str, cache_dir: Path | None) -> Path:
     except Exception as exc:
         raise ModelUnavailable(f"cannot download {model} from the Hugging Face hub: {exc}. "
                                "Pass a local directory with --model instead.") from exc
+
+
+# What the graph builds (graph.M3Graph): XLM-RoBERTa's embeddings, absolute positions counted
+# from the pad id, and its encoder; transformers loads any other checkpoint into that class
+# with every weight it does not find newly initialized (a BERT reranker exported as random
+# weights, without a word: QA).
+MODEL_TYPES = ("xlm-roberta",)
+
+
+def _checkpoint_config(src: Path) -> dict[str, Any]:
+    """``src``'s config.json, refused unless it is of the layout the graph builds."""
+    try:
+        config = json.loads((src / "config.json").read_text())
+    except FileNotFoundError:
+        hint = (" (it is a bgeserve export: serve it as it is, BGE_M3_MODEL_PATH or "
+                "BGE_M3_RERANK_MODEL_PATH)" if (src / "manifest.json").exists() else "")
+        raise ModelUnavailable(f"{src} has no config.json: --model must be a Hugging Face "
+                               f"checkpoint (config.json and its weights){hint}") from None
+    except ValueError as exc:
+        raise ModelUnavailable(f"{src / 'config.json'} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelUnavailable(f"{src / 'config.json'} is not a JSON object")
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ModelUnavailable(
+            f"{src} holds a {model_type!r} model; bgeserve exports XLM-RoBERTa checkpoints "
+            "(model_type 'xlm-roberta': bge-m3's and bge-reranker-v2-m3's layout) only")
+    positions = config.get("position_embedding_type", "absolute")
+    if positions != "absolute":
+        raise ModelUnavailable(
+            f"{src} uses position_embedding_type {positions!r}; bgeserve's graph has XLM-R's "
+            "absolute positions (bge-m3's) only")
+    return config
 
 
 # The steps' progress: `bgeserve export` (run()) sets one that logs each step (JSON lines when
@@ -175,7 +209,7 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
     # graphs throughout (the benchmark's stock baseline).
     rows = (FFN_ROWS if ffn_rows is None else ffn_rows) if attention_block != 0 else 0
     src = _source_dir(model, cache_dir)
-    config = json.loads((src / "config.json").read_text())
+    config = _checkpoint_config(src)
     kind = config_kind(config)
     if kind == RERANKER and num_labels(config) != 1:
         raise ModelUnavailable(f"{src} is a classifier with {num_labels(config)} labels; a "

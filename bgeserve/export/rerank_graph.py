@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from bgeserve.export import ATTENTION_BLOCK
-from bgeserve.export.graph import M3Graph
+from bgeserve.export.graph import M3Graph, complete
 
 OUTPUTS = ("score",)
 # Torch names the head's nodes after this module attribute; the int8 step keeps them fp32.
@@ -48,7 +48,8 @@ def load_rerank_graph(model_dir: Path, attention_block: int = ATTENTION_BLOCK) -
     if config.num_labels != 1:
         raise ValueError(f"{model_dir} is a classifier with {config.num_labels} labels; a "
                          "reranker has exactly one (its relevance logit)")
-    model = XLMRobertaForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
+    model = complete(XLMRobertaForSequenceClassification.from_pretrained(
+        model_dir, dtype=torch.float32, output_loading_info=True), model_dir)
     return RerankGraph(model.roberta, model.classifier, config, attention_block).eval()
 
 
