@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -51,6 +52,26 @@ def test_a_tiny_reranker_stock_serves_its_logits(tiny_reranker_stock, tmp_path) 
     assert art.layout is Layout.LOGITS and art.tokenizer_path == tiny_reranker_stock / "tokenizer.json"
     with pytest.raises(ConfigError, match="it has fp32"):
         resolve_reranker(model_path=tiny_reranker_stock, variant="int8", cache_dir=tmp_path)
+
+
+def test_a_stock_snapshots_tokens_follow_its_model_type(tiny_reranker_stock, tmp_path) -> None:
+    """XLM-R's positions start past the pad id (514 hold 512 tokens); a BERT cross-encoder's
+    stock graph starts at 0, and was held to 510 tokens of its 512 (QA)."""
+    from bgeserve.model.dims import model_max_seq
+
+    src = tmp_path / "snapshot"
+    shutil.copytree(tiny_reranker_stock, src)
+    config = json.loads((src / "config.json").read_text())
+    for model_type, positions, tokens in (("xlm-roberta", 514, 512), ("bert", 512, 512),
+                                          (None, 514, 512)):
+        changed = {**config, "max_position_embeddings": positions}
+        if model_type is None:  # a config without it is taken as bge-m3's
+            changed.pop("model_type", None)
+        else:
+            changed["model_type"] = model_type
+        (src / "config.json").write_text(json.dumps(changed))
+        art = resolve_reranker(model_path=src, variant="fp32", cache_dir=tmp_path)
+        assert model_max_seq(art) == tokens, model_type
 
 
 def test_pytorch_weights_alone_say_to_export(tiny_reranker, tmp_path) -> None:

@@ -15,6 +15,8 @@ from bgeserve.model.artifacts import ModelArtifacts
 
 log = logging.getLogger("bgeserve.engine")
 DENSE_WIDTH = 1024  # BAAI/bge-m3's hidden size
+# transformers' model types whose positions count from padding_idx + 1.
+ROBERTA_TYPES = frozenset({"xlm-roberta", "roberta", "camembert", "xlm-roberta-xl", "xmod"})
 
 
 def _manifest_model(artifacts: ModelArtifacts, keys: Sequence[str]) -> dict[str, int]:
@@ -54,10 +56,20 @@ def model_max_seq(artifacts: ModelArtifacts) -> int | None:
     config.json has ``max_position_embeddings`` (2 more); None when neither says."""
     if artifacts.layout.exported:
         return _manifest_model(artifacts, ("max_positions",)).get("max_positions")
+    config = _config_json(artifacts)
     try:
-        return int(_config_json(artifacts)["max_position_embeddings"]) - 2
+        return int(config["max_position_embeddings"]) - position_offset(config)
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def position_offset(config: dict) -> int:
+    """Positions a model of ``config`` keeps before its first token's: RoBERTa's family counts
+    from the pad id + 1 (2 for XLM-R: 514 positions hold 512 tokens); BERT's and the others'
+    from 0 (a BERT reranker's stock graph was held to 510 tokens of its 512)."""
+    if config.get("model_type", "xlm-roberta") in ROBERTA_TYPES:
+        return int(config.get("pad_token_id", 1)) + 1
+    return 0
 
 
 def fitting_max_seq(requested: int, artifacts: ModelArtifacts) -> int:
