@@ -294,6 +294,11 @@ class Settings:
         "BGE_M3_RERANK_MODEL_ALIASES", _keys, (),
         "extra model names that name the reranker (e.g. a client's default, "
         "rerank-english-v3.0), besides bge-reranker-v2-m3")
+    rerank_normalize: bool = _var(
+        "BGE_M3_RERANK_NORMALIZE", _bool, False,
+        "the default of `normalize` on /v1/rerank and /v2/rerank: true gives the "
+        "cross-encoder's sigmoid scores in [0, 1], as Cohere's and Jina's APIs do (their "
+        "clients cannot ask); false FlagReranker's raw logits")
     rerank_workers: int | None = _var("BGE_M3_RERANK_WORKERS", _number(int, 1, 256), None,
                                       "the reranker's sessions (default: BGE_M3_WORKERS)")
     rerank_memory_share: float = _var("BGE_M3_RERANK_MEMORY_SHARE", _number(float, 0.05, 0.95),

@@ -152,6 +152,7 @@ PARSED = [
     ("BGE_M3_RERANK_VARIANT", "INT8", "rerank_variant", "int8"),
     ("BGE_M3_RERANK_MAX_LENGTH", "512", "rerank_max_length", 512),
     ("BGE_M3_RERANK_WORKERS", "2", "rerank_workers", 2),
+    ("BGE_M3_RERANK_NORMALIZE", "true", "rerank_normalize", True),
     ("BGE_M3_RERANK_MEMORY_SHARE", "0.25", "rerank_memory_share", 0.25),
 ]
 

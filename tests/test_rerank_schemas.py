@@ -88,6 +88,12 @@ def test_scoring_options() -> None:
                   "long_documents": "max"}).options.long_documents == "truncate"
     assert parse({"query": "q", "documents": ["a"], "truncate": False,
                   "long_documents": "truncate"}).options.long_documents == "max"
+    # BGE_M3_RERANK_NORMALIZE sets the default (Cohere's and Jina's clients cannot send it:
+    # QA, their scores came as logits, under a LlamaIndex cutoff of 0.1 no node was kept)
+    sigmoid = Settings(rerank_normalize=True)
+    assert parse({"query": "q", "documents": ["a"]}, sigmoid).options.normalize
+    assert not parse({"query": "q", "documents": ["a"], "normalize": False}, sigmoid).options.normalize
+    assert parse({"query": "q", "documents": ["a"], "normalize": True}).options.normalize
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -148,10 +154,16 @@ def test_unknown_model_is_404_and_limits_hold() -> None:
 
 def test_tei_body() -> None:
     """TEI: texts, sigmoid unless raw_scores, return_text, truncate (cut) else windows, and
-    truncation_direction in either case."""
+    truncation_direction in either case. ``truncate`` null follows BGE_M3_TRUNCATE, as TEI's
+    follows its --auto-truncate (it took false: windows, where /info said auto_truncate)."""
     got = tei({"query": "q", "texts": ["a", "b"]})
-    assert got.options.normalize and got.options.long_documents == "max"
+    assert got.options.normalize and got.options.long_documents == "truncate"
     assert not got.return_documents and got.top_n is None
+    for truncate, settings, expected in ((None, Settings(truncate=False), "max"),
+                                         (False, Settings(), "max"),
+                                         (True, Settings(truncate=False), "truncate")):
+        got = tei({"query": "q", "texts": ["a"], "truncate": truncate}, settings)
+        assert got.options.long_documents == expected, (truncate, settings.truncate)
     got = tei({"query": "q", "texts": ["a"], "raw_scores": True, "return_text": True,
                "truncate": True, "truncation_direction": "Left"})
     assert (got.options.normalize, got.return_documents, got.options.long_documents,

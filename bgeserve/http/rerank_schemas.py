@@ -183,7 +183,7 @@ def parse_rerank_request(raw: bytes, settings: Settings,
         raise InvalidInput(f"mode must be one of {', '.join(map(repr, MODES))}", param="mode")
     options = RerankOptions(
         model=body.get("model"),
-        normalize=flag(body, "normalize", False),
+        normalize=flag(body, "normalize", settings.rerank_normalize),
         long_documents=_long_documents(body),
         max_tokens_per_doc=_max_tokens(body.get("max_tokens_per_doc")),
         mode=mode or "hybrid",
@@ -212,7 +212,8 @@ def tei_rerank_fields(body: dict[str, Any], settings: Settings) -> RerankRequest
                            param="truncation_direction")
     options = RerankOptions(
         normalize=not flag(body, "raw_scores", False),
-        long_documents="truncate" if flag(body, "truncate", False) else "max",
+        # null follows TEI's --auto-truncate, BGE_M3_TRUNCATE (it took false: windows)
+        long_documents="truncate" if flag(body, "truncate", settings.truncate) else "max",
         truncation_direction=DIRECTIONS.get(direction or "right", "right"),
     )
     texts, _ = _documents(body.get("texts"), "texts", settings, objects=False,
