@@ -10,6 +10,7 @@ import pytest
 from bgeserve.engine.pairs import PairConfig
 from bgeserve.engine.reranker import Reranker
 from bgeserve.errors import ModelUnavailable, TooLarge
+from bgeserve.results import RerankOptions
 from bgeserve.testing.randmodel import random_texts
 from bgeserve.tuning.costmodel import CostModel
 from tests.oracle import rerank_reference
@@ -67,6 +68,28 @@ def test_long_documents_windows_or_truncate(tiny_reranker_export, tmp_path, pair
     assert cut.truncated[-1] and cut.windows[-1] == 1
     assert windows.scores[-1] >= cut.scores[-1] - 1e-6
     assert windows.tokens > cut.tokens
+
+
+def test_a_repeated_document_runs_once_and_scores_alike(tiny_reranker_export, tmp_path,
+                                                         pairs) -> None:
+    """The same document twice (windows and all) runs its rows once: equal scores, the first
+    ranked first. Run apart, in other chunks, copies scored apart by ~3e-6 and a later copy
+    could outrank its first (QA)."""
+    query, docs = pairs
+    docs = [*docs, *docs[::-1], docs[0]]
+    n = len(pairs[1])
+    with Reranker(tiny_reranker_export, "fp32", pairs=PairConfig(max_length=64),
+                  cache_dir=tmp_path, offline=True) as r:
+        plan, job = r.make_job(query, docs, RerankOptions())
+        unique = {row.tobytes() for row in plan.rows}
+        assert job.remaining == len(unique) < len(plan.rows)
+        got = r.rerank(query, docs)
+    for i in range(n):
+        assert got.scores[i] == got.scores[2 * n - 1 - i], i
+    assert got.scores[0] == got.scores[-1]
+    ranking = got.ranking()
+    for i in range(n):
+        assert ranking.index(i) < ranking.index(2 * n - 1 - i)
 
 
 def test_a_window_over_the_budget_is_413(reranker, pairs) -> None:

@@ -60,10 +60,12 @@ class Job:
                           np.fromiter((len(x) for x in self.ids), np.int64, len(self.ids)),
                           self.truncated)
 
-    def reuse(self, cache: EmbeddingCache) -> None:
+    def reuse(self, cache: EmbeddingCache | None) -> None:
         """Before queueing: answer the texts ``cache`` holds, fold the job's own repeats into
         their first occurrence (counted as the cache's ``repeats``), and store what is computed
-        later in ``cache``."""
+        later in ``cache``. Without a cache, only the repeats are folded (a reranker's
+        duplicate documents: their rows ran in other chunks and scored apart by ~1e-6, so a
+        later copy could outrank its first)."""
         self.cache = cache
         first: dict[bytes, int] = {}  # ids -> the index that runs (or was cached) for them
         todo: list[int] = []
@@ -74,7 +76,7 @@ class Job:
                 self.repeats.setdefault(seen, []).append(i)
                 continue
             first[key] = i
-            entry = cache.get(ids, self.options)
+            entry = cache.get(ids, self.options) if cache is not None else None
             if entry is None:
                 todo.append(i)
             else:
@@ -87,7 +89,8 @@ class Job:
         self.repeats = {i: later for i, later in self.repeats.items() if i in running}
         self.todo = todo
         self.remaining = len(todo)
-        cache.count_repeats(len(self.ids) - len(first))
+        if cache is not None:
+            cache.count_repeats(len(self.ids) - len(first))
 
     def _dense_rows(self, width: int) -> np.ndarray:
         if self.dense is None:

@@ -128,6 +128,7 @@ class Reranker:
         timeout = self.engine.config.request_timeout_s
         job = Job(plan.rows, np.zeros(len(plan.rows), dtype=bool), EmbedOptions(dense=True),
                   start + timeout if timeout else None, request_id)
+        job.reuse(None)  # a row repeated (the same document twice) runs once: equal scores
         return plan, job
 
     def finish(self, plan: PairPlan, embedded: Embeddings,
