@@ -29,10 +29,22 @@ import fcntl
 import socket
 import struct
 import termios
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from bgeserve.http.context import WHEN_TAKEN
 from bgeserve.http.headlimits import BoundedHttpTools
 
+if TYPE_CHECKING:
+    from uvicorn._types import ASGI3Application
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
 SEND_STALL_S = 60.0
+# ``when_taken``: what may stay unsent (the transport's buffer and the socket's queue) and still
+# count as taken (asyncio's default high-water mark: an answer of that size was never more to
+# hold), and how often a connection with more is looked at again.
+TAKEN_SLACK = 64 << 10
+TAKEN_LOOK_S = 0.05
 LOOKS = 4  # per SEND_STALL_S
 _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: the close is a reset, the queue dropped
 # struct tcp_info (linux/tcp.h): the u64 tcpi_bytes_acked at byte 120 (Linux 4.1 and later).
@@ -47,6 +59,45 @@ class StallBoundHttpTools(BoundedHttpTools):
     _stall_timer: asyncio.TimerHandle | None = None
     _taken: tuple[int | None, int] = (None, 0)  # (bytes acknowledged, unsent) at the last look
     _since = 0.0  # loop time of the last progress (or of the watch's start)
+    _taking: list[Callable[[], None]]  # releases waiting for the client to take its answer
+    _taking_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._taking = []
+        super().connection_made(transport)
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        cycle.scope["state"][WHEN_TAKEN] = self.when_taken
+        super()._start_asgi_task(cycle, app)
+
+    def when_taken(self, release: Callable[[], None]) -> int:
+        """The bytes written on this connection that its client has not taken yet, 0 where
+        at most ``TAKEN_SLACK``; when not 0, ``release`` runs (later, never in this call) once
+        they are taken or the connection ended. An answer handed over whole waits here for
+        its client (``guards.InflightLimit`` counts it in the allowance of bodies in progress
+        until then; a stalled reader is reset after ``SEND_STALL_S``)."""
+        unsent = self._unsent()
+        if unsent <= TAKEN_SLACK:
+            return 0
+        self._taking.append(release)
+        if self._taking_timer is None:
+            self._taking_timer = self.loop.call_later(TAKEN_LOOK_S, self._look_taken)
+        return unsent
+
+    def _look_taken(self) -> None:
+        self._taking_timer = None
+        if self._unsent() <= TAKEN_SLACK:
+            self._taken_all()
+        else:
+            self._taking_timer = self.loop.call_later(TAKEN_LOOK_S, self._look_taken)
+
+    def _taken_all(self) -> None:
+        if self._taking_timer is not None:
+            self._taking_timer.cancel()
+            self._taking_timer = None
+        releases, self._taking = self._taking, []
+        for release in releases:
+            release()
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -61,6 +112,7 @@ class StallBoundHttpTools(BoundedHttpTools):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._unwatch()
+        self._taken_all()  # nothing it held is in this process any more
         super().connection_lost(exc)
 
     def cut_sending(self) -> bool:

@@ -167,7 +167,8 @@ class _StateCollector:
         bodies = self._metrics._bodies
         if bodies is not None:
             yield GaugeMetricFamily("bgeserve_inflight_body_bytes",
-                                    "Bytes of the request bodies in progress (at most "
+                                    "Bytes of the request bodies in progress and of the "
+                                    "answers their clients have not taken yet (at most "
                                     "BGE_M3_MAX_INFLIGHT_MB, or one largest body)",
                                     value=bodies.held)
         engine = getattr(service, "engine", None)
