@@ -242,7 +242,7 @@ class Settings:
         "BGE_M3_MAX_INFLIGHT_MB", _number(int, 1, MAX_INT >> 20), None,
         "MiB of request bodies in progress (and answers not yet taken by their clients) before "
         "429 (unset: 1/8 of the memory, <= 512; "
-        "never below BGE_M3_MAX_BODY_BYTES, so the largest body always fits)")
+        "never below BGE_M3_MAX_BODY_BYTES, so the largest body fits when nothing else is held)")
     api_keys: tuple[str, ...] = _var("BGE_M3_API_KEY", _keys, (),
                                      "comma-separated bearer keys; empty = no auth")
     metrics_auth: bool = _var("BGE_M3_METRICS_AUTH", _bool, False,

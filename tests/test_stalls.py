@@ -380,6 +380,73 @@ def test_an_answer_not_taken_yet_counts_in_the_allowance_of_bodies(
         assert wait_for(lambda: allowance.held == 0, 5), allowance.held
 
 
+def test_a_client_that_pipelines_and_reads_holds_what_it_has_not_read() -> None:
+    """Thirty 1 MiB answers pipelined on one connection whose client reads as they come:
+    each held until the connection drained, the holds summed every answer since (17 MiB
+    with 4 MiB ever unsent) and 13 of the 30 were 429s (review). They shrink as it reads."""
+    allowance = guards.BodyAllowance(16 << 20)
+    with running(inner=guards.InflightLimit(app, allowance=allowance)) as server, \
+            connect(server) as conn:
+        conn.sendall(post("/whole/1") * 30)
+        conn.settimeout(10)
+        data = b""
+        while data.count(b"HTTP/1.1 ") < 30 or len(data) < 30 << 20:
+            chunk = conn.recv(256 << 10)
+            assert chunk, data.count(b"HTTP/1.1 ")
+            data += chunk
+            time.sleep(0.004)
+        assert data.count(b"HTTP/1.1 200") == 30, data.count(b"HTTP/1.1 429")
+    assert wait_for(lambda: allowance.held == 0, 5), allowance.held
+
+
+def test_under_tls_an_answer_waits_below_in_sight(certificate: dict[str, str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under TLS an answer waits encrypted in the transport below the protocol, out of its
+    sight: with a small socket send queue nothing looked unsent and a non-reader's 8 MiB were
+    not held (review). What the client acknowledged against where the answers end says it."""
+    made = stalls.StallBoundHttpTools.connection_made
+
+    def small_queue(self, transport):  # type: ignore[no-untyped-def]
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                                                      32 << 10)
+        made(self, transport)
+
+    monkeypatch.setattr(stalls.StallBoundHttpTools, "connection_made", small_queue)
+    allowance = guards.BodyAllowance(64 << 20)
+    with running(inner=guards.InflightLimit(app, allowance=allowance),
+                 tls=certificate) as server:
+        conn = wrapped(connect(server))
+        try:
+            conn.sendall(post("/whole/8"))
+            assert wait_for(lambda: allowance.held > 7 << 20, 5), allowance.held
+            data = read_all(conn, 8 << 20)
+            while len(data.split(b"\r\n\r\n", 1)[-1]) < 8 << 20:
+                more = conn.recv(1 << 20)
+                assert more, "the answer was cut"
+                data += more
+            assert wait_for(lambda: allowance.held == 0, 5), allowance.held
+        finally:
+            conn.close()
+
+
+def test_under_tls_an_answer_taken_at_once_is_not_held_on(certificate: dict[str, str]) -> None:
+    """A fast TLS client may have acknowledged much of its answer by the time it is handed
+    over: where the answer ends counts from what was acknowledged before it was written, or
+    the part taken already would stay held for as long as the connection is kept alive."""
+    allowance = guards.BodyAllowance(64 << 20)
+    with running(inner=guards.InflightLimit(app, allowance=allowance),
+                 tls=certificate) as server, \
+            wrapped(socket.create_connection(("127.0.0.1", server.port))) as conn:
+        for _ in range(3):  # kept alive: each answer's room back while the connection lives
+            conn.sendall(post("/whole/2"))
+            data = read_all(conn, 2 << 20)
+            while len(data.split(b"\r\n\r\n", 1)[-1]) < 2 << 20:
+                more = conn.recv(1 << 20)
+                assert more, "the answer was cut"
+                data += more
+            assert wait_for(lambda: allowance.held == 0, 3), allowance.held
+
+
 @pytest.mark.usefixtures("quick")
 def test_an_answer_never_taken_gives_its_room_back_when_its_client_is_reset() -> None:
     """A client that never reads: its answer's room comes back with the reset."""

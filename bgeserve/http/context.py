@@ -28,11 +28,11 @@ _HEADER = b"x-request-id"
 # the request's answer started and not all written: uvicorn drops what the app sends after
 # that without a word, so the app may finish its answer thinking it was sent.
 ANSWER_CUT = "answer_cut"
-# Set in ``scope["state"]`` by the HTTP protocol (stalls.py): ``when_taken(release)`` says how
-# many bytes written on the connection its client has not taken (0: none to speak of) and,
-# when not 0, runs ``release`` once it has (or the connection ended). Absent under another
-# protocol: nothing is held.
-WHEN_TAKEN = "when_taken"
+# Set in ``scope["state"]`` by the HTTP protocol (stalls.py): ``hold_until_taken(answer,
+# give_back)`` says how many bytes of an answer just handed over its client has not taken
+# (0: none to speak of), and gives them back through ``give_back(n)`` as it takes them or the
+# connection ends. Absent under another protocol: nothing is held.
+HOLD_UNTIL_TAKEN = "hold_until_taken"
 _PREFLIGHT = b"access-control-request-method"
 _VALID_ID = re.compile(r"[\x20-\x7e]{1,128}")
 # The health checks, bgeserve's and TEI's (its `GET /`; its `POST /` embeds): a GET of one

@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bgeserve.errors import BgeServeError, InvalidInput, NotReady, Overloaded, TooLarge
 from bgeserve.holds import answering
-from bgeserve.http.context import WHEN_TAKEN
+from bgeserve.http.context import HOLD_UNTIL_TAKEN
 from bgeserve.http.errors import BodyTimeout, Unauthorized, respond
 
 # nginx's client_body_timeout: a client may be slow, but not silent for longer than this.
@@ -269,13 +269,12 @@ class InflightLimit:
                 bodies.held += more
             return message
 
-        answer = last = 0  # bytes of the answer handed to the server; of its last message
+        answer = 0  # bytes of the answer handed to the server
 
         async def counted_send(message: Message) -> None:
-            nonlocal answer, last
+            nonlocal answer
             if message["type"] == "http.response.body":
-                last = len(message.get("body", b""))
-                answer += last
+                answer += len(message.get("body", b""))
             await send(message)
 
         try:
@@ -285,26 +284,20 @@ class InflightLimit:
                 await self.app(scope, counted_receive, counted_send)
         finally:
             bodies.held -= mine
-            self._hold_until_taken(scope, answer, last)
+            self._hold_until_taken(scope, answer)
 
-    def _hold_until_taken(self, scope: Scope, answer: int, last: int) -> None:
+    def _hold_until_taken(self, scope: Scope, answer: int) -> None:
         """Count ``answer`` bytes in the allowance until the client has taken them. An answer
         handed over whole stays in the transport's buffer while its client reads slowly or
         not at all: ~12 MiB each for a ColBERT answer under 4 MiB of vectors, 18 for one to
         an HTTP/1.0 client, outside every allowance and as many as clients stall (QA: 24 of
         them took the server from 104 to 367 MiB until the stall bound reset them)."""
-        when_taken = scope.get("state", {}).get(WHEN_TAKEN)
-        if when_taken is None or not answer:
+        hold = scope.get("state", {}).get(HOLD_UNTIL_TAKEN)
+        if hold is None or not answer:
             return
-        bodies, held = self.allowance, 0
+        bodies = self.allowance
 
-        def taken() -> None:  # runs later, in the event loop: ``held`` is set by then
-            bodies.held -= held
+        def give_back(n: int) -> None:
+            bodies.held -= n
 
-        # What waits is at most the answer, and at least its last message where anything
-        # does: what the protocol sees unsent misses a TLS transport's buffer below it, where
-        # a whole answer waits encrypted. A streamed answer waited for its client at each
-        # piece: only its last pieces can wait.
-        unsent = when_taken(taken)
-        held = min(answer, max(unsent, last)) if unsent else 0
-        bodies.held += held
+        bodies.held += hold(answer, give_back)

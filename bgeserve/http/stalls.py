@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import functools
 import socket
 import struct
 import termios
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from bgeserve.http.context import WHEN_TAKEN
+from bgeserve.http.context import HOLD_UNTIL_TAKEN
 from bgeserve.http.headlimits import BoundedHttpTools
 
 if TYPE_CHECKING:
@@ -40,8 +41,8 @@ if TYPE_CHECKING:
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 SEND_STALL_S = 60.0
-# ``when_taken``: what may stay unsent (the transport's buffer and the socket's queue) and still
-# count as taken (asyncio's default high-water mark: an answer of that size was never more to
+# ``hold_until_taken``: what may stay unsent (the transport's buffer and the socket's queue)
+# and still count as taken (asyncio's default high-water mark: an answer of that size was never more to
 # hold), and how often a connection with more is looked at again.
 TAKEN_SLACK = 64 << 10
 TAKEN_LOOK_S = 0.05
@@ -59,45 +60,87 @@ class StallBoundHttpTools(BoundedHttpTools):
     _stall_timer: asyncio.TimerHandle | None = None
     _taken: tuple[int | None, int] = (None, 0)  # (bytes acknowledged, unsent) at the last look
     _since = 0.0  # loop time of the last progress (or of the watch's start)
-    _taking: list[Callable[[], None]]  # releases waiting for the client to take its answer
-    _taking_timer: asyncio.TimerHandle | None = None
+    # Answers handed over and not yet taken, oldest first: [give_back(n), bytes still held].
+    _holds: list[list]
+    _holds_timer: asyncio.TimerHandle | None = None
+    _tls = False
+    # TLS: the count of acknowledged bytes (TCP_INFO) at which all that was written is taken.
+    _taken_at = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        self._taking = []
+        self._holds = []
+        self._tls = transport.get_extra_info("sslcontext") is not None
         super().connection_made(transport)
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
-        cycle.scope["state"][WHEN_TAKEN] = self.when_taken
+        # Under TLS, where its answer will start in the stream: what was acknowledged before
+        # any of it was written (read when it is handed over, a fast client's part of it).
+        acked = self._acked() if self._tls else None
+        cycle.scope["state"][HOLD_UNTIL_TAKEN] = functools.partial(self.hold_until_taken,
+                                                                   acked_before=acked)
         super()._start_asgi_task(cycle, app)
 
-    def when_taken(self, release: Callable[[], None]) -> int:
-        """The bytes written on this connection that its client has not taken yet, 0 where
-        at most ``TAKEN_SLACK``; when not 0, ``release`` runs (later, never in this call) once
-        they are taken or the connection ended. An answer handed over whole waits here for
-        its client (``guards.InflightLimit`` counts it in the allowance of bodies in progress
-        until then; a stalled reader is reset after ``SEND_STALL_S``)."""
-        unsent = self._unsent()
-        if unsent <= TAKEN_SLACK:
+    def hold_until_taken(self, answer: int, give_back: Callable[[int], None],
+                         acked_before: int | None = None) -> int:
+        """Of an answer of ``answer`` bytes just handed over, the bytes its client has not
+        taken yet (0 where the connection holds at most ``TAKEN_SLACK`` unsent): given back
+        through ``give_back(n)`` (later, never in this call) as the client takes them, the
+        rest when the connection ends. An answer handed over whole waits here for its client
+        (``guards.InflightLimit`` counts it in the allowance of bodies in progress; a stalled
+        reader is reset after ``SEND_STALL_S``)."""
+        if acked_before is not None:  # TLS: the answer ends this many bytes on in the stream
+            self._taken_at = max(self._taken_at, acked_before) + answer
+        outstanding = self._outstanding()
+        self._settle(outstanding)
+        if outstanding <= TAKEN_SLACK:
             return 0
-        self._taking.append(release)
-        if self._taking_timer is None:
-            self._taking_timer = self.loop.call_later(TAKEN_LOOK_S, self._look_taken)
+        held = min(answer, outstanding - sum(h[1] for h in self._holds))
+        if held <= 0:
+            return 0
+        self._holds.append([give_back, held])
+        if self._holds_timer is None:
+            self._holds_timer = self.loop.call_later(TAKEN_LOOK_S, self._look_taken)
+        return held
+
+    def _outstanding(self) -> int:
+        """Bytes written that the client has not taken. Under TLS the transport below this
+        one, where an answer waits encrypted, is out of sight: what the client acknowledged
+        against where the answers end says it (without ``TCP_INFO``, the unsent alone)."""
+        unsent = self._unsent()
+        if self._tls:
+            acked = self._acked()
+            if acked is not None:
+                unsent = max(unsent, self._taken_at - acked)
         return unsent
 
     def _look_taken(self) -> None:
-        self._taking_timer = None
-        if self._unsent() <= TAKEN_SLACK:
-            self._taken_all()
-        else:
-            self._taking_timer = self.loop.call_later(TAKEN_LOOK_S, self._look_taken)
+        self._holds_timer = None
+        self._settle(self._outstanding())
+        if self._holds:
+            self._holds_timer = self.loop.call_later(TAKEN_LOOK_S, self._look_taken)
 
-    def _taken_all(self) -> None:
-        if self._taking_timer is not None:
-            self._taking_timer.cancel()
-            self._taking_timer = None
-        releases, self._taking = self._taking, []
-        for release in releases:
-            release()
+    def _settle(self, outstanding: int) -> None:
+        """Give back what the holds hold past ``outstanding``, oldest first (sent first, taken
+        first); all of it at ``TAKEN_SLACK`` or under. A client that pipelines and reads
+        holds what it has not read, not every answer since the connection last drained."""
+        excess = sum(h[1] for h in self._holds) - (outstanding if outstanding > TAKEN_SLACK
+                                                    else 0)
+        while excess > 0 and self._holds:
+            hold = self._holds[0]
+            cut = min(hold[1], excess)
+            hold[1] -= cut
+            excess -= cut
+            if not hold[1]:
+                self._holds.pop(0)
+            hold[0](cut)
+
+    def _give_all_back(self) -> None:
+        if self._holds_timer is not None:
+            self._holds_timer.cancel()
+            self._holds_timer = None
+        holds, self._holds = self._holds, []
+        for give_back, held in holds:
+            give_back(held)
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -112,7 +155,7 @@ class StallBoundHttpTools(BoundedHttpTools):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._unwatch()
-        self._taken_all()  # nothing it held is in this process any more
+        self._give_all_back()  # nothing it held is in this process any more
         super().connection_lost(exc)
 
     def cut_sending(self) -> bool:
@@ -178,15 +221,18 @@ class StallBoundHttpTools(BoundedHttpTools):
 
     def _progress(self) -> tuple[int | None, int]:
         """(bytes the client acknowledged so far, None where unknown; ``_unsent()``)."""
-        acked = None
+        return self._acked(), self._unsent()
+
+    def _acked(self) -> int | None:
+        """Bytes the client acknowledged on this connection (``TCP_INFO``); None where
+        unknown (not Linux, no socket)."""
         try:
             info = self._socket().getsockopt(  # type: ignore[union-attr]
                 socket.IPPROTO_TCP, socket.TCP_INFO, _ACKED_AT + _ACKED.size)
-            if len(info) >= _ACKED_AT + _ACKED.size:
-                acked = _ACKED.unpack_from(info, _ACKED_AT)[0]
         except (AttributeError, OSError, ValueError, TypeError):
-            pass
-        return acked, self._unsent()
+            return None
+        return _ACKED.unpack_from(info, _ACKED_AT)[0] if len(info) >= _ACKED_AT + _ACKED.size \
+            else None
 
     def _reset(self) -> None:
         """Abort the connection with a reset, so that the kernel drops its queue at once (an
