@@ -338,6 +338,15 @@ def read_all(conn: socket.socket, size: int) -> bytes:
     return data
 
 
+def read_answer(conn: socket.socket, size: int) -> None:
+    """Read one answer whose body is ``size`` bytes, all of it."""
+    data = read_all(conn, size)
+    while len(data.split(b"\r\n\r\n", 1)[-1]) < size:
+        more = conn.recv(1 << 20)
+        assert more, "the answer was cut"
+        data += more
+
+
 @pytest.mark.parametrize(("version", "secure"), [("1.1", False), ("1.0", False), ("1.1", True)],
                          ids=["http1.1", "http1.0", "tls"])
 def test_an_answer_not_taken_yet_counts_in_the_allowance_of_bodies(
@@ -365,12 +374,7 @@ def test_an_answer_not_taken_yet_counts_in_the_allowance_of_bodies(
                     answer += more
                 assert answer.startswith(b"HTTP/1.1 429"), answer[:200]
                 assert b"answers not yet taken" in answer, answer
-            size = 8 << 20
-            data = read_all(stalled, size)
-            while len(data.split(b"\r\n\r\n", 1)[-1]) < size:
-                more = stalled.recv(1 << 20)
-                assert more, "the answer was cut"
-                data += more
+            read_answer(stalled, 8 << 20)
             assert wait_for(lambda: allowance.held == 0, 5), allowance.held
         finally:
             stalled.close()
@@ -419,11 +423,7 @@ def test_under_tls_an_answer_waits_below_in_sight(certificate: dict[str, str],
         try:
             conn.sendall(post("/whole/8"))
             assert wait_for(lambda: allowance.held > 7 << 20, 5), allowance.held
-            data = read_all(conn, 8 << 20)
-            while len(data.split(b"\r\n\r\n", 1)[-1]) < 8 << 20:
-                more = conn.recv(1 << 20)
-                assert more, "the answer was cut"
-                data += more
+            read_answer(conn, 8 << 20)
             assert wait_for(lambda: allowance.held == 0, 5), allowance.held
         finally:
             conn.close()
@@ -439,11 +439,7 @@ def test_under_tls_an_answer_taken_at_once_is_not_held_on(certificate: dict[str,
             wrapped(socket.create_connection(("127.0.0.1", server.port))) as conn:
         for _ in range(3):  # kept alive: each answer's room back while the connection lives
             conn.sendall(post("/whole/2"))
-            data = read_all(conn, 2 << 20)
-            while len(data.split(b"\r\n\r\n", 1)[-1]) < 2 << 20:
-                more = conn.recv(1 << 20)
-                assert more, "the answer was cut"
-                data += more
+            read_answer(conn, 2 << 20)
             assert wait_for(lambda: allowance.held == 0, 3), allowance.held
 
 
