@@ -45,7 +45,7 @@ def test_a_write_of_another_model_than_the_manifests_is_refused_before_writing(
     assert shards(tmp_path) == [] and not (tmp_path / PIN).exists()
     result = sink.write([block(0, 3, A)], None)
     assert result["identity"] == A and result["rows"] == 3
-    written = pq.read_table(result["shard"])
+    written = pq.read_table(result["paths"][0])
     assert MODEL_COLUMN not in written.column_names and written["id"].to_pylist() == [
         "i0", "i1", "i2"]
 
@@ -67,6 +67,23 @@ def test_on_a_first_run_the_first_write_pins_the_model_for_the_others(tmp_path: 
     with OutputDir(tmp_path) as out:
         assert out.check_manifest({"outputs": ["dense"]}, []) == A
     assert orjson.loads((tmp_path / "_bulk.json").read_bytes())["model_identity"] == A
+
+
+def test_a_write_is_cut_into_the_local_jobs_aligned_shards(tmp_path: Path) -> None:
+    """Ray hands one write task every block of a read (a whole file): it was one shard,
+    whatever --shard-rows said (QA). Now one shard per aligned block of each source, as the
+    local job cuts them; a task given nothing writes nothing and says so."""
+    sink = ShardSink(tmp_path, ("dense",), identity=A, rows_per_shard=100)
+    other = block(0, 30, A).set_column(1, "_source", pa.array(["t"] * 30))
+    result = sink.write([block(40, 200, A), other], None)
+    assert (result["rows"], result["shards"], len(result["paths"])) == (230, 4, 4)
+    got = {p: pq.read_table(p) for p in result["paths"]}
+    assert sorted(t.num_rows for t in got.values()) == [30, 40, 60, 100]
+    for table in got.values():  # each shard within one source's aligned hundred
+        ids = table["id"].to_pylist()
+        assert len({int(i[1:]) // 100 for i in ids}) == 1, ids
+    assert sink.write([], None) == {"rows": 0, "tokens": 0, "bad": [], "shards": 0,
+                                    "paths": [], "identity": None}
 
 
 def test_the_driver_refuses_results_of_several_models(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import ray
 
@@ -66,6 +67,48 @@ def cluster() -> Iterator[str]:
             yield ray.get_runtime_context().gcs_address
         finally:
             ray.shutdown()
+
+
+def test_a_local_cluster_without_the_model_there_is_refused_before_it_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster started here reads this machine's files: a model path that is not there
+    failed every actor, told in Ray's tracebacks of each (QA: 323 lines, exit 1); now the
+    local job's one-line refusal, before Ray starts. A cluster elsewhere is not checked."""
+    import ray
+
+    from bgeserve.errors import ModelUnavailable
+
+    write_jsonl(tmp_path / "in" / "a.jsonl", {"a": "x"})
+    settings = resolve_settings(env(tmp_path / "nowhere", tmp_path / "cache"))
+    job = BulkJob(inputs=(str(tmp_path / "in"),), output=tmp_path / "out")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+    def no_start(*args: object, **kwargs: object) -> None:
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(ray, "init", no_start)
+    with pytest.raises(ModelUnavailable, match="does not exist.*BGE_M3_MODEL_PATH|"
+                                               "BGE_M3_MODEL_PATH.*does not exist"):
+        run_ray(job, settings)
+    with pytest.raises(AssertionError, match="Ray was started"):  # elsewhere: Ray's to say
+        run_ray(job, settings, address="10.0.0.1:6379")
+
+
+def test_a_file_error_in_a_task_is_the_commands_one_line() -> None:
+    """The output folder unwritable mid-run: the sink's OSError is taken out of Ray's wrapper
+    (and kept out of Ray's log) as bgeserve's refusals are, so `bulk` says it in one line
+    (QA: 266 lines, a traceback inside its last); other errors stay Ray's."""
+    from ray.exceptions import RayTaskError
+
+    from bgeserve.ray.pipeline import _refusal
+
+    denied = PermissionError(13, "Permission denied", "/out/x.parquet")
+    assert _refusal(RayTaskError("Write", "traceback", denied)) is denied
+    refused = InvalidInput("no")
+    assert _refusal(RayTaskError("Write", "traceback", refused)) is refused
+    assert _refusal(RayTaskError("Write", "traceback", KeyError("k"))) is None
+    assert _refusal(denied) is None
 
 
 def test_actor_pool_leaves_a_cpu_per_node_for_reading_and_writing():
@@ -133,6 +176,11 @@ def test_a_killed_ray_job_reruns_to_every_row_once(cluster: str, tiny_export: Pa
         r.getMessage() for r in caplog.records)
     for row_id, why in BAD_IDS.items():
         assert f"(id {row_id!r}): {why}" in reported or f"id {row_id!r}: {why}" in reported
+    # --shard-rows holds on Ray too (each file was one shard: QA), and a run with nothing
+    # left to do ends with nothing written (it raised a TypeError: QA)
+    assert max(pq.read_metadata(p).num_rows for p in out.glob("*.parquet")) <= 10
+    done = run_ray(job, resolve_settings(variables))
+    assert (done.rows, done.shards, done.bad) == (0, 0, 0)
 
 
 def test_a_first_ray_run_records_the_model_and_counts_repeated_ids(

@@ -2,7 +2,8 @@
 
 ``write_parquet`` writes each file in place under a per-run uuid: a file being written already
 ends in ``.parquet``, and a rerun would write the same rows again under new names. This sink
-writes what each write task receives as one shard through ``bgeserve.bulk.shards`` (temporary
+writes what each write task receives as shards through ``bgeserve.bulk.shards``, one per aligned
+block of rows as the local job cuts them (temporary
 name, renamed when complete, rows recorded in the footer, named by its rows so a retried task
 replaces its own file). Bad rows (null ``n_tokens``) go to no shard; their ids come back to
 the driver in the write results, with each shard's path (the driver reads its ids to count
@@ -17,7 +18,7 @@ its vectors into the output.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,26 +75,52 @@ class ShardSink(Datasink):
     """Writes shards into ``folder``; ``results`` holds each write's counts, bad rows, shard
     and model identity. ``identity``: the one the manifest records (None on a first run)."""
 
-    def __init__(self, folder: Path, outputs: tuple[str, ...], identity: str | None = None):
+    def __init__(self, folder: Path, outputs: tuple[str, ...], identity: str | None = None,
+                 rows_per_shard: int | None = None):
         self.folder = Path(folder)
         self.outputs = outputs
         self.identity = identity
+        self.rows_per_shard = rows_per_shard
         self.results: list[dict[str, Any]] = []
 
     def write(self, blocks: Iterable[pa.Table], ctx: Any) -> dict[str, Any]:
+        """One shard per aligned block of rows (``rows_per_shard`` of a source) in what this
+        write task got: Ray hands one task all the blocks of a read (a whole file), which
+        were written as one shard (QA: --shard-rows ignored, a resume redid whole files, one
+        task held a file's ColBERT vectors)."""
         tables = [b for b in blocks if b.num_rows]
+        result: dict[str, Any] = {"rows": 0, "tokens": 0, "bad": [], "shards": 0,
+                                  "paths": [], "identity": None}
         if not tables:
-            return {"rows": 0, "tokens": 0, "bad": [], "shards": 0, "shard": None,
-                    "identity": None}
+            return result
         table = pa.concat_tables(tables, promote_options="default")
-        identity = self.check_identity(table)
-        good, coverage, bad = shard_table(table)
-        schema = columns.schema(self.outputs, _width(good.schema))
-        good = good.select(schema.names).cast(schema)
-        path = write_shard(self.folder, good, coverage, bad)
-        tokens = int(pc.sum(good.column("n_tokens")).as_py() or 0)
-        return {"rows": good.num_rows, "tokens": tokens, "bad": bad, "shards": 1,
-                "shard": str(path), "identity": identity}
+        result["identity"] = self.check_identity(table)
+        for part in self._aligned(table):
+            good, coverage, bad = shard_table(part)
+            schema = columns.schema(self.outputs, _width(good.schema))
+            good = good.select(schema.names).cast(schema)
+            path = write_shard(self.folder, good, coverage, bad)
+            result["rows"] += good.num_rows
+            result["tokens"] += int(pc.sum(good.column("n_tokens")).as_py() or 0)
+            result["bad"] += bad
+            result["shards"] += 1
+            result["paths"].append(str(path))
+        return result
+
+    def _aligned(self, table: pa.Table) -> Iterator[pa.Table]:
+        """``table``'s rows by (source, aligned block), in order: the local job's cut
+        (``bulk.job.blocks``), so a resumed run and shard names agree with it."""
+        size = self.rows_per_shard
+        if not size:
+            yield table
+            return
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, key in enumerate(zip(table.column("_source").to_pylist(),
+                                    (r // size for r in table.column("_row").to_pylist()),
+                                    strict=True)):
+            groups.setdefault(key, []).append(i)
+        for indices in groups.values():
+            yield table.take(pa.array(indices, pa.int64()))
 
     def check_identity(self, table: pa.Table) -> str:
         """The model identity ``table``'s rows carry; InvalidInput when they carry several, or

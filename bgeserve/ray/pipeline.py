@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -35,6 +36,7 @@ from bgeserve.bulk.progress import Progress, Summary
 from bgeserve.bulk.sources import check_columns, discover
 from bgeserve.config import Settings
 from bgeserve.errors import BgeServeError, InvalidInput
+from bgeserve.model.artifacts import check_model_dir
 from bgeserve.ray.datasink import MODEL_COLUMN, ShardSink, mixed_models
 from bgeserve.ray.datasource import BulkSource
 from bgeserve.ray.embedder import Embedder
@@ -78,12 +80,13 @@ def run_identity(folder: Path, results: list[dict[str, Any]]) -> str | None:
     return found[0] if found else None
 
 
-def _refusal(error: BaseException | None) -> BgeServeError | None:
-    """bgeserve's refusal inside Ray's wrapper of a task's error, if ``error`` is one."""
+def _refusal(error: BaseException | None) -> BgeServeError | OSError | None:
+    """bgeserve's refusal, or a file error (the output folder unwritable: the command says it
+    in one line), inside Ray's wrapper of a task's error, if ``error`` is one."""
     from ray.exceptions import RayTaskError
 
     cause = error.cause if isinstance(error, RayTaskError) else None
-    return cause if isinstance(cause, BgeServeError) else None
+    return cause if isinstance(cause, BgeServeError | OSError) else None
 
 
 @contextlib.contextmanager
@@ -128,6 +131,10 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
     ``environ``: the driver's environment (its malloc settings go to the actors)."""
     import ray
 
+    if address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
+        # A local cluster, started here, reads this machine's files: a model path that is
+        # not there would fail every actor, told in Ray's tracebacks of each (QA: 323 lines).
+        check_model_dir(settings.model_path)
     with OutputDir(job.output) as out:
         sources = discover(job.inputs, exclude=out.path)
         for s in sources:
@@ -161,7 +168,7 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
             runtime_env={"env_vars": arena_env(environ or {}, cpus)},
             fn_constructor_kwargs={"outputs": job.outputs, "env": actor_env(settings),
                                    "identity_column": MODEL_COLUMN})
-        sink = ShardSink(out.path, job.outputs, recorded)
+        sink = ShardSink(out.path, job.outputs, recorded, job.rows_per_shard)
         try:
             with _quiet_refusals():
                 ds.write_datasink(sink, ray_remote_args={"num_cpus": IO_CPUS})
@@ -185,10 +192,11 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
                                                  "reason": why})
                 log.warning("skipped bad row %d of %s (id %r): %s", row, source, row_id, why)
         ids = Duplicates.of_shards(shards)
-        ids.add_shards(dict.fromkeys(Path(r["shard"]) for r in sink.results if r["rows"]))
+        written = [Path(p) for r in sink.results for p in r["paths"]]  # none where it got none
+        ids.add_shards(dict.fromkeys(written))
         ids.warn()
         summary.duplicate_ids = ids.count
         summary = progress.close()
-        refuse_nothing_embedded(summary, job, out, [Path(r["shard"]) for r in sink.results],
+        refuse_nothing_embedded(summary, job, out, written,
                                 sum(missing_column(r["bad"], job) for r in sink.results))
         return summary
