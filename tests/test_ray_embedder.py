@@ -67,6 +67,19 @@ def test_rows_without_a_string_text_keep_their_place_with_nulls(
     assert "id 'b'" in caplog.text and "id 'c'" in caplog.text
 
 
+@pytest.mark.parametrize("batch", [
+    pa.table({"body": ["a"], "id": ["1"]}),
+    pd.DataFrame({"body": ["a"], "id": ["1"]}),
+    {"body": np.array(["a"]), "id": np.array(["1"])},
+], ids=["pyarrow", "pandas", "numpy"])
+def test_a_batch_without_the_text_column_says_which_it_has(embedder: Embedder, batch) -> None:
+    """It was pyarrow's or pandas' bare KeyError ('text') from inside Ray's wrapper (QA)."""
+    from bgeserve.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match="no column 'text'.*'body', 'id'.*text_column"):
+        embedder(batch)
+
+
 def test_an_actor_gets_its_cpus_as_threads_and_their_share_of_memory() -> None:
     """On a node of 8 CPUs, an actor of 2 runs 2 threads in a quarter of the memory; explicit
     variables win."""

@@ -170,14 +170,19 @@ def resolve(
     return ModelArtifacts(onnx, tokenizer, source.layout, variant, heads, description, data)
 
 
-def _resolve_local(root: Path, variant: str, fetch: Fetcher,
-                   variable: str = "BGE_M3_MODEL") -> ModelArtifacts:
-    if not root.is_dir():
+def check_model_dir(root: Path | None) -> None:
+    """ModelUnavailable unless ``root`` (BGE_M3_MODEL_PATH; None: the hub's) is a directory."""
+    if root is not None and not Path(root).is_dir():
         raise ModelUnavailable(
             f"model directory {root} (BGE_M3_MODEL_PATH) does not exist or is not a "
             "directory",
             param="BGE_M3_MODEL_PATH",
         )
+
+
+def _resolve_local(root: Path, variant: str, fetch: Fetcher,
+                   variable: str = "BGE_M3_MODEL") -> ModelArtifacts:
+    check_model_dir(root)
     manifest = _read_manifest(root / "manifest.json")
     if manifest is not None and manifest.get("format") == _MANIFEST_FORMAT:
         return _resolve_export(root, manifest, variant, variable)

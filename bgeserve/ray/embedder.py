@@ -34,6 +34,7 @@ import pyarrow as pa
 from bgeserve.bulk import columns
 from bgeserve.bulk.model import BulkModel, resolve_settings
 from bgeserve.cgroup import usable_cpus
+from bgeserve.errors import InvalidInput
 from bgeserve.tuning import memory
 
 log = logging.getLogger("bgeserve.ray")
@@ -69,7 +70,14 @@ def actor_environ(env: Mapping[str, str] | None, cpus: float | None,
 def split_batch(batch: Any, text_column: str) -> tuple[list[Any], pa.Table]:
     """A Ray Data batch (Arrow table, pandas DataFrame or dict of numpy arrays) as (its texts,
     as given, and the other columns as Arrow). The texts are taken out first: a column
-    mixing strings with other values has no Arrow type."""
+    mixing strings with other values has no Arrow type. A batch without ``text_column`` is
+    an InvalidInput naming the columns it has (it was pyarrow's or pandas' bare KeyError)."""
+    names = list(batch.column_names if isinstance(batch, pa.Table) else
+                 batch.keys() if isinstance(batch, Mapping) else batch.columns)
+    if text_column not in names:
+        raise InvalidInput(f"the batch has no column {text_column!r} to embed; its columns are "
+                           f"{', '.join(map(repr, names)) or 'none'}: name the texts' column "
+                           "with Embedder(text_column=...)", param="text_column")
     if isinstance(batch, pa.Table):
         return (batch.column(text_column).to_pylist(), batch.drop_columns([text_column]))
     if isinstance(batch, Mapping):
