@@ -18,10 +18,12 @@ _RELEASES: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars
 
 
 @contextlib.contextmanager
-def answering() -> Iterator[None]:
+def answering(kept: list[Callable[[], None]] | None = None) -> Iterator[None]:
     """One request's scope: what is handed to ``release_when_answered`` inside it is released
-    at its end (after the response was sent, or the request failed). Inside an open scope it
-    adds none: the outer one (the HTTP layer's) outlives the inner (``Service.embed``'s)."""
+    at its end (after the response was sent, or the request failed), or, with ``kept``, put
+    there for the caller to release (once its client has taken the answer). Inside an open
+    scope it adds none: the outer one (the HTTP layer's) outlives the inner
+    (``Service.embed``'s)."""
     if _RELEASES.get() is not None:
         yield
         return
@@ -31,8 +33,16 @@ def answering() -> Iterator[None]:
         yield
     finally:
         _RELEASES.reset(token)
-        for release in releases:
-            release()
+        if kept is not None:
+            kept.extend(releases)
+        else:
+            release_all(releases)
+
+
+def release_all(releases: list[Callable[[], None]]) -> None:
+    """Run ``releases``."""
+    for release in releases:
+        release()
 
 
 def in_scope() -> bool:

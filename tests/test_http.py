@@ -1158,6 +1158,53 @@ def test_what_a_request_holds_is_released_once_its_answer_is_sent() -> None:
                       "released"]
 
 
+def test_what_a_request_holds_waits_until_its_client_has_taken_the_answer() -> None:
+    """Under bgeserve's protocol (stalls.py), an answer its client has not taken counts in
+    the allowance of bodies, and the room of its ColBERT output stays held until it is taken
+    (a burst of non-readers admitted together held 145 MiB of a 16 MiB allowance: QA). The
+    protocol gives the connection's older holds back inside the call that takes a new one:
+    ``held += hold(...)`` undid them (QA: the allowance stuck full, no connection open)."""
+    from bgeserve.http.context import HOLD_UNTIL_TAKEN
+
+    events: list[str] = []
+    holds: list[tuple[Any, int]] = []  # the connection's holds not given back yet
+
+    def hold(answer: int, give_back: Any) -> int:
+        for older, n in holds:  # taken by now: given back in this call, as _settle does
+            older(n)
+        holds.clear()
+        holds.append((give_back, answer))
+        return answer
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        await receive()
+        from bgeserve.holds import release_when_answered
+
+        assert release_when_answered(lambda: events.append("released"))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"x" * 100})
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: dict) -> None:
+        pass
+
+    allowance = guards.BodyAllowance(1 << 20)
+    guard = guards.InflightLimit(app, allowance=allowance)
+    for n in range(1, 4):
+        scope = {**_scope([(b"content-length", b"2")], FakeService(), Settings()), "path": "/x"}
+        scope["state"][HOLD_UNTIL_TAKEN] = hold
+        anyio.run(guard, scope, receive, send)
+        assert allowance.held == 100, (n, allowance.held)  # this answer's, the older back
+        assert events == ["released"] * (n - 1)  # the room kept until the answer is taken
+    give_back, n = holds.pop()
+    give_back(60)
+    assert allowance.held == 40 and events == ["released"] * 2  # part of it taken
+    give_back(40)
+    assert allowance.held == 0 and events == ["released"] * 3
+
+
 @pytest.mark.parametrize("handler_cancelled", [False, True])
 def test_abandoned_work_that_ends_in_an_error_is_not_logged_as_never_retrieved(
         handler_cancelled: bool) -> None:

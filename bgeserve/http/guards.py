@@ -12,12 +12,12 @@ import contextlib
 import hashlib
 import hmac
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bgeserve.errors import BgeServeError, InvalidInput, NotReady, Overloaded, TooLarge
-from bgeserve.holds import answering
+from bgeserve.holds import answering, release_all
 from bgeserve.http.context import HOLD_UNTIL_TAKEN
 from bgeserve.http.errors import BodyTimeout, Unauthorized, respond
 
@@ -277,27 +277,46 @@ class InflightLimit:
                 answer += len(message.get("body", b""))
             await send(message)
 
+        kept: list[Callable[[], None]] = []
         try:
             # The request's scope: what it holds besides its body (the room of its ColBERT
-            # output, service/outputs.py) is given back here too, once its answer is sent.
-            with answering():
+            # output, service/outputs.py) is given back too, once its answer is taken.
+            with answering(kept):
                 await self.app(scope, counted_receive, counted_send)
         finally:
             bodies.held -= mine
-            self._hold_until_taken(scope, answer)
+            self._hold_until_taken(scope, answer, kept)
 
-    def _hold_until_taken(self, scope: Scope, answer: int) -> None:
-        """Count ``answer`` bytes in the allowance until the client has taken them. An answer
-        handed over whole stays in the transport's buffer while its client reads slowly or
-        not at all: ~12 MiB each for a ColBERT answer under 4 MiB of vectors, 18 for one to
-        an HTTP/1.0 client, outside every allowance and as many as clients stall (QA: 24 of
-        them took the server from 104 to 367 MiB until the stall bound reset them)."""
+    def _hold_until_taken(self, scope: Scope, answer: int,
+                          releases: list[Callable[[], None]]) -> None:
+        """Count ``answer`` bytes in the allowance until the client has taken them, and keep
+        what the request holds (``releases``: the room of its ColBERT output) until then. An
+        answer handed over whole stays in the transport's buffer while its client reads
+        slowly or not at all: ~12 MiB each for a ColBERT answer under 4 MiB of vectors, 18
+        for one to an HTTP/1.0 client, outside every allowance and as many as clients stall
+        (QA: 24 of them took the server from 104 to 367 MiB until the stall bound reset
+        them). Held in the allowance of bodies, they refuse later requests (429); a burst
+        admitted together is bounded by the ColBERT room they keep (QA: 40 non-readers let
+        in at once held 145 MiB of a 16 MiB allowance)."""
         hold = scope.get("state", {}).get(HOLD_UNTIL_TAKEN)
         if hold is None or not answer:
+            release_all(releases)
             return
         bodies = self.allowance
+        left = 0
 
-        def give_back(n: int) -> None:
+        def give_back(n: int) -> None:  # as the client takes the answer, in the event loop
+            nonlocal left
             bodies.held -= n
+            left -= n
+            if left <= 0:
+                release_all(releases)
+                releases.clear()
 
-        bodies.held += hold(answer, give_back)
+        # Not ``bodies.held += hold(...)``: the call gives older holds of the connection back
+        # (``bodies.held -= n``), which the read before it would undo (QA: the allowance
+        # stuck full with no connection open).
+        left = hold(answer, give_back)
+        bodies.held += left
+        if not left:
+            release_all(releases)
