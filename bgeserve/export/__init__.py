@@ -11,3 +11,7 @@ ATTENTION_BLOCK = 256
 # +521). CPU sessions now draw from a shrinking ONNX Runtime arena instead (runtime/onnx.py);
 # the GEMMs run as fast at 2,048 rows as at 8,192.
 FFN_ROWS = 2048
+
+# A step's exit status (export/steps.py) where the checkpoint was refused and the step said why
+# in one line: the export says no more (no traceback on top).
+REFUSED = 3

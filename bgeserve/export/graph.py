@@ -180,7 +180,8 @@ def complete(loaded: tuple[Any, dict[str, list[str]]], model_dir: Path) -> Any:
     if missing:
         shown = ", ".join(sorted(missing)[:5]) + (", ..." if len(missing) > 5 else "")
         raise ValueError(f"{model_dir}: {len(missing)} weights of the model are not in the "
-                         f"checkpoint ({shown}): it is not of bge-m3's layout")
+                         f"checkpoint ({shown}): it is not of the layout bgeserve exports "
+                         "(bge-m3's, bge-reranker-v2-m3's)")
     return model
 
 

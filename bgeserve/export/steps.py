@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bgeserve.export import corpus
+from bgeserve.export import REFUSED, corpus
 from bgeserve.model.kind import RERANKER, directory_kind
 
 # ONNX protobufs cannot exceed 2 GiB; bigger graphs keep their weights in one external file.
@@ -347,7 +347,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="longest calibration text (the model's positions)")
     args = parser.parse_args(argv)
     if args.step == "fp32":
-        export_fp32(args.model_dir, args.out, args.opset, args.layout, args.attention_block)
+        try:
+            export_fp32(args.model_dir, args.out, args.opset, args.layout, args.attention_block)
+        except (ValueError, FileNotFoundError) as exc:  # the checkpoint's fault (graph.py)
+            print(f"bgeserve export: {exc}", file=sys.stderr)
+            return REFUSED
     elif args.step == "fp16":
         export_fp16(args.fp32, args.out, args.heads, args.hidden)
     elif args.step == "openvino":
