@@ -314,6 +314,10 @@ class FakeTransport:
         self.unsent = 1000
         self.aborted_at: float | None = None
         self.loop: FakeLoop | None = None
+        self.closing = False
+
+    def is_closing(self) -> bool:
+        return self.closing
 
     def get_write_buffer_size(self) -> int:
         return self.unsent
@@ -441,6 +445,46 @@ def test_under_tls_an_answer_taken_at_once_is_not_held_on(certificate: dict[str,
             conn.sendall(post("/whole/2"))
             read_answer(conn, 2 << 20)
             assert wait_for(lambda: allowance.held == 0, 3), allowance.held
+
+
+def test_a_closing_connection_whose_client_takes_nothing_is_reset() -> None:
+    """An answer to HTTP/1.0 (or Connection: close) is followed by the transport's close,
+    which waits for its buffer without a bound: with writing never paused (the buffer under
+    its high-water mark, the rest in the socket's queue) no watch started, and the answer's
+    hold (the room of its ColBERT output too) was kept for as long as the peer kept the
+    connection (review). The watch starts on a closing transport too."""
+    protocol = object.__new__(stalls.StallBoundHttpTools)
+    loop, transport = FakeLoop(), FakeTransport()
+    transport.loop, transport.closing = loop, True
+    protocol.loop = loop  # type: ignore[assignment]
+    protocol.transport = transport  # type: ignore[assignment]
+    protocol.logger = logging.getLogger("test")
+    protocol.flow = SimpleNamespace(write_paused=False)  # type: ignore[assignment]
+    protocol._watch()
+    while transport.aborted_at is None and loop.due:
+        loop.now, callback = loop.due.pop(0)
+        callback()  # type: ignore[operator]
+    assert transport.aborted_at is not None, "never watched"
+    assert transport.aborted_at <= stalls.SEND_STALL_S * (1 + 1 / stalls.LOOKS)
+
+
+def test_the_next_request_on_a_connection_sees_what_its_client_took() -> None:
+    """A client that read its answer and asks again at once: the previous hold, not looked
+    at again yet (every 50 ms), stood in the way of the next request, a 429 for a body that
+    fits beside nothing else (review)."""
+    allowance = guards.BodyAllowance(3 << 20)
+    body = b"x" * (3 << 19)  # 1.5 MiB: with the 2 MiB answer not yet seen taken, over 3 MiB
+    head = f"POST /whole/2 HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    with running(inner=guards.InflightLimit(app, allowance=allowance)) as server, \
+            connect(server) as conn:
+        for _ in range(20):
+            conn.sendall(head.encode() + body)
+            data = read_all(conn, 1)
+            assert data.startswith(b"HTTP/1.1 200"), data[:100]
+            while len(data.split(b"\r\n\r\n", 1)[-1]) < 2 << 20:
+                more = conn.recv(1 << 20)
+                assert more, "the answer was cut"
+                data += more
 
 
 @pytest.mark.usefixtures("quick")

@@ -64,6 +64,7 @@ class StallBoundHttpTools(BoundedHttpTools):
     _holds: list[list]
     _holds_timer: asyncio.TimerHandle | None = None
     _tls = False
+    _lost = False
     # TLS: the count of acknowledged bytes (TCP_INFO) at which all that was written is taken.
     _taken_at = 0
 
@@ -76,6 +77,8 @@ class StallBoundHttpTools(BoundedHttpTools):
         # Under TLS, where its answer will start in the stream: what was acknowledged before
         # any of it was written (read when it is handed over, a fast client's part of it).
         acked = self._acked() if self._tls else None
+        if self._holds:  # what the client took since the last look: not in the next one's way
+            self._settle(self._outstanding())
         cycle.scope["state"][HOLD_UNTIL_TAKEN] = functools.partial(self.hold_until_taken,
                                                                    acked_before=acked)
         super()._start_asgi_task(cycle, app)
@@ -154,6 +157,7 @@ class StallBoundHttpTools(BoundedHttpTools):
             self._watch()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
         self._unwatch()
         self._give_all_back()  # nothing it held is in this process any more
         super().connection_lost(exc)
@@ -173,7 +177,9 @@ class StallBoundHttpTools(BoundedHttpTools):
         return True
 
     def _watch(self) -> None:
-        if self._stall_timer is None and not self.transport.is_closing():
+        # Not "unless closing": an answer to HTTP/1.0 or Connection: close is followed by the
+        # transport's close, which waits for its buffer to drain without a bound (review).
+        if self._stall_timer is None and not self._lost:
             self._taken = self._progress()
             self._since = self.loop.time()
             self._next_look()

@@ -11,7 +11,9 @@ request deadline bounds the wait); a request alone always fits.
 
 The hold ends once the answer is sent: ``bgeserve.holds.answering()`` opens a request's scope
 (the HTTP layer, around the whole request), and ``release_when_answered`` hands the release to
-it. Outside such a scope (the library) ``Service.embed``'s own ends when its result is returned.
+it; under bgeserve's protocol the HTTP layer keeps it until the client has taken the answer
+(``guards.InflightLimit``), so unread answers can hold the allowance with no request in
+progress, for up to the stall bound (``http/stalls.py``), and a request alone then waits. Outside such a scope (the library) ``Service.embed``'s own ends when its result is returned.
 bge-m3's ColBERT rerank scores (``Holding``) hold one group of windows' vectors at a time and
 give it back when the request returns (the answer holds scores only): no scope needed.
 """
