@@ -20,6 +20,10 @@ from torch import nn
 from bgeserve.export import ATTENTION_BLOCK
 
 PAD_ID = 1
+
+
+class CheckpointRefused(ValueError):
+    """The checkpoint is not one this graph can carry (the export step says why in one line)."""
 OUTPUTS = ("dense", "sparse_weights", "colbert")
 
 
@@ -115,7 +119,7 @@ class M3Graph(nn.Module):
         if config.pad_token_id != PAD_ID:
             # Positions count from the pad id and the server pads with XLM-R's: another pad
             # gave other vectors (dense cosine 0.57) without a word.
-            raise ValueError(f"the model's pad_token_id is {config.pad_token_id}, not bge-m3's "
+            raise CheckpointRefused(f"the model's pad_token_id is {config.pad_token_id}, not bge-m3's "
                              f"(XLM-R's) {PAD_ID}: bgeserve serves bge-m3's layout only")
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -179,7 +183,7 @@ def complete(loaded: tuple[Any, dict[str, list[str]]], model_dir: Path) -> Any:
     missing = [k for k in info.get("missing_keys", []) if not k.endswith("position_ids")]
     if missing:
         shown = ", ".join(sorted(missing)[:5]) + (", ..." if len(missing) > 5 else "")
-        raise ValueError(f"{model_dir}: {len(missing)} weights of the model are not in the "
+        raise CheckpointRefused(f"{model_dir}: {len(missing)} weights of the model are not in the "
                          f"checkpoint ({shown}): it is not of the layout bgeserve exports "
                          "(bge-m3's, bge-reranker-v2-m3's)")
     return model
@@ -199,7 +203,7 @@ def load_graph(model_dir: Path, attention_block: int = ATTENTION_BLOCK) -> M3Gra
         path = Path(model_dir) / name
         if not path.exists():
             # FlagEmbedding silently uses random heads here; an export must not.
-            raise FileNotFoundError(f"{path} is missing: bge-m3's {name} head is required")
+            raise CheckpointRefused(f"{path} is missing: bge-m3's {name} head is required")
         head.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     return M3Graph(encoder, sparse, colbert, config, attention_block).eval()
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from bgeserve.export import ATTENTION_BLOCK
-from bgeserve.export.graph import M3Graph, complete
+from bgeserve.export.graph import CheckpointRefused, M3Graph, complete
 
 OUTPUTS = ("score",)
 # Torch names the head's nodes after this module attribute; the int8 step keeps them fp32.
@@ -46,7 +46,7 @@ def load_rerank_graph(model_dir: Path, attention_block: int = ATTENTION_BLOCK) -
 
     config = XLMRobertaConfig.from_pretrained(model_dir)
     if config.num_labels != 1:
-        raise ValueError(f"{model_dir} is a classifier with {config.num_labels} labels; a "
+        raise CheckpointRefused(f"{model_dir} is a classifier with {config.num_labels} labels; a "
                          "reranker has exactly one (its relevance logit)")
     model = complete(XLMRobertaForSequenceClassification.from_pretrained(
         model_dir, dtype=torch.float32, output_loading_info=True), model_dir)

@@ -347,9 +347,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="longest calibration text (the model's positions)")
     args = parser.parse_args(argv)
     if args.step == "fp32":
+        from bgeserve.export.graph import CheckpointRefused  # torch: the step needs it anyway
+
         try:
             export_fp32(args.model_dir, args.out, args.opset, args.layout, args.attention_block)
-        except (ValueError, FileNotFoundError) as exc:  # the checkpoint's fault (graph.py)
+        except CheckpointRefused as exc:  # the checkpoint's fault (graph.py)
             print(f"bgeserve export: {exc}", file=sys.stderr)
             return REFUSED
     elif args.step == "fp16":
