@@ -36,6 +36,11 @@ MODEL_COLUMN = "_model"  # the Embedder's identity_column: which model files mad
 INTERNAL = ("_source", "_row", "_error", MODEL_COLUMN)
 
 
+class ShardWriteFailed(OSError):
+    """A shard the sink could not write (the output folder unwritable, the disk full): the
+    command's one line (``bulk`` reads it as the OSError it is)."""
+
+
 def mixed_models(folder: Path, first: str, other: str) -> InvalidInput:
     """The error of a run whose actors loaded different model files."""
     return InvalidInput(
@@ -99,7 +104,10 @@ class ShardSink(Datasink):
             good, coverage, bad = shard_table(part)
             schema = columns.schema(self.outputs, _width(good.schema))
             good = good.select(schema.names).cast(schema)
-            path = write_shard(self.folder, good, coverage, bad)
+            try:
+                path = write_shard(self.folder, good, coverage, bad)
+            except OSError as exc:
+                raise ShardWriteFailed(exc.errno, exc.strerror, exc.filename) from exc
             result["rows"] += good.num_rows
             result["tokens"] += int(pc.sum(good.column("n_tokens")).as_py() or 0)
             result["bad"] += bad

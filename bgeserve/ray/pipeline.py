@@ -37,7 +37,7 @@ from bgeserve.bulk.sources import check_columns, discover
 from bgeserve.config import Settings
 from bgeserve.errors import BgeServeError, InvalidInput
 from bgeserve.model.artifacts import check_model_dir
-from bgeserve.ray.datasink import MODEL_COLUMN, ShardSink, mixed_models
+from bgeserve.ray.datasink import MODEL_COLUMN, ShardSink, ShardWriteFailed, mixed_models
 from bgeserve.ray.datasource import BulkSource
 from bgeserve.ray.embedder import Embedder
 
@@ -81,12 +81,13 @@ def run_identity(folder: Path, results: list[dict[str, Any]]) -> str | None:
 
 
 def _refusal(error: BaseException | None) -> BgeServeError | OSError | None:
-    """bgeserve's refusal, or a file error (the output folder unwritable: the command says it
-    in one line), inside Ray's wrapper of a task's error, if ``error`` is one."""
+    """bgeserve's refusal, or the sink's file error (the output folder unwritable: the command
+    says it in one line), inside Ray's wrapper of a task's error, if ``error`` is one; other
+    errors (a network one, an actor's) keep Ray's account."""
     from ray.exceptions import RayTaskError
 
     cause = error.cause if isinstance(error, RayTaskError) else None
-    return cause if isinstance(cause, BgeServeError | OSError) else None
+    return cause if isinstance(cause, BgeServeError | ShardWriteFailed) else None
 
 
 @contextlib.contextmanager
@@ -131,10 +132,7 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
     ``environ``: the driver's environment (its malloc settings go to the actors)."""
     import ray
 
-    if address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
-        # A local cluster, started here, reads this machine's files: a model path that is
-        # not there would fail every actor, told in Ray's tracebacks of each (QA: 323 lines).
-        check_model_dir(settings.model_path)
+    local = address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
     with OutputDir(job.output) as out:
         sources = discover(job.inputs, exclude=out.path)
         for s in sources:
@@ -149,8 +147,14 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
         skipped_bad = earlier_bad_rows(shards, {s.key for s in sources})
         if not ray.is_initialized():
             ray.init(address=address, include_dashboard=False, log_to_driver=True)
-        nodes = [int(n["Resources"].get("CPU", 0)) for n in ray.nodes()
-                 if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        if local and len(alive) == 1:
+            # This machine alone (ray.init joins a cluster `ray start` began here, which may
+            # have other nodes: not checked then), whose files the actors read: a model path
+            # not here failed every actor, told in Ray's tracebacks of each (QA: 323 lines).
+            check_model_dir(settings.model_path)
+        nodes = [int(n["Resources"].get("CPU", 0)) for n in alive
+                 if n["Resources"].get("CPU", 0) >= 1]
         cpus, actors = actor_pool(nodes, cpus_per_actor)
         log.info("bulk on Ray: %d input files, %d rows already in %s%s; %d Embedder actors "
                  "of %g CPUs", len(sources), skipped, out.path,
