@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -132,7 +131,8 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
     ``environ``: the driver's environment (its malloc settings go to the actors)."""
     import ray
 
-    local = address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
+    local = address is None and not (environ or {}).get("RAY_ADDRESS") \
+        and not ray.is_initialized()
     with OutputDir(job.output) as out:
         sources = discover(job.inputs, exclude=out.path)
         for s in sources:
