@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import sys
 import threading
 
 from bgeserve.logs import Background, JsonFormatter, RequestIdFilter, request_id_var
@@ -96,6 +97,15 @@ def test_records_go_to_the_stdout_of_the_moment(monkeypatch, capsys) -> None:
     assert "Logging error" not in capsys.readouterr().err
 
 
+def failed_record(message: str, error: str) -> logging.LogRecord:
+    """An ERROR record of ``message`` carrying a ValueError(``error``)'s traceback."""
+    try:
+        raise ValueError(error)
+    except ValueError:
+        return logging.LogRecord("bgeserve", logging.ERROR, __file__, 1, message, None,
+                                 sys.exc_info())
+
+
 def test_text_lines_carry_the_extra_fields_json_lines_do() -> None:
     """BGE_M3_LOG_FORMAT=text: the heartbeat read "heartbeat" alone, its RSS, workers and
     queue only in JSON. The fields follow the message as key=value, the request id last, a
@@ -108,14 +118,7 @@ def test_text_lines_carry_the_extra_fields_json_lines_do() -> None:
     line = TextFormatter().format(record)
     assert line.endswith('bgeserve: heartbeat rss_mb=512 workers={"ready":2} '
                          'probe_status=complete note="two words" [req-9]'), line
-    try:
-        raise ValueError("boom")
-    except ValueError:
-        import sys
-
-        failed = logging.LogRecord("bgeserve", logging.ERROR, __file__, 1, "failed", None,
-                                   sys.exc_info())
-    text = TextFormatter().format(failed)
+    text = TextFormatter().format(failed_record("failed", "boom"))
     assert text.splitlines()[0].endswith("bgeserve: failed") and "ValueError: boom" in text
     # uvicorn's colour copy of its message is no field; a value that would break the line or
     # its key=value reading is quoted; a dict keyed by numbers is still written
@@ -146,13 +149,6 @@ def test_text_lines_escape_what_clients_put_in_the_message() -> None:
     plain = logging.LogRecord("bgeserve", logging.INFO, __file__, 1, "模型 ready %s", ("ok",),
                               None)
     assert TextFormatter().format(plain).endswith("bgeserve: 模型 ready ok")
-    try:
-        raise ValueError("two\nlines")
-    except ValueError:
-        import sys
-
-        failed = logging.LogRecord("bgeserve", logging.ERROR, __file__, 1, "failed\tnow", None,
-                                   sys.exc_info())
-    text = TextFormatter().format(failed)
+    text = TextFormatter().format(failed_record("failed\tnow", "two\nlines"))
     assert text.splitlines()[0].endswith("bgeserve: failed\\tnow")
     assert "ValueError: two\nlines" in text

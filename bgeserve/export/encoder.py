@@ -20,6 +20,7 @@ from onnx import numpy_helper
 
 from bgeserve.export import onnxbuild
 from bgeserve.export.smoothquant import classify
+from bgeserve.model.dims import position_offset
 
 # bge-m3's heads, where ``headgraph.add_heads`` has written them into the graph: not a layer.
 HEAD_PREFIXES = ("/sparse_linear/", "/colbert_linear/")
@@ -188,7 +189,7 @@ def dims(model: onnx.ModelProto, config: dict[str, Any] | None = None) -> dict[s
     if positions is None:
         positions = _position_rows(graph, shapes)
     if positions:
-        out["max_positions"] = int(positions) - 2  # XLM-R: padding offset of 2
+        out["max_positions"] = int(positions) - position_offset(config)  # XLM-R: 2
     return out
 
 

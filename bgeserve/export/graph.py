@@ -119,8 +119,9 @@ class M3Graph(nn.Module):
         if config.pad_token_id != PAD_ID:
             # Positions count from the pad id and the server pads with XLM-R's: another pad
             # gave other vectors (dense cosine 0.57) without a word.
-            raise CheckpointRefused(f"the model's pad_token_id is {config.pad_token_id}, not bge-m3's "
-                             f"(XLM-R's) {PAD_ID}: bgeserve serves bge-m3's layout only")
+            raise CheckpointRefused(
+                f"the model's pad_token_id is {config.pad_token_id}, not bge-m3's (XLM-R's) "
+                f"{PAD_ID}: bgeserve serves bge-m3's layout only")
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         emb = self.encoder_model.embeddings
@@ -183,9 +184,10 @@ def complete(loaded: tuple[Any, dict[str, list[str]]], model_dir: Path) -> Any:
     missing = [k for k in info.get("missing_keys", []) if not k.endswith("position_ids")]
     if missing:
         shown = ", ".join(sorted(missing)[:5]) + (", ..." if len(missing) > 5 else "")
-        raise CheckpointRefused(f"{model_dir}: {len(missing)} weights of the model are not in the "
-                         f"checkpoint ({shown}): it is not of the layout bgeserve exports "
-                         "(bge-m3's, bge-reranker-v2-m3's)")
+        raise CheckpointRefused(
+            f"{model_dir}: {len(missing)} weights of the model are not in the checkpoint "
+            f"({shown}): it is not of the layout bgeserve exports (bge-m3's, "
+            "bge-reranker-v2-m3's)")
     return model
 
 

@@ -36,6 +36,7 @@ from bgeserve import __version__
 from bgeserve.errors import ModelUnavailable
 from bgeserve.export import ATTENTION_BLOCK, FFN_ROWS, REFUSED
 from bgeserve.logs import setup_logging
+from bgeserve.model.dims import position_offset
 from bgeserve.model.kind import EMBEDDING, RERANKER, config_kind, num_labels
 from bgeserve.model.prepared import int8_weights
 from bgeserve.progress import Progress
@@ -237,7 +238,8 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
     tokenizer = out / "tokenizer.json"
     # Calibration and validation texts must fit the model's positions (514 in a config left
     # at XLM-R's default holds 512 tokens; bge-m3's 8,194 hold 8,192).
-    limit = ["--max-tokens", str(config["max_position_embeddings"] - 2)]
+    max_positions = config["max_position_embeddings"] - position_offset(config)
+    limit = ["--max-tokens", str(max_positions)]
     fp32 = out / "fp32" / "model.onnx"
     quantization: dict[str, dict[str, object]] = {}  # by variant: how it was quantized
     # fp16 and int8 are made from the blocked-attention fp32 graph; bf16 and ov-int8 from a
@@ -304,7 +306,7 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
         "model": {"hidden": config["hidden_size"], "heads": config["num_attention_heads"],
                   "intermediate": config["intermediate_size"],
                   "layers": config["num_hidden_layers"],
-                  "max_positions": config["max_position_embeddings"] - 2,
+                  "max_positions": max_positions,
                   "attention_block": ATTENTION_BLOCK if attention_block is None
                   else attention_block,
                   # Token rows per FFN block in the fp32 and int8 graphs (0: not blocked).

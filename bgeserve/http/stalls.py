@@ -42,8 +42,8 @@ if TYPE_CHECKING:
 
 SEND_STALL_S = 60.0
 # ``hold_until_taken``: what may stay unsent (the transport's buffer and the socket's queue)
-# and still count as taken (asyncio's default high-water mark: an answer of that size was never more to
-# hold), and how often a connection with more is looked at again.
+# and still count as taken (asyncio's default high-water mark: an answer of that size was
+# never more to hold), and how often a connection with more is looked at again.
 TAKEN_SLACK = 64 << 10
 TAKEN_LOOK_S = 0.05
 LOOKS = 4  # per SEND_STALL_S
