@@ -256,6 +256,30 @@ def test_a_stop_cuts_the_streams_still_being_sent_before_its_grace_ends(
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+@pytest.mark.parametrize("version", ["1.1", "1.0"])
+def test_a_stop_cuts_a_whole_answer_its_client_has_not_taken(
+        caplog: pytest.LogCaptureFixture, version: str) -> None:
+    """An answer handed over whole to a client that reads none of it: the stop closes its
+    connection (HTTP/1.0's closes once the answer is written), and a closing transport waits
+    for its buffer to drain. The cut skipped closing transports: the stop ran its whole grace
+    and uvicorn logged an error (QA). Now it is reset with the streams, in the grace."""
+    with caplog.at_level(logging.INFO), running(logged=True, grace=1.5) as server:
+        conn = connect(server)
+        try:
+            conn.sendall(post("/whole/8", version))
+            assert wait_for(lambda: access_lines(caplog.records), 5)
+            began = time.monotonic()
+            server.should_exit = True
+            server.thread.join(10)  # type: ignore[attr-defined]
+            assert not server.thread.is_alive()  # type: ignore[attr-defined]
+            assert time.monotonic() - began < 1.4
+        finally:
+            conn.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("reset 1 connection(s) still sending" in m for m in messages), messages
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 async def answer_at_once(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
     """200 before the body is read (as a guard's refusal is): LingeringClose reads the rest."""
     if scope["type"] == "http":

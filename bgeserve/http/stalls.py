@@ -165,9 +165,9 @@ class StallBoundHttpTools(BoundedHttpTools):
     def cut_sending(self) -> bool:
         """Reset the connection if it is still sending: a streamed (length-less) answer in
         progress, or bytes of an answer not yet taken; whether it was. A streamed answer's
-        handler hears the client leave, and it is logged 499."""
-        if self.transport.is_closing():
-            return False
+        handler hears the client leave, and it is logged 499. A closing transport too: the
+        stop closed it (or HTTP/1.0 did) with an answer its client has not taken, and a close
+        waits for the buffer to drain without a bound (QA: the stop ran its whole grace)."""
         cycle = self._running or self.cycle
         streaming = cycle is not None and cycle.response_started \
             and not cycle.response_complete and bool(cycle.chunked_encoding)
