@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bgeserve.engine.binpack import Chunk, chunk_fits, chunk_length, plan, rounded_length
+from bgeserve.tuning.runcost import RunCost
 
 # Reproducible in CI, and no example database written into the working tree.
 PROPERTY = settings(max_examples=200, deadline=None, derandomize=True, database=None)
@@ -119,6 +120,23 @@ def test_packing_is_greedy(problem):
                               max_chunk=max_chunk, max_tokens=max_tokens, min_fill=min_fill)
 
 
+@PROPERTY
+@given(problems(), st.integers(1, 64), st.none() | st.tuples(
+    st.floats(0.0, 0.05), st.floats(1e-5, 1e-3), st.floats(0.0, 1e-6), st.floats(0.0, 0.05)))
+def test_a_plan_until_an_index_is_the_whole_plans_chunk_holding_it(problem, multiple, cost):
+    """``until`` (the queue takes one chunk of a window of up to a thousand texts) gives the
+    chunk the whole plan holds that index in, under every rule: padding multiples, a run
+    cost and the shapes a session knows."""
+    lengths, (a, c, budget), max_chunk, max_tokens, min_fill = problem
+    rules = {"fits": cost_model(a, c, budget), "max_chunk": max_chunk,
+             "max_tokens": max_tokens, "min_fill": min_fill, "pad_multiple": multiple,
+             "pad_cap": 512, "run_cost": None if cost is None else RunCost(*cost),
+             "known": lambda count: count % 3 == 0}
+    whole = plan(lengths, **rules)
+    for i in range(len(lengths)):
+        assert plan(lengths, until=i, **rules) == [c for c in whole if i in c.indices]
+
+
 # ------------------------------------------------------------------------------- examples
 def test_a_small_plan_by_hand():
     """Two texts per chunk: the two shortest first, each chunk padded to its own longest."""
@@ -142,6 +160,16 @@ def test_max_chunk_below_one_is_refused(max_chunk):
     """A chunk cap under one text cannot pack anything: ValueError."""
     with pytest.raises(ValueError, match="max_chunk"):
         plan([1, 2], fits=always, max_chunk=max_chunk)
+
+
+def test_a_chunk_may_fill_max_tokens_and_max_chunk_exactly():
+    """The bounds are inclusive in a plan too (it refuses the plain cases before working out
+    any padding: a shortcut that must not move them)."""
+    assert plan([2, 2, 2], fits=always, max_chunk=3, max_tokens=6) == [Chunk((0, 1, 2), 2)]
+    assert plan([2, 2, 2], fits=always, max_chunk=2, max_tokens=6) == [
+        Chunk((0, 1), 2), Chunk((2,), 2)]
+    assert plan([2, 2, 3], fits=always, max_chunk=3, max_tokens=8) == [
+        Chunk((0, 1), 2), Chunk((2,), 3)]
 
 
 def test_max_tokens_does_not_split_a_single_text():

@@ -17,7 +17,8 @@ def job(*lengths: int, deadline: float | None = None) -> Job:
 
 
 def pack(max_chunk: int):
-    return lambda lengths: plan(lengths, fits=lambda b, s: True, max_chunk=max_chunk)
+    return lambda lengths, until=None: plan(lengths, fits=lambda b, s: True,
+                                            max_chunk=max_chunk, until=until)
 
 
 def test_add_counts_texts_and_tokens():
@@ -58,9 +59,9 @@ def test_take_packs_only_a_window_of_the_oldest(monkeypatch):
     q.add(job(*[5] * 10), 0.0)
     seen: list[int] = []
 
-    def spy(lengths):
+    def spy(lengths, until=None):
         seen.append(len(lengths))
-        return pack(64)(lengths)
+        return pack(64)(lengths, until)
 
     assert len(q.take(spy)) == 4
     assert seen == [4] and len(q) == 6 and q.tokens == 30
@@ -133,3 +134,85 @@ def test_take_solo_takes_the_solo_piece_alone_and_counts_it_out_everywhere():
     q.add(solo_job(2), 5.0)
     q.drain()
     assert q.take_solo(pack(8)) is None and q.tokens == 0
+
+
+class OneDeque:
+    """The queue as it was first written, one deque of every piece (each chunk walked the
+    whole of it three times): the oracle for the queue held job by job."""
+
+    def __init__(self) -> None:
+        self.pieces: list[tuple[Job, int, int]] = []  # (job, index, length), arrival order
+        self.turn = 0
+        self.served: dict[int, int] = {}
+
+    def add(self, j: Job) -> None:
+        self.pieces += [(j, i, len(j.ids[i])) for i in j.pending()]
+
+    def purge(self, now: float) -> None:
+        self.pieces = [p for p in self.pieces if not p[0].done
+                       and not (p[0].deadline is not None and now > p[0].deadline)]
+
+    def take(self, max_chunk: int) -> list[tuple[Job, int]]:
+        order: list[Job] = []
+        for j, _, _ in self.pieces:
+            if j not in order:
+                order.append(j)
+        if any(j.solo for j in order):
+            first = next(p for p in self.pieces if p[0].solo)
+            self.pieces.remove(first)
+            return [first[:2]]
+        best = min(order, key=lambda j: (self.served.get(id(j), 0), order.index(j)))
+        window = self.pieces[:pending.WINDOW]
+        anchor = next(p for p in self.pieces if p[0] is best)
+        if anchor not in window:
+            window.insert(0, anchor)
+        chunk = next(c for c in pack(max_chunk)([p[2] for p in window])
+                     if window.index(anchor) in c.indices)
+        picked = [window[i] for i in chunk.indices]
+        self.pieces = [p for p in self.pieces if p not in picked]
+        self.turn += 1
+        for p in picked:
+            self.served[id(p[0])] = self.turn
+        return [p[:2] for p in picked]
+
+
+def test_the_queue_held_job_by_job_takes_what_one_deque_took(monkeypatch):
+    """Random arrivals, cancels, deadlines, solo jobs and takes, with a window smaller than
+    the queue: every chunk, count and token total as the single deque gave them."""
+    monkeypatch.setattr(pending, "WINDOW", 16)
+    rng = np.random.default_rng(7)
+    expired: list[Job] = []
+
+    def expire(j: Job) -> None:
+        expired.append(j)
+        j.done = True
+
+    for _ in range(40):
+        q, oracle, jobs, now = PendingQueue(), OneDeque(), [], 0.0
+        max_chunk = int(rng.integers(1, 6))
+        for _ in range(60):
+            now += 1.0
+            roll = rng.random()
+            if roll < 0.3 or not len(q):
+                j = job(*rng.integers(1, 40, int(rng.integers(1, 12))).tolist(),
+                        deadline=now + float(rng.integers(1, 30)) if rng.random() < 0.3
+                        else None)
+                j.solo = bool(rng.random() < 0.1)
+                jobs.append(j)
+                q.add(j, now)
+                oracle.add(j)
+            elif roll < 0.4:
+                jobs[int(rng.integers(len(jobs)))].done = True  # cancelled or failed
+            else:
+                expired.clear()
+                q.purge(now, expire)
+                oracle.purge(now)
+                assert all(j.deadline is not None and j.deadline < now for j in expired)
+                if not len(q):
+                    continue
+                solo = q.take_solo(pack(max_chunk))
+                taken = solo if solo is not None else q.take(pack(max_chunk))
+                assert [(p.job, p.index) for p in taken] == oracle.take(max_chunk)
+            assert [(p.job, p.index) for p in q] == [p[:2] for p in oracle.pieces]
+            assert len(q) == len(oracle.pieces)
+            assert q.tokens == sum(p[2] for p in oracle.pieces)

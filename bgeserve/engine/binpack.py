@@ -78,10 +78,13 @@ def chunk_fits(count: int, longest: int, real_tokens: int, *, fits: Fits, max_ch
 def plan(lengths: Sequence[int], *, fits: Fits, max_chunk: int,
          max_tokens: int | None = None, min_fill: float = 0.0, pad_multiple: int = 1,
          pad_cap: int | None = None, run_cost: RunCost | None = None,
-         known: Callable[[int], bool] | None = None) -> list[Chunk]:
+         known: Callable[[int], bool] | None = None,
+         until: int | None = None) -> list[Chunk]:
     """Pack texts of the given token lengths; every index appears in exactly one chunk.
     ``known``: the token counts the session that runs them has run (``RunCost.joining_pays``
-    prices a run of a new count with its ``new_shape``).
+    prices a run of a new count with its ``new_shape``). ``until``: only the chunk holding
+    that index, as the whole plan packs it (the queue takes one chunk of a window of up to a
+    thousand texts: the chunks before it are only walked, the ones after it not at all).
 
     Chunks come out shortest first. Ties keep input order, so equal texts stay in order.
     """
@@ -102,6 +105,8 @@ def plan(lengths: Sequence[int], *, fits: Fits, max_chunk: int,
     def joins(count: int, before: int, longest: int, real_tokens: int) -> bool:
         """Whether the text of ``longest`` tokens joins the ``count`` texts packed so far,
         whose longest has ``before`` tokens; every length as the chunk would be padded."""
+        if count >= max_chunk or (max_tokens is not None and (count + 1) * longest > max_tokens):
+            return False  # chunk_fits's first refusals, before any padding is worked out
         if not chunk_fits(count + 1, longest, real_tokens, fits=fits, max_chunk=max_chunk,
                           max_tokens=max_tokens, min_fill=min_fill, pad_multiple=pad_multiple,
                           pad_cap=pad_cap):
@@ -113,7 +118,10 @@ def plan(lengths: Sequence[int], *, fits: Fits, max_chunk: int,
     for i in order:
         longest = max(int(lengths[i]), 1)
         if current and not joins(len(current), top, longest, real + longest):
-            close()
+            if until is None or until in current:
+                close()
+                if until is not None:
+                    return chunks
             current, real = [], 0
         current.append(i)
         real += longest

@@ -60,14 +60,15 @@ class Packer:
         cost = self.cost
         return True if cost is None else cost.fits(batch, seq)
 
-    def plan(self, lengths: Sequence[int],
-             known: Callable[[int], bool] | None = None) -> list[Chunk]:
+    def plan(self, lengths: Sequence[int], known: Callable[[int], bool] | None = None,
+             until: int | None = None) -> list[Chunk]:
         """Chunks of the texts of these lengths, each with the length it is padded to;
-        ``known``: the token counts the session that runs them has run (``RunShapes.known``)."""
+        ``known``: the token counts the session that runs them has run (``RunShapes.known``);
+        ``until``: up to the chunk holding that index (``binpack.plan``)."""
         r = self.rules
         return plan(lengths, fits=self.fits, max_chunk=r.max_chunk, max_tokens=r.max_tokens,
                     min_fill=r.min_fill, pad_multiple=r.pad_multiple, pad_cap=r.pad_cap,
-                    run_cost=r.run_cost, known=known)
+                    run_cost=r.run_cost, known=known, until=until)
 
     def pad_length(self, count: int, longest: int) -> int:
         """What ``count`` texts whose longest has ``longest`` tokens are padded to (the halves

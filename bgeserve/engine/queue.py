@@ -17,12 +17,19 @@ import collections
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 from bgeserve.engine.binpack import Chunk
 from bgeserve.engine.jobs import Job, Piece
 
 WINDOW = 1024  # pending texts considered per dispatch: bounds the packing work
-Pack = Callable[[Sequence[int]], list[Chunk]]
+
+
+class Pack(Protocol):
+    """Packs texts of these lengths into chunks (``Packer.plan``); with ``until`` it may stop
+    once the chunk holding that index is packed (the queue takes that chunk alone)."""
+
+    def __call__(self, lengths: Sequence[int], *, until: int | None = None) -> list[Chunk]: ...
 
 
 class Taken(list[Piece]):
@@ -35,88 +42,119 @@ class Taken(list[Piece]):
 
 
 class PendingQueue:
-    """Pieces in arrival order, and how many tokens they hold."""
+    """Pieces in arrival order, and how many tokens they hold.
+
+    Held job by job (each job's pieces arrive together, so the jobs in arrival order, each
+    with its pieces in order, are the pieces in arrival order): a chunk costs work for the
+    jobs waiting and the window it packs, not for every text queued. One deque of every piece
+    cost each chunk a pass over the whole queue three times (the purge, the anchor, the
+    removal of what was taken): with 4,000 texts waiting, QA measured 44 % of the worker's
+    time outside ``session.run`` on a tiny model."""
 
     def __init__(self) -> None:
-        self._pieces: collections.deque[Piece] = collections.deque()
+        # The jobs with pieces waiting, in arrival order (Job hashes by identity).
+        self._jobs: dict[Job, collections.deque[Piece]] = {}
+        self._count = 0
         self.tokens = 0
         self._solo = 0  # pieces of solo jobs among them
         self._turn = 0  # chunks taken so far: a job's ``served`` is the turn it last had
 
     def __len__(self) -> int:
-        return len(self._pieces)
+        return self._count
 
     def __iter__(self) -> Iterator[Piece]:
-        return iter(self._pieces)
+        return itertools.chain.from_iterable(list(self._jobs.values()))
+
+    def waiting(self, job: Job) -> int:
+        """How many of ``job``'s texts wait here."""
+        return len(self._jobs.get(job, ()))
 
     def oldest_arrival(self) -> float:
-        return self._pieces[0].arrived
+        return next(iter(self._jobs.values()))[0].arrived
 
     def _removed(self, pieces: Sequence[Piece]) -> None:
+        self._count -= len(pieces)
         self.tokens -= sum(p.length for p in pieces)
         self._solo -= sum(p.job.solo for p in pieces)
 
     def add(self, job: Job, now: float) -> None:
         """Queue every text of ``job`` still to run."""
+        pieces = self._jobs.setdefault(job, collections.deque())
         for i in job.pending():
             n = len(job.ids[i])
-            self._pieces.append(Piece(job, i, n, now))
+            pieces.append(Piece(job, i, n, now))
+            self._count += 1
             self.tokens += n
             self._solo += job.solo
+        if not pieces:
+            del self._jobs[job]
 
     def purge(self, now: float, expire: Callable[[Job], None]) -> int:
         """Drop the pieces of finished jobs; a job past its deadline is handed to ``expire``
         first (which must mark it done). Returns how many pieces were dropped."""
-        keep: collections.deque[Piece] = collections.deque()
         dropped = 0
-        for p in self._pieces:
-            job = p.job
+        for job in list(self._jobs):  # ``expire`` answers the job: it must not see a change
             if not job.done and job.deadline is not None and now > job.deadline:
                 expire(job)
             if job.done:
-                dropped += 1
-                self._removed([p])
-            else:
-                keep.append(p)
-        self._pieces = keep
+                pieces = self._jobs.pop(job)
+                dropped += len(pieces)
+                self._removed(pieces)
         return dropped
 
     def _anchor(self) -> Piece:
         """The first waiting piece of the job whose last turn is oldest (ties: oldest job)."""
-        best: Piece | None = None
-        seen: set[int] = set()
-        for p in self._pieces:
-            if id(p.job) in seen:
-                continue
-            seen.add(id(p.job))
-            if best is None or p.job.served < best.job.served:
-                best = p
-                if best.job.served == 0:  # never served: nobody comes before it
+        best: Job | None = None
+        for job in self._jobs:
+            if best is None or job.served < best.served:
+                best = job
+                if best.served == 0:  # never served: nobody comes before it
                     break
         assert best is not None, "take() on an empty queue"
-        return best
+        return self._jobs[best][0]
 
     def take(self, pack: Pack, cross_request: bool = True) -> Taken:
         """Remove and return the chunk holding the anchor (see the module doc), as ``pack``
         groups the anchor with the first ``WINDOW`` pieces (only the anchor job's, unless
         ``cross_request``)."""
         anchor = self._anchor()
-        head = itertools.islice(self._pieces, WINDOW)
         if anchor.job.solo:  # a chunk of its own (the deep health check's canary)
             window = [anchor]
         elif cross_request:
+            head = itertools.islice(itertools.chain.from_iterable(self._jobs.values()), WINDOW)
             window = [p for p in head if not p.job.solo]
         else:  # batching within one request only (the baseline benchmarks compare with)
-            window = [p for p in head if p.job is anchor.job]
+            window = list(itertools.islice(self._jobs[anchor.job], WINDOW))
         at = next((i for i, p in enumerate(window) if p is anchor), None)
         if at is None:  # the anchor lies past the window: it joins it
             window.insert(0, anchor)
             at = 0
-        chosen = next(c for c in pack([p.length for p in window]) if at in c.indices)
+        chosen = next(c for c in pack([p.length for p in window], until=at)
+                      if at in c.indices)
         picked = [window[i] for i in chosen.indices]
-        ids = {id(p) for p in picked}
-        self._pieces = collections.deque(p for p in self._pieces if id(p) not in ids)
+        self._remove(picked)
         return self._taken(picked, chosen.pad_to)
+
+    def _remove(self, picked: list[Piece]) -> None:
+        """Take ``picked`` out of their jobs' deques: each job's lie within its first
+        ``WINDOW`` pieces (the window, or the anchor at its job's head), so only those are
+        looked at."""
+        by_job: dict[Job, set[int]] = {}
+        for p in picked:
+            by_job.setdefault(p.job, set()).add(id(p))
+        for job, ids in by_job.items():
+            pieces = self._jobs[job]
+            kept: list[Piece] = []
+            left = len(ids)
+            while left:
+                p = pieces.popleft()
+                if id(p) in ids:
+                    left -= 1
+                else:
+                    kept.append(p)
+            pieces.extendleft(reversed(kept))
+            if not pieces:
+                del self._jobs[job]
 
     def take_solo(self, pack: Pack) -> Taken | None:
         """Remove and return the first waiting piece of a solo job as a chunk of its own
@@ -124,9 +162,10 @@ class PendingQueue:
         the other pieces wait out is nothing it could gain from."""
         if not self._solo:
             return None
-        piece = next((p for p in self._pieces if p.job.solo), None)
-        assert piece is not None, f"bug: {self._solo} solo pieces counted, none queued"
-        self._pieces.remove(piece)
+        job = next((j for j in self._jobs if j.solo), None)
+        assert job is not None, f"bug: {self._solo} solo pieces counted, none queued"
+        piece = self._jobs[job][0]
+        self._remove([piece])
         return self._taken([piece], pack([piece.length])[0].pad_to)
 
     def _taken(self, picked: list[Piece], pad_to: int) -> Taken:
@@ -140,7 +179,7 @@ class PendingQueue:
 
     def drain(self) -> list[Piece]:
         """Remove and return every piece."""
-        leftover = list(self._pieces)
-        self._pieces.clear()
-        self.tokens = self._solo = 0
+        leftover = list(self)
+        self._jobs.clear()
+        self._count = self.tokens = self._solo = 0
         return leftover

@@ -234,7 +234,7 @@ class Scheduler(Workers):
                 return
             job.done = True
             # Count only this job's texts: the purge also drops other jobs' expired ones.
-            dropped = sum(p.job is job for p in self._pending)
+            dropped = self._pending.waiting(job)
             self._purge()
         self.counters["cancelled_texts"] += dropped
         if error is not None:
