@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from bgeserve.engine import queue as pending
@@ -138,7 +140,8 @@ def test_take_solo_takes_the_solo_piece_alone_and_counts_it_out_everywhere():
 
 class OneDeque:
     """The queue as it was first written, one deque of every piece (each chunk walked the
-    whole of it three times): the oracle for the queue held job by job."""
+    whole of it three times), with the turns as they are now: the oracle for the queue held
+    job by job."""
 
     def __init__(self) -> None:
         self.pieces: list[tuple[Job, int, int]] = []  # (job, index, length), arrival order
@@ -147,6 +150,7 @@ class OneDeque:
 
     def add(self, j: Job) -> None:
         self.pieces += [(j, i, len(j.ids[i])) for i in j.pending()]
+        self.served[id(j)] = self.turn - pending.NEW_LEAD
 
     def purge(self, now: float) -> None:
         self.pieces = [p for p in self.pieces if not p[0].done
@@ -160,9 +164,15 @@ class OneDeque:
         if any(j.solo for j in order):
             first = next(p for p in self.pieces if p[0].solo)
             self.pieces.remove(first)
+            self.turn += 1
+            self.served[id(first[0])] = self.turn
             return [first[:2]]
-        best = min(order, key=lambda j: (self.served.get(id(j), 0), order.index(j)))
-        window = self.pieces[:pending.WINDOW]
+        best = min(order, key=lambda j: (self.served[id(j)], order.index(j)))
+        jobs = [j for j in order if not j.solo]
+        share = max(1, pending.WINDOW // len(jobs))
+        heads = [[p for p in self.pieces if p[0] is j] for j in jobs]
+        window = [p for h in heads for p in h[:share]][:pending.WINDOW]
+        window += [p for h in heads for p in h[share:]][:pending.WINDOW - len(window)]
         anchor = next(p for p in self.pieces if p[0] is best)
         if anchor not in window:
             window.insert(0, anchor)
@@ -216,3 +226,47 @@ def test_the_queue_held_job_by_job_takes_what_one_deque_took(monkeypatch):
             assert [(p.job, p.index) for p in q] == [p[:2] for p in oracle.pieces]
             assert len(q) == len(oracle.pieces)
             assert q.tokens == sum(p[2] for p in oracle.pieces)
+
+
+def by_256_tokens(lengths, until=None):  # the CPU's chunks: each 300-token text alone
+    return plan(lengths, fits=lambda b, s: True, max_chunk=64, max_tokens=256, until=until)
+
+
+def test_a_request_served_gets_its_turn_under_a_stream_of_new_ones():
+    """Four query clients that send again as soon as they are answered, beside a 500-text
+    ingestion request: a request never served went ahead of every request served, and the
+    ingestion request had 1 of 1,000 chunks. Now it waits at most for the requests waiting
+    when it was last served (4) and those arriving within NEW_LEAD chunks after, and a query
+    still goes ahead of it."""
+    q = PendingQueue()
+    bulk = job(*[300] * 2000)
+    for j in [bulk] + [job(10) for _ in range(4)]:
+        q.add(j, 0.0)
+    bulk_chunks: list[int] = []
+    for chunk in range(1, 1001):
+        taken = q.take(by_256_tokens)
+        if any(p.job is bulk for p in taken):
+            bulk_chunks.append(chunk)
+        for p in taken:
+            if p.job is not bulk:
+                q.add(job(10), 0.0)
+    gaps = [b - a for a, b in itertools.pairwise([0, *bulk_chunks])]
+    assert max(gaps) <= 4 + pending.NEW_LEAD, gaps
+    assert len(bulk_chunks) >= 1000 // (4 + pending.NEW_LEAD) - 1, len(bulk_chunks)
+    while not any(p.job is bulk for p in q.take(by_256_tokens)):
+        pass
+    q.add(job(10), 0.0)  # arrives while an ingestion chunk runs: a query goes next
+    assert not any(p.job is bulk for p in q.take(by_256_tokens))
+
+
+def test_queries_behind_a_large_request_share_a_chunk():
+    """The window was the first WINDOW texts in arrival order: queries behind a large
+    request lay past it, and each ran alone, a run each. Each job's first texts are in it."""
+    q = PendingQueue()
+    bulk = job(*[300] * (3 * pending.WINDOW))
+    q.add(bulk, 0.0)
+    assert [p.job for p in q.take(by_256_tokens)] == [bulk]
+    queries = [job(10) for _ in range(4)]
+    for j in queries:
+        q.add(j, 1.0)
+    assert [p.job for p in q.take(by_256_tokens)] == queries

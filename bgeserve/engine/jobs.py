@@ -38,7 +38,9 @@ class Job:
     submitted: float = 0.0
     started: float = 0.0  # monotonic seconds when a chunk first took its texts (0: never)
     room_wait: float = 0.0  # seconds it waited for room for its ColBERT output, before queued
-    served: int = 0  # the queue's turn when a chunk last took its texts (0: never)
+    # The queue's turn a chunk last took its texts at; before the first, the turn it arrived
+    # at less ``queue.NEW_LEAD`` (the queue ranks the next chunk's requests by it).
+    served: int = 0
     # The indices the queue must run (None: every text; ``reuse`` narrows it).
     todo: list[int] | None = None
     repeats: dict[int, list[int]] = field(default_factory=dict)  # index -> its later copies

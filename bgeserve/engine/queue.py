@@ -4,11 +4,15 @@ Not thread-safe by itself: the scheduler holds its lock around every call. Pure 
 (no threads, no model), so its rules are testable on their own.
 
 Each chunk is built around one *anchor* text, packed with the waiting texts nearest to it in
-length: the first waiting text of the request served longest ago (a request never served
-yet comes first, oldest first). So requests take turns: a one-text query that arrives behind
-a 256-text ingestion batch waits for one chunk, not for the whole batch, and nobody starves
-(every request with texts waiting gets a chunk within as many chunks as there are requests,
-plus solo chunks — the canary's — which go first while the batch window is open).
+length: the first waiting text of the request served longest ago, where a request never
+served counts as served ``NEW_LEAD`` turns before it arrived (ties: the oldest). So requests
+take turns: a one-text query that arrives behind a 256-text ingestion batch waits for one
+chunk, not for the whole batch (it goes ahead of up to ``NEW_LEAD`` requests served since),
+and nobody starves: a request waits at most for the requests waiting when it was last served
+and those arriving within ``NEW_LEAD`` turns after, plus solo chunks (the canary's), which go
+first while the batch window is open. (A request never served used to go ahead of every
+request served: under a steady stream of new queries an ingestion request got no chunk at all,
+1 text in 1,000 chunks beside 4 query clients that send again at once.)
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from bgeserve.engine.binpack import Chunk
 from bgeserve.engine.jobs import Job, Piece
 
 WINDOW = 1024  # pending texts considered per dispatch: bounds the packing work
+# Turns a new request goes ahead of the requests served: a query overtakes up to this many
+# ingestion requests, and under a stream of new ones each request still has every 9th chunk.
+NEW_LEAD = 8
 
 
 class Pack(Protocol):
@@ -79,6 +86,8 @@ class PendingQueue:
 
     def add(self, job: Job, now: float) -> None:
         """Queue every text of ``job`` still to run."""
+        if job not in self._jobs and not job.started:
+            job.served = self._turn - NEW_LEAD
         pieces = self._jobs.setdefault(job, collections.deque())
         for i in job.pending():
             n = len(job.ids[i])
@@ -103,26 +112,23 @@ class PendingQueue:
         return dropped
 
     def _anchor(self) -> Piece:
-        """The first waiting piece of the job whose last turn is oldest (ties: oldest job)."""
+        """The first waiting piece of the job whose turn is oldest (ties: oldest job)."""
         best: Job | None = None
         for job in self._jobs:
             if best is None or job.served < best.served:
                 best = job
-                if best.served == 0:  # never served: nobody comes before it
-                    break
         assert best is not None, "take() on an empty queue"
         return self._jobs[best][0]
 
     def take(self, pack: Pack, cross_request: bool = True) -> Taken:
         """Remove and return the chunk holding the anchor (see the module doc), as ``pack``
-        groups the anchor with the first ``WINDOW`` pieces (only the anchor job's, unless
-        ``cross_request``)."""
+        groups the anchor with a window of up to ``WINDOW`` pieces (``_window``; only the
+        anchor job's, unless ``cross_request``)."""
         anchor = self._anchor()
         if anchor.job.solo:  # a chunk of its own (the deep health check's canary)
             window = [anchor]
         elif cross_request:
-            head = itertools.islice(itertools.chain.from_iterable(self._jobs.values()), WINDOW)
-            window = [p for p in head if not p.job.solo]
+            window = self._window()
         else:  # batching within one request only (the baseline benchmarks compare with)
             window = list(itertools.islice(self._jobs[anchor.job], WINDOW))
         at = next((i for i, p in enumerate(window) if p is anchor), None)
@@ -134,6 +140,25 @@ class PendingQueue:
         picked = [window[i] for i in chosen.indices]
         self._remove(picked)
         return self._taken(picked, chosen.pad_to)
+
+    def _window(self) -> list[Piece]:
+        """Up to ``WINDOW`` pieces of the jobs not solo: each job's first ``WINDOW // jobs``,
+        then the rest in arrival order. (The first ``WINDOW`` in arrival order left the queries
+        behind a large request out: each ran alone, a run each, where they could share one.)
+        Each job's share is the head of its deque, as ``_remove`` needs."""
+        jobs = [job for job in self._jobs if not job.solo]
+        share = max(1, WINDOW // max(1, len(jobs)))
+        window: list[Piece] = []
+        for job in jobs:
+            window.extend(itertools.islice(self._jobs[job], share))
+            if len(window) >= WINDOW:
+                return window[:WINDOW]
+        for job in jobs:
+            room = WINDOW - len(window)
+            if room <= 0:
+                break
+            window.extend(itertools.islice(self._jobs[job], share, share + room))
+        return window
 
     def _remove(self, picked: list[Piece]) -> None:
         """Take ``picked`` out of their jobs' deques: each job's lie within its first
