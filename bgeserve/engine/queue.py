@@ -105,8 +105,8 @@ class PendingQueue:
         for job in list(self._jobs):  # ``expire`` answers the job: it must not see a change
             if not job.done and job.deadline is not None and now > job.deadline:
                 expire(job)
-            if job.done:
-                pieces = self._jobs.pop(job)
+            pieces = self._jobs.pop(job, None) if job.done else None
+            if pieces:  # (None: a callback of the answer purged it already)
                 dropped += len(pieces)
                 self._removed(pieces)
         return dropped
