@@ -150,7 +150,8 @@ class OneDeque:
 
     def add(self, j: Job) -> None:
         self.pieces += [(j, i, len(j.ids[i])) for i in j.pending()]
-        self.served[id(j)] = self.turn - pending.NEW_LEAD
+        waiting = len({id(p[0]) for p in self.pieces if p[0] is not j})
+        self.served[id(j)] = self.turn - max(pending.NEW_LEAD, waiting)
 
     def purge(self, now: float) -> None:
         self.pieces = [p for p in self.pieces if not p[0].done
@@ -236,8 +237,8 @@ def test_a_request_served_gets_its_turn_under_a_stream_of_new_ones():
     """Four query clients that send again as soon as they are answered, beside a 500-text
     ingestion request: a request never served went ahead of every request served, and the
     ingestion request had 1 of 1,000 chunks. Now it waits at most for the requests waiting
-    when it was last served (4) and those arriving within NEW_LEAD chunks after, and a query
-    still goes ahead of it."""
+    when it was last served (4) and those arriving within NEW_LEAD chunks after (the lead
+    here: no more requests wait), and a query still goes ahead of it."""
     q = PendingQueue()
     bulk = job(*[300] * 2000)
     for j in [bulk] + [job(10) for _ in range(4)]:
@@ -253,10 +254,26 @@ def test_a_request_served_gets_its_turn_under_a_stream_of_new_ones():
     gaps = [b - a for a, b in itertools.pairwise([0, *bulk_chunks])]
     assert max(gaps) <= 4 + pending.NEW_LEAD, gaps
     assert len(bulk_chunks) >= 1000 // (4 + pending.NEW_LEAD) - 1, len(bulk_chunks)
-    while not any(p.job is bulk for p in q.take(by_256_tokens)):
-        pass
-    q.add(job(10), 0.0)  # arrives while an ingestion chunk runs: a query goes next
-    assert not any(p.job is bulk for p in q.take(by_256_tokens))
+    while len(q) > q.waiting(bulk):  # the queries answered, their clients gone
+        assert not any(p.job is bulk for p in q.take(by_256_tokens))
+    assert [p.job for p in q.take(by_256_tokens)] == [bulk]
+    q.add(query := job(10), 0.0)  # arrives while an ingestion chunk runs: it goes next
+    assert [p.job for p in q.take(by_256_tokens)] == [query]
+
+
+def test_a_query_behind_many_ingestion_requests_in_turns_waits_about_one_chunk():
+    """Forty ingestion requests taking turns: a query that came counted as served 8 turns
+    before, and waited behind every request not served since, 32 chunks (review). Its lead is
+    at least the requests waiting."""
+    q = PendingQueue()
+    ingestion = [job(*[300] * 50) for _ in range(40)]
+    for j in ingestion:
+        q.add(j, 0.0)
+    for _ in range(100):  # each has had its turns
+        q.take(by_256_tokens)
+    q.add(query := job(10), 1.0)
+    firsts = [q.take(by_256_tokens)[0].job for _ in range(2)]
+    assert query in firsts
 
 
 def test_queries_behind_a_large_request_share_a_chunk():

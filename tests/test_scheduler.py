@@ -327,7 +327,8 @@ def test_without_cross_request_batching_jobs_never_share_a_chunk():
 
 def test_requests_take_turns_text_by_text_in_input_order():
     """With one text per chunk, the waiting requests alternate (the one served longest ago
-    goes next; never-served ones first, oldest first), each in its own input order."""
+    goes next; a new one counts as served before every one waiting, oldest first), each in
+    its own input order."""
     factory = Factory()
     with scheduler(factory, max_chunk=1) as sched:
         with held(sched, factory):

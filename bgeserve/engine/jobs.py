@@ -39,7 +39,8 @@ class Job:
     started: float = 0.0  # monotonic seconds when a chunk first took its texts (0: never)
     room_wait: float = 0.0  # seconds it waited for room for its ColBERT output, before queued
     # The queue's turn a chunk last took its texts at; before the first, the turn it arrived
-    # at less ``queue.NEW_LEAD`` (the queue ranks the next chunk's requests by it).
+    # at less its lead (``queue.PendingQueue.add``; the queue ranks the next chunk's requests
+    # by it).
     served: int = 0
     # The indices the queue must run (None: every text; ``reuse`` narrows it).
     todo: list[int] | None = None

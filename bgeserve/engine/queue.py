@@ -5,14 +5,16 @@ Not thread-safe by itself: the scheduler holds its lock around every call. Pure 
 
 Each chunk is built around one *anchor* text, packed with the waiting texts nearest to it in
 length: the first waiting text of the request served longest ago, where a request never
-served counts as served ``NEW_LEAD`` turns before it arrived (ties: the oldest). So requests
-take turns: a one-text query that arrives behind a 256-text ingestion batch waits for one
-chunk, not for the whole batch (it goes ahead of up to ``NEW_LEAD`` requests served since),
-and nobody starves: a request waits at most for the requests waiting when it was last served
-and those arriving within ``NEW_LEAD`` turns after, plus solo chunks (the canary's), which go
-first while the batch window is open. (A request never served used to go ahead of every
-request served: under a steady stream of new queries an ingestion request got no chunk at all,
-1 text in 1,000 chunks beside 4 query clients that send again at once.)
+served counts as served ``max(NEW_LEAD, requests waiting)`` turns before it arrived (ties:
+the oldest). So requests take turns: a one-text query that arrives behind ingestion requests
+goes ahead of every one of them served since the turn it counts as served at (with them in
+turns, all of them: it waits for about one chunk, not for a batch), and nobody starves: a
+request waits at most for the requests waiting when it was last served and those arriving
+within that lead after, plus solo chunks (the canary's), which go first while the batch window
+is open. (A request never served used to go ahead of every request served: under a steady
+stream of new queries an ingestion request got no chunk at all, 1 text in 1,000 chunks beside 4
+query clients that send again at once. A fixed lead of 8 turns left a query behind 40
+ingestion requests in turns waiting 32 chunks: review.)
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from bgeserve.engine.binpack import Chunk
 from bgeserve.engine.jobs import Job, Piece
 
 WINDOW = 1024  # pending texts considered per dispatch: bounds the packing work
-# Turns a new request goes ahead of the requests served: a query overtakes up to this many
-# ingestion requests, and under a stream of new ones each request still has every 9th chunk.
+# Turns at least that a new request counts as served before it came (the module doc): under a
+# stream of new one-text queries beside one ingestion request, that request still has about
+# every (NEW_LEAD + queries waiting)th chunk.
 NEW_LEAD = 8
 
 
@@ -87,7 +90,7 @@ class PendingQueue:
     def add(self, job: Job, now: float) -> None:
         """Queue every text of ``job`` still to run."""
         if job not in self._jobs and not job.started:
-            job.served = self._turn - NEW_LEAD
+            job.served = self._turn - max(NEW_LEAD, len(self._jobs))
         pieces = self._jobs.setdefault(job, collections.deque())
         for i in job.pending():
             n = len(job.ids[i])
