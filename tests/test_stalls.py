@@ -242,18 +242,27 @@ def test_a_stop_cuts_the_streams_still_being_sent_before_its_grace_ends(
         try:
             conn.sendall(ask("/slow-reader"))
             time.sleep(0.5)
-            began = time.monotonic()
-            server.should_exit = True
-            server.thread.join(10)  # type: ignore[attr-defined]
-            assert not server.thread.is_alive()  # type: ignore[attr-defined]
-            assert time.monotonic() - began < 3
+            assert stopped_in(server) < 3
         finally:
             conn.close()
     assert ended.pop("/slow-reader") < PIECES // 4
     assert access_lines(caplog.records) == [("/slow-reader", 499)]
-    messages = [r.getMessage() for r in caplog.records]
+    assert_one_reset_no_error(caplog.records)
+
+
+def stopped_in(server: uvicorn.Server) -> float:
+    """Stop ``server`` (as a signal would); the seconds its thread took to end."""
+    began = time.monotonic()
+    server.should_exit = True
+    server.thread.join(10)  # type: ignore[attr-defined]
+    assert not server.thread.is_alive()  # type: ignore[attr-defined]
+    return time.monotonic() - began
+
+
+def assert_one_reset_no_error(records: list[logging.LogRecord]) -> None:
+    messages = [r.getMessage() for r in records]
     assert any("reset 1 connection(s) still sending" in m for m in messages), messages
-    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not [r.getMessage() for r in records if r.levelno >= logging.ERROR]
 
 
 @pytest.mark.parametrize("version", ["1.1", "1.0"])
@@ -268,16 +277,10 @@ def test_a_stop_cuts_a_whole_answer_its_client_has_not_taken(
         try:
             conn.sendall(post("/whole/8", version))
             assert wait_for(lambda: access_lines(caplog.records), 5)
-            began = time.monotonic()
-            server.should_exit = True
-            server.thread.join(10)  # type: ignore[attr-defined]
-            assert not server.thread.is_alive()  # type: ignore[attr-defined]
-            assert time.monotonic() - began < 1.4
+            assert stopped_in(server) < 1.4
         finally:
             conn.close()
-    messages = [r.getMessage() for r in caplog.records]
-    assert any("reset 1 connection(s) still sending" in m for m in messages), messages
-    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert_one_reset_no_error(caplog.records)
 
 
 async def answer_at_once(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
