@@ -66,6 +66,10 @@ def chunk_fits(count: int, longest: int, real_tokens: int, *, fits: Fits, max_ch
     chunk, once padded (see ``chunk_length``)."""
     if count > max_chunk:
         return False
+    # Padding never shortens: a chunk over max_tokens unpadded is refused before the padding
+    # (and its budget checks) is worked out, the common refusal where long texts run alone.
+    if count > 1 and max_tokens is not None and count * longest > max_tokens:
+        return False
     padded = chunk_length(count, longest, fits=fits, multiple=pad_multiple, cap=pad_cap)
     if count > 1:
         if max_tokens is not None and count * padded > max_tokens:
@@ -105,8 +109,6 @@ def plan(lengths: Sequence[int], *, fits: Fits, max_chunk: int,
     def joins(count: int, before: int, longest: int, real_tokens: int) -> bool:
         """Whether the text of ``longest`` tokens joins the ``count`` texts packed so far,
         whose longest has ``before`` tokens; every length as the chunk would be padded."""
-        if count >= max_chunk or (max_tokens is not None and (count + 1) * longest > max_tokens):
-            return False  # chunk_fits's first refusals, before any padding is worked out
         if not chunk_fits(count + 1, longest, real_tokens, fits=fits, max_chunk=max_chunk,
                           max_tokens=max_tokens, min_fill=min_fill, pad_multiple=pad_multiple,
                           pad_cap=pad_cap):
