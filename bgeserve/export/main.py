@@ -21,7 +21,6 @@ rank agreement (``rerank_validate.py``).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -38,7 +37,7 @@ from bgeserve.export import ATTENTION_BLOCK, FFN_ROWS, REFUSED
 from bgeserve.logs import setup_logging
 from bgeserve.model.dims import position_offset
 from bgeserve.model.kind import EMBEDDING, RERANKER, config_kind, num_labels
-from bgeserve.model.prepared import int8_weights
+from bgeserve.model.prepared import int8_weights, sha256
 from bgeserve.progress import Progress
 
 log = logging.getLogger("bgeserve.export")
@@ -56,15 +55,6 @@ SOURCE_PATTERNS = ["config.json", "*.safetensors", "pytorch_model.bin", "sparse_
 MANIFEST_SCHEMA = 1
 OUTPUTS = ["dense", "sparse_weights", "colbert"]
 RERANKER_OUTPUTS = ["score"]
-
-
-def sha256(path: Path) -> str:
-    """Hex SHA-256 of a file, read in 8 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _source_dir(model: str, cache_dir: Path | None) -> Path:

@@ -283,10 +283,16 @@ def build_random_model(
 
 def cached_random_model(root: Path, size: str = "tiny", seed: int = 0) -> Path:
     """Return ``root/f"{size}-seed{seed}"``, building it first if missing; safe under races."""
-    path = Path(root) / f"{size}-seed{seed}"
+    return built_once(Path(root) / f"{size}-seed{seed}",
+                      lambda path: build_random_model(path, size, seed))
+
+
+def built_once(path: Path, build: Callable[[Path], object]) -> Path:
+    """``path``, built by ``build(path)`` unless complete already; another process building
+    the same path at once (``FileExistsError`` from the atomic rename) is no error."""
     if not (path / MARKER).is_file():
         try:
-            build_random_model(path, size, seed)
+            build(path)
         except FileExistsError:
             if not (path / MARKER).is_file():
                 raise

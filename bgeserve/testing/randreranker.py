@@ -24,6 +24,7 @@ from bgeserve.testing.randmodel import (
     SIZES,
     _random_tensor,
     build_atomically,
+    built_once,
     write_tokenizer,
 )
 
@@ -99,11 +100,5 @@ def build_random_reranker(
 
 def cached_random_reranker(root: Path, size: str = "tiny", seed: int = 0) -> Path:
     """Return ``root/f"reranker-{size}-seed{seed}"``, building it first if missing."""
-    path = Path(root) / f"reranker-{size}-seed{seed}"
-    if not (path / MARKER).is_file():
-        try:
-            build_random_reranker(path, size, seed)
-        except FileExistsError:
-            if not (path / MARKER).is_file():
-                raise
-    return path
+    return built_once(Path(root) / f"reranker-{size}-seed{seed}",
+                      lambda path: build_random_reranker(path, size, seed))
