@@ -1,6 +1,6 @@
 """The rerank clients people use, pointed at a live server (tiny bge-m3 + tiny reranker) by
 base URL: LangChain's JinaRerank and CohereRerank, LlamaIndex's JinaRerank and CohereRerank,
-and a TEI-shaped client, each getting FlagEmbedding's order and scores."""
+LlamaIndex's TEI reranker and a TEI-shaped client, each getting FlagEmbedding's order and scores."""
 
 from __future__ import annotations
 
@@ -102,6 +102,21 @@ def test_llamaindex(server: ServerProc, case, kind: str) -> None:
     nodes = [NodeWithScore(node=TextNode(text=d)) for d in docs]
     out = post.postprocess_nodes(nodes, query_bundle=QueryBundle(query))
     expect(case, [(n.node.get_content(), n.score) for n in out])
+
+
+def test_llamaindex_tei(server: ServerProc, case) -> None:
+    """LlamaIndex's TEI reranker: POST {base_url}/rerank, TEI's sigmoid scores (its
+    ``auth_token`` goes out as the whole Authorization header: test_http.test_auth)."""
+    from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+    from llama_index.postprocessor.tei_rerank import TextEmbeddingInference
+
+    query, docs, ref = case
+    post = TextEmbeddingInference(base_url=server.url, top_n=TOP_N)
+    out = post.postprocess_nodes([NodeWithScore(node=TextNode(text=d)) for d in docs],
+                                 query_bundle=QueryBundle(query))
+    order = np.argsort(-ref)[:TOP_N]
+    assert [n.node.get_content() for n in out] == [docs[i] for i in order]
+    np.testing.assert_allclose([n.score for n in out], 1 / (1 + np.exp(-ref[order])), atol=1e-4)
 
 
 def test_tei_shaped_client(server: ServerProc, case) -> None:

@@ -45,6 +45,8 @@ class BearerAuth:
     """Require ``Authorization: Bearer <key>`` on every request but a GET (or HEAD) of one of
     ``open_paths`` (probes: ``POST /`` embeds, ``GET /`` is a health check).
 
+    The key alone, with no scheme, is taken too: LlamaIndex's TEI reranker sends its
+    ``auth_token`` as the whole header (0.6.0), and what is checked is still the key.
     Digests of the presented and configured keys are compared in constant time, every key
     every time, so timing reveals neither a key's length nor which key came close. Keys are
     never logged.
@@ -60,13 +62,13 @@ class BearerAuth:
         if raw is None:
             return Unauthorized("missing API key: send the header 'Authorization: Bearer <key>'")
         scheme, _, token = raw.strip().partition(b" ")
-        presented = _digest(token.strip())
+        bearer = _digest(token.strip()) if scheme.lower() == b"bearer" else None
+        bare = _digest(raw.strip())
         matched = False
         for digest in self.digests:
-            matched |= hmac.compare_digest(presented, digest)
-        if scheme.lower() != b"bearer" or not matched:
-            return Unauthorized("invalid API key")
-        return None
+            matched |= hmac.compare_digest(bare, digest)
+            matched |= bearer is not None and hmac.compare_digest(bearer, digest)
+        return None if matched else Unauthorized("invalid API key")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.digests and not (
