@@ -305,3 +305,25 @@ def test_an_example_runs_as_a_script(server: ServerProc) -> None:
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, f"{done.stderr}\n{server.health().text}\n{server.output()}"
     assert "feature_extraction: (2, " in done.stdout and "similarity: [" in done.stdout
+
+
+def test_cohere_clients_get_the_engines_vectors(url: str, engine: Engine) -> None:
+    """The Cohere SDK's v1 and v2 embed and LangChain's CohereEmbeddings, pointed at the bare
+    host: the engine's vectors; ``ubinary`` / ``binary`` their sign bits packed."""
+    import cohere
+    from langchain_cohere import CohereEmbeddings
+
+    want = engine.embed(TEXTS).dense
+    v2 = cohere.ClientV2(api_key="unused", base_url=url).embed(
+        model="bge-m3", texts=TEXTS, input_type="search_document",
+        embedding_types=["float", "ubinary", "binary"])
+    np.testing.assert_allclose(np.asarray(v2.embeddings.float_), want, atol=ATOL)
+    ubinary = np.asarray(v2.embeddings.ubinary, dtype=np.uint8)
+    np.testing.assert_array_equal(ubinary, np.packbits(want > 0, axis=1))
+    np.testing.assert_array_equal(np.asarray(v2.embeddings.binary), ubinary.astype(int) - 128)
+    v1 = cohere.Client(api_key="unused", base_url=url).embed(texts=TEXTS, model="bge-m3",
+                                                             input_type="search_query")
+    np.testing.assert_allclose(np.asarray(v1.embeddings), want, atol=ATOL)
+    lc = CohereEmbeddings(model="bge-m3", base_url=url, cohere_api_key="unused")
+    np.testing.assert_allclose(np.asarray(lc.embed_documents(TEXTS)), want, atol=ATOL)
+    np.testing.assert_allclose(lc.embed_query(TEXTS[0]), want[0], atol=ATOL)

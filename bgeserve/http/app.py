@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from bgeserve.config import M3_MODEL_IDS, Settings
-from bgeserve.http import guards, handlers, linger, rerank, tei
+from bgeserve.http import cohere, guards, handlers, linger, rerank, tei
 from bgeserve.http.context import PROBE_PATHS, RequestContext
 from bgeserve.http.errors import EXCEPTION_HANDLERS, ErrorStyle, envelope, json_error
 from bgeserve.http.guards import BearerAuth, BodyAllowance, BodyLimit, InflightLimit, Uploads
@@ -41,6 +41,8 @@ openai_routes = [
     Route("/v1/embeddings:both", handlers.embed_endpoint(BOTH), methods=["POST"], name="both"),
     Route("/v1/rerank", rerank.rerank, methods=["POST"], name="rerank"),
     Route("/v2/rerank", rerank.rerank, methods=["POST"], name="rerank_v2"),
+    Route("/v1/embed", cohere.embed_v1, methods=["POST"], name="cohere_embed"),
+    Route("/v2/embed", cohere.embed_v2, methods=["POST"], name="cohere_embed_v2"),
     Route("/v1/models", handlers.models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", handlers.model, methods=["GET"]),
     # Without /v1 too, as /embeddings: an OpenAI client given the bare host lists models there.
@@ -73,8 +75,8 @@ TEI_PATHS = frozenset(route.path for route in tei_routes)
 # TEI routes bgeserve does not serve (a classifier's /predict, Vertex AI's /vertex): their 404
 # is in TEI's shape too, so that a TEI client can read it.
 TEI_UNSERVED = frozenset({"/predict", "/vertex"})
-# Jina's and Cohere's rerank routes: their errors also carry ``detail`` (errors.DETAIL_STYLE).
-DETAIL_PATHS = frozenset({"/v1/rerank", "/v2/rerank"})
+# Jina's and Cohere's routes: their errors also carry ``detail`` (errors.DETAIL_STYLE).
+DETAIL_PATHS = frozenset({"/v1/rerank", "/v2/rerank", "/v1/embed", "/v2/embed"})
 
 
 def _default_factory(settings: Settings) -> Service:

@@ -57,6 +57,7 @@ def overlay(b: Bounds) -> list[tuple[str, Any]]:
     ids = b.vocab_size - 1
     schemas = "/components/schemas"
     vector = _base64_length(4 * b.dense_width)
+    by_type = f"{schemas}/CohereEmbedResponse/properties/embeddings/oneOf/1/properties"
     return [
         ("/info/x-bgeserve-bounds", asdict(b) | {"model_ids": list(b.model_ids)}),
         (f"{schemas}/TokenIds/items/maximum", ids),
@@ -68,6 +69,9 @@ def overlay(b: Bounds) -> list[tuple[str, Any]]:
         (f"{schemas}/TeiInput/oneOf/3/maxItems", b.max_batch),
         (f"{schemas}/TeiTokenizeRequest/properties/inputs/oneOf/1/maxItems", b.max_batch),
         (f"{schemas}/RerankRequest/properties/documents/maxItems", b.max_batch),
+        (f"{schemas}/CohereEmbedRequest/properties/texts/maxItems", b.max_batch),
+        *((f"{by_type}/{kind}/items/{bound}", math.ceil(b.dense_width / 8))
+          for kind in ("binary", "ubinary") for bound in ("minItems", "maxItems")),
         (f"{schemas}/TeiDecodeRequest/properties/ids/oneOf/1/maxItems", b.max_batch),
         (f"{schemas}/TeiDecodeRequest/properties/ids/oneOf/0/items/maximum", ids),
         (f"{schemas}/TeiDecodeRequest/properties/ids/oneOf/1/items/items/maximum", ids),

@@ -233,6 +233,16 @@ def respond(exc: BgeServeError, scope: Scope) -> Response:
                           access_logged="request_id" in state)
 
 
+def renamed_param(exc: BgeServeError, field: str, name: str) -> BgeServeError | None:
+    """A copy of ``exc`` naming ``name[i]`` where it names ``field[i]`` (the engine's names
+    for a route whose body calls its items otherwise); None when it names no such item."""
+    param = exc.param
+    if param is None or not param.startswith(f"{field}["):
+        return None
+    renamed = name + param[len(field):]
+    return type(exc)(exc.message.replace(param, renamed), param=renamed, code=exc.code)
+
+
 class ErrorStyle:
     """ASGI middleware: errors on ``tei_paths`` get TEI's shape and statuses, those on
     ``detail_paths`` the OpenAI shape with ``detail``.

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from bgeserve.errors import BgeServeError
+from bgeserve.http.errors import renamed_param
 from bgeserve.http.handlers import (
     OFFLOAD_BODY_BYTES,
     _maybe_offload,
@@ -56,18 +57,10 @@ async def tei_rerank_parsed(request: Request, parsed: RerankRequest) -> Response
         result = await unless_disconnected(request, state.service.rerank(
             parsed.query, parsed.documents, parsed.options, request_id=state.request_id))
     except BgeServeError as exc:
-        renamed = _named_as_texts(exc)
+        renamed = renamed_param(exc, "documents", "texts")  # TEI's field
         if renamed is None:
             raise
         raise renamed from exc
     return Response(render_tei_rerank(parsed, result), media_type="application/json")
 
 
-def _named_as_texts(exc: BgeServeError) -> BgeServeError | None:
-    """A copy of ``exc`` naming the document the engine names ``documents[i]`` (Jina's field)
-    ``texts[i]``, as TEI's body names it; None when it names no document."""
-    param = exc.param
-    if param is None or not param.startswith("documents["):
-        return None
-    name = "texts" + param[len("documents"):]
-    return type(exc)(exc.message.replace(param, name), param=name, code=exc.code)

@@ -120,16 +120,17 @@ def _dimensions(name: str, value: Any) -> int:
     return number
 
 
-def check_dimensions(requested: int | None, width: int) -> None:
-    """``dimensions`` may only repeat the model's own width (1,024 for bge-m3): it is not
-    trained for truncated vectors. Checked against the loaded model, so a smaller test model
-    with bge-m3's layout is held to its own width."""
+def check_dimensions(requested: int | None, width: int, name: str = "dimensions") -> None:
+    """``dimensions`` (Cohere's: ``output_dimension``, passed as ``name``) may only repeat the
+    model's own width (1,024 for bge-m3): it is not trained for truncated vectors. Checked
+    against the loaded model, so a smaller test model with bge-m3's layout is held to its own
+    width."""
     if requested is not None and requested != width:
         raise InvalidInput(
-            f"dimensions={requested} is not supported: this model returns {width}-dimensional "
+            f"{name}={requested} is not supported: this model returns {width}-dimensional "
             "vectors and bge-m3 is not trained for truncated (Matryoshka) vectors; omit "
-            f"dimensions or pass {width}",
-            param="dimensions",
+            f"{name} or pass {width}",
+            param=name,
             code="unsupported_dimensions",
         )
 
