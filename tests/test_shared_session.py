@@ -68,6 +68,36 @@ def test_cpu_workers_run_one_session(tiny_export: Path, tmp_path: Path) -> None:
     d.close()
 
 
+@pytest.mark.parametrize("how", ["copied over", "moved link"])
+def test_a_reload_refuses_model_files_replaced_since_the_start(tiny_export: Path,
+                                                              tmp_path: Path, how: str) -> None:
+    """After an idle unload the next open reads the graph again: files replaced since the
+    start (a copy over them keeping size and mtime, or the model path's symlink moved to
+    another export) are refused by name, not served under the old tokenizer and cache."""
+    import shutil
+
+    from bgeserve.errors import ModelUnavailable
+
+    copies = [tmp_path / "a", tmp_path / "b"]
+    for copy in copies:
+        shutil.copytree(tiny_export, copy)
+    link = tmp_path / "current"
+    link.symlink_to(copies[0])
+    artifacts = resolve(model_path=link, variant="fp32", cache_dir=tmp_path / "cache")
+    open_forward = forward_factory(artifacts, SessionConfig(threads=1))
+    open_forward(0).close()  # loaded, then unloaded for idleness
+    open_forward(0).close()  # the same files: reopened
+    if how == "moved link":
+        link.unlink()
+        link.symlink_to(copies[1])
+    else:
+        graph = artifacts.onnx_path.resolve()
+        shutil.copy2(graph, tmp_path / "graph")  # a new inode, the same size and mtime
+        (tmp_path / "graph").replace(graph)
+    with pytest.raises(ModelUnavailable, match="changed since bgeserve started"):
+        open_forward(0)
+
+
 def test_two_workers_on_one_session_give_one_worker_results(tiny_export: Path,
                                                             tmp_path: Path) -> None:
     texts = TEXTS * 8  # enough chunks for both workers to run at once

@@ -9,6 +9,7 @@ serve it unchanged (``engine/reranker.py`` reads it back).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -80,6 +81,17 @@ class Forward:
         self.session.close()
 
 
+def _files(artifacts: ModelArtifacts) -> tuple[str, tuple[int, ...]]:
+    """The graph files' names, sizes and mtimes, and their inodes (a copy keeps the first
+    three with ``cp -a``)."""
+    paths = (artifacts.onnx_path, *artifacts.external_data)
+    identity = artifacts.identity()  # ModelUnavailable if one is gone
+    try:
+        return identity, tuple(os.stat(p).st_ino for p in paths)
+    except OSError as exc:
+        raise ModelUnavailable(f"model file is gone: {exc}") from exc
+
+
 def forward_factory(artifacts: ModelArtifacts, config: SessionConfig) -> OpenForward:
     """A callable ``open_forward(worker=0)`` that opens a fresh ``Forward`` for that worker.
 
@@ -93,8 +105,17 @@ def forward_factory(artifacts: ModelArtifacts, config: SessionConfig) -> OpenFor
                             h.colbert_weight.astype(np.float32), h.colbert_bias.astype(np.float32))
     open_session = runtime.get(runtime.kind_of(artifacts, config.provider)).opener(artifacts,
                                                                                    config)
+    loaded = _files(artifacts)
 
     def open_forward(worker: int = 0) -> Forward:
+        # A reload (after an idle unload, or a failure) reads the graph from disk again: files
+        # replaced since the start (a symlink moved to another export, a copy over them) gave
+        # the new weights under the tokenizer and cached vectors of the old, silently.
+        if _files(artifacts) != loaded:
+            raise ModelUnavailable(
+                f"the model files of {artifacts.source} changed since bgeserve started; it "
+                "serves nothing rather than mix them with the tokenizer and cache it started "
+                "with: restart bgeserve to serve the new files")
         return Forward(open_session(worker), artifacts.layout, heads)
 
     return open_forward
