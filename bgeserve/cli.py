@@ -133,7 +133,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGHUP, on_hangup)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        # Started under nohup (hangups ignored), closing the terminal must not stop it: there
+        # is no supervisor to start it again.
+        signal.signal(signal.SIGHUP, on_hangup)
     try:
         server.run()
     except SystemExit as exc:  # uvicorn's own exit when it cannot listen (a port taken since)

@@ -389,6 +389,25 @@ def test_idle_unload_and_reload(tiny_export: Path, tmp_path: Path, engine: Engin
         assert any("session unloaded" in m for m in messages), proc.output()
 
 
+def test_under_nohup_a_hangup_leaves_the_server_serving(tiny_export: Path,
+                                                       tmp_path: Path) -> None:
+    """Started with SIGHUP ignored (nohup), a hangup (the terminal closing) is ignored still:
+    the server drained and exited, with no supervisor to start it again."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # inherited by the child
+    try:
+        proc = ServerProc(server_env(tiny_export, tmp_path)).start()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    with proc:
+        proc.wait_health(timeout=START_TIMEOUT)
+        assert proc.proc is not None
+        proc.proc.send_signal(signal.SIGHUP)
+        time.sleep(1.5)
+        assert proc.proc.poll() is None, proc.output()
+        assert httpx.post(f"{proc.url}/v1/embeddings", json={"input": "still here"},
+                          timeout=30).status_code == 200
+
+
 # -- start-up failure ------------------------------------------------------------------------
 def test_missing_model_exits_non_zero(tmp_path: Path) -> None:
     """A model path that is not there: exit 2 before the port is bound, one line on stderr
