@@ -138,3 +138,18 @@ def test_a_hub_model_still_needs_a_writable_cache(tmp_path: Path):
         with suppress(Exception):
             asyncio.run(service.stop())
     assert "cannot be used" in str(info.value)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_records_are_written_with_the_umasks_mode(tmp_path: Path, umask: int) -> None:
+    """A record's mode follows the umask as any file the process makes (mkstemp's 0600 left
+    a cache written by one uid unreadable to another, which measured again every start)."""
+    from bgeserve.tuning.cache import write_atomic
+
+    old = os.umask(umask)
+    try:
+        write_atomic(tmp_path / "record.json", {"a": 1})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "record.json").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert json.loads((tmp_path / "record.json").read_text()) == {"a": 1}

@@ -241,12 +241,28 @@ def write_keyed(path: Path, key: str, record: Mapping[str, object]) -> None:
         logger.debug("cannot prune %s (%s)", folder, exc)
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it (``os.umask`` sets it, racing threads
+    that create files meanwhile); 022 where /proc does not say."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def write_atomic(path: Path, record: Mapping[str, object]) -> None:
     """``record`` as JSON at ``path`` (temp file, fsync, rename); a failure only logs."""
     tmp: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        # mkstemp makes it 0600 whatever the umask: a cache written by one uid (an init job as
+        # root) was unreadable to the server's, which measured again at every start.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             json.dump(record, f, indent=2, default=str)
             f.flush()
