@@ -208,7 +208,11 @@ def _probe(args: argparse.Namespace) -> int:
     except BgeServeError as exc:  # a bad variable: its message, not a traceback
         print(f"bgeserve: {exc}", file=sys.stderr)
         return 2
-    return foreground_probe.run(settings, shapes)
+    try:
+        return foreground_probe.run(settings, shapes)
+    except BgeServeError as exc:  # an unusable cache or model directory: one line, as serve
+        print(f"bgeserve probe: {exc}", file=sys.stderr)
+        return 3
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -603,3 +603,18 @@ def test_cumulative_readings_fit_once_the_pool_readings_before_it_are_left_out()
     for x in [*samples, held]:
         assert found.predict(x.batch, x.seq) >= 0.9 * x.workspace_bytes
     assert pooled(samples[:3]) == samples[:3]  # too few above the floor: all kept
+
+
+def test_the_probe_command_says_an_unusable_cache_dir_in_one_line(
+        tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``bgeserve probe`` with a cache directory that is a file: one line and exit 3, as
+    ``serve`` says it (a 30-line traceback before)."""
+    from bgeserve.cli import main
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("BGE_M3_MODEL_PATH", str(tiny_export))
+    monkeypatch.setenv("BGE_M3_CACHE_DIR", str(tmp_path / "file"))
+    assert main(["probe"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("bgeserve probe: cache directory") and "Traceback" not in err[0]
