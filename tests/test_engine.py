@@ -174,6 +174,23 @@ def test_the_cache_gives_the_vectors_an_engine_without_it_gives(tiny_export: Pat
     assert cos.min() >= 0.99999
 
 
+def test_a_text_repeated_in_one_call_gets_one_answer_without_a_cache(tiny_export: Path,
+                                                                   tmp_path: Path) -> None:
+    """Without a cache (int8's default) a repeated text still runs once and its copies get
+    its values bit for bit: each copy ran in its own chunk, with other batch-mates, and
+    int8's came back ~0.0165 apart (QA, chaos load)."""
+    filler = [f"filler text {i} " * (1 + i % 5) for i in range(40)]
+    texts = ["the repeated text", *filler, "the repeated text"]
+    chunks: list = []
+    with _engine(tiny_export, tmp_path, "int8", chunks, max_chunk=4) as engine:
+        assert engine.cache is None
+        out = engine.embed(texts, dense=True, sparse=True, colbert=True)
+    assert sum(c.batch for c in chunks) == len(texts) - 1  # the copy never ran
+    assert np.array_equal(out.dense[0], out.dense[-1])
+    assert np.array_equal(out.sparse[0][1], out.sparse[-1][1])
+    assert np.array_equal(out.colbert[0], out.colbert[-1])
+
+
 def test_int8_has_no_cache_unless_each_text_runs_alone(tiny_export: Path,
                                                        tmp_path: Path) -> None:
     """int8's activation scales are taken over the chunk, so its vectors move with their
