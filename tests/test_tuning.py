@@ -529,6 +529,55 @@ def test_tuner_complete_then_cache_hit(tiny_export: Path, tmp_path: Path) -> Non
     assert forced.state.probe_status == "running"
 
 
+def test_a_fit_probed_short_of_memory_is_measured_again_once_memory_is_there(
+        tiny_export: Path, tmp_path: Path) -> None:
+    """A fit whose probe skipped shapes for its budget is extrapolated past them (QA: from
+    4x256 in a 300 MB container, 17.8 bytes/token² against 0.15 measured whole, and the start
+    with the limit raised refused for good on that cache). A start with the same memory hits
+    the cache; one with well more probes again; a fit that skipped nothing is kept."""
+    dims = tiny_dims(tiny_export)
+
+    def probed(available: int, cache_dir: Path) -> Tuner:
+        config = TuningConfig(max_seq=512, cache_dir=cache_dir, dims=dims,
+                              available_override=available)
+        tuner = Tuner(config, apply=lambda cost: None)
+        tuner.initial(model_cost=16 << 20, fingerprint="f" * 64)
+        if tuner.state.probe_status == "running":
+            tuner.start_probe(exact_run, 16 << 20, "f" * 64, {"max_seq": 512})
+            assert tuner.wait(PROBE_TIMEOUT)
+        return tuner
+
+    short = tmp_path / "short"
+    assert probed(330 << 20, short).state.probe_status == "complete"
+    record = json.loads((short / "probe-coefficients.json").read_text())
+    assert record["skipped_for_memory"] > 0 and record["probe_budget_bytes"] > 0
+    assert probed(330 << 20, short).state.probe_status == "cache_hit"
+    again = probed(600 << 20, short)
+    assert again.state.probe_status == "complete"  # measured, not the cached fit
+    record = json.loads((short / "probe-coefficients.json").read_text())
+    assert record["skipped_for_memory"] == 0
+    assert probed(330 << 20, short).state.probe_status == "cache_hit"  # less memory: kept
+    whole = tmp_path / "whole"
+    assert probed(600 << 20, whole).state.probe_status == "complete"
+    assert probed(4 << 30, whole).state.probe_status == "cache_hit"
+
+
+def test_a_cached_fit_that_refuses_the_start_says_so(tiny_export: Path, tmp_path: Path) -> None:
+    """The refusal of a start whose cached fit does not fit one text names the cache and how to
+    measure again (the operator raising the limit as it advised got the same refusal)."""
+    from bgeserve.tuning.costmodel import Fit
+    from bgeserve.tuning.tuner import DoesNotFit
+
+    ProbeCache.at(tmp_path).save("f" * 64, Fit(a=1e6, b=1e4, max_rel_residual=0.1,
+                                               held_out_rel_error=None), {}, [])
+    config = TuningConfig(max_seq=512, cache_dir=tmp_path, dims=tiny_dims(tiny_export),
+                          available_override=1 << 30)
+    with pytest.raises(DoesNotFit, match="BGE_M3_DISABLE_PROBE_CACHE=1") as refused:
+        Tuner(config, apply=lambda cost: None).initial(model_cost=16 << 20,
+                                                       fingerprint="f" * 64)
+    assert str(tmp_path / "probe-coefficients.json") in str(refused.value)
+
+
 def test_tuner_probe_failure_keeps_the_conservative_model(tiny_export: Path,
                                                           tmp_path: Path) -> None:
     dims = tiny_dims(tiny_export)

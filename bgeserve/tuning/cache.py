@@ -186,6 +186,16 @@ class ProbeCache:
         except (ValueError, TypeError, AttributeError):
             return {}
 
+    def short_budget(self, fingerprint: str) -> int | None:
+        """The probe's memory budget (bytes per worker) when the guard skipped shapes for it
+        in the probe that made ``fingerprint``'s fit; None when it skipped none (or the record
+        predates saying so)."""
+        saved = self._saved(fingerprint)
+        budget, skipped = saved.get("probe_budget_bytes"), saved.get("skipped_for_memory")
+        if type(budget) is not int or type(skipped) is not int or skipped <= 0:
+            return None
+        return budget
+
     def run_cost(self, fingerprint: str) -> RunCost | None:
         """What a run costs, saved with ``fingerprint``'s fit; None if not saved (a probe that
         could not measure it) or damaged."""
@@ -194,7 +204,8 @@ class ProbeCache:
     def save(
         self, fingerprint: str, fit: Fit, parts: Mapping[str, object], samples: Sequence[Sample],
         chunk_rates: Mapping[int, float] | None = None, held_out: Sample | None = None,
-        run_cost: RunCost | None = None,
+        run_cost: RunCost | None = None, probe_budget: int | None = None,
+        skipped_for_memory: int = 0,
     ) -> None:
         """Write the fit atomically (temp file, fsync, rename); a failure only logs a warning.
         The measurements go with it (``samples``, ``held_out``): what an operator reads."""
@@ -208,6 +219,10 @@ class ProbeCache:
             "held_out": asdict(held_out) if held_out else None,
             "chunk_rates": {str(k): v for k, v in (chunk_rates or {}).items()},
             "run_cost": asdict(run_cost) if run_cost else None,
+            # Shapes the guard skipped for this budget: the fit is extrapolated beyond them,
+            # and a start with more memory measures them (``short_budget``).
+            "probe_budget_bytes": probe_budget,
+            "skipped_for_memory": skipped_for_memory,
         })
 
     def _write(self, record: Mapping[str, object]) -> None:

@@ -40,6 +40,9 @@ GPU_DEFAULT_VRAM = 10 << 30
 # probe's readings), then the failure is served from the cache until the model, runtime or
 # settings change (or BGE_M3_DISABLE_PROBE_CACHE=1).
 MAX_ATTEMPTS = 2
+# A cached fit whose probe skipped shapes for memory is measured again once a probe would have
+# this much more budget (a little more is noise: the memory read moves between starts).
+SHORT_BUDGET_GROWTH = 1.25
 
 
 @dataclass(frozen=True)
@@ -234,6 +237,8 @@ class Tuner:
             s.probe_status, s.probe_error = "failed", self._gave_up
         else:
             cached = self._cached(fingerprint)
+            if isinstance(cached, Fit) and self._measured_short(fingerprint, model_cost):
+                cached = None
             if isinstance(cached, Fit):
                 a, b, c_fixed, s.probe_status = cached.a, cached.b, cached.c, "cache_hit"
                 store = cache.ProbeCache(self.cache_path)
@@ -264,6 +269,21 @@ class Tuner:
                          "a second copy of the model does not fit beside the server")
         self._publish(cost)
         return cost
+
+    def _measured_short(self, fingerprint: str | None, model_cost: int) -> bool:
+        """Whether the cached fit's probe skipped shapes for a budget well below a probe's
+        now: its fit is extrapolated past them (from 4x256 in 300 MB: b 17.8 bytes/token²
+        against 0.15 measured whole), which kept a start with the memory raised refusing for
+        good. Such a start probes again."""
+        then = cache.ProbeCache(self.cache_path).short_budget(fingerprint or "")
+        if then is None:
+            return False
+        now = self.budget(model_cost, extra_sessions=1)
+        if now <= then * SHORT_BUDGET_GROWTH:
+            return False
+        log.info("probe cache: its probe skipped shapes for a budget of %d MiB per worker; "
+                 "a probe would have %d MiB now: probing again", then >> 20, now >> 20)
+        return True
 
     def _cached(self, fingerprint: str | None) -> Fit | cache.Failure | None:
         c = self.config
@@ -323,7 +343,10 @@ class Tuner:
                ". This is the conservative estimate (no probe measurement is cached yet); the "
                "measured cost is usually far lower: run `bgeserve probe` once with the same "
                "model, variant and BGE_M3_CACHE_DIR where memory allows, and its cached fit "
-               "is used here"),
+               "is used here")
+            + ("" if self.state.probe_status != "cache_hit" else
+               f". The cost is the probe's fit cached in {self.cache_path}; "
+               "BGE_M3_DISABLE_PROBE_CACHE=1 (or removing it) measures it again"),
             param=c.length_variable)
 
     def _publish(self, cost: CostModel) -> None:
@@ -453,10 +476,14 @@ class Tuner:
                  "that fits %d tokens", result.seconds, self.state.probe_mode,
                  probe.describe(result.fit), fitted.max_workspace_bytes >> 20, fitted.max_seq())
         if caching:
+            guarded = sum(reason.startswith(probe.GUARD_SKIP)
+                          for _, _, reason in result.skipped)
             cache.ProbeCache(self.cache_path).save(fingerprint or "", result.fit, parts,
                                                    result.samples, result.chunk_rates,
                                                    held_out=result.held_out,
-                                                   run_cost=result.run_cost)
+                                                   run_cost=result.run_cost,
+                                                   probe_budget=guard.max_workspace_bytes,
+                                                   skipped_for_memory=guarded)
 
     def _choose_chunks(self, rates: dict[int, float]) -> None:
         """Move the engine's chunk budget to a timed one that clearly beat the default."""
