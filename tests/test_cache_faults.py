@@ -153,3 +153,29 @@ def test_records_are_written_with_the_umasks_mode(tmp_path: Path, umask: int) ->
         os.umask(old)
     assert (tmp_path / "record.json").stat().st_mode & 0o777 == 0o666 & ~umask
     assert json.loads((tmp_path / "record.json").read_text()) == {"a": 1}
+
+
+@pytest.mark.parametrize("record", ["nested", "a=1e-300", "a=b=1e300", "c=1e300"])
+def test_a_hand_edited_record_is_ignored_not_a_crash_loop(tmp_path: Path, record: str,
+                                                          caplog: pytest.LogCaptureFixture):
+    """Records no probe could make (nested past the parser's depth, coefficients under a byte
+    or over a tebibyte per token) are ignored with the warning, in both files: each was a
+    traceback (RecursionError, OverflowError) or an absurd refusal at every start (QA)."""
+    from bgeserve.tuning.cache import ChoiceCache
+
+    path = tmp_path / "probe-coefficients.json"
+    fields = {"a=1e-300": {"a": 1e-300, "b": 0.0}, "a=b=1e300": {"a": 1e300, "b": 1e300},
+              "c=1e300": {"a": 5e4, "b": 10.0, "c": 1e300}}.get(record)
+    if fields is None:
+        path.write_text("[" * 100_000)
+        (tmp_path / "variant-choice.json").write_text("[" * 100_000)
+        assert ChoiceCache.at(tmp_path).load("key") is None
+    else:
+        ProbeCache(path).save("f" * 64, Fit(5e4, 10.0, 0.01, None), {}, [])
+        edited = json.dumps({**json.loads(path.read_text()), **fields})
+        for copy in (path, *tmp_path.glob("probe-coefficients.d/*.json")):  # the kept one too
+            copy.write_text(edited)
+    store = ProbeCache(path)
+    assert store.load("f" * 64) is None
+    assert store.chunk_rates("f" * 64) == {} or fields is not None
+    assert any("ignoring it" in r.getMessage() for r in caplog.records)

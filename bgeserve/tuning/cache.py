@@ -60,6 +60,9 @@ def fingerprint(parts: Mapping[str, str | int | float]) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+PLAUSIBLE = float(1 << 40)  # bytes: no coefficient of a real fit comes near
+
+
 def _coefficient(value: object) -> float | None:
     """``value`` as a finite float, or None for anything else (bools and strings included)."""
     if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
@@ -92,8 +95,8 @@ def _parse_record(text: str, fingerprint: str) -> Fit | Failure | str:
     """The fit (or failure) stored in a cache file's text, or why it cannot be used."""
     try:
         data = json.loads(text)
-    except ValueError as exc:
-        return f"is corrupt or truncated ({exc})"
+    except (ValueError, RecursionError) as exc:  # nested past the parser's depth: no record
+        return f"is corrupt or truncated ({type(exc).__name__}: {exc})"
     if not isinstance(data, dict):
         return "is not a JSON object"
     if data.get("schema") != PROBE_SCHEMA:
@@ -103,13 +106,16 @@ def _parse_record(text: str, fingerprint: str) -> Fit | Failure | str:
     if "failed" in data:
         return _parse_failure(data)
     a, b = _coefficient(data.get("a")), _coefficient(data.get("b"))
-    if a is None or b is None or a < 0 or b < 0 or a + b == 0:
+    # A token costs at least a byte and less than a tebibyte: beyond either a hand-edited or
+    # damaged record made every start fail (a=1e-300: an OverflowError; 1e300: a refusal
+    # asking for 10^240 MiB), not a measurement.
+    if a is None or b is None or a < 0 or b < 0 or max(a, b) < 1 or max(a, b) > PLAUSIBLE:
         return f"has unusable coefficients a={data.get('a')!r}, b={data.get('b')!r}"
     residual, held = _coefficient(data.get("max_rel_residual")), data.get("held_out_rel_error")
     if residual is None or (held is not None and _coefficient(held) is None):
         return "is missing its fit-quality fields"
     c = _coefficient(data.get("c", 0.0))
-    if c is None or c < 0:
+    if c is None or c < 0 or c > PLAUSIBLE:
         return f"has an unusable fixed term c={data.get('c')!r}"
     cover = data.get("cover", "")
     return Fit(a, b, residual, _coefficient(held), c, cover if isinstance(cover, str) else "")
@@ -171,7 +177,7 @@ class ProbeCache:
         for text in (_read_text(self.path), _read_kept(self.path, fingerprint)):
             try:
                 record = json.loads(text or "")
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             if isinstance(record, dict) and record.get("fingerprint") == fingerprint:
                 return record
@@ -331,14 +337,14 @@ class ChoiceCache:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
             return None
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
             logger.warning("variant choice %s cannot be read (%s); measuring again", self.path,
                            exc)
             return None
         if isinstance(data, dict) and data.get("key") != key:  # another's: this key's own
             try:
                 data = json.loads(_read_kept(self.path, key) or "null")
-            except ValueError:
+            except (ValueError, RecursionError):
                 data = None
         if not isinstance(data, dict) or data.get("key") != key:
             return None
