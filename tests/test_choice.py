@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,18 @@ def test_every_candidate_that_meets_the_bar_is_timed_and_the_fastest_serves(expo
     assert set(decision.left_out) == {"fp16", "int8-bad"}
     s = decision.settings
     assert (s.variant, s.execution_provider, s.variant_choice) == ("int8", "cpu", "measured")
+
+
+def test_a_damaged_variant_is_left_out_with_a_warning(export, tmp_path, caplog):
+    """A variant whose file no longer matches the manifest is left out of the timing and said
+    in the log (it was only in variant-choice.json's left_out)."""
+    (export / "bf16" / "model.bin").unlink()
+    timer = FakeTimer({"fp32": 250.0, "int8": 800.0})
+    with caplog.at_level(logging.WARNING, logger="bgeserve"):
+        decision = choice.decide(default_settings(export, tmp_path / "c"), tmp_path / "c",
+                                 timer=timer, machine=OPENVINO)
+    assert decision.left_out["bf16"].startswith("cannot be opened")
+    assert any("bf16 left out" in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_a_faster_variant_on_another_runtime_moves_the_provider(export, tmp_path):

@@ -93,8 +93,9 @@ def decide(settings: Settings, cache_dir: Path, *, timer: Timer | None = None,
         try:
             artifacts[c] = resolve(model_path=settings.model_path, variant=c.variant,
                                    cache_dir=cache_dir, offline=True, progress=False)
-        except BgeServeError as exc:
+        except BgeServeError as exc:  # a damaged file of the export: said, not only kept
             left_out[c.variant] = f"cannot be opened: {exc}"
+            log.warning("variant choice: %s left out, it cannot be opened: %s", c.variant, exc)
     if len(artifacts) < 2:
         log.info("variant choice: %s, nothing to measure (%s)", settings.variant,
                  "; ".join(f"{v}: {why}" for v, why in left_out.items()) or "one variant")
