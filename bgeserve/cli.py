@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +20,21 @@ def inflight_mb(settings: Settings) -> int:
     from bgeserve.service.plan import memory_share
 
     return max(settings.max_body_bytes >> 20, memory_share(settings, 8, 512) >> 20, 1)
+
+
+def _dual_stack(port: int) -> socket.socket:
+    """A TCP socket bound to [::]:``port`` that takes IPv4 clients too (where the kernel
+    allows: IPV6_V6ONLY off)."""
+    sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(("::", port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -83,6 +100,16 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"bgeserve: {taken}", file=sys.stderr)
         return 2
     host, _, port = settings.bind.rpartition(":")
+    sockets = None
+    if host.strip("[]") == "::":
+        # asyncio binds [::] IPv6-only (IPV6_V6ONLY): IPv4 clients were refused while the
+        # healthcheck, polling [::1], said healthy. Bound here dual-stack, as [::] means in
+        # Docker and Kubernetes.
+        try:
+            sockets = [_dual_stack(int(port))]
+        except OSError as exc:
+            print(f"bgeserve: cannot bind {settings.bind}: {exc.strerror}", file=sys.stderr)
+            return 2
     holder: dict[str, uvicorn.Server] = {}
 
     def on_fatal(exc: BaseException) -> None:
@@ -138,7 +165,7 @@ def _serve(args: argparse.Namespace) -> int:
         # is no supervisor to start it again.
         signal.signal(signal.SIGHUP, on_hangup)
     try:
-        server.run()
+        server.run(sockets=sockets)
     except SystemExit as exc:  # uvicorn's own exit when it cannot listen (a port taken since)
         code = exc.code if isinstance(exc.code, int) and exc.code else 1
         print(f"bgeserve: could not listen on {settings.bind} (--bind / BGE_M3_BIND); "

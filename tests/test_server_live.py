@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bgeserve import Engine
 from tests.oracle import dense_rows
-from tests.serverproc import ServerProc
+from tests.serverproc import ServerProc, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -405,6 +405,24 @@ def test_under_nohup_a_hangup_leaves_the_server_serving(tiny_export: Path,
         time.sleep(1.5)
         assert proc.proc.poll() is None, proc.output()
         assert httpx.post(f"{proc.url}/v1/embeddings", json={"input": "still here"},
+                          timeout=30).status_code == 200
+
+
+def test_bound_to_any_ipv6_address_it_answers_ipv4_too(tiny_export: Path,
+                                                      tmp_path: Path) -> None:
+    """``[::]`` binds dual-stack, as Docker and Kubernetes mean it: asyncio's bind was IPv6
+    only, IPv4 clients refused while the healthcheck (polling [::1]) said healthy."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 on this machine")
+    port = free_port()
+    with ServerProc(server_env(tiny_export, tmp_path, BGE_M3_BIND=f"[::]:{port}"),
+                    port=port) as server:
+        server.wait_health(timeout=START_TIMEOUT)  # polls 127.0.0.1
+        assert httpx.get(f"http://[::1]:{server.port}/health", timeout=10).status_code == 200
+        assert httpx.post(f"{server.url}/v1/embeddings", json={"input": "over IPv4"},
                           timeout=30).status_code == 200
 
 
