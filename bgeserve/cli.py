@@ -212,8 +212,9 @@ def _leave_if_runs_remain(code: int) -> None:
 
     if any(t.is_alive() for t in threading.enumerate() if t is not threading.main_thread()):
         logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):  # None where it was closed (``>&-``)
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                stream.flush()
         os._exit(code)
 
 
@@ -251,7 +252,7 @@ def _prepare(args: argparse.Namespace) -> int:
     from bgeserve.errors import BgeServeError
     from bgeserve.logs import setup_logging
     from bgeserve.model.artifacts import validate_cache_dir
-    from bgeserve.progress import Progress
+    from bgeserve.progress import Progress, on_terminal
     from bgeserve.service.preparation import PrepareFailed, prepare_command
 
     try:
@@ -271,7 +272,7 @@ def _prepare(args: argparse.Namespace) -> int:
     try:
         path = prepare_command(settings, validate_cache_dir(settings.cache_dir), args.variant,
                                force=args.force, out=args.out,
-                               progress=Progress(bars=sys.stderr.isatty()))
+                               progress=Progress(bars=on_terminal()))
     except (BgeServeError, PrepareFailed) as exc:
         print(f"bgeserve: {exc}", file=sys.stderr)
         return 1

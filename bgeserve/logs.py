@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import logging.handlers
 import queue
@@ -102,11 +103,33 @@ class LiveStream(logging.StreamHandler):
     def __init__(self, name: str = "stdout") -> None:
         logging.Handler.__init__(self)  # not StreamHandler's: it would bind today's stream
         self.name_of_stream = name
+        self.gone = False  # its reader went away: records are dropped
 
     @property
     def stream(self) -> TextIO:
-        stream: TextIO = getattr(sys, self.name_of_stream)
-        return stream
+        stream: TextIO | None = getattr(sys, self.name_of_stream)
+        # None: the descriptor was closed before Python started (``>&-``).
+        return NOWHERE if stream is None or self.gone else stream
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        """A reader that went away (``bgeserve serve | head -1``) or a closed stream ends the
+        log quietly: each record printed a 14-line "--- Logging error ---" block instead."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, BrokenPipeError | ConnectionResetError) or (
+                isinstance(exc, ValueError) and "closed file" in str(exc)):
+            self.gone = True
+            return
+        super().handleError(record)
+
+
+class _Nowhere(io.StringIO):
+    """A stream that keeps nothing."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+
+NOWHERE: TextIO = _Nowhere()
 
 
 class Background(logging.handlers.QueueHandler):

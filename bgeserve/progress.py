@@ -10,6 +10,7 @@ progress in [0, 1].
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from typing import Any
@@ -17,6 +18,12 @@ from typing import Any
 __all__ = ["Progress"]
 
 log = logging.getLogger("bgeserve.progress")
+
+
+def on_terminal() -> bool:
+    """Whether stderr is a terminal (bars drawn); False where it is closed (``2>&-``: Python's
+    ``sys.stderr`` is then None, and the start died on it, exit 1 with no word)."""
+    return sys.stderr is not None and sys.stderr.isatty()
 
 
 class Progress:

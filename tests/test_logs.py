@@ -8,6 +8,8 @@ import logging
 import sys
 import threading
 
+import pytest
+
 from bgeserve.logs import Background, JsonFormatter, RequestIdFilter, request_id_var
 
 
@@ -152,3 +154,25 @@ def test_text_lines_escape_what_clients_put_in_the_message() -> None:
     text = TextFormatter().format(failed_record("failed\tnow", "two\nlines"))
     assert text.splitlines()[0].endswith("bgeserve: failed\\tnow")
     assert "ValueError: two\nlines" in text
+
+
+def test_a_log_whose_reader_went_away_ends_quietly(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``bgeserve serve | head -1``: once a write meets a broken pipe the records are dropped,
+    not each answered by a 14-line "--- Logging error ---" on stderr; a stream closed before
+    the start (``sys.stdout`` None: ``>&-``) is written nowhere."""
+    from bgeserve.logs import LiveStream
+
+    class Broken(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    handler = LiveStream("stdout")
+    record = logging.LogRecord("bgeserve", logging.INFO, __file__, 1, "hello", None, None)
+    monkeypatch.setattr(sys, "stdout", Broken())
+    for _ in range(3):
+        handler.emit(record)
+    assert handler.gone and capsys.readouterr().err == ""
+    monkeypatch.setattr(sys, "stdout", None)
+    LiveStream("stdout").emit(record)
+    assert capsys.readouterr().err == ""

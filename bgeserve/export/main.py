@@ -38,7 +38,7 @@ from bgeserve.logs import setup_logging
 from bgeserve.model.dims import position_offset
 from bgeserve.model.kind import EMBEDDING, RERANKER, config_kind, num_labels
 from bgeserve.model.prepared import int8_weights, sha256
-from bgeserve.progress import Progress
+from bgeserve.progress import Progress, on_terminal
 
 log = logging.getLogger("bgeserve.export")
 
@@ -378,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
     global _progress
     started = time.monotonic()
     setup_logging("auto")  # JSON lines when stdout is not a terminal, as `serve` logs
-    _progress = Progress(bars=sys.stderr.isatty())
+    _progress = Progress(bars=on_terminal())
     # None, not the defaults, where none was asked: a reranker's export leaves out what is
     # made for bge-m3 only (ov-int8) instead of refusing it as asked (QA: the documented
     # `bgeserve export --model <reranker>` failed where nncf is installed).

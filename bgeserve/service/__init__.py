@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -22,7 +21,7 @@ from bgeserve.engine import ChunkStats, Engine, Inputs
 from bgeserve.engine.tokenizer import Encoded
 from bgeserve.errors import BgeServeError, DeadlineExceeded, NotReady, Overloaded
 from bgeserve.model.artifacts import ModelArtifacts, resolve, validate_cache_dir
-from bgeserve.progress import Progress
+from bgeserve.progress import Progress, on_terminal
 from bgeserve.results import Embeddings, EmbedOptions, ModelInfo, RerankOptions, RerankResult, Token
 from bgeserve.runtime import gpu
 from bgeserve.service import canary, choice, health, outputs, plan, reranking, tokens
@@ -51,7 +50,7 @@ class Service:
     def __init__(self, settings: Settings, on_fatal: Callable[[BaseException], None] | None = None):
         self.settings = settings
         # Start-up steps (download, prepare, load) for the log and /health.
-        self.progress = Progress(bars=sys.stderr.isatty())
+        self.progress = Progress(bars=on_terminal())
         self.preparation = Preparation(self.progress)
         self.metrics_registry = Metrics()
         self.engine: Engine | None = None
