@@ -110,6 +110,38 @@ def test_a_damaged_variant_is_left_out_with_a_warning(export, tmp_path, caplog):
     assert any("bf16 left out" in r.getMessage() for r in caplog.records), caplog.text
 
 
+def test_servers_starting_together_on_one_cache_time_once(export, tmp_path):
+    """Two starts on one cache directory at once: one times the candidates, the other waits
+    and takes its choice (each timed while the other ran, and the last one's skewed choice
+    was kept for both: QA with replicas on a shared volume)."""
+    import threading
+    import time
+
+    class Slow(FakeTimer):
+        def __call__(self, spec):
+            time.sleep(0.1)
+            return super().__call__(spec)
+
+    cache = tmp_path / "shared"
+    timers = [Slow({"fp32": 250.0, "int8": 800.0, "bf16": 300.0}) for _ in range(2)]
+    steps: list[str] = []
+    decided = {}
+
+    def start(i: int) -> None:
+        decided[i] = choice.decide(default_settings(export, cache), cache, timer=timers[i],
+                                   machine=OPENVINO, on_step=steps.append)
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(bool(t.asked) for t in timers) == [False, True]
+    assert sorted(d.cached for d in decided.values()) == [False, True]
+    assert {d.settings.variant for d in decided.values()} == {"int8"}
+    assert any("waiting for another process" in step for step in steps)
+
+
 def test_a_faster_variant_on_another_runtime_moves_the_provider(export, tmp_path):
     """OpenVINO measured fastest: the variant and its provider change together."""
     timer = FakeTimer({"fp32": 250.0, "int8": 300.0, "bf16": 900.0})

@@ -36,7 +36,7 @@ from bgeserve.model.dims import fitting_max_seq, model_dims
 from bgeserve.runtime.select import THIS_MACHINE, Candidate, Machine, cpu_candidates, pick
 from bgeserve.tuning import memory
 from bgeserve.tuning.budget import HEADROOM_BYTES
-from bgeserve.tuning.cache import Choice, ChoiceCache, fingerprint
+from bgeserve.tuning.cache import Choice, ChoiceCache, fingerprint, measuring
 from bgeserve.tuning.child import ChildDied, ChildStopped, run_json
 from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
 from bgeserve.tuning.synthetic import MIXED_LENGTHS, workload_chunks
@@ -104,36 +104,59 @@ def decide(settings: Settings, cache_dir: Path, *, timer: Timer | None = None,
     key = fingerprint(parts)
     providers = {c.variant: c.provider for c in artifacts}
     store = ChoiceCache.at(cache_dir)
-    cached = None if remeasure or settings.disable_probe_cache else store.load(key)
-    roomier = _now_fits(settings, cached.needs) if cached is not None else []
-    if roomier:  # the memory grew since: what was left out for it may be the fastest
-        log.info("variant choice: cached, but %s, left out for memory then, fits now: "
-                 "measuring again", ", ".join(roomier))
-    elif cached is not None and any(c.variant == cached.variant for c in artifacts):
-        log.info("variant choice (cached): %s on %s; measured %s", cached.variant,
-                 cached.provider, _rates(cached.rates))
-        return Decision(_serving(settings, cached.variant, cached.provider), cached.rates,
-                        cached.left_out, cached=True, providers=providers, key=key,
-                        parts=parts, needs=cached.needs)
-    rates, timed_out, needs, interrupted = _time_all(settings, cache_dir, artifacts,
-                                                     timer or _child_timer(stop),
-                                                     on_step or (lambda step: None))
-    left_out.update(timed_out)
-    interrupted = interrupted or (stop is not None and stop.is_set())
-    if not rates:
-        log.warning("variant choice: no candidate could be timed (%s); serving the rule's %s",
-                    "; ".join(f"{v}: {why}" for v, why in left_out.items()), settings.variant)
-        return Decision(settings, left_out=left_out)
-    chosen = pick(rates, settings.variant)
-    provider = next(c.provider for c in artifacts if c.variant == chosen)
-    log.info("variant choice: %s on %s, measured %s (the rule's pick: %s)", chosen, provider,
-             _rates(rates), settings.variant)
-    # A timing stopped (the server stopping, a signal to its process group) left a candidate
-    # out for no reason of its own: kept, the choice would leave it out at every later start.
-    if not settings.disable_probe_cache and not interrupted:
-        store.save(key, Choice(chosen, provider, rates, left_out, needs), parts)
-    return Decision(_serving(settings, chosen, provider), rates, left_out,
-                    providers=providers, key=key, parts=parts, needs=needs)
+    use_cache = not (remeasure or settings.disable_probe_cache)
+
+    def from_cache() -> Decision | None:
+        cached = store.load(key) if use_cache else None
+        roomier = _now_fits(settings, cached.needs) if cached is not None else []
+        if roomier:  # the memory grew since: what was left out for it may be the fastest
+            log.info("variant choice: cached, but %s, left out for memory then, fits now: "
+                     "measuring again", ", ".join(roomier))
+        elif cached is not None and any(c.variant == cached.variant for c in artifacts):
+            log.info("variant choice (cached): %s on %s; measured %s", cached.variant,
+                     cached.provider, _rates(cached.rates))
+            return Decision(_serving(settings, cached.variant, cached.provider), cached.rates,
+                            cached.left_out, cached=True, providers=providers, key=key,
+                            parts=parts, needs=cached.needs)
+        return None
+
+    decided = from_cache()
+    if decided is not None:
+        return decided
+    step = on_step or (lambda step: None)
+
+    def waiting() -> None:
+        log.info("variant choice: another process is timing these candidates (the same "
+                 "BGE_M3_CACHE_DIR); waiting for its choice")
+        step("choosing the variant: waiting for another process timing the same candidates")
+
+    # Servers started together on one cache directory (replicas on a shared volume) timed
+    # their candidates at once, each slowed by the others, and the last one's skewed choice
+    # was kept for all: one times, the others wait and take its choice.
+    with measuring(cache_dir, key, stop, on_wait=waiting) as waited:
+        decided = from_cache() if waited else None
+        if decided is not None:
+            return decided
+        rates, timed_out, needs, interrupted = _time_all(settings, cache_dir, artifacts,
+                                                         timer or _child_timer(stop), step)
+        left_out.update(timed_out)
+        interrupted = interrupted or (stop is not None and stop.is_set())
+        if not rates:
+            log.warning("variant choice: no candidate could be timed (%s); serving the rule's "
+                        "%s", "; ".join(f"{v}: {why}" for v, why in left_out.items()),
+                        settings.variant)
+            return Decision(settings, left_out=left_out)
+        chosen = pick(rates, settings.variant)
+        provider = next(c.provider for c in artifacts if c.variant == chosen)
+        log.info("variant choice: %s on %s, measured %s (the rule's pick: %s)", chosen,
+                 provider, _rates(rates), settings.variant)
+        # A timing stopped (the server stopping, a signal to its process group) left a
+        # candidate out for no reason of its own: kept, the choice would leave it out at every
+        # later start.
+        if not settings.disable_probe_cache and not interrupted:
+            store.save(key, Choice(chosen, provider, rates, left_out, needs), parts)
+        return Decision(_serving(settings, chosen, provider), rates, left_out,
+                        providers=providers, key=key, parts=parts, needs=needs)
 
 
 def without(decision: Decision, variant: str, reason: str) -> Decision | None:

@@ -9,14 +9,17 @@ start that would repeat a probe that already failed for the same fingerprint kno
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import math
 import os
 import tempfile
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -299,6 +302,41 @@ def write_atomic(path: Path, record: Mapping[str, object]) -> None:
                 os.unlink(tmp)
 
 
+@contextmanager
+def measuring(cache_dir: Path, key: str, stop: threading.Event | None = None,
+              on_wait: Callable[[], None] | None = None) -> Iterator[bool]:
+    """Hold ``key``'s measuring lock in ``cache_dir`` (an flock, let go when its process
+    ends however it ends); yields whether another process held it first (its result may be
+    in the cache now). Where the lock file cannot be made (a read-only cache), or ``stop``
+    is set while waiting, it yields without one: nothing is saved there either way."""
+    try:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        handle = open(Path(cache_dir) / f".measuring-{key[:32]}.lock", "w")  # noqa: SIM115
+    except OSError:
+        yield False
+        return
+    with handle:
+        waited = False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not waited and on_wait is not None:
+                    on_wait()
+                waited = True
+                if stop is not None and stop.wait(MEASURE_POLL_S):
+                    yield True  # stopping: the caller's timing ends at once too
+                    return
+                if stop is None:
+                    time.sleep(MEASURE_POLL_S)
+        try:
+            yield waited
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+MEASURE_POLL_S = 0.2
 CHOICE_FILE = "variant-choice.json"  # in BGE_M3_CACHE_DIR, beside the fit
 
 
