@@ -108,7 +108,9 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             sockets = [_dual_stack(int(port))]
         except OSError as exc:
-            print(f"bgeserve: cannot bind {settings.bind}: {exc.strerror}", file=sys.stderr)
+            print(f"bgeserve: cannot bind {settings.bind} "
+                  f"({'--bind' if args.bind else 'BGE_M3_BIND'}): {exc.strerror}",
+                  file=sys.stderr)
             return 2
     holder: dict[str, uvicorn.Server] = {}
 

@@ -103,13 +103,13 @@ class LiveStream(logging.StreamHandler):
     def __init__(self, name: str = "stdout") -> None:
         logging.Handler.__init__(self)  # not StreamHandler's: it would bind today's stream
         self.name_of_stream = name
-        self.gone = False  # its reader went away: records are dropped
+        self.gone: object = None  # the stream whose reader went away: dropped while current
 
     @property
     def stream(self) -> TextIO:
         stream: TextIO | None = getattr(sys, self.name_of_stream)
         # None: the descriptor was closed before Python started (``>&-``).
-        return NOWHERE if stream is None or self.gone else stream
+        return NOWHERE if stream is None or stream is self.gone else stream
 
     def handleError(self, record: logging.LogRecord) -> None:
         """A reader that went away (``bgeserve serve | head -1``) or a closed stream ends the
@@ -117,7 +117,7 @@ class LiveStream(logging.StreamHandler):
         exc = sys.exc_info()[1]
         if isinstance(exc, BrokenPipeError | ConnectionResetError) or (
                 isinstance(exc, ValueError) and "closed file" in str(exc)):
-            self.gone = True
+            self.gone = getattr(sys, self.name_of_stream)  # a stream swapped in is written
             return
         super().handleError(record)
 

@@ -112,34 +112,66 @@ def test_a_damaged_variant_is_left_out_with_a_warning(export, tmp_path, caplog):
 
 def test_servers_starting_together_on_one_cache_time_once(export, tmp_path):
     """Two starts on one cache directory at once: one times the candidates, the other waits
-    and takes its choice (each timed while the other ran, and the last one's skewed choice
-    was kept for both: QA with replicas on a shared volume)."""
+    (its step says so) and takes that choice (each timed while the other ran, and the last
+    one's skewed choice was kept for both: QA with replicas on a shared volume)."""
     import threading
-    import time
-
-    class Slow(FakeTimer):
-        def __call__(self, spec):
-            time.sleep(0.1)
-            return super().__call__(spec)
 
     cache = tmp_path / "shared"
-    timers = [Slow({"fp32": 250.0, "int8": 800.0, "bf16": 300.0}) for _ in range(2)]
-    steps: list[str] = []
+    timing, b_waits = threading.Event(), threading.Event()
+
+    class Held(FakeTimer):
+        def __call__(self, spec):
+            timing.set()
+            assert b_waits.wait(20), "the second start never waited"
+            return super().__call__(spec)
+
+    rates = {"fp32": 250.0, "int8": 800.0, "bf16": 300.0}
+    timers = [Held(rates), FakeTimer(rates)]
     decided = {}
 
-    def start(i: int) -> None:
+    def start(i: int, on_step) -> None:
         decided[i] = choice.decide(default_settings(export, cache), cache, timer=timers[i],
-                                   machine=OPENVINO, on_step=steps.append)
+                                   machine=OPENVINO, on_step=on_step)
 
-    threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
+    first = threading.Thread(target=start, args=(0, None), daemon=True)
+    first.start()
+    assert timing.wait(20)
+    second = threading.Thread(target=start, daemon=True, args=(
+        1, lambda step: "waiting for another process" in step and b_waits.set()))
+    second.start()
+    for t in (first, second):
         t.join(30)
-    assert sorted(bool(t.asked) for t in timers) == [False, True]
-    assert sorted(d.cached for d in decided.values()) == [False, True]
-    assert {d.settings.variant for d in decided.values()} == {"int8"}
-    assert any("waiting for another process" in step for step in steps)
+        assert not t.is_alive()
+    assert timers[0].asked and not timers[1].asked
+    assert not decided[0].cached and decided[1].cached
+    assert decided[0].settings.variant == decided[1].settings.variant == "int8"
+
+
+def test_the_measuring_lock_is_none_where_locks_fail_or_a_stop_comes(tmp_path, monkeypatch,
+                                                                     caplog):
+    """A mount without locks (ENOLCK: NFS without lockd) measures without one, said once,
+    instead of failing the start; a stop while waiting ends the wait at once."""
+    import errno
+    import fcntl
+    import threading
+
+    from bgeserve.tuning import lock
+
+    with lock.measuring(tmp_path, "k" * 64) as turn:  # held: another start must wait
+        stop = threading.Event()
+        stop.set()
+        with lock.measuring(tmp_path, "k" * 64, stop) as other:
+            assert other == lock.Turn(held=False, waited=True)
+        assert turn == lock.Turn(held=True, waited=False)
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING, logger="bgeserve"), \
+            lock.measuring(tmp_path, "j" * 64) as turn:
+        assert turn == lock.Turn(held=False, waited=False)
+    assert any("No locks available" in r.getMessage() for r in caplog.records)
 
 
 def test_a_faster_variant_on_another_runtime_moves_the_provider(export, tmp_path):

@@ -61,6 +61,7 @@ def test_by_type(path: str) -> None:
 
 
 def test_v2_without_types_is_float_by_type() -> None:
+    """v2 answers by type whatever is asked: ``float`` alone when no type is."""
     with serve() as c:
         body = c.post("/v2/embed", json={"texts": ["x"], "model": "bge-m3",
                                          "input_type": "classification"}).json()
@@ -114,6 +115,7 @@ def test_refusals_name_the_field(body: dict, param: str, words: str) -> None:
 
 
 def test_unknown_model_is_404_and_an_alias_is_served() -> None:
+    """A Cohere model name is a 404 naming it unless BGE_M3_MODEL_ALIASES serves it."""
     with serve(model_aliases=("embed-english-v3.0",)) as c:
         assert c.post("/v1/embed", json={"texts": ["a"],
                                          "model": "embed-english-v3.0"}).status_code == 200

@@ -172,7 +172,11 @@ def test_a_log_whose_reader_went_away_ends_quietly(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(sys, "stdout", Broken())
     for _ in range(3):
         handler.emit(record)
-    assert handler.gone and capsys.readouterr().err == ""
+    assert handler.gone is sys.stdout and capsys.readouterr().err == ""
+    swapped = io.StringIO()  # another stream swapped in (a test's capture): written again
+    monkeypatch.setattr(sys, "stdout", swapped)
+    handler.emit(record)
+    assert "hello" in swapped.getvalue()
     monkeypatch.setattr(sys, "stdout", None)
     LiveStream("stdout").emit(record)
     assert capsys.readouterr().err == ""

@@ -68,12 +68,14 @@ def test_cpu_workers_run_one_session(tiny_export: Path, tmp_path: Path) -> None:
     d.close()
 
 
-@pytest.mark.parametrize("how", ["copied over", "moved link"])
+@pytest.mark.parametrize("how", ["another graph copied over", "moved link", "rebuilt"])
 def test_a_reload_refuses_model_files_replaced_since_the_start(tiny_export: Path,
                                                               tmp_path: Path, how: str) -> None:
     """After an idle unload the next open reads the graph again: files replaced since the
-    start (a copy over them keeping size and mtime, or the model path's symlink moved to
-    another export) are refused by name, not served under the old tokenizer and cache."""
+    start (another graph copied over, or the model path's symlink moved to another export)
+    are refused by name, not served under the old tokenizer and cache; the same graph
+    rebuilt (a new file, the manifest's digest and size) opens."""
+    import json
     import shutil
 
     from bgeserve.errors import ModelUnavailable
@@ -81,19 +83,27 @@ def test_a_reload_refuses_model_files_replaced_since_the_start(tiny_export: Path
     copies = [tmp_path / "a", tmp_path / "b"]
     for copy in copies:
         shutil.copytree(tiny_export, copy)
+    manifest = copies[1] / "manifest.json"  # b: another model (its own digest)
+    record = json.loads(manifest.read_text())
+    record["variants"]["fp32"]["sha256"] = "0" * 64
+    manifest.write_text(json.dumps(record))
     link = tmp_path / "current"
     link.symlink_to(copies[0])
     artifacts = resolve(model_path=link, variant="fp32", cache_dir=tmp_path / "cache")
     open_forward = forward_factory(artifacts, SessionConfig(threads=1))
     open_forward(0).close()  # loaded, then unloaded for idleness
     open_forward(0).close()  # the same files: reopened
+    graph = artifacts.onnx_path.resolve()
     if how == "moved link":
         link.unlink()
         link.symlink_to(copies[1])
     else:
-        graph = artifacts.onnx_path.resolve()
-        shutil.copy2(graph, tmp_path / "graph")  # a new inode, the same size and mtime
+        source = graph if how == "rebuilt" else copies[0] / "int8" / "model.onnx"
+        shutil.copyfile(source, tmp_path / "graph")  # a new file: inode and mtime
         (tmp_path / "graph").replace(graph)
+    if how == "rebuilt":
+        open_forward(0).close()
+        return
     with pytest.raises(ModelUnavailable, match="changed since bgeserve started"):
         open_forward(0)
 

@@ -9,6 +9,7 @@ serve it unchanged (``engine/reranker.py`` reads it back).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 
@@ -92,6 +93,21 @@ def _files(artifacts: ModelArtifacts) -> tuple[str, tuple[int, ...]]:
         raise ModelUnavailable(f"model file is gone: {exc}") from exc
 
 
+def _recorded(artifacts: ModelArtifacts) -> tuple[str, int] | None:
+    """The sha256 and size an export's manifest records for this graph; None where there is
+    no such record (a hub snapshot served as it is)."""
+    graph = os.path.normpath(artifacts.onnx_path)
+    root = artifacts.onnx_path.parent.parent
+    try:
+        variants = json.loads((root / "manifest.json").read_text())["variants"]
+        for entry in variants.values():
+            if os.path.normpath(root / entry["path"]) == graph:
+                return str(entry["sha256"]), int(entry["bytes"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return None
+
+
 def forward_factory(artifacts: ModelArtifacts, config: SessionConfig) -> OpenForward:
     """A callable ``open_forward(worker=0)`` that opens a fresh ``Forward`` for that worker.
 
@@ -105,13 +121,17 @@ def forward_factory(artifacts: ModelArtifacts, config: SessionConfig) -> OpenFor
                             h.colbert_weight.astype(np.float32), h.colbert_bias.astype(np.float32))
     open_session = runtime.get(runtime.kind_of(artifacts, config.provider)).opener(artifacts,
                                                                                    config)
-    loaded = _files(artifacts)
+    loaded, recorded = _files(artifacts), _recorded(artifacts)
 
     def open_forward(worker: int = 0) -> Forward:
         # A reload (after an idle unload, or a failure) reads the graph from disk again: files
         # replaced since the start (a symlink moved to another export, a copy over them) gave
-        # the new weights under the tokenizer and cached vectors of the old, silently.
-        if _files(artifacts) != loaded:
+        # the new weights under the tokenizer and cached vectors of the old, silently. A
+        # rebuild of the same graph (another replica preparing the shared cache again) is the
+        # same model by its manifest's digest and size.
+        if _files(artifacts) != loaded and not (
+                recorded is not None and _recorded(artifacts) == recorded
+                and artifacts.onnx_path.stat().st_size == recorded[1]):
             raise ModelUnavailable(
                 f"the model files of {artifacts.source} changed since bgeserve started; it "
                 "serves nothing rather than mix them with the tokenizer and cache it started "

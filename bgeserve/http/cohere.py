@@ -1,6 +1,6 @@
 """Cohere's embed routes: ``POST /v1/embed`` and ``POST /v2/embed`` (the Cohere SDK's
-``Client.embed`` / ``ClientV2.embed``, what LangChain's and LlamaIndex's ``CohereEmbeddings``
-send), answered with bge-m3's dense vectors.
+``Client.embed`` / ``ClientV2.embed``; LangChain's ``CohereEmbeddings`` posts to v1),
+answered with bge-m3's dense vectors.
 
 Read → parse (``cohere_schemas``) → ``service.embed`` → render, like every handler. Errors are
 the OpenAI shape with ``detail`` (``errors.DETAIL_STYLE``), as on Cohere's rerank route.

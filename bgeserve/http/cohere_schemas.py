@@ -1,5 +1,5 @@
 """Cohere's embed bodies (``POST /v1/embed``, ``POST /v2/embed``: the Cohere SDK's
-``embed``, LangChain's and LlamaIndex's ``CohereEmbedding``) → validated requests, or
+``embed``, LangChain's ``CohereEmbeddings``) → validated requests, or
 ``InvalidInput`` / ``ModelNotFound`` / ``TooLarge``.
 
 Texts only (bge-m3 embeds no images). ``input_type`` is accepted and changes nothing: bge-m3
@@ -26,6 +26,9 @@ TRUNCATE = {"END": (True, False), "START": (True, True), "NONE": (False, False)}
 
 @dataclass(frozen=True)
 class CohereEmbedRequest:
+    """A validated embed body: ``truncate`` / ``left`` from Cohere's ``truncate``,
+    ``dimensions`` its ``output_dimension``."""
+
     texts: list[str]
     types: tuple[str, ...] | None  # embedding_types as sent (v1 without: a bare float list)
     truncate: bool
@@ -83,6 +86,6 @@ def parse_cohere_embed(raw: bytes, settings: Settings,
     if body.get("output_dimension") is not None:
         dimensions = OPTION_PARSERS["dimensions"]("output_dimension", body["output_dimension"])
     # A text cut from the left, or not cut, is tokenized whole: limited here (as TEI's).
-    parsed = parse_input(texts, settings, "texts", whole=left or not truncate)
-    return CohereEmbedRequest(texts=parsed, types=types,  # type: ignore[arg-type]
-                              truncate=truncate, left=left, dimensions=dimensions)
+    parse_input(texts, settings, "texts", whole=left or not truncate)  # its limits
+    return CohereEmbedRequest(texts=texts, types=types, truncate=truncate, left=left,
+                              dimensions=dimensions)

@@ -36,9 +36,10 @@ from bgeserve.model.dims import fitting_max_seq, model_dims
 from bgeserve.runtime.select import THIS_MACHINE, Candidate, Machine, cpu_candidates, pick
 from bgeserve.tuning import memory
 from bgeserve.tuning.budget import HEADROOM_BYTES
-from bgeserve.tuning.cache import Choice, ChoiceCache, fingerprint, measuring
+from bgeserve.tuning.cache import Choice, ChoiceCache, fingerprint
 from bgeserve.tuning.child import ChildDied, ChildStopped, run_json
 from bgeserve.tuning.costmodel import CostModel, conservative_coefficients
+from bgeserve.tuning.lock import measuring
 from bgeserve.tuning.synthetic import MIXED_LENGTHS, workload_chunks
 
 log = logging.getLogger("bgeserve.backend")
@@ -133,8 +134,10 @@ def decide(settings: Settings, cache_dir: Path, *, timer: Timer | None = None,
     # Servers started together on one cache directory (replicas on a shared volume) timed
     # their candidates at once, each slowed by the others, and the last one's skewed choice
     # was kept for all: one times, the others wait and take its choice.
-    with measuring(cache_dir, key, stop, on_wait=waiting) as waited:
-        decided = from_cache() if waited else None
+    with measuring(cache_dir, key, stop, on_wait=waiting):
+        if stop is not None and stop.is_set():  # stopped, waiting or not: nothing to time
+            return Decision(settings, left_out=left_out)
+        decided = from_cache()  # another process's, saved while this one looked or waited
         if decided is not None:
             return decided
         rates, timed_out, needs, interrupted = _time_all(settings, cache_dir, artifacts,

@@ -9,17 +9,14 @@ start that would repeat a probe that already failed for the same fingerprint kno
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import math
 import os
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -195,15 +192,18 @@ class ProbeCache:
         except (ValueError, TypeError, AttributeError):
             return {}
 
-    def short_budget(self, fingerprint: str) -> int | None:
-        """The probe's memory budget (bytes per worker) when the guard skipped shapes for it
-        in the probe that made ``fingerprint``'s fit; None when it skipped none (or the record
-        predates saying so)."""
+    def short_budget(self, fingerprint: str) -> tuple[int, int] | None:
+        """The probe's memory budget (bytes per worker) and the sessions it counted beside
+        the workers (1: a probe process, 0: on the serving session) when the guard skipped
+        shapes for that budget in the probe that made ``fingerprint``'s fit; None when it
+        skipped none (or the record predates saying so)."""
         saved = self._saved(fingerprint)
         budget, skipped = saved.get("probe_budget_bytes"), saved.get("skipped_for_memory")
-        if type(budget) is not int or type(skipped) is not int or skipped <= 0:
+        extra = saved.get("probe_extra_sessions", 1)
+        if (type(budget) is not int or type(skipped) is not int or skipped <= 0
+                or extra not in (0, 1)):
             return None
-        return budget
+        return budget, extra
 
     def run_cost(self, fingerprint: str) -> RunCost | None:
         """What a run costs, saved with ``fingerprint``'s fit; None if not saved (a probe that
@@ -214,7 +214,7 @@ class ProbeCache:
         self, fingerprint: str, fit: Fit, parts: Mapping[str, object], samples: Sequence[Sample],
         chunk_rates: Mapping[int, float] | None = None, held_out: Sample | None = None,
         run_cost: RunCost | None = None, probe_budget: int | None = None,
-        skipped_for_memory: int = 0,
+        skipped_for_memory: int = 0, probe_extra_sessions: int = 1,
     ) -> None:
         """Write the fit atomically (temp file, fsync, rename); a failure only logs a warning.
         The measurements go with it (``samples``, ``held_out``): what an operator reads."""
@@ -232,6 +232,7 @@ class ProbeCache:
             # and a start with more memory measures them (``short_budget``).
             "probe_budget_bytes": probe_budget,
             "skipped_for_memory": skipped_for_memory,
+            "probe_extra_sessions": probe_extra_sessions,
         })
 
     def _write(self, record: Mapping[str, object]) -> None:
@@ -302,41 +303,6 @@ def write_atomic(path: Path, record: Mapping[str, object]) -> None:
                 os.unlink(tmp)
 
 
-@contextmanager
-def measuring(cache_dir: Path, key: str, stop: threading.Event | None = None,
-              on_wait: Callable[[], None] | None = None) -> Iterator[bool]:
-    """Hold ``key``'s measuring lock in ``cache_dir`` (an flock, let go when its process
-    ends however it ends); yields whether another process held it first (its result may be
-    in the cache now). Where the lock file cannot be made (a read-only cache), or ``stop``
-    is set while waiting, it yields without one: nothing is saved there either way."""
-    try:
-        Path(cache_dir).mkdir(parents=True, exist_ok=True)
-        handle = open(Path(cache_dir) / f".measuring-{key[:32]}.lock", "w")  # noqa: SIM115
-    except OSError:
-        yield False
-        return
-    with handle:
-        waited = False
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not waited and on_wait is not None:
-                    on_wait()
-                waited = True
-                if stop is not None and stop.wait(MEASURE_POLL_S):
-                    yield True  # stopping: the caller's timing ends at once too
-                    return
-                if stop is None:
-                    time.sleep(MEASURE_POLL_S)
-        try:
-            yield waited
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-MEASURE_POLL_S = 0.2
 CHOICE_FILE = "variant-choice.json"  # in BGE_M3_CACHE_DIR, beside the fit
 
 

@@ -275,10 +275,11 @@ class Tuner:
         now: its fit is extrapolated past them (from 4x256 in 300 MB: b 17.8 bytes/token²
         against 0.15 measured whole), which kept a start with the memory raised refusing for
         good. Such a start probes again."""
-        then = cache.ProbeCache(self.cache_path).short_budget(fingerprint or "")
-        if then is None:
+        short = cache.ProbeCache(self.cache_path).short_budget(fingerprint or "")
+        if short is None:
             return False
-        now = self.budget(model_cost, extra_sessions=1)
+        then, extra = short
+        now = self.budget(model_cost, extra_sessions=extra)  # counted as that probe was
         if now <= then * SHORT_BUDGET_GROWTH:
             return False
         log.info("probe cache: its probe skipped shapes for a budget of %d MiB per worker; "
@@ -483,7 +484,8 @@ class Tuner:
                                                    held_out=result.held_out,
                                                    run_cost=result.run_cost,
                                                    probe_budget=guard.max_workspace_bytes,
-                                                   skipped_for_memory=guarded)
+                                                   skipped_for_memory=guarded,
+                                                   probe_extra_sessions=extra_sessions)
 
     def _choose_chunks(self, rates: dict[int, float]) -> None:
         """Move the engine's chunk budget to a timed one that clearly beat the default."""
