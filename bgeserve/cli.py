@@ -187,6 +187,7 @@ def _serve(args: argparse.Namespace) -> int:
 def port_taken(bind: str, source: str) -> str | None:
     """Why ``bind`` (HOST:PORT, from ``source``) cannot be listened on, or None: bound and
     released at once, the way uvicorn binds it (IPv6 when the host has a colon)."""
+    import errno
     import socket
 
     host, _, port = bind.rpartition(":")
@@ -198,8 +199,13 @@ def port_taken(bind: str, source: str) -> str | None:
             sock.bind((host, int(port)))
     except OSError as exc:
         why = exc.strerror or str(exc)
-        return (f"cannot listen on {bind} ({source}): {why}; stop what holds it or choose "
-                "another HOST:PORT")
+        advice = {errno.EADDRINUSE: "stop what holds it or choose another HOST:PORT",
+                  errno.EACCES: "ports under 1024 need root or CAP_NET_BIND_SERVICE: choose "
+                                "a port from 1024 up",
+                  errno.EADDRNOTAVAIL: "this host has no such address: choose one it has, "
+                                       "0.0.0.0 or [::]"}.get(exc.errno or 0,
+                                                             "choose another HOST:PORT")
+        return f"cannot listen on {bind} ({source}): {why}; {advice}"
     return None
 
 

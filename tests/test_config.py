@@ -4,6 +4,7 @@ with a ConfigError naming the variable when it is malformed."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -443,6 +444,25 @@ def test_a_port_in_use_stops_serve_before_the_model_loads(
     assert code == 2
     err = capsys.readouterr().err
     assert f"cannot listen on {bind}" in err and ("--bind" if flag else "BGE_M3_BIND") in err
+    assert "stop what holds it" in err
+
+
+def test_a_port_refused_for_permission_or_address_says_what_to_do(monkeypatch) -> None:
+    """EACCES (a port under 1024 without the right) and EADDRNOTAVAIL (an address this host
+    lacks) each get their own advice, not "stop what holds it" (QA)."""
+    import errno
+    import socket
+
+    from bgeserve.cli import port_taken
+
+    for code, words in ((errno.EACCES, "CAP_NET_BIND_SERVICE"),
+                        (errno.EADDRNOTAVAIL, "no such address")):
+        def refuse(self, address, code=code):
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(socket.socket, "bind", refuse)
+        said = port_taken("127.0.0.1:80", "BGE_M3_BIND")
+        assert said is not None and words in said and "stop what holds it" not in said
 
 
 def test_unknown_bge_m3_variables_are_named_with_the_closest_setting(caplog):

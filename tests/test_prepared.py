@@ -124,6 +124,21 @@ def test_a_second_builder_waits_for_the_first(tmp_path: Path) -> None:
     assert events == ["first in", "waiting", "first out", "second in"]
 
 
+def test_a_mount_without_locks_prepares_unlocked(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """flock failing otherwise than "would block" (ENOLCK: NFS without lockd) is said and the
+    build goes on without the lock: it failed the start before."""
+    import errno
+    import fcntl
+
+    def no_locks(fd: object, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with PreparedStore(tmp_path).lock("k") as writable:
+        assert writable
+
+
 def test_the_recipe_in_the_key_is_the_one_the_export_writes() -> None:
     """RECIPE's block sizes are export/'s: a change there changes every key (re-prepares)."""
     from bgeserve.export import ATTENTION_BLOCK, FFN_ROWS

@@ -366,7 +366,8 @@ def test_save_to_an_unusable_directory_only_warns(tmp_path, caplog):
     cache = ProbeCache(tmp_path / "file" / "probe-coefficients.json")
     with caplog.at_level(logging.WARNING, "bgeserve.probe"):
         cache.save("f", FIT, PARTS, SAMPLES)
-    assert "cannot save probe cache" in caplog.text
+    # said once: the kept copy beside it fails the same way (it was said twice)
+    assert caplog.text.count("cannot save") == 1 and "probe-coefficients" in caplog.text
 
 
 def test_failed_write_removes_its_temp_file(cache, caplog):
@@ -380,7 +381,7 @@ def test_failed_write_removes_its_temp_file(cache, caplog):
 
     with caplog.at_level(logging.WARNING, "bgeserve.probe"):
         cache.save("g", bad, {"x": Boom()}, [])
-    assert "cannot save probe cache" in caplog.text
+    assert "cannot save" in caplog.text and "probe-coefficients" in caplog.text
     assert saved_files(cache) == ["probe-coefficients.d/f.json", cache.path.name]
     assert cache.load("f") == FIT
 

@@ -278,16 +278,23 @@ class PreparedStore:
             yield False
             return
         with handle:
+            locked = True
             try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                if on_wait is not None:
-                    on_wait()
-                fcntl.flock(handle, fcntl.LOCK_EX)
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    if on_wait is not None:
+                        on_wait()
+                    fcntl.flock(handle, fcntl.LOCK_EX)
+            except OSError as exc:  # a mount without locks (ENOLCK: NFS without lockd)
+                log.warning("cannot lock %s (%s): preparing without waiting for other "
+                            "processes on this cache directory", handle.name, exc.strerror)
+                locked = False
             try:
                 yield True
             finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+                if locked:
+                    fcntl.flock(handle, fcntl.LOCK_UN)
 
     def staging(self, key: str) -> Path:
         """A fresh, empty directory to build ``key`` in (left-overs of crashed builds removed:

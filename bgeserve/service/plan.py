@@ -115,13 +115,17 @@ def _cpu_default(s: Settings, machine: Machine) -> Settings:
     # A hub snapshot that is to be prepared: the choice is made again over what preparing
     # makes (service/preparation.py logs that one); this one would only mislead in the log.
     say = log.debug if s.prepare and not variants else log.info
+    # "The rule's pick", not "serving": the variant choice times the candidates next and
+    # may serve another (the first line named int8, then bf16 was served: QA).
     if choice.variant == "fp32":
-        say("BGE_M3_EP and BGE_M3_MODEL not set: serving exact %s on ONNX Runtime (%s)",
-            s.variant, "; ".join(choice.notes))
+        say("BGE_M3_EP and BGE_M3_MODEL not set: the rule's pick is exact %s on ONNX Runtime "
+            "(%s); timing the candidates may serve another", s.variant,
+            "; ".join(choice.notes))
         return dataclasses.replace(s, variant_choice="rule")
-    say("BGE_M3_EP and BGE_M3_MODEL not set: serving %s on %s (%s; dense cosine vs fp32 >= %s)",
-        choice.variant, "OpenVINO" if choice.provider == "openvino" else "ONNX Runtime",
-        choice.why, MIN_DENSE_COS)
+    say("BGE_M3_EP and BGE_M3_MODEL not set: the rule's pick is %s on %s (%s; dense cosine vs "
+        "fp32 >= %s); timing the candidates may serve another", choice.variant,
+        "OpenVINO" if choice.provider == "openvino" else "ONNX Runtime", choice.why,
+        MIN_DENSE_COS)
     return dataclasses.replace(s, execution_provider=choice.provider, variant=choice.variant,
                                variant_choice="rule")
 

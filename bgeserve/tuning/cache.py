@@ -250,7 +250,8 @@ def _read_text(path: Path) -> str | None:
 def write_keyed(path: Path, key: str, record: Mapping[str, object]) -> None:
     """``record`` at ``path`` (the newest) and kept under ``key`` beside it, the oldest kept
     records beyond ``KEPT_RECORDS`` removed; a failure only logs, as ``write_atomic``'s."""
-    write_atomic(path, record)
+    if not write_atomic(path, record):  # the same failure would be said again for the copy
+        return
     kept = kept_path(path, key)
     if kept is None:
         return
@@ -279,8 +280,9 @@ def _umask() -> int:
     return 0o022
 
 
-def write_atomic(path: Path, record: Mapping[str, object]) -> None:
-    """``record`` as JSON at ``path`` (temp file, fsync, rename); a failure only logs."""
+def write_atomic(path: Path, record: Mapping[str, object]) -> bool:
+    """``record`` as JSON at ``path`` (temp file, fsync, rename); a failure only logs (and
+    is False)."""
     tmp: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -294,9 +296,10 @@ def write_atomic(path: Path, record: Mapping[str, object]) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         tmp = None
+        return True
     except (OSError, TypeError, ValueError) as exc:
-        logger.warning("cannot save probe cache %s (%s); the next start will probe again",
-                       path, exc)
+        logger.warning("cannot save %s (%s); the next start will measure again", path, exc)
+        return False
     finally:
         if tmp is not None:
             with contextlib.suppress(OSError):
