@@ -548,20 +548,23 @@ def test_without_serves_the_next_fastest_that_loads_in_less(tmp_path):
 
 
 def test_a_choice_timed_while_the_server_stops_is_not_kept(export, tmp_path):
-    """The server asked to stop while candidates are timed (its stop event set): what was
-    timed decides this start, nothing is kept (the candidates stopped mid-way were left out
-    for no reason of their own)."""
+    """The server asked to stop while candidates are timed (its stop event set): no other
+    candidate is timed (each was started and killed in turn: QA), what was timed decides
+    this start, nothing is kept (the candidates stopped mid-way were left out for no reason
+    of their own)."""
     import threading
 
     stop = threading.Event()
     rates = {"fp32": 250.0, "int8": 800.0, "bf16": 300.0}
+    asked = []
 
     def timer(spec):
+        asked.append(spec["variant"])
         stop.set()
         return {"tokens_per_s": rates[spec["variant"]]}
 
     settings = default_settings(export, tmp_path / "c")
     decision = choice.decide(settings, tmp_path / "c", timer=timer, machine=OPENVINO,
                              stop=stop)
-    assert decision.settings.variant_choice == "measured"
+    assert decision.settings.variant_choice == "measured" and asked == ["int8"]
     assert ChoiceCache.at(tmp_path / "c").path.exists() is False

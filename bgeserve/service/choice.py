@@ -141,7 +141,8 @@ def decide(settings: Settings, cache_dir: Path, *, timer: Timer | None = None,
         if decided is not None:
             return decided
         rates, timed_out, needs, interrupted = _time_all(settings, cache_dir, artifacts,
-                                                         timer or _child_timer(stop), step)
+                                                         timer or _child_timer(stop), step,
+                                                         stop)
         left_out.update(timed_out)
         interrupted = interrupted or (stop is not None and stop.is_set())
         if not rates:
@@ -306,6 +307,7 @@ def memory_needed(settings: Settings, artifacts: ModelArtifacts, provider: str,
 def _time_all(settings: Settings, cache_dir: Path,
               artifacts: Mapping[Candidate, ModelArtifacts],
               timer: Timer, on_step: Callable[[str], None],
+              stop: threading.Event | None = None,
               ) -> tuple[dict[str, float], dict[str, str], dict[str, int], bool]:
     """Tokens/s of each candidate that fits, one at a time (the rule's pick first), then each
     once more in the other order: the mean of its two passes; the candidates left out, why;
@@ -321,7 +323,9 @@ def _time_all(settings: Settings, cache_dir: Path,
     needs: dict[str, int] = {}
 
     def once(c: Candidate) -> None:
-        if stopped:  # a signal to the process group: the server is going, time no more
+        # A signal to the process group, or the server stopping (its timing child is killed,
+        # and the next candidate's was started and killed in turn): time no more.
+        if stopped or (stop is not None and stop.is_set()):
             return
         free = available - memory.rss_bytes()
         need = memory_needed(settings, artifacts[c], c.provider, longest)
