@@ -283,3 +283,28 @@ def test_a_step_ends_with_the_prepare_child(sig) -> None:
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
         child.wait()
+
+
+def test_a_failed_step_says_its_exception_not_its_traceback(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """A step that raises: its progress lines are reported, its traceback is not (a disk
+    filling up gave 95 INFO lines of it as progress), and the failure names the exception's
+    line (it was a traceback fragment: "... writable.write(content) | OSError: ...")."""
+    from bgeserve.export.prepare import PrepareFailed, _Runner
+
+    (tmp_path / "failing_step.py").write_text(
+        "import sys\n"
+        "print('writing the graph', file=sys.stderr)\n"
+        "def write():\n"
+        "    raise OSError(28, 'No space left on device')\n"
+        "write()\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    lines: list[str] = []
+    run = _Runner(["graphs"], None, lines.append)
+    with pytest.raises(PrepareFailed) as failed:
+        run("graphs", ["failing_step"])
+    assert str(failed.value).endswith("OSError: [Errno 28] No space left on device"), failed.value
+    assert "Traceback" not in str(failed.value) and "write()" not in str(failed.value)
+    assert lines[0] == "writing the graph"
+    assert not any("Traceback" in line or line.startswith("  ") for line in lines), lines

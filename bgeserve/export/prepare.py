@@ -21,6 +21,7 @@ import argparse
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -214,12 +215,18 @@ class _Runner:
                               stderr=subprocess.PIPE, text=True, errors="replace",
                               preexec_fn=parent_death_signal()) as child:  # noqa: PLW1509
             assert child.stderr is not None
+            in_traceback = False
             try:
                 for line in child.stderr:
                     line = line.rstrip()
                     if line:
                         tail.append(line)
-                        if self.on_line is not None:
+                        # A child's traceback is kept for the failure, not logged line by
+                        # line as progress (a disk filling up gave 95 INFO lines of it).
+                        in_traceback = (line.startswith("Traceback (most recent call last)")
+                                        or (in_traceback and _ERROR.match(line) is None))
+                        if self.on_line is not None and not in_traceback \
+                                and _ERROR.match(line) is None:
                             self.on_line(line)
             except BaseException:  # SIGTERM (the server stopping): the step ends with us
                 child.kill()
@@ -233,8 +240,21 @@ class _Runner:
             self.on_line(f"{name}: {self.measured[name]['seconds']}s, peak RSS "
                          f"{self.measured[name]['peak_rss_mib']} MiB")
         if child.returncode != 0:
-            raise PrepareFailed(name, _exit_reason(child.returncode) + (
-                ": " + " | ".join(list(tail)[-4:]) if tail else ""))
+            raise PrepareFailed(name, _exit_reason(child.returncode) + _last_words(tail))
+
+
+# The last line of a Python traceback: the exception and its message.
+_ERROR = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
+
+
+def _last_words(tail: Sequence[str]) -> str:
+    """What a failed step said last: its exception's line where it raised one (a traceback
+    fragment before: "... writable.write(content) | OSError: [Errno 28] ..."), else its last
+    lines."""
+    errors = [line for line in tail if _ERROR.match(line)]
+    if errors:
+        return ": " + errors[-1]
+    return ": " + " | ".join(list(tail)[-4:]) if tail else ""
 
 
 def _exit_reason(code: int) -> str:
