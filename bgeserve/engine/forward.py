@@ -9,7 +9,6 @@ serve it unchanged (``engine/reranker.py`` reads it back).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 
@@ -18,7 +17,7 @@ import numpy as np
 from bgeserve import runtime
 from bgeserve.engine.heads import ChunkOutputs, HiddenHeads, l2_normalize
 from bgeserve.errors import ModelUnavailable
-from bgeserve.model.artifacts import Layout, ModelArtifacts
+from bgeserve.model.artifacts import Layout, ModelArtifacts, export_variants
 from bgeserve.runtime import Session, SessionConfig
 from bgeserve.vocab import PAD_ID
 
@@ -96,16 +95,11 @@ def _files(artifacts: ModelArtifacts) -> tuple[str, tuple[int, ...]]:
 def _recorded(artifacts: ModelArtifacts) -> tuple[str, int] | None:
     """The sha256 and size an export's manifest records for this graph; None where there is
     no such record (a hub snapshot served as it is)."""
-    graph = os.path.normpath(artifacts.onnx_path)
-    root = artifacts.onnx_path.parent.parent
+    entry = export_variants(artifacts.onnx_path.parent.parent).get(artifacts.variant, {})
     try:
-        variants = json.loads((root / "manifest.json").read_text())["variants"]
-        for entry in variants.values():
-            if os.path.normpath(root / entry["path"]) == graph:
-                return str(entry["sha256"]), int(entry["bytes"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return str(entry["sha256"]), int(entry["bytes"])
+    except (KeyError, TypeError, ValueError):
         return None
-    return None
 
 
 def forward_factory(artifacts: ModelArtifacts, config: SessionConfig) -> OpenForward:
