@@ -432,6 +432,7 @@ def test_health_loading_then_ok(tiny_export: Path, tmp_path: Path,
         return real_resolve(**kwargs)
 
     monkeypatch.setattr(service_module, "resolve", slow_resolve)
+    monkeypatch.setattr(service_module, "LOADING_HOLD_S", 0.05)
     try:
         with serving(base_env(tiny_export, tmp_path)) as (c, _):
             r = c.get("/health")
@@ -444,6 +445,56 @@ def test_health_loading_then_ok(tiny_export: Path, tmp_path: Path,
             gate.set()
             assert wait_health(c)["status"] == "ok"
             assert c.post("/v1/embeddings", json={"input": "x"}).status_code == 200
+    finally:
+        gate.set()
+
+
+def test_a_request_while_loading_waits_a_little_for_the_model(
+        tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A model request that comes while the model loads is held up to LOADING_HOLD_S: served
+    if the load ends meanwhile; else its 503 comes after the hold, so a client that retries at
+    once (Hugging Face's JS client ignores Retry-After) polls no faster than one that honours
+    it; one warning a try (the access line), not two. Probes are not held."""
+    gate = threading.Event()
+    real_resolve = service_module.resolve
+
+    def slow_resolve(**kwargs: Any) -> Any:
+        assert gate.wait(30), "the test never opened the gate"
+        return real_resolve(**kwargs)
+
+    monkeypatch.setattr(service_module, "resolve", slow_resolve)
+    monkeypatch.setattr(service_module, "LOADING_HOLD_S", 0.6)
+    try:
+        with serving(base_env(tiny_export, tmp_path)) as (c, _):
+            started = time.monotonic()
+            assert c.get("/health").status_code == 503  # a probe: at once
+            assert time.monotonic() - started < 0.3
+            caplog.clear()
+            with caplog.at_level(logging.DEBUG, logger="bgeserve"):
+                started = time.monotonic()
+                e = c.post("/v1/embeddings", json={"input": "x"})
+                held = time.monotonic() - started
+            assert e.status_code == 503 and e.json()["error"]["code"] == "not_ready"
+            assert held >= 0.6, held
+            warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            assert len(warnings) == 1 and "503" in warnings[0], warnings
+
+            monkeypatch.setattr(service_module, "LOADING_HOLD_S", 30.0)
+            answers: list[Any] = []
+            poster = threading.Thread(target=lambda: answers.append(
+                c.post("/v1/embeddings", json={"input": "x"})))
+            started = time.monotonic()
+            poster.start()
+            time.sleep(0.3)  # the request is held now
+            gate.set()
+            poster.join(30)
+            assert answers and answers[0].status_code == 200, answers
+            assert time.monotonic() - started < 25  # the load's end, not the hold's
+            assert wait_health(c)["status"] == "ok"
+            started = time.monotonic()
+            assert c.post("/v1/embeddings", json={"input": "x"}).status_code == 200
+            assert time.monotonic() - started < 5  # ready: nothing held
     finally:
         gate.set()
 

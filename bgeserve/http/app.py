@@ -24,6 +24,7 @@ from bgeserve.http.context import PROBE_PATHS, RequestContext
 from bgeserve.http.errors import EXCEPTION_HANDLERS, ErrorStyle, envelope, json_error
 from bgeserve.http.guards import BearerAuth, BodyAllowance, BodyLimit, InflightLimit, Uploads
 from bgeserve.http.linger import LingeringClose
+from bgeserve.http.loading import LoadingHold
 from bgeserve.http.schemas import BOTH, DENSE, SPARSE
 
 if TYPE_CHECKING:
@@ -173,6 +174,7 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
                    max_seconds=linger.LINGER_SECONDS),
         Middleware(ErrorStyle, tei_paths=TEI_PATHS | TEI_UNSERVED, detail_paths=DETAIL_PATHS),
         Middleware(BearerAuth, keys=settings.api_keys, open_paths=frozenset(open_paths)),
+        Middleware(LoadingHold),
         Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                    idle_timeout=guards.BODY_IDLE_TIMEOUT_S, grace=guards.BODY_GRACE_S,
                    min_rate=guards.BODY_MIN_RATE, uploads=uploads),

@@ -206,6 +206,10 @@ def error_response(exc: BgeServeError, request_id: str | None = None,
     message = exc.message
     if status >= 500:
         level = logging.ERROR if status == 500 else logging.WARNING
+        if access_logged and isinstance(exc, NotReady) and exc.retry_after is not None:
+            # Still loading: the request's access-log line says so; a client polling through
+            # a first start's minutes got two warnings a try.
+            level = logging.DEBUG
         log.log(level, "%s: %s", type(exc).__name__, exc.message, extra={"request_id": request_id})
         if status == 500 or isinstance(exc, ModelUnavailable):
             message = _GENERIC_MESSAGE.format(rid=request_id)
@@ -233,14 +237,20 @@ def respond(exc: BgeServeError, scope: Scope) -> Response:
                           access_logged="request_id" in state)
 
 
-def renamed_param(exc: BgeServeError, field: str, name: str) -> BgeServeError | None:
+def renamed_param(exc: BgeServeError, field: str, name: str,
+                  words: Mapping[str, str] | None = None) -> BgeServeError | None:
     """A copy of ``exc`` naming ``name[i]`` where it names ``field[i]`` (the engine's names
-    for a route whose body calls its items otherwise); None when it names no such item."""
+    for a route whose body calls its items otherwise), and with each of ``words`` (the
+    engine's advice in bgeserve's parameters) put in the route's own; None when it names no
+    such item."""
     param = exc.param
     if param is None or not param.startswith(f"{field}["):
         return None
     renamed = name + param[len(field):]
-    return type(exc)(exc.message.replace(param, renamed), param=renamed, code=exc.code)
+    message = exc.message.replace(param, renamed)
+    for said, meant in (words or {}).items():
+        message = message.replace(said, meant)
+    return type(exc)(message, param=renamed, code=exc.code)
 
 
 class ErrorStyle:
@@ -282,12 +292,17 @@ async def on_http_exception(request: Request, exc: Exception) -> Response:
     elif exc.status_code == 405:
         allowed = (exc.headers or {}).get("Allow", "")
         message = f"method {request.method} is not allowed on {request.url.path}; use {allowed}"
-    if style_of(request.scope) == TEI_STYLE:
+    style = style_of(request.scope)
+    if style == TEI_STYLE:
         if exc.status_code == 404:
             message += " (TEI's routes that bgeserve serves: docs/tei.md)"
         return json_error(exc.status_code, tei_body(message, "Validation"), exc.headers)
-    return json_error(exc.status_code,
-                      openai_body(style_of(request.scope), exc.status_code, message, code),
+    if exc.status_code == 404:
+        # A path no route serves is most often a client's URL built wrong (a base URL with a
+        # trailing slash or a route appended twice); clients that read only a string `detail`,
+        # `error` or `message` (Hugging Face's JS client) said "an HTTP error occurred" without it.
+        style = DETAIL_STYLE
+    return json_error(exc.status_code, openai_body(style, exc.status_code, message, code),
                       exc.headers)
 
 

@@ -40,6 +40,11 @@ T = TypeVar("T")
 # Retry-After on a 503 while the model loads: clients that honour it (the openai client, up to
 # 60 s) poll again soon rather than after their own backoff or never.
 LOADING_RETRY_S = 2.0
+# How long a model request that arrives while the model loads waits for it before its 503
+# (``until_ready``): served if the load ends meanwhile, and a client that retries a 503 at once
+# (Hugging Face's JS client: ~50 requests a second, Retry-After ignored) polls no faster than
+# one that honours Retry-After.
+LOADING_HOLD_S = 2.0
 
 
 class Service:
@@ -65,6 +70,10 @@ class Service:
         self.fatal_error: BaseException | None = None
         self.on_fatal = on_fatal
         self._ready = threading.Event()
+        # Set on the event loop when loading ends (ready or failed) or a stop begins: what
+        # requests held while loading wait for (``until_ready``).
+        self._settled: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
         # SIGTERM came: /health says draining (503), seen only by a request already on an open
         # connection (the listener closes at once: docs/deployment.md, "Stopping a pod").
@@ -83,6 +92,7 @@ class Service:
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         """Begin loading in the background; returns at once."""
+        self._loop, self._settled = asyncio.get_running_loop(), asyncio.Event()
         self._loader = threading.Thread(target=self._load, name="bgeserve-loader", daemon=True)
         self._loader.start()
         if self.settings.heartbeat_secs > 0:
@@ -99,7 +109,31 @@ class Service:
         # Once more for each measured variant the memory could not take (``_load_once``): out
         # of the handler that refused, so the refused attempt's engine is gone before the next
         # one loads (its memory would read as the next one's).
-        while self._load_once():
+        try:
+            while self._load_once():
+                pass
+        finally:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Wake the requests held while loading (from any thread)."""
+        loop, settled = self._loop, self._settled
+        if loop is None or settled is None:
+            return  # load_blocking: nothing is held
+        try:
+            loop.call_soon_threadsafe(settled.set)
+        except RuntimeError:  # the loop closed first: nothing waits any more
+            pass
+
+    async def until_ready(self, seconds: float | None = None) -> None:
+        """While the model loads, wait up to ``seconds`` (``LOADING_HOLD_S``) for the load to
+        end or a stop to begin; returns at once otherwise. The caller goes on either way."""
+        settled = self._settled
+        if settled is None or settled.is_set():
+            return
+        try:
+            await asyncio.wait_for(settled.wait(), LOADING_HOLD_S if seconds is None else seconds)
+        except TimeoutError:
             pass
 
     def _load_once(self) -> bool:
@@ -223,6 +257,7 @@ class Service:
             gc.collect()
             gc.freeze()
             self._ready.set()
+            self._settle()
             # The memory's bound, said beside the configured one: "texts up to 274988 tokens
             # fit" read as the cap on a server that cuts texts at 8,192.
             log.info("ready: probe %s, c=%.0f a=%.0f b=%.2f, %d MiB workspace per worker: the "
@@ -281,6 +316,7 @@ class Service:
         grace timeout.
         """
         self._draining = True
+        self._settle()
         for engine in self._engines():
             engine.flush()
         if self.settings.shutdown_timeout_secs:  # 0: no bound, everything is finished
@@ -320,6 +356,7 @@ class Service:
         if self._abort_timer is not None:
             self._abort_timer.cancel()
         self._stopping.set()
+        self._settle()
         # A preparation still running (stopped mid-start) lives in processes of its own.
         await asyncio.to_thread(self.preparation.stop)
         if self.tuner is not None:
