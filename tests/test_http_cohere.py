@@ -124,11 +124,16 @@ def test_unknown_model_is_404_and_an_alias_is_served() -> None:
 
 
 def test_the_engines_errors_name_the_texts() -> None:
-    """The engine names an item ``input[i]``; this body calls it ``texts[i]``."""
+    """The engine names an item ``input[i]``; this body calls it ``texts[i]``, and its advice
+    is in Cohere's words (``truncate`` takes "END" / "START" here, not true)."""
     from bgeserve.errors import TooLarge
 
-    fake = FakeService(fail_with=TooLarge("input[1] has 9 tokens > 8", param="input[1]"))
+    fake = FakeService(fail_with=TooLarge(  # the engine's words (Engine._check)
+        "input[1] has more than the 8 tokens allowed (BGE_M3_MAX_SEQ_LENGTH); send "
+        "truncate=true or split the text", param="input[1]", code="too_many_tokens"))
     with serve(fake) as c:
         r = c.post("/v2/embed", json={"texts": ["a", "b"], "truncate": "NONE"})
     assert r.status_code == 413
     assert r.json()["error"]["param"] == "texts[1]" and r.json()["detail"].startswith("texts[1]")
+    assert 'send truncate "END" (or "START") or split' in r.json()["detail"], r.json()
+    assert r.json()["error"]["code"] == "too_many_tokens"

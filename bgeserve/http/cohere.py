@@ -63,6 +63,10 @@ def render_cohere_embed(parsed: CohereEmbedRequest, result: Embeddings, request_
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
+# The engine's advice for a text over the length, in Cohere's parameter.
+COHERE_WORDS = {"send truncate=true": 'send truncate "END" (or "START")'}
+
+
 async def _embed(request: Request, version: int) -> Response:
     state = request.state
     refusal = state.service.refuse_now()  # no room at all: 429 before the body is read
@@ -77,7 +81,7 @@ async def _embed(request: Request, version: int) -> Response:
             parsed.texts, EmbedOptions(truncate=parsed.truncate), request_id=state.request_id,
             left=parsed.left))
     except BgeServeError as exc:  # the engine's input[i] is this body's texts[i]
-        renamed = renamed_param(exc, "input", "texts")
+        renamed = renamed_param(exc, "input", "texts", COHERE_WORDS)
         if renamed is None:
             raise
         raise renamed from exc
