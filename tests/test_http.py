@@ -481,7 +481,11 @@ def test_token_id_errors_name_no_other_vocabulary() -> None:
 
 def test_framework_errors_use_envelope(client: TestClient) -> None:
     """404, 405 (with Allow) and 415 come in the same envelope."""
-    assert_error(client.get("/v2/nothing"), 404, "not_found")
+    r = client.get("/v2/nothing")
+    assert_error(r, 404, "not_found")
+    # A URL built wrong: also said in a string `detail`, the field clients such as Hugging
+    # Face's JS one show (the envelope's object they do not read).
+    assert r.json()["detail"] == "no route GET /v2/nothing" == r.json()["error"]["message"]
     r = client.get("/v1/embeddings")
     assert_error(r, 405, "method_not_allowed")
     assert r.headers["allow"] == "POST"
