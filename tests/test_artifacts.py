@@ -556,6 +556,47 @@ def test_local_xenova_directory_downloads_missing_heads(tmp_path: Path, hub: Fak
     assert (tmp_path / "cache" / "models--BAAI--bge-m3").is_dir()
 
 
+def _graph_reading(*locations: str) -> bytes:
+    """A small ONNX graph whose tensors are kept in ``locations`` (beside it)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    tensors = []
+    for i, location in enumerate(locations):
+        t = helper.make_tensor(f"w{i}", TensorProto.FLOAT, [1], [0.0])
+        t.ClearField("float_data")
+        t.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", location), ("offset", "0"), ("length", "4")):
+            entry = t.external_data.add()
+            entry.key, entry.value = key, value
+        tensors.append(t)
+    nodes = [helper.make_node("Identity", [f"w{i}"], [f"y{i}"]) for i in range(len(locations))]
+    outputs = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [1])
+               for i in range(len(locations))]
+    return onnx.helper.make_model(helper.make_graph(nodes, "g", [], outputs, tensors)
+                                  ).SerializeToString()
+
+
+def test_a_data_file_the_graph_does_not_read_may_be_missing(tmp_path: Path,
+                                                            hub: FakeHub) -> None:
+    """BAAI's graph exported again into a hand-filled cache keeps its weights in
+    model.onnx_data alone: the missing Constant_7_attr__value is skipped (it was refused for
+    a file nothing reads); a file the graph does read is still required, by name."""
+    graph = (BAAI_REPO, BAAI_REVISION, "onnx/model.onnx")
+    hub.files[graph] = _graph_reading("model.onnx_data")
+    del hub.files[(BAAI_REPO, BAAI_REVISION, "onnx/Constant_7_attr__value")]
+
+    def fetch(into: str) -> ModelArtifacts:
+        return resolve(model_path=None, variant="fp32", cache_dir=tmp_path / into / "bgeserve",
+                       hub_cache=tmp_path / into / "hub", endpoint=hub.url, progress=False)
+
+    assert [p.name for p in fetch("one").external_data] == ["model.onnx_data"]
+
+    hub.files[graph] = _graph_reading("model.onnx_data", "Constant_7_attr__value")
+    with pytest.raises(ModelUnavailable, match="onnx/Constant_7_attr__value"):
+        fetch("two")
+
+
 def test_file_missing_on_the_hub_is_named(tmp_path: Path, hub: FakeHub) -> None:
     """A file the endpoint does not have gives ModelUnavailable naming it and its repo."""
     del hub.files[(BAAI_REPO, BAAI_REVISION, "onnx/Constant_7_attr__value")]

@@ -21,43 +21,11 @@ from pathlib import Path
 
 from bgeserve.export import ATTENTION_BLOCK, FFN_ROWS
 from bgeserve.model import prepared
+from bgeserve.model.onnxmeta import external_locations
 
 
 def _log(msg: str, started: float) -> None:
     print(f"[prepare {time.monotonic() - started:7.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-def external_locations(model) -> set[str]:
-    """Relative paths of the files holding the model's external tensors (initializers and
-    Constant attributes, subgraphs included)."""
-    import onnx
-
-    found: set[str] = set()
-
-    def tensor(t) -> None:
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            found.update(e.value for e in t.external_data if e.key == "location")
-
-    def graph(g) -> None:
-        for t in g.initializer:
-            tensor(t)
-        for node in g.node:
-            for attr in node.attribute:
-                if attr.HasField("t"):
-                    tensor(attr.t)
-                for t in attr.tensors:
-                    tensor(t)
-                if attr.HasField("g"):
-                    graph(attr.g)
-                for sub in attr.graphs:
-                    graph(sub)
-
-    graph(model.graph)
-    for location in found:
-        if Path(location).is_absolute() or ".." in Path(location).parts:
-            raise ValueError(f"external data location {location!r} is outside the graph's "
-                             "directory")
-    return found
 
 
 def link_data(source_dir: Path, target_dir: Path, locations: set[str], *,

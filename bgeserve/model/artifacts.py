@@ -15,13 +15,14 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from bgeserve.errors import ConfigError, ModelUnavailable
 from bgeserve.model.cachedir import validate_cache_dir
 from bgeserve.model.hubfetch import Fetcher
 from bgeserve.model.layout import Layout, graph_layout
+from bgeserve.model.onnxmeta import external_locations
 from bgeserve.model.ptload import HeadWeights, load_heads
 
 log = logging.getLogger("bgeserve.model")
@@ -161,13 +162,42 @@ def resolve(
         )
     source = HUB_SOURCES[variant]
     onnx = fetch(source.repo_id, source.revision, source.onnx)
-    data = tuple(fetch(source.repo_id, source.revision, name) for name in source.external_data)
+    data = _hub_data(fetch, source, onnx)
     tokenizer = fetch(source.repo_id, source.revision, source.tokenizer)
     heads = load_heads(*(fetch(BAAI_REPO, BAAI_REVISION, name) for name in HEAD_FILES))
     description = f"hub {source.repo_id}@{source.revision} ({variant})"
     if source.repo_id != BAAI_REPO:
         description += f", heads from {BAAI_REPO}@{BAAI_REVISION}"
     return ModelArtifacts(onnx, tokenizer, source.layout, variant, heads, description, data)
+
+
+def _hub_data(fetch: Fetcher, source: HubSource, graph: Path) -> tuple[Path, ...]:
+    """``source.external_data`` from the hub (or its cache). One it cannot give is skipped
+    where the graph reads no tensor from it: a Hugging Face cache filled by hand with BAAI's
+    graph exported again (its weights in one file, or inline) lacks ``Constant_7_attr__value``,
+    and was refused for a file nothing reads."""
+    found = []
+    folder = PurePosixPath(source.onnx).parent
+    for name in source.external_data:
+        try:
+            found.append(fetch(source.repo_id, source.revision, name))
+        except ModelUnavailable:
+            if _reads(graph, str(PurePosixPath(name).relative_to(folder))) is not False:
+                raise
+            log.info("%s is not in %s@%s, and %s reads no tensor from it", name,
+                     source.repo_id, source.revision, source.onnx)
+    return tuple(found)
+
+
+def _reads(graph: Path, location: str) -> bool | None:
+    """Whether the ONNX graph at ``graph`` keeps tensors in ``location`` (beside it); None
+    when it cannot be read as a graph (the missing file's own error is the one to say)."""
+    try:
+        import onnx
+
+        return location in external_locations(onnx.load(str(graph), load_external_data=False))
+    except Exception:  # noqa: BLE001 - any failure to parse: not a graph to judge by
+        return None
 
 
 def check_model_dir(root: Path | None) -> None:

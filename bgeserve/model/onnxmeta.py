@@ -4,6 +4,8 @@ ONNX files are protobuf ``ModelProto`` messages. This reads the few fields that 
 snapshot's layout (``graph.input`` / ``graph.output`` names, ``opset_import``) by walking the wire
 format and seeking over everything else, so a 1 GB graph with inline weights costs a few reads,
 not a parse of the whole file, and neither ``onnx`` nor ``onnxruntime`` is imported.
+``external_locations`` (which files hold a graph's external tensors) takes a graph that ``onnx``
+loaded without its weights.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["GraphIO", "read_graph_io"]
+__all__ = ["GraphIO", "external_locations", "read_graph_io"]
 
 # Field numbers of onnx.proto3 (stable since ONNX 1.0).
 _MODEL_GRAPH, _MODEL_OPSET = 7, 8
@@ -121,3 +123,36 @@ def _opset(f: BinaryIO, end: int) -> tuple[str, int]:
         else:
             _skip(f, wire, length)
     return ("" if domain == "ai.onnx" else domain), version
+
+
+def external_locations(model) -> set[str]:
+    """Relative paths of the files holding the model's external tensors (initializers and
+    Constant attributes, subgraphs included)."""
+    import onnx
+
+    found: set[str] = set()
+
+    def tensor(t) -> None:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            found.update(e.value for e in t.external_data if e.key == "location")
+
+    def graph(g) -> None:
+        for t in g.initializer:
+            tensor(t)
+        for node in g.node:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    tensor(attr.t)
+                for t in attr.tensors:
+                    tensor(t)
+                if attr.HasField("g"):
+                    graph(attr.g)
+                for sub in attr.graphs:
+                    graph(sub)
+
+    graph(model.graph)
+    for location in found:
+        if Path(location).is_absolute() or ".." in Path(location).parts:
+            raise ValueError(f"external data location {location!r} is outside the graph's "
+                             "directory")
+    return found
