@@ -437,13 +437,15 @@ def test_health_loading_then_ok(tiny_export: Path, tmp_path: Path,
         with serving(base_env(tiny_export, tmp_path)) as (c, _):
             r = c.get("/health")
             assert r.status_code == 503 and r.json()["status"] == "loading"
+            # Not known before the model's positions are read (it said the setting, 8192).
+            assert "max_seq_length" not in r.json()
             e = c.post("/v1/embeddings", json={"input": "x"})
             assert e.status_code == 503 and e.json()["error"]["code"] == "not_ready"
             assert e.headers["retry-after"] == "2"  # a client that honours it polls again
             tei = c.post("/embed", json={"inputs": "x"})
             assert tei.status_code == 503 and tei.headers["retry-after"] == "2"
             gate.set()
-            assert wait_health(c)["status"] == "ok"
+            assert wait_health(c)["max_seq_length"] > 0
             assert c.post("/v1/embeddings", json={"input": "x"}).status_code == 200
     finally:
         gate.set()

@@ -15,8 +15,9 @@ def report(service: Service) -> dict[str, Any]:
     """loading (with the start-up step), fail (with the error), else ok / warn / idle /
     draining from the workers, with the model, the queue, the tuning and the reranker."""
     s = service.settings
-    body: dict[str, Any] = {"status": "loading", "version": __version__,
-                            "max_seq_length": s.max_seq_length}
+    # No max_seq_length until ready: the setting is cut to the model's positions once its
+    # files are read (a 514-position model said 8192 while it loaded, 512 once ready).
+    body: dict[str, Any] = {"status": "loading", "version": __version__}
     if service.fatal_error is not None:
         body.update(status="fail", error=str(service.fatal_error),
                     prepare=service.preparation.status)
@@ -40,6 +41,7 @@ def report(service: Service) -> dict[str, Any]:
     assert service.artifacts is not None and service.tuner is not None
     body.update(
         status=status,
+        max_seq_length=s.max_seq_length,
         workers={k: stats[k] for k in ("live", "loaded", "total", "busy")},
         queue={"texts": stats["queue_texts"], "tokens": stats["queue_tokens"]},
         model={"name": service.model_name, "variant": service.artifacts.variant,
