@@ -130,6 +130,8 @@ def _serve(args: argparse.Namespace) -> int:
                             # uvicorn types it int | None; it waits a float as well.
                             timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
                             lifespan="on", http=StallBoundHttpTools,
+                            # uvicorn types it int; its timer takes a float.
+                            timeout_keep_alive=settings.keep_alive_secs,  # type: ignore[arg-type]
                             # No WebSocket route: an Upgrade: websocket request is served as
                             # plain HTTP (upgrades.py), not refused in plain text.
                             ws="none", **ssl_options)

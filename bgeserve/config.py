@@ -223,6 +223,12 @@ class Settings:
                                        "BGE_M3_MAX_CHUNK; either, set, wins")
     # http
     bind: str = _var("BGE_M3_BIND", parse_bind, "0.0.0.0:8081", "HOST:PORT to listen on")
+    # uvicorn's own 5 s closed idle connections just as proxies (nginx keeps them 60 s, cloud
+    # load balancers 60-600 s) and pooled clients (httpx: 5 s) sent on them: 502s and resets.
+    keep_alive_secs: float = _var("BGE_M3_KEEP_ALIVE_SECS", _number(float, 1.0, MAX_SECONDS),
+                                  75.0, "idle seconds before a kept-alive connection is "
+                                  "closed: above the idle timeout of the proxy or load "
+                                  "balancer in front")
     max_batch: int = _var("BGE_M3_MAX_BATCH", _number(int, 1, 100_000), 2048,
                           "texts per request (OpenAI's own limit; LangChain sends 1,000)")
     accept_token_ids: bool = _var("BGE_M3_ACCEPT_TOKEN_IDS", _bool, False,

@@ -55,6 +55,7 @@ def test_an_empty_environment_gives_the_defaults():
     assert (s.idle_timeout_secs, s.shutdown_timeout_secs, s.heartbeat_secs) == (300.0, 30.0,
                                                                                 60.0)
     assert (s.log_format, s.log_level) == ("auto", "info")
+    assert s.keep_alive_secs > 60  # nginx's upstream keepalive_timeout, ALB's idle timeout
     assert (s.gpu_count, s.gpu_vram_budget_bytes, s.trt_warmup_shapes) == (None, None, "")
     assert (s.warmup_only, s.allow_cpu_fallback) == (False, False)
 
@@ -140,6 +141,7 @@ PARSED = [
     ("BGE_M3_REQUEST_TIMEOUT_SECS", "0", "request_timeout_secs", 0.0),
     ("BGE_M3_IDLE_TIMEOUT_SECS", "10", "idle_timeout_secs", 10.0),
     ("BGE_M3_SHUTDOWN_TIMEOUT_SECS", "5", "shutdown_timeout_secs", 5.0),
+    ("BGE_M3_KEEP_ALIVE_SECS", "650", "keep_alive_secs", 650.0),
     ("BGE_M3_LOG_FORMAT", "json", "log_format", "json"),
     ("BGE_M3_LOG_LEVEL", "DEBUG", "log_level", "debug"),
     ("BGE_M3_HEARTBEAT_SECS", "0", "heartbeat_secs", 0.0),
@@ -227,6 +229,7 @@ def test_a_malformed_number_is_refused(var, raw):
     ("BGE_M3_IDLE_TIMEOUT_SECS", "1e10"),
     ("BGE_M3_SHUTDOWN_TIMEOUT_SECS", "1000000001"),
     ("BGE_M3_HEARTBEAT_SECS", "1e300"),
+    ("BGE_M3_KEEP_ALIVE_SECS", "0"),  # every idle connection closed: every reuse a race
     ("BGE_M3_COST_MODEL_A", "-0.1"),
 ])
 def test_an_out_of_range_number_is_refused(var, raw):

@@ -119,7 +119,7 @@ def test_64_concurrent_clients_get_their_own_vectors(server: ServerProc, engine:
 def test_json_logs_carry_request_ids(server: ServerProc) -> None:
     rid = "live-test-request-42"
     r = httpx.post(f"{server.url}/v1/embeddings", json={"input": "log me"},
-                   headers={"X-Request-ID": rid}, timeout=30)
+                   headers={"X-Request-ID": rid, "X-Forwarded-For": "203.0.113.7"}, timeout=30)
     assert r.status_code == 200
     assert r.headers["x-request-id"] == rid
     generated = httpx.post(f"{server.url}/v1/embeddings", json={"input": []}, timeout=30)
@@ -140,6 +140,8 @@ def test_json_logs_carry_request_ids(server: ServerProc) -> None:
     assert ok is not None, server.output()
     assert bad is not None, server.output()
     assert ok["status"] == 200 and bad["status"] == 400
+    # The client: the one a proxy on loopback (trusted by default) named, else the peer.
+    assert (ok["client"], bad["client"]) == ("203.0.113.7", "127.0.0.1")
     assert ok["level"] == "info" and ok["logger"] == "bgeserve.http"
     assert "POST /v1/embeddings 200" in ok["msg"]
     # every stdout line is JSON (BGE_M3_LOG_FORMAT=json)
@@ -406,6 +408,27 @@ def test_under_nohup_a_hangup_leaves_the_server_serving(tiny_export: Path,
         assert proc.proc.poll() is None, proc.output()
         assert httpx.post(f"{proc.url}/v1/embeddings", json={"input": "still here"},
                           timeout=30).status_code == 200
+
+
+def test_an_idle_connection_is_kept_past_uvicorns_5_seconds(server: ServerProc) -> None:
+    """A kept-alive connection idle for 6 s still carries the next request (75 s by default,
+    BGE_M3_KEEP_ALIVE_SECS): uvicorn's own 5 s closed it as nginx (60 s) or httpx's pool (5 s)
+    sent on it: 502s and connection resets."""
+    request = (f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n\r\n").encode()
+
+    def ask(conn: socket.socket) -> bytes:
+        conn.sendall(request)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            piece = conn.recv(65536)
+            assert piece, "the server closed the kept-alive connection"
+            head += piece
+        return head
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+        assert ask(conn).startswith(b"HTTP/1.1 200")
+        time.sleep(6)
+        assert ask(conn).startswith(b"HTTP/1.1 200")
 
 
 def test_bound_to_any_ipv6_address_it_answers_ipv4_too(tiny_export: Path,

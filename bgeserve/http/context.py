@@ -131,6 +131,9 @@ class RequestContext:
                 f" {error}" + (f" ({param})" if param else "") if error else "",
                 extra={"request_id": rid, "method": scope["method"], "route": route,
                        "status": status, "path": scope["path"],
+                       # The peer, or behind a proxy uvicorn trusts (FORWARDED_ALLOW_IPS,
+                       # 127.0.0.1 by default) the X-Forwarded-For client it named.
+                       "client": (scope.get("client") or (None,))[0],
                        "ms": round(seconds * 1000, 1), "error": error, "param": param,
                        **_spent(spent)},
             )
