@@ -79,7 +79,8 @@ def test_manifest_records_agreement_with_fp32(tiny_export: Path):
     for variant, tol in (("fp16", FP16), ("int8", INT8)):
         agreement = variants[variant]["agreement"]
         assert set(agreement) == {"dense_cos_min", "dense_cos_mean", "sparse_max_abs", "texts"}
-        assert agreement["texts"] == validate.VALIDATION_TEXTS + validate.SHORT_TEXTS == 36
+        assert agreement["texts"] == 58 == (
+            validate.VALIDATION_TEXTS + validate.SHORT_TEXTS + len(validate.EDGE_TEXTS))
         assert tol.dense_cos <= agreement["dense_cos_min"] <= agreement["dense_cos_mean"] <= 1.0
         assert 0.0 < agreement["sparse_max_abs"] < 0.1
 

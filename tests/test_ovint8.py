@@ -35,7 +35,8 @@ def test_manifest_records_the_runtime_the_quantization_and_the_agreement(
     # does not (ovint8's note).
     assert quantization["smooth_quant_alpha"] == 0.95
     assert quantization["smooth_quant_tried"][0]["alpha"] == 0.95
-    assert entry["agreement"]["texts"] == validate.VALIDATION_TEXTS + validate.SHORT_TEXTS == 36
+    assert entry["agreement"]["texts"] == 58 == (
+        validate.VALIDATION_TEXTS + validate.SHORT_TEXTS + len(validate.EDGE_TEXTS))
     assert entry["agreement"]["dense_cos_min"] >= INT8.dense_cos
     # The plain-attention graph it was made from is temporary; no report is left behind.
     assert sorted(p.name for p in (tiny_export_ov_int8 / "ov-int8").iterdir()) == [

@@ -26,6 +26,15 @@ def capped(limit: int | None) -> int:
     return MAX_TOKENS if limit is None else max(MIN_TOKENS, min(MAX_TOKENS, limit))
 
 
+def text_rows(tokenizer: Path, texts: tuple[str, ...], max_tokens: int) -> list[np.ndarray]:
+    """Id rows (``<s>`` … ``</s>``, int64) of ``texts``, each cut to ``max_tokens`` as the
+    server cuts it."""
+    from bgeserve.engine.tokenizer import Tokenizer
+
+    tk = Tokenizer.load(tokenizer, max_seq=max_tokens)
+    return [np.asarray(ids, dtype=np.int64) for ids in tk.encode(list(texts)).ids]
+
+
 def token_rows(tokenizer: Path, seed: int, n: int, *, min_tokens: int = MIN_TOKENS,
                max_tokens: int = MAX_TOKENS) -> list[np.ndarray]:
     """``n`` id rows (``<s>`` … ``</s>``, int64) of lengths spread over [min_tokens, max_tokens].
