@@ -8,6 +8,7 @@ request ids, and a non-zero exit when the model cannot be loaded.
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import socket
@@ -414,21 +415,19 @@ def test_an_idle_connection_is_kept_past_uvicorns_5_seconds(server: ServerProc) 
     """A kept-alive connection idle for 6 s still carries the next request (75 s by default,
     BGE_M3_KEEP_ALIVE_SECS): uvicorn's own 5 s closed it as nginx (60 s) or httpx's pool (5 s)
     sent on it: 502s and connection resets."""
-    request = (f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n\r\n").encode()
-
-    def ask(conn: socket.socket) -> bytes:
-        conn.sendall(request)
-        head = b""
-        while b"\r\n\r\n" not in head:
-            piece = conn.recv(65536)
-            assert piece, "the server closed the kept-alive connection"
-            head += piece
-        return head
-
-    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
-        assert ask(conn).startswith(b"HTTP/1.1 200")
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        first = conn.getresponse()
+        assert first.status == 200 and first.read()
+        sock = conn.sock
         time.sleep(6)
-        assert ask(conn).startswith(b"HTTP/1.1 200")
+        conn.request("GET", "/health")  # on the same socket: http.client reopens only a closed one
+        again = conn.getresponse()
+        assert again.status == 200 and again.read()
+        assert conn.sock is sock and sock is not None, "the server closed the idle connection"
+    finally:
+        conn.close()
 
 
 def test_bound_to_any_ipv6_address_it_answers_ipv4_too(tiny_export: Path,

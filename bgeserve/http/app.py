@@ -174,7 +174,8 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
                    max_seconds=linger.LINGER_SECONDS),
         Middleware(ErrorStyle, tei_paths=TEI_PATHS | TEI_UNSERVED, detail_paths=DETAIL_PATHS),
         Middleware(BearerAuth, keys=settings.api_keys, open_paths=frozenset(open_paths)),
-        Middleware(LoadingHold),
+        Middleware(LoadingHold, paths=frozenset(r.path for r in routes
+                                                if "POST" in (r.methods or ()))),
         Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                    idle_timeout=guards.BODY_IDLE_TIMEOUT_S, grace=guards.BODY_GRACE_S,
                    min_rate=guards.BODY_MIN_RATE, uploads=uploads),

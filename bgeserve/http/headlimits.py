@@ -129,8 +129,8 @@ class BoundedHttpTools(PlainHttpTools):
         if self._in_head and self._began() and self._head_timer is None \
                 and not self.transport.is_closing():
             # The next head began while this was being answered: its own clock governs, not
-            # uvicorn's keep-alive timer for an idle connection (5 s: it closed the connection
-            # under a pipelined head without a word).
+            # uvicorn's keep-alive timer for an idle connection (BGE_M3_KEEP_ALIVE_SECS; at
+            # uvicorn's 5 s it closed the connection under a pipelined head without a word).
             self._unset_keepalive_if_required()
             self._start_timer()
 

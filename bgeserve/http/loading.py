@@ -6,7 +6,8 @@ says so, with the step and its progress), and a model request then gets a 503 wi
 client: ~50 requests a second, each logged, for the minutes of a first start) are slowed to
 one try per hold, and a request that arrives just before the load ends is served instead of
 refused. The hold comes before the body is read (after the key check: a request that will be
-refused is not kept waiting), so a held request holds no body allowance.
+refused is not kept waiting), so a held request holds no body allowance; a path no POST route
+serves (a 404 or 405) is not held either.
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 
 class LoadingHold:
-    """Before a POST (the model's routes) runs, wait while the service loads
-    (``Service.until_ready``: at most ``service.LOADING_HOLD_S``, no wait once it is ready,
-    has failed or is stopping)."""
+    """Before a POST to one of ``paths`` (the routes that take a POST: the model's) runs, wait
+    while the service loads (``Service.until_ready``: at most ``service.LOADING_HOLD_S``, no
+    wait once it is ready, has failed or is stopping)."""
 
-    def __init__(self, app: ASGIApp):
+    def __init__(self, app: ASGIApp, *, paths: frozenset[str]):
         self.app = app
+        self.paths = paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.paths:
             until_ready = getattr(scope.get("state", {}).get("service"), "until_ready", None)
             if until_ready is not None:  # a test's fake service may have none
                 await until_ready()
