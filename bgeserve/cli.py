@@ -53,7 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
     from bgeserve.http.drain import ANSWER_SECS, DrainingServer
     from bgeserve.http.stalls import StallBoundHttpTools
     from bgeserve.logs import setup_logging
-    from bgeserve.service import Service, plan
+    from bgeserve.service import Service, choice, plan
     from bgeserve.tuning import memory
 
     try:
@@ -87,7 +87,10 @@ def _serve(args: argparse.Namespace) -> int:
     except BgeServeError as exc:
         print(f"bgeserve: {exc}", file=sys.stderr)
         return 2
-    log.info("bgeserve starting", extra={"settings": settings.redacted()})
+    fields = settings.redacted()
+    if choice.measurable(settings):  # measured while loading: "variant choice" says which
+        fields["rule_variant"] = fields.pop("variant")
+    log.info("bgeserve starting", extra={"settings": fields})
     log.info("%s: intra-op threads per worker %d", usable_cpus(), settings.threads_per_worker)
     if settings.warmup_only:
         from bgeserve.service.warmup import run as warmup
