@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-
 from bgeserve.bulk.model import chosen_settings, model_identity, model_spec
 from bgeserve.config import Settings
 from bgeserve.model.artifacts import Layout, ModelArtifacts
@@ -72,15 +70,13 @@ def test_a_job_runs_and_records_the_variant_serve_would_serve(tmp_path: Path) ->
     assert not untouched.asked
 
 
-@pytest.mark.parametrize("where", ["bgeserve.bulk.local", "bgeserve.ray.pipeline"])
-def test_a_bulk_job_decides_the_variant_once_its_inputs_are_read(
-        where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Local or on Ray, a job takes its settings through ``chosen_settings`` (after its inputs
-    are known to be readable: a first measurement is not paid for a refusal)."""
-    import importlib
+def test_the_bulk_command_decides_the_variant_before_the_job(
+        tmp_path: Path, monkeypatch, capsys) -> None:
+    """``bgeserve bulk`` takes its settings through ``chosen_settings``, local or --ray."""
+    import argparse
 
-    from bgeserve.bulk.job import BulkJob
-    from bgeserve.errors import InvalidInput
+    from bgeserve.bulk import main as bulk_main
+    from bgeserve.bulk import model as bulk_model
 
     asked: list[Settings] = []
 
@@ -88,13 +84,10 @@ def test_a_bulk_job_decides_the_variant_once_its_inputs_are_read(
         asked.append(settings)
         raise ValueError("decided here")
 
-    module = importlib.import_module(where)
-    monkeypatch.setattr(module, "chosen_settings", refuse)
-    job = BulkJob(inputs=(str(tmp_path / "in.jsonl"),), output=tmp_path / "out")
-    with pytest.raises(InvalidInput, match="no such file"):  # refused first
-        module.run(job, Settings())
-    assert not asked
+    monkeypatch.setattr(bulk_model, "chosen_settings", refuse)
+    parser = argparse.ArgumentParser()
+    bulk_main.add_arguments(parser)
     (tmp_path / "in.jsonl").write_text('{"id": 1, "text": "a"}\n')
-    with pytest.raises(ValueError, match="decided here"):
-        module.run(job, Settings())
-    assert asked
+    args = parser.parse_args([str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out")])
+    assert bulk_main.run(args) == 2 and asked
+    assert "decided here" in capsys.readouterr().err

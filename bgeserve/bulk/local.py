@@ -27,7 +27,7 @@ from bgeserve.bulk.job import (
     refuse_nothing_embedded,
     total_rows,
 )
-from bgeserve.bulk.model import BulkModel, chosen_settings, model_spec
+from bgeserve.bulk.model import BulkModel, model_spec
 from bgeserve.bulk.output import (
     OutputDir,
     earlier_bad_rows,
@@ -128,7 +128,6 @@ def run(job: BulkJob, settings: Settings, bar: bool | None = None) -> Summary:
         sources = discover(job.inputs, exclude=out.path)
         for s in sources:
             check_columns(s, job.text_column, job.id_column)
-        settings = chosen_settings(settings)  # once the inputs are known to be readable
         spec = job.spec(model_spec(settings))
         # Checked before the model loads (a refusal costs no load), recorded only once it
         # has: a first run with a wrong model path leaves no manifest behind.

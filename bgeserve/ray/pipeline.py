@@ -29,7 +29,7 @@ from typing import Any
 from bgeserve.bulk.dupes import Duplicates
 from bgeserve.bulk.job import BulkJob, missing_column, refuse_nothing_embedded
 from bgeserve.bulk.local import MAX_BAD_EXAMPLES
-from bgeserve.bulk.model import chosen_settings, model_spec, settings_env
+from bgeserve.bulk.model import model_spec, settings_env
 from bgeserve.bulk.output import OutputDir, earlier_bad_rows, log_earlier_bad_rows
 from bgeserve.bulk.progress import Progress, Summary
 from bgeserve.bulk.sources import check_columns, discover
@@ -137,8 +137,6 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
         sources = discover(job.inputs, exclude=out.path)
         for s in sources:
             check_columns(s, job.text_column, job.id_column)
-        # The variant serve would serve here, pinned on every actor (actor_env).
-        settings = chosen_settings(settings)
         spec = job.spec(model_spec(settings))
         # The identity the shards already in the folder were made with (None on a first run):
         # known to the driver before any actor loads, checked by the sink on every write.
