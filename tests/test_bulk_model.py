@@ -5,11 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from bgeserve.bulk.model import chosen_settings, model_identity, model_spec
+from bgeserve.bulk.model import model_identity
 from bgeserve.config import Settings
 from bgeserve.model.artifacts import Layout, ModelArtifacts
-from bgeserve.ray.pipeline import actor_env
-from tests.test_choice import GOOD, OPENVINO, FakeTimer, default_settings, fake_export
 
 
 def _snapshot(root: Path, graph: bytes, data: bytes) -> ModelArtifacts:
@@ -50,44 +48,3 @@ def test_a_job_tokenizes_any_text_whole_where_the_server_limits_it() -> None:
     settings = Settings(max_text_chars=5_000)
     assert engine_config(settings).max_text_chars == 5_000
     assert engine_config(job_settings(settings)).max_text_chars == UNBOUNDED
-
-
-def test_a_job_runs_and_records_the_variant_serve_would_serve(tmp_path: Path) -> None:
-    """The driver takes the measured (cached) choice, not the rule's pick: the manifest named
-    int8 while the service ran fp32, and ``--ray`` pinned int8 on its actors, so a local job
-    continued with --ray was refused as another model's shards."""
-    export = fake_export(tmp_path / "export", {"fp32": {}, "int8": {"agreement": GOOD}})
-    cache = tmp_path / "cache"
-    rule = default_settings(export, cache)
-    assert rule.variant == "int8"  # the rule's pick on this machine
-    timer = FakeTimer({"fp32": 500.0, "int8": 300.0})
-    chosen = chosen_settings(rule, timer=timer, machine=OPENVINO)
-    assert chosen.variant == "fp32" and {a["variant"] for a in timer.asked} == {"fp32", "int8"}
-    assert model_spec(chosen)["variant"] == "fp32"
-    assert actor_env(chosen)["BGE_M3_MODEL"] == "fp32"
-    untouched = FakeTimer({})
-    assert chosen_settings(rule, timer=untouched, machine=OPENVINO).variant == "fp32"  # cached
-    assert not untouched.asked
-
-
-def test_the_bulk_command_decides_the_variant_before_the_job(
-        tmp_path: Path, monkeypatch, capsys) -> None:
-    """``bgeserve bulk`` takes its settings through ``chosen_settings``, local or --ray."""
-    import argparse
-
-    from bgeserve.bulk import main as bulk_main
-    from bgeserve.bulk import model as bulk_model
-
-    asked: list[Settings] = []
-
-    def refuse(settings: Settings) -> Settings:
-        asked.append(settings)
-        raise ValueError("decided here")
-
-    monkeypatch.setattr(bulk_model, "chosen_settings", refuse)
-    parser = argparse.ArgumentParser()
-    bulk_main.add_arguments(parser)
-    (tmp_path / "in.jsonl").write_text('{"id": 1, "text": "a"}\n')
-    args = parser.parse_args([str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out")])
-    assert bulk_main.run(args) == 2 and asked
-    assert "decided here" in capsys.readouterr().err

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     that cannot be read or written, 130 when interrupted (Ctrl-C)."""
     from bgeserve.bulk.columns import parse_outputs
     from bgeserve.bulk.job import BulkJob
-    from bgeserve.bulk.model import chosen_settings, resolve_settings
+    from bgeserve.bulk.model import resolve_settings
     from bgeserve.config import Settings, warn_unknown_variables
     from bgeserve.errors import BgeServeError
     from bgeserve.logs import setup_logging
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         setup_logging(logs.log_format, logs.log_level)
         warn_unknown_variables(os.environ)
         memory.limit_malloc_arenas(os.environ)  # before the threads that allocate start
-        settings = chosen_settings(resolve_settings(os.environ))
+        settings = resolve_settings(os.environ)
         if args.shard_rows is not None and args.shard_rows < 1:
             raise ValueError("--shard-rows must be at least 1")
         job = BulkJob(inputs=tuple(args.inputs), output=Path(args.output),

@@ -13,8 +13,7 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from concurrent.futures import Future
-from pathlib import Path
-from typing import Any, Self, cast
+from typing import Self, cast
 
 from bgeserve.config import Settings, _env_fields
 from bgeserve.engine import Engine
@@ -23,7 +22,7 @@ from bgeserve.errors import BgeServeError
 from bgeserve.model.artifacts import ModelArtifacts, export_variants
 from bgeserve.model.prepared import PreparedStore, file_digests
 from bgeserve.results import EmbedOptions
-from bgeserve.service import Service, choice, plan
+from bgeserve.service import Service, plan
 
 log = logging.getLogger("bgeserve.bulk")
 UNBOUNDED = 1 << 62
@@ -33,19 +32,6 @@ def resolve_settings(environ: Mapping[str, str]) -> Settings:
     """``Settings`` from ``environ`` with the runtime and variant decided as ``serve`` decides
     them (ConfigError naming the variable when they cannot be)."""
     return plan.resolve(Settings.from_env(environ))
-
-
-def chosen_settings(settings: Settings, **how: Any) -> Settings:
-    """``settings`` (``resolve_settings``') with the variant ``serve`` serves here: where the
-    default is measured, the choice cached in BGE_M3_CACHE_DIR, else measured now (``how``:
-    ``choice.decide``'s own options). Decided by the driver, before the job's manifest is
-    checked: the manifest named the rule's pick while the service ran the measured one, and a
-    job moved to ``--ray`` (whose actors get the driver's variant pinned) ran the rule's, its
-    shards refused as another model's."""
-    if not choice.measurable(settings):
-        return settings
-    # Not validated here: the service does it (and warns) as the job's model loads.
-    return choice.decide(settings, Path(settings.cache_dir).expanduser(), **how).settings
 
 
 def job_settings(settings: Settings) -> Settings:
