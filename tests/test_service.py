@@ -421,17 +421,24 @@ def test_the_start_up_objects_are_frozen_out_of_the_collector(client: TestClient
     assert gc.get_freeze_count() > 0
 
 
-def test_health_loading_then_ok(tiny_export: Path, tmp_path: Path,
-                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """While the model loads /health is 503 loading and embeddings are 503 not_ready."""
+def gated_load(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The service's model files are found only once the returned event is set: it loads
+    until then."""
     gate = threading.Event()
     real_resolve = service_module.resolve
 
     def slow_resolve(**kwargs: Any) -> Any:
-        assert gate.wait(20), "the test never opened the gate"
+        assert gate.wait(30), "the test never opened the gate"
         return real_resolve(**kwargs)
 
     monkeypatch.setattr(service_module, "resolve", slow_resolve)
+    return gate
+
+
+def test_health_loading_then_ok(tiny_export: Path, tmp_path: Path,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the model loads /health is 503 loading and embeddings are 503 not_ready."""
+    gate = gated_load(monkeypatch)
     monkeypatch.setattr(service_module, "LOADING_HOLD_S", 0.05)
     try:
         with serving(base_env(tiny_export, tmp_path)) as (c, _):
@@ -458,14 +465,7 @@ def test_a_request_while_loading_waits_a_little_for_the_model(
     if the load ends meanwhile; else its 503 comes after the hold, so a client that retries at
     once (Hugging Face's JS client ignores Retry-After) polls no faster than one that honours
     it; one warning a try (the access line), not two. Probes are not held."""
-    gate = threading.Event()
-    real_resolve = service_module.resolve
-
-    def slow_resolve(**kwargs: Any) -> Any:
-        assert gate.wait(30), "the test never opened the gate"
-        return real_resolve(**kwargs)
-
-    monkeypatch.setattr(service_module, "resolve", slow_resolve)
+    gate = gated_load(monkeypatch)
     monkeypatch.setattr(service_module, "LOADING_HOLD_S", 2.0)
     try:
         with serving(base_env(tiny_export, tmp_path)) as (c, _):
