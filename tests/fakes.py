@@ -70,6 +70,9 @@ class FakeService:
         """Mark stopped."""
         self.stopped = True
 
+    async def until_ready(self, seconds: float | None = None) -> None:
+        """Ready from the start: nothing to wait for."""
+
     @staticmethod
     def expected_dense(item: str | list[int]) -> np.ndarray:
         """The unit float32 vector the fake returns for ``item``."""

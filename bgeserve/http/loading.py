@@ -26,7 +26,5 @@ class LoadingHold:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.paths:
-            until_ready = getattr(scope.get("state", {}).get("service"), "until_ready", None)
-            if until_ready is not None:  # a test's fake service may have none
-                await until_ready()
+            await scope["state"]["service"].until_ready()
         await self.app(scope, receive, send)
