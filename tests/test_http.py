@@ -831,6 +831,27 @@ def test_a_refused_request_logs_one_line_naming_its_error(
     assert line.getMessage().endswith(" invalid_input (input)")
 
 
+def test_a_long_path_is_cut_in_the_access_line(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request target may be 64 KiB and the access line holds the path twice: one client,
+    without a key, wrote 120 KB lines (QA), which log shippers split at 16 KiB. The line keeps
+    the path's first ``MAX_LOGGED_PATH`` characters and says how many were cut."""
+    from bgeserve.http.context import MAX_LOGGED_PATH
+
+    path = "/" + "a" * 20_000
+    with caplog.at_level(logging.INFO, logger="bgeserve.http"):
+        r = client.get(path, headers={"x-request-id": "log-long"})
+    assert r.status_code == 404
+    lines = [r for r in caplog.records if getattr(r, "request_id", None) == "log-long"]
+    assert len(lines) == 1
+    line = lines[0]
+    cut = f"{path[:MAX_LOGGED_PATH]}...(+{len(path) - MAX_LOGGED_PATH} chars)"
+    assert line.path == cut  # type: ignore[attr-defined]
+    assert line.getMessage().startswith(f"GET {cut} 404")
+    assert len(line.getMessage()) < 2 * MAX_LOGGED_PATH
+
+
 # ---------------------------------------------------------------- health, metrics, lifespan
 
 

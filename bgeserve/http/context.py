@@ -35,6 +35,7 @@ ANSWER_CUT = "answer_cut"
 HOLD_UNTIL_TAKEN = "hold_until_taken"
 _PREFLIGHT = b"access-control-request-method"
 _VALID_ID = re.compile(r"[\x20-\x7e]{1,128}")
+MAX_LOGGED_PATH = 256  # characters of a request's path in its access line
 # The health checks, bgeserve's and TEI's (its `GET /`; its `POST /` embeds): a GET of one
 # needs no key (app.py). With the scrapes, they are logged at debug and not counted in flight
 # (an autoscaler reads that gauge).
@@ -121,16 +122,17 @@ class RequestContext:
             # probe's 503 (loading, draining) is its answer, every few seconds: debug.
             level = (logging.DEBUG if quiet else
                      logging.WARNING if status >= 500 else logging.INFO)
+            path = logged_path(scope["path"])
             log.log(
                 level,
                 "%s %s %d %.1fms%s",
                 scope["method"],
-                scope["path"],
+                path,
                 status,
                 seconds * 1000,
                 f" {error}" + (f" ({param})" if param else "") if error else "",
                 extra={"request_id": rid, "method": scope["method"], "route": route,
-                       "status": status, "path": scope["path"],
+                       "status": status, "path": path,
                        # The peer, or behind a proxy uvicorn trusts (FORWARDED_ALLOW_IPS,
                        # 127.0.0.1 by default) the X-Forwarded-For client it named.
                        "client": (scope.get("client") or (None,))[0],
@@ -138,6 +140,16 @@ class RequestContext:
                        **_spent(spent)},
             )
             _observe(scope, status, seconds, route)
+
+
+def logged_path(path: str) -> str:
+    """``path`` as the access line shows it: cut to ``MAX_LOGGED_PATH`` characters. A request
+    target may be 64 KiB (the head's limit), and the line holds the path twice: one client,
+    without a key, could write 128 KiB lines, which Docker's json-file driver and most log
+    shippers split at 16 KiB into pieces that no longer parse (QA)."""
+    if len(path) <= MAX_LOGGED_PATH:
+        return path
+    return f"{path[:MAX_LOGGED_PATH]}...(+{len(path) - MAX_LOGGED_PATH} chars)"
 
 
 def _spent(spent: Timings) -> dict[str, float | int]:
