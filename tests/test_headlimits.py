@@ -6,6 +6,7 @@ refusals in the JSON envelope (``upgrades.py``)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -331,3 +332,25 @@ def test_the_parsers_refusals_are_counted_in_the_metrics() -> None:
             conn.sendall(b"GET / HTTP/1.1\r\nHo\x01st: x\r\n\r\n")
             assert read_all(conn).startswith(b"HTTP/1.1 400 ")
     assert (counted("431"), counted("400")) == (1, 1)
+
+
+def test_a_refused_head_is_one_warning_naming_its_client(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A request the parser refuses reaches no app, so it gets no access line: its one line
+    says who sent it and what was answered (QA: two warnings, uvicorn's "Invalid HTTP
+    request received." and bgeserve's, neither naming the client)."""
+    config = uvicorn.Config(app, log_config=None, lifespan="off",
+                            http=headlimits.BoundedHttpTools, ws="none")
+    with caplog.at_level(logging.WARNING, logger="uvicorn.error"), \
+            serving(uvicorn.Server(config)) as (port, _):
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(b"GARBAGE x\x00\r\n\r\n")
+            answer = read_all(conn)
+        assert answer.startswith(b"HTTP/1.1 400 ")
+        deadline = time.monotonic() + 5
+        while not caplog.records and time.monotonic() < deadline:
+            time.sleep(0.02)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("refused a request head from 127.0.0.1: 400 "), lines
+    assert "not valid HTTP/1.1" in error(answer)["message"]

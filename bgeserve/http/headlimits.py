@@ -212,7 +212,10 @@ class BoundedHttpTools(PlainHttpTools):
         self.flow.resume_reading()  # what arrives is read (and dropped) until the close
         if self.transport.is_closing():
             return
-        self.logger.warning("refused a request head: %s", message)
+        # The only line such a request gets (no access line: no request reached the app), so
+        # it names the client, for an operator to tell who sends malformed or stalled heads.
+        client = self.client[0] if self.client else "?"
+        self.logger.warning("refused a request head from %s: %d %s", client, status, message)
         count_refused(self.app_state, status)
         if after is not None and not after.response_complete:
             # Never into the answer in progress: uvicorn closes the connection after it.

@@ -36,9 +36,10 @@ class PlainHttpTools(HttpToolsProtocol):
             try:
                 self.parser.feed_data(view)
                 return
-            except httptools.HttpParserError:
-                self.logger.warning("Invalid HTTP request received.")
-                self.send_400_response("the request is not valid HTTP/1.1")
+            except httptools.HttpParserError as exc:
+                # No warning of its own (uvicorn's had no client): the refusal's line says it
+                # (headlimits.py), with the client's address.
+                self.send_400_response(f"the request is not valid HTTP/1.1 ({exc})")
                 return
             except httptools.HttpParserUpgrade as exc:
                 if self._should_upgrade():  # never with ws="none" (cli.py); kept for WS
@@ -66,7 +67,6 @@ class PlainHttpTools(HttpToolsProtocol):
             self.parser.feed_data(b"POST / HTTP/1.1\r\n" + framing + b"\r\n\r\n")
         except httptools.HttpParserError:  # llhttp checks the framing only past the head
             self._framing_head = False
-            self.logger.warning("Invalid HTTP request received.")
             self.send_400_response("the request's Transfer-Encoding or Content-Length is not "
                                    "valid HTTP/1.1")
             return False
