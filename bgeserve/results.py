@@ -51,6 +51,20 @@ class Embeddings:
     def __len__(self) -> int:
         return len(self.n_tokens)
 
+    def __repr__(self) -> str:
+        # The dataclass's repr printed every float: 4.9 MB for 2,000 texts with ColBERT, a
+        # notebook flooded by one result (QA). Shapes and counts instead.
+        parts = [f"{len(self)} texts", f"{self.prompt_tokens} tokens"]
+        if self.dense is not None:
+            parts.append(f"dense {self.dense.dtype}{list(self.dense.shape)}")
+        if self.sparse is not None:
+            parts.append(f"sparse {sum(len(ids) for ids, _ in self.sparse)} weights")
+        if self.colbert is not None:
+            parts.append(f"colbert {sum(len(rows) for rows in self.colbert)} vectors")
+        if self.truncated.any():
+            parts.append(f"{int(self.truncated.sum())} truncated")
+        return f"Embeddings({', '.join(parts)})"
+
     @property
     def prompt_tokens(self) -> int:
         """Real tokens processed (what ``usage`` reports)."""
@@ -116,6 +130,11 @@ class RerankOptions:
     given: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
+        # A bool only (numpy's too), as EmbedOptions' flags: "false" read as True scored
+        # sigmoids where logits were asked for (QA).
+        if not isinstance(self.normalize, bool | np.bool_):
+            raise InvalidInput(f"normalize must be True or False, not {self.normalize!r}",
+                               param="normalize")
         if self.long_documents not in LONG_DOCUMENTS:
             raise InvalidInput(f"long_documents must be one of {LONG_DOCUMENTS}",
                                param="long_documents")
@@ -169,6 +188,10 @@ class RerankResult:
         return len(self.scores)
 
     def ranking(self, top_n: int | None = None) -> list[int]:
-        """Document indices by descending score (ties: lower index first), cut to ``top_n``."""
+        """Document indices by descending score (ties: lower index first), cut to ``top_n``
+        (None or 0: every document, as rerank clients send it)."""
+        if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int)
+                                  or top_n < 0):
+            raise ValueError(f"top_n must be an integer >= 0 or None, not {top_n!r}")
         order = sorted(range(len(self.scores)), key=lambda i: (-float(self.scores[i]), i))
         return order if not top_n else order[:top_n]

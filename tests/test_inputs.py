@@ -34,7 +34,8 @@ def test_the_accepted_shapes(inputs: object, expected: tuple) -> None:
     ({"a", "b"}, "input", "set"),  # in no order the caller knows
     (None, "input", "NoneType"),  # a bare TypeError
     (5, "input", "int"),
-    (["a", 5], "input", "a string"),
+    (["a", 5], "input[1]", "input\\[1\\] is int, not a string"),
+    (["a", None], "input[1]", "input\\[1\\] is NoneType, not a string"),
 ])
 def test_what_is_refused_names_the_input(inputs: object, param: str, words: str) -> None:
     with pytest.raises(InvalidInput, match=words) as info:

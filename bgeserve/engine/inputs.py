@@ -38,6 +38,10 @@ def normalize_inputs(inputs: Inputs) -> tuple[list[str] | None, list[list[int]] 
         return None, [list(cast(Sequence[int], x)) for x in items]
     if not items:
         return [], None
+    if isinstance(items[0], str):  # a list of texts with one that is not: name it (QA)
+        i = next(i for i, x in enumerate(items) if not isinstance(x, str))
+        raise InvalidInput(f"input[{i}] is {type(items[i]).__name__}, not a string: every "
+                           "item of a list of texts must be a string", param=f"input[{i}]")
     raise InvalidInput("input must be a string, a list of strings, a list of token ids or a "
                        "list of lists of token ids", param="input")
 

@@ -16,6 +16,7 @@ import atexit
 import collections
 import functools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -52,6 +53,9 @@ def _nothing_run(tokens: int) -> bool:
 SHUTTING_DOWN = "the engine is shutting down (the server is stopping, or Engine.close() was called)"
 
 
+UNBOUNDED_QUEUE = 1 << 62
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Plain values the scheduler needs (the service derives them from Settings); the chunk
@@ -69,7 +73,10 @@ class SchedulerConfig:
     pad_cap: int | None = None
     batch_delay_s: float = 0.0
     cross_request: bool = True
-    max_queue_tokens: int = 1_000_000
+    # The server's queue is bounded (BGE_M3_MAX_QUEUE_TOKENS: a full one answers 429); an
+    # in-process caller has no one to retry for it, so its jobs wait their turn (QA: 3 of 4
+    # threads embedding long documents were refused "queue full; retry shortly").
+    max_queue_tokens: int = UNBOUNDED_QUEUE
     idle_timeout_s: float = 0.0
 
     @property
@@ -122,6 +129,7 @@ class Scheduler(Workers):
         # sessions loaded for good past BGE_M3_IDLE_TIMEOUT_SECS.
         self._last_work = [time.monotonic()] * n
         self._deaths = [0] * n
+        self._pid = os.getpid()
         # What each worker's session has run (engine/shapes.py), with a weak reference to the
         # session it is for: an unloaded session must not be kept alive by it.
         self._shapes: list[tuple[weakref.ref[Forward], RunShapes] | None] = [None] * n
@@ -134,6 +142,7 @@ class Scheduler(Workers):
         if preload:
             for w in range(self.config.workers):
                 self._forwards[w] = self._open_forward(w)
+        self._pid = os.getpid()  # the process whose threads run the work (see submit)
         for w in range(self.config.workers):
             self._spawn(w, delay=0.0)
         _STARTED.add(self)
@@ -215,6 +224,12 @@ class Scheduler(Workers):
         with self._cond:
             if self._stopping:
                 raise NotReady(SHUTTING_DOWN)
+            if os.getpid() != self._pid:
+                # A fork copies no thread: nothing would ever run this (QA: "no worker is
+                # left ... (see /health)", while texts in the cache were answered).
+                raise NotReady(f"this engine was started in process {self._pid}, and a forked "
+                               "child has none of its worker threads: create an Engine (or "
+                               "Reranker) in the child process")
             if self._no_worker_left():
                 raise NotReady("no worker is left to run the model (see /health)")
             self._check_room(tokens)

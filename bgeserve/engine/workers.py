@@ -123,6 +123,8 @@ class Workers(abc.ABC):
         try:
             if died:  # first: whoever gets the error below sees the worker already replaced
                 self._restart(w)
+            else:  # stopping: a chunk that outlasted stop()'s wait leaves its session here
+                self._drop_session(w)  # (QA: still loaded after close(timeout))
         finally:
             for p in held:
                 self._fail(p.job, EngineFailed(f"worker {w} died while running this text; "
