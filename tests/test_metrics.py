@@ -70,7 +70,8 @@ def test_requests_in_flight_counts_requests_being_served_not_probes() -> None:
 
 def test_the_embedding_cache_is_exported() -> None:
     """Hits, misses, repeats and evictions as counters, bytes and entries as gauges, and the
-    capacity; with the cache off only the capacity, 0."""
+    capacity; with the cache off every one of them, 0 (QA: they vanished, and a dashboard
+    on hits read "no data")."""
     from bgeserve.engine.cache import EmbeddingCache
 
     cache = EmbeddingCache(1 << 20)
@@ -93,8 +94,9 @@ def test_the_embedding_cache_is_exported() -> None:
     assert got["bgeserve_cache_entries"] == 1
     assert got["bgeserve_cache_bytes"] == cache.bytes > 0
     assert got["bgeserve_cache_capacity_bytes"] == 1 << 20
-    assert off["bgeserve_cache_capacity_bytes"] == 0
-    assert not any(name.startswith("bgeserve_cache_hits") for name in off)
+    cache_families = {name for name in got if name.startswith("bgeserve_cache_")}
+    assert len(cache_families) == 7
+    assert {name: off[name] for name in cache_families} == dict.fromkeys(cache_families, 0)
 
 
 def test_the_rerankers_refusals_count_with_bge_m3s() -> None:
@@ -115,3 +117,29 @@ def test_the_rerankers_refusals_count_with_bge_m3s() -> None:
     assert got["bgeserve_rejected_requests_total"] == 4 + 3 + 5
     assert got["bgeserve_cancelled_texts_total"] == 2
     assert got["bgeserve_oom_splits_total"] == 1
+
+
+def test_the_health_status_and_what_serves_are_exported() -> None:
+    """/health's status as a gauge per state, what serves as an info gauge (QA: no readiness
+    or build metric), the process collector's families, no ``_created`` series, and latency
+    buckets from 1 ms to 600 s (QA: 218 of 240 requests in the first, 5 ms, bucket; the 300 s
+    timeout's requests past the last, 120 s)."""
+    body = {"status": "idle", "version": "9.9", "model": {
+        "variant": "ov-int8", "choice": "measured", "backend": "openvino 2026.4",
+        "execution_provider": "openvino"}}
+    metrics = Metrics()
+    metrics.update_state(SimpleNamespace(health=lambda: body))
+    text = metrics.render()[0].decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    status = {s.labels["status"]: s.value for s in families["bgeserve_status"].samples}
+    assert status == {"loading": 0, "ok": 0, "warn": 0, "idle": 1, "draining": 0, "fail": 0}
+    (info,) = families["bgeserve_info"].samples
+    assert info.value == 1 and info.labels == {
+        "version": "9.9", "variant": "ov-int8", "choice": "measured",
+        "backend": "openvino 2026.4", "execution_provider": "openvino"}
+    assert "process_cpu_seconds" in families and "process_open_fds" in families
+    assert "_created" not in text
+    metrics.observe_http("/v1/embeddings", 200, 0.0008)
+    buckets = [s.labels["le"] for s in metrics.http_latency.collect()[0].samples
+               if s.name.endswith("_bucket")]
+    assert buckets[0] == "0.001" and buckets[-2:] == ["600.0", "+Inf"]

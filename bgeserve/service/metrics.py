@@ -15,6 +15,8 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import (
@@ -29,15 +31,27 @@ if TYPE_CHECKING:
     from bgeserve.engine.scheduler import ChunkStats
     from bgeserve.results import Embeddings, RerankResult
 
-_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# From 1 ms (a short query's whole request on a fast CPU: with 5 ms first, 218 of 240 requests
+# fell in the first bucket and p50/p90 were guesses inside it) to 600 s (the request timeout's
+# 300 s default, and past it: a long text on fp32 on 2 cores runs 91 s; QA).
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120,
+            300, 600)
+_CHUNK_TEXTS = tuple(2 ** k for k in range(13))  # 1 .. 4096, BGE_M3_MAX_CHUNK's bound
 _PROBE_STATES = ("disabled", "running", "complete", "failed", "cache_hit")
+_STATUSES = ("loading", "ok", "warn", "idle", "draining", "fail")  # /health's status
 
 
 class Metrics:
     """The bgeserve metric families."""
 
     def __init__(self) -> None:
+        # Counters and histograms without a ``_created`` series each: it doubled the series
+        # and no dashboard reads it (Prometheus derives resets itself).
+        disable_created_metrics()
         self.registry = r = CollectorRegistry(auto_describe=True)
+        # process_cpu_seconds_total, process_open_fds, process_max_fds,
+        # process_start_time_seconds, ...: the custom registry had dropped the defaults.
+        ProcessCollector(registry=r)
         self.http_requests = Counter("bgeserve_http_requests", "HTTP requests by route and status",
                                      ["route", "status"], registry=r)
         self.http_latency = Histogram("bgeserve_http_request_duration_seconds",
@@ -49,7 +63,7 @@ class Metrics:
         self.inference = Histogram("bgeserve_inference_duration_seconds",
                                    "session.run time per chunk", buckets=_LATENCY, registry=r)
         self.chunk_texts = Histogram("bgeserve_chunk_texts", "Texts per chunk",
-                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+                                     buckets=_CHUNK_TEXTS, registry=r)
         self.chunk_tokens = Histogram("bgeserve_chunk_padded_tokens", "Padded tokens per chunk",
                                       buckets=(64, 256, 1024, 2048, 4096, 8192, 16384, 65536),
                                       registry=r)
@@ -164,6 +178,9 @@ class _StateCollector:
         service = self._metrics._service
         yield GaugeMetricFamily("bgeserve_process_rss_bytes", "Resident memory of the server",
                                 value=memory.rss_bytes())
+        health = getattr(service, "health", None)
+        if callable(health):
+            yield from _status_families(health())
         bodies = self._metrics._bodies
         if bodies is not None:
             yield GaugeMetricFamily("bgeserve_inflight_body_bytes",
@@ -238,24 +255,47 @@ class _StateCollector:
             for state in _PROBE_STATES:
                 probe.add_metric([state], 1.0 if s.probe_status == state else 0.0)
             yield probe
-            yield GaugeMetricFamily("bgeserve_cost_model_a_bytes", "Cost model a (bytes/token)",
-                                    value=s.a)
-            yield GaugeMetricFamily("bgeserve_cost_model_b_bytes",
-                                    "Cost model b (bytes/token^2)", value=s.b)
+            # Named for Prometheus' rules (promtool: no "_a_"/"_b_", the unit last): a chunk's
+            # workspace is linear x tokens + quadratic x tokens^2 bytes (per text of them).
+            yield GaugeMetricFamily("bgeserve_cost_model_linear_bytes",
+                                    "Cost model a: workspace bytes per token", value=s.a)
+            yield GaugeMetricFamily("bgeserve_cost_model_quadratic_bytes",
+                                    "Cost model b: workspace bytes per token squared",
+                                    value=s.b)
             yield GaugeMetricFamily("bgeserve_workspace_budget_bytes",
                                     "Per-worker workspace budget", value=s.max_workspace_bytes)
-            yield GaugeMetricFamily("bgeserve_model_rss_bytes_per_worker",
+            yield GaugeMetricFamily("bgeserve_model_rss_per_worker_bytes",
                                     "Measured RSS per loaded session",
                                     value=s.model_rss_bytes_per_worker)
 
 
+def _status_families(body: dict[str, Any]):
+    """/health's status as a gauge per state (1: current) and what serves, as an info gauge:
+    what an alert on "not ready" or a dashboard's "which variant" reads."""
+    status = GaugeMetricFamily("bgeserve_status", "The /health status (1 = current)",
+                               labels=["status"])
+    for state in _STATUSES:
+        status.add_metric([state], 1.0 if body.get("status") == state else 0.0)
+    yield status
+    model = body.get("model", {})
+    labels = {"version": str(body.get("version", "")),
+              "variant": str(model.get("variant", "")), "choice": str(model.get("choice", "")),
+              "backend": str(model.get("backend", "")),
+              "execution_provider": str(model.get("execution_provider", ""))}
+    info = GaugeMetricFamily("bgeserve_info", "What serves (its labels; empty while loading)",
+                             labels=list(labels))
+    info.add_metric(list(labels.values()), 1.0)
+    yield info
+
+
 def _cache_metrics(stats: dict[str, int] | None):
-    """The embedding cache's families (only its capacity, 0, when it is off)."""
+    """The embedding cache's families; with the cache off, zeros (a dashboard or an alert on
+    hits reads 0, not "no data")."""
     yield GaugeMetricFamily("bgeserve_cache_capacity_bytes",
                             "Embedding cache limit (BGE_M3_CACHE_MB; 0: off)",
                             value=stats["max_bytes"] if stats else 0)
     if stats is None:
-        return
+        stats = dict.fromkeys(("hits", "misses", "repeats", "evictions", "bytes", "entries"), 0)
     for name, key, doc in (
         ("bgeserve_cache_hits", "hits", "Texts answered from the embedding cache"),
         ("bgeserve_cache_misses", "misses", "Texts looked up in the embedding cache and run"),
