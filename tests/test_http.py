@@ -667,6 +667,27 @@ def test_service_errors_map_through_the_table(error: Exception, status: int, cod
             assert r.headers["retry-after"] == "3"
 
 
+@pytest.mark.parametrize(("error", "status"), [
+    (DeadlineExceeded("deadline of 300 s passed"), 504),
+    (NotReady("the server is shutting down"), 503),
+    (EngineFailed("ORT: CUDA error"), 500),
+])
+def test_a_5xx_answer_is_logged_once_at_warning_or_above(
+        error: Exception, status: int, caplog: pytest.LogCaptureFixture) -> None:
+    """A 504 or a shutdown's 503 is one warning, the access line with its code (QA: each was
+    two, the error's own line first); a 500 keeps its error line: its cause is not the
+    client's to see, and the operator needs it."""
+    with caplog.at_level(logging.INFO, logger="bgeserve.http"), \
+            serve(FakeService(fail_with=error)) as c:
+        r = c.post("/v1/embeddings", json={"input": "x"}, headers={"x-request-id": "five"})
+    assert r.status_code == status
+    lines = [x for x in caplog.records if getattr(x, "request_id", None) == "five"
+             and x.levelno >= logging.WARNING]
+    access = [x for x in lines if x.getMessage().startswith(f"POST /v1/embeddings {status}")]
+    assert len(access) == 1
+    assert len(lines) == (2 if status == 500 else 1), [x.getMessage() for x in lines]
+
+
 def test_retry_after_is_at_least_one() -> None:
     """A sub-second retry_after still says Retry-After: 1."""
     with serve(FakeService(fail_with=Overloaded("busy", retry_after=0.01))) as c:

@@ -206,16 +206,18 @@ def error_response(exc: BgeServeError, request_id: str | None = None,
     message = exc.message
     if status >= 500:
         level = logging.ERROR if status == 500 else logging.WARNING
-        if access_logged and isinstance(exc, NotReady) and exc.retry_after is not None:
-            # Still loading: the request's access-log line says so; a client polling through
-            # a first start's minutes got two warnings a try.
+        if access_logged and isinstance(exc, NotReady | DeadlineExceeded):
+            # A 503 (loading, stopping) or a 504 is the client's answer, and the request's
+            # access line says it at warning with its code: a second warning each (QA) was
+            # a client polling through a first start's minutes, or every request of a
+            # backlog, logged twice.
             level = logging.DEBUG
         log.log(level, "%s: %s", type(exc).__name__, exc.message, extra={"request_id": request_id})
         if status == 500 or isinstance(exc, ModelUnavailable):
             message = _GENERIC_MESSAGE.format(rid=request_id)
     else:
-        log.log(logging.DEBUG if access_logged else logging.INFO, "rejected: %s (%s)",
-                exc.code, exc.param, extra={"request_id": request_id})
+        log.log(logging.DEBUG if access_logged else logging.INFO, "rejected: %s%s", exc.code,
+                f" ({exc.param})" if exc.param else "", extra={"request_id": request_id})
     if style == TEI_STYLE:
         tei, error_type = tei_status(exc)
         return json_error(tei, tei_body(_tei_names(message, exc.param), error_type), headers)
