@@ -46,7 +46,12 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from bgeserve.cgroup import usable_cpus
-    from bgeserve.config import Settings, parse_bind, warn_unknown_variables
+    from bgeserve.config import (
+        Settings,
+        parse_bind,
+        refuse_misspelt_guards,
+        warn_unknown_variables,
+    )
     from bgeserve.errors import BgeServeError
     from bgeserve.http import tls
     from bgeserve.http.app import create_app
@@ -62,6 +67,7 @@ def _serve(args: argparse.Namespace) -> int:
             # in its place: a bad BGE_M3_BIND it overrides is no reason to refuse to start
             environ["BGE_M3_BIND"] = parse_bind("--bind", args.bind)
         settings = Settings.from_env(environ)
+        refuse_misspelt_guards(environ)
     except BgeServeError as exc:
         print(f"bgeserve: {exc}", file=sys.stderr)
         return 2

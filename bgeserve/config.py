@@ -121,6 +121,19 @@ def _text(name: str, raw: str) -> str:
     return raw.strip()
 
 
+_SHAPE = re.compile(r"\s*([1-9]\d*)\s*[xX]\s*([1-9]\d*)\s*")
+
+
+def _shapes(name: str, raw: str) -> str:
+    """``BxL,BxL`` (empty: the default grid). A token that is no shape stops the start, as
+    every other bad value does (it was skipped with a warning: QA)."""
+    for token in (t for t in raw.split(",") if t.strip()):
+        if _SHAPE.fullmatch(token) is None:
+            raise ConfigError(f"{name}: {token.strip()!r} is not a shape BxL (texts x tokens, "
+                              "both >= 1, e.g. 8x512)", param=name)
+    return raw.strip()
+
+
 def _path(name: str, raw: str) -> Path:
     return Path(raw.strip()).expanduser()
 
@@ -289,7 +302,9 @@ class Settings:
     rerank: bool = _var("BGE_M3_RERANK", _bool, False,
                         "load BAAI/bge-reranker-v2-m3 (pinned commit, its hub ONNX graph) beside "
                         "bge-m3 when BGE_M3_RERANK_MODEL_PATH is unset")
-    rerank_variant: str = _var("BGE_M3_RERANK_VARIANT", _choice(*VARIANTS), "fp32",
+    # ov-int8 is made for bge-m3 only (export/main.py): accepted here, it failed at load.
+    rerank_variant: str = _var("BGE_M3_RERANK_VARIANT",
+                               _choice(*(v for v in VARIANTS if v != "ov-int8")), "fp32",
                                "the reranker's variant: fp32|fp16|int8|bf16 (int8 moves "
                                "rankings: docs/rerank.md)")
     rerank_max_length: int = _var("BGE_M3_RERANK_MAX_LENGTH", _number(int, 16, MAX_POSITIONS),
@@ -323,7 +338,7 @@ class Settings:
                                  "GPUs (default: /proc/driver/nvidia/gpus)")
     gpu_vram_budget_bytes: int | None = _var("BGE_M3_GPU_VRAM_BUDGET_BYTES", _number(int, 1),
                                              None, "workspace ceiling on GPU EPs")
-    trt_warmup_shapes: str = _var("BGE_M3_TRT_WARMUP_SHAPES", _text, "",
+    trt_warmup_shapes: str = _var("BGE_M3_TRT_WARMUP_SHAPES", _shapes, "",
                                   "BxL,BxL shapes to pre-build (tensorrt; unset: 24 shapes, "
                                   "1-32 texts x 128-8192 tokens, those past "
                                   "BGE_M3_MAX_SEQ_LENGTH left out)")
@@ -489,6 +504,25 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
         hint = f"; did you mean {close[0]}?" if close else ""
         lines.append(f"{name} is not a bgeserve setting and is ignored{hint}")
     return lines
+
+
+# Settings whose misspelling serves less safely than asked (no API key, /metrics open, plain
+# HTTP, any origin): a near miss of one stops ``serve`` rather than warn (QA: the key's name
+# with an S added warned "did you mean BGE_M3_API_KEY?" and served every client).
+GUARDS = ("BGE_M3_API_KEY", "BGE_M3_METRICS_AUTH", "BGE_M3_TLS_CERT_FILE", "BGE_M3_TLS_KEY_FILE",
+          "BGE_M3_TLS_CLIENT_CA_FILE", "BGE_M3_CORS_ALLOW_ORIGINS")
+
+
+def refuse_misspelt_guards(environ: Mapping[str, str]) -> None:
+    """ConfigError for an unknown ``BGE_M3_*`` variable whose closest setting is a guard."""
+    known = [f.metadata["env"] for f in _env_fields(Settings)]
+    for name in sorted(n for n in environ if n.startswith("BGE_M3_") and n not in known
+                       and n not in REFERENCE_NAMES):
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        if close and close[0] in GUARDS:
+            raise ConfigError(f"{name} is not a bgeserve setting; did you mean {close[0]}? Not "
+                              f"starting: the server would run without {close[0]} (rename "
+                              "the variable, or unset it)", param=name)
 
 
 def warn_unknown_variables(environ: Mapping[str, str]) -> None:

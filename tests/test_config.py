@@ -280,6 +280,7 @@ def test_a_malformed_boolean_is_refused(var, raw):
     ("BGE_M3_EP", "rocm"),
     ("BGE_M3_LOG_FORMAT", "xml"),
     ("BGE_M3_LOG_LEVEL", "trace"),
+    ("BGE_M3_RERANK_VARIANT", "ov-int8"),  # made for bge-m3 only: it failed at load
 ])
 def test_a_value_outside_the_choices_is_refused(var, raw):
     """A choice variable lists the allowed values in its error."""
@@ -291,6 +292,32 @@ def test_a_value_outside_the_choices_is_refused(var, raw):
 def test_a_malformed_bind_is_refused(raw):
     """BGE_M3_BIND must be HOST:PORT with an ASCII port in 1..65535."""
     assert "HOST:PORT with a port in [1, 65535]" in refuse({"BGE_M3_BIND": raw}).message
+
+
+@pytest.mark.parametrize("raw", ["garbage", "8x512,x", "0x512", "8x0", "8*512", "8x512x2"])
+def test_a_malformed_warm_up_shape_is_refused(raw):
+    """Every bad value stops the start (README); these were skipped with a warning (QA)."""
+    assert "is not a shape BxL" in refuse({"BGE_M3_TRT_WARMUP_SHAPES": raw}).message
+
+
+@pytest.mark.parametrize(("typo", "meant"), [
+    ("BGE_M3_API_KEYS", "BGE_M3_API_KEY"), ("BGE_M3_APIKEY", "BGE_M3_API_KEY"),
+    ("BGE_M3_METRIC_AUTH", "BGE_M3_METRICS_AUTH"), ("BGE_M3_TLS_CERT", "BGE_M3_TLS_CERT_FILE"),
+])
+def test_serve_refuses_a_misspelt_security_setting(
+        typo: str, meant: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """A near miss of the API key (TLS, metrics auth, CORS) served with no key and a warning
+    (QA); it stops the start now, naming the setting it resembles. Other typos still warn."""
+    from bgeserve.cli import main
+    from bgeserve.config import refuse_misspelt_guards
+
+    monkeypatch.setenv(typo, "secret")
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert f"{typo} is not a bgeserve setting; did you mean {meant}?" in err, err
+    assert "Not starting" in err and "secret" not in err
+    refuse_misspelt_guards({"BGE_M3_MAX_SEQ_LENTGH": "512", "BGE_M3_TLS_CERT_PATH": "x"})
 
 
 def test_cost_model_a_without_b_is_refused():
