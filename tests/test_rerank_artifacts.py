@@ -45,6 +45,16 @@ def test_a_bge_m3_export_is_not_a_reranker(tiny_export, tmp_path) -> None:
         resolve_reranker(model_path=tiny_export, variant="fp32", cache_dir=tmp_path)
 
 
+def test_a_reranker_export_is_not_bge_m3(tiny_reranker_export, tmp_path) -> None:
+    """A library user who gives Engine the reranker is told the class, not only the server's
+    variable (QA)."""
+    from bgeserve.engine import Engine
+
+    with pytest.raises(ModelUnavailable, match=r"BGE_M3_RERANK_MODEL_PATH at it \(in Python: "
+                       r"bgeserve\.Reranker\)"):
+        Engine(tiny_reranker_export, "fp32", cache_dir=tmp_path)
+
+
 def test_a_tiny_reranker_stock_serves_its_logits(tiny_reranker_stock, tmp_path) -> None:
     """A snapshot with onnx/model.onnx gives the logits layout; a variant it lacks is a
     ConfigError listing what it has."""

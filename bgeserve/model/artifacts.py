@@ -151,7 +151,9 @@ def resolve(
             raise ModelUnavailable(
                 f"{model_path} holds {what}'s export: point "
                 f"{'BGE_M3_RERANK_MODEL_PATH' if found.layout.reranker else 'BGE_M3_MODEL_PATH'}"
-                " at it", param="BGE_M3_RERANK_MODEL_PATH" if reranker else "BGE_M3_MODEL_PATH")
+                " at it (in Python: "
+                f"{'bgeserve.Reranker' if found.layout.reranker else 'bgeserve.Engine'})",
+                param="BGE_M3_RERANK_MODEL_PATH" if reranker else "BGE_M3_MODEL_PATH")
         return found
     if variant in EXPORT_ONLY_VARIANTS:
         raise ModelUnavailable(
