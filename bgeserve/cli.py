@@ -53,6 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
         warn_unknown_variables,
     )
     from bgeserve.errors import BgeServeError
+    from bgeserve.fdlimit import raise_open_files_limit
     from bgeserve.http import tls
     from bgeserve.http.app import create_app
     from bgeserve.http.drain import ANSWER_SECS, DrainingServer
@@ -75,6 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("bgeserve")
     warn_unknown_variables(os.environ)
     memory.limit_malloc_arenas(os.environ)  # before the threads that allocate start
+    raise_open_files_limit()  # every connection is a file descriptor
     try:  # before any port is bound: a missing GPU EP fails fast, naming BGE_M3_EP
         settings = plan.resolve(settings)
     except BgeServeError as exc:
