@@ -874,6 +874,16 @@ def test_a_long_path_is_cut_in_the_access_line(
     assert len(line.getMessage()) < 2 * MAX_LOGGED_PATH
 
 
+def test_the_access_lines_client_is_cut_too() -> None:
+    """Behind a proxy uvicorn trusts, the client is the X-Forwarded-For it passed on, which
+    a client may have written: 100 KB of it was logged whole (QA)."""
+    from bgeserve.http.context import _client
+
+    assert _client({"client": ("203.0.113.7", 5)}) == "203.0.113.7"
+    assert _client({"client": ("A" * 100_000, 5)}) == "A" * 64 + "...(+99936 chars)"
+    assert _client({}) is None
+
+
 # ---------------------------------------------------------------- health, metrics, lifespan
 
 

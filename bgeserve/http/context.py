@@ -135,21 +135,30 @@ class RequestContext:
                        "status": status, "path": path,
                        # The peer, or behind a proxy uvicorn trusts (FORWARDED_ALLOW_IPS,
                        # 127.0.0.1 by default) the X-Forwarded-For client it named.
-                       "client": (scope.get("client") or (None,))[0],
+                       "client": _client(scope),
                        "ms": round(seconds * 1000, 1), "error": error, "param": param,
                        **_spent(spent)},
             )
             _observe(scope, status, seconds, route)
 
 
-def logged_path(path: str) -> str:
-    """``path`` as the access line shows it: cut to ``MAX_LOGGED_PATH`` characters. A request
+def _client(scope: Scope) -> str | None:
+    """The access line's client, cut as the path is: behind a proxy uvicorn trusts it is the
+    X-Forwarded-For the proxy passed on, which a client may have written (QA: 100 KB)."""
+    client = (scope.get("client") or (None,))[0]
+    return None if client is None else logged_path(client, 64)
+
+
+def logged_path(path: str, keep: int = 0) -> str:
+    """``path`` as the access line shows it: cut to ``keep`` characters (default
+    ``MAX_LOGGED_PATH``), saying how many more there were. A request
     target may be 64 KiB (the head's limit), and the line holds the path twice: one client,
     without a key, could write 128 KiB lines, which Docker's json-file driver and most log
     shippers split at 16 KiB into pieces that no longer parse (QA)."""
-    if len(path) <= MAX_LOGGED_PATH:
+    keep = keep or MAX_LOGGED_PATH
+    if len(path) <= keep:
         return path
-    return f"{path[:MAX_LOGGED_PATH]}...(+{len(path) - MAX_LOGGED_PATH} chars)"
+    return f"{path[:keep]}...(+{len(path) - keep} chars)"
 
 
 def _spent(spent: Timings) -> dict[str, float | int]:
