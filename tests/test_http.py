@@ -1256,6 +1256,115 @@ def test_a_body_that_has_not_arrived_holds_no_allowance() -> None:
     assert guard.allowance.held == 0
 
 
+class _Uploads:
+    """InflightLimit behind the real LingeringClose (as app.py stacks them) over an app that
+    reads its body and, for ``/hold``, answers only once ``held`` is set; each upload's body
+    comes in the chunks given, ``WAIT`` waiting for ``gate`` (a lingering close then reads
+    it after a refusal)."""
+
+    WAIT = b"<wait>"
+
+    def __init__(self, allowance: int) -> None:
+        from bgeserve.http.linger import LingeringClose
+
+        self.gate, self.held = anyio.Event(), anyio.Event()
+        self.guard = guards.InflightLimit(self._app, allowance=guards.BodyAllowance(allowance))
+        self.stack = LingeringClose(self.guard, max_bytes=1 << 20, max_seconds=5)
+
+    async def _app(self, scope: dict, receive: Any, send: Any) -> None:
+        from bgeserve.errors import BgeServeError
+        from bgeserve.http.errors import error_response
+
+        try:
+            while (await receive()).get("more_body"):
+                pass
+        except BgeServeError as exc:
+            await error_response(exc)(scope, receive, send)
+            return
+        if scope["path"] == "/hold":
+            await self.held.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def post(self, path: str, chunks: list[bytes]) -> int:
+        sent: list[dict] = []
+        parts = iter(chunks)
+        length = sum(len(c) for c in chunks if c != self.WAIT)
+
+        async def receive() -> dict:
+            await anyio.lowlevel.checkpoint()
+            chunk = next(parts, None)
+            if chunk == self.WAIT:
+                await self.gate.wait()
+                chunk = next(parts, None)
+            return {"type": "http.request", "body": chunk or b"", "more_body": chunk is not None}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        headers = [(b"content-length", str(length).encode())]
+        await self.stack({**_scope(headers, FakeService(), Settings()), "path": path,
+                          "method": "POST"}, receive, send)
+        return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+
+def test_a_refused_uploads_bytes_are_given_back_before_its_lingering_close() -> None:
+    """Three uploads together past the allowance: the one refused gives its bytes back at
+    once. Held through the lingering close that reads the rest of its body, they refused the
+    third upload too (review: every upload let in together was a 429)."""
+    uploads = _Uploads(150)
+    x = b"x" * 20
+
+    async def main() -> dict[str, int]:
+        got: dict[str, int] = {}
+
+        async def one(name: str, chunks: list[bytes]) -> None:
+            got[name] = await uploads.post(f"/{name}", chunks)
+            if name == "c":
+                uploads.gate.set()  # only now may b's lingering close end
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, "a", [x, x, x])
+                tg.start_soon(one, "b", [x, x, x, uploads.WAIT, x])
+                tg.start_soon(one, "c", [x, x, x])
+        return got
+
+    assert anyio.run(main) == {"a": 200, "b": 429, "c": 200}
+    assert uploads.guard.allowance.held == 0 and not uploads.guard.allowance.arriving
+
+
+def test_the_oldest_body_still_arriving_is_never_cut_off() -> None:
+    """A large upload let in alone finishes although small requests let in after it hold
+    bytes when its last ones come (review: counted as they arrive, the upload near its end
+    was the 429, and steady small traffic could keep a maximum-size body from ever
+    finishing); held passes the allowance by at most that body."""
+    uploads = _Uploads(160)
+
+    async def main() -> dict[str, int]:
+        got: dict[str, int] = {}
+
+        async def one(name: str, path: str, chunks: list[bytes]) -> None:
+            got[name] = await uploads.post(path, chunks)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, "big", "/big", [b"x" * 100, uploads.WAIT, b"x" * 60])
+                while uploads.guard.allowance.held < 100:
+                    await anyio.sleep(0.001)
+                tg.start_soon(one, "small", "/hold", [b"x" * 10])  # 110 <= 160: let in
+                while uploads.guard.allowance.held < 110:
+                    await anyio.sleep(0.001)
+                uploads.gate.set()  # big's last 60: 170 > 160, but it is the oldest
+                while "big" not in got:
+                    await anyio.sleep(0.001)
+                uploads.held.set()
+        return got
+
+    assert anyio.run(main) == {"big": 200, "small": 200}
+    assert uploads.guard.allowance.held == 0
+
+
 def test_what_a_request_holds_is_released_once_its_answer_is_sent() -> None:
     """InflightLimit's scope: a hold handed over inside the app (the room of a request's
     ColBERT output) is released after the response's last body message, not before."""

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -216,6 +217,9 @@ class BodyAllowance:
         self.max_bytes = max_bytes
         self.held = 0  # bytes of bodies in progress (one event loop: no lock needed)
         self.refused = 0  # requests answered 429 for want of room
+        # The bodies still arriving, oldest first (a dict keeps its insertion order).
+        self.arriving: dict[int, None] = {}
+        self.tickets = itertools.count()
 
 
 class InflightLimit:
@@ -227,10 +231,14 @@ class InflightLimit:
     shared allowance by their bytes as they arrive, until the response is sent. A request
     whose ``Content-Length`` would pass what the others hold is answered 429 with
     ``Retry-After`` at once, before its body is read; one let in whose bytes then pass it (it
-    came with others at once) is answered 429 when they do. A request alone is always let
-    in, whatever its size (the body limit bounds it), as the queue takes any job when empty.
-    Its scope (``answering``) is also where the room of the request's ColBERT output is
-    given back.
+    came with others at once) is answered 429 when they do, unless it is the oldest body
+    still arriving: that one always finishes (small requests coming one after another must
+    not cut a large upload off near its end; held is then at most the allowance plus one
+    largest body). A request alone is always let in, whatever its size (the body limit
+    bounds it), as the queue takes any job when empty. A refused body's bytes are given back
+    at once, not after the lingering close that reads the rest of it (linger.py: 5 s, in
+    which the upload it competed with was refused too). Its scope (``answering``) is also
+    where the room of the request's ColBERT output is given back.
 
     Not by the declared ``Content-Length``: what has not arrived holds no memory, and 16
     connections that declared 32 MiB, sent a byte and reconnected at each 408 held the whole
@@ -263,16 +271,25 @@ class InflightLimit:
             await respond(self._refusal(size), scope)(scope, receive, send)
             return
         mine = 0  # the bytes of this body that arrived
+        ticket = next(bodies.tickets)
+        bodies.arriving[ticket] = None
 
         async def counted_receive() -> Message:
             nonlocal mine
             message = await receive()
-            if message["type"] == "http.request":
+            if message["type"] == "http.request" and ticket in bodies.arriving:
                 more = len(message.get("body", b""))
-                if bodies.held - mine and bodies.held + more > bodies.max_bytes:
-                    raise self._refusal(max(size, mine + more))
+                if (bodies.held - mine and bodies.held + more > bodies.max_bytes
+                        and next(iter(bodies.arriving)) != ticket):
+                    refusal = self._refusal(max(size, mine + more))
+                    bodies.held -= mine
+                    mine = 0
+                    bodies.arriving.pop(ticket, None)
+                    raise refusal
                 mine += more
                 bodies.held += more
+                if not message.get("more_body", False):
+                    bodies.arriving.pop(ticket, None)
             return message
 
         answer = 0  # bytes of the answer handed to the server
@@ -291,6 +308,7 @@ class InflightLimit:
                 await self.app(scope, counted_receive, counted_send)
         finally:
             bodies.held -= mine
+            bodies.arriving.pop(ticket, None)
             self._hold_until_taken(scope, answer, kept)
 
     def _hold_until_taken(self, scope: Scope, answer: int,
