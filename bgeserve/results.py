@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -190,8 +191,12 @@ class RerankResult:
     def ranking(self, top_n: int | None = None) -> list[int]:
         """Document indices by descending score (ties: lower index first), cut to ``top_n``
         (None or 0: every document, as rerank clients send it)."""
-        if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int)
-                                  or top_n < 0):
-            raise ValueError(f"top_n must be an integer >= 0 or None, not {top_n!r}")
+        if top_n is not None:
+            try:  # any integer, numpy's too; not a bool, a float or a negative count
+                if isinstance(top_n, bool) or operator.index(top_n) < 0:
+                    raise TypeError
+            except TypeError:
+                raise ValueError(f"top_n must be an integer >= 0 or None, not {top_n!r}") \
+                    from None
         order = sorted(range(len(self.scores)), key=lambda i: (-float(self.scores[i]), i))
         return order if not top_n else order[:top_n]

@@ -19,10 +19,6 @@ from bgeserve.errors import InvalidInput, NotReady
 from bgeserve.results import EmbedOptions, RerankOptions, RerankResult
 
 
-def workers_alive() -> int:
-    return sum(t.name.startswith("bgeserve-worker") for t in threading.enumerate())
-
-
 def settle(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not predicate() and time.monotonic() < deadline:
@@ -35,14 +31,15 @@ def test_an_engine_dropped_without_close_releases_its_model(tiny_export: Path,
     """Its threads hold the scheduler, not the engine: a dropped engine was collected while
     its worker thread and loaded session stayed for good (QA: 30 dropped engines, 31 threads;
     README's ``Reranker(path).rerank(...)`` idiom leaked one each)."""
-    before = workers_alive()
     engine = Engine(tiny_export, "fp32", cache_dir=tmp_path)
     engine.embed("x")
     scheduler = engine._scheduler
-    assert workers_alive() == before + 1 and scheduler.stats()["loaded"] == 1
+    threads = [t for t in scheduler._threads if t is not None]
+    assert threads and all(t.is_alive() for t in threads)
+    assert scheduler.stats()["loaded"] == 1
     del engine
     gc.collect()
-    assert settle(lambda: workers_alive() == before), threading.enumerate()
+    assert settle(lambda: not any(t.is_alive() for t in threads))
     assert settle(lambda: scheduler.stats()["loaded"] == 0)
 
 
@@ -118,12 +115,18 @@ def test_an_engine_refuses_pickling_with_what_to_do(tiny_export: Path, tmp_path:
     with Engine(tiny_export, "fp32", cache_dir=tmp_path) as engine, \
             pytest.raises(TypeError, match="create an Engine in each process"):
         pickle.dumps(engine)
+    with pytest.raises(NotReady, match="closed"), engine:  # a closed one: at once, not later
+        pass
 
 
 def test_an_empty_model_path_is_refused_not_read_as_the_hub(tmp_path: Path) -> None:
     """``Engine(os.getenv("MODEL_DIR", ""))`` went to the hub (a multi-GB download)."""
+    from bgeserve.engine.reranker import Reranker
+
     with pytest.raises(ValueError, match="model_path is empty"):
         Engine("", "fp32", cache_dir=tmp_path, offline=True)
+    with pytest.raises(ValueError, match="model_path is empty"):
+        Reranker(" ", "fp32", cache_dir=tmp_path, offline=True)
 
 
 def test_rerank_options_take_booleans_and_ranking_a_count() -> None:
@@ -134,8 +137,8 @@ def test_rerank_options_take_booleans_and_ranking_a_count() -> None:
     result = RerankResult(np.array([0.1, 0.9, 0.5]), np.zeros(3, bool), np.ones(3, int), 9,
                           "m")
     assert result.ranking() == result.ranking(0) == [1, 2, 0]
-    assert result.ranking(2) == [1, 2]
-    for bad in (-1, 1.5, True):
+    assert result.ranking(2) == result.ranking(np.int64(2)) == [1, 2]
+    for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="top_n"):
             result.ranking(bad)  # type: ignore[arg-type]
 

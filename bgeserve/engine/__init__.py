@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from queue import SimpleQueue  # not ``import queue``: the package's engine/queue.py shadows it
 from typing import NoReturn, Self
 
 import numpy as np
@@ -53,10 +54,37 @@ def check_model_path(model_path: str | Path | None) -> None:
                          "None for the hub's model")
 
 
+_RELEASES: SimpleQueue[Scheduler] = SimpleQueue()
+_releaser: threading.Thread | None = None
+
+
 def release(scheduler: Scheduler) -> None:
-    """Stop a collected engine's scheduler (weakref.finalize), on a thread of its own: the
-    collection may run on one of that scheduler's workers, which cannot join itself."""
-    threading.Thread(target=scheduler.stop, name="bgeserve-release", daemon=True).start()
+    """A collected engine's scheduler, handed to the releaser thread (weakref.finalize). Only
+    a put here: a collection runs wherever an allocation happens, any lock held (starting a
+    thread from it could wait on one its own thread holds), maybe on one of that scheduler's
+    workers (which cannot join itself). SimpleQueue.put is safe in a weakref callback."""
+    _RELEASES.put(scheduler)
+
+
+def _release_forever() -> None:
+    while True:
+        scheduler = _RELEASES.get()
+        if scheduler.forked():  # a copy inherited by a forked child: its threads are not here
+            continue
+        try:
+            scheduler.stop()
+        except Exception:  # one failing must not end the thread that stops the others
+            log.exception("releasing a collected engine's sessions failed")
+
+
+def _start_releaser() -> None:
+    """The thread that stops the schedulers of collected engines: started with the first
+    engine of a process (a forked child starts its own)."""
+    global _releaser
+    if _releaser is None or not _releaser.is_alive():
+        _releaser = threading.Thread(target=_release_forever, name="bgeserve-release",
+                                     daemon=True)
+        _releaser.start()
 
 
 @dataclass(frozen=True)
@@ -121,6 +149,7 @@ class Engine:
         # Dropped without close(): its threads hold the scheduler, not the engine, so the
         # engine is collected while its sessions (a full-size model's ~1.8 GiB) stayed loaded
         # for good (QA: 30 dropped engines, 31 threads). Not at exit: _end_runs_at_exit is.
+        _start_releaser()
         self._release = weakref.finalize(self, release, self._scheduler)
         self._release.atexit = False
         self.cache = self._make_cache(artifacts, self.config)
@@ -197,6 +226,8 @@ class Engine:
         return self._scheduler.abort(error)
 
     def __enter__(self) -> Self:
+        if self._closed:
+            raise NotReady("this Engine was closed; create a new one")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -286,6 +317,7 @@ class Engine:
         spent tokenizing counts too; ``timed=False``: none (the server's own start-up and
         canary jobs). ``solo``: its texts run in chunks of their own."""
         start = time.monotonic() if arrived is None else arrived
+        self._scheduler.check_process()  # before the cache's lock, which a fork may have held
         encoded = self.encode_inputs(inputs)
         self.admit(encoded, options.truncate, options.colbert)
         timeout = self.config.request_timeout_s if timed else None

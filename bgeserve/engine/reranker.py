@@ -18,7 +18,7 @@ from typing import Self
 
 import numpy as np
 
-from bgeserve.engine import Engine, EngineConfig
+from bgeserve.engine import Engine, EngineConfig, check_model_path
 from bgeserve.engine.crossencoder import finish_pairs, plan_pairs
 from bgeserve.engine.inputs import rerank_inputs
 from bgeserve.engine.jobs import Job
@@ -46,7 +46,9 @@ class Reranker:
                  offline: bool = False, model_id: str = RERANK_MODEL_ID, start: bool = True):
         if engine is None:
             cache = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "bgeserve"
-            artifacts = resolve_reranker(model_path=Path(model_path) if model_path else None,
+            check_model_path(model_path)
+            artifacts = resolve_reranker(model_path=Path(model_path) if model_path is not None
+                                         else None,
                                          variant=variant, cache_dir=cache, offline=offline)
             engine = Engine(artifacts=artifacts, config=config, start=start)
         if not engine.artifacts.layout.reranker:

@@ -202,6 +202,18 @@ class Scheduler(Workers):
         """Tokens waiting now (one int read, no lock: admission asks it for every request)."""
         return self._pending.tokens
 
+    def forked(self) -> bool:
+        """Whether this is a forked child's copy of a scheduler started in its parent."""
+        return os.getpid() != self._pid
+
+    def check_process(self) -> None:
+        """NotReady in a forked child: a fork copies no thread, so nothing would ever run its
+        work (QA: "no worker is left ... (see /health)", while cached texts were answered)."""
+        if self.forked():
+            raise NotReady(f"this engine was started in process {self._pid}, and a forked "
+                           "child has none of its worker threads: create an Engine (or "
+                           "Reranker) in the child process")
+
     def check_room(self, tokens: int) -> None:
         """Raise Overloaded now if ``tokens`` more would not fit the queue (a caller with a
         lower bound of its tokens skips tokenizing a request that will be refused anyway)."""
@@ -219,17 +231,12 @@ class Scheduler(Workers):
 
     def submit(self, job: Job) -> Future:
         """Queue a job's texts; raises Overloaded when the queue is full, NotReady if stopping."""
+        self.check_process()  # before the lock: a fork may have copied it held
         tokens = sum(len(job.ids[i]) for i in job.pending())
         now = time.monotonic()
         with self._cond:
             if self._stopping:
                 raise NotReady(SHUTTING_DOWN)
-            if os.getpid() != self._pid:
-                # A fork copies no thread: nothing would ever run this (QA: "no worker is
-                # left ... (see /health)", while texts in the cache were answered).
-                raise NotReady(f"this engine was started in process {self._pid}, and a forked "
-                               "child has none of its worker threads: create an Engine (or "
-                               "Reranker) in the child process")
             if self._no_worker_left():
                 raise NotReady("no worker is left to run the model (see /health)")
             self._check_room(tokens)
@@ -481,6 +488,7 @@ EXIT_WAIT_S = 60.0
 def _end_runs_at_exit() -> None:
     schedulers = list(_STARTED)
     for scheduler in schedulers:
+        scheduler.exiting = True
         scheduler.abort(NotReady("the Python interpreter is exiting"))
     me = threading.current_thread()
     running = [t for scheduler in schedulers for t in scheduler._threads

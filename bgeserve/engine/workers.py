@@ -64,6 +64,7 @@ class Workers(abc.ABC):
     _idle_unloaded: list[bool]  # its session was unloaded for idleness (not after a failure)
     _last_work: list[float]  # monotonic end of its last chunk of real work (not the canary's)
     _deaths: list[int]  # consecutive deaths: sets the restart backoff
+    exiting = False  # stopped by the interpreter's exit (scheduler._end_runs_at_exit)
 
     @abc.abstractmethod
     def _next_chunk(self, worker: int) -> Taken | None | str:
@@ -123,8 +124,9 @@ class Workers(abc.ABC):
         try:
             if died:  # first: whoever gets the error below sees the worker already replaced
                 self._restart(w)
-            else:  # stopping: a chunk that outlasted stop()'s wait leaves its session here
-                self._drop_session(w)  # (QA: still loaded after close(timeout))
+            elif not self.exiting:  # stopping: a chunk that outlasted stop()'s wait leaves
+                self._drop_session(w)  # its session here (QA: loaded after close(timeout));
+                # at the interpreter's exit the process ends anyway: no close, no trim
         finally:
             for p in held:
                 self._fail(p.job, EngineFailed(f"worker {w} died while running this text; "
