@@ -514,12 +514,14 @@ GUARDS = ("BGE_M3_API_KEY", "BGE_M3_METRICS_AUTH", "BGE_M3_TLS_CERT_FILE", "BGE_
 
 
 def refuse_misspelt_guards(environ: Mapping[str, str]) -> None:
-    """ConfigError for an unknown ``BGE_M3_*`` variable whose closest setting is a guard."""
+    """ConfigError for an unknown ``BGE_M3_*`` variable very close to a guard that is not set
+    (a letter or two off: a sidecar's metrics port variable is no BGE_M3_METRICS_AUTH, and
+    a guard set beside its near miss is in force)."""
     known = [f.metadata["env"] for f in _env_fields(Settings)]
     for name in sorted(n for n in environ if n.startswith("BGE_M3_") and n not in known
                        and n not in REFERENCE_NAMES):
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
-        if close and close[0] in GUARDS:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.9)
+        if close and close[0] in GUARDS and close[0] not in environ:
             raise ConfigError(f"{name} is not a bgeserve setting; did you mean {close[0]}? Not "
                               f"starting: the server would run without {close[0]} (rename "
                               "the variable, or unset it)", param=name)

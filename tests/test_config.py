@@ -302,7 +302,8 @@ def test_a_malformed_warm_up_shape_is_refused(raw):
 
 @pytest.mark.parametrize(("typo", "meant"), [
     ("BGE_M3_API_KEYS", "BGE_M3_API_KEY"), ("BGE_M3_APIKEY", "BGE_M3_API_KEY"),
-    ("BGE_M3_METRIC_AUTH", "BGE_M3_METRICS_AUTH"), ("BGE_M3_TLS_CERT", "BGE_M3_TLS_CERT_FILE"),
+    ("BGE_M3_METRIC_AUTH", "BGE_M3_METRICS_AUTH"),
+    ("BGE_M3_TLS_CERTFILE", "BGE_M3_TLS_CERT_FILE"),
 ])
 def test_serve_refuses_a_misspelt_security_setting(
         typo: str, meant: str, monkeypatch: pytest.MonkeyPatch,
@@ -313,11 +314,15 @@ def test_serve_refuses_a_misspelt_security_setting(
     from bgeserve.config import refuse_misspelt_guards
 
     monkeypatch.setenv(typo, "secret")
+    monkeypatch.setenv("BGE_M3_MODEL_PATH", "/nonexistent")  # never a real start, whatever
     assert main(["serve"]) == 2
     err = capsys.readouterr().err
     assert f"{typo} is not a bgeserve setting; did you mean {meant}?" in err, err
     assert "Not starting" in err and "secret" not in err
-    refuse_misspelt_guards({"BGE_M3_MAX_SEQ_LENTGH": "512", "BGE_M3_TLS_CERT_PATH": "x"})
+    for fine in ({"BGE_M3_MAX_SEQ_LENTGH": "512"}, {"BGE_M3_TLS_CERT_PATH": "x"},
+                 {"BGE_M3_METRICS_PORT": "9090"}, {"BGE_M3_TLS_CA_FILE": "x"},
+                 {typo: "x", meant: "y"}):  # warned, not refused
+        refuse_misspelt_guards(fine)
 
 
 def test_cost_model_a_without_b_is_refused():

@@ -143,3 +143,13 @@ def test_the_health_status_and_what_serves_are_exported() -> None:
     buckets = [s.labels["le"] for s in metrics.http_latency.collect()[0].samples
                if s.name.endswith("_bucket")]
     assert buckets[0] == "0.001" and buckets[-2:] == ["600.0", "+Inf"]
+
+
+def test_a_health_status_that_cannot_be_read_leaves_the_rest_of_the_scrape() -> None:
+    def broken() -> dict:
+        raise RuntimeError("boom")
+
+    metrics = Metrics()
+    metrics.update_state(SimpleNamespace(health=broken))
+    text = metrics.render()[0].decode()
+    assert "bgeserve_process_rss_bytes" in text and "bgeserve_status" not in text

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 from typing import TYPE_CHECKING
 
 import httptools
@@ -54,28 +55,37 @@ MAX_HEADERS = 256
 
 
 class LogBudget:
-    """At most ``lines`` warnings a ``window_s``: the rest are counted, and the next line
-    logged says how many were not (QA: 2,000 TLS hellos sent to the plain port wrote 2,000
-    warnings in 0.9 s; nginx logs these at info)."""
+    """At most ``lines`` warnings a ``window_s``; the rest are counted, and the count is
+    logged when the window ends (QA: 2,000 TLS hellos sent to the plain port wrote 2,000
+    warnings in 0.9 s; nginx logs these at info). One per server (its ``app_state``)."""
 
     def __init__(self, lines: int = 10, window_s: float = 10.0) -> None:
         self.lines, self.window_s = lines, window_s
         self.started = -window_s
         self.used = self.skipped = 0
 
-    def take(self, now: float) -> int | None:
-        """None: do not log; else how many were not logged since the last that was."""
+    def take(self, now: float) -> bool:
+        """Whether a line may be logged now (else it is counted)."""
         if now - self.started >= self.window_s:
             self.started, self.used = now, 0
         if self.used >= self.lines:
             self.skipped += 1
-            return None
+            return False
         self.used += 1
-        skipped, self.skipped = self.skipped, 0
-        return skipped
+        return True
+
+    def ends_in(self, now: float) -> float:
+        return max(0.0, self.started + self.window_s - now)
+
+    def flush(self, logger: logging.Logger | logging.LoggerAdapter) -> None:
+        """Log how many lines were not (called when the window ends)."""
+        if self.skipped:
+            logger.warning("%d more request heads refused in the last %gs, not logged one by "
+                           "one", self.skipped, self.window_s)
+            self.skipped = 0
 
 
-_REFUSALS = LogBudget()
+REFUSAL_LOG = "bgeserve.refused_heads"  # the server's LogBudget, in its app_state
 
 
 def _answer(status: int, reason: str, code: str, message: str) -> bytes:
@@ -257,11 +267,13 @@ class BoundedHttpTools(PlainHttpTools):
         # The only line such a request gets (no access line: no request reached the app), so
         # it names the client, for an operator to tell who sends malformed or stalled heads.
         client = self.client[0] if self.client else "?"
-        skipped = _REFUSALS.take(self.loop.time())
-        if skipped is not None:
-            self.logger.warning("refused a request head from %s: %d %s%s", client, status,
-                                message, f" ({skipped} more refused since, not logged)"
-                                if skipped else "")
+        budget = self.app_state.setdefault(REFUSAL_LOG, LogBudget())
+        now = self.loop.time()
+        if budget.take(now):
+            self.logger.warning("refused a request head from %s: %d %s", client, status,
+                                message)
+        elif budget.skipped == 1:  # the window's first not logged: its count comes at its end
+            self.loop.call_later(budget.ends_in(now), budget.flush, self.logger)
         count_refused(self.app_state, status)
         if after is not None and not after.response_complete:
             # Never into the answer in progress: uvicorn closes the connection after it.

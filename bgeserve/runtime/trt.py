@@ -78,9 +78,11 @@ def parse_warmup_shapes(raw: str, max_seq: int,
                         max_batch: int | None = None) -> list[tuple[int, int]]:
     """``BxL,BxL`` → shapes in order, deduplicated.
 
-    Invalid tokens are skipped with a warning; an empty or all-invalid value gives the default
-    grid; shapes longer than ``max_seq`` (or wider than ``max_batch``) are dropped with a
-    warning, and if none is left, ``1×max_seq`` is used.
+    ``BGE_M3_TRT_WARMUP_SHAPES`` is checked when the settings are read (config.py: a token
+    that is no shape stops the start); here, for a value given in code, invalid tokens are
+    skipped with a warning; an empty or all-invalid value gives the default grid; shapes
+    longer than ``max_seq`` (or wider than ``max_batch``) are dropped with a warning, and if
+    none is left, ``1×max_seq`` is used.
     """
     shapes: list[tuple[int, int]] = []
     for token in (t for t in raw.split(",") if t.strip()):

@@ -7,6 +7,7 @@ workers, tuning and RSS are read at scrape time by a collector, so they cannot d
 from __future__ import annotations
 
 import collections
+import logging
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -26,6 +27,8 @@ from prometheus_client.core import (
 )
 
 from bgeserve.tuning import memory
+
+log = logging.getLogger("bgeserve")
 
 if TYPE_CHECKING:
     from bgeserve.engine.scheduler import ChunkStats
@@ -180,7 +183,12 @@ class _StateCollector:
                                 value=memory.rss_bytes())
         health = getattr(service, "health", None)
         if callable(health):
-            yield from _status_families(health())
+            try:  # the whole scrape must not become a 500 for these two gauges
+                body = health()
+            except Exception:
+                log.exception("/metrics: the health status could not be read")
+            else:
+                yield from _status_families(body)
         bodies = self._metrics._bodies
         if bodies is not None:
             yield GaugeMetricFamily("bgeserve_inflight_body_bytes",
