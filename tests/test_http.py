@@ -1190,72 +1190,6 @@ def test_bodies_in_progress_past_the_allowance_are_429_at_once() -> None:
     assert b"bgeserve_inflight_body_bytes 123.0" in metrics.render()[0]
 
 
-def test_a_body_that_has_not_arrived_holds_no_allowance() -> None:
-    """Bodies count by the bytes that arrived, not by their Content-Length: connections that
-    declared 32 MiB and sent a byte held the whole allowance, every other POST a 429 (QA: 16
-    connections; one where the allowance is its 32 MiB floor). A declared size that would
-    pass what the others hold is still refused before its body is read, and bodies let in
-    together are refused once their bytes pass the allowance."""
-    from bgeserve.errors import BgeServeError
-    from bgeserve.http.errors import error_response
-
-    async def app(scope: dict, receive: Any, send: Any) -> None:
-        try:
-            while (await receive()).get("more_body"):
-                pass
-        except BgeServeError as exc:
-            await error_response(exc)(scope, receive, send)
-            return
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
-
-    guard = guards.InflightLimit(app, allowance=guards.BodyAllowance(150))
-    stalled = anyio.Event()
-
-    async def call(length: int, chunks: list[bytes], stall: bool = False) -> int:
-        sent: list[dict] = []
-        parts = iter(chunks)
-
-        async def receive() -> dict:
-            await anyio.lowlevel.checkpoint()  # the bodies of concurrent requests interleave
-            chunk = next(parts, None)
-            if chunk is None and stall:
-                await stalled.wait()  # the rest of the declared body never comes
-                return {"type": "http.disconnect"}
-            return {"type": "http.request", "body": chunk or b"",
-                    "more_body": chunk is not None or stall}
-
-        async def send(message: dict) -> None:
-            sent.append(message)
-
-        headers = [(b"content-length", str(length).encode())]
-        await guard({**_scope(headers, FakeService(), Settings()), "path": "/x"}, receive, send)
-        return next((m["status"] for m in sent if m["type"] == "http.response.start"), 0)
-
-    async def main() -> list[int]:
-        statuses: list[int] = []
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                for _ in range(4):  # declared 100 each (400 > 150), one byte sent
-                    tg.start_soon(call, 100, [b"x"], True)
-                while guard.allowance.held < 4:
-                    await anyio.sleep(0.001)
-                statuses.append(await call(100, [b"x" * 100]))  # 104 <= 150: served
-                statuses.append(await call(200, [b"x" * 200]))  # 204 > 150: refused at once
-                stalled.set()
-            async with anyio.create_task_group() as tg:  # let in together, 80 + 80 > 150
-                async def one() -> None:
-                    statuses.append(await call(80, [b"x" * 40, b"x" * 40]))
-                tg.start_soon(one)
-                tg.start_soon(one)
-        return statuses
-
-    statuses = anyio.run(main)
-    assert statuses[:2] == [200, 429], statuses
-    assert sorted(statuses[2:]) == [200, 429], statuses
-    assert guard.allowance.held == 0
-
-
 class _Uploads:
     """InflightLimit behind the real LingeringClose (as app.py stacks them) over an app that
     reads its body and, for ``/hold``, answers only once ``held`` is set; each upload's body
@@ -1286,10 +1220,12 @@ class _Uploads:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
-    async def post(self, path: str, chunks: list[bytes]) -> int:
+    async def post(self, path: str, chunks: list[bytes], length: int | None = None) -> int:
+        """The status answered (``length``: the Content-Length, by default the chunks')."""
         sent: list[dict] = []
         parts = iter(chunks)
-        length = sum(len(c) for c in chunks if c != self.WAIT)
+        if length is None:
+            length = sum(len(c) for c in chunks if c != self.WAIT)
 
         async def receive() -> dict:
             await anyio.lowlevel.checkpoint()
@@ -1306,6 +1242,38 @@ class _Uploads:
         await self.stack({**_scope(headers, FakeService(), Settings()), "path": path,
                           "method": "POST"}, receive, send)
         return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+
+def test_a_body_that_has_not_arrived_holds_no_allowance() -> None:
+    """Bodies count by the bytes that arrived, not by their Content-Length: connections that
+    declared 32 MiB and sent a byte held the whole allowance, every other POST a 429 (QA: 16
+    connections; one where the allowance is its 32 MiB floor). A declared size that would
+    pass what the others hold is still refused before its body is read, and bodies let in
+    together are refused once their bytes pass the allowance."""
+    uploads = _Uploads(150)
+
+    async def main() -> list[int]:
+        statuses: list[int] = []
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                for _ in range(4):  # declared 100 each (400 > 150), one byte sent
+                    tg.start_soon(uploads.post, "/stalled", [b"x", uploads.WAIT], 100)
+                while uploads.guard.allowance.held < 4:
+                    await anyio.sleep(0.001)
+                statuses.append(await uploads.post("/x", [b"x" * 100]))  # 104 <= 150: served
+                statuses.append(await uploads.post("/x", [b"x" * 200]))  # 204 > 150: at once
+                uploads.gate.set()
+            async with anyio.create_task_group() as tg:  # let in together, 80 + 80 > 150
+                async def one() -> None:
+                    statuses.append(await uploads.post("/x", [b"x" * 40, b"x" * 40]))
+                tg.start_soon(one)
+                tg.start_soon(one)
+        return statuses
+
+    statuses = anyio.run(main)
+    assert statuses[:2] == [200, 429], statuses
+    assert sorted(statuses[2:]) == [200, 429], statuses
+    assert uploads.guard.allowance.held == 0
 
 
 def test_a_refused_uploads_bytes_are_given_back_before_its_lingering_close() -> None:
