@@ -1028,6 +1028,14 @@ def test_a_trickled_body_is_408_once_it_falls_behind_the_minimum_rate(
     # 20 bytes every 0.1 s (200 bytes/s): the deadline keeps ahead of it
     status, _, _ = run(0.1, [body[i:i + 20] for i in range(0, len(body), 20)])
     assert status == 200 and len(fake.calls) == 1
+    # All but 4 bytes at once, then a byte every 0.2 s: on average since the start it had
+    # banked 4 s and was read to its end (the QA's 32 MiB less 10 bytes banked 34 minutes:
+    # a byte a minute held a small container's whole allowance); now a window past the
+    # grace must bring the rest
+    long = b'{"input": "' + b"x" * 400 + b'"}'
+    status, answer, took = run(0.2, [long[:-4], *(bytes([b]) for b in long[-4:])])
+    assert status == 408 and "in the last 0.3s" in answer["error"]["message"], answer
+    assert took < 2 and len(fake.calls) == 1
 
 
 def test_a_body_still_arriving_at_the_stops_deadline_is_503() -> None:
