@@ -991,6 +991,7 @@ def test_a_trickled_body_is_408_once_it_falls_behind_the_minimum_rate(
     rate is a 408 saying so. One that keeps up is read to its end."""
     monkeypatch.setattr(guards, "BODY_GRACE_S", 0.3)
     monkeypatch.setattr(guards, "BODY_MIN_RATE", 100)
+    monkeypatch.setattr(guards, "BODY_IDLE_TIMEOUT_S", 0.5)  # also what a fast start banks
     settings = Settings()
     fake = FakeService(settings=settings)
     app = create_app(settings, lambda _: fake)
@@ -1021,7 +1022,7 @@ def test_a_trickled_body_is_408_once_it_falls_behind_the_minimum_rate(
         return start["status"], orjson.loads(body), start["at"] - began
 
     body = b'{"input": "' + b"x" * 40 + b'"}'
-    # a byte every 0.1 s (10 bytes/s, idle never 60 s): cut off at ~0.3 s + 3 bytes / 100
+    # a byte every 0.1 s (10 bytes/s, never idle): cut off at ~0.3 s + 3 bytes / 100
     status, answer, took = run(0.1, [bytes([b]) for b in body])
     assert status == 408 and "slower than 100 bytes a second" in answer["error"]["message"]
     assert took < 2 and fake.calls == []
@@ -1030,12 +1031,16 @@ def test_a_trickled_body_is_408_once_it_falls_behind_the_minimum_rate(
     assert status == 200 and len(fake.calls) == 1
     # All but 4 bytes at once, then a byte every 0.2 s: on average since the start it had
     # banked 4 s and was read to its end (the QA's 32 MiB less 10 bytes banked 34 minutes:
-    # a byte a minute held a small container's whole allowance); now a window past the
-    # grace must bring the rest
+    # a byte a minute held a small container's whole allowance); now the bank is capped at
+    # the idle timeout (0.5 s here), and it is cut off at ~0.7 s
     long = b'{"input": "' + b"x" * 400 + b'"}'
     status, answer, took = run(0.2, [long[:-4], *(bytes([b]) for b in long[-4:])])
-    assert status == 408 and "in the last 0.3s" in answer["error"]["message"], answer
+    assert status == 408 and "counting for 0.5s at most" in answer["error"]["message"], answer
     assert took < 2 and len(fake.calls) == 1
+    # 50 bytes every 0.25 s (200 bytes/s, twice the rate, in spaced pieces): read to its end
+    # (review: windows that credited a piece to the window before cut such a client off)
+    status, _, _ = run(0.25, [long[i:i + 50] for i in range(0, len(long), 50)])
+    assert status == 200 and len(fake.calls) == 2
 
 
 def test_a_body_still_arriving_at_the_stops_deadline_is_503() -> None:

@@ -25,13 +25,14 @@ from bgeserve.http.errors import BodyTimeout, Unauthorized, respond
 # nginx's client_body_timeout: a client may be slow, but not silent for longer than this.
 BODY_IDLE_TIMEOUT_S = 60.0
 # Apache's mod_reqtimeout (body=20,MinRate=500), stricter on the rate: past its first
-# BODY_GRACE_S a body must keep arriving at BODY_MIN_RATE bytes a second, in every window of
-# BODY_GRACE_S (or the rest of it, when less is left). A byte every few seconds never tripped
-# the idle timeout, and two such uploads declaring 1 MiB held a 2 MiB allowance of bodies in
-# progress (every other request 429) for as long as the client cared to; now they are cut off
-# after ~20 s. In windows, not on average since the start: a client that sent 32 MiB less 10
-# bytes at once had banked 34 minutes, and with a byte a minute held the whole allowance of
-# a small container for all of them (QA). 16 KiB/s is far below any pipeline's link.
+# BODY_GRACE_S a body must keep arriving at BODY_MIN_RATE bytes a second, where the time a
+# faster start gained counts for BODY_IDLE_TIMEOUT_S at most. A byte every few seconds never
+# tripped the idle timeout, and two such uploads declaring 1 MiB held a 2 MiB allowance of
+# bodies in progress (every other request 429) for as long as the client cared to; now they
+# are cut off after ~20 s. The gain is capped: on average since the start, a client that sent
+# 32 MiB less 10 bytes at once had banked 34 minutes, and with a byte a minute held the whole
+# allowance of a small container for all of them (QA); now ~60 s. 16 KiB/s is far below any
+# pipeline's link.
 BODY_GRACE_S = 20.0
 BODY_MIN_RATE = 16 << 10
 
@@ -143,8 +144,9 @@ class BodyLimit:
     error table, so the rest of the stream is never read. A client that stops sending its body
     (a Content-Length larger than what it sends, a slowloris) gets 408 after ``idle_timeout``
     seconds without a byte, instead of holding its connection forever; one that trickles it
-    gets 408 at the end of the first window of ``grace`` seconds, after the first, in which
-    fewer than ``min_rate`` bytes a second (or the rest of the body) arrived.
+    gets 408 once it falls behind ``grace`` seconds plus a second for every ``min_rate``
+    bytes, where what a faster start gained counts for ``idle_timeout`` seconds at most (a
+    token bucket of time: each byte buys 1/min_rate s, the bank capped).
     """
 
     def __init__(self, app: ASGIApp, *, max_bytes: int,
@@ -178,37 +180,16 @@ class BodyLimit:
         if refusal is not None:
             await respond(refusal, scope)(scope, receive, send)
             return
-        length = int(declared) if declared is not None else None
-        window = self.grace  # the windows after the grace are as long as it
         total = 0
         complete = False
         started = time.monotonic()
-        # The window in progress: when it ends, the bytes so far at its start, and how many it
-        # must bring (the grace: none).
-        window_end, window_from, need = started + self.grace, 0, 0.0
-
-        def wanted(after: int) -> float:
-            """What a window must bring: min_rate bytes a second, or what is left."""
-            left = float("inf") if length is None else length - after
-            return min(self.min_rate * window, left)
-
-        def too_slow() -> BodyTimeout:
-            return BodyTimeout(
-                f"the request body arrived slower than {self.min_rate:g} bytes a second "
-                f"after its first {self.grace:g}s ({total - window_from} bytes in the last "
-                f"{window:g}s, {total} in {time.monotonic() - started:.0f}s); send the whole "
-                "body at once")
+        until = started + self.grace  # the rate's deadline for more of the body
 
         async def limited_receive() -> Message:
-            nonlocal total, complete, window_end, window_from, need
+            nonlocal total, complete, until
             if complete:  # after the body only http.disconnect comes, whenever it does
                 return await receive()
-            # The rate's deadline: this window's end while it lacks bytes, else the next's.
-            if total - window_from < need:
-                deadline = window_end
-            else:
-                deadline = window_end + window if wanted(total) > 0 else float("inf")
-            behind = deadline - time.monotonic()
+            behind = until - time.monotonic()
             try:
                 # asyncio.timeout, not wait_for: no task per message (a query's whole body is
                 # one message), and receive() runs in the handler's own task.
@@ -216,18 +197,21 @@ class BodyLimit:
                     message = await receive()
             except TimeoutError:
                 if behind < self.idle_timeout:
-                    raise too_slow() from None
+                    raise BodyTimeout(
+                        f"the request body arrived slower than {self.min_rate:g} bytes a "
+                        f"second after its first {self.grace:g}s ({total} bytes in "
+                        f"{time.monotonic() - started:.0f}s, what a faster start gained "
+                        f"counting for {self.idle_timeout:g}s at most); send the whole body "
+                        "at once") from None
                 raise BodyTimeout(f"no byte of the request body arrived for "
                                   f"{self.idle_timeout:g}s; send the whole body at once") from None
             if message["type"] == "http.request":
-                total += len(message.get("body", b""))
+                size = len(message.get("body", b""))
+                total += size
                 if total > self.max_bytes:
                     raise self._too_large()
                 complete = not message.get("more_body", False)
-            while not complete and time.monotonic() >= window_end:  # the next window
-                if total - window_from < need:
-                    raise too_slow()
-                window_end, window_from, need = window_end + window, total, wanted(total)
+                until = min(until + size / self.min_rate, time.monotonic() + self.idle_timeout)
             return message
 
         await self.app(scope, limited_receive, send)
