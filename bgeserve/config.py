@@ -496,14 +496,21 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     """A line for each ``BGE_M3_*`` variable that is no setting (a misspelt one was ignored
     without a word: two letters swapped in BGE_M3_MAX_SEQ_LENGTH served 8,192-token texts),
     with the closest real name."""
-    known = [f.metadata["env"] for f in _env_fields(Settings)]
     lines = []
-    for name in sorted(n for n in environ if n.startswith("BGE_M3_") and n not in known
-                       and n not in REFERENCE_NAMES):
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
-        hint = f"; did you mean {close[0]}?" if close else ""
+    for name, close in _near_misses(environ, cutoff=0.8):
+        hint = f"; did you mean {close}?" if close else ""
         lines.append(f"{name} is not a bgeserve setting and is ignored{hint}")
     return lines
+
+
+def _near_misses(environ: Mapping[str, str], cutoff: float) -> list[tuple[str, str | None]]:
+    """Each ``BGE_M3_*`` variable that is no setting, with the closest setting at ``cutoff``
+    (difflib's ratio) or None."""
+    known = [f.metadata["env"] for f in _env_fields(Settings)]
+    unknown = sorted(n for n in environ if n.startswith("BGE_M3_") and n not in known
+                     and n not in REFERENCE_NAMES)
+    return [(name, next(iter(difflib.get_close_matches(name, known, n=1, cutoff=cutoff)), None))
+            for name in unknown]
 
 
 # Settings whose misspelling serves less safely than asked (no API key, /metrics open, plain
@@ -517,14 +524,11 @@ def refuse_misspelt_guards(environ: Mapping[str, str]) -> None:
     """ConfigError for an unknown ``BGE_M3_*`` variable very close to a guard that is not set
     (a letter or two off: a sidecar's metrics port variable is no BGE_M3_METRICS_AUTH, and
     a guard set beside its near miss is in force)."""
-    known = [f.metadata["env"] for f in _env_fields(Settings)]
-    for name in sorted(n for n in environ if n.startswith("BGE_M3_") and n not in known
-                       and n not in REFERENCE_NAMES):
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.9)
-        if close and close[0] in GUARDS and close[0] not in environ:
-            raise ConfigError(f"{name} is not a bgeserve setting; did you mean {close[0]}? Not "
-                              f"starting: the server would run without {close[0]} (rename "
-                              "the variable, or unset it)", param=name)
+    for name, close in _near_misses(environ, cutoff=0.9):
+        if close in GUARDS and close not in environ:
+            raise ConfigError(f"{name} is not a bgeserve setting; did you mean {close}? Not "
+                              f"starting: the server would run without {close} (rename the "
+                              "variable, or unset it)", param=name)
 
 
 def warn_unknown_variables(environ: Mapping[str, str]) -> None:

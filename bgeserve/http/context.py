@@ -149,13 +149,12 @@ def _client(scope: Scope) -> str | None:
     return None if client is None else logged_path(client, 64)
 
 
-def logged_path(path: str, keep: int = 0) -> str:
+def logged_path(path: str, keep: int = MAX_LOGGED_PATH) -> str:
     """``path`` as the access line shows it: cut to ``keep`` characters (default
     ``MAX_LOGGED_PATH``), saying how many more there were. A request
     target may be 64 KiB (the head's limit), and the line holds the path twice: one client,
     without a key, could write 128 KiB lines, which Docker's json-file driver and most log
     shippers split at 16 KiB into pieces that no longer parse (QA)."""
-    keep = keep or MAX_LOGGED_PATH
     if len(path) <= keep:
         return path
     return f"{path[:keep]}...(+{len(path) - keep} chars)"
