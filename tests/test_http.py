@@ -31,7 +31,7 @@ from bgeserve.errors import (
 )
 from bgeserve.http import guards
 from bgeserve.http.app import create_app, model_ids
-from bgeserve.http.context import sanitize_request_id
+from bgeserve.http.context import CHARGE_BODY, sanitize_request_id
 from bgeserve.logs import RequestIdFilter, request_id_var
 from tests.fakes import FakeService, fake_tokens
 
@@ -1205,9 +1205,10 @@ def test_bodies_in_progress_past_the_allowance_are_429_at_once() -> None:
 
 class _Uploads:
     """InflightLimit behind the real LingeringClose (as app.py stacks them) over an app that
-    reads its body and, for ``/hold``, answers only once ``held`` is set; each upload's body
-    comes in the chunks given, ``WAIT`` waiting for ``gate`` (a lingering close then reads
-    it after a refusal)."""
+    reads its body and, for ``/hold``, answers only once ``held`` is set (for ``/charge/N``,
+    charges N bytes more, as a handler does for what decoding its body adds); each upload's
+    body comes in the chunks given, ``WAIT`` waiting for ``gate`` (a lingering close then
+    reads it after a refusal)."""
 
     WAIT = b"<wait>"
 
@@ -1225,6 +1226,8 @@ class _Uploads:
         try:
             while (await receive()).get("more_body"):
                 pass
+            if scope["path"].startswith("/charge/"):
+                scope["state"][CHARGE_BODY](int(scope["path"].rpartition("/")[2]))
         except BgeServeError as exc:
             await error_response(exc)(scope, receive, send)
             return
@@ -1344,6 +1347,66 @@ def test_the_oldest_body_still_arriving_is_never_cut_off() -> None:
 
     assert anyio.run(main) == {"big": 200, "small": 200}
     assert uploads.guard.allowance.held == 0
+
+
+def test_what_decoding_a_body_adds_is_charged_to_the_allowance() -> None:
+    """A handler charges what decoding its body adds (jsoncost.py): a 429 while other bodies
+    hold the room, a 413 where even alone it could never fit, and given back with the body."""
+    uploads = _Uploads(150)
+
+    async def main() -> list[int]:
+        statuses: list[int] = []
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(uploads.post, "/hold", [b"x" * 100])
+                while uploads.guard.allowance.held < 100:
+                    await anyio.sleep(0.001)
+                statuses.append(await uploads.post("/charge/60", [b"x" * 10]))  # 170 > 150
+                statuses.append(await uploads.post("/charge/30", [b"x" * 10]))  # 140: served
+                uploads.held.set()
+            statuses.append(await uploads.post("/charge/141", [b"x" * 10]))  # 151 alone: never
+            statuses.append(await uploads.post("/charge/140", [b"x" * 10]))  # 150 alone: fits
+        return statuses
+
+    assert anyio.run(main) == [429, 200, 413, 200]
+    assert uploads.guard.allowance.held == 0
+    assert uploads.guard.allowance.refused == 2
+
+
+def test_a_body_of_many_small_values_is_refused_before_it_is_decoded() -> None:
+    """30 MiB of ``[{},{},...]`` decoded to 690 MiB before any check of the batch could refuse
+    it (QA: +900 MiB RSS; a few at once on the parsing threads take a container down). Its
+    decoding is charged first: past the allowance it is a 413 that says why, without
+    decoding; a body of ordinary texts as large is charged nothing and served."""
+    decoded: list[int] = []
+    real_loads = orjson.loads
+
+    def loads(raw: Any) -> Any:
+        decoded.append(len(raw))
+        return real_loads(raw)
+
+    texts = [("word, [x] {y}: \\ \"quoted\" " * 60)[:1500] for _ in range(1000)]
+    with serve(max_body_bytes=2 << 20, max_inflight_mb=2) as c, \
+            pytest.MonkeyPatch.context() as patch:
+        patch.setattr(orjson, "loads", loads)
+        junk = b'{"input":[' + b",".join([b"{}"] * 500_000) + b"]}"  # 1.4 MiB, ~36 MiB decoded
+        error = assert_error(c.post("/v1/embeddings", content=junk, headers=JSON), 413,
+                             "payload_too_large")
+        assert "BGE_M3_MAX_INFLIGHT_MB" in error["message"]
+        assert decoded == []  # refused before orjson saw it
+        payloads: dict[str, dict[str, Any]] = {
+            "/v1/embeddings": {"input": texts}, "/embed": {"inputs": texts},
+            "/v1/rerank": {"query": "q", "documents": texts},
+            "/v2/embed": {"texts": texts, "input_type": "search_query",
+                          "embedding_types": ["float"]}}
+        for route, payload in payloads.items():  # each in turn: nothing was left held
+            raw = orjson.dumps(payload)
+            assert 1 << 20 < len(raw) < 2 << 20
+            r = c.post(route, content=raw, headers=JSON)
+            assert r.status_code == 200, (route, r.text)
+        assert c.post("/embed", content=junk.replace(b"input", b"inputs"),
+                      headers=JSON).status_code == 413
+    assert len(decoded) == 4
 
 
 def test_what_a_request_holds_is_released_once_its_answer_is_sent() -> None:

@@ -22,9 +22,9 @@ from bgeserve.errors import BgeServeError
 from bgeserve.http.cohere_schemas import CohereEmbedRequest, parse_cohere_embed
 from bgeserve.http.errors import renamed_param
 from bgeserve.http.handlers import (
-    OFFLOAD_BODY_BYTES,
     OFFLOAD_ITEMS,
     _maybe_offload,
+    parse_body,
     read_json_body,
     unless_disconnected,
 )
@@ -73,8 +73,7 @@ async def _embed(request: Request, version: int) -> Response:
     if refusal is not None:
         raise refusal
     raw = await read_json_body(request)
-    parsed = await _maybe_offload(len(raw) > OFFLOAD_BODY_BYTES, parse_cohere_embed, raw,
-                                  state.settings, state.model_ids)
+    parsed = await parse_body(request, raw, parse_cohere_embed, state.settings, state.model_ids)
     check_dimensions(parsed.dimensions, state.service.dense_width(), "output_dimension")
     try:
         result = await unless_disconnected(request, state.service.embed(

@@ -33,6 +33,11 @@ ANSWER_CUT = "answer_cut"
 # (0: none to speak of), and gives them back through ``give_back(n)`` as it takes them or the
 # connection ends. Absent under another protocol: nothing is held.
 HOLD_UNTIL_TAKEN = "hold_until_taken"
+# Set in ``scope["state"]`` by the allowance of bodies in progress (guards.InflightLimit):
+# ``charge(n)`` counts ``n`` bytes more for the request until its answer is taken (what
+# decoding its body adds, jsoncost.py); it raises ``TooLarge`` where they could never fit,
+# ``Overloaded`` where other requests hold the room.
+CHARGE_BODY = "charge_body"
 _PREFLIGHT = b"access-control-request-method"
 _VALID_ID = re.compile(r"[\x20-\x7e]{1,128}")
 MAX_LOGGED_PATH = 256  # characters of a request's path in its access line

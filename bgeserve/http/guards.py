@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bgeserve.errors import BgeServeError, InvalidInput, NotReady, Overloaded, TooLarge
 from bgeserve.holds import answering, release_all
-from bgeserve.http.context import HOLD_UNTIL_TAKEN
+from bgeserve.http.context import CHARGE_BODY, HOLD_UNTIL_TAKEN
 from bgeserve.http.errors import BodyTimeout, Unauthorized, respond
 
 # nginx's client_body_timeout: a client may be slow, but not silent for longer than this.
@@ -258,12 +258,12 @@ class InflightLimit:
         self.app = app
         self.allowance = allowance
 
-    def _refusal(self, size: int) -> Overloaded:
+    def _refusal(self, size: int, what: str = "this one") -> Overloaded:
         bodies = self.allowance
         bodies.refused += 1
         return Overloaded(
             f"{bodies.held / 2**20:.1f} MiB of request bodies and answers not yet taken are in "
-            "progress and this one "
+            f"progress and {what} "
             f"({size / 2**20:.1f} MiB) would pass the {bodies.max_bytes / 2**20:.1f} MiB allowed "
             "at once "
             "(BGE_M3_MAX_INFLIGHT_MB); retry shortly", retry_after=1.0)
@@ -300,6 +300,25 @@ class InflightLimit:
                     bodies.arriving.pop(ticket, None)
             return message
 
+        def charge(extra: int) -> None:  # CHARGE_BODY: what decoding the body adds
+            nonlocal mine
+            if extra <= 0:
+                return
+            if mine + extra > bodies.max_bytes:
+                bodies.refused += 1
+                raise TooLarge(
+                    f"decoding this request's JSON would take ~{extra / 2**20:.0f} MiB beyond "
+                    f"its {mine / 2**20:.1f} MiB (a Python object for each of its many small "
+                    "values: arrays, objects, strings or numbers), more than the "
+                    f"{bodies.max_bytes / 2**20:.0f} MiB allowed for request bodies in "
+                    "progress (BGE_M3_MAX_INFLIGHT_MB); send fewer values per request",
+                    code="payload_too_large")
+            if bodies.held + extra > bodies.max_bytes:
+                raise self._refusal(mine + extra, "this one, decoded,")
+            mine += extra
+            bodies.held += extra
+
+        scope.setdefault("state", {})[CHARGE_BODY] = charge
         answer = 0  # bytes of the answer handed to the server
 
         async def counted_send(message: Message) -> None:

@@ -19,7 +19,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from bgeserve.errors import InvalidInput
-from bgeserve.http import contract, render
+from bgeserve.http import contract, jsoncost, render
+from bgeserve.http.context import CHARGE_BODY
 from bgeserve.http.errors import ClientGone, ModelNotFound, UnsupportedMediaType
 from bgeserve.http.render import embedding_parts, numbers_bytes, render_embeddings, render_json
 from bgeserve.http.schemas import Endpoint, check_dimensions, parse_embed_request
@@ -35,6 +36,18 @@ async def _maybe_offload(heavy: bool, fn: Callable[..., T], *args: Any) -> T:
     if heavy:
         return await anyio.to_thread.run_sync(functools.partial(fn, *args))
     return fn(*args)
+
+
+async def parse_body(request: Request, raw: bytes, parse: Callable[..., T], *args: Any) -> T:
+    """``parse(raw, *args)``; past ``OFFLOAD_BODY_BYTES`` on a thread, after what decoding the
+    body adds was charged to the allowance of bodies in progress (jsoncost.py: 30 MiB of
+    ``[{},...]`` decode to 690 MiB, and the threads decode several at once)."""
+    if len(raw) <= OFFLOAD_BODY_BYTES:  # on the event loop: one at a time, <= ~9 MiB
+        return parse(raw, *args)
+    charge = request.scope.get("state", {}).get(CHARGE_BODY)
+    if charge is not None:
+        charge(await anyio.to_thread.run_sync(jsoncost.decoded_bytes, raw) - len(raw))
+    return await anyio.to_thread.run_sync(functools.partial(parse, raw, *args))
 
 
 async def read_json_body(request: Request) -> bytes:
@@ -127,10 +140,8 @@ def embed_endpoint(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response
         if refusal is not None:
             raise refusal
         raw = await read_json_body(request)
-        parsed = await _maybe_offload(
-            len(raw) > OFFLOAD_BODY_BYTES,
-            parse_embed_request, raw, endpoint, state.settings, state.model_ids,
-        )
+        parsed = await parse_body(request, raw, parse_embed_request, endpoint, state.settings,
+                                  state.model_ids)
         check_dimensions(parsed.dimensions, state.service.dense_width())
         result = await unless_disconnected(request, state.service.embed(
             parsed.inputs, parsed.options, request_id=state.request_id

@@ -15,8 +15,7 @@ from starlette.responses import Response
 from bgeserve.errors import BgeServeError
 from bgeserve.http.errors import renamed_param
 from bgeserve.http.handlers import (
-    OFFLOAD_BODY_BYTES,
-    _maybe_offload,
+    parse_body,
     read_json_body,
     unless_disconnected,
 )
@@ -33,8 +32,7 @@ async def rerank(request: Request) -> Response:
     state = request.state
     raw = await read_json_body(request)
     ids = (*state.model_ids, *state.service.rerank_model_ids())
-    parsed = await _maybe_offload(len(raw) > OFFLOAD_BODY_BYTES, parse_rerank_request, raw,
-                                  state.settings, ids)
+    parsed = await parse_body(request, raw, parse_rerank_request, state.settings, ids)
     result = await unless_disconnected(request, state.service.rerank(
         parsed.query, parsed.documents, parsed.options, request_id=state.request_id))
     return Response(render_rerank(parsed, result, state.request_id),
@@ -45,8 +43,7 @@ async def tei_rerank(request: Request) -> Response:
     """``POST /rerank``: TEI's ``[{index, score, text?}]``; its errors take TEI's shape on the
     way out (``/rerank`` is one of ``app.tei_routes``: ``errors.ErrorStyle``)."""
     raw = await read_json_body(request)
-    parsed = await _maybe_offload(len(raw) > OFFLOAD_BODY_BYTES, parse_tei_rerank_request,
-                                  raw, request.state.settings)
+    parsed = await parse_body(request, raw, parse_tei_rerank_request, request.state.settings)
     return await tei_rerank_parsed(request, parsed)
 
 

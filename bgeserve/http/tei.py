@@ -8,6 +8,7 @@ read → parse → service call → render, like ``handlers.embed_endpoint``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,10 +20,10 @@ from starlette.responses import Response, StreamingResponse
 from bgeserve.errors import BgeServeError
 from bgeserve.http import rerank
 from bgeserve.http.handlers import (
-    OFFLOAD_BODY_BYTES,
     OFFLOAD_ITEMS,
     _maybe_offload,
     health,
+    parse_body,
     read_json_body,
     streams,
     unless_disconnected,
@@ -50,8 +51,8 @@ def _json(content: Any) -> Response:
 
 async def _parse(request: Request, parse: Any, **kwargs: Any) -> Any:
     raw = await read_json_body(request)
-    return await _maybe_offload(len(raw) > OFFLOAD_BODY_BYTES, lambda: parse(
-        raw, request.state.settings, **kwargs))
+    return await parse_body(request, raw, functools.partial(parse, **kwargs),
+                            request.state.settings)
 
 
 async def _embed(request: Request, parsed: TeiEmbedRequest, options: EmbedOptions) -> Embeddings:
