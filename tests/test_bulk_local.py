@@ -174,6 +174,49 @@ def test_another_model_put_at_the_same_path_is_refused(tiny_export: Path, tmp_pa
         local.run(job, settings, bar=False)
 
 
+def test_a_job_resumed_where_another_variant_would_be_chosen_goes_on_with_its_own(
+        tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first run served the variant measured fastest (its machine's, or a local run's
+    where a Ray job serves the rule's); the rerun would choose another: it goes on with the
+    shards' variant instead of being refused as another model's (README walkthrough)."""
+    import dataclasses
+    import json
+
+    from bgeserve.service import choice
+
+    write_jsonl(tmp_path / "in" / "a.jsonl", {f"t{i}": f"text {i}" for i in range(40)})
+    job = BulkJob(inputs=(str(tmp_path / "in"),), output=tmp_path / "out", shard_rows=8)
+    settings = resolve_settings({k: v for k, v in env(tiny_export, tmp_path / "cache").items()
+                                 if k != "BGE_M3_MODEL"})
+    other = "int8" if settings.variant != "int8" else "fp32"
+    real = choice.decide
+
+    def measured_other(s, *args, **kwargs):
+        decision = real(s, *args, **kwargs)
+        return dataclasses.replace(decision, settings=dataclasses.replace(
+            decision.settings, variant=other, variant_choice="measured"))
+
+    written = []
+    real_write = local.write_shard
+
+    def stop_after_two(*args, **kwargs):
+        if len(written) == 2:
+            raise KeyboardInterrupt
+        written.append(real_write(*args, **kwargs))
+        return written[-1]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(choice, "decide", measured_other)
+        patch.setattr(local, "write_shard", stop_after_two)
+        with pytest.raises(KeyboardInterrupt):
+            local.run(job, settings, bar=False)
+    recorded = json.loads((job.output / "_bulk.json").read_text())["model_identity"]
+    assert recorded.startswith(f"{other} sha256:")
+    summary = local.run(job, settings, bar=False)  # the rule's variant would serve here
+    assert summary.rows == 40 - 16 and read_output(job.output).num_rows == 40
+    assert json.loads((job.output / "_bulk.json").read_text())["model_identity"] == recorded
+
+
 def test_a_first_run_that_cannot_load_the_model_leaves_nothing_behind(
         tiny_export: Path, tmp_path: Path):
     """A wrong BGE_M3_MODEL_PATH fails the first run; its output folder is gone and the

@@ -48,3 +48,55 @@ def test_a_job_tokenizes_any_text_whole_where_the_server_limits_it() -> None:
     settings = Settings(max_text_chars=5_000)
     assert engine_config(settings).max_text_chars == 5_000
     assert engine_config(job_settings(settings)).max_text_chars == UNBOUNDED
+
+
+def _rule_settings(export: Path, cache: Path, **extra: str):
+    from bgeserve.bulk.model import resolve_settings
+
+    return resolve_settings({"BGE_M3_MODEL_PATH": str(export), "BGE_M3_CACHE_DIR": str(cache),
+                             "BGE_M3_MAX_SEQ_LENGTH": "128", **extra})
+
+
+def test_a_resumed_job_runs_the_variant_its_shards_were_made_with(
+        tiny_export: Path, tmp_path: Path) -> None:
+    """Left to choose, a local run serves the variant measured fastest and a Ray job the
+    rule's: a folder moved from one to the other was refused as another model's shards. The
+    recorded variant is pinned (for the actors too); BGE_M3_MODEL given, it decides (and
+    another variant is refused as before); nothing recorded, nothing changes."""
+    from bgeserve.bulk.model import resume_settings
+    from bgeserve.ray.pipeline import actor_env
+
+    rule = _rule_settings(tiny_export, tmp_path)
+    assert rule.variant_choice == "rule"
+    other = "int8" if rule.variant != "int8" else "fp32"
+    resumed = resume_settings(rule, f"{other} sha256:abc")
+    assert (resumed.variant, resumed.variant_choice) == (other, "pinned")
+    assert resumed.model_path == rule.model_path and resumed.max_seq_length == 128
+    assert actor_env(resumed)["BGE_M3_MODEL"] == other
+    # The rule's own variant is pinned too: a local run would otherwise measure another.
+    same = resume_settings(rule, f"{rule.variant} sha256:abc")
+    assert (same.variant, same.variant_choice) == (rule.variant, "pinned")
+    assert resume_settings(rule, None) is rule
+    assert resume_settings(rule, "garbage") is rule
+    pinned = _rule_settings(tiny_export, tmp_path, BGE_M3_MODEL="fp16")
+    assert resume_settings(pinned, f"{other} sha256:abc") is pinned
+
+
+def test_a_recorded_variant_the_settings_cannot_run_is_said_so(
+        tiny_export_bf16: Path, tmp_path: Path) -> None:
+    """bf16 runs on OpenVINO: pinned for a resume, the runtime follows it, unless BGE_M3_EP
+    names another (also the default, cpu), which is refused naming the shards' variant."""
+    import pytest
+
+    from bgeserve.bulk.model import resume_settings
+    from bgeserve.errors import ConfigError
+    from bgeserve.service.plan import THIS_MACHINE
+
+    if not THIS_MACHINE.openvino():
+        pytest.skip("the openvino package is not installed")
+    rule = _rule_settings(tiny_export_bf16, tmp_path, BGE_M3_EP="cpu")
+    with pytest.raises(ConfigError, match="shards were made with the bf16 variant.*BGE_M3_EP"):
+        resume_settings(rule, "bf16 sha256:abc")
+    free = _rule_settings(tiny_export_bf16, tmp_path)
+    resumed = resume_settings(free, "bf16 sha256:abc")
+    assert (resumed.variant, resumed.execution_provider) == ("bf16", "openvino")

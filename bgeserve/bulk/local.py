@@ -27,7 +27,7 @@ from bgeserve.bulk.job import (
     refuse_nothing_embedded,
     total_rows,
 )
-from bgeserve.bulk.model import BulkModel, model_spec
+from bgeserve.bulk.model import BulkModel, model_spec, resume_settings
 from bgeserve.bulk.output import (
     OutputDir,
     earlier_bad_rows,
@@ -131,7 +131,7 @@ def run(job: BulkJob, settings: Settings, bar: bool | None = None) -> Summary:
         spec = job.spec(model_spec(settings))
         # Checked before the model loads (a refusal costs no load), recorded only once it
         # has: a first run with a wrong model path leaves no manifest behind.
-        out.check_manifest(spec, sources, write=False)
+        recorded = out.check_manifest(spec, sources, write=False)
         coverage, shards = out.scan()
         log_earlier_bad_rows(shards)
         total = total_rows(sources)
@@ -144,7 +144,7 @@ def run(job: BulkJob, settings: Settings, bar: bool | None = None) -> Summary:
         # pyarrow imports pandas (when installed) at its first conversion of Python values:
         # seconds on a small machine, paid here with the model's load, not in the first shard.
         pa.array(["start"])
-        with BulkModel(settings) as model:
+        with BulkModel(resume_settings(settings, recorded)) as model:
             out.check_manifest(spec, sources, model.identity)
             progress = Progress(None if total is None else total - skipped, skipped, bar=bar)
             progress.summary.skipped_bad = skipped_bad

@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Self, cast
 
-from bgeserve.config import Settings, _env_fields
+from bgeserve.config import VARIANTS, Settings, _env_fields
 from bgeserve.engine import Engine
 from bgeserve.engine.jobs import Job
-from bgeserve.errors import BgeServeError
+from bgeserve.errors import BgeServeError, ConfigError
 from bgeserve.model.artifacts import ModelArtifacts, export_variants
 from bgeserve.model.prepared import PreparedStore, file_digests
 from bgeserve.results import EmbedOptions
@@ -61,6 +61,32 @@ def settings_env(settings: Settings) -> dict[str, str]:
             text = str(value)
         env[f.metadata["env"]] = text
     return env
+
+
+def resume_settings(settings: Settings, recorded: str | None) -> Settings:
+    """``settings`` to go on with a folder whose shards were made as ``recorded`` says (a
+    ``model_identity``; None: a first run): its variant pinned, unless BGE_M3_MODEL names one
+    (a different one is then refused, as any other model). Left to choose, a local run takes
+    the variant measured fastest here and a Ray job the rule's (the nodes must agree), so a
+    job moved from one to the other, or to another machine, chose another variant than its
+    shards' and was refused as another model's."""
+    variant = (recorded or "").partition(" ")[0]
+    if variant not in VARIANTS or settings.is_explicit("BGE_M3_MODEL"):
+        return settings
+    env = settings_env(settings)
+    env["BGE_M3_MODEL"] = variant
+    if settings.is_explicit("BGE_M3_EP"):
+        env["BGE_M3_EP"] = settings.execution_provider  # also where it is the default
+    else:
+        env.pop("BGE_M3_EP", None)  # the runtime resolved for the rule's variant: resolve again
+    if variant != settings.variant:
+        log.info("bulk: the output's shards were made with the %s variant: this run uses it "
+                 "too (BGE_M3_MODEL)", variant)
+    try:
+        return resolve_settings(env)
+    except ConfigError as exc:
+        raise ConfigError(f"the output's shards were made with the {variant} variant, which "
+                          f"these settings cannot run: {exc.message}", param=exc.param) from None
 
 
 def model_spec(settings: Settings) -> dict[str, object]:

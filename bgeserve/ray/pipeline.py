@@ -29,7 +29,7 @@ from typing import Any
 from bgeserve.bulk.dupes import Duplicates
 from bgeserve.bulk.job import BulkJob, missing_column, refuse_nothing_embedded
 from bgeserve.bulk.local import MAX_BAD_EXAMPLES
-from bgeserve.bulk.model import model_spec, settings_env
+from bgeserve.bulk.model import model_spec, resume_settings, settings_env
 from bgeserve.bulk.output import OutputDir, earlier_bad_rows, log_earlier_bad_rows
 from bgeserve.bulk.progress import Progress, Summary
 from bgeserve.bulk.sources import check_columns, discover
@@ -170,7 +170,8 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
             Embedder, batch_format="pyarrow", batch_size=None,
             compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=cpus,
             runtime_env={"env_vars": arena_env(environ or {}, cpus)},
-            fn_constructor_kwargs={"outputs": job.outputs, "env": actor_env(settings),
+            fn_constructor_kwargs={"outputs": job.outputs,
+                                   "env": actor_env(resume_settings(settings, recorded)),
                                    "identity_column": MODEL_COLUMN})
         sink = ShardSink(out.path, job.outputs, recorded, job.rows_per_shard)
         try:
