@@ -26,26 +26,39 @@ def test_plain_engine_budgets_memory_by_itself(tiny_export: Path, tmp_path: Path
 
 
 def test_explicit_cost_model_refuses_what_cannot_fit(tiny_export: Path, tmp_path: Path) -> None:
-    """A text whose predicted workspace exceeds the budget is refused, naming the knob."""
+    """A text whose predicted workspace exceeds the budget is refused, naming the knobs: the
+    engine's own to a library caller, the server's variables where the server made the
+    config (service/plan.py)."""
+    from bgeserve.config import Settings
+    from bgeserve.service.plan import engine_config
+
     tight = CostModel(a=1_000_000.0, b=0.0, max_workspace_bytes=50_000_000)
     with Engine(tiny_export, "fp32", cache_dir=tmp_path, cost_model=tight) as engine:
         engine.embed("fits")  # a few tokens: ~5 MB predicted
-        with pytest.raises(TooLarge, match="BGE_M3_MAX_SEQ_LENGTH") as info:
+        with pytest.raises(TooLarge, match=r"Lower EngineConfig\(max_seq=\.\.\.\), reduce the "
+                           r"workers \(SchedulerConfig\(workers=\.\.\.\)\), or give the process "
+                           "more memory") as info:
             engine.embed(["ok", "word " * 200])
-        assert info.value.param == "input[1]"
+        assert info.value.param == "input[1]" and "BGE_M3_" not in info.value.message
+    served = engine_config(Settings(max_seq_length=8192))
+    with Engine(tiny_export, "fp32", cache_dir=tmp_path, cost_model=tight,
+                config=served) as engine, \
+            pytest.raises(TooLarge, match="Lower BGE_M3_MAX_SEQ_LENGTH, reduce BGE_M3_WORKERS, "
+                          "or give the server more memory"):
+        engine.embed(["ok", "word " * 200])
 
 
 def test_colbert_output_over_the_cap_is_refused_before_running(tiny_export: Path,
                                                                tmp_path: Path) -> None:
     """ColBERT vectors are outside the memory budget: a request whose (tokens - 1) x width
-    float32 rows pass max_colbert_bytes is a 413 naming BGE_M3_MAX_COLBERT_MB; dense only of
-    the same texts runs."""
+    float32 rows pass max_colbert_bytes is a 413 naming it (the server: BGE_M3_MAX_COLBERT_MB);
+    dense only of the same texts runs."""
     texts = ["word " * 100] * 4
     with Engine(tiny_export, "fp32", cache_dir=tmp_path) as engine:
         rows = int(engine.encode_inputs(texts).lengths.sum()) - len(texts)
         width = engine.embed("x").dense.shape[1]
         engine.config = replace(engine.config, max_colbert_bytes=rows * width * 4 - 1)
-        with pytest.raises(TooLarge, match="BGE_M3_MAX_COLBERT_MB") as info:
+        with pytest.raises(TooLarge, match=r"EngineConfig\(max_colbert_bytes=") as info:
             engine.embed(texts, colbert=True)
         assert info.value.param == "outputs"
         assert engine.embed(texts).dense.shape == (4, width)

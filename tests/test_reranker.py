@@ -93,13 +93,13 @@ def test_a_repeated_document_runs_once_and_scores_alike(tiny_reranker_export, tm
 
 
 def test_a_window_over_the_budget_is_413(reranker, pairs) -> None:
-    """When one window cannot fit the memory budget the request is refused (413), naming
-    BGE_M3_RERANK_MAX_LENGTH, before anything runs."""
+    """When one window cannot fit the memory budget the request is refused (413), naming the
+    pair length (the server's reranker: BGE_M3_RERANK_MAX_LENGTH), before anything runs."""
     query, docs = pairs
     saved = reranker.engine.cost_model
     reranker.engine.set_cost_model(CostModel(1e6, 1e3, 64 << 20))
     try:
-        with pytest.raises(TooLarge, match="BGE_M3_RERANK_MAX_LENGTH"):
+        with pytest.raises(TooLarge, match=r"Lower EngineConfig\(max_seq=\.\.\.\) \(windows"):
             reranker.rerank(query, docs)
     finally:
         reranker.engine.set_cost_model(saved)

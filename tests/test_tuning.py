@@ -967,3 +967,22 @@ def test_a_model_bigger_than_the_memory_is_refused_before_it_loads(tmp_path: Pat
     gpu = Tuner(TuningConfig(max_seq=512, cache_dir=tmp_path, gpu=True), apply=lambda c: None)
     gpu.state.memory_source, gpu.state.available_bytes = "cgroup_v1", 1 << 30
     gpu.check_room(8 << 30, 8 << 30)
+
+
+def test_the_servers_engines_name_their_own_variables(tiny_export: Path,
+                                                      tiny_reranker_export: Path,
+                                                      tmp_path: Path) -> None:
+    """The server's errors name its environment variables, the reranker's its own pair length
+    and workers (a library caller's name EngineConfig's fields: test_engine.py)."""
+    from bgeserve.service import plan
+
+    for export, max_seq, workers in ((tiny_export, "BGE_M3_MAX_SEQ_LENGTH", "BGE_M3_WORKERS"),
+                                     (tiny_reranker_export, "BGE_M3_RERANK_MAX_LENGTH",
+                                      "BGE_M3_RERANK_WORKERS")):
+        settings = plan.resolve(Settings.from_env(env_for(export, tmp_path,
+                                                          BGE_M3_MODEL="fp32")))
+        artifacts = resolve(model_path=export, variant="fp32", cache_dir=tmp_path,
+                            offline=True, reranker=export == tiny_reranker_export)
+        names = plan.for_model(settings, artifacts, tmp_path).engine.names
+        assert (names.max_seq, names.workers) == (max_seq, workers)
+        assert plan.for_model(settings, artifacts, tmp_path).engine.scheduler.names == names

@@ -28,6 +28,7 @@ from bgeserve.engine.cache import EmbeddingCache
 from bgeserve.engine.forward import forward_factory
 from bgeserve.engine.inputs import Inputs, normalize_inputs, rerank_inputs
 from bgeserve.engine.jobs import Job, answer
+from bgeserve.engine.names import SettingNames
 from bgeserve.engine.scheduler import ChunkStats, Scheduler, SchedulerConfig
 from bgeserve.engine.tokenizer import Encoded, Tokenizer
 from bgeserve.engine.workers import Running
@@ -104,6 +105,8 @@ class EngineConfig:
     # The longest text tokenized whole (None: any). A longer one is embedded only where
     # truncation makes its leading words enough (Tokenizer.encode); else it is TooLarge.
     max_text_chars: int | None = None
+    # What errors tell the caller to change (the server: its environment variables).
+    names: SettingNames = field(default_factory=SettingNames)
 
 
 class Engine:
@@ -139,7 +142,8 @@ class Engine:
             config = replace(config, scheduler=replace(config.scheduler, pad_cap=config.max_seq))
         self.config = config
         self.tokenizer = Tokenizer.load(artifacts.tokenizer_path, self.config.max_seq,
-                                        self.config.max_text_chars)
+                                        self.config.max_text_chars,
+                                        self.config.names.max_text_chars)
         self.open_forward = forward_factory(artifacts, self.config.session)
         # A plain Engine (no server, no probe) still never runs a chunk past the memory it has:
         # conservative coefficients under a budget measured at start (see tuning / the probe).
@@ -289,15 +293,15 @@ class Engine:
                 raise TooLarge(
                     f"the ColBERT output of this request would be {size / 2**20:.0f} MiB "
                     f"({rows} token vectors of {self.width} floats), over the "
-                    f"{limit / 2**20:.0f} MiB allowed (BGE_M3_MAX_COLBERT_MB); send fewer or "
-                    "shorter texts per request", param="outputs")
+                    f"{limit / 2**20:.0f} MiB allowed ({self.config.names.max_colbert}); send "
+                    "fewer or shorter texts per request", param="outputs")
         if not truncate and encoded.truncated.any():
             i = int(np.argmax(encoded.truncated))
             raise TooLarge(
                 f"input[{i}] has more than the {self.config.max_seq} tokens allowed "
-                f"(BGE_M3_MAX_SEQ_LENGTH); send truncate=true "
+                f"({self.config.names.max_seq}); send truncate=true "
                 "or split the text", param=f"input[{i}]", code="too_many_tokens")
-        cost = self.cost_model
+        cost, names = self.cost_model, self.config.names
         if cost is None:
             return
         for i, n in enumerate(encoded.lengths):
@@ -306,8 +310,8 @@ class Engine:
                     f"input[{i}] has {int(n)} tokens, needing ~{cost.cost(1, int(n)) / 2**20:.0f}"
                     f" MiB of workspace; the budget per worker is "
                     f"{cost.max_workspace_bytes / 2**20:.0f} MiB (longest text that fits: "
-                    f"{cost.max_seq()} tokens). Lower BGE_M3_MAX_SEQ_LENGTH, reduce "
-                    "BGE_M3_WORKERS, or give the server more memory", param=f"input[{i}]")
+                    f"{cost.max_seq()} tokens). Lower {names.max_seq}, reduce "
+                    f"{names.workers}, or {names.more_memory}", param=f"input[{i}]")
 
     def make_job(self, inputs: Inputs, options: EmbedOptions, request_id: str = "",
                  arrived: float | None = None, *, solo: bool = False,

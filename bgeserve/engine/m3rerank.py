@@ -151,15 +151,15 @@ def rows(e: Embeddings, index: slice | list[int]) -> Embeddings:
 # -- on an engine ------------------------------------------------------------------------------
 def admit(engine: Engine, plan: M3Plan) -> None:
     """Refuse (413) a request whose longest text cannot fit bge-m3's memory budget."""
-    cost = engine.cost_model
+    cost, names = engine.cost_model, engine.config.names
     longest = max(len(x) for x in plan.inputs)
     if cost is not None and not cost.fits(1, longest):
         raise TooLarge(
             f"a text of {longest} tokens (the query or a document window) needs "
             f"~{cost.cost(1, longest) / 2**20:.0f} MiB of workspace; bge-m3's budget per "
             f"worker is {cost.max_workspace_bytes / 2**20:.0f} MiB (longest that fits: "
-            f"{cost.max_seq()} tokens). Lower BGE_M3_MAX_SEQ_LENGTH (windows get shorter), or "
-            "give the server more memory", param="documents")
+            f"{cost.max_seq()} tokens). Lower {names.max_seq} (windows get shorter), or "
+            f"{names.more_memory}", param="documents")
 
 
 def min_tokens(tokenizer: Tokenizer, query: str, documents: Sequence[str], max_seq: int,
@@ -199,7 +199,8 @@ def make_jobs(engine: Engine, query: str, documents: Sequence[str], options: Rer
     """Tokenize, window and admit: the jobs to run one after the other (see ``groups``)."""
     start = time.monotonic() if arrived is None else arrived
     check_options(options)
-    plan = plan_m3(untruncated(engine.artifacts.tokenizer_path, engine.config.max_text_chars),
+    plan = plan_m3(untruncated(engine.artifacts.tokenizer_path, engine.config.max_text_chars,
+                               engine.config.names.max_text_chars),
                    query, documents, engine.config.max_seq, options)
     admit(engine, plan)
     timeout = engine.config.request_timeout_s

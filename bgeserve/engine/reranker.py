@@ -59,7 +59,8 @@ class Reranker:
         pairs = pairs or PairConfig(max_length=held)
         self.pairs = pairs if pairs.max_length <= held else replace(pairs, max_length=held)
         self.tokenizer = untruncated(engine.artifacts.tokenizer_path,
-                                     engine.config.max_text_chars)
+                                     engine.config.max_text_chars,
+                                     engine.config.names.max_text_chars)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -79,7 +80,7 @@ class Reranker:
     # -- scoring ---------------------------------------------------------------------------
     def admit(self, plan: PairPlan) -> None:
         """Refuse (413) a request whose longest window cannot fit the memory budget."""
-        cost = self.engine.cost_model
+        cost, names = self.engine.cost_model, self.engine.config.names
         if cost is None or not plan.rows:
             return
         longest = max(len(r) for r in plan.rows)
@@ -88,8 +89,8 @@ class Reranker:
                 f"one (query, document) window of {longest} tokens needs "
                 f"~{cost.cost(1, longest) / 2**20:.0f} MiB of workspace; the reranker's budget "
                 f"per worker is {cost.max_workspace_bytes / 2**20:.0f} MiB (longest that fits: "
-                f"{cost.max_seq()} tokens). Lower BGE_M3_RERANK_MAX_LENGTH (windows get "
-                "shorter), shorten the query, or give the server more memory", param="documents")
+                f"{cost.max_seq()} tokens). Lower {names.max_seq} (windows get "
+                f"shorter), shorten the query, or {names.more_memory}", param="documents")
 
     def min_tokens(self, query: str, documents: Sequence[str], options: RerankOptions,
                    stop_above: int | None = None) -> int:

@@ -22,11 +22,12 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bgeserve.engine.forward import Forward, pad_chunk
 from bgeserve.engine.heads import ChunkOutputs
 from bgeserve.engine.jobs import Job, Piece, answer, fold
+from bgeserve.engine.names import SettingNames
 from bgeserve.engine.packing import Cost, Packer, Rules
 from bgeserve.engine.queue import PendingQueue, Taken
 from bgeserve.engine.shapes import RunShapes
@@ -78,6 +79,7 @@ class SchedulerConfig:
     # threads embedding long documents were refused "queue full; retry shortly").
     max_queue_tokens: int = UNBOUNDED_QUEUE
     idle_timeout_s: float = 0.0
+    names: SettingNames = field(default_factory=SettingNames)  # what errors tell to change
 
     @property
     def rules(self) -> Rules:
@@ -226,7 +228,7 @@ class Scheduler(Workers):
             self.counters["rejected"] += 1
             raise Overloaded(
                 f"queue full ({self._pending.tokens} tokens waiting, limit "
-                f"BGE_M3_MAX_QUEUE_TOKENS={self.config.max_queue_tokens}); retry shortly",
+                f"{self.config.max_queue_tokens}, {self.config.names.max_queue}); retry shortly",
                 retry_after=1.0)
 
     def submit(self, job: Job) -> Future:
@@ -298,7 +300,7 @@ class Scheduler(Workers):
     def _expire(self, job: Job) -> None:
         self.counters["deadline_exceeded"] += 1
         self._fail(job, DeadlineExceeded(
-            "the request did not finish within BGE_M3_REQUEST_TIMEOUT_SECS"))
+            f"the request did not finish within {self.config.names.timeout}"))
 
     def _next_chunk(self, worker: int) -> Taken | None | str:
         """Block until there is a chunk for this worker; None = stop; "unload" = idle too long."""
@@ -417,7 +419,8 @@ class Scheduler(Workers):
                 p = pieces[0]
                 self._fail(p.job, TooLarge(
                     f"input[{p.index}] ({p.length} tokens) ran out of memory even alone; "
-                    f"lower BGE_M3_MAX_SEQ_LENGTH or give the server more memory: {exc}",
+                    f"lower {self.config.names.max_seq} or {self.config.names.more_memory}: "
+                    f"{exc}",
                     param=f"input[{p.index}]"))
             return
         except BgeServeError as exc:

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
+from bgeserve.engine.names import SettingNames
 from bgeserve.errors import InvalidInput, ModelUnavailable, NotReady, TooLarge, surrogate_error
 from bgeserve.results import Token
 from bgeserve.vocab import CLS_ID, EOS_ID, SPECIAL_TOKENS
@@ -199,7 +200,8 @@ class Tokenizer:
     """bge-m3's XLM-R tokenizer with truncation at ``max_seq`` tokens."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, max_seq: int,
-                 max_whole_chars: int | None = None):
+                 max_whole_chars: int | None = None,
+                 chars_setting: str = SettingNames.max_text_chars):
         if max_seq < 2:
             raise ValueError("max_seq must leave room for <s> and </s>")
         tokenizer.no_padding()
@@ -210,6 +212,7 @@ class Tokenizer:
         # its leading words (``_prefix``, ``_encode_long``), where that is exact; else it is
         # TooLarge.
         self.max_whole_chars = max_whole_chars
+        self.chars_setting = chars_setting  # what the refusal of a longer one says to raise
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         try:
             spec = json.loads(tokenizer.to_str())
@@ -223,7 +226,8 @@ class Tokenizer:
                                      and _splits_at(tokenizer, c))
 
     @classmethod
-    def load(cls, path: Path, max_seq: int, max_whole_chars: int | None = None) -> Tokenizer:
+    def load(cls, path: Path, max_seq: int, max_whole_chars: int | None = None,
+             chars_setting: str = SettingNames.max_text_chars) -> Tokenizer:
         """Read ``tokenizer.json``; a missing or invalid file, or one whose special tokens are
         not bge-m3's ids, is ``ModelUnavailable``."""
         try:
@@ -237,7 +241,7 @@ class Tokenizer:
             raise ModelUnavailable(
                 f"tokenizer {path} numbers its special tokens {found}, not as bge-m3's "
                 f"(XLM-R's) vocabulary does ({SPECIAL_TOKENS}): bgeserve serves bge-m3's layout")
-        return cls(raw, max_seq, max_whole_chars)
+        return cls(raw, max_seq, max_whole_chars, chars_setting)
 
     def encode(self, texts: Sequence[str]) -> Encoded:
         """Tokenize ``texts`` (in parallel, in Rust) and truncate each to ``max_seq``.
@@ -344,10 +348,10 @@ class Tokenizer:
         else:
             breaks = "space or line break" if "\n" in self._breaks else "space"
             why = f"its first {self.max_whole_chars} characters have no {breaks} after a word"
-        how = "split the text or raise BGE_M3_MAX_TEXT_CHARS" if keep is not None else \
-            "truncate it from the right, split it or raise BGE_M3_MAX_TEXT_CHARS"
+        how = f"split the text or raise {self.chars_setting}" if keep is not None else \
+            f"truncate it from the right, split it or raise {self.chars_setting}"
         return TooLarge(f"{name} has {len(text)} characters, over the limit of "
-                        f"{self.max_whole_chars} (BGE_M3_MAX_TEXT_CHARS) for a text tokenized "
+                        f"{self.max_whole_chars} ({self.chars_setting}) for a text tokenized "
                         f"whole, and it cannot be cut to its leading words exactly: {why}; "
                         f"{how}", param=name)
 
@@ -600,9 +604,10 @@ def _tokens(text: str, encoding: tokenizers.Encoding) -> list[Token]:
 
 
 @functools.lru_cache(maxsize=8)
-def untruncated(path: Path, max_whole_chars: int | None = None) -> Tokenizer:
+def untruncated(path: Path, max_whole_chars: int | None = None,
+                chars_setting: str = SettingNames.max_text_chars) -> Tokenizer:
     """``path``'s tokenizer without truncation, loaded once per file and limit: rerank windows
     need every token of a document they cover (``encode_leading`` reads fewer of a text cut
     from the right), and a text over ``max_whole_chars`` is tokenized only from its leading
     words."""
-    return Tokenizer.load(path, 1 << 30, max_whole_chars)
+    return Tokenizer.load(path, 1 << 30, max_whole_chars, chars_setting)

@@ -21,6 +21,7 @@ from bgeserve import runtime
 from bgeserve.config import OPENVINO_VARIANTS, Settings
 from bgeserve.engine import EngineConfig
 from bgeserve.engine import cache as embedding_cache
+from bgeserve.engine.names import SettingNames
 from bgeserve.engine.scheduler import SchedulerConfig
 from bgeserve.errors import ConfigError
 from bgeserve.model.artifacts import ModelArtifacts, export_variants
@@ -217,7 +218,17 @@ def vram_budget(settings: Settings, model_files: Any = (), nvml: Any = None) -> 
     return gpu.workspace_vram(devices, model_files, s.memory_safety_factor, nvml)
 
 
-def engine_config(settings: Settings) -> EngineConfig:
+# What the server's errors tell an operator to change: its environment variables.
+SERVER_NAMES = SettingNames(
+    max_seq="BGE_M3_MAX_SEQ_LENGTH", max_colbert="BGE_M3_MAX_COLBERT_MB",
+    workers="BGE_M3_WORKERS", max_queue="BGE_M3_MAX_QUEUE_TOKENS",
+    timeout="BGE_M3_REQUEST_TIMEOUT_SECS", max_text_chars="BGE_M3_MAX_TEXT_CHARS",
+    more_memory="give the server more memory")
+RERANKER_NAMES = dataclasses.replace(SERVER_NAMES, max_seq="BGE_M3_RERANK_MAX_LENGTH",
+                                     workers="BGE_M3_RERANK_WORKERS")
+
+
+def engine_config(settings: Settings, names: SettingNames = SERVER_NAMES) -> EngineConfig:
     """The engine's plain-value configuration, from resolved Settings."""
     s = settings
     scheduler = SchedulerConfig(
@@ -225,11 +236,11 @@ def engine_config(settings: Settings) -> EngineConfig:
         pad_multiple=pad_multiple(s),
         batch_delay_s=s.batch_delay_ms / 1000.0, cross_request=s.cross_request_batching,
         max_queue_tokens=s.max_queue_tokens,
-        idle_timeout_s=s.idle_timeout_secs)
+        idle_timeout_s=s.idle_timeout_secs, names=names)
     return EngineConfig(max_seq=s.max_seq_length, session=session_config(s), scheduler=scheduler,
                         request_timeout_s=s.request_timeout_secs or None,
                         max_colbert_bytes=colbert_bytes(s), cache_bytes=embedding_cache_bytes(s),
-                        max_text_chars=s.max_text_chars)
+                        max_text_chars=s.max_text_chars, names=names)
 
 
 # A request's ColBERT output peaks at ~5x its float32 size before it is sent (the chunks'
@@ -299,7 +310,8 @@ def for_model(settings: Settings, artifacts: ModelArtifacts, cache_dir: Path) ->
     """The plan for ``artifacts`` under resolved ``settings``."""
     s = dataclasses.replace(settings, max_seq_length=clamp_max_seq(settings.max_seq_length,
                                                                    artifacts))
-    engine = engine_config(s)
+    # The reranker's pair length and workers are settings of their own.
+    engine = engine_config(s, RERANKER_NAMES if artifacts.layout.reranker else SERVER_NAMES)
     kind = runtime.kind_of(artifacts, s.execution_provider)
     tuning = TuningConfig(
         workers=s.workers, max_seq=s.max_seq_length, safety_factor=s.memory_safety_factor,
