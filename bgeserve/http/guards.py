@@ -258,15 +258,14 @@ class InflightLimit:
         self.app = app
         self.allowance = allowance
 
-    def _refusal(self, size: int, what: str = "this one") -> Overloaded:
+    def _refusal(self, size: int, what: str = "this one ({} MiB)") -> Overloaded:
         bodies = self.allowance
         bodies.refused += 1
         return Overloaded(
             f"{bodies.held / 2**20:.1f} MiB of request bodies and answers not yet taken are in "
-            f"progress and {what} "
-            f"({size / 2**20:.1f} MiB) would pass the {bodies.max_bytes / 2**20:.1f} MiB allowed "
-            "at once "
-            "(BGE_M3_MAX_INFLIGHT_MB); retry shortly", retry_after=1.0)
+            f"progress and {what.format(f'{size / 2**20:.1f}')} would pass the "
+            f"{bodies.max_bytes / 2**20:.1f} MiB allowed at once (BGE_M3_MAX_INFLIGHT_MB); "
+            "retry shortly", retry_after=1.0)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
@@ -304,8 +303,7 @@ class InflightLimit:
             nonlocal mine
             if extra <= 0:
                 return
-            if mine + extra > bodies.max_bytes:
-                bodies.refused += 1
+            if mine + extra > bodies.max_bytes:  # a 413, not one of the 429s ``refused`` counts
                 raise TooLarge(
                     f"decoding this request's JSON would take ~{extra / 2**20:.0f} MiB beyond "
                     f"its {mine / 2**20:.1f} MiB (a Python object for each of its many small "
@@ -314,7 +312,7 @@ class InflightLimit:
                     "progress (BGE_M3_MAX_INFLIGHT_MB); send fewer values per request",
                     code="payload_too_large")
             if bodies.held + extra > bodies.max_bytes:
-                raise self._refusal(mine + extra, "this one, decoded,")
+                raise self._refusal(extra, "decoding this one's JSON ({} MiB more)")
             mine += extra
             bodies.held += extra
 

@@ -6,12 +6,15 @@ such bodies decoded at once on the parsing threads take any container down. The 
 bodies in progress counts bytes as they arrive (guards.py), so a body is charged what its
 decoding adds before it is decoded (handlers.py).
 
-The estimate counts the structural characters outside strings (numpy on the bytes: a few tens
-of milliseconds for 32 MiB). It is an upper bound for every shape measured (CPython 3.11,
-64-bit, orjson 3): a dict, list or string 64 bytes, and 40 for each value after a comma or
-behind a key (an 8-byte pointer and at most a 32-byte number). The characters of strings are
-not counted: they are the body's own bytes (up to 4x as Python strings of non-BMP text, as
-with any text the server takes).
+The estimate counts the structural characters outside strings (numpy on the bytes, a piece at
+a time: ~0.2 s for 32 MiB of small values, ~20 ms for 32 MiB of ordinary texts). It bounds
+what decoding holds at its peak, measured by RSS for every shape tried (CPython 3.11, 64-bit,
+orjson 3; review: a first estimate of 64 bytes a dict and 40 a value was under it by up to
+1.6x): a list or a string 64 bytes, a dict 192 (a non-empty one's keys table), and 64 for each
+value after a comma or behind a key (its pointer, a float or large int, orjson's own parse tree
+while it decodes). The characters of strings are not counted: they are the body's own bytes
+(up to 4x as Python strings of non-BMP text, as with any text the server takes). Token ids
+(``BGE_M3_ACCEPT_TOKEN_IDS``) cost ~10x their JSON: they are charged so.
 """
 
 from __future__ import annotations
@@ -20,15 +23,17 @@ from collections.abc import Iterator
 
 import numpy as np
 
-OBJECT_BYTES = 64  # a dict, a list or a string (measured: {} 64, [] 56, "ab" 51)
-VALUE_BYTES = 40  # a pointer from its container (8) and a float or a large int (32)
+ARRAY_BYTES = STRING_BYTES = 64  # measured: [] 56, "ab" 51 (kept), plus a pointer to each
+OBJECT_BYTES = 192  # {"a": 1} 184 kept
+VALUE_BYTES = 64  # a pointer (8), a float or a large int (32), orjson's parse tree (~24)
 _CHUNK = 1 << 20  # bytes of a body scanned at once (its scan holds ~7 times this)
 _MARKS = b'[{",:'  # what the estimate counts, and the quotes that delimit strings
 _OTHER_BYTES = bytes(sorted(set(range(256)) - set(_MARKS)))
-# Each mark's kind: 1 opens an array or object, 2 separates values, 0 is a quote.
+# Each mark's kind: 1 opens an array, 2 an object, 3 separates values, 0 is a quote.
 _KINDS = np.zeros(256, dtype=np.uint8)
-_KINDS[[ord("["), ord("{")]] = 1
-_KINDS[[ord(","), ord(":")]] = 2
+_KINDS[ord("[")] = 1
+_KINDS[ord("{")] = 2
+_KINDS[[ord(","), ord(":")]] = 3
 
 
 def decoded_bytes(raw: bytes) -> int:
@@ -37,13 +42,13 @@ def decoded_bytes(raw: bytes) -> int:
     brackets inside texts count too (a bound: enough for the bodies of ordinary texts), then,
     if that is over ``len(raw)``, outside the strings alone. Both read ``raw`` a piece at a
     time: the scan of a body holds ~5 pieces, not copies of the body."""
-    rough = [0, 0, 0]
+    rough = [0, 0, 0, 0]
     for piece in _pieces(raw):
         for i, n in enumerate(_counts(piece.translate(None, _OTHER_BYTES))):
             rough[i] += n
-    if _estimate(rough[0], rough[1] // 2, rough[2]) <= len(raw):
-        return _estimate(rough[0], rough[1] // 2, rough[2])
-    exact = [0, 0, 0]
+    if _estimate(*rough) <= len(raw):
+        return _estimate(*rough)
+    exact = [0, 0, 0, 0]
     for piece in _pieces(raw):
         # Escapes first: with each escaped backslash gone, every backslash and quote left is
         # an escaped quote inside a string; with those gone too, each quote left opens or
@@ -52,9 +57,9 @@ def decoded_bytes(raw: bytes) -> int:
         if b"\\" in piece:
             piece = piece.replace(b"\\\\", b"").replace(b'\\"', b"")
         for i, n in enumerate(_outside_strings(piece.translate(None, _OTHER_BYTES),
-                                               exact[1] & 1)):
+                                               exact[2] & 1)):
             exact[i] += n
-    return _estimate(exact[0], exact[1] // 2, exact[2])
+    return _estimate(*exact)
 
 
 def _pieces(raw: bytes) -> Iterator[bytes]:
@@ -71,17 +76,18 @@ def _pieces(raw: bytes) -> Iterator[bytes]:
         start = end
 
 
-def _estimate(containers: int, strings: int, separators: int) -> int:
-    return OBJECT_BYTES * (containers + strings) + VALUE_BYTES * separators
+def _estimate(arrays: int, objects: int, quotes: int, separators: int) -> int:
+    return (ARRAY_BYTES * arrays + OBJECT_BYTES * objects + STRING_BYTES * (quotes // 2)
+            + VALUE_BYTES * separators)
 
 
-def _counts(marks: bytes) -> tuple[int, int, int]:
-    """(brackets opened, quotes, commas and colons) in ``marks``."""
-    return (marks.count(b"[") + marks.count(b"{"), marks.count(b'"'),
+def _counts(marks: bytes) -> tuple[int, int, int, int]:
+    """(arrays opened, objects opened, quotes, commas and colons) in ``marks``."""
+    return (marks.count(b"["), marks.count(b"{"), marks.count(b'"'),
             marks.count(b",") + marks.count(b":"))
 
 
-def _outside_strings(marks: bytes, inside: int) -> tuple[int, int, int]:
+def _outside_strings(marks: bytes, inside: int) -> tuple[int, int, int, int]:
     """``_counts`` of the marks outside strings, given marks whose quotes all open or close
     one, the first inside a string if ``inside`` is 1."""
     part = np.frombuffer(marks, dtype=np.uint8)
@@ -89,5 +95,5 @@ def _outside_strings(marks: bytes, inside: int) -> tuple[int, int, int]:
     # A mark is outside every string where the quotes up to it are even in number (uint8
     # wraps at 256, an even number: the parity survives).
     outside = ((np.cumsum(is_quote, dtype=np.uint8) + inside) & 1) == 0
-    kinds = np.bincount(_KINDS[part][outside], minlength=3)
-    return int(kinds[1]), int(np.count_nonzero(is_quote)), int(kinds[2])
+    kinds = np.bincount(_KINDS[part][outside], minlength=4)
+    return int(kinds[1]), int(kinds[2]), int(np.count_nonzero(is_quote)), int(kinds[3])
