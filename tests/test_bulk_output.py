@@ -243,3 +243,34 @@ def test_a_pin_without_hard_links_is_an_exclusive_create(tmp_path: Path,
     assert output.pin_identity(tmp_path, "fp32 sha256:a") == "fp32 sha256:a"
     assert output.pin_identity(tmp_path, "fp32 sha256:b") == "fp32 sha256:a"
     assert sorted(p.name for p in tmp_path.iterdir()) == [output.PIN]
+
+
+def test_the_variant_and_runtime_each_run_resolved_are_not_compared_where_content_is(
+        tmp_path: Path):
+    """The manifest's model settings hold the rule's pick, which differs from machine to
+    machine (review: a job moved from a VNNI machine, int8, to one without, fp32, was refused
+    before the rerun could go on with the shards' variant). Where the shards' model files are
+    known by their sha256, that identity decides; the path and the rest still count, and a
+    folder whose identity is not by content still compares the variant."""
+    src = tmp_path / "a.jsonl"
+    src.write_text('{"id": 1, "text": "x"}\n')
+    sources = [Source(src, "jsonl")]
+
+    def spec(variant: str, ep: str = "cpu", path: str = "/m") -> dict:
+        return {**SPEC, "model": {"path": path, "variant": variant, "execution_provider": ep,
+                                  "max_seq": 8192}}
+
+    for identity, compared in (("int8 sha256:abc", False), ("int8 model.onnx:5:17963", True),
+                               (None, True)):
+        with OutputDir(tmp_path / f"out-{compared}-{identity is None}") as out:
+            out.check_manifest(spec("int8"), sources, identity)
+            write_shard(out.path, table(1), {str(src): [[0, 1]]}, [])
+            if compared:
+                with pytest.raises(InvalidInput, match="variant"):
+                    out.check_manifest(spec("fp32"), sources, write=False)
+            else:
+                assert out.check_manifest(spec("fp32"), sources, write=False) == identity
+                assert out.check_manifest(spec("bf16", "openvino"), sources, write=False) \
+                    == identity
+            with pytest.raises(InvalidInput, match="model"):
+                out.check_manifest(spec("int8", path="/other"), sources, write=False)

@@ -36,8 +36,8 @@ def test_explicit_cost_model_refuses_what_cannot_fit(tiny_export: Path, tmp_path
     with Engine(tiny_export, "fp32", cache_dir=tmp_path, cost_model=tight) as engine:
         engine.embed("fits")  # a few tokens: ~5 MB predicted
         with pytest.raises(TooLarge, match=r"Lower EngineConfig\(max_seq=\.\.\.\), reduce the "
-                           r"workers \(SchedulerConfig\(workers=\.\.\.\)\), or give the process "
-                           "more memory") as info:
+                           r"workers \(EngineConfig\(scheduler=SchedulerConfig\(workers=\.\.\.\)\)\), "
+                           "or give the process more memory") as info:
             engine.embed(["ok", "word " * 200])
         assert info.value.param == "input[1]" and "BGE_M3_" not in info.value.message
     served = engine_config(Settings(max_seq_length=8192))

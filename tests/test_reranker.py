@@ -99,7 +99,7 @@ def test_a_window_over_the_budget_is_413(reranker, pairs) -> None:
     saved = reranker.engine.cost_model
     reranker.engine.set_cost_model(CostModel(1e6, 1e3, 64 << 20))
     try:
-        with pytest.raises(TooLarge, match=r"Lower EngineConfig\(max_seq=\.\.\.\) \(windows"):
+        with pytest.raises(TooLarge, match=r"Lower PairConfig\(max_length=\.\.\.\) \(windows"):
             reranker.rerank(query, docs)
     finally:
         reranker.engine.set_cost_model(saved)

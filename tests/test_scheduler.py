@@ -822,7 +822,8 @@ def test_a_full_queue_refuses_with_overloaded():
             with pytest.raises(Overloaded) as info:
                 sched.submit(job_of([text(*range(200, 203))]))  # 5 more: 11 > 10
             assert info.value.retry_after > 0
-            assert "limit 10, SchedulerConfig(max_queue_tokens=...)" in info.value.message
+            assert "limit 10, EngineConfig(scheduler=SchedulerConfig(max_queue_tokens=...))" \
+                in info.value.message
             exact = job_of([text(*range(300, 302))])  # 4 more: exactly 10
             sched.submit(exact)
         assert_dense_right(queued)

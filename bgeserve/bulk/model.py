@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Self, cast
 
-from bgeserve.config import VARIANTS, Settings, _env_fields
+from bgeserve.config import OPENVINO_VARIANTS, VARIANTS, Settings, _env_fields
 from bgeserve.engine import Engine
 from bgeserve.engine.jobs import Job
 from bgeserve.errors import BgeServeError, ConfigError
@@ -73,20 +73,28 @@ def resume_settings(settings: Settings, recorded: str | None) -> Settings:
     variant = (recorded or "").partition(" ")[0]
     if variant not in VARIANTS or settings.is_explicit("BGE_M3_MODEL"):
         return settings
-    env = settings_env(settings)
-    env["BGE_M3_MODEL"] = variant
-    if settings.is_explicit("BGE_M3_EP"):
-        env["BGE_M3_EP"] = settings.execution_provider  # also where it is the default
-    else:
-        env.pop("BGE_M3_EP", None)  # the runtime resolved for the rule's variant: resolve again
+    provider = settings.execution_provider
+    if not settings.is_explicit("BGE_M3_EP"):  # resolved for the rule's variant: the shards'
+        provider = "openvino" if variant in OPENVINO_VARIANTS else (
+            "cpu" if provider == "openvino" else provider)
+    # The settings as they were, the variant pinned (not rebuilt from variables: a value equal
+    # to its default would lose what being given means, e.g. BGE_M3_MAX_CHUNK over the
+    # deprecated BGE_M3_ONNX_BATCH_SIZE, and the chunks would change).
+    pinned = dataclasses.replace(settings, variant=variant, execution_provider=provider,
+                                 variant_choice="",
+                                 explicit=(settings.explicit or frozenset()) | {"BGE_M3_MODEL"})
+    cannot = (f"the output's shards were made with the {variant} variant, which cannot run "
+              "here ({}): run the job where it can, or write to a new --output")
+    try:
+        resumed = plan.resolve(pinned)
+    except ConfigError as exc:
+        raise ConfigError(cannot.format(exc.message), param="--output") from None
+    if resumed.variant != variant:  # BGE_M3_ALLOW_CPU_FALLBACK took another
+        raise ConfigError(cannot.format(f"{resumed.variant} would run instead"), param="--output")
     if variant != settings.variant:
         log.info("bulk: the output's shards were made with the %s variant: this run uses it "
-                 "too (BGE_M3_MODEL)", variant)
-    try:
-        return resolve_settings(env)
-    except ConfigError as exc:
-        raise ConfigError(f"the output's shards were made with the {variant} variant, which "
-                          f"these settings cannot run: {exc.message}", param=exc.param) from None
+                 "too", variant)
+    return resumed
 
 
 def model_spec(settings: Settings) -> dict[str, object]:

@@ -97,7 +97,8 @@ class OutputDir:
         if old is not None:
             # A Ray run killed before its manifest had the identity left it in the pin.
             recorded = old.get("model_identity") or _read_pin(self.path)
-            _check_spec(self.path, old.get("spec", {}), spec)
+            _check_spec(self.path, old.get("spec", {}), spec,
+                        by_content=recorded is not None and "sha256:" in recorded)
             check_identity(self.path, recorded, model_identity)
             moved = _check_sources(old.get("sources", {}), files)
             for key, old_key in moved.items() - self._moved.items():  # once per run
@@ -161,13 +162,28 @@ def _is_shard(entry: Path) -> bool:
     return entry.suffix == ".parquet" and not entry.name.startswith((".", "_"))
 
 
-def _check_spec(folder: Path, before: dict[str, Any], spec: dict[str, Any]) -> None:
+def _check_spec(folder: Path, before: dict[str, Any], spec: dict[str, Any], *,
+                by_content: bool = False) -> None:
+    """Refuse ``spec`` where it differs from ``before``. ``by_content``: the shards' model
+    files are known by their sha256 (``check_identity``), so the variant and runtime each run
+    resolved are not compared: a rule's pick differs from machine to machine (VNNI, AMX,
+    OpenVINO installed), and a rerun goes on with the shards' variant (``resume_settings``)."""
+    if by_content:
+        before, spec = _without_runtime(before), _without_runtime(spec)
     for key in sorted(set(before) | set(spec)):
         if before.get(key) != spec.get(key):
             raise InvalidInput(
                 f"{folder} holds shards of a job with {key}={before.get(key)!r}, this run has "
                 f"{spec.get(key)!r}: rerun with the same options and BGE_M3_* model settings, "
                 "or write to a new --output", param="--output")
+
+
+def _without_runtime(spec: dict[str, Any]) -> dict[str, Any]:
+    model = spec.get("model")
+    if not isinstance(model, dict):
+        return spec
+    return {**spec, "model": {k: v for k, v in model.items()
+                              if k not in ("variant", "execution_provider")}}
 
 
 def check_identity(folder: Path, before: str | None, now: str | None) -> None:

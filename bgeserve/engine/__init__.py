@@ -174,8 +174,8 @@ class Engine:
         if config.cache_bytes <= 0:
             return None
         if not cache_rules.applies(artifacts.variant, sched.max_chunk, sched.pad_multiple):
-            log.info("embedding cache off: %s results move with their batch-mates (set "
-                     "BGE_M3_MAX_CHUNK=1 to run texts alone and cache them)", artifacts.variant)
+            log.info("embedding cache off: %s results move with their batch-mates (set %s to "
+                     "run texts alone and cache them)", artifacts.variant, config.names.max_chunk)
             return None
         # One cache never answers for another model: its files, variant and layout name it.
         namespace = f"{artifacts.identity()}|{artifacts.variant}|{artifacts.layout.value}"

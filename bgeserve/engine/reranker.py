@@ -89,7 +89,7 @@ class Reranker:
                 f"one (query, document) window of {longest} tokens needs "
                 f"~{cost.cost(1, longest) / 2**20:.0f} MiB of workspace; the reranker's budget "
                 f"per worker is {cost.max_workspace_bytes / 2**20:.0f} MiB (longest that fits: "
-                f"{cost.max_seq()} tokens). Lower {names.max_seq} (windows get "
+                f"{cost.max_seq()} tokens). Lower {names.pair_length} (windows get "
                 f"shorter), shorten the query, or {names.more_memory}", param="documents")
 
     def min_tokens(self, query: str, documents: Sequence[str], options: RerankOptions,

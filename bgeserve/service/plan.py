@@ -220,8 +220,9 @@ def vram_budget(settings: Settings, model_files: Any = (), nvml: Any = None) -> 
 
 # What the server's errors tell an operator to change: its environment variables.
 SERVER_NAMES = SettingNames(
-    max_seq="BGE_M3_MAX_SEQ_LENGTH", max_colbert="BGE_M3_MAX_COLBERT_MB",
-    workers="BGE_M3_WORKERS", max_queue="BGE_M3_MAX_QUEUE_TOKENS",
+    max_seq="BGE_M3_MAX_SEQ_LENGTH", pair_length="BGE_M3_RERANK_MAX_LENGTH",
+    max_colbert="BGE_M3_MAX_COLBERT_MB", workers="BGE_M3_WORKERS",
+    max_chunk="BGE_M3_MAX_CHUNK=1", max_queue="BGE_M3_MAX_QUEUE_TOKENS",
     timeout="BGE_M3_REQUEST_TIMEOUT_SECS", max_text_chars="BGE_M3_MAX_TEXT_CHARS",
     more_memory="give the server more memory")
 RERANKER_NAMES = dataclasses.replace(SERVER_NAMES, max_seq="BGE_M3_RERANK_MAX_LENGTH",
