@@ -244,3 +244,33 @@ def test_texts_past_the_limit_read_from_the_left_give_the_inputs_of_the_whole_te
     with pytest.raises(TooLarge) as info:
         plan_m3(limited, "q", docs, 64, RerankOptions())
     assert info.value.param == "documents[0]"
+
+
+def test_scoring_runs_off_the_event_loop(engine, tokenizer, monkeypatch) -> None:
+    """Each group is scored on a thread: on the loop, ColBERT's products for a few long
+    documents held every other request, /health included, for 11-25 s (fuzz QA)."""
+    import threading
+
+    from bgeserve.engine import m3rerank
+
+    loop_threads: list[int] = []
+    scored_on: list[int] = []
+    real = m3rerank.Scoring.add
+
+    def add(self, part) -> None:
+        scored_on.append(threading.get_ident())
+        real(self, part)
+
+    monkeypatch.setattr(m3rerank.Scoring, "add", add)
+    import asyncio
+
+    query, docs = "a query", random_texts(75, 6, 20, 60)
+
+    async def main():
+        loop_threads.append(threading.get_ident())
+        return await arerank_m3(engine, query, docs, RerankOptions(mode="hybrid"))
+
+    result = asyncio.run(main())
+    assert scored_on and loop_threads[0] not in scored_on
+    np.testing.assert_allclose(result.scores, engine.rerank(query, docs, mode="hybrid").scores,
+                               atol=1e-6)

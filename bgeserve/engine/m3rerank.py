@@ -243,7 +243,9 @@ async def arun_jobs(engine: Engine, plan: M3Plan, jobs: Sequence[Job], options: 
     """Run ``make_jobs``' jobs one after the other, each group scored before the next is
     queued (``first``: the first one's future, when the caller queued it already; ``submit``
     queues the later ones, ``engine.submit`` unless given; ``before(job)`` is awaited before
-    each later one is queued: the service takes room for its ColBERT vectors there)."""
+    each later one is queued: the service takes room for its ColBERT vectors there). Each group
+    is scored on a thread: ColBERT's query-by-window products of a few long documents held the
+    event loop, /health included, for 11-25 s on the tiny model (fuzz QA)."""
     scoring = Scoring(plan, options)
     for i, job in enumerate(jobs):
         future = first
@@ -251,5 +253,5 @@ async def arun_jobs(engine: Engine, plan: M3Plan, jobs: Sequence[Job], options: 
             if before is not None:
                 await before(job)
             future = submit(job) if submit is not None else None
-        scoring.add(await engine.await_job(job, future))
-    return scoring.result()
+        await asyncio.to_thread(scoring.add, await engine.await_job(job, future))
+    return await asyncio.to_thread(scoring.result)
