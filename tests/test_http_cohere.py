@@ -98,8 +98,9 @@ def test_truncate_modes() -> None:
     ({"images": ["data:image/png;base64,AAAA"]}, "images", "text only"),
     ({"inputs": [{"content": [{"type": "text", "text": "a"}]}]}, "inputs", "texts"),
     ({"input_type": "search_query"}, "texts", "required"),
+    ({"texts": ["a", 1]}, "texts[1]", "must be a string"),  # named "texts" (fuzz QA)
     ({"texts": "a"}, "texts", "array of strings"),
-    ({"texts": [1, 2]}, "texts", "array of strings"),
+    ({"texts": [1, 2]}, "texts[0]", "array of strings"),
     ({"texts": []}, "texts", "empty"),
 ])
 def test_refusals_name_the_field(body: dict, param: str, words: str) -> None:

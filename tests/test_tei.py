@@ -354,17 +354,21 @@ def test_decode_one_or_many_sequences(client: TestClient) -> None:
                                           "Empty")
 
 
-@pytest.mark.parametrize(("body", "status", "error_type"), [
-    ({"ids": ["a"]}, 422, "Validation"),
-    ({"ids": [-1]}, 422, "Validation"),
-    ({}, 422, "Validation"),
-    ({"ids": {"0": 1}}, 422, "Validation"),  # not an array: not "empty" either
-    ({"ids": 7}, 422, "Validation"),
-    ({"ids": "7"}, 422, "Validation"),
+@pytest.mark.parametrize(("body", "status", "error_type", "named"), [
+    ({"ids": ["a"]}, 422, "Validation", "ids[0]"),
+    ({"ids": [-1]}, 422, "Validation", "ids[0]"),
+    ({"ids": [1, -1]}, 422, "Validation", "ids[1]"),  # named ids[0], the sequence (fuzz QA)
+    ({"ids": [[1], [2, "x"]]}, 422, "Validation", "ids[1][1]"),
+    ({"ids": [[1], 5]}, 422, "Validation", "ids[1]"),
+    ({}, 422, "Validation", "ids"),
+    ({"ids": {"0": 1}}, 422, "Validation", "ids"),  # not an array: not "empty" either
+    ({"ids": 7}, 422, "Validation", "ids"),
+    ({"ids": "7"}, 422, "Validation", "ids"),
 ])
-def test_decode_errors(client: TestClient, body: dict, status: int, error_type: str) -> None:
-    """Ids that are not token ids are 422."""
-    tei_error(client.post("/decode", json=body), status, error_type)
+def test_decode_errors(client: TestClient, body: dict, status: int, error_type: str,
+                       named: str) -> None:
+    """Ids that are not token ids are 422, naming the item."""
+    assert named in tei_error(client.post("/decode", json=body), status, error_type)
 
 
 def test_info_has_every_field_tei_documents(client: TestClient) -> None:

@@ -68,8 +68,12 @@ def parse_cohere_embed(raw: bytes, settings: Settings,
     texts = body.get("texts")
     if texts is None:
         raise InvalidInput("texts is required", param="texts")
-    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+    if not isinstance(texts, list):
         raise InvalidInput("texts must be an array of strings", param="texts")
+    for i, text in enumerate(texts):  # named as every other route names a bad item
+        if not isinstance(text, str):
+            raise InvalidInput(f"texts[{i}] must be a string: texts must be an array of strings",
+                               param=f"texts[{i}]")
     input_type = body.get("input_type")
     if input_type is not None and input_type not in INPUT_TYPES:
         raise InvalidInput(f"input_type must be one of {', '.join(INPUT_TYPES)} (bge-m3 embeds "

@@ -221,8 +221,13 @@ def parse_decode(raw: bytes, settings: Settings) -> DecodeRequest:
                                code="empty_input")
         # JSON Schema's integers: 3.0 is one (as everywhere else in the API)
         ints = [_as_int(t) for t in seq] if isinstance(seq, list) else [None]
-        if not all(t is not None and t >= 0 for t in ints):
-            raise InvalidInput("ids must be an array of token ids (integers >= 0) or an array "
-                               "of such arrays", param=f"ids[{i}]")
+        bad = next((j for j, t in enumerate(ints) if t is None or t < 0), None)
+        if bad is not None:
+            # The item itself: ids[j] of one sequence, ids[i][j] of a batch (ids[i] when the
+            # batch's item is no array).
+            where = (f"ids[{bad}]" if seq is ids else
+                     f"ids[{i}][{bad}]" if isinstance(seq, list) else f"ids[{i}]")
+            raise InvalidInput(f"{where} is no token id: ids must be an array of token ids "
+                               "(integers >= 0) or an array of such arrays", param=where)
         out.append([t for t in ints if t is not None])
     return DecodeRequest(out, flag(body, "skip_special_tokens", True))
