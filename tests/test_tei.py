@@ -159,6 +159,20 @@ def test_left_truncation_embeds_the_texts_last_tokens() -> None:
                                   FakeService.expected_dense(sent[0]))
 
 
+def test_a_direction_without_truncation_cuts_nothing() -> None:
+    """Token ids are cut from the right only; without truncation nothing is cut, and
+    ``truncation_direction: left`` beside ``truncate: false`` is no reason to refuse them
+    (schemathesis: a schema-valid body refused)."""
+    with serve(accept_token_ids=True) as c:
+        r = c.post("/embed", json={"inputs": [5, 6], "truncate": False,
+                                   "truncation_direction": "left"})
+        assert r.status_code == 200, r.text
+        assert c.fake.calls[-1].inputs == [[5, 6]]  # type: ignore[attr-defined]
+        assert "left needs texts" in tei_error(c.post("/embed", json={
+            "inputs": [5, 6], "truncate": True, "truncation_direction": "left"}), 422,
+            "Validation")
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"inputs": "x", "prompt_name": "query"}, "prompt_name"),
     ({"inputs": "x", "dimensions": 0}, "dimensions"),

@@ -91,8 +91,9 @@ def embed_fields(body: dict[str, Any], settings: Settings, *, dense: bool = Fals
     if direction is not None and (not isinstance(direction, str) or direction not in DIRECTIONS):
         raise InvalidInput("truncation_direction must be one of Left, left, Right, right",
                            param="truncation_direction")
-    left = direction is not None and DIRECTIONS[direction]
     truncate = flag(body, "truncate", settings.truncate)
+    # Without truncation nothing is cut, from either side (token ids with "left" were a 422).
+    left = direction is not None and DIRECTIONS[direction] and truncate
     # A text cut from the left is tokenized whole (its last words are kept): limited here.
     inputs = parse_input(value, settings, "inputs", whole=left or not truncate)
     if left and inputs and not isinstance(inputs[0], str):
