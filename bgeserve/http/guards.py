@@ -262,8 +262,7 @@ class InflightLimit:
     enough to get a server under a 600 MiB memory cap OOM-killed. So bodies count against a
     shared allowance by their bytes as they arrive, until the response is sent. A request
     whose ``Content-Length`` would pass what the others hold is answered 429 with
-    ``Retry-After`` at once, before its body is read, and keeps its room from smaller ones
-    for a while (``BodyAllowance.admits``); one let in whose bytes then pass it (it
+    ``Retry-After`` at once, before its body is read; one let in whose bytes then pass it (it
     came with others at once) is answered 429 when they do, unless it is the oldest body
     still arriving: that one always finishes (small requests coming one after another must
     not cut a large upload off near its end; held is then at most the allowance plus one
