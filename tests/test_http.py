@@ -1279,8 +1279,6 @@ def test_a_body_that_has_not_arrived_holds_no_allowance() -> None:
                 statuses.append(await uploads.post("/x", [b"x" * 100]))  # 104 <= 150: served
                 statuses.append(await uploads.post("/x", [b"x" * 200]))  # 204 > 150: at once
                 uploads.gate.set()
-            # Not this test's: the room the refused body keeps for its retry (tested below).
-            uploads.guard.allowance.kept = 0
             async with anyio.create_task_group() as tg:  # let in together, 80 + 80 > 150
                 async def one() -> None:
                     statuses.append(await uploads.post("/x", [b"x" * 40, b"x" * 40]))
@@ -1349,43 +1347,6 @@ def test_the_oldest_body_still_arriving_is_never_cut_off() -> None:
 
     assert anyio.run(main) == {"big": 200, "small": 200}
     assert uploads.guard.allowance.held == 0
-
-
-def test_a_large_body_refused_for_room_keeps_it_from_smaller_ones(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A stream of small requests kept the allowance from ever emptying, and a large upload
-    was refused at each retry (left alone in an earlier stop). Refused, it keeps its room for
-    a while: smaller bodies are let in only where they leave it free, and its retry is."""
-    uploads = _Uploads(150)
-
-    async def main() -> list[int]:
-        statuses: list[int] = []
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(uploads.post, "/hold", [b"x" * 20])
-                while uploads.guard.allowance.held < 20:
-                    await anyio.sleep(0.001)
-                statuses.append(await uploads.post("/x", [b"x" * 140]))  # 160 > 150: kept
-                statuses.append(await uploads.post("/x", [b"x" * 20]))  # 40 + 140 kept
-                statuses.append(await uploads.post("/x", [b"x" * 5]))  # 25 + 140 kept
-                uploads.held.set()
-            statuses.append(await uploads.post("/x", [b"x" * 20]))  # alone, but 20 + 140
-            statuses.append(await uploads.post("/x", [b"x" * 140]))  # the retry: in
-            statuses.append(await uploads.post("/x", [b"x" * 20]))  # nothing kept any more
-            monkeypatch.setattr(guards, "KEEP_ROOM_S", 0.05)
-            async with anyio.create_task_group() as tg:
-                uploads.held = anyio.Event()
-                tg.start_soon(uploads.post, "/hold", [b"x" * 20])
-                while uploads.guard.allowance.held < 20:
-                    await anyio.sleep(0.001)
-                statuses.append(await uploads.post("/x", [b"x" * 140]))  # kept 50 ms
-                await anyio.sleep(0.1)
-                statuses.append(await uploads.post("/x", [b"x" * 20]))  # given up on: in
-                uploads.held.set()
-        return statuses
-
-    assert anyio.run(main) == [429, 429, 429, 429, 200, 200, 429, 200]
-    assert uploads.guard.allowance.held == 0 and uploads.guard.allowance.kept == 0
 
 
 def test_what_decoding_a_body_adds_is_charged_to_the_allowance() -> None:

@@ -35,9 +35,6 @@ BODY_IDLE_TIMEOUT_S = 60.0
 # pipeline's link.
 BODY_GRACE_S = 20.0
 BODY_MIN_RATE = 16 << 10
-# How long the room of a body refused for want of it is kept from smaller ones (renewed at each
-# refusal): its client's retry, after Retry-After (1 s) and a backoff, finds it.
-KEEP_ROOM_S = 5.0
 
 
 def _digest(key: bytes) -> bytes:
@@ -231,27 +228,6 @@ class BodyAllowance:
         # The bodies still arriving, oldest first (a dict keeps its insertion order).
         self.arriving: dict[int, None] = {}
         self.tickets = itertools.count()
-        # The largest body refused for want of room in the last KEEP_ROOM_S (0: none), whose
-        # room smaller ones leave free; and when that ends.
-        self.kept = 0
-        self.kept_until = 0.0
-
-    def admits(self, size: int) -> bool:
-        """Whether a body declaring ``size`` bytes may start now (False: a 429). A body alone
-        always may. One that would pass the allowance keeps its room: for a while, smaller
-        bodies are let in only where they leave it free, or a stream of them (a held allowance
-        that never empties) refused a large upload at every retry."""
-        now = time.monotonic()
-        if self.kept and now > self.kept_until:
-            self.kept = 0
-        if self.held and self.held + size > self.max_bytes:
-            self.kept = max(self.kept, min(size, self.max_bytes))
-            self.kept_until = now + KEEP_ROOM_S
-            return False
-        if size >= self.kept:
-            self.kept = 0  # the body it was kept for (or a larger one) takes it
-            return True
-        return self.held + size + self.kept <= self.max_bytes
 
 
 class InflightLimit:
@@ -298,12 +274,8 @@ class InflightLimit:
         bodies = self.allowance
         declared = _header(scope, b"content-length")
         size = int(declared) if declared is not None and declared.strip().isdigit() else 0
-        if not bodies.admits(size):
-            refusal = self._refusal(size) if bodies.held + size > bodies.max_bytes else \
-                self._refusal(size, "this one ({} MiB) would leave no room for a larger body "
-                              f"refused a moment ago ({bodies.kept / 2**20:.1f} MiB, kept for "
-                              "its retry), which with it")
-            await respond(refusal, scope)(scope, receive, send)
+        if bodies.held and bodies.held + size > bodies.max_bytes:
+            await respond(self._refusal(size), scope)(scope, receive, send)
             return
         mine = 0  # the bytes of this body that arrived
         ticket = next(bodies.tickets)
