@@ -196,8 +196,13 @@ def test_ids_past_int64_are_outside_the_vocabulary():
 
     tok = make()
     for ids in ([5, 2**63], [2**64], (2**63,)):
-        with pytest.raises(InvalidInput, match=f"token id {ids[-1]} outside the vocabulary"):
+        with pytest.raises(InvalidInput, match=f"token id {ids[-1]}, outside the vocabulary") \
+                as refused:
             tok.from_ids([ids])
+        assert refused.value.param == f"input[0][{len(ids) - 1}]"  # the id itself
+    with pytest.raises(InvalidInput, match=r"input\[1\]\[2\] is token id 999999") as refused:
+        tok.from_ids([[5], [6, 7, 999_999, -1]])
+    assert refused.value.param == "input[1][2]"
     with pytest.raises(InvalidInput, match="integer token ids"):
         tok.from_ids([[5, "x"]])
 
@@ -311,13 +316,15 @@ def test_from_ids_truncates_like_encode():
     assert enc.full_lengths.tolist() == [12, 12, 5]
 
 
-@pytest.mark.parametrize("bad", [[-1], [VOCAB], [4, 5, VOCAB + 100], [0, -7, 2]])
-def test_from_ids_rejects_ids_outside_the_vocabulary(bad):
-    """A negative id or one ≥ the vocabulary size is InvalidInput naming input[i]."""
+@pytest.mark.parametrize(("bad", "j"), [([-1], 0), ([VOCAB], 0), ([4, 5, VOCAB + 100], 2),
+                                        ([0, -7, 2], 1)])
+def test_from_ids_rejects_ids_outside_the_vocabulary(bad, j):
+    """A negative id or one ≥ the vocabulary size is InvalidInput naming input[i][j], the id
+    itself (fuzz QA: input[i] named the text, where the parser's own checks name the id)."""
     with pytest.raises(InvalidInput) as info:
         make().from_ids([[4, 5], bad])
-    assert info.value.param == "input[1]"
-    assert "input[1]" in info.value.message and f"[0, {VOCAB})" in info.value.message
+    assert info.value.param == f"input[1][{j}]"
+    assert f"input[1][{j}]" in info.value.message and f"[0, {VOCAB})" in info.value.message
 
 
 def test_from_ids_accepts_the_last_vocabulary_id():
@@ -334,13 +341,16 @@ def test_from_ids_rejects_empty_or_nested_sequences(bad):
     assert "non-empty" in info.value.message
 
 
-@pytest.mark.parametrize("bad", [[4, 5.5], [True], ["4"], [4, 2**70], [[4], [4, 5]]])
-def test_from_ids_rejects_non_integer_ids(bad):
+@pytest.mark.parametrize(("bad", "param"), [
+    ([4, 5.5], "input[1]"), ([True], "input[1]"), (["4"], "input[1]"),
+    ([4, 2**70], "input[1][1]"),  # an integer: outside the vocabulary, named as such
+    ([[4], [4, 5]], "input[1]")])
+def test_from_ids_rejects_non_integer_ids(bad, param):
     """Floats, a boolean list, strings, ints beyond int64 and ragged nesting are InvalidInput on
     input[i], never silently cast (1.5 → 1) nor a stray numpy error."""
     with pytest.raises(InvalidInput) as info:
         make().from_ids([[4], bad])
-    assert info.value.param == "input[1]"
+    assert info.value.param == param
 
 
 def test_from_ids_accepts_numpy_integer_arrays():
