@@ -113,8 +113,10 @@ def test_colbert_groups_bound_what_one_job_holds(engine, tokenizer) -> None:
 def test_each_groups_vectors_are_dropped_before_the_next_group_runs(tokenizer) -> None:
     """Every group is scored as it arrives: when a group runs, no vector of the groups before
     it is alive, though their jobs and futures are (all were kept until the last one ran: a
-    rerank of 4,000 documents on the tiny model grew RSS by 382 MiB, now 30), and the room
-    for the next group is taken (``before``) only after the one before was scored."""
+    rerank of 4,000 documents on the tiny model grew RSS by 382 MiB, now 30), dense and sparse
+    ones too (memory QA: kept, 2,048 long documents in 128-token windows took a server past
+    its 700 MiB cap), and the room for the next group is taken (``before``) only after the
+    one before was scored."""
     import asyncio
     import gc
     import weakref
@@ -124,7 +126,7 @@ def test_each_groups_vectors_are_dropped_before_the_next_group_runs(tokenizer) -
     from bgeserve.results import Embeddings
 
     width = 8
-    opts = RerankOptions(mode="colbert")
+    opts = RerankOptions(mode="hybrid")
     plan = plan_m3(tokenizer, random_texts(80, 1, 3, 6)[0], random_texts(81, 12, 20, 60), 8192,
                    opts)
     jobs = [SimpleNamespace(ids=[plan.inputs[i] for i in g])
@@ -145,8 +147,15 @@ def test_each_groups_vectors_are_dropped_before_the_next_group_runs(tokenizer) -
             np.float32)
         n = np.array([len(x) for x in job.ids])
         colbert = [colbert_rows(out[i], k) for i, k in enumerate(n)]
-        made.extend(weakref.ref(x) for x in colbert[0 if made else 1:])  # the query's stays
-        part = Embeddings(None, None, colbert, n, np.zeros(len(n), dtype=bool))
+        sparse = [(np.unique(rng.integers(5, 900, 6)), rng.random(6).astype(np.float32) + 0.1)
+                  for _ in n]
+        sparse = [(ids, w[:len(ids)]) for ids, w in sparse]
+        dense = out[:, 0] / np.linalg.norm(out[:, 0], axis=1, keepdims=True)
+        first = 0 if made else 1  # the query's rows stay (copied out by ``rows``)
+        made.extend(weakref.ref(x) for x in colbert[first:])
+        made.extend(weakref.ref(a) for pair in sparse[first:] for a in pair)
+        made.append(weakref.ref(dense))
+        part = Embeddings(dense, sparse, colbert, n, np.zeros(len(n), dtype=bool))
         kept.append(part)  # as the group's job and future keep it, to the last group
         return part
 
