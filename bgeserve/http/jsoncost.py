@@ -46,8 +46,9 @@ def decoded_bytes(raw: bytes) -> int:
     for piece in _pieces(raw):
         for i, n in enumerate(_counts(piece.translate(None, _OTHER_BYTES))):
             rough[i] += n
-    if _estimate(*rough) <= len(raw):
-        return _estimate(*rough)
+    estimate = _estimate(*rough)
+    if estimate <= len(raw):
+        return estimate
     exact = [0, 0, 0, 0]
     for piece in _pieces(raw):
         # Escapes first: with each escaped backslash gone, every backslash and quote left is
