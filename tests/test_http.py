@@ -6,7 +6,7 @@ import ast
 import base64
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -1201,6 +1201,7 @@ def test_bodies_in_progress_past_the_allowance_are_429_at_once() -> None:
     metrics.watch_bodies(guard.allowance)
     guard.allowance.held = 123
     assert b"bgeserve_inflight_body_bytes 123.0" in metrics.render()[0]
+    assert b"bgeserve_inflight_body_waiting_requests 0.0" in metrics.render()[0]
 
 
 class _Uploads:
@@ -1208,15 +1209,17 @@ class _Uploads:
     reads its body and, for ``/hold``, answers only once ``held`` is set (for ``/charge/N``,
     charges N bytes more, as a handler does for what decoding its body adds); each upload's
     body comes in the chunks given, ``WAIT`` waiting for ``gate`` (a lingering close then
-    reads it after a refusal)."""
+    reads it after a refusal). ``wait_s``: how long a body over half the allowance waits for
+    room (0: refused at once, as any other)."""
 
     WAIT = b"<wait>"
 
-    def __init__(self, allowance: int) -> None:
+    def __init__(self, allowance: int, wait_s: float = 0) -> None:
         from bgeserve.http.linger import LingeringClose
 
         self.gate, self.held = anyio.Event(), anyio.Event()
-        self.guard = guards.InflightLimit(self._app, allowance=guards.BodyAllowance(allowance))
+        self.guard = guards.InflightLimit(
+            self._app, allowance=guards.BodyAllowance(allowance, wait_s=wait_s))
         self.stack = LingeringClose(self.guard, max_bytes=1 << 20, max_seconds=5)
 
     async def _app(self, scope: dict, receive: Any, send: Any) -> None:
@@ -1347,6 +1350,188 @@ def test_the_oldest_body_still_arriving_is_never_cut_off() -> None:
 
     assert anyio.run(main) == {"big": 200, "small": 200}
     assert uploads.guard.allowance.held == 0
+
+
+class _Line:
+    """InflightLimit over an app that reads its body, then answers ``/hold/<name>`` only once
+    ``event(name)`` is set; each entry recorded in ``entered``, each status in ``got``."""
+
+    def __init__(self, allowance: int, wait_s: float) -> None:
+        self.events: dict[str, anyio.Event] = {}
+        self.entered: list[str] = []
+        self.got: dict[str, int] = {}
+        self.sent: dict[str, list[dict]] = {}  # the messages of each answer
+        self.bodies = guards.BodyAllowance(allowance, wait_s=wait_s)
+        self.uploads = guards.Uploads()
+        self.guard = guards.InflightLimit(self._app, allowance=self.bodies,
+                                          uploads=self.uploads)
+
+    def event(self, name: str) -> anyio.Event:
+        return self.events.setdefault(name, anyio.Event())
+
+    async def _app(self, scope: dict, receive: Any, send: Any) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        name = scope["path"].rpartition("/")[2]
+        self.entered.append(name)
+        if scope["path"].startswith("/hold/"):
+            await self.event(name).wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def post(self, path: str, size: int, parts: tuple[int | str, ...] = ()) -> None:
+        """A body of ``size`` bytes (its Content-Length), sent as ``parts``: byte counts, and
+        names of events to wait for before the next (default: one part)."""
+        sent: list[dict] = []
+        chunks = iter(parts or (size,))
+
+        async def receive() -> dict:
+            chunk = next(chunks, None)
+            while isinstance(chunk, str):
+                await self.event(chunk).wait()
+                chunk = next(chunks, None)
+            more = chunk is not None
+            return {"type": "http.request", "body": b"x" * (chunk or 0), "more_body": more}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        headers = [(b"content-length", str(size).encode())]
+        await self.guard({**_scope(headers, FakeService(), Settings()), "path": path},
+                         receive, send)
+        name = path.rpartition("/")[2]
+        self.got[name] = next(m["status"] for m in sent if m["type"] == "http.response.start")
+        self.sent[name] = sent
+
+    async def until(self, check: Callable[[], bool]) -> None:
+        while not check():
+            await anyio.sleep(0.001)
+
+
+def test_a_large_body_waits_for_room_in_turn_while_small_requests_come_and_go() -> None:
+    """A body over half the allowance waits for room instead of a 429, and is let in the
+    moment what the others give back leaves room for it: retrying at each Retry-After, a 30
+    MiB upload under a 32 MiB allowance never got in within 300 s while small requests came
+    one after another (QA). Small requests that fit still go in meanwhile (nothing is kept
+    for it: that refused every POST while a slow upload held part of the room, review), and
+    large bodies go in the order they came: one that would fit waits behind one that came
+    first (three clients looping on 28 MiB starved a 20 MiB one, review)."""
+    from bgeserve.service.metrics import Metrics
+
+    line = _Line(150, wait_s=5)
+
+    async def main() -> None:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(line.post, "/hold/a", 40)
+                tg.start_soon(line.post, "/hold/b", 40)
+                await line.until(lambda: line.bodies.held == 80)
+                tg.start_soon(line.post, "/hold/first", 100)  # 180 > 150: waits
+                await line.until(line.bodies.in_line)
+                tg.start_soon(line.post, "/hold/c", 30)  # small, 110 <= 150: let in
+                await line.until(lambda: line.bodies.held == 110)
+                tg.start_soon(line.post, "/hold/second", 80)  # 190 > 150, behind first
+                await anyio.sleep(0.05)
+                metrics = Metrics()
+                metrics.watch_bodies(line.bodies)
+                assert b"bgeserve_inflight_body_waiting_requests 2.0" in metrics.render()[0]
+                line.event("a").set()  # 70: 170 > 150, still no room for first
+                await line.until(lambda: "a" in line.got)
+                await anyio.sleep(0.05)
+                assert line.entered == ["a", "b", "c"] and not line.got.keys() - {"a"}
+                line.event("c").set()  # 40 (+ 80 would fit second, but first came first)
+                await line.until(lambda: "first" in line.entered)
+                await line.until(lambda: line.bodies.held == 140)
+                await anyio.sleep(0.05)
+                assert "second" not in line.entered
+                for name in ("b", "first", "second"):
+                    line.event(name).set()
+
+    anyio.run(main)
+    assert line.entered == ["a", "b", "c", "first", "second"]
+    assert line.got == dict.fromkeys(["a", "b", "c", "first", "second"], 200)
+    assert line.bodies.held == 0 and line.bodies.refused == 0 and not line.bodies.in_line()
+
+
+def test_a_large_body_let_in_from_the_line_finishes_its_upload() -> None:
+    """One let in from the line when it fitted is not cut off by the small bodies let in
+    while its bytes arrive (they did not count them), though an older upload is still
+    arriving: refused, it lost its turn near its end (429s after part of 30 MiB, QA)."""
+    line = _Line(150, wait_s=5)
+
+    async def main() -> None:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(line.post, "/x/old", 20, (10, "old", 10))  # oldest arriving
+                tg.start_soon(line.post, "/hold/a", 60)
+                await line.until(lambda: line.bodies.held == 70)
+                tg.start_soon(line.post, "/hold/large", 100, (50, "large-rest", 50))
+                await line.until(line.bodies.in_line)
+                line.event("a").set()  # 10: room for it
+                await line.until(lambda: line.bodies.held == 60)  # its first 50
+                tg.start_soon(line.post, "/hold/small", 70)  # 130 <= 150: let in
+                await line.until(lambda: line.bodies.held == 130)
+                line.event("large-rest").set()  # 180 > 150, and /x/old is older
+                await line.until(lambda: "large" in line.entered)
+                for name in ("old", "small", "large"):
+                    line.event(name).set()
+
+    anyio.run(main)
+    assert line.got == {"a": 200, "old": 200, "small": 200, "large": 200}
+    assert line.bodies.held == 0 and line.bodies.entering is None
+
+
+def test_a_large_body_that_finds_no_room_in_its_wait_is_refused() -> None:
+    """The wait is bounded: a 429 with Retry-After that says it waited, counted among the
+    refusals; one whose request ends while it waits (its task cancelled) leaves the line,
+    and the one behind it goes in as soon as there is room, not after it; a stop ends it."""
+    line = _Line(150, wait_s=0.3)
+
+    async def main() -> None:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(line.post, "/hold/a", 100)
+                await line.until(lambda: line.bodies.held == 100)
+                began = time.monotonic()
+                await line.post("/x/late", 100)
+                assert 0.25 < time.monotonic() - began < 2
+                line.bodies.wait_s = 5
+                async with anyio.create_task_group() as gone:
+                    gone.start_soon(line.post, "/x/gone", 100)
+                    await line.until(line.bodies.in_line)
+                    gone.cancel_scope.cancel()
+                tg.start_soon(line.post, "/x/next", 100)
+                await anyio.sleep(0.05)
+                line.event("a").set()
+                await line.until(lambda: "next" in line.got)
+
+    anyio.run(main)
+    assert line.got == {"late": 429, "a": 200, "next": 200}
+    assert line.bodies.refused == 1 and line.bodies.held == 0 and not line.bodies.in_line()
+    late = line.sent["late"]
+    start = next(m for m in late if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in late if m["type"] == "http.response.body")
+    assert (b"retry-after", b"1") in start["headers"]
+    assert "this one (0.0 MiB, which waited 0.3s for room)" in orjson.loads(body)["error"][
+        "message"], body
+    # A stop's deadline ends a wait as it ends those for body bytes: a 503 that says why
+    # (past uvicorn's grace, a bare 500).
+    line = _Line(150, wait_s=5)
+
+    async def stop() -> None:
+        with anyio.fail_after(3):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(line.post, "/hold/a", 100)
+                await line.until(lambda: line.bodies.held == 100)
+                tg.start_soon(line.post, "/x/stopped", 100)
+                await line.until(line.bodies.in_line)
+                line.uploads.abort()
+                await line.until(lambda: "stopped" in line.got)
+                line.event("a").set()
+
+    anyio.run(stop)
+    assert line.got == {"stopped": 503, "a": 200} and not line.bodies.in_line()
+    assert b"shutting down" in b"".join(m.get("body", b"") for m in line.sent["stopped"])
 
 
 def test_what_decoding_a_body_adds_is_charged_to_the_allowance() -> None:

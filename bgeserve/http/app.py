@@ -179,7 +179,7 @@ def create_app(settings: Settings, service_factory: ServiceFactory | None = None
         Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                    idle_timeout=guards.BODY_IDLE_TIMEOUT_S, grace=guards.BODY_GRACE_S,
                    min_rate=guards.BODY_MIN_RATE, uploads=uploads),
-        Middleware(InflightLimit, allowance=bodies),
+        Middleware(InflightLimit, allowance=bodies, uploads=uploads),
     ]
     app = Starlette(
         routes=routes,

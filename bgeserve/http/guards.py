@@ -13,7 +13,10 @@ import hashlib
 import hmac
 import itertools
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -35,6 +38,9 @@ BODY_IDLE_TIMEOUT_S = 60.0
 # pipeline's link.
 BODY_GRACE_S = 20.0
 BODY_MIN_RATE = 16 << 10
+# How long a body over half the allowance waits for room before its 429 (InflightLimit).
+# Under BODY_GRACE_S: the rate's clock for its body runs while it waits.
+ROOM_WAIT_S = 10.0
 
 
 def _digest(key: bytes) -> bytes:
@@ -217,17 +223,116 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
 
-class BodyAllowance:
-    """The request bodies in progress against their shared allowance: the bytes they hold
-    and the requests refused for it (``/metrics`` reads both)."""
+@dataclass(eq=False)
+class Waiter:
+    """A large body waiting for room: its size, and the future set when it is let in."""
 
-    def __init__(self, max_bytes: int) -> None:
+    size: int
+    admitted: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class BodyAllowance:
+    """The request bodies in progress against their shared allowance: the bytes they hold,
+    the requests refused for it (``/metrics`` reads both) and the large ones waiting for room.
+
+    A body over half the allowance gets in only while the others hold less than the rest,
+    and a stream of small requests may never all be done at once: retrying at each 429's
+    Retry-After, a 30 MiB upload under the 32 MiB floor of a small container never got in
+    within 300 s while small requests came one after another (QA). So such a body waits, up
+    to ``wait_s``, first come first served, and is let in the moment the others' bytes
+    given back leave room for it, before any request that comes later. Nothing is kept for
+    it: small requests that fit still go in meanwhile (keeping the room refused every POST
+    while one slow upload held part of it, and a large retrier waited for the rest: review
+    of stop 58's attempt), and what waits holds no memory (its body is not read).
+    """
+
+    def __init__(self, max_bytes: int, wait_s: float = ROOM_WAIT_S) -> None:
         self.max_bytes = max_bytes
+        self.wait_s = wait_s
         self.held = 0  # bytes of bodies in progress (one event loop: no lock needed)
         self.refused = 0  # requests answered 429 for want of room
         # The bodies still arriving, oldest first (a dict keeps its insertion order).
         self.arriving: dict[int, None] = {}
         self.tickets = itertools.count()
+        self.waiting: deque[Waiter] = deque()  # large bodies, oldest first
+        # The one let in from the line whose body is still arriving: it always finishes
+        # (it fitted when let in, and small bodies let in since did not count its bytes:
+        # cut off, it lost its turn near its end: 429s after part of 30 MiB, QA), and the
+        # next one waits for it (its bytes not yet counted, both would seem to fit).
+        self.entering: Waiter | None = None
+        self._waking = False
+
+    def fits(self, size: int) -> bool:
+        """Whether a body of ``size`` bytes may go in beside those in progress (alone,
+        always: the body limit bounds it)."""
+        return not self.held or self.held + size <= self.max_bytes
+
+    def large(self, size: int) -> bool:
+        """Whether a body of ``size`` bytes waits for room rather than being refused."""
+        return self.wait_s > 0 and 2 * size > self.max_bytes
+
+    def waiting_count(self) -> int:
+        """Large bodies waiting for room now (``/metrics``)."""
+        return sum(not w.admitted.done() for w in self.waiting)
+
+    def in_line(self) -> bool:
+        """Whether a large body is waiting for room, or one let in from the line arriving."""
+        return self.entering is not None or self.waiting_count() > 0
+
+    def give_back(self, n: int) -> None:
+        """``n`` bytes held are free again: the oldest large body waiting may fit now."""
+        self.held -= n
+        if self.waiting and not self._waking:
+            # Once this step of the event loop is done: an answer's bytes are counted again
+            # right after its body's are given back, and the room between is not room.
+            self._waking = True
+            asyncio.get_running_loop().call_soon(self.wake)
+
+    def wake(self) -> None:
+        """Let the oldest waiting body in if it fits and the one before it has arrived."""
+        self._waking = False
+        while self.waiting and self.waiting[0].admitted.done():  # gone: timed out, or ended
+            self.waiting.popleft()
+        if self.waiting and self.entering is None and self.fits(self.waiting[0].size):
+            self.entering = self.waiting.popleft()
+            self.entering.admitted.set_result(None)
+
+    def arrived(self, waiter: Waiter | None) -> None:
+        """The body of one let in from the line arrived whole, or its request ended."""
+        if waiter is not None and waiter is self.entering:
+            self.entering = None
+            self.wake()
+
+    async def wait_for_room(
+            self, size: int,
+            timer: Callable[[float], AbstractAsyncContextManager[object]] = asyncio.timeout,
+    ) -> Waiter | None:
+        """Wait in turn, up to ``wait_s`` (timed by ``timer``: ``Uploads.waiting`` ends it at
+        a stop's deadline), until a body of ``size`` bytes fits: its place (``arrived`` takes
+        it back once its body did), None if it was not let in."""
+        waiter = Waiter(size)
+        self.waiting.append(waiter)
+        self.wake()
+        try:
+            async with timer(self.wait_s):
+                await asyncio.shield(waiter.admitted)
+        except TimeoutError:
+            pass
+        except BaseException:  # its task cancelled: out of the line, let in or not
+            self._leave(waiter)
+            raise
+        if waiter.admitted.done():  # let in, perhaps as its time ran out
+            return waiter
+        self._leave(waiter)
+        return None
+
+    def _leave(self, waiter: Waiter) -> None:
+        if waiter.admitted.done():
+            self.arrived(waiter)
+        else:
+            waiter.admitted.cancel()
+            self.wake()
 
 
 class InflightLimit:
@@ -238,11 +343,13 @@ class InflightLimit:
     enough to get a server under a 600 MiB memory cap OOM-killed. So bodies count against a
     shared allowance by their bytes as they arrive, until the response is sent. A request
     whose ``Content-Length`` would pass what the others hold is answered 429 with
-    ``Retry-After`` at once, before its body is read; one let in whose bytes then pass it (it
-    came with others at once) is answered 429 when they do, unless it is the oldest body
-    still arriving: that one always finishes (small requests coming one after another must
-    not cut a large upload off near its end; held is then at most the allowance plus one
-    largest body). A request alone is always let in, whatever its size (the body limit
+    ``Retry-After`` at once, before its body is read, unless it is over half the allowance:
+    that one waits for room in turn (``BodyAllowance``), and is a 429 only if none came
+    within ``wait_s``. One let in whose bytes then pass it (it came with others at once) is
+    answered 429 when they do, unless it is the oldest body still arriving or the one let in
+    from the line: they always finish (small requests coming one after another must not cut
+    a large upload off near its end; held is then at most the allowance plus two largest
+    bodies). A request alone is always let in, whatever its size (the body limit
     bounds it), as the queue takes any job when empty. A refused body's bytes are given back
     at once, not after the lingering close that reads the rest of it (linger.py: 5 s, in
     which the upload it competed with was refused too). Its scope (``answering``) is also
@@ -254,9 +361,12 @@ class InflightLimit:
     the 32 MiB floor).
     """
 
-    def __init__(self, app: ASGIApp, *, allowance: BodyAllowance):
+    def __init__(self, app: ASGIApp, *, allowance: BodyAllowance,
+                 uploads: Uploads | None = None):
         self.app = app
         self.allowance = allowance
+        # A stop's deadline ends the waits for room as it ends those for body bytes (503).
+        self.uploads = uploads or Uploads()
 
     def _refusal(self, size: int, what: str = "this one ({} MiB)") -> Overloaded:
         bodies = self.allowance
@@ -274,7 +384,20 @@ class InflightLimit:
         bodies = self.allowance
         declared = _header(scope, b"content-length")
         size = int(declared) if declared is not None and declared.strip().isdigit() else 0
-        if bodies.held and bodies.held + size > bodies.max_bytes:
+        waiter = None  # its place in the line of large bodies, if it waited in it
+        # A large body that does not fit, or comes while others wait, takes its turn.
+        if bodies.large(size) and (bodies.in_line() or not bodies.fits(size)):
+            try:
+                waiter = await bodies.wait_for_room(size, self.uploads.waiting)
+            except NotReady as exc:
+                await respond(exc, scope)(scope, receive, send)
+                return
+            if waiter is None:
+                refusal = self._refusal(size, "this one ({} MiB, which waited "
+                                        f"{bodies.wait_s:g}s for room)")
+                await respond(refusal, scope)(scope, receive, send)
+                return
+        elif not bodies.fits(size):
             await respond(self._refusal(size), scope)(scope, receive, send)
             return
         mine = 0  # the bytes of this body that arrived
@@ -287,16 +410,19 @@ class InflightLimit:
             if message["type"] == "http.request" and ticket in bodies.arriving:
                 more = len(message.get("body", b""))
                 if (bodies.held - mine and bodies.held + more > bodies.max_bytes
-                        and next(iter(bodies.arriving)) != ticket):
+                        and next(iter(bodies.arriving)) != ticket
+                        and (waiter is None or waiter is not bodies.entering)):
                     refusal = self._refusal(max(size, mine + more))
-                    bodies.held -= mine
-                    mine = 0
                     bodies.arriving.pop(ticket, None)
+                    bodies.give_back(mine)
+                    mine = 0
+                    bodies.arrived(waiter)
                     raise refusal
                 mine += more
                 bodies.held += more
                 if not message.get("more_body", False):
                     bodies.arriving.pop(ticket, None)
+                    bodies.arrived(waiter)
             return message
 
         def charge(extra: int) -> None:  # CHARGE_BODY: what decoding the body adds
@@ -332,8 +458,9 @@ class InflightLimit:
             with answering(kept):
                 await self.app(scope, counted_receive, counted_send)
         finally:
-            bodies.held -= mine
             bodies.arriving.pop(ticket, None)
+            bodies.arrived(waiter)
+            bodies.give_back(mine)
             self._hold_until_taken(scope, answer, kept)
 
     def _hold_until_taken(self, scope: Scope, answer: int,
@@ -356,14 +483,14 @@ class InflightLimit:
 
         def give_back(n: int) -> None:  # as the client takes the answer, in the event loop
             nonlocal left
-            bodies.held -= n
+            bodies.give_back(n)
             left -= n
             if left <= 0:
                 release_all(releases)
                 releases.clear()
 
         # Not ``bodies.held += hold(...)``: the call gives older holds of the connection back
-        # (``bodies.held -= n``), which the read before it would undo (QA: the allowance
+        # (``bodies.give_back(n)``), which the read before it would undo (QA: the allowance
         # stuck full with no connection open).
         left = hold(answer, give_back)
         bodies.held += left

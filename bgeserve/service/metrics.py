@@ -196,6 +196,10 @@ class _StateCollector:
                                     "answers their clients have not taken yet (at most "
                                     "BGE_M3_MAX_INFLIGHT_MB, or one largest body)",
                                     value=bodies.held)
+            yield GaugeMetricFamily("bgeserve_inflight_body_waiting_requests",
+                                    "Requests whose body, over half BGE_M3_MAX_INFLIGHT_MB, "
+                                    "waits for room before it is read",
+                                    value=bodies.waiting_count())
         engine = getattr(service, "engine", None)
         if engine is not None:
             stats = engine.stats()
