@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -200,6 +200,14 @@ class FakeService:
                          max_batch_requests=64, max_client_batch_size=s.max_batch,
                          max_concurrent_requests=500_000, auto_truncate=s.truncate,
                          tokenization_workers=2, version="0.1.0")
+
+    def reranker_info(self) -> ModelInfo:
+        """bge-m3's facts, the reranker's id and pair length when one is "loaded"."""
+        info = self.info()
+        if not self.rerank_ids:
+            return info
+        return replace(info, model_id="BAAI/bge-reranker-v2-m3",
+                       max_input_length=512)
 
     def health(self) -> dict[str, Any]:
         """A health report in the real shape, with the configured ``status``."""

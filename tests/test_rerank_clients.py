@@ -132,6 +132,24 @@ def test_tei_shaped_client(server: ServerProc, case) -> None:
     assert all(x["text"] == docs[x["index"]] for x in body)
 
 
+def test_the_reranker_info_route_names_the_cross_encoder(server: ServerProc, case) -> None:
+    """``/reranker/info``: the loaded cross-encoder as TEI reports a reranker (its pair
+    length, its variant), for clients that check it before they POST ``/reranker/rerank``,
+    which scores as ``/rerank`` does."""
+    info = httpx.get(f"{server.url}/reranker/info", timeout=30).json()
+    assert info["model_type"] == {"reranker": {"id2label": {"0": "LABEL_0"},
+                                               "label2id": {"LABEL_0": 0}}}
+    assert info["model_id"] == "BAAI/bge-reranker-v2-m3" and info["model_sha"] is None
+    assert info["served_model_name"] == "bge-reranker-v2-m3"
+    assert info["model_dtype"] == "float32"
+    rr = server.health().json()["reranker"]
+    assert info["max_input_length"] == rr["max_length"]
+    query, docs, _ = case
+    body = {"query": query, "texts": docs}
+    assert httpx.post(f"{server.url}/reranker/rerank", json=body, timeout=60).json() == \
+        httpx.post(f"{server.url}/rerank", json=body, timeout=60).json()
+
+
 def test_bge_m3_scores_through_the_same_route(server: ServerProc, flag_model, case) -> None:
     """``model: bge-m3`` on /v1/rerank: bge-m3's hybrid score (weights 0.4/0.2/0.4), as
     BGEM3FlagModel.compute_score gives it, in its order."""

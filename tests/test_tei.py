@@ -397,12 +397,39 @@ def test_info_has_every_field_tei_documents(client: TestClient) -> None:
     assert body["auto_truncate"] is True
 
 
+def test_reranker_info_reports_a_reranker_for_what_rerank_scores_with() -> None:
+    """``GET /reranker/info`` is TEI's ``Info`` of a reranker: a client that checks the type
+    before it reranks (Dify's TEI provider refuses an embedding model) is pointed there, and
+    ``/reranker/rerank`` answers as ``/rerank``; ``/info`` stays bge-m3's embedding model.
+    The cross-encoder's id and pair length when one is loaded, else bge-m3's."""
+    reranker_type = {"reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}}
+    with serve() as client:
+        body = client.get("/reranker/info").json()
+        check("Info", body)
+        assert body["model_type"] == reranker_type
+        assert body["model_id"] == "BAAI/bge-m3" and body["served_model_name"] == "bge-m3"
+        query = {"query": "q", "texts": ["a", "bb"], "return_text": True}
+        assert client.post("/reranker/rerank", json=query).json() == client.post(
+            "/rerank", json=query).json()
+        assert client.post("/reranker/rerank", json={"query": "q", "texts": []}).json()[
+            "error_type"] == "Empty"
+    with serve(FakeService(rerank_ids=("bge-reranker-v2-m3", "BAAI/bge-reranker-v2-m3"))) as c:
+        body = c.get("/reranker/info").json()
+        check("Info", body)
+        assert body["model_type"] == reranker_type
+        assert body["model_id"] == "BAAI/bge-reranker-v2-m3"
+        assert body["served_model_name"] == "bge-reranker-v2-m3"
+        assert body["max_input_length"] == 512
+        assert c.get("/info").json()["model_type"] == {"embedding": {"pooling": "cls"}}
+
+
 # -- errors: TEI's shape on every TEI path -------------------------------------------------------
 def test_tei_paths_are_the_tei_routes() -> None:
     """The paths answered in TEI's error style are exactly TEI's routes (``POST /`` and its
     SageMaker name ``/invocations`` and TEI's ``/rerank`` included)."""
     assert TEI_PATHS == {"/", "/invocations", "/embed", "/embed_sparse", "/embed_all",
-                         "/similarity", "/tokenize", "/decode", "/info", "/rerank", "/ping"}
+                         "/similarity", "/tokenize", "/decode", "/info", "/rerank", "/ping",
+                         "/reranker/info", "/reranker/rerank"}
 
 
 @pytest.mark.parametrize("path", ["/embed", "/embed_sparse", "/embed_all", "/",

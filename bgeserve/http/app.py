@@ -70,6 +70,9 @@ tei_routes = [
     Route("/decode", tei.decode, methods=["POST"]),
     Route("/info", tei.info, methods=["GET"]),
     Route("/rerank", rerank.tei_rerank, methods=["POST"], name="tei_rerank"),
+    # A TEI client that checks the model type first is pointed at /reranker (tei.py).
+    Route("/reranker/info", tei.reranker_info, methods=["GET"]),
+    Route("/reranker/rerank", rerank.tei_rerank, methods=["POST"]),
 ]
 routes = [*openai_routes, *tei_routes]
 TEI_PATHS = frozenset(route.path for route in tei_routes)

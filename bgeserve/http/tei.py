@@ -40,7 +40,7 @@ from bgeserve.http.tei_schemas import (
     parse_similarity,
     parse_tokenize,
 )
-from bgeserve.results import Embeddings, EmbedOptions
+from bgeserve.results import Embeddings, EmbedOptions, ModelInfo
 
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
@@ -178,15 +178,35 @@ async def decode(request: Request) -> Response:
         parsed.ids, parsed.skip_special_tokens)))
 
 
+# TEI's ``model_type`` of a sequence-classification model with one logit (bge-reranker-v2-m3).
+RERANKER_TYPE = {"reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}}
+
+
 async def info(request: Request) -> Response:
     """``GET /info``: TEI's ``Info`` for the served model."""
-    facts = request.state.service.info()
+    service = request.state.service
+    return _info(service.info(), service.model_name, {"embedding": {"pooling": "cls"}})
+
+
+async def reranker_info(request: Request) -> Response:
+    """``GET /reranker/info``: ``/info`` as a TEI server of a reranker answers it, for what
+    ``/rerank`` scores with. A TEI client that checks the model's type before it reranks
+    (Dify's TEI provider: "not a rerank model" for an embedding one) is given
+    ``http://HOST:PORT/reranker`` as its server; the same client's embeddings keep the root,
+    whose ``/info`` says embedding. One TEI server serves one model; bgeserve serves both."""
+    service = request.state.service
+    ids = service.rerank_model_ids()
+    return _info(service.reranker_info(), ids[0] if ids else service.model_name,
+                 RERANKER_TYPE)
+
+
+def _info(facts: ModelInfo, served: str, model_type: dict[str, Any]) -> Response:
     return _json({
         "model_id": facts.model_id,
         "model_sha": facts.model_sha,
         "model_dtype": facts.dtype,
-        "served_model_name": request.state.service.model_name,
-        "model_type": {"embedding": {"pooling": "cls"}},
+        "served_model_name": served,
+        "model_type": model_type,
         "max_concurrent_requests": facts.max_concurrent_requests,
         "max_input_length": facts.max_input_length,
         "max_batch_tokens": facts.max_batch_tokens,

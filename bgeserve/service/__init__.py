@@ -527,6 +527,10 @@ class Service:
         """The served model and its limits (TEI's ``GET /info``)."""
         return service_info.model_info(self)
 
+    def reranker_info(self) -> ModelInfo:
+        """What rerank requests are scored with, and its limits (``GET /reranker/info``)."""
+        return service_info.reranker_info(self)
+
     def health(self) -> dict[str, Any]:
         """Readiness and the facts operators look for (``service/health.py``)."""
         return health.report(self)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from bgeserve import __version__
 from bgeserve.cgroup import usable_cpus
 from bgeserve.model.artifacts import HUB_SOURCES
+from bgeserve.model.rerank_artifacts import RERANK_REPO, RERANK_REVISION
 from bgeserve.results import ModelInfo
 
 if TYPE_CHECKING:
@@ -49,4 +51,27 @@ def model_info(service: Service) -> ModelInfo:
         auto_truncate=s.truncate,
         tokenization_workers=tokenizing_slots(),
         version=__version__,
+    )
+
+
+def reranker_info(service: Service) -> ModelInfo:
+    """What ``/rerank`` scores with, as TEI's ``GET /info`` of a reranker reports it: the
+    cross-encoder and its pair limits when one is loaded, else bge-m3 (its own scores)."""
+    base = model_info(service)
+    reranking = service.reranking
+    engine, s = reranking.engine, reranking.settings
+    if engine is None or s is None:
+        return base
+    variant = engine.artifacts.variant
+    max_chunk = engine.config.scheduler.max_chunk
+    return dataclasses.replace(
+        base,
+        model_id=RERANK_REPO,
+        model_sha=RERANK_REVISION if s.rerank_model_path is None else None,
+        dtype=DTYPES.get(variant, variant),
+        max_input_length=s.max_seq_length,
+        max_batch_tokens=max(engine.max_chunk_tokens or s.max_seq_length * max_chunk,
+                             s.max_seq_length),
+        max_batch_requests=max_chunk,
+        max_concurrent_requests=max(1, s.max_queue_tokens // 2),
     )
