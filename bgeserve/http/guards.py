@@ -240,8 +240,10 @@ class BodyAllowance:
     and a stream of small requests may never all be done at once: retrying at each 429's
     Retry-After, a 30 MiB upload under the 32 MiB floor of a small container never got in
     within 300 s while small requests came one after another (QA). So such a body waits, up
-    to ``wait_s``, first come first served, and is let in the moment the others' bytes
-    given back leave room for it, before any request that comes later. Nothing is kept for
+    to ``wait_s``, first come first served (one that would fit waits behind one that came
+    first: three clients looping on 28 MiB bodies starved a 20 MiB one, review), and is let
+    in the moment the others' bytes given back leave room for it, before any request that
+    comes later. Nothing is kept for
     it: small requests that fit still go in meanwhile (keeping the room refused every POST
     while one slow upload held part of it, and a large retrier waited for the rest: review
     of stop 58's attempt), and what waits holds no memory (its body is not read).
@@ -256,10 +258,11 @@ class BodyAllowance:
         self.arriving: dict[int, None] = {}
         self.tickets = itertools.count()
         self.waiting: deque[Waiter] = deque()  # large bodies, oldest first
-        # The one let in from the line whose body is still arriving: it always finishes
-        # (it fitted when let in, and small bodies let in since did not count its bytes:
-        # cut off, it lost its turn near its end: 429s after part of 30 MiB, QA), and the
-        # next one waits for it (its bytes not yet counted, both would seem to fit).
+        # The large body let in last, while its bytes are still arriving: the next one waits
+        # for it (its bytes not yet counted, both would seem to fit; two at the 32 MiB floor
+        # were both let in and one cut off part way, review), and it counts as the oldest
+        # body arriving, which always finishes (small bodies let in since did not count its
+        # bytes: cut off, it lost its turn near its end, 429s after part of 30 MiB, QA).
         self.entering: Waiter | None = None
         self._waking = False
 
@@ -277,7 +280,7 @@ class BodyAllowance:
         return sum(not w.admitted.done() for w in self.waiting)
 
     def in_line(self) -> bool:
-        """Whether a large body is waiting for room, or one let in from the line arriving."""
+        """Whether a large body is waiting for room, or one let in is arriving."""
         return self.entering is not None or self.waiting_count() > 0
 
     def give_back(self, n: int) -> None:
@@ -299,7 +302,7 @@ class BodyAllowance:
             self.entering.admitted.set_result(None)
 
     def arrived(self, waiter: Waiter | None) -> None:
-        """The body of one let in from the line arrived whole, or its request ended."""
+        """The body of the large one let in last arrived whole, or its request ended."""
         if waiter is not None and waiter is self.entering:
             self.entering = None
             self.wake()
@@ -346,10 +349,10 @@ class InflightLimit:
     ``Retry-After`` at once, before its body is read, unless it is over half the allowance:
     that one waits for room in turn (``BodyAllowance``), and is a 429 only if none came
     within ``wait_s``. One let in whose bytes then pass it (it came with others at once) is
-    answered 429 when they do, unless it is the oldest body still arriving or the one let in
-    from the line: they always finish (small requests coming one after another must not cut
-    a large upload off near its end; held is then at most the allowance plus two largest
-    bodies). A request alone is always let in, whatever its size (the body limit
+    answered 429 when they do, unless it is the oldest body still arriving (a large one let in
+    counts as the oldest): that one always finishes (small requests coming one after another
+    must not cut a large upload off near its end; held is then at most the allowance plus one
+    largest body). A request alone is always let in, whatever its size (the body limit
     bounds it), as the queue takes any job when empty. A refused body's bytes are given back
     at once, not after the lingering close that reads the rest of it (linger.py: 5 s, in
     which the upload it competed with was refused too). Its scope (``answering``) is also
@@ -384,9 +387,10 @@ class InflightLimit:
         bodies = self.allowance
         declared = _header(scope, b"content-length")
         size = int(declared) if declared is not None and declared.strip().isdigit() else 0
-        waiter = None  # its place in the line of large bodies, if it waited in it
-        # A large body that does not fit, or comes while others wait, takes its turn.
-        if bodies.large(size) and (bodies.in_line() or not bodies.fits(size)):
+        waiter = None  # its place in the line of large bodies
+        # A large body takes its turn: at once if none waits, none let in is arriving and it
+        # fits.
+        if bodies.large(size):
             try:
                 waiter = await bodies.wait_for_room(size, self.uploads.waiting)
             except NotReady as exc:
@@ -402,7 +406,10 @@ class InflightLimit:
             return
         mine = 0  # the bytes of this body that arrived
         ticket = next(bodies.tickets)
-        bodies.arriving[ticket] = None
+        if waiter is None:
+            bodies.arriving[ticket] = None
+        else:  # the oldest, whatever came before it
+            bodies.arriving = {ticket: None, **bodies.arriving}
 
         async def counted_receive() -> Message:
             nonlocal mine
@@ -410,8 +417,7 @@ class InflightLimit:
             if message["type"] == "http.request" and ticket in bodies.arriving:
                 more = len(message.get("body", b""))
                 if (bodies.held - mine and bodies.held + more > bodies.max_bytes
-                        and next(iter(bodies.arriving)) != ticket
-                        and (waiter is None or waiter is not bodies.entering)):
+                        and next(iter(bodies.arriving)) != ticket):
                     refusal = self._refusal(max(size, mine + more))
                     bodies.arriving.pop(ticket, None)
                     bodies.give_back(mine)
