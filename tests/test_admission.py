@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 from bgeserve.errors import Overloaded
-from bgeserve.service.admission import MAX_RETRY_AFTER_S, AdmissionGate, DrainMeter
+from bgeserve.service.admission import (
+    MAX_RETRY_AFTER_S,
+    QUEUE_DEADLINE_SHARE,
+    AdmissionGate,
+    DrainMeter,
+)
 
 
 class Clock:
@@ -164,6 +169,64 @@ def test_admission_refuses_before_tokenizing_what_cannot_fit() -> None:
     with pytest.raises(Overloaded):
         asyncio.run(submit(["a"]))
     assert state["bounds"] == bounds and admission.refused == 4
+    admission.close()
+
+
+def test_the_queue_holds_at_most_a_share_of_the_deadlines_work() -> None:
+    """With a deadline (BGE_M3_REQUEST_TIMEOUT_SECS) the queue takes at most what the measured
+    drain rate runs in ``QUEUE_DEADLINE_SHARE`` of it: its requests take turns, so past the
+    deadline's worth of work they all finish late together (client QA: 64 requests of 0.31 s
+    under a 10 s deadline, 1 answered and 63 504s after 10 s of work). Before a rate was
+    measured, or with no deadline, BGE_M3_MAX_QUEUE_TOKENS alone; a request alone always goes
+    in; the exact tokens are checked too once known (the bound counts words)."""
+    clock = Clock()
+    drain = DrainMeter(clock=clock)
+    state = {"queued": 0}
+    gate = AdmissionGate(1_000_000, lambda: state["queued"], drain, deadline_s=10.0)
+    assert gate.limit() == 1_000_000  # nothing measured yet
+    drain.record(1000, 1.0)  # 1,000 tokens a second of running
+    assert gate.limit() == int(1000 * 10 * QUEUE_DEADLINE_SHARE) == 7500
+    gate.reserve(20_000)  # alone: let in, whatever it takes
+    gate.release(20_000)
+    state["queued"] = 5_000
+    gate.reserve(2_000)  # 7,000 of 7,500
+    with pytest.raises(Overloaded, match="BGE_M3_REQUEST_TIMEOUT_SECS=10") as refused:
+        gate.reserve(1_000)
+    assert "7000 tokens are queued" in refused.value.message
+    assert refused.value.retry_after == 1.0  # 500 short at 1,000 tokens/s
+    with pytest.raises(Overloaded, match="7.5s of it"):
+        gate.check_in_time(4_000, 2_000)  # the 2,000 reserved are 4,000 tokens: 9,000
+    gate.check_in_time(2_400, 2_000)  # 7,400: in
+    gate.release(2_000)
+    state["queued"] = 0
+    gate.check_in_time(50_000, 0)  # alone
+    assert AdmissionGate(1_000_000, lambda: 5_000, drain).limit() == 1_000_000  # no deadline
+
+
+def test_the_exact_tokens_are_held_to_the_deadlines_share_after_tokenizing() -> None:
+    """Admission: a request whose lower bound fits but whose ids do not is refused after
+    tokenizing (429, counted), nothing queued; a ColBERT rerank's later groups (``later``)
+    are not refused for it: their request was admitted already."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from bgeserve.results import EmbedOptions
+    from bgeserve.service.admission import Admission
+
+    submitted: list[object] = []
+    engine = SimpleNamespace(
+        queued_tokens=lambda: 5_000, submit=lambda job: submitted.append(job) or "future",
+        make_job=lambda inputs, options, request_id, arrived: SimpleNamespace(ids=[[0] * 3_000]),
+        tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 4, max_seq=8192))
+    drain = DrainMeter(clock=Clock())
+    drain.record(1000, 1.0)
+    admission = Admission(engine, 10**6, drain, slots=2,  # type: ignore[arg-type]
+                          deadline_s=10.0)
+    with pytest.raises(Overloaded, match="BGE_M3_REQUEST_TIMEOUT_SECS"):
+        asyncio.run(admission.submit(["a b"], EmbedOptions(), "r", 0.0))
+    assert submitted == [] and admission.refused == 1 and admission.gate.reserved == 0
+    later = SimpleNamespace(ids=[[0] * 3_000])
+    assert admission.queue(later, later=True) == "future" and submitted == [later]
     admission.close()
 
 

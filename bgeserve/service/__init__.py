@@ -245,7 +245,8 @@ class Service:
             colbert = engine.config.max_colbert_bytes
             self.admission = Admission(
                 engine, s.max_queue_tokens, self.drain, slots=service_info.tokenizing_slots(),
-                outputs=None if colbert is None else outputs.OutputAllowance(colbert))
+                outputs=None if colbert is None else outputs.OutputAllowance(colbert),
+                deadline_s=s.request_timeout_secs or None)
             self.deep = deep
             self.engine = engine
             self.progress.done()

@@ -51,6 +51,14 @@ MIN_BUSY_S = 1e-3  # a rate is never read off less busy time than this
 # the window with thousands, and a flood's refusals each read the rate on the event loop.
 MAX_EVENTS = 512
 MAX_RETRY_AFTER_S = 60.0
+# The queue holds at most this share of BGE_M3_REQUEST_TIMEOUT_SECS of work, at the measured
+# drain rate (AdmissionGate). Its requests take turns (engine/queue.py), so past the deadline's
+# worth of work they all finish late together: 64 requests of 0.31 s each under a 10 s
+# deadline, 1 answered and 63 504s after 10 s of work (client QA; one after another, 32 would
+# have been answered). Under it, what is admitted finishes in time and the rest is told at
+# once to come back (429, Retry-After). Not all of it: requests that come while the queue
+# drains take their turns too.
+QUEUE_DEADLINE_SHARE = 0.75
 Plan = TypeVar("Plan")
 Made = TypeVar("Made")
 
@@ -121,20 +129,31 @@ class AdmissionGate:
     """The queue's room, with the requests still being tokenized counted in.
 
     ``queued`` reads the tokens the scheduler holds; ``max_tokens`` is
-    BGE_M3_MAX_QUEUE_TOKENS. Like the queue, it lets any request in when nothing is queued
-    or reserved (a request larger than the whole queue must still be served alone).
+    BGE_M3_MAX_QUEUE_TOKENS, and with a ``deadline_s`` (BGE_M3_REQUEST_TIMEOUT_SECS) the
+    tokens the measured drain rate runs in ``QUEUE_DEADLINE_SHARE`` of it, where fewer. Like
+    the queue, it lets any request in when nothing is queued or reserved (a request larger
+    than the whole queue must still be served alone).
     """
 
-    def __init__(self, max_tokens: int, queued: Callable[[], int], drain: DrainMeter) -> None:
+    def __init__(self, max_tokens: int, queued: Callable[[], int], drain: DrainMeter,
+                 deadline_s: float | None = None) -> None:
         self.max_tokens = max_tokens
         self.queued = queued
         self.drain = drain
+        self.deadline_s = deadline_s or None
         self.reserved = 0  # tokens of admitted requests not yet in the queue
         self._lock = threading.Lock()
 
+    def limit(self) -> int:
+        """Tokens the queue may hold: BGE_M3_MAX_QUEUE_TOKENS, or what drains in the share of
+        the deadline (once a rate was measured), where fewer."""
+        if self.deadline_s is None or (rate := self.drain.rate()) <= 0:
+            return self.max_tokens
+        return min(self.max_tokens, max(1, int(rate * self.deadline_s * QUEUE_DEADLINE_SHARE)))
+
     def room(self) -> int:
         """Tokens that may still be admitted (negative: over, by reservations)."""
-        return self.max_tokens - self.queued() - self.reserved
+        return self.limit() - self.queued() - self.reserved
 
     def retry_after(self, needed: int) -> float:
         """Seconds until ``needed`` more tokens of room have drained, from the measured rate;
@@ -146,13 +165,24 @@ class AdmissionGate:
 
     def refusal(self, bound: int, room: int | None = None) -> Overloaded:
         """The 429 for a request of at least ``bound`` tokens, more than ``room``."""
-        room = self.room() if room is None else room
+        limit = self.limit()
+        room = limit - self.queued() - self.reserved if room is None else room
         # Not the bound itself: it stops counting once past the room (a request of 2,880
         # tokens was said to need "at least 448").
+        if limit < self.max_tokens:
+            assert self.deadline_s is not None
+            held = (f"{limit - room} tokens are queued or being admitted, "
+                    f"~{(limit - room) / self.drain.rate():.1f}s of work at the measured "
+                    f"{self.drain.rate():.0f} tokens/s, and the queue takes at most "
+                    f"{QUEUE_DEADLINE_SHARE * self.deadline_s:g}s of it ({limit} tokens, "
+                    f"{QUEUE_DEADLINE_SHARE:g} of BGE_M3_REQUEST_TIMEOUT_SECS="
+                    f"{self.deadline_s:g}: more would finish late together)")
+        else:
+            held = (f"{self.max_tokens - room} of {self.max_tokens} tokens "
+                    "(BGE_M3_MAX_QUEUE_TOKENS) are queued or being admitted")
         return Overloaded(
-            f"the queue is full: {self.max_tokens - room} of {self.max_tokens} tokens "
-            f"(BGE_M3_MAX_QUEUE_TOKENS) are queued or being admitted and this request needs "
-            f"more than the {max(room, 0)} free; retry after the Retry-After seconds",
+            f"the queue is full: {held}, and this request needs more than the "
+            f"{max(room, 0)} free; retry after the Retry-After seconds",
             retry_after=self.retry_after(bound - room))
 
     def full(self) -> Overloaded | None:
@@ -174,6 +204,17 @@ class AdmissionGate:
         with self._lock:
             self.reserved -= bound
 
+    def check_in_time(self, tokens: int, bound: int) -> None:
+        """Refuse (``Overloaded``) a request of ``tokens`` exact tokens (``bound`` of them still
+        reserved) that would take the queue past what drains in its share of the deadline;
+        the lower bound reserved before tokenizing counts words, and ids run ~3x past it. The
+        scheduler's own check is BGE_M3_MAX_QUEUE_TOKENS'; alone, a request always goes in."""
+        with self._lock:
+            limit = self.limit()
+            others = self.queued() + self.reserved - bound
+            if limit < self.max_tokens and others and others + tokens > limit:
+                raise self.refusal(tokens, limit - others)
+
 
 class _Admitting:
     """What both admissions share: the gate, the 429s counted, a lower bound reserved on the
@@ -181,13 +222,13 @@ class _Admitting:
     check's refusal given a Retry-After from the drain rate, the abort at shutdown.
 
     ``slots`` requests tokenize at once (more than the cores only adds memory, each holding
-    its encodings, never speed).
+    its encodings, never speed). ``deadline_s``: BGE_M3_REQUEST_TIMEOUT_SECS (None: none).
     """
 
     def __init__(self, engine: Engine, max_queue_tokens: int, drain: DrainMeter,
-                 slots: int) -> None:
+                 slots: int, deadline_s: float | None = None) -> None:
         self.engine = engine
-        self.gate = AdmissionGate(max_queue_tokens, engine.queued_tokens, drain)
+        self.gate = AdmissionGate(max_queue_tokens, engine.queued_tokens, drain, deadline_s)
         self.refused = 0
         self._lock = threading.Lock()
         self._bounds = ThreadPoolExecutor(1, thread_name_prefix="bgeserve-admission")
@@ -247,10 +288,17 @@ class _Admitting:
             self.refused += 1
         return refusal
 
-    def queue(self, job: Job, bound: int = 0) -> Future:
-        """Submit ``job`` (its ``bound`` still reserved; 0 for a job admitted earlier, as a
-        ColBERT rerank's later groups): the queue's exact check, its refusal (counted by the
-        scheduler) with a Retry-After from the drain rate, not the scheduler's 1 s."""
+    def queue(self, job: Job, bound: int = 0, later: bool = False) -> Future:
+        """Submit ``job`` (its ``bound`` still reserved): the queue's exact checks, the share
+        of the deadline's (``AdmissionGate.check_in_time``; not for ``later`` jobs of a
+        request admitted already, as a ColBERT rerank's later groups) and the scheduler's,
+        its refusal (counted by the scheduler) with a Retry-After from the drain rate, not the
+        scheduler's 1 s."""
+        if not later:
+            try:
+                self.gate.check_in_time(sum(len(x) for x in job.ids), bound)
+            except Overloaded as exc:
+                raise self._refuse(exc) from None
         try:
             return self.engine.submit(job)
         except Overloaded as exc:
@@ -330,8 +378,9 @@ class Admission(_Admitting):
     submission. ``refused`` counts the 429s decided here (the scheduler counts its own)."""
 
     def __init__(self, engine: Engine, max_queue_tokens: int, drain: DrainMeter, slots: int,
-                 outputs: OutputAllowance | None = None) -> None:
-        super().__init__(engine, max_queue_tokens, drain, slots)
+                 outputs: OutputAllowance | None = None,
+                 deadline_s: float | None = None) -> None:
+        super().__init__(engine, max_queue_tokens, drain, slots, deadline_s)
         self.outputs = outputs
 
     def abort(self, error: BgeServeError) -> int:
@@ -406,8 +455,8 @@ class PairAdmission(_Admitting):
     """
 
     def __init__(self, reranker: Reranker, max_queue_tokens: int, drain: DrainMeter,
-                 slots: int) -> None:
-        super().__init__(reranker.engine, max_queue_tokens, drain, slots)
+                 slots: int, deadline_s: float | None = None) -> None:
+        super().__init__(reranker.engine, max_queue_tokens, drain, slots, deadline_s)
         self.reranker = reranker
 
     async def submit(self, query: str, documents: list[str], options: RerankOptions,

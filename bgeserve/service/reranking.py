@@ -113,7 +113,8 @@ class Reranking:
                            apply_run_cost=engine.set_run_cost)
         self.reranker = Reranker(engine=engine, model_id=RERANK_MODEL_ID)
         self.admission = PairAdmission(self.reranker, s.max_queue_tokens, self.drain,
-                                       slots=info.tokenizing_slots())
+                                       slots=info.tokenizing_slots(),
+                                       deadline_s=s.request_timeout_secs or None)
 
         def load() -> None:
             engine.start()
@@ -246,8 +247,9 @@ class Reranking:
                                       request_id, arrived), before=before)
                 query_bytes = m3.colbert_bytes(plan_.inputs[:1])
                 queued = time.monotonic()
+                later = functools.partial(admission.queue, later=True)  # admitted already
                 result = await m3rerank.arun_jobs(m3, plan_, jobs, options, first,
-                                                  submit=admission.queue, before=before)
+                                                  submit=later, before=before)
                 if timings.active():
                     timings.record(len(query) + sum(map(len, documents)), result.tokens,
                                    arrived, queued, jobs, time.monotonic())
