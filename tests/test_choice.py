@@ -500,6 +500,20 @@ def test_a_measured_choice_that_does_not_fit_the_memory_serves_the_next(two_vari
         asyncio.run(again.stop())
 
 
+def test_ov_int8_is_said_to_take_what_openvino_holds_of_it() -> None:
+    """OpenVINO unpacks ov-int8's compressed weights: its 549 MiB IR holds ~2 GiB loaded and
+    run (3.7x, measured), where bf16's IR holds about its size. At bf16's 1.7 the check before
+    loading asked ~934 MiB of it, and a 1.5 GiB cap OOM-killed the start with nothing said
+    (memory QA); an fp32 that did not fit named it as the variant that "loads in less"."""
+    mib = 1 << 20
+    entries = {"ov-int8": {"total_bytes": 549 * mib, "runtime": "openvino"},
+               "bf16": {"total_bytes": 1084 * mib, "runtime": "openvino"},
+               "fp32": {"total_bytes": 2166 * mib}}
+    assert choice.loaded_bytes(entries, "ov-int8") >= 2061 * mib
+    assert choice.loaded_bytes(entries, "bf16") == int(1084 * mib * 1.7)
+    assert choice.loaded_bytes(entries, "fp32") == int(2166 * mib * 1.25)
+
+
 def test_without_serves_the_next_fastest_that_loads_in_less(tmp_path):
     """``without``: the fastest measured candidate left that loads in less memory serves
     (``fallback``; the full-size bf16, which OpenVINO holds in more than int8, is no way out

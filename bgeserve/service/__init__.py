@@ -199,7 +199,7 @@ class Service:
                                                           *artifacts.external_data))
             copies = runtime.weight_copies(serving.runtime, s.workers)
             resident = int(model_bytes * copies
-                           * runtime.get(serving.runtime).resident_per_file_byte)
+                           * runtime.get(serving.runtime).resident_factor(artifacts.variant))
             tuner.check_room(resident, model_bytes * copies, lambda: choice.smaller_variants(
                 s, artifacts.variant, resident // copies))
             model_cost = measure_model_cost(

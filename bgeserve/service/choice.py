@@ -231,7 +231,7 @@ def loaded_bytes(entries: Mapping[str, Mapping[str, Any]], variant: str) -> int 
     if not isinstance(size, int) or isinstance(size, bool):
         return None
     kind = "openvino" if entry.get("runtime") == "openvino" else "cpu"
-    return int(size * runtime.get(kind).resident_per_file_byte)
+    return int(size * runtime.get(kind).resident_factor(variant))
 
 
 def _now_fits(settings: Settings, needs: Mapping[str, int]) -> list[str]:
@@ -300,7 +300,8 @@ def memory_needed(settings: Settings, artifacts: ModelArtifacts, provider: str,
     # Per runtime: one factor for all (OpenVINO's 1.7) left the full-size int8 untimed in a
     # 2.5 GiB container (2,538 MiB asked, its load takes ~1,574) and bf16, which needs more
     # there, chosen; the server then could not serve it.
-    resident = runtime.get(runtime.kind_of(artifacts, provider)).resident_per_file_byte
+    resident = runtime.get(runtime.kind_of(artifacts, provider)).resident_factor(
+        artifacts.variant)
     return int(files * resident + HEADROOM_BYTES + largest)
 
 
