@@ -1599,6 +1599,26 @@ def test_what_decoding_a_body_adds_is_charged_to_the_allowance() -> None:
     assert uploads.guard.allowance.held == 0
     assert uploads.guard.allowance.refused == 1  # the 429s (bgeserve_rejected_requests_total)
 
+    # A large body that took its turn is not refused after its whole upload for the little
+    # that decoding it adds while small requests hold the rest (review); what could never
+    # fit is still a 413.
+    uploads = _Uploads(150, wait_s=5)
+
+    async def large() -> list[int]:
+        statuses: list[int] = []
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(uploads.post, "/hold", [b"x" * 40])
+                while uploads.guard.allowance.held < 40:
+                    await anyio.sleep(0.001)
+                statuses.append(await uploads.post("/charge/20", [b"x" * 100]))  # 160 > 150
+                statuses.append(await uploads.post("/charge/60", [b"x" * 100]))  # 160 alone
+                uploads.held.set()
+        return statuses
+
+    assert anyio.run(large) == [200, 413]
+    assert uploads.guard.allowance.held == 0 and uploads.guard.allowance.refused == 0
+
 
 def test_a_body_of_many_small_values_is_refused_before_it_is_decoded() -> None:
     """30 MiB of ``[{},{},...]`` decoded to 690 MiB before any check of the batch could refuse

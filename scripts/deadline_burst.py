@@ -1,0 +1,96 @@
+"""A burst of more work than the deadline allows, all at once: how many are answered in time.
+
+Starts `bgeserve serve` on an export (tiny is enough) with ``BGE_M3_REQUEST_TIMEOUT_SECS`` at
+``--deadline``, times one request alone, then sends ``--requests`` requests of ``--texts``
+distinct texts of ``--words`` words each at once (one thread each) and prints one JSON line:
+the statuses counted, when the answered ones came back, and how many one after another would
+have been answered (``deadline / alone``). ``--tree`` runs the server from another checkout
+(``PYTHONPATH``), to compare commits in turn:
+
+    for r in 1 2; do for t in /tmp/before .; do
+        python scripts/deadline_burst.py --export-dir /tmp/m3tiny --tree $t; done; done
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+from benchkit.common import wait_healthy
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--export-dir", required=True)
+    ap.add_argument("--tree", default=".", help="the checkout whose bgeserve serves")
+    ap.add_argument("--port", type=int, default=8399)
+    ap.add_argument("--deadline", type=float, default=10.0, help="BGE_M3_REQUEST_TIMEOUT_SECS")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--texts", type=int, default=16)
+    ap.add_argument("--words", type=int, default=200)
+    args = ap.parse_args()
+
+    url = f"http://127.0.0.1:{args.port}"
+    env = dict(os.environ, PYTHONPATH=str(Path(args.tree).resolve()),
+               BGE_M3_MODEL_PATH=args.export_dir, BGE_M3_BIND=f"127.0.0.1:{args.port}",
+               BGE_M3_CACHE_DIR=tempfile.mkdtemp(prefix="deadline-burst-"),
+               BGE_M3_CACHE_MB="0", BGE_M3_REQUEST_TIMEOUT_SECS=str(args.deadline),
+               BGE_M3_LOG_LEVEL="warning")
+    server = subprocess.Popen([sys.executable, "-m", "bgeserve", "serve"], env=env,
+                              cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL)
+    try:
+        wait_healthy(url)
+        print(json.dumps(run(url, args)))
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def run(url: str, args: argparse.Namespace) -> dict[str, object]:
+    rng = random.Random(0)
+    vocab = [f"w{i}" for i in range(5000)]
+
+    def body(k: int) -> dict[str, object]:
+        return {"model": "bge-m3", "input": [
+            " ".join(rng.choice(vocab) for _ in range(args.words)) + f" {k}-{j}"
+            for j in range(args.texts)]}
+
+    bodies = [body(k) for k in range(args.requests)]
+    with httpx.Client(timeout=600) as c:
+        began = time.monotonic()
+        r = c.post(url + "/v1/embeddings", json=body(-1))
+        alone = time.monotonic() - began
+        r.raise_for_status()
+    results: list[tuple[int, float]] = [(0, 0.0)] * args.requests
+
+    def one(i: int) -> None:
+        began = time.monotonic()
+        with httpx.Client(timeout=600) as c:
+            status = c.post(url + "/v1/embeddings", json=bodies[i]).status_code
+        results[i] = (status, time.monotonic() - began)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(args.requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    answered = sorted(s for status, s in results if status == 200)
+    return {"tree": args.tree, "alone_s": round(alone, 2),
+            "statuses": dict(Counter(status for status, _ in results)),
+            "answered_by_s": round(answered[-1], 2) if answered else None,
+            "one_after_another": int(args.deadline // alone),
+            "last_answer_s": round(max(s for _, s in results), 2)}
+
+
+if __name__ == "__main__":
+    main()
