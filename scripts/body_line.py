@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import httpx
-from benchkit.common import wait_healthy
+from benchkit.common import REPO, tree_server
 
 WORDS = ["lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed",
          "do", "eiusmod"]
@@ -44,7 +40,7 @@ def texts(chars: int, count: int, seed: int) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--export-dir", required=True)
-    ap.add_argument("--tree", default=".", help="the checkout whose bgeserve serves")
+    ap.add_argument("--tree", default=str(REPO), help="the checkout whose bgeserve serves")
     ap.add_argument("--port", type=int, default=8398)
     ap.add_argument("--allowance-mb", type=int, default=32)
     ap.add_argument("--smalls", type=int, default=5, help="clients posting ~400 KB in a loop")
@@ -52,22 +48,12 @@ def main() -> None:
     ap.add_argument("--limit", type=float, default=90.0, help="seconds the large one tries")
     args = ap.parse_args()
 
-    url = f"http://127.0.0.1:{args.port}"
-    env = dict(os.environ, PYTHONPATH=str(Path(args.tree).resolve()),
-               BGE_M3_MODEL_PATH=args.export_dir, BGE_M3_BIND=f"127.0.0.1:{args.port}",
-               BGE_M3_CACHE_DIR=tempfile.mkdtemp(prefix="body-line-"), BGE_M3_CACHE_MB="0",
-               BGE_M3_MAX_INFLIGHT_MB=str(args.allowance_mb), BGE_M3_LOG_LEVEL="warning",
-               # The large body's ~8M tokens pass the queue's 1M: a 429 unless the queue is
-               # empty (service/admission.py), which is not what is measured here.
-               BGE_M3_MAX_QUEUE_TOKENS="100000000")
-    server = subprocess.Popen([sys.executable, "-m", "bgeserve", "serve"], env=env,
-                              cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL)
-    try:
-        wait_healthy(url)
+    # The large body's ~8M tokens pass the queue's 1M: a 429 unless the queue is empty
+    # (service/admission.py), which is not what is measured here.
+    with tree_server(args.tree, args.export_dir, args.port, BGE_M3_CACHE_MB="0",
+                     BGE_M3_MAX_INFLIGHT_MB=str(args.allowance_mb),
+                     BGE_M3_MAX_QUEUE_TOKENS="100000000") as url:
         print(json.dumps(run(url, args)))
-    finally:
-        server.terminate()
-        server.wait(30)
 
 
 def run(url: str, args: argparse.Namespace) -> dict[str, object]:

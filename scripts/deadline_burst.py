@@ -15,24 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
-from benchkit.common import wait_healthy
+from benchkit.common import REPO, tree_server
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--export-dir", required=True)
-    ap.add_argument("--tree", default=".", help="the checkout whose bgeserve serves")
+    ap.add_argument("--tree", default=str(REPO), help="the checkout whose bgeserve serves")
     ap.add_argument("--port", type=int, default=8399)
     ap.add_argument("--deadline", type=float, default=10.0, help="BGE_M3_REQUEST_TIMEOUT_SECS")
     ap.add_argument("--requests", type=int, default=64)
@@ -40,20 +35,9 @@ def main() -> None:
     ap.add_argument("--words", type=int, default=200)
     args = ap.parse_args()
 
-    url = f"http://127.0.0.1:{args.port}"
-    env = dict(os.environ, PYTHONPATH=str(Path(args.tree).resolve()),
-               BGE_M3_MODEL_PATH=args.export_dir, BGE_M3_BIND=f"127.0.0.1:{args.port}",
-               BGE_M3_CACHE_DIR=tempfile.mkdtemp(prefix="deadline-burst-"),
-               BGE_M3_CACHE_MB="0", BGE_M3_REQUEST_TIMEOUT_SECS=str(args.deadline),
-               BGE_M3_LOG_LEVEL="warning")
-    server = subprocess.Popen([sys.executable, "-m", "bgeserve", "serve"], env=env,
-                              cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL)
-    try:
-        wait_healthy(url)
+    with tree_server(args.tree, args.export_dir, args.port, BGE_M3_CACHE_MB="0",
+                     BGE_M3_REQUEST_TIMEOUT_SECS=str(args.deadline)) as url:
         print(json.dumps(run(url, args)))
-    finally:
-        server.terminate()
-        server.wait(30)
 
 
 def run(url: str, args: argparse.Namespace) -> dict[str, object]:

@@ -6,13 +6,16 @@ same figures the server reports.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,26 @@ def wait_healthy(url: str, timeout: float = 600.0) -> None:
             pass
         time.sleep(0.3)
     raise SystemExit("the server did not get ready")
+
+
+@contextlib.contextmanager
+def tree_server(tree: str, export_dir: str, port: int, **settings: str) -> Iterator[str]:
+    """`bgeserve serve` of the checkout ``tree`` (``PYTHONPATH``; run from the temporary
+    folder, so not this one's) on ``export_dir`` and ``port``, with ``settings``
+    (``BGE_M3_*``), a fresh cache folder and warnings only: its URL once healthy; stopped
+    after. To compare commits in turn, each from its own worktree."""
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()), BGE_M3_MODEL_PATH=export_dir,
+               BGE_M3_BIND=f"127.0.0.1:{port}", BGE_M3_LOG_LEVEL="warning",
+               BGE_M3_CACHE_DIR=tempfile.mkdtemp(prefix="tree-server-"), **settings)
+    server = subprocess.Popen([sys.executable, "-m", "bgeserve", "serve"], env=env,
+                              cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL)
+    try:
+        wait_healthy(url)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(30)
 
 
 def log(msg: str) -> None:
