@@ -201,6 +201,13 @@ def test_the_queue_holds_at_most_a_share_of_the_deadlines_work() -> None:
     state["queued"] = 0
     gate.check_in_time(50_000, 0)  # alone
     assert AdmissionGate(1_000_000, lambda: 5_000, drain).limit() == 1_000_000  # no deadline
+    # Its own deadline's time left, not the whole deadline: it waited 6 s of its 10 for a
+    # tokenizing slot, so 3 s of work fit beside it, not 7.5 (review).
+    state["queued"] = 2_000
+    gate.check_in_time(1_000, 0, left_s=4.0)  # 3,000 of 3,000
+    with pytest.raises(Overloaded):
+        gate.check_in_time(1_001, 0, left_s=4.0)
+    gate.check_in_time(0, 0, left_s=0.0)  # nothing to queue (the cache answered it all)
 
 
 def test_the_exact_tokens_are_held_to_the_deadlines_share_after_tokenizing() -> None:
@@ -214,9 +221,16 @@ def test_the_exact_tokens_are_held_to_the_deadlines_share_after_tokenizing() -> 
     from bgeserve.service.admission import Admission
 
     submitted: list[object] = []
+
+    def job(*texts: int, todo: list[int] | None = None) -> SimpleNamespace:
+        ids = [[0] * n for n in texts]
+        return SimpleNamespace(ids=ids, deadline=None,
+                               pending=lambda: list(range(len(ids))) if todo is None else todo)
+
+    made = [job(3_000)]
     engine = SimpleNamespace(
         queued_tokens=lambda: 5_000, submit=lambda job: submitted.append(job) or "future",
-        make_job=lambda inputs, options, request_id, arrived: SimpleNamespace(ids=[[0] * 3_000]),
+        make_job=lambda inputs, options, request_id, arrived: made[0],
         tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 4, max_seq=8192))
     drain = DrainMeter(clock=Clock())
     drain.record(1000, 1.0)
@@ -225,8 +239,14 @@ def test_the_exact_tokens_are_held_to_the_deadlines_share_after_tokenizing() -> 
     with pytest.raises(Overloaded, match="BGE_M3_REQUEST_TIMEOUT_SECS"):
         asyncio.run(admission.submit(["a b"], EmbedOptions(), "r", 0.0))
     assert submitted == [] and admission.refused == 1 and admission.gate.reserved == 0
-    later = SimpleNamespace(ids=[[0] * 3_000])
+    later = job(3_000)
     assert admission.queue(later, later=True) == "future" and submitted == [later]
+    # What it queues counts, not what the cache answered or a repeat runs for (review: a
+    # request the cache answered whole was a 429 behind a burst).
+    cached, repeated = job(3_000, 3_000, todo=[]), job(2_000, 2_000, 2_000, todo=[0])
+    for made[0] in (cached, repeated):  # 0 and 2,000 tokens to queue: 7,000 fits
+        asyncio.run(admission.submit(["a b"], EmbedOptions(), "r", 0.0))
+    assert submitted == [later, cached, repeated] and admission.refused == 1
     admission.close()
 
 

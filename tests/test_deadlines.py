@@ -63,7 +63,8 @@ def test_every_504_is_counted_once(tiny_export: Path, tmp_path: Path) -> None:
         def one(i: int) -> int:
             barrier.wait()
             return httpx.post(f"{proc.url}/v1/embeddings", timeout=30,
-                              json={"input": [f"{i} {long_text}"] * 8}).status_code
+                              json={"input": [f"{i} {j} {long_text}" for j in range(8)]}
+                              ).status_code
 
         with ThreadPoolExecutor(max_workers=n) as pool:
             statuses = list(pool.map(one, range(n)))

@@ -204,15 +204,19 @@ class AdmissionGate:
         with self._lock:
             self.reserved -= bound
 
-    def check_in_time(self, tokens: int, bound: int) -> None:
-        """Refuse (``Overloaded``) a request of ``tokens`` exact tokens (``bound`` of them still
-        reserved) that would take the queue past what drains in its share of the deadline;
-        the lower bound reserved before tokenizing counts words, and ids run ~3x past it. The
-        scheduler's own check is BGE_M3_MAX_QUEUE_TOKENS'; alone, a request always goes in."""
+    def check_in_time(self, tokens: int, bound: int, left_s: float | None = None) -> None:
+        """Refuse (``Overloaded``) a request of ``tokens`` exact tokens to queue (``bound`` of
+        them still reserved) that would take the queue past what drains in its share of the
+        deadline, or of the ``left_s`` seconds its own deadline leaves (it waited for a
+        tokenizing slot); the lower bound reserved before tokenizing counts words, and ids ran
+        ~3x past it. The scheduler's own check is BGE_M3_MAX_QUEUE_TOKENS'; alone, a request
+        always goes in."""
         with self._lock:
             limit = self.limit()
+            if left_s is not None and self.deadline_s is not None and limit < self.max_tokens:
+                limit = min(limit, int(limit * max(0.0, left_s) / self.deadline_s))
             others = self.queued() + self.reserved - bound
-            if limit < self.max_tokens and others and others + tokens > limit:
+            if limit < self.max_tokens and others and tokens and others + tokens > limit:
                 raise self.refusal(tokens, limit - others)
 
 
@@ -294,9 +298,13 @@ class _Admitting:
         request admitted already, as a ColBERT rerank's later groups) and the scheduler's,
         its refusal (counted by the scheduler) with a Retry-After from the drain rate, not the
         scheduler's 1 s."""
-        if not later:
+        if not later and self.gate.deadline_s is not None:
+            # What it queues: not the texts the cache answered or a repeat of another of its
+            # texts runs for (review: a request the cache answered whole was a 429).
+            left = None if job.deadline is None else job.deadline - time.monotonic()
             try:
-                self.gate.check_in_time(sum(len(x) for x in job.ids), bound)
+                self.gate.check_in_time(sum(len(job.ids[i]) for i in job.pending()), bound,
+                                        left)
             except Overloaded as exc:
                 raise self._refuse(exc) from None
         try:

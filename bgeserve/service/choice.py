@@ -207,9 +207,9 @@ def keep(decision: Decision, cache_dir: Path) -> None:
 def smaller_variants(settings: Settings, served: str, mine: int) -> str:
     """The export's other variants that load in less memory than ``served`` (``mine``: its
     estimated resident bytes a copy), with their estimated resident size, smallest first
-    ("ov-int8 (~930 MiB loaded, ...)"): the way out of a model too big for the memory. By
-    what they hold once loaded, not their files: bf16's IR is smaller than int8's graph and
-    takes more (OpenVINO keeps a bf16 copy)."""
+    ("int8 (~1630 MiB loaded, ...)"): the way out of a model too big for the memory. By what
+    they hold once loaded, not their files: bf16's IR is smaller than int8's graph and takes
+    more (OpenVINO keeps a bf16 copy), ov-int8's far smaller and takes more still."""
     def agreement(entry: dict[str, Any]) -> str:  # what it gives up, where it was measured
         found = entry.get("agreement")
         cos = found.get("dense_cos_min") if isinstance(found, dict) else None
@@ -225,7 +225,7 @@ def smaller_variants(settings: Settings, served: str, mine: int) -> str:
 
 def loaded_bytes(entries: Mapping[str, Mapping[str, Any]], variant: str) -> int | None:
     """Bytes ``variant`` of an export (its manifest ``entries``) holds once loaded, by its
-    files and its runtime's ``resident_per_file_byte``; None where its size is not recorded."""
+    files and its runtime's ``resident_factor``; None where its size is not recorded."""
     entry = entries.get(variant) or {}
     size = entry.get("total_bytes")
     if not isinstance(size, int) or isinstance(size, bool):
