@@ -264,7 +264,6 @@ class BodyAllowance:
         # body arriving, which always finishes (small bodies let in since did not count its
         # bytes: cut off, it lost its turn near its end, 429s after part of 30 MiB, QA).
         self.entering: Waiter | None = None
-        self._waking = False
 
     def fits(self, size: int) -> bool:
         """Whether a body of ``size`` bytes may go in beside those in progress (alone,
@@ -286,15 +285,15 @@ class BodyAllowance:
     def give_back(self, n: int) -> None:
         """``n`` bytes held are free again: the oldest large body waiting may fit now."""
         self.held -= n
-        if self.waiting and not self._waking:
+        if self.waiting:
             # Once this step of the event loop is done: an answer's bytes are counted again
-            # right after its body's are given back, and the room between is not room.
-            self._waking = True
+            # right after its body's are given back, and the room between is not room. (No
+            # flag for "one is scheduled": one left set by a loop that closed first would
+            # never wake the line again, review.)
             asyncio.get_running_loop().call_soon(self.wake)
 
     def wake(self) -> None:
         """Let the oldest waiting body in if it fits and the one before it has arrived."""
-        self._waking = False
         while self.waiting and self.waiting[0].admitted.done():  # gone: timed out, or ended
             self.waiting.popleft()
         if self.waiting and self.entering is None and self.fits(self.waiting[0].size):
