@@ -514,6 +514,23 @@ def test_ov_int8_is_said_to_take_what_openvino_holds_of_it() -> None:
     assert choice.loaded_bytes(entries, "fp32") == int(2166 * mib * 1.25)
 
 
+
+def test_a_timing_process_is_asked_ov_int8s_unpacked_size(tmp_path) -> None:
+    """The variant choice leaves out a candidate its timing process has no memory for: ov-int8
+    was asked bf16's 1.7x of its files, and its timing child was OOM-killed under a 1.5 GiB cap
+    (memory QA). Two IRs of the same files and dimensions: ov-int8 is asked 4.0x, bf16 1.7x."""
+    from bgeserve.model.artifacts import resolve as resolve_artifacts
+
+    export = fake_export(tmp_path / "e", {"ov-int8": {"runtime": "openvino"},
+                                          "bf16": {"runtime": "openvino"}})
+    settings = default_settings(export, tmp_path / "c")
+    needs = {v: choice.memory_needed(settings, resolve_artifacts(
+        model_path=export, variant=v, cache_dir=tmp_path / "c", offline=True), "openvino")
+        for v in ("ov-int8", "bf16")}
+    files = 2000  # model.xml and model.bin, 1,000 bytes each
+    assert needs["ov-int8"] - needs["bf16"] == int(files * 4.0) - int(files * 1.7)
+
+
 def test_without_serves_the_next_fastest_that_loads_in_less(tmp_path):
     """``without``: the fastest measured candidate left that loads in less memory serves
     (``fallback``; the full-size bf16, which OpenVINO holds in more than int8, is no way out
