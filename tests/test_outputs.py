@@ -243,11 +243,11 @@ def test_a_colbert_rerank_holds_each_group_with_the_query_then_nothing(tiny_expo
             queued = admission.queue
             calls: list[object] = []
 
-            def refuse_the_second(job, *args):
+            def refuse_the_second(job, *args, **kwargs):
                 calls.append(job)
                 if len(calls) > 1:
                     raise Overloaded("queue full", retry_after=1.0)
-                return queued(job, *args)
+                return queued(job, *args, **kwargs)
 
             admission.queue = refuse_the_second  # type: ignore[method-assign]
             with pytest.raises(Overloaded):
