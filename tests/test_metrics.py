@@ -111,9 +111,12 @@ def test_the_rerankers_refusals_count_with_bge_m3s() -> None:
     reranker = SimpleNamespace(stats=lambda: stats,
                                counters=Counter(rejected=3, cancelled_texts=2))
     metrics = Metrics()
+    gate = SimpleNamespace(limit=lambda: 7_500)  # the deadline's share (service/admission.py)
     metrics.update_state(SimpleNamespace(engine=engine, tuner=None, rejected_at_admission=5,
-                                         reranking=SimpleNamespace(engine=reranker)))
+                                         reranking=SimpleNamespace(engine=reranker),
+                                         admission=SimpleNamespace(gate=gate)))
     got = samples(metrics)
+    assert got["bgeserve_queue_limit_tokens"] == 7_500
     assert got["bgeserve_rejected_requests_total"] == 4 + 3 + 5
     assert got["bgeserve_cancelled_texts_total"] == 2
     assert got["bgeserve_oom_splits_total"] == 1

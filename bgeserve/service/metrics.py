@@ -211,6 +211,13 @@ class _StateCollector:
                 "queue_texts"])
             yield GaugeMetricFamily("bgeserve_queue_tokens", "Tokens waiting",
                                     value=stats["queue_tokens"])
+            admission = getattr(service, "admission", None)
+            if admission is not None:
+                yield GaugeMetricFamily(
+                    "bgeserve_queue_limit_tokens",
+                    "Tokens the queue takes before 429: BGE_M3_MAX_QUEUE_TOKENS, or what the "
+                    "measured drain rate runs in 3/4 of BGE_M3_REQUEST_TIMEOUT_SECS, where fewer",
+                    value=admission.gate.limit())
             counters = engine.counters
             # 429s decided before tokenizing are the admission's, not the scheduler's; the
             # reranker's engine has its own scheduler (its 429s, drops, splits, restarts are
