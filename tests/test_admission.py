@@ -205,8 +205,9 @@ def test_the_queue_holds_at_most_a_share_of_the_deadlines_work() -> None:
     # tokenizing slot, so 3 s of work fit beside it, not 7.5 (review).
     state["queued"] = 2_000
     gate.check_in_time(1_000, 0, left_s=4.0)  # 3,000 of 3,000
-    with pytest.raises(Overloaded):
+    with pytest.raises(Overloaded, match="2000 tokens are queued") as refused:
         gate.check_in_time(1_001, 0, left_s=4.0)
+    assert "the 1000 free" in refused.value.message  # of the 3,000 its time left allows
     gate.check_in_time(0, 0, left_s=0.0)  # nothing to queue (the cache answered it all)
 
 

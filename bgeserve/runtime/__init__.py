@@ -61,7 +61,8 @@ class Runtime:
     # NNCF stored compressed, its 549 MiB IR 1,730 MiB loaded and 2,061 MiB after one run
     # (3.7x; AMD EPYC Zen 4), 1,953-1,991 MiB serving (memory QA). At 1.7 the check before
     # loading asked ~934 MiB for it: caps of 1.2-2.4 GiB OOM-killed the start, nothing said.
-    resident_by_variant: Mapping[str, float] = field(default_factory=dict)
+    resident_by_variant: Mapping[str, float] = field(default_factory=dict, hash=False,
+                                                     compare=False)
 
     def resident_factor(self, variant: str) -> float:
         """Resident bytes per byte of ``variant``'s files once loaded (and run)."""

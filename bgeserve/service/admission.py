@@ -163,9 +163,11 @@ class AdmissionGate:
             return 1.0
         return float(min(MAX_RETRY_AFTER_S, max(1, math.ceil(needed / rate))))
 
-    def refusal(self, bound: int, room: int | None = None) -> Overloaded:
-        """The 429 for a request of at least ``bound`` tokens, more than ``room``."""
-        limit = self.limit()
+    def refusal(self, bound: int, room: int | None = None,
+                limit: int | None = None) -> Overloaded:
+        """The 429 for a request of at least ``bound`` tokens, more than ``room`` under
+        ``limit`` (default: now's)."""
+        limit = self.limit() if limit is None else limit
         room = limit - self.queued() - self.reserved if room is None else room
         # Not the bound itself: it stops counting once past the room (a request of 2,880
         # tokens was said to need "at least 448").
@@ -217,7 +219,7 @@ class AdmissionGate:
                 limit = min(limit, int(limit * max(0.0, left_s) / self.deadline_s))
             others = self.queued() + self.reserved - bound
             if limit < self.max_tokens and others and tokens and others + tokens > limit:
-                raise self.refusal(tokens, limit - others)
+                raise self.refusal(tokens, limit - others, limit)
 
 
 class _Admitting:
