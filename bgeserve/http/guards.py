@@ -243,10 +243,10 @@ class BodyAllowance:
     to ``wait_s``, first come first served (one that would fit waits behind one that came
     first: three clients looping on 28 MiB bodies starved a 20 MiB one, review), and is let
     in the moment the others' bytes given back leave room for it, before any request that
-    comes later. Nothing is kept for
-    it: small requests that fit still go in meanwhile (keeping the room refused every POST
-    while one slow upload held part of it, and a large retrier waited for the rest: review
-    of stop 58's attempt), and what waits holds no memory (its body is not read).
+    comes later. Nothing is kept for it: small requests that fit still go in meanwhile
+    (keeping the room refused every POST while one slow upload held part of it, and a large
+    retrier waited for the rest: review of stop 58's attempt), and what waits holds no memory
+    (its body is not read).
     """
 
     def __init__(self, max_bytes: int, wait_s: float = ROOM_WAIT_S) -> None:

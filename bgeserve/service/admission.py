@@ -171,11 +171,12 @@ class AdmissionGate:
         room = limit - self.queued() - self.reserved if room is None else room
         # Not the bound itself: it stops counting once past the room (a request of 2,880
         # tokens was said to need "at least 448").
-        if limit < self.max_tokens:
+        if limit < self.max_tokens:  # the deadline's share: a rate was measured
             assert self.deadline_s is not None
+            rate = self.drain.rate()
             held = (f"{limit - room} tokens are queued or being admitted, "
-                    f"~{(limit - room) / self.drain.rate():.1f}s of work at the measured "
-                    f"{self.drain.rate():.0f} tokens/s, and the queue takes at most "
+                    f"~{(limit - room) / rate:.1f}s of work at the measured "
+                    f"{rate:.0f} tokens/s, and the queue takes at most "
                     f"{QUEUE_DEADLINE_SHARE * self.deadline_s:g}s of it ({limit} tokens, "
                     f"{QUEUE_DEADLINE_SHARE:g} of BGE_M3_REQUEST_TIMEOUT_SECS="
                     f"{self.deadline_s:g}: more would finish late together)")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bgeserve import __version__
 from bgeserve.cgroup import usable_cpus
@@ -12,6 +12,8 @@ from bgeserve.model.rerank_artifacts import RERANK_REPO, RERANK_REVISION
 from bgeserve.results import ModelInfo
 
 if TYPE_CHECKING:
+    from bgeserve.config import Settings
+    from bgeserve.engine import Engine
     from bgeserve.service import Service
 
 MODEL_ID = "BAAI/bge-m3"
@@ -26,28 +28,36 @@ def tokenizing_slots() -> int:
     return max(2, usable_cpus().count)
 
 
+def _engine_limits(engine: Engine, s: Settings) -> dict[str, Any]:
+    """What an engine serving with ``s`` (its resolved settings) tells a client to plan with:
+    bge-m3's, or the reranker's."""
+    variant = engine.artifacts.variant
+    max_chunk = engine.config.scheduler.max_chunk
+    return {
+        "dtype": DTYPES.get(variant, variant),
+        "max_input_length": s.max_seq_length,
+        # A text longer than the chunk-token cap runs alone, so a run can hold max_seq tokens.
+        "max_batch_tokens": max(engine.max_chunk_tokens or s.max_seq_length * max_chunk,
+                             s.max_seq_length),
+        "max_batch_requests": max_chunk,
+        # Requests are bounded by queued tokens (each text holds >= 2), not by a count.
+        "max_concurrent_requests": max(1, s.max_queue_tokens // 2),
+    }
+
+
 def model_info(service: Service) -> ModelInfo:
     """The served model and the limits a client can plan with. Needs the engine loaded."""
     engine = service._engine()
     s = service.settings
     assert service.artifacts is not None
     variant = service.artifacts.variant
-    max_chunk = engine.config.scheduler.max_chunk
     # A preparation serves its own export (a model path) made from the hub's fp32 graph.
     hub = HUB_SOURCES.get(variant) if s.model_path is None else service.preparation.hub
-    # A text longer than the chunk-token cap runs alone, so a run can hold max_seq tokens.
-    batch_tokens = max(engine.max_chunk_tokens or s.max_seq_length * max_chunk,
-                       s.max_seq_length)
     return ModelInfo(
         model_id=hub.repo_id if hub else MODEL_ID,
         model_sha=hub.revision if hub else None,
-        dtype=DTYPES.get(variant, variant),
-        max_input_length=s.max_seq_length,
-        max_batch_tokens=batch_tokens,
-        max_batch_requests=max_chunk,
+        **_engine_limits(engine, s),
         max_client_batch_size=s.max_batch,
-        # Requests are bounded by queued tokens (each text holds >= 2), not by a count.
-        max_concurrent_requests=max(1, s.max_queue_tokens // 2),
         auto_truncate=s.truncate,
         tokenization_workers=tokenizing_slots(),
         version=__version__,
@@ -62,16 +72,7 @@ def reranker_info(service: Service) -> ModelInfo:
     engine, s = reranking.engine, reranking.settings
     if engine is None or s is None:
         return base
-    variant = engine.artifacts.variant
-    max_chunk = engine.config.scheduler.max_chunk
     return dataclasses.replace(
-        base,
-        model_id=RERANK_REPO,
+        base, model_id=RERANK_REPO,
         model_sha=RERANK_REVISION if s.rerank_model_path is None else None,
-        dtype=DTYPES.get(variant, variant),
-        max_input_length=s.max_seq_length,
-        max_batch_tokens=max(engine.max_chunk_tokens or s.max_seq_length * max_chunk,
-                             s.max_seq_length),
-        max_batch_requests=max_chunk,
-        max_concurrent_requests=max(1, s.max_queue_tokens // 2),
-    )
+        **_engine_limits(engine, s))
