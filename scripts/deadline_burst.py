@@ -33,26 +33,44 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--texts", type=int, default=16)
     ap.add_argument("--words", type=int, default=200)
+    ap.add_argument("--alone-words", type=int, default=None,
+                    help="words of the texts timed alone first (default --words): shorter, "
+                         "the drain rate is read off short texts before a burst of long ones")
+    ap.add_argument("--setting", action="append", default=[], metavar="BGE_M3_X=VALUE",
+                    help="more server settings (BGE_M3_VARIANT=ov-int8, ...)")
     args = ap.parse_args()
 
+    settings = dict(item.split("=", 1) for item in args.setting)
     with tree_server(args.tree, args.export_dir, args.port, BGE_M3_CACHE_MB="0",
-                     BGE_M3_REQUEST_TIMEOUT_SECS=str(args.deadline)) as url:
+                     BGE_M3_REQUEST_TIMEOUT_SECS=str(args.deadline), **settings) as url:
+        probed(url)
         print(json.dumps(run(url, args)))
+
+
+def probed(url: str, timeout: float = 900.0) -> None:
+    """Wait until the start-up probe (in the background: it takes the cores) is done."""
+    until = time.monotonic() + timeout
+    while time.monotonic() < until:
+        tuning = httpx.get(url + "/health", timeout=30).json().get("tuning") or {}
+        if tuning.get("probe_status") != "running":
+            return
+        time.sleep(2)
 
 
 def run(url: str, args: argparse.Namespace) -> dict[str, object]:
     rng = random.Random(0)
     vocab = [f"w{i}" for i in range(5000)]
 
-    def body(k: int) -> dict[str, object]:
+    def body(k: int, words: int) -> dict[str, object]:
         return {"model": "bge-m3", "input": [
-            " ".join(rng.choice(vocab) for _ in range(args.words)) + f" {k}-{j}"
+            " ".join(rng.choice(vocab) for _ in range(words)) + f" {k}-{j}"
             for j in range(args.texts)]}
 
-    bodies = [body(k) for k in range(args.requests)]
+    bodies = [body(k, args.words) for k in range(args.requests)]
+    alone_words = args.words if args.alone_words is None else args.alone_words
     with httpx.Client(timeout=600) as c:
         began = time.monotonic()
-        r = c.post(url + "/v1/embeddings", json=body(-1))
+        r = c.post(url + "/v1/embeddings", json=body(-1, alone_words))
         alone = time.monotonic() - began
         r.raise_for_status()
     results: list[tuple[int, float]] = [(0, 0.0)] * args.requests
@@ -69,6 +87,11 @@ def run(url: str, args: argparse.Namespace) -> dict[str, object]:
     for t in threads:
         t.join()
     answered = sorted(s for status, s in results if status == 200)
+    if alone_words != args.words:  # the burst's own request alone, once the burst is over
+        with httpx.Client(timeout=600) as c:
+            began = time.monotonic()
+            c.post(url + "/v1/embeddings", json=body(-2, args.words)).raise_for_status()
+            alone = time.monotonic() - began
     return {"tree": args.tree, "alone_s": round(alone, 2),
             "statuses": dict(Counter(status for status, _ in results)),
             "answered_by_s": round(answered[-1], 2) if answered else None,

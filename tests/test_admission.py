@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -150,6 +153,7 @@ def test_admission_refuses_before_tokenizing_what_cannot_fit() -> None:
         return SimpleNamespace(ids=[[0, 5, 2]])
 
     engine = SimpleNamespace(
+        queued_squares=lambda: 0, run_cost=None,
         queued_tokens=lambda: state["queued"], make_job=make_job, submit=lambda job: "future",
         tokenizer=SimpleNamespace(min_tokens=min_tokens, max_seq=512))
     admission = Admission(engine, 1000, DrainMeter(), slots=2)  # type: ignore[arg-type]
@@ -192,23 +196,78 @@ def test_the_queue_holds_at_most_a_share_of_the_deadlines_work() -> None:
     gate.reserve(2_000)  # 7,000 of 7,500
     with pytest.raises(Overloaded, match="BGE_M3_REQUEST_TIMEOUT_SECS=10") as refused:
         gate.reserve(1_000)
-    assert "7000 tokens are queued" in refused.value.message
+    assert "~7.0s of work are queued" in refused.value.message
     assert refused.value.retry_after == 1.0  # 500 short at 1,000 tokens/s
     with pytest.raises(Overloaded, match="7.5s of it"):
-        gate.check_in_time(4_000, 2_000)  # the 2,000 reserved are 4,000 tokens: 9,000
-    gate.check_in_time(2_400, 2_000)  # 7,400: in
+        gate.check_in_time(4_000, 2_000, squares=0)  # the 2,000 reserved are 4,000 tokens: 9,000
+    gate.check_in_time(2_400, 2_000, squares=0)  # 7,400: in
     gate.release(2_000)
     state["queued"] = 0
-    gate.check_in_time(50_000, 0)  # alone
+    gate.check_in_time(50_000, 0, squares=0)  # alone
     assert AdmissionGate(1_000_000, lambda: 5_000, drain).limit() == 1_000_000  # no deadline
     # Its own deadline's time left, not the whole deadline: it waited 6 s of its 10 for a
     # tokenizing slot, so 3 s of work fit beside it, not 7.5 (review).
     state["queued"] = 2_000
-    gate.check_in_time(1_000, 0, left_s=4.0)  # 3,000 of 3,000
-    with pytest.raises(Overloaded, match="2000 tokens are queued") as refused:
-        gate.check_in_time(1_001, 0, left_s=4.0)
-    assert "the 1000 free" in refused.value.message  # of the 3,000 its time left allows
-    gate.check_in_time(0, 0, left_s=0.0)  # nothing to queue (the cache answered it all)
+    gate.check_in_time(1_000, 0, left_s=4.0, squares=0)  # 3,000 of 3,000
+    with pytest.raises(Overloaded, match="~2.0s of work are queued") as refused:
+        gate.check_in_time(1_001, 0, left_s=4.0, squares=0)
+    assert "the ~1.0s free" in refused.value.message  # of the 3 s its time left allows
+    gate.check_in_time(0, 0, left_s=0.0, squares=0)  # nothing to queue (the cache answered it all)
+
+
+def test_a_long_texts_tokens_count_for_their_attention() -> None:
+    """Under the deadline's share a text of n tokens is n x (1 + n / A) tokens' worth of work,
+    A the length at which attention costs as much as the rest (the probe's run cost, else
+    DEFAULT_ATTENTION_TOKENS), in the drain rate and in the queue alike. Counted in plain
+    tokens, a rate read off short texts admitted a burst of long ones several times over
+    what ran in time (full-size ONNX Runtime int8: 771 tokens/s on a 512-token text, 313 on a
+    4,096-token one)."""
+    clock = Clock()
+    drain = DrainMeter(clock=clock)
+    drain.record(1000, 1.0, squares=10 * 100 * 100)  # ten texts of 100 tokens in 1 s
+    assert drain.rate() == pytest.approx(1000.0)
+    assert drain.work_rate(1000.0) == pytest.approx(1100.0)  # each token 1.1 tokens' worth
+    state = {"queued": 100, "squares": 100 * 100}  # one 100-token text waits: 110
+    gate = AdmissionGate(1_000_000, lambda: state["queued"], drain, deadline_s=10.0,
+                         queued_squares=lambda: state["squares"], attention=lambda: 1000.0)
+    budget = 1100.0 * 10 * QUEUE_DEADLINE_SHARE  # 8,250 tokens' worth in 7.5 s
+    assert gate.room() == math.floor(budget - 110)
+    # Two texts of 2,000 tokens: 4,000 tokens, 12,000 tokens' worth (2,000 x 3 each). In
+    # plain tokens they fitted (4,100 of 7,500).
+    with pytest.raises(Overloaded, match="~0.1s of work are queued") as refused:
+        gate.check_in_time(4_000, 0, squares=2 * 2_000**2)
+    assert "takes at most 7.5s" in refused.value.message
+    assert refused.value.retry_after == 4.0  # 12,000 - 8,140 at 1,100 a second
+    gate.check_in_time(2_000, 0, squares=2_000**2)  # one: 6,000 + 110, in
+    # Queued, a long text holds its work's room: 6,110 of 8,250, so a bound of 2,200 tokens
+    # does not fit, where 2,100 of 1,000,000 plain tokens would have.
+    state.update(queued=2_100, squares=100 * 100 + 2_000**2)
+    assert gate.room() == math.floor(budget - 6_110)
+    with pytest.raises(Overloaded, match="BGE_M3_REQUEST_TIMEOUT_SECS=10"):
+        gate.reserve(2_200)
+    gate.reserve(2_000)
+    assert gate.limit() == 2_100 + 2_000 + math.floor(budget - 8_110)
+    gate.release(2_000)
+    state.update(queued=0, squares=0)
+    gate.check_in_time(8_000, 0, squares=8_000**2)  # alone: in, whatever it takes
+
+
+def test_the_attention_length_is_the_measured_run_costs() -> None:
+    """A = per_token / per_pair of the probe's run cost; without one, or without an attention
+    term in it, DEFAULT_ATTENTION_TOKENS."""
+    from types import SimpleNamespace
+
+    from bgeserve.service.admission import DEFAULT_ATTENTION_TOKENS, attention_tokens
+    from bgeserve.tuning.runcost import RunCost
+
+    def engine(cost: RunCost | None) -> Any:
+        return SimpleNamespace(run_cost=cost)
+
+    # The fit of full-size OpenVINO int8 on a 2-core Zen 4 (docs/benchmarks.md): ~2,485.
+    measured = attention_tokens(engine(RunCost(0.0131, per_token=0.845e-3, per_pair=0.34e-6)))
+    assert measured == pytest.approx(2485.3, abs=0.1)
+    assert attention_tokens(engine(None)) == DEFAULT_ATTENTION_TOKENS
+    assert attention_tokens(engine(RunCost(0.01, per_token=1e-3))) == DEFAULT_ATTENTION_TOKENS
 
 
 def test_the_exact_tokens_are_held_to_the_deadlines_share_after_tokenizing() -> None:
@@ -220,6 +279,7 @@ def test_the_exact_tokens_are_held_to_the_deadlines_share_after_tokenizing() -> 
 
     from bgeserve.results import EmbedOptions
     from bgeserve.service.admission import Admission
+    from bgeserve.tuning.runcost import RunCost
 
     submitted: list[object] = []
 
@@ -229,7 +289,10 @@ def test_the_exact_tokens_are_held_to_the_deadlines_share_after_tokenizing() -> 
                                pending=lambda: list(range(len(ids))) if todo is None else todo)
 
     made = [job(3_000)]
+    # Attention negligible at these lengths (A = 10**6 tokens: a 3,000-token text's work is
+    # 3,009 tokens' worth); the test below counts it.
     engine = SimpleNamespace(
+        queued_squares=lambda: 0, run_cost=RunCost(0.0, per_token=1e-3, per_pair=1e-9),
         queued_tokens=lambda: 5_000, submit=lambda job: submitted.append(job) or "future",
         make_job=lambda inputs, options, request_id, arrived: made[0],
         tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 4, max_seq=8192))
@@ -270,6 +333,7 @@ def test_an_abort_answers_those_waiting_to_tokenize_at_once() -> None:
         return SimpleNamespace(ids=[[0, 5, 2]])
 
     engine = SimpleNamespace(
+        queued_squares=lambda: 0, run_cost=None,
         queued_tokens=lambda: 0, make_job=make_job, submit=lambda job: "future",
         tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 3, max_seq=512))
     admission = Admission(engine, 10**9, DrainMeter(), slots=2)  # type: ignore[arg-type]
@@ -311,6 +375,7 @@ def test_a_request_cancelled_while_its_bound_is_walked_releases_its_reservation(
         return 700
 
     engine = SimpleNamespace(
+        queued_squares=lambda: 0, run_cost=None,
         queued_tokens=lambda: 0, make_job=lambda *a: SimpleNamespace(ids=[[0, 5, 2]]),
         submit=lambda job: "future",
         tokenizer=SimpleNamespace(min_tokens=min_tokens, max_seq=512))
@@ -367,7 +432,9 @@ def test_rerank_admission_refuses_before_tokenizing_with_its_own_drain_rate() ->
             raise Overloaded("queue full; retry shortly", retry_after=1.0)
         return "future"
 
-    engine = SimpleNamespace(queued_tokens=lambda: state["queued"], submit=submit)
+    engine = SimpleNamespace(
+        queued_squares=lambda: 0, run_cost=None,
+        queued_tokens=lambda: state["queued"], submit=submit)
     reranker = SimpleNamespace(engine=engine, min_tokens=min_tokens, make_job=make_job)
     admission = PairAdmission(reranker, 1000, drain, slots=2)  # type: ignore[arg-type]
 
@@ -420,7 +487,9 @@ def test_a_later_group_refused_by_the_queue_gets_the_drain_rates_retry_after() -
         n = np.array([3, 300])  # the query and a window, scored before the next group queues
         return Embeddings(np.eye(2, 4, dtype=np.float32), None, None, n, np.zeros(2, bool))
 
-    engine = SimpleNamespace(queued_tokens=lambda: 900, submit=submit, await_job=await_job)
+    engine = SimpleNamespace(
+        queued_squares=lambda: 0, run_cost=None,
+        queued_tokens=lambda: 900, submit=submit, await_job=await_job)
     admission = Admission(engine, 1000, drain, slots=2)  # type: ignore[arg-type]
     first, later = SimpleNamespace(ids=[[0] * 300]), SimpleNamespace(ids=[[0] * 400])
     with pytest.raises(Overloaded) as refused:
@@ -443,6 +512,7 @@ def test_a_big_request_after_close_is_told_the_server_is_stopping() -> None:
     from bgeserve.service.admission import Admission
 
     engine = SimpleNamespace(
+        queued_squares=lambda: 0, run_cost=None,
         queued_tokens=lambda: 0, make_job=lambda *a: SimpleNamespace(ids=[[0, 5, 2]]),
         submit=lambda job: "future",
         tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 3, max_seq=512))
@@ -472,7 +542,9 @@ def test_rerank_requests_tokenize_in_slots_and_are_answered_by_an_abort() -> Non
         release.wait(10)
         return "plan", SimpleNamespace(ids=[[0, 5, 2]])
 
-    engine = SimpleNamespace(queued_tokens=lambda: 0, submit=lambda job: "future")
+    engine = SimpleNamespace(
+        queued_squares=lambda: 0, run_cost=None,
+        queued_tokens=lambda: 0, submit=lambda job: "future")
     reranker = SimpleNamespace(engine=engine, make_job=make_job,
                                min_tokens=lambda *a, stop_above=None: 7)
     admission = PairAdmission(reranker, 10**6, DrainMeter(), slots=1)  # type: ignore[arg-type]

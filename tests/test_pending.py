@@ -28,6 +28,7 @@ def test_add_counts_texts_and_tokens():
     q.add(job(3, 5), now=1.0)
     q.add(job(7), now=2.0)
     assert len(q) == 3 and q.tokens == 15 and q.oldest_arrival() == 1.0
+    assert q.squares == 9 + 25 + 49
     assert [(p.index, p.length) for p in q] == [(0, 3), (1, 5), (0, 7)]
 
 
@@ -91,7 +92,7 @@ def test_drain_empties_the_queue():
     j = job(1, 2)
     q.add(j, 0.0)
     assert [p.index for p in q.drain()] == [0, 1]
-    assert len(q) == 0 and q.tokens == 0
+    assert len(q) == 0 and q.tokens == 0 and q.squares == 0
 
 
 def test_requests_take_turns_and_the_anchor_joins_the_window_from_past_it(monkeypatch):
@@ -189,7 +190,8 @@ class OneDeque:
 
 def test_the_queue_held_job_by_job_takes_what_one_deque_took(monkeypatch):
     """Random arrivals, cancels, deadlines, solo jobs and takes, with a window smaller than
-    the queue: every chunk, count and token total as the single deque gave them."""
+    the queue: every chunk, count, token total and sum of lengths squared (what admission
+    counts attention's work by) as the single deque gave them."""
     monkeypatch.setattr(pending, "WINDOW", 16)
     rng = np.random.default_rng(7)
     expired: list[Job] = []
@@ -227,6 +229,7 @@ def test_the_queue_held_job_by_job_takes_what_one_deque_took(monkeypatch):
             assert [(p.job, p.index) for p in q] == [p[:2] for p in oracle.pieces]
             assert len(q) == len(oracle.pieces)
             assert q.tokens == sum(p[2] for p in oracle.pieces)
+            assert q.squares == sum(p[2] ** 2 for p in oracle.pieces)
 
 
 def by_256_tokens(lengths, until=None):  # the CPU's chunks: each 300-token text alone

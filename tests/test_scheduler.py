@@ -285,13 +285,15 @@ def test_an_empty_job_is_answered_at_once():
 
 
 def test_on_chunk_reports_every_run():
-    """The on_chunk hook gets the worker, batch, padded length and real tokens of each run."""
+    """The on_chunk hook gets the worker, batch, padded length, real tokens and their texts'
+    lengths squared (summed: what admission prices attention by) of each run."""
     seen: list[ChunkStats] = []
     with scheduler(on_chunk=seen.append, max_chunk=8) as sched:
         job = job_of(unique_texts(1, [1, 3]))
         sched.submit(job).result(timeout=TIMEOUT)
     assert len(seen) == 1
     assert (seen[0].worker, seen[0].batch, seen[0].pad_to, seen[0].real_tokens) == (0, 2, 5, 8)
+    assert seen[0].squares == 3 * 3 + 5 * 5
     assert seen[0].seconds >= 0
 
 

@@ -406,6 +406,10 @@ class Engine:
         """Tokens waiting in the queue now (cheap: no lock, no other counts)."""
         return self._scheduler.queued_tokens()
 
+    def queued_squares(self) -> int:
+        """The sum of the waiting texts' lengths squared (as cheap as ``queued_tokens``)."""
+        return self._scheduler.queued_squares()
+
     def stats(self) -> dict[str, int]:
         """Workers (total / live / loaded / busy) and the queue (texts, tokens)."""
         return self._scheduler.stats()

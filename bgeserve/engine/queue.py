@@ -52,7 +52,8 @@ class Taken(list[Piece]):
 
 
 class PendingQueue:
-    """Pieces in arrival order, and how many tokens they hold.
+    """Pieces in arrival order, how many tokens they hold and the sum of their lengths'
+    squares (what attention's share of their work grows with: ``service.admission``).
 
     Held job by job (each job's pieces arrive together, so the jobs in arrival order, each
     with its pieces in order, are the pieces in arrival order): a chunk costs work for the
@@ -66,6 +67,7 @@ class PendingQueue:
         self._jobs: dict[Job, collections.deque[Piece]] = {}
         self._count = 0
         self.tokens = 0
+        self.squares = 0
         self._solo = 0  # pieces of solo jobs among them
         self._turn = 0  # chunks taken so far: a job's ``served`` is the turn it last had
 
@@ -85,6 +87,7 @@ class PendingQueue:
     def _removed(self, pieces: Sequence[Piece]) -> None:
         self._count -= len(pieces)
         self.tokens -= sum(p.length for p in pieces)
+        self.squares -= sum(p.length * p.length for p in pieces)
         self._solo -= sum(p.job.solo for p in pieces)
 
     def add(self, job: Job, now: float) -> None:
@@ -97,6 +100,7 @@ class PendingQueue:
             pieces.append(Piece(job, i, n, now))
             self._count += 1
             self.tokens += n
+            self.squares += n * n
             self._solo += job.solo
         if not pieces:
             del self._jobs[job]
@@ -209,5 +213,5 @@ class PendingQueue:
         """Remove and return every piece."""
         leftover = list(self)
         self._jobs.clear()
-        self._count = self.tokens = self._solo = 0
+        self._count = self.tokens = self.squares = self._solo = 0
         return leftover

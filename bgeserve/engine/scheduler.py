@@ -96,6 +96,9 @@ class ChunkStats:
     pad_to: int
     real_tokens: int
     seconds: float
+    # The sum of its texts' lengths squared: with ``real_tokens``, what its work was
+    # (attention's grows with each text's length; ``service.admission.work``).
+    squares: int = 0
 
 
 class Scheduler(Workers):
@@ -203,6 +206,10 @@ class Scheduler(Workers):
     def queued_tokens(self) -> int:
         """Tokens waiting now (one int read, no lock: admission asks it for every request)."""
         return self._pending.tokens
+
+    def queued_squares(self) -> int:
+        """The sum of the waiting texts' lengths squared (as ``queued_tokens``)."""
+        return self._pending.squares
 
     def forked(self) -> bool:
         """Whether this is a forked child's copy of a scheduler started in its parent."""
@@ -436,7 +443,7 @@ class Scheduler(Workers):
         shapes.ran(len(pieces), pad_to)
         self._deaths[w] = 0  # it works again: the next death starts the backoff afresh
         self._on_chunk(ChunkStats(w, len(pieces), pad_to, sum(p.length for p in pieces),
-                                  seconds))
+                                  seconds, sum(p.length * p.length for p in pieces)))
         self._deliver(pieces, out, folded.twins)
 
     def _deliver(self, pieces: list[Piece], out: ChunkOutputs,

@@ -12,6 +12,12 @@ gone) cost nothing. The queue's own exact check still follows tokenizing.
 ``DrainMeter`` measures how fast the queue empties (tokens of finished chunks per second), so
 ``Retry-After`` says how long the tokens ahead of a request take to drain.
 
+Under a deadline the queue holds at most a share of the deadline's work (``AdmissionGate``),
+counted as ``work``: a text's tokens, each counting more the longer the text, since its
+attention grows with its length. Counted in plain tokens, a rate read off short texts admitted
+a burst of long ones several times over what runs in time (full-size ONNX Runtime int8 on a
+2-core Zen 4: 771 tokens/s on a 512-token text, 313 on a 4,096-token one).
+
 ``Admission`` admits bge-m3's requests, ``PairAdmission`` the cross-encoder's (its engine, its
 queue and its drain rate are its own).
 """
@@ -26,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
 
 from bgeserve import holds
@@ -59,8 +66,27 @@ MAX_RETRY_AFTER_S = 60.0
 # once to come back (429, Retry-After). Not all of it: requests that come while the queue
 # drains take their turns too.
 QUEUE_DEADLINE_SHARE = 0.75
+# A text of n tokens runs in about n x (per_token + n x per_pair) seconds (tuning.runcost):
+# its work is n x (1 + n / A) tokens' worth, A = per_token / per_pair, the length at which its
+# attention costs as much as the rest. The probe measures A (RunCost.attention_tokens: ~2,500
+# on full-size OpenVINO int8, ~1,900 ONNX Runtime int8, 2-core Zen 4, both held within 3 % to
+# 4,096 tokens); where it did not, this.
+DEFAULT_ATTENTION_TOKENS = 2048.0
 Plan = TypeVar("Plan")
 Made = TypeVar("Made")
+
+
+def work(tokens: int, squares: int, attention: float) -> float:
+    """Tokens' worth of work of texts with ``tokens`` in all and ``squares`` the sum of their
+    lengths squared: each token counts 1 + its text's length / ``attention``."""
+    return tokens + squares / attention
+
+
+def attention_tokens(engine: Engine) -> float:
+    """A in ``work`` for ``engine``: its measured run cost's, else the default."""
+    cost = engine.run_cost
+    measured = None if cost is None else cost.attention_tokens
+    return measured or DEFAULT_ATTENTION_TOKENS
 
 
 class DrainMeter:
@@ -78,17 +104,20 @@ class DrainMeter:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.window = window
         self.clock = clock
-        # (finish, start, tokens), oldest first
-        self._events: deque[tuple[float, float, int]] = deque(maxlen=MAX_EVENTS)
-        self._last_rate = 0.0
-        self._stale = False  # the events changed since _last_rate was read off them
+        # (finish, start, tokens, squares), oldest first
+        self._events: deque[tuple[float, float, int, int]] = deque(maxlen=MAX_EVENTS)
+        # Tokens, lengths squared and busy seconds of the window, or of the last window that
+        # held a chunk (0 seconds: nothing measured yet).
+        self._last: tuple[int, int, float] = (0, 0, 0.0)
+        self._stale = False  # the events changed since _last was read off them
         self._lock = threading.Lock()
 
-    def record(self, tokens: int, seconds: float) -> None:
-        """A chunk of ``tokens`` (real tokens) that ran for ``seconds`` finished now."""
+    def record(self, tokens: int, seconds: float, squares: int = 0) -> None:
+        """A chunk of ``tokens`` (real tokens; ``squares``: its texts' lengths squared,
+        summed) that ran for ``seconds`` finished now."""
         with self._lock:
             now = self.clock()
-            self._events.append((now, now - max(0.0, seconds), tokens))
+            self._events.append((now, now - max(0.0, seconds), tokens, squares))
             self._stale = True
             self._expire(now)
 
@@ -103,22 +132,32 @@ class DrainMeter:
             self._expire(self.clock())
             return bool(self._events)
 
-    def rate(self) -> float:
-        """Tokens per second of running; the last measured rate when nothing finished lately
-        (0.0 until a first chunk finished)."""
+    def _measured(self) -> tuple[int, int, float]:
         with self._lock:
             self._expire(self.clock())
             if self._events and self._stale:
-                tokens = sum(e[2] for e in self._events)
-                self._last_rate = tokens / max(MIN_BUSY_S, _busy(self._events))
+                self._last = (sum(e[2] for e in self._events), sum(e[3] for e in self._events),
+                              max(MIN_BUSY_S, _busy(self._events)))
                 self._stale = False
-            return self._last_rate
+            return self._last
+
+    def rate(self) -> float:
+        """Tokens per second of running; the last measured rate when nothing finished lately
+        (0.0 until a first chunk finished)."""
+        tokens, _, busy = self._measured()
+        return tokens / busy if busy else 0.0
+
+    def work_rate(self, attention: float) -> float:
+        """``work`` per second of running (as ``rate``), each token counting 1 + its text's
+        length / ``attention``."""
+        tokens, squares, busy = self._measured()
+        return work(tokens, squares, attention) / busy if busy else 0.0
 
 
-def _busy(events: deque[tuple[float, float, int]]) -> float:
+def _busy(events: deque[tuple[float, float, int, int]]) -> float:
     """Seconds covered by the union of the events' ``[start, finish]`` intervals."""
     total, end = 0.0, float("-inf")
-    for finish, start, _ in sorted(events, key=lambda e: e[1]):
+    for finish, start, _, _ in sorted(events, key=lambda e: e[1]):
         if finish > end:
             total += finish - max(start, end)
             end = finish
@@ -129,98 +168,151 @@ class AdmissionGate:
     """The queue's room, with the requests still being tokenized counted in.
 
     ``queued`` reads the tokens the scheduler holds; ``max_tokens`` is
-    BGE_M3_MAX_QUEUE_TOKENS, and with a ``deadline_s`` (BGE_M3_REQUEST_TIMEOUT_SECS) the
-    tokens the measured drain rate runs in ``QUEUE_DEADLINE_SHARE`` of it, where fewer. Like
-    the queue, it lets any request in when nothing is queued or reserved (a request larger
-    than the whole queue must still be served alone).
+    BGE_M3_MAX_QUEUE_TOKENS. With a ``deadline_s`` (BGE_M3_REQUEST_TIMEOUT_SECS), once a drain
+    rate was measured, the queue also holds at most the ``work`` that rate runs in
+    ``QUEUE_DEADLINE_SHARE`` of it (``queued_squares``: the queued texts' lengths squared,
+    summed; ``attention``: A in ``work``). A reservation (a lower bound of tokens) counts as
+    that much work, which it is at least. Like the queue, it lets any request in when nothing
+    is queued or reserved (a request larger than the whole queue must still be served alone).
     """
 
     def __init__(self, max_tokens: int, queued: Callable[[], int], drain: DrainMeter,
-                 deadline_s: float | None = None) -> None:
+                 deadline_s: float | None = None,
+                 queued_squares: Callable[[], int] = lambda: 0,
+                 attention: Callable[[], float] = lambda: DEFAULT_ATTENTION_TOKENS) -> None:
         self.max_tokens = max_tokens
         self.queued = queued
+        self.queued_squares = queued_squares
+        self.attention = attention
         self.drain = drain
         self.deadline_s = deadline_s or None
         self.reserved = 0  # tokens of admitted requests not yet in the queue
         self._lock = threading.Lock()
 
-    def limit(self) -> int:
-        """Tokens the queue may hold: BGE_M3_MAX_QUEUE_TOKENS, or what drains in the share of
-        the deadline (once a rate was measured), where fewer."""
-        if self.deadline_s is None or (rate := self.drain.rate()) <= 0:
-            return self.max_tokens
-        return min(self.max_tokens, max(1, int(rate * self.deadline_s * QUEUE_DEADLINE_SHARE)))
+    def _share(self) -> _Share | None:
+        """The deadline's share now (None: no deadline, or no rate measured yet)."""
+        if self.deadline_s is None:
+            return None
+        attention = self.attention()
+        rate = self.drain.work_rate(attention)
+        if rate <= 0:
+            return None
+        held = work(self.queued(), self.queued_squares(), attention) + self.reserved
+        return _Share(rate * self.deadline_s * QUEUE_DEADLINE_SHARE, held, rate, attention)
+
+    def _rooms(self) -> tuple[int, _Share | None]:
+        """The room under BGE_M3_MAX_QUEUE_TOKENS, and the deadline's share."""
+        return self.max_tokens - self.queued() - self.reserved, self._share()
 
     def room(self) -> int:
-        """Tokens that may still be admitted (negative: over, by reservations)."""
-        return self.limit() - self.queued() - self.reserved
+        """Tokens that may still be admitted (negative: over, by reservations): the room
+        under BGE_M3_MAX_QUEUE_TOKENS, or the work left in the deadline's share, where less."""
+        tokens, share = self._rooms()
+        return tokens if share is None else min(tokens, share.room)
 
-    def retry_after(self, needed: int) -> float:
-        """Seconds until ``needed`` more tokens of room have drained, from the measured rate;
-        at least 1, at most ``MAX_RETRY_AFTER_S``; 1 before anything was measured."""
-        rate = self.drain.rate()
+    def limit(self) -> int:
+        """Tokens the queue may hold now: what it holds (queued and reserved) and its
+        ``room`` (under the deadline's share, tokens of short texts: a long text's count more)."""
+        return self.queued() + self.reserved + self.room()
+
+    def retry_after(self, needed: float, rate: float | None = None) -> float:
+        """Seconds until ``needed`` more tokens of room have drained at ``rate`` (default:
+        the measured tokens/s); at least 1, at most ``MAX_RETRY_AFTER_S``; 1 before anything
+        was measured."""
+        rate = self.drain.rate() if rate is None else rate
         if rate <= 0 or needed <= 0:
             return 1.0
         return float(min(MAX_RETRY_AFTER_S, max(1, math.ceil(needed / rate))))
 
-    def refusal(self, bound: int, room: int | None = None,
-                limit: int | None = None) -> Overloaded:
-        """The 429 for a request of at least ``bound`` tokens, more than ``room`` under
-        ``limit`` (default: now's)."""
-        limit = self.limit() if limit is None else limit
-        room = limit - self.queued() - self.reserved if room is None else room
+    def refusal(self, needed: float, tokens_room: int, share: _Share | None) -> Overloaded:
+        """The 429 for a request of at least ``needed`` tokens (under the ``share``, its
+        work), more than the room under BGE_M3_MAX_QUEUE_TOKENS (``tokens_room``) or the
+        deadline's ``share`` has."""
         # Not the bound itself: it stops counting once past the room (a request of 2,880
         # tokens was said to need "at least 448").
-        if limit < self.max_tokens:  # the deadline's share: a rate was measured
+        if share is not None and share.room < tokens_room:
             assert self.deadline_s is not None
-            rate = self.drain.rate()
-            held = (f"{limit - room} tokens are queued or being admitted, "
-                    f"~{(limit - room) / rate:.1f}s of work at the measured "
-                    f"{rate:.0f} tokens/s, and the queue takes at most "
-                    f"{QUEUE_DEADLINE_SHARE * self.deadline_s:g}s of it ({limit} tokens, "
-                    f"{QUEUE_DEADLINE_SHARE:g} of BGE_M3_REQUEST_TIMEOUT_SECS="
-                    f"{self.deadline_s:g}: more would finish late together)")
-        else:
-            held = (f"{self.max_tokens - room} of {self.max_tokens} tokens "
-                    "(BGE_M3_MAX_QUEUE_TOKENS) are queued or being admitted")
+            return Overloaded(
+                f"the queue is full: ~{share.held / share.rate:.1f}s of work are queued or "
+                f"being admitted (at the measured drain rate, a long text's tokens counting "
+                f"more for attention), and the queue takes at most "
+                f"{share.budget / share.rate:.1f}s of it ({QUEUE_DEADLINE_SHARE:g} of "
+                f"BGE_M3_REQUEST_TIMEOUT_SECS={self.deadline_s:g} or of what this request's "
+                f"deadline has left: more would finish late together), and this request needs "
+                f"more than the ~{max(share.room, 0) / share.rate:.1f}s free; retry after the "
+                "Retry-After seconds",
+                retry_after=self.retry_after(needed - share.room, share.rate))
         return Overloaded(
-            f"the queue is full: {held}, and this request needs more than the "
-            f"{max(room, 0)} free; retry after the Retry-After seconds",
-            retry_after=self.retry_after(bound - room))
+            f"the queue is full: {self.max_tokens - tokens_room} of {self.max_tokens} tokens "
+            "(BGE_M3_MAX_QUEUE_TOKENS) are queued or being admitted, and this request needs "
+            f"more than the {max(tokens_room, 0)} free; retry after the Retry-After seconds",
+            retry_after=self.retry_after(needed - tokens_room))
 
     def full(self) -> Overloaded | None:
         """The refusal when no request can be admitted whatever its size (O(1)), else None."""
         with self._lock:
-            room, busy = self.room(), self.reserved or self.queued()
-        return self.refusal(1, room) if busy and room <= 0 else None
+            tokens, share = self._rooms()
+            room = tokens if share is None else min(tokens, share.room)
+            busy = self.reserved or self.queued()
+        return self.refusal(1, tokens, share) if busy and room <= 0 else None
 
     def reserve(self, bound: int) -> None:
         """Hold ``bound`` tokens of room (while tokenizing, until the exact tokens are
         queued; ``release`` them then); raises ``Overloaded`` if they are not there."""
         with self._lock:
-            room, busy = self.room(), self.reserved or self.queued()
-            if busy and bound > room:
-                raise self.refusal(bound, room)
+            tokens, share = self._rooms()
+            room = tokens if share is None else min(tokens, share.room)
+            if (self.reserved or self.queued()) and bound > room:
+                raise self.refusal(bound, tokens, share)
             self.reserved += bound
 
     def release(self, bound: int) -> None:
         with self._lock:
             self.reserved -= bound
 
-    def check_in_time(self, tokens: int, bound: int, left_s: float | None = None) -> None:
-        """Refuse (``Overloaded``) a request of ``tokens`` exact tokens to queue (``bound`` of
-        them still reserved) that would take the queue past what drains in its share of the
-        deadline, or of the ``left_s`` seconds its own deadline leaves (it waited for a
-        tokenizing slot); the lower bound reserved before tokenizing counts words, and ids ran
-        ~3x past it. The scheduler's own check is BGE_M3_MAX_QUEUE_TOKENS'; alone, a request
-        always goes in."""
+    def check_in_time(self, tokens: int, bound: int, left_s: float | None = None, *,
+                      squares: int) -> None:
+        """Refuse (``Overloaded``) a request of ``tokens`` exact tokens to queue (``squares``:
+        their texts' lengths squared, summed; ``bound`` of them still reserved) whose work
+        would take the queue past what drains in its share of the deadline, or of the
+        ``left_s`` seconds its own deadline leaves (it waited for a tokenizing slot); the
+        lower bound reserved before tokenizing counts words, and ids ran ~3x past it. The
+        scheduler's own check is BGE_M3_MAX_QUEUE_TOKENS'; alone, a request always goes in."""
         with self._lock:
-            limit = self.limit()
-            if left_s is not None and self.deadline_s is not None and limit < self.max_tokens:
-                limit = min(limit, int(limit * max(0.0, left_s) / self.deadline_s))
-            others = self.queued() + self.reserved - bound
-            if limit < self.max_tokens and others and tokens and others + tokens > limit:
-                raise self.refusal(tokens, limit - others, limit)
+            share = self._share()
+            if share is None:
+                return
+            assert self.deadline_s is not None
+            if left_s is not None:
+                share = share.within(max(0.0, left_s) / self.deadline_s)
+            share = share.without(bound)
+            needed = work(tokens, squares, share.attention)
+            if share.held > 0 and tokens and needed > share.room:
+                raise self.refusal(needed, self.max_tokens - self.queued() - self.reserved
+                                   + bound, share)
+
+
+@dataclass(frozen=True)
+class _Share:
+    """The deadline's share of work the queue may hold (``budget``), what it holds
+    (``held``: queued and reserved), at ``rate`` work per second, ``attention`` A."""
+
+    budget: float
+    held: float
+    rate: float
+    attention: float
+
+    @property
+    def room(self) -> int:
+        return math.floor(self.budget - self.held)
+
+    def within(self, part: float) -> _Share:
+        """The share of ``part`` of the deadline's time (what a request's deadline has left)."""
+        return replace(self, budget=min(self.budget, self.budget * part))
+
+    def without(self, reserved: float) -> _Share:
+        """Not counting ``reserved`` (the request's own reservation)."""
+        return replace(self, held=self.held - reserved)
 
 
 class _Admitting:
@@ -235,7 +327,9 @@ class _Admitting:
     def __init__(self, engine: Engine, max_queue_tokens: int, drain: DrainMeter,
                  slots: int, deadline_s: float | None = None) -> None:
         self.engine = engine
-        self.gate = AdmissionGate(max_queue_tokens, engine.queued_tokens, drain, deadline_s)
+        self.gate = AdmissionGate(max_queue_tokens, engine.queued_tokens, drain, deadline_s,
+                                  engine.queued_squares,
+                                  functools.partial(attention_tokens, engine))
         self.refused = 0
         self._lock = threading.Lock()
         self._bounds = ThreadPoolExecutor(1, thread_name_prefix="bgeserve-admission")
@@ -305,16 +399,20 @@ class _Admitting:
             # What it queues: not the texts the cache answered or a repeat of another of its
             # texts runs for (review: a request the cache answered whole was a 429).
             left = None if job.deadline is None else job.deadline - time.monotonic()
+            lengths = [len(job.ids[i]) for i in job.pending()]
             try:
-                self.gate.check_in_time(sum(len(job.ids[i]) for i in job.pending()), bound,
-                                        left)
+                self.gate.check_in_time(sum(lengths), bound, left,
+                                        squares=sum(n * n for n in lengths))
             except Overloaded as exc:
                 raise self._refuse(exc) from None
         try:
             return self.engine.submit(job)
         except Overloaded as exc:
             tokens = sum(len(x) for x in job.ids)
-            needed = tokens - self.gate.room() - bound  # this request's own reservation
+            # The scheduler's is BGE_M3_MAX_QUEUE_TOKENS' refusal: tokens, beside this
+            # request's own reservation.
+            gate = self.gate
+            needed = tokens - (gate.max_tokens - gate.queued() - gate.reserved) - bound
             raise Overloaded(exc.message, retry_after=self.gate.retry_after(needed)) from None
 
     async def submit_jobs(self, chars: int, lower_bound: Callable[[int], int],

@@ -216,7 +216,8 @@ class _StateCollector:
                 yield GaugeMetricFamily(
                     "bgeserve_queue_limit_tokens",
                     "Tokens the queue takes before 429: BGE_M3_MAX_QUEUE_TOKENS, or what the "
-                    "measured drain rate runs in 3/4 of BGE_M3_REQUEST_TIMEOUT_SECS, where fewer",
+                    "measured drain rate runs in 3/4 of BGE_M3_REQUEST_TIMEOUT_SECS, where fewer "
+                    "(tokens of short texts: a long text's count more, for its attention)",
                     value=admission.gate.limit())
             counters = engine.counters
             # 429s decided before tokenizing are the admission's, not the scheduler's; the

@@ -77,6 +77,12 @@ class RunCost:
                 "per_token_position_us": round(self.per_pair * 1e6, 4),
                 "new_shape_ms": round(self.new_shape * 1e3, 3)}
 
+    @property
+    def attention_tokens(self) -> float | None:
+        """The length at which a text's attention costs as much as the rest of its run
+        (``per_token / per_pair``); None where no attention term was fitted."""
+        return self.per_token / self.per_pair if self.per_pair > 0 else None
+
     def seconds(self, batch: int, seq: int) -> float:
         return self.fixed + batch * seq * (self.per_token + seq * self.per_pair)
 
