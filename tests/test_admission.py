@@ -250,14 +250,42 @@ def test_a_long_texts_tokens_count_for_their_attention() -> None:
     gate.release(2_000)
     state.update(queued=0, squares=0)
     gate.check_in_time(8_000, 0, squares=8_000**2)  # alone: in, whatever it takes
+    # Let in alone, it holds more than the share: the queue takes no more, and says so
+    # (0 more, not a negative limit: review).
+    state.update(queued=8_000, squares=8_000**2)
+    assert gate.room() < 0 and gate.limit() == 8_000
+
+
+def test_work_past_the_share_is_told_so_where_the_token_bound_is_lower() -> None:
+    """A request whose tokens fit BGE_M3_MAX_QUEUE_TOKENS' room but whose work does not fit
+    the deadline's share is told the share is what it misses, with the share's Retry-After
+    (review: it was told the token queue was full, Retry-After 60 s from mixed units); after a
+    wait for a tokenizing slot, its Retry-After is that of a retry with its whole deadline."""
+    drain = DrainMeter(clock=Clock())
+    drain.record(1000, 1.0)
+    gate = AdmissionGate(20_000, lambda: 100, drain, deadline_s=60.0,
+                         attention=lambda: 2048.0)
+    # Two texts of 8,192 tokens: 16,384 tokens, 81,920 tokens' worth; the share is 45,000.
+    with pytest.raises(Overloaded, match="takes at most 45.0s") as refused:
+        gate.check_in_time(16_384, 0, squares=2 * 8192**2)
+    assert "this request needs ~81.9s" in refused.value.message
+    assert "BGE_M3_MAX_QUEUE_TOKENS" not in refused.value.message
+    assert refused.value.retry_after == 38.0  # 81,920 - 44,900 at 1,000 a second, up
+    with pytest.raises(Overloaded, match="takes at most 15.0s") as refused:
+        gate.check_in_time(16_384, 0, left_s=20.0, squares=2 * 8192**2)
+    assert refused.value.retry_after == 38.0  # not from the 14,900 its 20 s left have
 
 
 def test_the_attention_length_is_the_measured_run_costs() -> None:
-    """A = per_token / per_pair of the probe's run cost; without one, or without an attention
-    term in it, DEFAULT_ATTENTION_TOKENS."""
+    """A = per_token / per_pair of the probe's run cost, at least MIN_ATTENTION_TOKENS; without
+    one, or without an attention term in it, DEFAULT_ATTENTION_TOKENS."""
     from types import SimpleNamespace
 
-    from bgeserve.service.admission import DEFAULT_ATTENTION_TOKENS, attention_tokens
+    from bgeserve.service.admission import (
+        DEFAULT_ATTENTION_TOKENS,
+        MIN_ATTENTION_TOKENS,
+        attention_tokens,
+    )
     from bgeserve.tuning.runcost import RunCost
 
     def engine(cost: RunCost | None) -> Any:
@@ -268,6 +296,9 @@ def test_the_attention_length_is_the_measured_run_costs() -> None:
     assert measured == pytest.approx(2485.3, abs=0.1)
     assert attention_tokens(engine(None)) == DEFAULT_ATTENTION_TOKENS
     assert attention_tokens(engine(RunCost(0.01, per_token=1e-3))) == DEFAULT_ATTENTION_TOKENS
+    # A fit's noise, not a model: a 10-token A would price every text ~tens of times over.
+    noisy = RunCost(0.01, per_token=1e-3, per_pair=1e-4)
+    assert attention_tokens(engine(noisy)) == MIN_ATTENTION_TOKENS
 
 
 def test_the_exact_tokens_are_held_to_the_deadlines_share_after_tokenizing() -> None:

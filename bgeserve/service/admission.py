@@ -72,6 +72,9 @@ QUEUE_DEADLINE_SHARE = 0.75
 # on full-size OpenVINO int8, ~1,900 ONNX Runtime int8, 2-core Zen 4, both held within 3 % to
 # 4,096 tokens); where it did not, this.
 DEFAULT_ATTENTION_TOKENS = 2048.0
+# A measured A below this is a fit's noise, not a model (a transformer's attention costs as much
+# as its matrices at ~6 x its hidden size: the tiny test model, hidden 32, measured ~440).
+MIN_ATTENTION_TOKENS = 128.0
 Plan = TypeVar("Plan")
 Made = TypeVar("Made")
 
@@ -83,10 +86,11 @@ def work(tokens: int, squares: int, attention: float) -> float:
 
 
 def attention_tokens(engine: Engine) -> float:
-    """A in ``work`` for ``engine``: its measured run cost's, else the default."""
+    """A in ``work`` for ``engine``: its measured run cost's (at least
+    ``MIN_ATTENTION_TOKENS``), else the default."""
     cost = engine.run_cost
     measured = None if cost is None else cost.attention_tokens
-    return measured or DEFAULT_ATTENTION_TOKENS
+    return DEFAULT_ATTENTION_TOKENS if measured is None else max(MIN_ATTENTION_TOKENS, measured)
 
 
 class DrainMeter:
@@ -212,8 +216,9 @@ class AdmissionGate:
 
     def limit(self) -> int:
         """Tokens the queue may hold now: what it holds (queued and reserved) and its
-        ``room`` (under the deadline's share, tokens of short texts: a long text's count more)."""
-        return self.queued() + self.reserved + self.room()
+        ``room`` (under the deadline's share, tokens of short texts: a long text's count more;
+        none when it holds more than its share, as long texts let in alone can)."""
+        return self.queued() + self.reserved + max(0, self.room())
 
     def retry_after(self, needed: float, rate: float | None = None) -> float:
         """Seconds until ``needed`` more tokens of room have drained at ``rate`` (default:
@@ -231,22 +236,26 @@ class AdmissionGate:
         # Not the bound itself: it stops counting once past the room (a request of 2,880
         # tokens was said to need "at least 448").
         if share is not None and share.room < tokens_room:
-            assert self.deadline_s is not None
-            return Overloaded(
-                f"the queue is full: ~{share.held / share.rate:.1f}s of work are queued or "
-                f"being admitted (at the measured drain rate, a long text's tokens counting "
-                f"more for attention), and the queue takes at most "
-                f"{share.budget / share.rate:.1f}s of it ({QUEUE_DEADLINE_SHARE:g} of "
-                f"BGE_M3_REQUEST_TIMEOUT_SECS={self.deadline_s:g} or of what this request's "
-                f"deadline has left: more would finish late together), and this request needs "
-                f"more than the ~{max(share.room, 0) / share.rate:.1f}s free; retry after the "
-                "Retry-After seconds",
-                retry_after=self.retry_after(needed - share.room, share.rate))
+            return self._late(needed, share, share.room)
         return Overloaded(
             f"the queue is full: {self.max_tokens - tokens_room} of {self.max_tokens} tokens "
             "(BGE_M3_MAX_QUEUE_TOKENS) are queued or being admitted, and this request needs "
             f"more than the {max(tokens_room, 0)} free; retry after the Retry-After seconds",
             retry_after=self.retry_after(needed - tokens_room))
+
+    def _late(self, needed: float, share: _Share, free: int) -> Overloaded:
+        """The 429 for ``needed`` work past the deadline's ``share``; Retry-After when
+        ``free`` more would be there (a retry has its whole deadline again)."""
+        assert self.deadline_s is not None
+        return Overloaded(
+            f"the queue is full: ~{share.held / share.rate:.1f}s of work are queued or being "
+            "admitted (at the measured drain rate, a long text's tokens counting more for "
+            f"attention), and the queue takes at most {share.budget / share.rate:.1f}s of it "
+            f"({QUEUE_DEADLINE_SHARE:g} of BGE_M3_REQUEST_TIMEOUT_SECS={self.deadline_s:g} or "
+            "of what this request's deadline has left: more would finish late together), and "
+            f"this request needs ~{needed / share.rate:.1f}s, more than the "
+            f"~{max(share.room, 0) / share.rate:.1f}s free; retry after the Retry-After seconds",
+            retry_after=self.retry_after(needed - free, share.rate))
 
     def full(self) -> Overloaded | None:
         """The refusal when no request can be admitted whatever its size (O(1)), else None."""
@@ -283,13 +292,14 @@ class AdmissionGate:
             if share is None:
                 return
             assert self.deadline_s is not None
+            whole = share = share.without(bound)
             if left_s is not None:
                 share = share.within(max(0.0, left_s) / self.deadline_s)
-            share = share.without(bound)
             needed = work(tokens, squares, share.attention)
             if share.held > 0 and tokens and needed > share.room:
-                raise self.refusal(needed, self.max_tokens - self.queued() - self.reserved
-                                   + bound, share)
+                # The share's refusal whatever BGE_M3_MAX_QUEUE_TOKENS' room (the scheduler's
+                # to check): it is what this request does not fit (review).
+                raise self._late(needed, share, whole.room)
 
 
 @dataclass(frozen=True)
