@@ -19,19 +19,27 @@ pytestmark = pytest.mark.slow
 
 def test_a_request_past_its_deadline_is_a_504(tiny_export: Path, tmp_path: Path) -> None:
     """Eight texts of 8,192 tokens, one at a time on one thread (~0.2-1 s each), against a
-    0.5 s deadline: 504 `timeout` with the request id, after about the deadline; the metric
-    counts it; the server drops the rest and serves the next request."""
+    0.5 s deadline: 504 `timeout` with the request id, after about the deadline, saying how
+    much had run and that the request is too large for the deadline; the metric counts it;
+    the server drops the rest and serves the next request."""
     env = server_env(tiny_export, tmp_path, BGE_M3_REQUEST_TIMEOUT_SECS="0.5",
                      BGE_M3_MAX_SEQ_LENGTH="8192", BGE_M3_MAX_CHUNK="1",
                      BGE_M3_INTRA_THREADS="1")
     long_text = "lorem ipsum dolor " * 3000  # truncated to 8,192 tokens
     with ServerProc(env) as proc:
         proc.wait_health(timeout=START_TIMEOUT)
-        r = httpx.post(f"{proc.url}/v1/embeddings", json={"input": [long_text] * 8},
+        # Distinct: eight copies of one text run once (the others repeat it).
+        texts = [f"{i} {long_text}" for i in range(8)]
+        r = httpx.post(f"{proc.url}/v1/embeddings", json={"input": texts},
                        timeout=30, headers={"X-Request-ID": "deadline-1"})
         assert r.status_code == 504, r.text
         assert r.json()["error"]["code"] == "timeout"
-        assert "BGE_M3_REQUEST_TIMEOUT_SECS" in r.json()["error"]["message"]
+        message = r.json()["error"]["message"]
+        assert "BGE_M3_REQUEST_TIMEOUT_SECS" in message
+        # Where it was: too large for the deadline, not behind others (each text alone runs
+        # past the deadline's share here).
+        assert "of the 8 texts it had to run were done" in message, message
+        assert "too much for one request under this deadline" in message, message
         assert r.headers["x-request-id"] == "deadline-1"
         assert r.headers["x-should-retry"] == "false"  # the openai client would run it 3 times
         assert r.elapsed.total_seconds() < 2.5

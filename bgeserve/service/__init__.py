@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from bgeserve import holds, runtime, timings
 from bgeserve.config import Settings
@@ -26,7 +26,7 @@ from bgeserve.results import Embeddings, EmbedOptions, ModelInfo, RerankOptions,
 from bgeserve.runtime import gpu
 from bgeserve.service import canary, choice, health, outputs, plan, reranking, tokens
 from bgeserve.service import info as service_info
-from bgeserve.service.admission import Admission, DrainMeter
+from bgeserve.service.admission import Admission, DrainMeter, attention_tokens, where_late
 from bgeserve.service.metrics import Metrics
 from bgeserve.service.preparation import Preparation
 from bgeserve.service.probing import probe_source
@@ -34,6 +34,9 @@ from bgeserve.tuning import cache, memory
 from bgeserve.tuning.audit import AuditSample, WorkspaceAudit
 from bgeserve.tuning.budget import measure_model_cost, split_available
 from bgeserve.tuning.tuner import DoesNotFit, Tuner, UnmeasuredFloor
+
+if TYPE_CHECKING:
+    from bgeserve.engine.jobs import Job
 
 log = logging.getLogger("bgeserve.service")
 T = TypeVar("T")
@@ -394,6 +397,8 @@ class Service:
             characters = (len(inputs) if isinstance(inputs, str)
                           else sum(len(x) for x in inputs if isinstance(x, str)))
 
+        made: list[Job] = []  # its job, once tokenized: what a 504 says of its progress
+
         async def run() -> Embeddings:
             nonlocal inputs
             cut = None
@@ -401,6 +406,7 @@ class Service:
                 cut = await self.truncate_left(cast(Sequence[str], inputs))
                 inputs = cast(Inputs, cut.ids)  # int64 arrays: sequences of ids
             job, future = await admission.submit(inputs, options, request_id, arrived)
+            made.append(job)
             queued = time.monotonic()
             result = await engine.await_job(job, future)
             if cut is not None:  # the ids ran whole: the texts they were cut from say it
@@ -416,8 +422,12 @@ class Service:
         # accounted until then: Admission.on_thread).
         # Its ColBERT output's room is held until the answer is sent: the HTTP layer's scope
         # (guards.InflightLimit) outlives this one; a library caller's ends here.
+        def late(timeout: float) -> str:
+            return where_late(made[0] if made else None, self.drain,
+                              attention_tokens(engine), timeout)
+
         with holds.answering():
-            result = await self._within_deadline(run())
+            result = await self._within_deadline(run(), late)
         self.metrics_registry.observe_request(result, time.perf_counter() - started)
         return result
 
@@ -505,19 +515,22 @@ class Service:
         ``embed`` them)."""
         return await tokens.truncate_left(self._engine(), texts, self._tokenizing)
 
-    async def _within_deadline(self, work: Awaitable[T]) -> T:
+    async def _within_deadline(self, work: Awaitable[T],
+                               late: Callable[[float], str] | None = None) -> T:
         """``work`` bounded by BGE_M3_REQUEST_TIMEOUT_SECS, a 504 counted once past it (embed;
-        /tokenize and /decode, which wait for a tokenizing slot too). Not wait_for: its task
-        would submit an embedding's job one loop iteration later."""
+        /tokenize and /decode, which wait for a tokenizing slot too), saying ``late(timeout)``
+        (where the request was). Not wait_for: its task would submit an embedding's job one
+        loop iteration later."""
         timeout = self.settings.request_timeout_secs or None
         try:
             async with asyncio.timeout(timeout):
                 return await work
         except (TimeoutError, DeadlineExceeded):  # our timer, or the scheduler's expiry
             self.metrics_registry.deadline_exceeded()
+            where = "" if late is None or timeout is None else f": {late(timeout)}"
             raise DeadlineExceeded(
                 f"the request did not finish within BGE_M3_REQUEST_TIMEOUT_SECS={timeout:g}s"
-            ) from None
+                f"{where}") from None
 
     async def _tokenizing(self, work: Callable[[], Any]) -> Any:
         """``work`` on a thread in one of the admission's tokenizing slots."""

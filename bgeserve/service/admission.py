@@ -93,6 +93,30 @@ def attention_tokens(engine: Engine) -> float:
     return DEFAULT_ATTENTION_TOKENS if measured is None else max(MIN_ATTENTION_TOKENS, measured)
 
 
+def where_late(job: Job | None, drain: DrainMeter, attention: float, deadline_s: float) -> str:
+    """What a 504 adds: how much of ``job`` (None: not tokenized yet) had run, what its texts
+    are at the measured drain rate, and so whether it is too large for the deadline (send
+    less a request) or waited behind others' work (retry later)."""
+    if job is None:
+        return ("it was still waiting to be tokenized and admitted behind other requests "
+                "(the server is busy: retry later)")
+    todo = job.pending()
+    said = f"{len(todo) - job.remaining} of the {len(todo)} texts it had to run were done"
+    if len(todo) < len(job.ids):
+        said += f" (of its {len(job.ids)}: the others repeat them or were in the cache)"
+    rate = drain.work_rate(attention)
+    if not todo or rate <= 0:
+        return said
+    lengths = [len(job.ids[i]) for i in todo]
+    seconds = work(sum(lengths), sum(n * n for n in lengths), attention) / rate
+    said += (f"; their {sum(lengths)} tokens are ~{seconds:.1f}s of work at the measured "
+             "drain rate")
+    if seconds > QUEUE_DEADLINE_SHARE * deadline_s:
+        return (said + ", too much for one request under this deadline: send fewer or shorter "
+                "texts a request, or raise BGE_M3_REQUEST_TIMEOUT_SECS")
+    return said + ", which fits: it waited behind other requests' work (retry later)"
+
+
 class DrainMeter:
     """Tokens the engine drains per second while it runs, over the chunks that finished in
     the last ``window`` seconds (thread-safe).
