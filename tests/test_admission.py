@@ -310,7 +310,7 @@ def test_a_504_says_how_far_the_request_got_and_why_it_was_late() -> None:
     from bgeserve.service.admission import where_late
 
     drain = DrainMeter(clock=Clock())
-    assert "waiting to be tokenized" in where_late(None, drain, 2048.0, 10.0)
+    assert "waiting to be tokenized" in where_late([], drain, 2048.0, 10.0)
 
     def job(*lengths: int, remaining: int) -> Any:
         ids = [[0] * n for n in lengths]
@@ -318,20 +318,23 @@ def test_a_504_says_how_far_the_request_got_and_why_it_was_late() -> None:
                                pending=lambda: list(range(len(ids))))
 
     big = job(8192, 8192, 100, remaining=2)
-    assert where_late(big, drain, 2048.0, 10.0) == (
+    assert where_late([big], drain, 2048.0, 10.0) == (
         "1 of the 3 texts it had to run were done")  # no rate measured: no more to say
     drain.record(1000, 1.0)
     # 16,484 tokens, 16,484 + (2 x 8,192² + 100²) / 2,048 = 82,025 tokens' worth: ~82 s.
-    said = where_late(big, drain, 2048.0, 10.0)
+    said = where_late([big], drain, 2048.0, 10.0)
     assert said.startswith("1 of the 3 texts it had to run were done; their 16484 tokens are "
                            "~82.0s of work")
     assert "too much for one request" in said and "BGE_M3_REQUEST_TIMEOUT_SECS" in said
-    small = where_late(job(100, 100, remaining=2), drain, 2048.0, 10.0)
+    small = where_late([job(100, 100, remaining=2)], drain, 2048.0, 10.0)
     assert "~0.2s of work" in small and "waited behind other requests' work" in small
     folded = job(100, 100, 100, remaining=1)
     folded.pending = lambda: [0]  # the others repeat it
-    assert where_late(folded, drain, 2048.0, 10.0).startswith(
+    assert where_late([folded], drain, 2048.0, 10.0).startswith(
         "0 of the 1 texts it had to run were done (of its 3: the others repeat them")
+    # A rerank's groups of windows: their texts together.
+    assert where_late([big, job(100, 100, remaining=2)], drain, 2048.0, 10.0).startswith(
+        "1 of the 5 texts it had to run were done; their 16684 tokens")
 
 
 def test_the_exact_tokens_are_held_to_the_deadlines_share_after_tokenizing() -> None:

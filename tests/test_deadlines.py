@@ -53,6 +53,25 @@ def test_a_request_past_its_deadline_is_a_504(tiny_export: Path, tmp_path: Path)
         assert ok.status_code == 200
 
 
+def test_a_rerank_past_its_deadline_says_how_far_it_got(tiny_export: Path,
+                                                          tmp_path: Path) -> None:
+    """bge-m3's own rerank scores past the deadline: a 504 saying how many of the texts it had
+    to run were done, as an embedding's does."""
+    env = server_env(tiny_export, tmp_path, BGE_M3_REQUEST_TIMEOUT_SECS="0.5",
+                     BGE_M3_MAX_SEQ_LENGTH="8192", BGE_M3_MAX_CHUNK="1",
+                     BGE_M3_INTRA_THREADS="1")
+    long_text = "lorem ipsum dolor " * 3000
+    with ServerProc(env) as proc:
+        proc.wait_health(timeout=START_TIMEOUT)
+        r = httpx.post(f"{proc.url}/v1/rerank", timeout=30, json={
+            "model": "bge-m3", "query": "lorem",
+            "documents": [f"{i} {long_text}" for i in range(8)]})
+        assert r.status_code == 504, r.text
+        message = r.json()["error"]["message"]
+        assert "BGE_M3_REQUEST_TIMEOUT_SECS=0.5s: " in message, message
+        assert "texts it had to run were done" in message, message
+
+
 def test_every_504_is_counted_once(tiny_export: Path, tmp_path: Path) -> None:
     """Twelve requests at once on one worker, each of texts that wait behind one another in
     the queue, a deadline that some of them miss: the metric equals the number of 504 answers

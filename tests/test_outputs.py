@@ -236,7 +236,7 @@ def test_a_colbert_rerank_holds_each_group_with_the_query_then_nothing(tiny_expo
         admission = Admission(engine, 1 << 30, DrainMeter(), slots=1, outputs=room)
         reranking = Reranking(Metrics())
         try:
-            got = _run(reranking._m3(engine, admission, query, docs, options, None, "r1"))
+            got = _run(reranking._m3(engine, admission, query, docs, options, None, "r1", []))
             assert sizes == want and room.held == 0 and room.waiting == 0
             np.testing.assert_allclose(got.scores, engine.rerank(query, docs, mode="colbert").scores,
                                        atol=1e-6)
@@ -251,7 +251,7 @@ def test_a_colbert_rerank_holds_each_group_with_the_query_then_nothing(tiny_expo
 
             admission.queue = refuse_the_second  # type: ignore[method-assign]
             with pytest.raises(Overloaded):
-                _run(reranking._m3(engine, admission, query, docs, options, None, "r2"))
+                _run(reranking._m3(engine, admission, query, docs, options, None, "r2", []))
             assert len(calls) == 2
             assert room.held == 0 and room.waiting == 0
         finally:

@@ -423,8 +423,7 @@ class Service:
         # Its ColBERT output's room is held until the answer is sent: the HTTP layer's scope
         # (guards.InflightLimit) outlives this one; a library caller's ends here.
         def late(timeout: float) -> str:
-            return where_late(made[0] if made else None, self.drain,
-                              attention_tokens(engine), timeout)
+            return where_late(made, self.drain, attention_tokens(engine), timeout)
 
         with holds.answering():
             result = await self._within_deadline(run(), late)

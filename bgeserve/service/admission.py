@@ -30,7 +30,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
@@ -93,21 +93,24 @@ def attention_tokens(engine: Engine) -> float:
     return DEFAULT_ATTENTION_TOKENS if measured is None else max(MIN_ATTENTION_TOKENS, measured)
 
 
-def where_late(job: Job | None, drain: DrainMeter, attention: float, deadline_s: float) -> str:
-    """What a 504 adds: how much of ``job`` (None: not tokenized yet) had run, what its texts
-    are at the measured drain rate, and so whether it is too large for the deadline (send
-    less a request) or waited behind others' work (retry later)."""
-    if job is None:
+def where_late(jobs: Sequence[Job], drain: DrainMeter, attention: float,
+               deadline_s: float) -> str:
+    """What a 504 adds: how much of the request's ``jobs`` (none: not tokenized yet) had run,
+    what their texts are at the measured drain rate, and so whether the request is too large
+    for the deadline (send less a request) or waited behind others' work (retry later)."""
+    if not jobs:
         return ("it was still waiting to be tokenized and admitted behind other requests "
                 "(the server is busy: retry later)")
-    todo = job.pending()
-    said = f"{len(todo) - job.remaining} of the {len(todo)} texts it had to run were done"
-    if len(todo) < len(job.ids):
-        said += f" (of its {len(job.ids)}: the others repeat them or were in the cache)"
+    todo = [(job, i) for job in jobs for i in job.pending()]
+    texts = sum(len(job.ids) for job in jobs)
+    done = len(todo) - sum(job.remaining for job in jobs)
+    said = f"{done} of the {len(todo)} texts it had to run were done"
+    if len(todo) < texts:
+        said += f" (of its {texts}: the others repeat them or were in the cache)"
     rate = drain.work_rate(attention)
     if not todo or rate <= 0:
         return said
-    lengths = [len(job.ids[i]) for i in todo]
+    lengths = [len(job.ids[i]) for job, i in todo]
     seconds = work(sum(lengths), sum(n * n for n in lengths), attention) / rate
     said += (f"; their {sum(lengths)} tokens are ~{seconds:.1f}s of work at the measured "
              "drain rate")

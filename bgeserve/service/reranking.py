@@ -29,7 +29,13 @@ from bgeserve.errors import ConfigError, DeadlineExceeded, InvalidInput
 from bgeserve.model.rerank_artifacts import RERANK_MODEL_ID, RERANK_MODEL_IDS, resolve_reranker
 from bgeserve.results import EmbedOptions, RerankOptions, RerankResult
 from bgeserve.service import info, outputs, plan
-from bgeserve.service.admission import Admission, DrainMeter, PairAdmission
+from bgeserve.service.admission import (
+    Admission,
+    DrainMeter,
+    PairAdmission,
+    attention_tokens,
+    where_late,
+)
 from bgeserve.service.metrics import Metrics
 from bgeserve.service.probing import probe_source
 from bgeserve.tuning import cache
@@ -204,24 +210,36 @@ class Reranking:
                     f"{ignored[0]} applies to bge-m3's own scores; this request is scored by "
                     f"the cross-encoder {RERANK_MODEL_ID}. Send \"model\": \"bge-m3\" to use "
                     f"{ignored[0]}, or leave it out", param=ignored[0])
+        made: list[Job] = []  # its jobs once tokenized: what a 504 says of its progress
+        cross = self.cross_encoder(options.model)
         try:
-            if self.cross_encoder(options.model):
-                result = await self._cross(query, documents, options, timeout, request_id)
+            if cross:
+                result = await self._cross(query, documents, options, timeout, request_id,
+                                           made)
             else:
                 result = await self._m3(m3, m3_admission, query, documents, options, timeout,
-                                        request_id)
+                                        request_id, made)
         except (TimeoutError, DeadlineExceeded):  # our timer, or the scheduler's expiry:
             self.metrics.deadline_exceeded()  # counted once either way, as Service.embed
+            where = ""
+            if timeout is not None:  # as Service.embed's: where the request was
+                if cross:
+                    assert self.reranker is not None
+                    drain, engine = self.drain, self.reranker.engine
+                else:
+                    drain, engine = m3_admission.gate.drain, m3
+                where = f": {where_late(made, drain, attention_tokens(engine), timeout)}"
             raise DeadlineExceeded(f"the request did not finish within "
-                                   f"BGE_M3_REQUEST_TIMEOUT_SECS={timeout:g}s") from None
+                                   f"BGE_M3_REQUEST_TIMEOUT_SECS={timeout:g}s{where}") from None
         self.metrics.observe_rerank(result, time.perf_counter() - started)
         return result
 
     async def _m3(self, m3: Engine, admission: Admission, query: str, documents: list[str],
                   options: RerankOptions, timeout: float | None,
-                  request_id: str) -> RerankResult:
+                  request_id: str, made: list[Job]) -> RerankResult:
         """bge-m3's own scores, admitted like its embeddings: a lower bound of the texts'
-        tokens before tokenizing (``m3rerank.min_tokens``), Retry-After from its drain rate."""
+        tokens before tokenizing (``m3rerank.min_tokens``), Retry-After from its drain rate;
+        its jobs go to ``made`` once made."""
         m3rerank.check_options(options)  # a bad mode is a 400 whatever the queue holds
         arrived = time.monotonic()
         # Its ColBERT vectors, one group of windows at a time (scored, then dropped), are held
@@ -245,6 +263,7 @@ class Reranking:
                                                      stop_above=room),
                     functools.partial(m3rerank.make_jobs, m3, query, documents, options,
                                       request_id, arrived), before=before)
+                made.extend(jobs)
                 query_bytes = m3.colbert_bytes(plan_.inputs[:1])
                 queued = time.monotonic()
                 later = functools.partial(admission.queue, later=True)  # admitted already
@@ -259,7 +278,7 @@ class Reranking:
                 holding.give_back()
 
     async def _cross(self, query: str, documents: list[str], options: RerankOptions,
-                     timeout: float | None, request_id: str) -> RerankResult:
+                     timeout: float | None, request_id: str, made: list[Job]) -> RerankResult:
         reranker, admission = self.reranker, self.admission
         assert reranker is not None and admission is not None
         arrived = time.monotonic()
@@ -269,6 +288,7 @@ class Reranking:
         async with asyncio.timeout(timeout):
             plan_, job, future = await admission.submit(query, documents, options, request_id,
                                                         arrived)
+            made.append(job)
             queued = time.monotonic()
             embedded = await reranker.engine.await_job(job, future)
         result = reranker.finish(plan_, embedded, options)
