@@ -43,6 +43,24 @@ def test_the_drain_rate_is_tokens_per_second_of_running() -> None:
     assert meter.rate() == pytest.approx(600.0)
 
 
+def test_a_canarys_chunk_is_the_rate_only_until_work_was_measured() -> None:
+    """The canary (a solo chunk: one short text, mostly a run's fixed cost) gives the rate at
+    start-up, and once work was measured never replaces it: /health/deep every 20 s made an
+    idle server's rate its own, and the next burst was refused for it."""
+    clock = Clock()
+    meter = DrainMeter(window=10.0, clock=clock)
+    meter.record(40, 0.1, solo=True)  # the start-up canary: 400 tokens/s
+    assert meter.rate() == pytest.approx(400.0)
+    clock.t += 1
+    meter.record(1000, 0.5)  # work, in the same window as the canary
+    assert meter.rate() == pytest.approx(1040 / 0.6)
+    clock.t += 60  # idle; liveness probes' canaries come and go
+    meter.record(40, 0.1, solo=True)
+    clock.t += 20
+    meter.record(40, 0.1, solo=True)
+    assert meter.rate() == pytest.approx(1040 / 0.6)  # the work's, not the canary's
+
+
 def test_runs_of_workers_at_once_count_their_time_once() -> None:
     """Two workers each running 1,000 tokens in the same second drain 2,000 tokens/s; a third
     chunk overlapping the second half of theirs adds only its own new half second."""

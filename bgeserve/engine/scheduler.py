@@ -99,6 +99,7 @@ class ChunkStats:
     # The sum of its texts' lengths squared: with ``real_tokens``, what its work was
     # (attention's grows with each text's length; ``service.admission.work``).
     squares: int = 0
+    solo: bool = False  # a solo job's chunk (the canary's): one short text, alone
 
 
 class Scheduler(Workers):
@@ -443,7 +444,8 @@ class Scheduler(Workers):
         shapes.ran(len(pieces), pad_to)
         self._deaths[w] = 0  # it works again: the next death starts the backoff afresh
         self._on_chunk(ChunkStats(w, len(pieces), pad_to, sum(p.length for p in pieces),
-                                  seconds, sum(p.length * p.length for p in pieces)))
+                                  seconds, sum(p.length * p.length for p in pieces),
+                                  any(p.job.solo for p in pieces)))
         self._deliver(pieces, out, folded.twins)
 
     def _deliver(self, pieces: list[Piece], out: ChunkOutputs,

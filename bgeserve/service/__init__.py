@@ -474,7 +474,7 @@ class Service:
 
     def _on_chunk(self, stats: ChunkStats) -> None:
         self.metrics_registry.observe_chunk(stats)
-        self.drain.record(stats.real_tokens, stats.seconds, stats.squares)
+        self.drain.record(stats.real_tokens, stats.seconds, stats.squares, stats.solo)
 
     def _predict(self, batch: int, seq: int) -> float | None:
         cost = None if self.engine is None else self.engine.cost_model

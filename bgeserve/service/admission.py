@@ -141,12 +141,19 @@ class DrainMeter:
         # held a chunk (0 seconds: nothing measured yet).
         self._last: tuple[int, int, float] = (0, 0, 0.0)
         self._stale = False  # the events changed since _last was read off them
+        self._measured_work = False  # a chunk not solo was recorded
         self._lock = threading.Lock()
 
-    def record(self, tokens: int, seconds: float, squares: int = 0) -> None:
+    def record(self, tokens: int, seconds: float, squares: int = 0, solo: bool = False) -> None:
         """A chunk of ``tokens`` (real tokens; ``squares``: its texts' lengths squared,
-        summed) that ran for ``seconds`` finished now."""
+        summed) that ran for ``seconds`` finished now. A ``solo`` one (the canary: one short
+        text alone, mostly a run's fixed cost) counts only while nothing else was measured:
+        /health/deep's every 20 s replaced the rate of the work before an idle spell with its
+        own, several times lower, and the next burst was refused for it."""
         with self._lock:
+            if solo and self._measured_work:
+                return
+            self._measured_work = self._measured_work or not solo
             now = self.clock()
             self._events.append((now, now - max(0.0, seconds), tokens, squares))
             self._stale = True

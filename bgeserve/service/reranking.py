@@ -182,7 +182,7 @@ class Reranking:
             self.admission.close()
 
     def _on_chunk(self, stats: ChunkStats) -> None:
-        self.drain.record(stats.real_tokens, stats.seconds, stats.squares)
+        self.drain.record(stats.real_tokens, stats.seconds, stats.squares, stats.solo)
         self.metrics.observe_reranker_chunk(stats)
 
     @property
