@@ -274,6 +274,66 @@ def test_a_long_texts_tokens_count_for_their_attention() -> None:
     assert gate.room() < 0 and gate.limit() == 8_000
 
 
+def test_no_admission_makes_a_request_admitted_before_late() -> None:
+    """Requests take turns, so one admitted later delays one admitted before: the queue holds
+    at most what runs before the deadline of any request admitted and not yet answered,
+    while it is still in reach; once answered its deadline no longer counts (QA: ingestion
+    requests of ~30 s each admitted one beside another as the queue drained, and those
+    admitted first ended in 504s)."""
+    from concurrent.futures import Future
+
+    clock = Clock()
+    drain = DrainMeter(clock=clock)
+    drain.record(1000, 1.0)  # 1,000 tokens a second: the own share is 7,500
+    state = {"queued": 2_000}
+    gate = AdmissionGate(1_000_000, lambda: state["queued"], drain, deadline_s=10.0)
+    first: Future = Future()
+    gate.track(clock.t + 3.0, first)  # admitted before, 3 s left: 3,000 may be held
+    assert gate.room() == 1_000
+    gate.check_in_time(900, 0, squares=0)  # 2,900: it still ends in time
+    with pytest.raises(Overloaded, match="deadline of a request admitted before") as refused:
+        gate.check_in_time(1_500, 0, squares=0)  # 3,500 of its 3,000: refused, not 7,500
+    assert "takes at most 3.0s of it" in refused.value.message
+    with pytest.raises(Overloaded, match="admitted before"):
+        gate.reserve(1_001)
+    late: Future = Future()
+    gate.track(clock.t + 1.0, late)  # out of reach already (2,000 > 1,000): not protected
+    assert gate.room() == 1_000
+    first.set_result(None)  # answered: its deadline no longer counts
+    assert gate.room() == 7_500 - 2_000
+    gate.check_in_time(1_500, 0, squares=0)
+    untimed: Future = Future()
+    gate.track(None, untimed)  # no deadline: nothing to protect
+    assert gate.room() == 5_500
+
+
+def test_a_queued_jobs_deadline_is_protected_until_it_is_answered() -> None:
+    """Admission.queue hands the gate each job's deadline with its future."""
+    import time
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from bgeserve.service.admission import Admission
+
+    answered: Future = Future()
+    state = {"queued": 0}
+    engine = SimpleNamespace(
+        queued_squares=lambda: 0, run_cost=None, queued_tokens=lambda: state["queued"],
+        submit=lambda job: answered)
+    drain = DrainMeter()
+    drain.record(1000, 1.0)
+    admission = Admission(engine, 10**6, drain, slots=2,  # type: ignore[arg-type]
+                          deadline_s=100.0)
+    job = SimpleNamespace(ids=[[0] * 500], pending=lambda: [0],
+                          deadline=time.monotonic() + 2.0)
+    assert admission.queue(job) is answered  # type: ignore[arg-type]
+    state["queued"] = 500
+    assert admission.gate.room() <= 2_000 - 500  # ~2 s left to its deadline, not 75
+    answered.set_result(None)
+    assert admission.gate.room() == 75_000 - 500
+    admission.close()
+
+
 def test_work_past_the_share_is_told_so_where_the_token_bound_is_lower() -> None:
     """A request whose tokens fit BGE_M3_MAX_QUEUE_TOKENS' room but whose work does not fit
     the deadline's share is told the share is what it misses, with the share's Retry-After

@@ -209,9 +209,11 @@ class AdmissionGate:
     BGE_M3_MAX_QUEUE_TOKENS. With a ``deadline_s`` (BGE_M3_REQUEST_TIMEOUT_SECS), once a drain
     rate was measured, the queue also holds at most the ``work`` that rate runs in
     ``QUEUE_DEADLINE_SHARE`` of it (``queued_squares``: the queued texts' lengths squared,
-    summed; ``attention``: A in ``work``). A reservation (a lower bound of tokens) counts as
-    that much work, which it is at least. Like the queue, it lets any request in when nothing
-    is queued or reserved (a request larger than the whole queue must still be served alone).
+    summed; ``attention``: A in ``work``), and at most what it runs in the time left to the
+    deadline of any request admitted and not yet answered (``track``) that is still in time.
+    A reservation (a lower bound of tokens) counts as that much work, which it is at least.
+    Like the queue, it lets any request in when nothing is queued or reserved (a request
+    larger than the whole queue must still be served alone).
     """
 
     def __init__(self, max_tokens: int, queued: Callable[[], int], drain: DrainMeter,
@@ -226,6 +228,29 @@ class AdmissionGate:
         self.deadline_s = deadline_s or None
         self.reserved = 0  # tokens of admitted requests not yet in the queue
         self._lock = threading.Lock()
+        # The deadlines (the drain meter's clock) of the jobs admitted and not yet answered.
+        self._deadlines: dict[object, float] = {}
+        self._deadlines_lock = threading.Lock()  # taken inside _lock, never around it
+
+    def track(self, deadline: float | None, answered: Future) -> None:
+        """Count an admitted job's ``deadline`` until its ``answered`` future is done.
+
+        The queue takes turns: a request admitted later shares the runs with one admitted
+        before, whose work then ends later than when it was admitted. Held to its own share
+        only, an ingestion pipeline's requests of ~30 s each (full-size, 60 s deadline) were
+        admitted one beside another as the queue drained, and those admitted first still
+        ended in 504s (QA). So no admission may take the queue past the work the measured
+        rate runs before such a deadline, while that deadline is still in reach."""
+        if deadline is None or self.deadline_s is None:
+            return
+        key = object()
+        with self._deadlines_lock:
+            self._deadlines[key] = deadline
+        answered.add_done_callback(lambda _: self._untrack(key))
+
+    def _untrack(self, key: object) -> None:
+        with self._deadlines_lock:
+            self._deadlines.pop(key, None)
 
     def _share(self) -> _Share | None:
         """The deadline's share now (None: no deadline, or no rate measured yet)."""
@@ -236,7 +261,14 @@ class AdmissionGate:
         if rate <= 0:
             return None
         held = work(self.queued(), self.queued_squares(), attention) + self.reserved
-        return _Share(rate * self.deadline_s * QUEUE_DEADLINE_SHARE, held, rate, attention)
+        now = self.drain.clock()
+        with self._deadlines_lock:
+            deadlines = list(self._deadlines.values())
+        # Those already out of reach are not protected by refusing everyone else.
+        earlier = min((r for d in deadlines if (r := (d - now) * rate) >= held),
+                      default=math.inf)
+        return _Share(rate * self.deadline_s * QUEUE_DEADLINE_SHARE, held, rate, attention,
+                      earlier)
 
     def _rooms(self) -> tuple[int, _Share | None]:
         """The room under BGE_M3_MAX_QUEUE_TOKENS, and the deadline's share."""
@@ -281,12 +313,15 @@ class AdmissionGate:
         """The 429 for ``needed`` work past the deadline's ``share``; Retry-After when
         ``free`` more would be there (a retry has its whole deadline again)."""
         assert self.deadline_s is not None
+        why = ("the time left to the deadline of a request admitted before: more would "
+               "make it late, as requests take turns" if share.tight else
+               f"{QUEUE_DEADLINE_SHARE:g} of BGE_M3_REQUEST_TIMEOUT_SECS={self.deadline_s:g} "
+               "or of what this request's deadline has left: more would finish late together")
         return Overloaded(
             f"the queue is full: ~{share.held / share.rate:.1f}s of work are queued or being "
             "admitted (at the measured drain rate, a long text's tokens counting more for "
             f"attention), and the queue takes at most {share.budget / share.rate:.1f}s of it "
-            f"({QUEUE_DEADLINE_SHARE:g} of BGE_M3_REQUEST_TIMEOUT_SECS={self.deadline_s:g} or "
-            "of what this request's deadline has left: more would finish late together), and "
+            f"({why}), and "
             f"this request needs ~{needed / share.rate:.1f}s, more than the "
             f"~{max(share.room, 0) / share.rate:.1f}s free; retry after the Retry-After seconds",
             retry_after=self.retry_after(needed - free, share.rate))
@@ -338,13 +373,24 @@ class AdmissionGate:
 
 @dataclass(frozen=True)
 class _Share:
-    """The deadline's share of work the queue may hold (``budget``), what it holds
+    """The work the queue may hold (``budget``): the deadline's share (``own``) or what runs
+    before the deadline of a request admitted before (``earlier``), where less; what it holds
     (``held``: queued and reserved), at ``rate`` work per second, ``attention`` A."""
 
-    budget: float
+    own: float
     held: float
     rate: float
     attention: float
+    earlier: float = math.inf
+
+    @property
+    def budget(self) -> float:
+        return min(self.own, self.earlier)
+
+    @property
+    def tight(self) -> bool:
+        """Whether an earlier request's deadline is what bounds it."""
+        return self.earlier < self.own
 
     @property
     def room(self) -> int:
@@ -352,7 +398,7 @@ class _Share:
 
     def within(self, part: float) -> _Share:
         """The share of ``part`` of the deadline's time (what a request's deadline has left)."""
-        return replace(self, budget=min(self.budget, self.budget * part))
+        return replace(self, own=min(self.own, self.own * part))
 
     def without(self, reserved: float) -> _Share:
         """Not counting ``reserved`` (the request's own reservation)."""
@@ -450,7 +496,7 @@ class _Admitting:
             except Overloaded as exc:
                 raise self._refuse(exc) from None
         try:
-            return self.engine.submit(job)
+            answered = self.engine.submit(job)
         except Overloaded as exc:
             tokens = sum(len(x) for x in job.ids)
             # The scheduler's is BGE_M3_MAX_QUEUE_TOKENS' refusal: tokens, beside this
@@ -458,6 +504,9 @@ class _Admitting:
             gate = self.gate
             needed = tokens - (gate.max_tokens - gate.queued() - gate.reserved) - bound
             raise Overloaded(exc.message, retry_after=self.gate.retry_after(needed)) from None
+        if self.gate.deadline_s is not None:
+            self.gate.track(job.deadline, answered)
+        return answered
 
     async def submit_jobs(self, chars: int, lower_bound: Callable[[int], int],
                           make: Callable[[], tuple[Plan, list[Job]]],
