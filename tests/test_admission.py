@@ -171,7 +171,7 @@ def test_admission_refuses_before_tokenizing_what_cannot_fit() -> None:
         return SimpleNamespace(ids=[[0, 5, 2]])
 
     engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=None,
+        queued_squares=lambda: 0, run_cost=None, running=list,
         queued_tokens=lambda: state["queued"], make_job=make_job, submit=lambda job: "future",
         tokenizer=SimpleNamespace(min_tokens=min_tokens, max_seq=512))
     admission = Admission(engine, 1000, DrainMeter(), slots=2)  # type: ignore[arg-type]
@@ -255,7 +255,9 @@ def test_a_long_texts_tokens_count_for_their_attention() -> None:
     with pytest.raises(Overloaded, match="~0.1s of work are queued") as refused:
         gate.check_in_time(4_000, 0, squares=2 * 2_000**2)
     assert "takes at most 7.5s" in refused.value.message
-    assert refused.value.retry_after == 4.0  # 12,000 - 8,140 at 1,100 a second
+    # Past the whole share by itself: it goes in alone, once the 110 held drained.
+    assert "let in only when nothing else is queued" in refused.value.message
+    assert refused.value.retry_after == 1.0
     gate.check_in_time(2_000, 0, squares=2_000**2)  # one: 6,000 + 110, in
     # Queued, a long text holds its work's room: 6,110 of 8,250, so a bound of 2,200 tokens
     # does not fit, where 2,100 of 1,000,000 plain tokens would have.
@@ -307,6 +309,29 @@ def test_no_admission_makes_a_request_admitted_before_late() -> None:
     assert gate.room() == 5_500
 
 
+def test_the_chunks_in_progress_hold_what_they_still_have_to_run() -> None:
+    """A text leaves the queue when its chunk starts: its work still counts against the
+    deadline's share, less what ran of it (at the measured rate shared among the chunks in
+    progress); the canary's does not count; a request with nothing queued or reserved beside
+    it still goes in (a chunk in progress does not make it wait: under steady traffic
+    something nearly always runs)."""
+    from bgeserve.engine.workers import Running
+
+    clock = Clock()
+    drain = DrainMeter(clock=clock)
+    drain.record(1000, 1.0)  # 1,000 a second: the share is 7,500
+    state = {"queued": 1_000, "running": [Running(2.0, 4_000, False, 0),
+                                           Running(0.5, 20, True, 400)]}
+    gate = AdmissionGate(1_000_000, lambda: state["queued"], drain, deadline_s=10.0,
+                         running=lambda: state["running"])
+    assert gate.room() == 7_500 - 1_000 - (4_000 - 2_000)  # 2 s of 4 ran; the canary's not
+    with pytest.raises(Overloaded, match="~3.0s of work are queued"):
+        gate.check_in_time(4_501, 0, squares=0)
+    gate.check_in_time(4_500, 0, squares=0)
+    state["queued"] = 0
+    gate.check_in_time(20_000, 0, squares=0)  # alone in the queue, beside a chunk running
+
+
 def test_a_queued_jobs_deadline_is_protected_until_it_is_answered() -> None:
     """Admission.queue hands the gate each job's deadline with its future."""
     import time
@@ -318,8 +343,8 @@ def test_a_queued_jobs_deadline_is_protected_until_it_is_answered() -> None:
     answered: Future = Future()
     state = {"queued": 0}
     engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=None, queued_tokens=lambda: state["queued"],
-        submit=lambda job: answered)
+        queued_squares=lambda: 0, run_cost=None, running=list,
+        queued_tokens=lambda: state["queued"], submit=lambda job: answered)
     drain = DrainMeter()
     drain.record(1000, 1.0)
     admission = Admission(engine, 10**6, drain, slots=2,  # type: ignore[arg-type]
@@ -341,17 +366,34 @@ def test_work_past_the_share_is_told_so_where_the_token_bound_is_lower() -> None
     wait for a tokenizing slot, its Retry-After is that of a retry with its whole deadline."""
     drain = DrainMeter(clock=Clock())
     drain.record(1000, 1.0)
-    gate = AdmissionGate(20_000, lambda: 100, drain, deadline_s=60.0,
+    # 30,000 tokens queued of 35,000: 5,000 tokens of room, 15,000 of the 45,000 share's.
+    gate = AdmissionGate(35_000, lambda: 30_000, drain, deadline_s=60.0,
                          attention=lambda: 2048.0)
-    # Two texts of 8,192 tokens: 16,384 tokens, 81,920 tokens' worth; the share is 45,000.
+    # One text of 4,900 tokens: 4,900 + 4,900² / 2,048 = 16,623 tokens' worth.
     with pytest.raises(Overloaded, match="takes at most 45.0s") as refused:
-        gate.check_in_time(16_384, 0, squares=2 * 8192**2)
-    assert "this request needs ~81.9s" in refused.value.message
+        gate.check_in_time(4_900, 0, squares=4_900**2)
+    assert "this request needs ~16.6s" in refused.value.message
     assert "BGE_M3_MAX_QUEUE_TOKENS" not in refused.value.message
-    assert refused.value.retry_after == 38.0  # 81,920 - 44,900 at 1,000 a second, up
+    assert refused.value.retry_after == 2.0  # 16,623 - 15,000 at 1,000 a second, up
     with pytest.raises(Overloaded, match="takes at most 15.0s") as refused:
-        gate.check_in_time(16_384, 0, left_s=20.0, squares=2 * 8192**2)
-    assert refused.value.retry_after == 38.0  # not from the 14,900 its 20 s left have
+        gate.check_in_time(4_900, 0, left_s=20.0, squares=4_900**2)
+    assert refused.value.retry_after == 2.0  # not from the 0 its 20 s left have
+
+
+def test_a_request_past_the_whole_share_by_itself_is_told_so() -> None:
+    """A request whose own work is past the deadline's whole share goes in only alone: told
+    so (send less a request, or raise the timeout), its Retry-After when what is held now has
+    drained (QA: such requests were told to retry in 29-60 s, as if room for them would
+    come)."""
+    drain = DrainMeter(clock=Clock())
+    drain.record(1000, 1.0)
+    gate = AdmissionGate(10**6, lambda: 3_000, drain, deadline_s=60.0,
+                         attention=lambda: 2048.0)
+    # Two texts of 8,192 tokens: 81,920 tokens' worth, against a share of 45,000.
+    with pytest.raises(Overloaded, match="let in only when nothing else is queued") as refused:
+        gate.check_in_time(16_384, 0, squares=2 * 8192**2)
+    assert "send fewer or shorter texts a request" in refused.value.message
+    assert refused.value.retry_after == 3.0  # the 3,000 held, at 1,000 a second
 
 
 def test_the_attention_length_is_the_measured_run_costs() -> None:
@@ -438,6 +480,7 @@ def test_the_exact_tokens_are_held_to_the_deadlines_share_after_tokenizing() -> 
     # 3,009 tokens' worth); the test below counts it.
     engine = SimpleNamespace(
         queued_squares=lambda: 0, run_cost=RunCost(0.0, per_token=1e-3, per_pair=1e-9),
+        running=list,
         queued_tokens=lambda: 5_000, submit=lambda job: submitted.append(job) or "future",
         make_job=lambda inputs, options, request_id, arrived: made[0],
         tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 4, max_seq=8192))
@@ -478,7 +521,7 @@ def test_an_abort_answers_those_waiting_to_tokenize_at_once() -> None:
         return SimpleNamespace(ids=[[0, 5, 2]])
 
     engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=None,
+        queued_squares=lambda: 0, run_cost=None, running=list,
         queued_tokens=lambda: 0, make_job=make_job, submit=lambda job: "future",
         tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 3, max_seq=512))
     admission = Admission(engine, 10**9, DrainMeter(), slots=2)  # type: ignore[arg-type]
@@ -520,7 +563,7 @@ def test_a_request_cancelled_while_its_bound_is_walked_releases_its_reservation(
         return 700
 
     engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=None,
+        queued_squares=lambda: 0, run_cost=None, running=list,
         queued_tokens=lambda: 0, make_job=lambda *a: SimpleNamespace(ids=[[0, 5, 2]]),
         submit=lambda job: "future",
         tokenizer=SimpleNamespace(min_tokens=min_tokens, max_seq=512))
@@ -578,7 +621,7 @@ def test_rerank_admission_refuses_before_tokenizing_with_its_own_drain_rate() ->
         return "future"
 
     engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=None,
+        queued_squares=lambda: 0, run_cost=None, running=list,
         queued_tokens=lambda: state["queued"], submit=submit)
     reranker = SimpleNamespace(engine=engine, min_tokens=min_tokens, make_job=make_job)
     admission = PairAdmission(reranker, 1000, drain, slots=2)  # type: ignore[arg-type]
@@ -633,7 +676,7 @@ def test_a_later_group_refused_by_the_queue_gets_the_drain_rates_retry_after() -
         return Embeddings(np.eye(2, 4, dtype=np.float32), None, None, n, np.zeros(2, bool))
 
     engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=None,
+        queued_squares=lambda: 0, run_cost=None, running=list,
         queued_tokens=lambda: 900, submit=submit, await_job=await_job)
     admission = Admission(engine, 1000, drain, slots=2)  # type: ignore[arg-type]
     first, later = SimpleNamespace(ids=[[0] * 300]), SimpleNamespace(ids=[[0] * 400])
@@ -657,7 +700,7 @@ def test_a_big_request_after_close_is_told_the_server_is_stopping() -> None:
     from bgeserve.service.admission import Admission
 
     engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=None,
+        queued_squares=lambda: 0, run_cost=None, running=list,
         queued_tokens=lambda: 0, make_job=lambda *a: SimpleNamespace(ids=[[0, 5, 2]]),
         submit=lambda job: "future",
         tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 3, max_seq=512))
@@ -688,7 +731,7 @@ def test_rerank_requests_tokenize_in_slots_and_are_answered_by_an_abort() -> Non
         return "plan", SimpleNamespace(ids=[[0, 5, 2]])
 
     engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=None,
+        queued_squares=lambda: 0, run_cost=None, running=list,
         queued_tokens=lambda: 0, submit=lambda job: "future")
     reranker = SimpleNamespace(engine=engine, make_job=make_job,
                                min_tokens=lambda *a, stop_above=None: 7)

@@ -423,8 +423,9 @@ def test_running_reports_each_chunk_in_progress_with_its_tokens():
         sched.submit(job)
         assert factory.entered.wait(TIMEOUT)
         time.sleep(0.05)
-        [(seconds, tokens, solo)] = sched.running()
+        [(seconds, tokens, solo, squares)] = sched.running()
         assert tokens == 5 + 6 and 0.05 <= seconds < TIMEOUT and not solo
+        assert squares == 5 * 5 + 6 * 6
         assert factory.gate is not None
         factory.gate.set()
         assert_dense_right(job)

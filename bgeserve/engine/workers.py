@@ -44,6 +44,7 @@ class Running(NamedTuple):
     seconds: float  # how long it has run (Workers._running: when it started, monotonic)
     tokens: int
     solo: bool  # a solo job's (the canary's)
+    squares: int = 0  # its texts' lengths squared, summed (admission prices its work by it)
 
 
 class Workers(abc.ABC):
@@ -171,7 +172,8 @@ class Workers(abc.ABC):
             # From before the session (re)opens: a reload after an idle unload is the chunk's
             # time too, as its caller waits for it.
             self._running[w] = Running(time.monotonic(), sum(p.length for p in chunk),
-                                       any(p.job.solo for p in chunk))
+                                       any(p.job.solo for p in chunk),
+                                       sum(p.length * p.length for p in chunk))
             try:
                 self._execute(w, chunk)
             except Exception as exc:  # a bug must fail the chunk, never hang its callers

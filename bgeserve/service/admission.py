@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from bgeserve.engine.jobs import Job
     from bgeserve.engine.pairs import PairPlan
     from bgeserve.engine.reranker import Reranker
+    from bgeserve.engine.workers import Running
     from bgeserve.results import EmbedOptions, RerankOptions
 
 # The bound walks the texts (~2-3 ms for 96k characters, stopping once past the room): past
@@ -219,9 +220,11 @@ class AdmissionGate:
     def __init__(self, max_tokens: int, queued: Callable[[], int], drain: DrainMeter,
                  deadline_s: float | None = None,
                  queued_squares: Callable[[], int] = lambda: 0,
-                 attention: Callable[[], float] = lambda: DEFAULT_ATTENTION_TOKENS) -> None:
+                 attention: Callable[[], float] = lambda: DEFAULT_ATTENTION_TOKENS,
+                 running: Callable[[], list[Running]] = list) -> None:
         self.max_tokens = max_tokens
         self.queued = queued
+        self.running = running
         self.queued_squares = queued_squares
         self.attention = attention
         self.drain = drain
@@ -260,7 +263,8 @@ class AdmissionGate:
         rate = self.drain.work_rate(attention)
         if rate <= 0:
             return None
-        held = work(self.queued(), self.queued_squares(), attention) + self.reserved
+        held = (work(self.queued(), self.queued_squares(), attention) + self.reserved
+                + _running_work(self.running(), rate, attention))
         now = self.drain.clock()
         with self._deadlines_lock:
             deadlines = list(self._deadlines.values())
@@ -302,29 +306,38 @@ class AdmissionGate:
         # Not the bound itself: it stops counting once past the room (a request of 2,880
         # tokens was said to need "at least 448").
         if share is not None and share.room < tokens_room:
-            return self._late(needed, share, share.room)
+            return self._late(needed, share)
         return Overloaded(
             f"the queue is full: {self.max_tokens - tokens_room} of {self.max_tokens} tokens "
             "(BGE_M3_MAX_QUEUE_TOKENS) are queued or being admitted, and this request needs "
             f"more than the {max(tokens_room, 0)} free; retry after the Retry-After seconds",
             retry_after=self.retry_after(needed - tokens_room))
 
-    def _late(self, needed: float, share: _Share, free: int) -> Overloaded:
-        """The 429 for ``needed`` work past the deadline's ``share``; Retry-After when
-        ``free`` more would be there (a retry has its whole deadline again)."""
+    def _late(self, needed: float, share: _Share, whole: _Share | None = None) -> Overloaded:
+        """The 429 for ``needed`` work past the ``share``; Retry-After from ``whole`` (default
+        ``share``: a retry has its whole deadline again)."""
         assert self.deadline_s is not None
+        whole = share if whole is None else whole
         why = ("the time left to the deadline of a request admitted before: more would "
                "make it late, as requests take turns" if share.tight else
                f"{QUEUE_DEADLINE_SHARE:g} of BGE_M3_REQUEST_TIMEOUT_SECS={self.deadline_s:g} "
                "or of what this request's deadline has left: more would finish late together")
-        return Overloaded(
-            f"the queue is full: ~{share.held / share.rate:.1f}s of work are queued or being "
-            "admitted (at the measured drain rate, a long text's tokens counting more for "
-            f"attention), and the queue takes at most {share.budget / share.rate:.1f}s of it "
-            f"({why}), and "
-            f"this request needs ~{needed / share.rate:.1f}s, more than the "
-            f"~{max(share.room, 0) / share.rate:.1f}s free; retry after the Retry-After seconds",
-            retry_after=self.retry_after(needed - free, share.rate))
+        said = (f"the queue is full: ~{share.held / share.rate:.1f}s of work are queued or "
+                "being admitted (at the measured drain rate, a long text's tokens counting "
+                f"more for attention), and the queue takes at most "
+                f"{share.budget / share.rate:.1f}s of it ({why}), and this request needs "
+                f"~{needed / share.rate:.1f}s, more than the "
+                f"~{max(share.room, 0) / share.rate:.1f}s free")
+        if needed > whole.own:
+            # It goes in only alone: when what is held now has drained (QA: such requests
+            # were told to retry in 29-60 s, as if room for them would come).
+            return Overloaded(
+                said + "; more than the deadline's share by itself, it is let in only when "
+                "nothing else is queued, and may still miss the deadline: send fewer or "
+                "shorter texts a request, or raise BGE_M3_REQUEST_TIMEOUT_SECS",
+                retry_after=self.retry_after(whole.held, share.rate))
+        return Overloaded(said + "; retry after the Retry-After seconds",
+                          retry_after=self.retry_after(needed - whole.room, share.rate))
 
     def full(self) -> Overloaded | None:
         """The refusal when no request can be admitted whatever its size (O(1)), else None."""
@@ -365,10 +378,20 @@ class AdmissionGate:
             if left_s is not None:
                 share = share.within(max(0.0, left_s) / self.deadline_s)
             needed = work(tokens, squares, share.attention)
-            if share.held > 0 and tokens and needed > share.room:
+            alone = not (self.queued() or self.reserved - bound)  # (a chunk may be running)
+            if not alone and tokens and needed > share.room:
                 # The share's refusal whatever BGE_M3_MAX_QUEUE_TOKENS' room (the scheduler's
                 # to check): it is what this request does not fit (review).
-                raise self._late(needed, share, whole.room)
+                raise self._late(needed, share, whole)
+
+
+def _running_work(running: list[Running], rate: float, attention: float) -> float:
+    """What the chunks in progress still have to run: each one's work less what ``rate``
+    (all workers') shared among them ran of it so far. A text leaves the queue when its chunk
+    starts: uncounted, a 20-40 s chunk of long texts was room for the next request (QA)."""
+    runs = [r for r in running if not r.solo]
+    each = rate / max(1, len(runs))
+    return sum(max(0.0, work(r.tokens, r.squares, attention) - r.seconds * each) for r in runs)
 
 
 @dataclass(frozen=True)
@@ -419,7 +442,7 @@ class _Admitting:
         self.engine = engine
         self.gate = AdmissionGate(max_queue_tokens, engine.queued_tokens, drain, deadline_s,
                                   engine.queued_squares,
-                                  functools.partial(attention_tokens, engine))
+                                  functools.partial(attention_tokens, engine), engine.running)
         self.refused = 0
         self._lock = threading.Lock()
         self._bounds = ThreadPoolExecutor(1, thread_name_prefix="bgeserve-admission")
