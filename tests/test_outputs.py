@@ -303,7 +303,7 @@ def _colbert_admission(room: OutputAllowance):
     from bgeserve.service.admission import Admission, DrainMeter
 
     engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=None, running=list,
+        queued_squares=lambda: 0, run_cost=None, running=list, waiting=lambda job: 1,
         queued_tokens=lambda: 0, submit=lambda job: "future",
         make_job=lambda *args: SimpleNamespace(ids=[[0, 5, 6, 2]]),
         colbert_bytes=lambda ids: 40,

@@ -159,7 +159,7 @@ def test_a_cancelled_request_holds_its_tokenizing_slot_until_its_thread_ends() -
 
     service = ready_service(dict)
     service.engine = SimpleNamespace(  # type: ignore[assignment]
-        queued_squares=lambda: 0, run_cost=None, running=list,
+        queued_squares=lambda: 0, run_cost=None, running=list, waiting=lambda job: 1,
         queued_tokens=lambda: 0, make_job=make_job,
         tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 3, max_seq=512),
         submit=lambda job: pytest.fail("a cancelled request submitted its job"))
@@ -213,7 +213,7 @@ def test_small_requests_are_tokenized_on_the_event_loop(inputs: Any, on_loop: bo
 
     service = ready_service(dict)
     service.engine = SimpleNamespace(  # type: ignore[assignment]
-        queued_squares=lambda: 0, run_cost=None, running=list,
+        queued_squares=lambda: 0, run_cost=None, running=list, waiting=lambda job: 1,
         queued_tokens=lambda: 0, make_job=make_job, await_job=await_job,
         submit=lambda job: None,
         tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 3, max_seq=512))

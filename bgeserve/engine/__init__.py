@@ -406,6 +406,10 @@ class Engine:
         """Tokens waiting in the queue now (cheap: no lock, no other counts)."""
         return self._scheduler.queued_tokens()
 
+    def waiting(self, job: Job) -> int:
+        """How many of ``job``'s texts wait in the queue now (not running, not done)."""
+        return self._scheduler.waiting(job)
+
     def queued_squares(self) -> int:
         """The sum of the waiting texts' lengths squared (as cheap as ``queued_tokens``)."""
         return self._scheduler.queued_squares()

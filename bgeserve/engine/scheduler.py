@@ -208,6 +208,10 @@ class Scheduler(Workers):
         """Tokens waiting now (one int read, no lock: admission asks it for every request)."""
         return self._pending.tokens
 
+    def waiting(self, job: Job) -> int:
+        """How many of ``job``'s texts wait in the queue (one dict read, no lock)."""
+        return self._pending.waiting(job)
+
     def queued_squares(self) -> int:
         """The sum of the waiting texts' lengths squared (as ``queued_tokens``)."""
         return self._pending.squares

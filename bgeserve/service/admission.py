@@ -221,22 +221,26 @@ class AdmissionGate:
                  deadline_s: float | None = None,
                  queued_squares: Callable[[], int] = lambda: 0,
                  attention: Callable[[], float] = lambda: DEFAULT_ATTENTION_TOKENS,
-                 running: Callable[[], list[Running]] = list) -> None:
+                 running: Callable[[], list[Running]] = list,
+                 waiting: Callable[[Job], int] = lambda job: 1) -> None:
         self.max_tokens = max_tokens
         self.queued = queued
         self.running = running
+        self.waiting = waiting
         self.queued_squares = queued_squares
         self.attention = attention
         self.drain = drain
         self.deadline_s = deadline_s or None
         self.reserved = 0  # tokens of admitted requests not yet in the queue
         self._lock = threading.Lock()
-        # The deadlines (the drain meter's clock) of the jobs admitted and not yet answered.
-        self._deadlines: dict[object, float] = {}
+        # The jobs admitted and not yet answered, and their deadlines (monotonic).
+        self._deadlines: dict[Job, float] = {}
         self._deadlines_lock = threading.Lock()  # taken inside _lock, never around it
 
-    def track(self, deadline: float | None, answered: Future) -> None:
-        """Count an admitted job's ``deadline`` until its ``answered`` future is done.
+    def track(self, job: Job, answered: Future) -> None:
+        """Count an admitted ``job``'s deadline until its ``answered`` future is done, while
+        texts of it wait in the queue (``waiting``: once its last chunk runs, nothing admitted
+        later delays it; review).
 
         The queue takes turns: a request admitted later shares the runs with one admitted
         before, whose work then ends later than when it was admitted. Held to its own share
@@ -244,19 +248,19 @@ class AdmissionGate:
         admitted one beside another as the queue drained, and those admitted first still
         ended in 504s (QA). So no admission may take the queue past the work the measured
         rate runs before such a deadline, while that deadline is still in reach."""
-        if deadline is None or self.deadline_s is None:
+        if job.deadline is None or self.deadline_s is None:
             return
-        key = object()
         with self._deadlines_lock:
-            self._deadlines[key] = deadline
-        answered.add_done_callback(lambda _: self._untrack(key))
+            self._deadlines[job] = job.deadline
+        answered.add_done_callback(lambda _: self._untrack(job))
 
-    def _untrack(self, key: object) -> None:
+    def _untrack(self, job: Job) -> None:
         with self._deadlines_lock:
-            self._deadlines.pop(key, None)
+            self._deadlines.pop(job, None)
 
-    def _share(self) -> _Share | None:
-        """The deadline's share now (None: no deadline, or no rate measured yet)."""
+    def _share(self, own_bound: int = 0) -> _Share | None:
+        """The deadline's share now (None: no deadline, or no rate measured yet), not
+        counting ``own_bound`` (the reservation of the request it is asked for)."""
         if self.deadline_s is None:
             return None
         attention = self.attention()
@@ -264,12 +268,14 @@ class AdmissionGate:
         if rate <= 0:
             return None
         held = (work(self.queued(), self.queued_squares(), attention) + self.reserved
-                + _running_work(self.running(), rate, attention))
-        now = self.drain.clock()
+                - own_bound + _running_work(self.running(), rate, attention))
+        now = time.monotonic()  # the jobs' deadlines' clock
         with self._deadlines_lock:
-            deadlines = list(self._deadlines.values())
-        # Those already out of reach are not protected by refusing everyone else.
-        earlier = min((r for d in deadlines if (r := (d - now) * rate) >= held),
+            tracked = list(self._deadlines.items())
+        # Those already out of reach are not protected by refusing everyone else, nor those
+        # with nothing left to wait for.
+        earlier = min((r for job, d in tracked
+                       if (r := (d - now) * rate) >= held and self.waiting(job)),
                       default=math.inf)
         return _Share(rate * self.deadline_s * QUEUE_DEADLINE_SHARE, held, rate, attention,
                       earlier)
@@ -322,8 +328,9 @@ class AdmissionGate:
                "make it late, as requests take turns" if share.tight else
                f"{QUEUE_DEADLINE_SHARE:g} of BGE_M3_REQUEST_TIMEOUT_SECS={self.deadline_s:g} "
                "or of what this request's deadline has left: more would finish late together")
-        said = (f"the queue is full: ~{share.held / share.rate:.1f}s of work are queued or "
-                "being admitted (at the measured drain rate, a long text's tokens counting "
+        said = (f"the queue is full: ~{share.held / share.rate:.1f}s of work are queued, "
+                "running or being admitted (at the measured drain rate, a long text's tokens "
+                "counting "
                 f"more for attention), and the queue takes at most "
                 f"{share.budget / share.rate:.1f}s of it ({why}), and this request needs "
                 f"~{needed / share.rate:.1f}s, more than the "
@@ -336,8 +343,12 @@ class AdmissionGate:
                 "nothing else is queued, and may still miss the deadline: send fewer or "
                 "shorter texts a request, or raise BGE_M3_REQUEST_TIMEOUT_SECS",
                 retry_after=self.retry_after(whole.held, share.rate))
+        # Bound by an earlier request's deadline, the room stays as it is while the queue
+        # drains (both fall together) until that request is answered (review: Retry-After 1,
+        # refused again): when its deadline or all that is held has passed, whichever first.
+        wait = min(whole.earlier, whole.held) if whole.tight else needed - whole.room
         return Overloaded(said + "; retry after the Retry-After seconds",
-                          retry_after=self.retry_after(needed - whole.room, share.rate))
+                          retry_after=self.retry_after(wait, share.rate))
 
     def full(self) -> Overloaded | None:
         """The refusal when no request can be admitted whatever its size (O(1)), else None."""
@@ -370,15 +381,18 @@ class AdmissionGate:
         lower bound reserved before tokenizing counts words, and ids ran ~3x past it. The
         scheduler's own check is BGE_M3_MAX_QUEUE_TOKENS'; alone, a request always goes in."""
         with self._lock:
-            share = self._share()
-            if share is None:
+            whole = self._share(bound)
+            if whole is None:
                 return
             assert self.deadline_s is not None
-            whole = share = share.without(bound)
+            share = whole
             if left_s is not None:
                 share = share.within(max(0.0, left_s) / self.deadline_s)
             needed = work(tokens, squares, share.attention)
-            alone = not (self.queued() or self.reserved - bound)  # (a chunk may be running)
+            # Nothing queued (a chunk may run; others may be tokenizing, their own check to
+            # come: counting their reservations, a large request refused as "let in alone"
+            # never was under steady traffic; review).
+            alone = not self.queued()
             if not alone and tokens and needed > share.room:
                 # The share's refusal whatever BGE_M3_MAX_QUEUE_TOKENS' room (the scheduler's
                 # to check): it is what this request does not fit (review).
@@ -423,9 +437,6 @@ class _Share:
         """The share of ``part`` of the deadline's time (what a request's deadline has left)."""
         return replace(self, own=min(self.own, self.own * part))
 
-    def without(self, reserved: float) -> _Share:
-        """Not counting ``reserved`` (the request's own reservation)."""
-        return replace(self, held=self.held - reserved)
 
 
 class _Admitting:
@@ -442,7 +453,8 @@ class _Admitting:
         self.engine = engine
         self.gate = AdmissionGate(max_queue_tokens, engine.queued_tokens, drain, deadline_s,
                                   engine.queued_squares,
-                                  functools.partial(attention_tokens, engine), engine.running)
+                                  functools.partial(attention_tokens, engine), engine.running,
+                                  engine.waiting)
         self.refused = 0
         self._lock = threading.Lock()
         self._bounds = ThreadPoolExecutor(1, thread_name_prefix="bgeserve-admission")
@@ -528,7 +540,7 @@ class _Admitting:
             needed = tokens - (gate.max_tokens - gate.queued() - gate.reserved) - bound
             raise Overloaded(exc.message, retry_after=self.gate.retry_after(needed)) from None
         if self.gate.deadline_s is not None:
-            self.gate.track(job.deadline, answered)
+            self.gate.track(job, answered)
         return answered
 
     async def submit_jobs(self, chars: int, lower_bound: Callable[[int], int],
