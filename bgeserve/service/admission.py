@@ -330,8 +330,7 @@ class AdmissionGate:
                "or of what this request's deadline has left: more would finish late together")
         said = (f"the queue is full: ~{share.held / share.rate:.1f}s of work are queued, "
                 "running or being admitted (at the measured drain rate, a long text's tokens "
-                "counting "
-                f"more for attention), and the queue takes at most "
+                "counting more for attention), and the queue takes at most "
                 f"{share.budget / share.rate:.1f}s of it ({why}), and this request needs "
                 f"~{needed / share.rate:.1f}s, more than the "
                 f"~{max(share.room, 0) / share.rate:.1f}s free")
