@@ -17,6 +17,16 @@ from bgeserve.service.admission import (
 )
 
 
+def engine_standin(**fields: Any) -> Any:
+    """An engine as admission reads it: nothing queued, waiting or running, no run cost,
+    unless ``fields`` say otherwise."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{"queued_tokens": lambda: 0, "queued_squares": lambda: 0,
+                              "run_cost": None, "running": list, "waiting": lambda job: 1,
+                              **fields})
+
+
 class Clock:
     def __init__(self) -> None:
         self.t = 100.0
@@ -170,8 +180,7 @@ def test_admission_refuses_before_tokenizing_what_cannot_fit() -> None:
         state["tokenized"] += 1
         return SimpleNamespace(ids=[[0, 5, 2]])
 
-    engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=None, running=list, waiting=lambda job: 1,
+    engine = engine_standin(
         queued_tokens=lambda: state["queued"], make_job=make_job, submit=lambda job: "future",
         tokenizer=SimpleNamespace(min_tokens=min_tokens, max_seq=512))
     admission = Admission(engine, 1000, DrainMeter(), slots=2)  # type: ignore[arg-type]
@@ -353,14 +362,12 @@ def test_the_chunks_in_progress_hold_what_they_still_have_to_run() -> None:
 def test_a_queued_jobs_deadline_is_protected_until_it_is_answered() -> None:
     """Admission.queue hands the gate each job's deadline with its future."""
     from concurrent.futures import Future
-    from types import SimpleNamespace
 
     from bgeserve.service.admission import Admission
 
     answered: Future = Future()
     state = {"queued": 0}
-    engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=None, running=list, waiting=lambda job: 1,
+    engine = engine_standin(
         queued_tokens=lambda: state["queued"], submit=lambda job: answered)
     drain = DrainMeter()
     drain.record(1000, 1.0)
@@ -500,9 +507,8 @@ def test_the_exact_tokens_are_held_to_the_deadlines_share_after_tokenizing() -> 
     made = [job(3_000)]
     # Attention negligible at these lengths (A = 10**6 tokens: a 3,000-token text's work is
     # 3,009 tokens' worth); the test below counts it.
-    engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=RunCost(0.0, per_token=1e-3, per_pair=1e-9),
-        running=list, waiting=lambda job: 1,
+    engine = engine_standin(
+        run_cost=RunCost(0.0, per_token=1e-3, per_pair=1e-9),
         queued_tokens=lambda: 5_000, submit=lambda job: submitted.append(job) or "future",
         make_job=lambda inputs, options, request_id, arrived: made[0],
         tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 4, max_seq=8192))
@@ -542,8 +548,7 @@ def test_an_abort_answers_those_waiting_to_tokenize_at_once() -> None:
         release.wait(10)  # a big request's tokenizing
         return SimpleNamespace(ids=[[0, 5, 2]])
 
-    engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=None, running=list, waiting=lambda job: 1,
+    engine = engine_standin(
         queued_tokens=lambda: 0, make_job=make_job, submit=lambda job: "future",
         tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 3, max_seq=512))
     admission = Admission(engine, 10**9, DrainMeter(), slots=2)  # type: ignore[arg-type]
@@ -584,8 +589,7 @@ def test_a_request_cancelled_while_its_bound_is_walked_releases_its_reservation(
         release.wait(10)  # the walk outlives the client
         return 700
 
-    engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=None, running=list, waiting=lambda job: 1,
+    engine = engine_standin(
         queued_tokens=lambda: 0, make_job=lambda *a: SimpleNamespace(ids=[[0, 5, 2]]),
         submit=lambda job: "future",
         tokenizer=SimpleNamespace(min_tokens=min_tokens, max_seq=512))
@@ -642,8 +646,7 @@ def test_rerank_admission_refuses_before_tokenizing_with_its_own_drain_rate() ->
             raise Overloaded("queue full; retry shortly", retry_after=1.0)
         return "future"
 
-    engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=None, running=list, waiting=lambda job: 1,
+    engine = engine_standin(
         queued_tokens=lambda: state["queued"], submit=submit)
     reranker = SimpleNamespace(engine=engine, min_tokens=min_tokens, make_job=make_job)
     admission = PairAdmission(reranker, 1000, drain, slots=2)  # type: ignore[arg-type]
@@ -697,8 +700,7 @@ def test_a_later_group_refused_by_the_queue_gets_the_drain_rates_retry_after() -
         n = np.array([3, 300])  # the query and a window, scored before the next group queues
         return Embeddings(np.eye(2, 4, dtype=np.float32), None, None, n, np.zeros(2, bool))
 
-    engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=None, running=list, waiting=lambda job: 1,
+    engine = engine_standin(
         queued_tokens=lambda: 900, submit=submit, await_job=await_job)
     admission = Admission(engine, 1000, drain, slots=2)  # type: ignore[arg-type]
     first, later = SimpleNamespace(ids=[[0] * 300]), SimpleNamespace(ids=[[0] * 400])
@@ -721,8 +723,7 @@ def test_a_big_request_after_close_is_told_the_server_is_stopping() -> None:
     from bgeserve.results import EmbedOptions
     from bgeserve.service.admission import Admission
 
-    engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=None, running=list, waiting=lambda job: 1,
+    engine = engine_standin(
         queued_tokens=lambda: 0, make_job=lambda *a: SimpleNamespace(ids=[[0, 5, 2]]),
         submit=lambda job: "future",
         tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 3, max_seq=512))
@@ -752,8 +753,7 @@ def test_rerank_requests_tokenize_in_slots_and_are_answered_by_an_abort() -> Non
         release.wait(10)
         return "plan", SimpleNamespace(ids=[[0, 5, 2]])
 
-    engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=None, running=list, waiting=lambda job: 1,
+    engine = engine_standin(
         queued_tokens=lambda: 0, submit=lambda job: "future")
     reranker = SimpleNamespace(engine=engine, make_job=make_job,
                                min_tokens=lambda *a, stop_above=None: 7)

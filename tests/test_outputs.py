@@ -13,6 +13,7 @@ import pytest
 
 from bgeserve.holds import answering, release_when_answered
 from bgeserve.service.outputs import OutputAllowance
+from tests.test_admission import engine_standin
 from tests.test_service import TEXTS, base_env, metric_samples, serving, wait_health
 
 
@@ -302,8 +303,7 @@ def _colbert_admission(room: OutputAllowance):
 
     from bgeserve.service.admission import Admission, DrainMeter
 
-    engine = SimpleNamespace(
-        queued_squares=lambda: 0, run_cost=None, running=list, waiting=lambda job: 1,
+    engine = engine_standin(
         queued_tokens=lambda: 0, submit=lambda job: "future",
         make_job=lambda *args: SimpleNamespace(ids=[[0, 5, 6, 2]]),
         colbert_bytes=lambda ids: 40,

@@ -16,6 +16,7 @@ from bgeserve.config import Settings
 from bgeserve.engine.scheduler import Scheduler
 from bgeserve.errors import ModelUnavailable
 from bgeserve.service import Service
+from tests.test_admission import engine_standin
 from tests.test_scheduler import (
     TIMEOUT,
     Factory,
@@ -158,8 +159,7 @@ def test_a_cancelled_request_holds_its_tokenizing_slot_until_its_thread_ends() -
     from bgeserve.service.admission import Admission, DrainMeter
 
     service = ready_service(dict)
-    service.engine = SimpleNamespace(  # type: ignore[assignment]
-        queued_squares=lambda: 0, run_cost=None, running=list, waiting=lambda job: 1,
+    service.engine = engine_standin(
         queued_tokens=lambda: 0, make_job=make_job,
         tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 3, max_seq=512),
         submit=lambda job: pytest.fail("a cancelled request submitted its job"))
@@ -212,8 +212,7 @@ def test_small_requests_are_tokenized_on_the_event_loop(inputs: Any, on_loop: bo
     from bgeserve.service.admission import Admission, DrainMeter
 
     service = ready_service(dict)
-    service.engine = SimpleNamespace(  # type: ignore[assignment]
-        queued_squares=lambda: 0, run_cost=None, running=list, waiting=lambda job: 1,
+    service.engine = engine_standin(
         queued_tokens=lambda: 0, make_job=make_job, await_job=await_job,
         submit=lambda job: None,
         tokenizer=SimpleNamespace(min_tokens=lambda texts, stop_above: 3, max_seq=512))

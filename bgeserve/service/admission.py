@@ -280,15 +280,15 @@ class AdmissionGate:
         return _Share(rate * self.deadline_s * QUEUE_DEADLINE_SHARE, held, rate, attention,
                       earlier)
 
-    def _rooms(self) -> tuple[int, _Share | None]:
-        """The room under BGE_M3_MAX_QUEUE_TOKENS, and the deadline's share."""
-        return self.max_tokens - self.queued() - self.reserved, self._share()
+    def _rooms(self) -> tuple[int, _Share | None, int]:
+        """The room under BGE_M3_MAX_QUEUE_TOKENS, the deadline's share, and ``room``."""
+        tokens, share = self.max_tokens - self.queued() - self.reserved, self._share()
+        return tokens, share, tokens if share is None else min(tokens, share.room)
 
     def room(self) -> int:
         """Tokens that may still be admitted (negative: over, by reservations): the room
         under BGE_M3_MAX_QUEUE_TOKENS, or the work left in the deadline's share, where less."""
-        tokens, share = self._rooms()
-        return tokens if share is None else min(tokens, share.room)
+        return self._rooms()[2]
 
     def limit(self) -> int:
         """Tokens the queue may hold now: what it holds (queued and reserved) and its
@@ -352,8 +352,7 @@ class AdmissionGate:
     def full(self) -> Overloaded | None:
         """The refusal when no request can be admitted whatever its size (O(1)), else None."""
         with self._lock:
-            tokens, share = self._rooms()
-            room = tokens if share is None else min(tokens, share.room)
+            tokens, share, room = self._rooms()
             busy = self.reserved or self.queued()
         return self.refusal(1, tokens, share) if busy and room <= 0 else None
 
@@ -361,8 +360,7 @@ class AdmissionGate:
         """Hold ``bound`` tokens of room (while tokenizing, until the exact tokens are
         queued; ``release`` them then); raises ``Overloaded`` if they are not there."""
         with self._lock:
-            tokens, share = self._rooms()
-            room = tokens if share is None else min(tokens, share.room)
+            tokens, share, room = self._rooms()
             if (self.reserved or self.queued()) and bound > room:
                 raise self.refusal(bound, tokens, share)
             self.reserved += bound
