@@ -1576,21 +1576,31 @@ def test_a_large_body_that_finds_no_room_in_its_wait_is_refused() -> None:
     assert b"shutting down" in b"".join(m.get("body", b"") for m in line.sent["stopped"])
 
 
+async def _beside_a_holder(uploads: _Uploads, held: int,
+                           posts: list[tuple[str, int]]) -> list[int]:
+    """The statuses of ``posts`` (path, body bytes), one after another, while a request to
+    /hold holds ``held`` bytes of the allowance; then the holder is let go."""
+    statuses: list[int] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(uploads.post, "/hold", [b"x" * held])
+        while uploads.guard.allowance.held < held:
+            await anyio.sleep(0.001)
+        for path, size in posts:
+            statuses.append(await uploads.post(path, [b"x" * size]))
+        uploads.held.set()
+    return statuses
+
+
 def test_what_decoding_a_body_adds_is_charged_to_the_allowance() -> None:
     """A handler charges what decoding its body adds (jsoncost.py): a 429 while other bodies
     hold the room, a 413 where even alone it could never fit, and given back with the body."""
     uploads = _Uploads(150)
 
     async def main() -> list[int]:
-        statuses: list[int] = []
         with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(uploads.post, "/hold", [b"x" * 100])
-                while uploads.guard.allowance.held < 100:
-                    await anyio.sleep(0.001)
-                statuses.append(await uploads.post("/charge/60", [b"x" * 10]))  # 170 > 150
-                statuses.append(await uploads.post("/charge/30", [b"x" * 10]))  # 140: served
-                uploads.held.set()
+            # 170 > 150, then 140: served
+            statuses = await _beside_a_holder(uploads, 100, [("/charge/60", 10),
+                                                             ("/charge/30", 10)])
             statuses.append(await uploads.post("/charge/141", [b"x" * 10]))  # 151 alone: never
             statuses.append(await uploads.post("/charge/140", [b"x" * 10]))  # 150 alone: fits
         return statuses
@@ -1605,16 +1615,9 @@ def test_what_decoding_a_body_adds_is_charged_to_the_allowance() -> None:
     uploads = _Uploads(150, wait_s=5)
 
     async def large() -> list[int]:
-        statuses: list[int] = []
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(uploads.post, "/hold", [b"x" * 40])
-                while uploads.guard.allowance.held < 40:
-                    await anyio.sleep(0.001)
-                statuses.append(await uploads.post("/charge/20", [b"x" * 100]))  # 160 > 150
-                statuses.append(await uploads.post("/charge/60", [b"x" * 100]))  # 160 alone
-                uploads.held.set()
-        return statuses
+        with anyio.fail_after(10):  # 160 > 150, then 160 alone
+            return await _beside_a_holder(uploads, 40, [("/charge/20", 100),
+                                                        ("/charge/60", 100)])
 
     assert anyio.run(large) == [200, 413]
     assert uploads.guard.allowance.held == 0 and uploads.guard.allowance.refused == 0
