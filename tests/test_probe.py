@@ -491,6 +491,21 @@ def test_the_cache_keeps_chunk_rates_with_the_fit(tmp_path: Path):
     assert cache.load("f" * 64) is not None  # bad timings never cost the fit
 
 
+def test_the_run_cost_reads_attention_off_the_probes_own_shapes(monkeypatch):
+    """The memory shapes' timings (to 4,096 tokens here) go to the run cost, where a long
+    text's attention is read off them (runcost.long_attention); the held-out shape's do not."""
+    given: dict[str, object] = {}
+
+    def measure(run, shapes, **kwargs):
+        given.update(kwargs)
+
+    monkeypatch.setattr(probe, "measure_run_cost", measure)
+    result = run_probe(fake_run, shapes=SHAPES, held_out=(2, 768), guard=WIDE,
+                       log=lambda _: None)
+    assert given["long"] == [(s.batch, s.seq, s.seconds) for s in result.samples]
+    assert {(b, s) for b, s, _ in given["long"]} == set(SHAPES)
+
+
 def test_the_held_out_shape_is_measured_in_cost_order_not_last():
     """A runtime may keep buffers from its biggest run: a shape measured after it reads low.
     So the held-out shape, like every shape, comes after smaller ones only."""

@@ -16,10 +16,12 @@ from bgeserve.tuning.costmodel import Fit
 from bgeserve.tuning.probe import ProbeResult
 from bgeserve.tuning.runcost import (
     FRESH_SHAPES,
+    LONG_SEQ,
     MAX_RESIDUAL,
     SHAPES,
     RunCost,
     fit,
+    long_attention,
     measure_new_shape,
     measure_run_cost,
 )
@@ -323,9 +325,56 @@ def test_measure_gives_none_when_a_run_fails():
                                   {"fixed": 1, "per_token": 1, "per_pair": 0, "new_shape": -1},
                                   {"fixed": 1, "per_token": 1, "per_pair": 0, "new_shape": "x"},
                                   {"fixed": 1, "per_token": 1, "per_pair": 0,
-                                   "new_shape": float("inf")}])
+                                   "new_shape": float("inf")},
+                                  *({"fixed": 1, "per_token": 1, "per_pair": 0, "attention": a}
+                                    for a in (0, -5, "x", [1], float("nan"), float("inf")))])
 def test_a_damaged_record_reads_as_no_cost(data):
     assert RunCost.from_json(data) is None
+
+
+# The probe's memory shapes at least LONG_SEQ long (probe._BASE_SHAPES, max_seq 8,192).
+LONG_RUNS = ((2, 1024), (1, 2048), (1, 4096), (1, 8192))
+
+
+def test_the_attention_length_is_read_off_the_long_runs():
+    """Runs whose attention costs 4x what the short shapes' fit says (the tiny model's kernels
+    change with length): the length is read off the long ones, what shorter runs took is left
+    out, and one run disturbed by other work (2x slower) does not move it."""
+    truth = replace(OV_INT8, per_pair=4 * OV_INT8.per_pair)
+    runs = [(b, s, truth.seconds(b, s)) for b, s in LONG_RUNS]
+    want = OV_INT8.per_token / truth.per_pair
+    assert long_attention(OV_INT8, runs) == pytest.approx(want, rel=1e-9)
+    disturbed = [(b, s, t * (2.0 if s == 4096 else 1.0)) for b, s, t in runs]
+    shorter = [(1, LONG_SEQ - 1, 50.0), (8, 64, 50.0)]  # slow, but too short to count
+    assert long_attention(OV_INT8, disturbed + shorter) == pytest.approx(want, rel=0.2)
+    assert long_attention(OV_INT8, shorter) is None
+    assert long_attention(OV_INT8, []) is None
+    # No attention beyond the fit's per-token part (a GPU, say): the fit's own term stands.
+    flat = [(b, s, OV_INT8.fixed + b * s * OV_INT8.per_token * 0.99) for b, s in LONG_RUNS]
+    assert long_attention(OV_INT8, flat) is None
+
+
+def test_the_attention_length_measured_is_the_one_the_cost_gives():
+    fitted = OV_INT8.per_token / OV_INT8.per_pair
+    assert OV_INT8.attention_tokens == pytest.approx(fitted)
+    assert replace(OV_INT8, attention=40.0).attention_tokens == 40.0
+    assert RunCost(0.01, per_token=1e-3).attention_tokens is None
+    assert replace(OV_INT8, attention=40.4).as_info()["attention_tokens"] == 40
+    assert OV_INT8.as_info()["attention_tokens"] is None
+
+
+def test_measure_reads_the_attention_length_off_the_long_runs_it_is_given():
+    truth = replace(OV_INT8, per_pair=4 * OV_INT8.per_pair)
+    long = [(b, s, truth.seconds(b, s)) for b, s in LONG_RUNS]
+    logged: list[str] = []
+    clock = FakeClock(OV_INT8.seconds)
+    got = measure_run_cost(clock.run, clock=clock, long=long, log=logged.append)
+    assert got is not None and got.attention is not None
+    assert got.attention == pytest.approx(OV_INT8.per_token / truth.per_pair, rel=0.05)
+    assert f"at {got.attention:.0f} tokens on the runs of at least {LONG_SEQ}" in logged[-1]
+    clock = FakeClock(OV_INT8.seconds)
+    alone = measure_run_cost(clock.run, clock=clock, log=logged.append)
+    assert alone is not None and alone.attention is None and "not measured" in logged[-1]
 
 
 def test_a_record_without_the_new_shape_cost_reads_as_none():
@@ -333,11 +382,13 @@ def test_a_record_without_the_new_shape_cost_reads_as_none():
     got = RunCost.from_json({"fixed": 0.01, "per_token": 0.001, "per_pair": 0.0})
     assert got == RunCost(0.01, 0.001, 0.0, new_shape=0.0)
     assert RunCost.from_json(asdict(replace(OV_INT8, new_shape=0.04))).new_shape == 0.04
+    assert got.attention is None  # nor the attention length (a cache written before it was)
+    assert RunCost.from_json(asdict(replace(OV_INT8, attention=812.5))).attention == 812.5
     assert replace(OV_INT8, new_shape=0.0371).as_info()["new_shape_ms"] == 37.1
 
 
 def test_the_probe_result_and_cache_carry_the_run_cost(tmp_path: Path):
-    timed = replace(OV_INT8, new_shape=0.041)  # through the probe child's JSON, whole
+    timed = replace(OV_INT8, new_shape=0.041, attention=1900.0)  # the child's JSON, whole
     result = ProbeResult([], [], None, None, "e", 1.0, {256: 10.0}, run_cost=timed)
     assert ProbeResult.from_json(json.loads(json.dumps(result.to_json()))).run_cost == timed
     assert ProbeResult.from_json({**result.to_json(), "run_cost": None}).run_cost is None

@@ -248,7 +248,7 @@ def run_probe(
     (default: ``PeakMeter()``, each shape alone). With ``chunk_candidates``, the chunk
     budgets are timed last (``time_chunk_budgets``) with ``chunk_run`` (default ``run``); then,
     in every case, what a run of a shape takes (``runcost.measure_run_cost``: the packer's
-    padding rule).
+    padding rule, and, from the shapes' own timings, what a long text's attention costs).
     """
     meter = meter or PeakMeter()
     started = time.perf_counter()
@@ -307,7 +307,8 @@ def run_probe(
     run_cost = measure_run_cost(chunk_run or run,
                                 [x for x in RUN_COST_SHAPES if guard.fits(*x)],
                                 max_seq=longest, log=log,
-                                fresh=[x for x in FRESH_SHAPES if guard.fits(*x)])
+                                fresh=[x for x in FRESH_SHAPES if guard.fits(*x)],
+                                long=[(x.batch, x.seq, x.seconds) for x in samples])
     return ProbeResult(samples, skipped, held, result_fit, error, time.perf_counter() - started,
                        rates, run_cost=run_cost)
 

@@ -46,6 +46,10 @@ class RunCost:
     # What a run pays once more the first time the runtime meets its token count (0: nothing,
     # or not measured: a cache written before it was).
     new_shape: float = 0.0
+    # The length at which a text's attention costs as much as the rest of its run, read off
+    # the probe's long runs (``long_attention``); None: not measured (a cache written before
+    # it was, no run that long), and ``attention_tokens`` falls back on the fit's terms.
+    attention: float | None = None
 
     @classmethod
     def from_json(cls, data: object) -> RunCost | None:
@@ -67,20 +71,31 @@ class RunCost:
             return None
         if not (math.isfinite(new_shape) and new_shape >= 0):
             return None
-        return cls(**values, new_shape=new_shape)
+        attention = data.get("attention")
+        try:
+            attention = None if attention is None else float(attention)
+        except (TypeError, ValueError, ArithmeticError):
+            return None
+        if attention is not None and not (math.isfinite(attention) and attention > 0):
+            return None
+        return cls(**values, new_shape=new_shape, attention=attention)
 
-    def as_info(self) -> dict[str, float]:
+    def as_info(self) -> dict[str, float | None]:
         """For ``/health`` and logs: milliseconds per run and per token, microseconds per token
-        per position."""
+        per position, and the attention length the long runs measured (None: not measured)."""
         return {"fixed_ms": round(self.fixed * 1e3, 3),
                 "per_token_ms": round(self.per_token * 1e3, 4),
                 "per_token_position_us": round(self.per_pair * 1e6, 4),
-                "new_shape_ms": round(self.new_shape * 1e3, 3)}
+                "new_shape_ms": round(self.new_shape * 1e3, 3),
+                "attention_tokens": None if self.attention is None else round(self.attention)}
 
     @property
     def attention_tokens(self) -> float | None:
-        """The length at which a text's attention costs as much as the rest of its run
-        (``per_token / per_pair``); None where no attention term was fitted."""
+        """The length at which a text's attention costs as much as the rest of its run: as
+        the long runs measured it, else ``per_token / per_pair`` of the short shapes' fit;
+        None where neither has an attention term."""
+        if self.attention is not None:
+            return self.attention
         return self.per_token / self.per_pair if self.per_pair > 0 else None
 
     def seconds(self, batch: int, seq: int) -> float:
@@ -123,6 +138,16 @@ FRESH_SHAPES = ((1, 41), (1, 67), (1, 97))
 # A new shape's cost below this share of a run is not told from noise (ONNX Runtime read -1 to
 # +5 ms on 80-490 ms runs of these lengths; OpenVINO int8 35-39 ms on 100-160 ms).
 NEW_SHAPE_FLOOR = 0.10
+# The run cost's own shapes stop at 384 tokens, where attention is a small part of a run, so
+# the per_pair they fit scatters between starts (full-size ov-int8 on a 2-core Zen 4: per_token
+# / per_pair 747 on one start, 1,634-1,890 on three others), and where its kernels change with
+# length it is no model of long texts at all: the tiny test model's (hidden 32) short shapes fit
+# 83-825, its runs of 2,048-8,192 tokens read 20-200. The probe's memory shapes reach the
+# longest texts (8,192 by default), attention most of their run: ``long_attention`` reads it
+# off those at least this long, which is what the deadline's share counts long texts by
+# (service.admission). The full-size runs of 2,048-8,192 tokens read 1,759-2,057 on both
+# starts whose short fits read 1,801 and 1,888.
+LONG_SEQ = 1024
 # A fit that misses a timed shape by more than this is no model of the runs (a start disturbed
 # by other work): the packer then pads by min_fill alone. The full-size ov-int8 fit over 24
 # shapes missed its smallest by 13 %.
@@ -154,6 +179,20 @@ def fit(timings: Sequence[tuple[int, int, float]]) -> RunCost | None:
         return None
     fixed, per_token, per_pair = map(float, best[1])
     return RunCost(fixed=fixed, per_token=per_token, per_pair=per_pair)
+
+
+def long_attention(cost: RunCost, timings: Sequence[tuple[int, int, float]]) -> float | None:
+    """The length at which a text's attention costs as much as the rest of its run, read off
+    ``(batch, seq, seconds)`` runs at least ``LONG_SEQ`` long: what each took beyond ``cost``'s
+    fixed and per-token parts, per token per position, their median (one run disturbed by other
+    work moves it little). None where no run is that long or the median is not positive
+    (attention not seen beside the rest: the fit's own term stands)."""
+    pairs = [(seconds - cost.fixed - batch * seq * cost.per_token) / (batch * seq * seq)
+             for batch, seq, seconds in timings if seq >= LONG_SEQ and seconds > 0]
+    if not pairs:
+        return None
+    per_pair = float(np.median(pairs))
+    return cost.per_token / per_pair if per_pair > 0 else None
 
 
 def first_and_best(run: Callable[[int, int], None], shapes: Sequence[tuple[int, int]],
@@ -197,12 +236,15 @@ def measure_new_shape(run: Callable[[int, int], None],
 def measure_run_cost(run: Callable[[int, int], None], shapes: Sequence[tuple[int, int]] = SHAPES,
                      *, max_seq: int | None = None, rounds: int = ROUNDS,
                      fresh: Sequence[tuple[int, int]] = FRESH_SHAPES,
+                     long: Sequence[tuple[int, int, float]] = (),
                      clock: Callable[[], float] = time.perf_counter,
                      log: Callable[[str], None] = logger.info) -> RunCost | None:
     """Time ``run(batch, seq)`` on ``shapes`` no longer than ``max_seq`` (each once to warm up,
     then ``rounds`` rounds interleaved, the fastest run of each counting: a drifting machine
     drifts for all alike) and fit the cost of a run, then time what a new shape costs on
-    ``fresh`` (``measure_new_shape``; shapes past ``max_seq`` left out, none: 0). None (logged)
+    ``fresh`` (``measure_new_shape``; shapes past ``max_seq`` left out, none: 0), and read the
+    attention length off ``long`` (``(batch, seq, seconds)`` runs timed before: the probe's
+    memory shapes; ``long_attention``). None (logged)
     when a run fails or no fit describes the timings: the packer then pads by ``min_fill``
     alone, as it did before it could measure."""
     shapes = [(b, s) for b, s in shapes if max_seq is None or s <= max_seq]
@@ -225,8 +267,12 @@ def measure_run_cost(run: Callable[[int, int], None], shapes: Sequence[tuple[int
     if cost is None:
         log(f"probe run cost: no fit within {MAX_RESIDUAL:.0%} of the timings ({timed})")
         return None
-    cost = replace(cost, new_shape=new_shape)
+    cost = replace(cost, new_shape=new_shape, attention=long_attention(cost, long))
+    fitted = f"{cost.per_token / cost.per_pair:.0f}" if cost.per_pair > 0 else "none"
+    measured = ("not measured" if cost.attention is None
+                else f"at {cost.attention:.0f} tokens on the runs of at least {LONG_SEQ}")
     log(f"probe run cost: {cost.fixed * 1e3:.1f} ms per run, {cost.per_token * 1e3:.3f} ms per "
         f"token, {cost.per_pair * 1e6:.3f} us per token per position, {new_shape * 1e3:.1f} ms "
-        f"more for a new shape ({timed})")
+        f"more for a new shape ({timed}); a text's attention costs as much as the rest of its "
+        f"run {measured} (the short shapes' fit: {fitted})")
     return cost

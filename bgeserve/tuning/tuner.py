@@ -514,9 +514,12 @@ class Tuner:
                      "token per position), %.1f ms more the first time its shape runs: a text "
                      "joins a chunk only where padding the chunk to it costs less than its own "
                      "run and the new shapes it saves, and a chunk pads to a shape already run "
-                     "where that costs less than a new one", cost.fixed * 1e3,
+                     "where that costs less than a new one; a text's attention costs as much as "
+                     "the rest of its run at %s tokens", cost.fixed * 1e3,
                      cost.per_token * 1e3, cost.per_pair * 1e6,
-                     cost.new_shape * 1e3)
+                     cost.new_shape * 1e3,
+                     "unmeasured" if cost.attention_tokens is None
+                     else f"{cost.attention_tokens:.0f}")
         self._apply_run_cost(cost)
 
     def stop(self) -> None:
