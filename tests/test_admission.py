@@ -383,6 +383,76 @@ def test_a_queued_jobs_deadline_is_protected_until_it_is_answered() -> None:
     admission.close()
 
 
+def group(in_s: float | None, *lengths: int) -> Any:
+    """A job of texts of ``lengths`` tokens, its deadline in ``in_s`` seconds."""
+    job = Tracked(in_s)
+    job.ids = [[0] * n for n in lengths]  # type: ignore[attr-defined]
+    job.pending = lambda: list(range(len(lengths)))  # type: ignore[attr-defined]
+    return job
+
+
+def test_a_requests_later_groups_are_held_for_until_queued() -> None:
+    """A ColBERT rerank's groups are queued one after another, each once the one before was
+    scored: between them nothing of the request waited in the queue, others were admitted
+    into its time, and its next group, let in unchecked, ran late among them (review). Held
+    for, they count as queued work (their attention too) and against BGE_M3_MAX_QUEUE_TOKENS,
+    their deadline is protected, a request beside them is not "alone"; each leaves the hold
+    when queued, the rest when the request ends."""
+    drain = DrainMeter()
+    drain.record(1000, 1.0)  # 1,000 work a second: the own share is 75,000 of 100 s
+    gate = AdmissionGate(100_000, lambda: 0, drain, deadline_s=100.0,
+                         attention=lambda: 1000.0)
+    second, third = group(60.0, 2_000, 2_000), group(60.0, 1_000)
+    gate.hold_later([second, third])  # 5,000 tokens; work 5,000 + 9,000,000 / 1,000
+    held = 5_000 + 9_000
+    assert gate.room() == pytest.approx(60_000 - held, abs=100)  # ~60 s left: 60,000
+    assert gate.limit() == pytest.approx(5_000 + 60_000 - held, abs=100)
+    with pytest.raises(Overloaded, match="admitted before"):
+        gate.check_in_time(50_000, 0, squares=0)  # not alone: its groups are to come
+    gate.queued_later(second)
+    assert gate.room() == pytest.approx(60_000 - 2_000, abs=100)
+    gate.drop_later([second, third])
+    assert gate.room() == 75_000
+    gate.check_in_time(50_000, 0, squares=0)
+    # Under BGE_M3_MAX_QUEUE_TOKENS alone (no deadline): their tokens are room taken.
+    tokens = AdmissionGate(10_000, lambda: 0, DrainMeter())
+    tokens.hold_later([group(None, 4_000)])
+    assert tokens.room() == 6_000
+    with pytest.raises(Overloaded, match="BGE_M3_MAX_QUEUE_TOKENS"):
+        tokens.reserve(6_001)
+
+
+def test_a_request_queued_in_groups_is_judged_whole() -> None:
+    """Admission.queue checks a request's first job with its later ones (``rest``): a rerank
+    whose whole does not fit the deadline's share is a 429 at once, not a 504 half way; one
+    that fits has its later groups held until each is queued (``later=True``)."""
+    from concurrent.futures import Future
+
+    from bgeserve.service.admission import Admission
+    from bgeserve.tuning.runcost import RunCost
+
+    state = {"queued": 1_000}  # something queued: no request goes in "alone"
+    engine = engine_standin(queued_tokens=lambda: state["queued"],
+                            submit=lambda job: Future(),  # attention left out: tokens count
+                            run_cost=RunCost(0.0, per_token=1e-3, attention=1e12))
+    drain = DrainMeter()
+    drain.record(1000, 1.0)
+    admission = Admission(engine, 10**6, drain, slots=2,  # type: ignore[arg-type]
+                          deadline_s=10.0)  # 7,500 of work in its share; 1,000 held
+    first = group(10.0, 3_000)
+    with pytest.raises(Overloaded, match="this request needs ~7.0s"):
+        admission.queue(first, rest=[group(10.0, 2_000), group(10.0, 2_000)])
+    assert admission.gate.room() == 6_500  # nothing held for a refused request
+    later = [group(10.0, 1_000), group(10.0, 1_000)]
+    admission.queue(first, rest=later)  # 5,000 of work: fits
+    assert admission.gate.room() <= 6_500 - 2_000
+    admission.queue(later[0], later=True)
+    state["queued"] += 1_000
+    admission.drop_later(later)
+    assert admission.gate.room() <= 6_500 - 1_000
+    admission.close()
+
+
 def test_work_past_the_share_is_told_so_where_the_token_bound_is_lower() -> None:
     """A request whose tokens fit BGE_M3_MAX_QUEUE_TOKENS' room but whose work does not fit
     the deadline's share is told the share is what it misses, with the share's Retry-After
@@ -428,11 +498,13 @@ def test_a_request_past_the_whole_share_by_itself_is_told_so() -> None:
 def test_the_attention_length_is_the_measured_run_costs() -> None:
     """A = per_token / per_pair of the probe's run cost, at least MIN_ATTENTION_TOKENS; without
     one, or without an attention term in it, DEFAULT_ATTENTION_TOKENS."""
+    from dataclasses import replace
     from types import SimpleNamespace
 
     from bgeserve.service.admission import (
         DEFAULT_ATTENTION_TOKENS,
         MIN_ATTENTION_TOKENS,
+        MIN_LONG_ATTENTION_TOKENS,
         attention_tokens,
     )
     from bgeserve.tuning.runcost import RunCost
@@ -448,6 +520,12 @@ def test_the_attention_length_is_the_measured_run_costs() -> None:
     # A fit's noise, not a model: a 10-token A would price every text ~tens of times over.
     noisy = RunCost(0.01, per_token=1e-3, per_pair=1e-4)
     assert attention_tokens(engine(noisy)) == MIN_ATTENTION_TOKENS
+    # Read off the long runs, it is measured where it counts: it stands, below the fit's floor
+    # too (the tiny test model's 20-200), down to a disturbed start's.
+    long = RunCost(0.01, per_token=1e-3, per_pair=1e-7, attention=40.0)
+    assert attention_tokens(engine(long)) == 40.0
+    assert attention_tokens(engine(replace(long, attention=2.0))) == MIN_LONG_ATTENTION_TOKENS
+    assert attention_tokens(engine(replace(noisy, attention=3000.0))) == 3000.0
 
 
 def test_a_504_says_how_far_the_request_got_and_why_it_was_late() -> None:

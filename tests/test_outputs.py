@@ -202,7 +202,9 @@ def test_a_colbert_rerank_holds_each_group_with_the_query_then_nothing(tiny_expo
                                                                        tmp_path: Path) -> None:
     """Through the service's path: the first group's room (it holds the query), then each later
     group's with the query's (its vectors are kept to the end); the same scores as the library;
-    nothing held after, nor after a later group is refused by the queue (a 429)."""
+    nothing held after, nor after a later group is refused by the queue (a 429). The queue's
+    gate holds the later groups' tokens from the first group on (judged whole, room kept for
+    them) until each is queued, and nothing once the request ended."""
     from dataclasses import replace
 
     import numpy as np
@@ -235,10 +237,20 @@ def test_a_colbert_rerank_holds_each_group_with_the_query_then_nothing(tiny_expo
 
         room.acquire = acquire  # type: ignore[method-assign]
         admission = Admission(engine, 1 << 30, DrainMeter(), slots=1, outputs=room)
+        held: list[int] = []
+        hold = admission.gate.hold_later
+
+        def hold_later(later):
+            held.append(sum(map(len, (ids for job in later for ids in job.ids))))
+            hold(later)
+
+        admission.gate.hold_later = hold_later  # type: ignore[method-assign]
         reranking = Reranking(Metrics())
         try:
             got = _run(reranking._m3(engine, admission, query, docs, options, None, "r1", []))
             assert sizes == want and room.held == 0 and room.waiting == 0
+            assert held == [sum(map(len, (ids for job in jobs[1:] for ids in job.ids)))]
+            assert admission.gate.room() == 1 << 30
             np.testing.assert_allclose(got.scores, engine.rerank(query, docs, mode="colbert").scores,
                                        atol=1e-6)
             queued = admission.queue
@@ -255,6 +267,7 @@ def test_a_colbert_rerank_holds_each_group_with_the_query_then_nothing(tiny_expo
                 _run(reranking._m3(engine, admission, query, docs, options, None, "r2", []))
             assert len(calls) == 2
             assert room.held == 0 and room.waiting == 0
+            assert admission.gate.room() == 1 << 30  # the groups never queued: not held
         finally:
             admission.close()
 

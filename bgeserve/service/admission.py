@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import math
 import threading
 import time
@@ -68,14 +69,17 @@ MAX_RETRY_AFTER_S = 60.0
 # drains take their turns too.
 QUEUE_DEADLINE_SHARE = 0.75
 # A text of n tokens runs in about n x (per_token + n x per_pair) seconds (tuning.runcost):
-# its work is n x (1 + n / A) tokens' worth, A = per_token / per_pair, the length at which its
-# attention costs as much as the rest. The probe measures A (RunCost.attention_tokens: ~2,500
-# on full-size OpenVINO int8, ~1,900 ONNX Runtime int8, 2-core Zen 4, both held within 3 % to
-# 4,096 tokens); where it did not, this.
+# its work is n x (1 + n / A) tokens' worth, A the length at which its attention costs as much
+# as the rest. The probe measures A on its runs of 1,024-8,192 tokens (RunCost.attention:
+# ~1,800-1,900 full-size on a 2-core Zen 4; the short shapes' per_token / per_pair, ~2,500 on
+# OpenVINO int8 and ~1,900 on ONNX Runtime int8 there, held within 3 % to 4,096 tokens, is
+# used where a cache predates that); where it did not measure A, this.
 DEFAULT_ATTENTION_TOKENS = 2048.0
-# A measured A below this is a fit's noise, not a model (a transformer's attention costs as much
-# as its matrices at ~6 x its hidden size: the tiny test model, hidden 32, measured ~440).
+# An A fitted on the short shapes below this is the fit's noise, not a model.
 MIN_ATTENTION_TOKENS = 128.0
+# One read off long runs is measured where it matters (the tiny test model, hidden 32: 20-200
+# on runs of 2,048-8,192 tokens); below this it would be a disturbed start's.
+MIN_LONG_ATTENTION_TOKENS = 16.0
 Plan = TypeVar("Plan")
 Made = TypeVar("Made")
 
@@ -87,9 +91,12 @@ def work(tokens: int, squares: int, attention: float) -> float:
 
 
 def attention_tokens(engine: Engine) -> float:
-    """A in ``work`` for ``engine``: its measured run cost's (at least
+    """A in ``work`` for ``engine``: as its run cost's long runs measured it (at least
+    ``MIN_LONG_ATTENTION_TOKENS``), else as its short shapes' fit has it (at least
     ``MIN_ATTENTION_TOKENS``), else the default."""
     cost = engine.run_cost
+    if cost is not None and cost.attention is not None:
+        return max(MIN_LONG_ATTENTION_TOKENS, cost.attention)
     measured = None if cost is None else cost.attention_tokens
     return DEFAULT_ATTENTION_TOKENS if measured is None else max(MIN_ATTENTION_TOKENS, measured)
 
@@ -212,9 +219,10 @@ class AdmissionGate:
     ``QUEUE_DEADLINE_SHARE`` of it (``queued_squares``: the queued texts' lengths squared,
     summed; ``attention``: A in ``work``), and at most what it runs in the time left to the
     deadline of any request admitted and not yet answered (``track``) that is still in time.
-    A reservation (a lower bound of tokens) counts as that much work, which it is at least.
-    Like the queue, it lets any request in when nothing is queued or reserved (a request
-    larger than the whole queue must still be served alone).
+    A reservation (a lower bound of tokens) counts as that much work, which it is at least;
+    the jobs of a request admitted whole and queued one after another (``hold_later``) count
+    as what they are. Like the queue, it lets any request in when nothing is queued or
+    reserved (a request larger than the whole queue must still be served alone).
     """
 
     def __init__(self, max_tokens: int, queued: Callable[[], int], drain: DrainMeter,
@@ -235,6 +243,9 @@ class AdmissionGate:
         self._lock = threading.Lock()
         # The jobs admitted and not yet answered, and their deadlines (monotonic).
         self._deadlines: dict[Job, float] = {}
+        # Jobs of requests admitted whole, not queued yet (a ColBERT rerank's later groups):
+        # their texts' tokens and lengths squared.
+        self._later: dict[Job, tuple[int, int]] = {}
         self._deadlines_lock = threading.Lock()  # taken inside _lock, never around it
 
     def track(self, job: Job, answered: Future) -> None:
@@ -258,6 +269,38 @@ class AdmissionGate:
         with self._deadlines_lock:
             self._deadlines.pop(job, None)
 
+    def hold_later(self, jobs: Sequence[Job]) -> None:
+        """Count ``jobs``, admitted with a request whose first job is queued and queued one
+        after another later (a ColBERT rerank's groups of windows: each one's vectors are
+        scored and dropped before the next runs), as held until each is queued
+        (``queued_later``) or the request ends (``drop_later``), their deadlines protected
+        as ``track``'s. Between groups nothing of the request waited in the queue: others were
+        admitted into its time, and a later group, let in unchecked, ran late among them
+        (review); or the scheduler refused it past BGE_M3_MAX_QUEUE_TOKENS halfway through."""
+        with self._deadlines_lock:
+            for job in jobs:
+                lengths = [len(ids) for ids in job.ids]
+                self._later[job] = (sum(lengths), sum(n * n for n in lengths))
+
+    def queued_later(self, job: Job) -> None:
+        """``job`` of ``hold_later`` is queued now: the queue counts it."""
+        with self._deadlines_lock:
+            self._later.pop(job, None)
+
+    def drop_later(self, jobs: Sequence[Job]) -> None:
+        """The request of ``hold_later``'s ``jobs`` ended (answered, failed, its client
+        gone): those not queued are not coming."""
+        with self._deadlines_lock:
+            for job in jobs:
+                self._later.pop(job, None)
+
+    def _later_held(self) -> tuple[int, int, list[float]]:
+        """``hold_later``'s jobs: their tokens, lengths squared, and deadlines."""
+        with self._deadlines_lock:
+            later = list(self._later.items())
+        return (sum(t for _, (t, _) in later), sum(q for _, (_, q) in later),
+                [job.deadline for job, _ in later if job.deadline is not None])
+
     def _share(self, own_bound: int = 0) -> _Share | None:
         """The deadline's share now (None: no deadline, or no rate measured yet), not
         counting ``own_bound`` (the reservation of the request it is asked for)."""
@@ -267,22 +310,25 @@ class AdmissionGate:
         rate = self.drain.work_rate(attention)
         if rate <= 0:
             return None
-        held = (work(self.queued(), self.queued_squares(), attention) + self.reserved
-                - own_bound + _running_work(self.running(), rate, attention))
+        later_tokens, later_squares, later = self._later_held()
+        held = (work(self.queued() + later_tokens, self.queued_squares() + later_squares,
+                     attention)
+                + self.reserved - own_bound + _running_work(self.running(), rate, attention))
         now = time.monotonic()  # the jobs' deadlines' clock
         with self._deadlines_lock:
             tracked = list(self._deadlines.items())
         # Those already out of reach are not protected by refusing everyone else, nor those
-        # with nothing left to wait for.
-        earlier = min((r for job, d in tracked
-                       if (r := (d - now) * rate) >= held and self.waiting(job)),
-                      default=math.inf)
+        # with nothing left to wait for (a later group still to queue has).
+        earlier = min(itertools.chain(
+            (r for job, d in tracked if (r := (d - now) * rate) >= held and self.waiting(job)),
+            (r for d in later if (r := (d - now) * rate) >= held)), default=math.inf)
         return _Share(rate * self.deadline_s * QUEUE_DEADLINE_SHARE, held, rate, attention,
                       earlier)
 
     def _rooms(self) -> tuple[int, _Share | None, int]:
         """The room under BGE_M3_MAX_QUEUE_TOKENS, the deadline's share, and ``room``."""
-        tokens, share = self.max_tokens - self.queued() - self.reserved, self._share()
+        tokens = self.max_tokens - self.queued() - self.reserved - self._later_held()[0]
+        share = self._share()
         return tokens, share, tokens if share is None else min(tokens, share.room)
 
     def room(self) -> int:
@@ -294,7 +340,7 @@ class AdmissionGate:
         """Tokens the queue may hold now: what it holds (queued and reserved) and its
         ``room`` (under the deadline's share, tokens of short texts: a long text's count more;
         none when it holds more than its share, as long texts let in alone can)."""
-        return self.queued() + self.reserved + max(0, self.room())
+        return self.queued() + self.reserved + self._later_held()[0] + max(0, self.room())
 
     def retry_after(self, needed: float, rate: float | None = None) -> float:
         """Seconds until ``needed`` more tokens of room have drained at ``rate`` (default:
@@ -353,7 +399,7 @@ class AdmissionGate:
         """The refusal when no request can be admitted whatever its size (O(1)), else None."""
         with self._lock:
             tokens, share, room = self._rooms()
-            busy = self.reserved or self.queued()
+            busy = self.reserved or self.queued() or self._later_held()[0]
         return self.refusal(1, tokens, share) if busy and room <= 0 else None
 
     def reserve(self, bound: int) -> None:
@@ -361,7 +407,7 @@ class AdmissionGate:
         queued; ``release`` them then); raises ``Overloaded`` if they are not there."""
         with self._lock:
             tokens, share, room = self._rooms()
-            if (self.reserved or self.queued()) and bound > room:
+            if (self.reserved or self.queued() or self._later_held()[0]) and bound > room:
                 raise self.refusal(bound, tokens, share)
             self.reserved += bound
 
@@ -388,8 +434,8 @@ class AdmissionGate:
             needed = work(tokens, squares, share.attention)
             # Nothing queued (a chunk may run; others may be tokenizing, their own check to
             # come: counting their reservations, a large request refused as "let in alone"
-            # never was under steady traffic; review).
-            alone = not self.queued()
+            # never was under steady traffic; review), nor a later group of one admitted.
+            alone = not (self.queued() or self._later_held()[0])
             if not alone and tokens and needed > share.room:
                 # The share's refusal whatever BGE_M3_MAX_QUEUE_TOKENS' room (the scheduler's
                 # to check): it is what this request does not fit (review).
@@ -511,17 +557,24 @@ class _Admitting:
             self.refused += 1
         return refusal
 
-    def queue(self, job: Job, bound: int = 0, later: bool = False) -> Future:
+    def queue(self, job: Job, bound: int = 0, later: bool = False,
+              rest: Sequence[Job] = ()) -> Future:
         """Submit ``job`` (its ``bound`` still reserved): the queue's exact checks, the share
         of the deadline's (``AdmissionGate.check_in_time``; not for ``later`` jobs of a
         request admitted already, as a ColBERT rerank's later groups) and the scheduler's,
         its refusal (counted by the scheduler) with a Retry-After from the drain rate, not the
-        scheduler's 1 s."""
-        if not later and self.gate.deadline_s is not None:
+        scheduler's 1 s. ``rest``: the request's jobs to queue ``later``, one after another:
+        checked with this one, and held for until queued (``AdmissionGate.hold_later``)."""
+        if later:
+            self.gate.queued_later(job)
+        elif self.gate.deadline_s is not None:
             # What it queues: not the texts the cache answered or a repeat of another of its
-            # texts runs for (review: a request the cache answered whole was a 429).
+            # texts runs for (review: a request the cache answered whole was a 429); and the
+            # later jobs whole (a rerank's groups: a request is answered in time or not at
+            # all, so it is judged whole, as a 429 at once rather than a 504 half way).
             left = None if job.deadline is None else job.deadline - time.monotonic()
             lengths = [len(job.ids[i]) for i in job.pending()]
+            lengths += [len(ids) for other in rest for ids in other.ids]
             try:
                 self.gate.check_in_time(sum(lengths), bound, left,
                                         squares=sum(n * n for n in lengths))
@@ -538,6 +591,8 @@ class _Admitting:
             raise Overloaded(exc.message, retry_after=self.gate.retry_after(needed)) from None
         if self.gate.deadline_s is not None:
             self.gate.track(job, answered)
+        if rest:
+            self.gate.hold_later(rest)
         return answered
 
     async def submit_jobs(self, chars: int, lower_bound: Callable[[int], int],
@@ -548,7 +603,9 @@ class _Admitting:
         on a thread (``make`` tokenizes) and queue the first one: the plan, the jobs and the
         first one's future (None: no job); Overloaded (429) as ``Admission.submit`` raises
         it. The jobs after the first are the caller's to queue, one after another.
-        ``before(job)`` is awaited before the first is queued (room for its output)."""
+        ``before(job)`` is awaited before the first is queued (room for its output). The
+        later jobs are held for (``AdmissionGate.hold_later``) until queued with ``queue(job,
+        later=True)``; ``drop_later(jobs)`` when the request ends."""
         if self._aborted is not None:
             raise self._aborted
         bound = await self._reserve(chars, lower_bound)
@@ -559,10 +616,15 @@ class _Admitting:
                 self.gate.release(bound)
                 bound = 0
                 await before(jobs[0])
-            first = self.queue(jobs[0], bound) if jobs else None
+            first = self.queue(jobs[0], bound, rest=jobs[1:]) if jobs else None
         finally:
             self.gate.release(bound)
         return plan, jobs, first
+
+    def drop_later(self, jobs: Sequence[Job]) -> None:
+        """The request of ``submit_jobs``' ``jobs`` ended: its jobs not queued are not
+        coming (``AdmissionGate.drop_later``)."""
+        self.gate.drop_later(jobs)
 
     async def on_thread(self, work: Callable[[], Made]) -> Made:
         """``work()`` (tokenizing) on a thread once a tokenizing slot is free."""

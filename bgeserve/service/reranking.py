@@ -274,6 +274,7 @@ class Reranking:
                                    arrived, queued, jobs, time.monotonic())
                 return result
         finally:
+            admission.drop_later(made)
             if holding is not None:
                 holding.give_back()
 
