@@ -730,6 +730,38 @@ def test_tokens_are_bounded_per_request():
         make().tokens([words(3)] * 2 + ["a"], max_tokens=10)
 
 
+def test_tokens_past_the_bound_are_refused_before_they_are_encoded_or_made(monkeypatch):
+    """QA: 64 texts of 20,000 words were refused only once encoded all at once (+445 MiB of
+    RSS), and two such requests got the server OOM-killed under a 600 MiB cap. Where the texts'
+    words already pass ``max_tokens`` nothing is encoded; else they are encoded a group at a
+    time, and no group's tokens are made once the count is past it."""
+    from bgeserve.engine import tokenizer as module
+
+    class Counting:
+        def __init__(self, tk: HfTokenizer) -> None:
+            self.tk, self.groups = tk, []
+
+        def encode_batch(self, texts, **kwargs):
+            self.groups.append(len(texts))
+            return self.tk.encode_batch(texts, **kwargs)
+
+    made: list[str] = []
+    tokens = module._tokens
+    monkeypatch.setattr(module, "_tokens", lambda text, enc: made.append(text) or
+                        tokens(text, enc))
+    tok = make(max_seq=16)
+    tok._tk = counting = Counting(tok._tk)  # type: ignore[assignment]
+    with pytest.raises(TooLarge, match="more than 40 tokens"):
+        tok.tokens([words(20)] * 3, max_tokens=40)  # 3 x 16 words at least, as truncated
+    assert counting.groups == [] and made == []
+    # Each text's words bound it at max_seq (48 of 150): encoded, one text a group here.
+    monkeypatch.setattr(module, "GROUP_CHARS", 10)
+    with pytest.raises(TooLarge, match="more than 150 tokens"):
+        tok.tokens([words(100)] * 3, max_tokens=150)  # 102 tokens each, untruncated
+    assert counting.groups == [1, 1] and len(made) == 1
+    assert [len(t) for t in tok.tokens([words(100)] * 3, max_tokens=306)] == [102] * 3
+
+
 def test_decode_skips_special_tokens_by_default():
     """``decode`` gives the text of each sequence; specials only when not skipped."""
     hf = hf_tokenizer()

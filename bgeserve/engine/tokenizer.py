@@ -386,22 +386,15 @@ class Tokenizer:
         """Ids of ``texts`` in groups of at most ``GROUP_CHARS`` characters; a text the
         tokenizer refuses (a lone surrogate) named by ``names`` (default ``input[i]``)."""
         out: list[np.ndarray] = []
-        group: list[str] = []
-        chars = 0
-        for text in [*texts, None]:
-            if group and (text is None or chars + len(text) > GROUP_CHARS):
-                with _native():
-                    try:
-                        encodings = self._tk.encode_batch(group, add_special_tokens=True)
-                    except Exception as exc:  # its words name neither text nor fault
-                        raise _named_fault(texts, names) or InvalidInput(
-                            f"cannot tokenize input: {exc}", param="input") from exc
-                out += [np.asarray(e.ids, dtype=np.int64) for e in encodings]
-                del encodings
-                group, chars = [], 0
-            if text is not None:
-                group.append(text)
-                chars += len(text)
+        for group in _groups(texts, GROUP_CHARS):
+            with _native():
+                try:
+                    encodings = self._tk.encode_batch(group, add_special_tokens=True)
+                except Exception as exc:  # its words name neither text nor fault
+                    raise _named_fault(texts, names) or InvalidInput(
+                        f"cannot tokenize input: {exc}", param="input") from exc
+            out += [np.asarray(e.ids, dtype=np.int64) for e in encodings]
+            del encodings
         return out
 
     def min_tokens(self, texts: Sequence[str], stop_above: int | None = None) -> int:
@@ -523,14 +516,21 @@ class Tokenizer:
                max_tokens: int | None = None) -> list[list[Token]]:
         """Every token of each text, untruncated, with UTF-8 byte offsets (TEI's ``/tokenize``).
 
-        ``max_tokens`` bounds the whole answer (each token costs a few hundred bytes as
-        Python objects and JSON): past it, ``TooLarge``. Each text is encoded whole: the
-        caller bounds its length (the server: BGE_M3_MAX_TEXT_CHARS).
+        ``max_tokens`` bounds the whole answer (~140 bytes a token as Python objects, ~65 as
+        JSON): past it, ``TooLarge``, refused before encoding where the texts' words are
+        already more (``min_tokens``), else once the texts encoded so far are, before their
+        tokens are made. Each text is encoded whole: the caller bounds its length (the
+        server: BGE_M3_MAX_TEXT_CHARS); texts are encoded ``GROUP_CHARS`` characters at a
+        time, so no more than one group is encoded past the bound (QA: 64 texts of 20,000
+        words, refused once 64 had been encoded at once, took +445 MiB of RSS with bge-m3's
+        tokenizer, and two at once got the server OOM-killed under a 600 MiB cap; now +74,
+        and 31 such texts, past the words' bound, +97 for +243).
         """
+        if max_tokens is not None and self.min_tokens(texts, stop_above=max_tokens) > max_tokens:
+            raise self._too_many(max_tokens)
         out: list[list[Token]] = []
         total = 0
-        for start in range(0, len(texts), 64):
-            group = list(texts[start:start + 64])
+        for group in _groups(texts, GROUP_CHARS, most=64):
             with _native():
                 try:
                     encodings = self._tk.encode_batch(group,
@@ -538,14 +538,17 @@ class Tokenizer:
                 except Exception as exc:
                     raise surrogate_error(texts, "inputs") or InvalidInput(
                         f"cannot tokenize input: {exc}", param="inputs") from exc
-            for text, enc in zip(group, encodings, strict=True):
-                total += len(enc.ids)
-                if max_tokens is not None and total > max_tokens:
-                    raise TooLarge(f"the texts of this request hold more than {max_tokens} "
-                                   "tokens; send fewer or shorter texts per /tokenize request",
-                                   param="inputs")
-                out.append(_tokens(text, enc))
+            total += sum(len(enc.ids) for enc in encodings)
+            if max_tokens is not None and total > max_tokens:
+                raise self._too_many(max_tokens)
+            out += [_tokens(text, enc) for text, enc in zip(group, encodings, strict=True)]
+            del encodings
         return out
+
+    @staticmethod
+    def _too_many(max_tokens: int) -> TooLarge:
+        return TooLarge(f"the texts of this request hold more than {max_tokens} tokens; send "
+                        "fewer or shorter texts per /tokenize request", param="inputs")
 
     def decode(self, sequences: Sequence[Sequence[int]],
                skip_special_tokens: bool = True) -> list[str]:
@@ -585,6 +588,21 @@ def _byte_starts(text: str) -> np.ndarray | None:
     points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
     widths = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)
     return np.concatenate(([0], np.cumsum(widths)))
+
+
+def _groups(texts: Sequence[str], chars: int, most: int | None = None) -> Iterator[list[str]]:
+    """``texts`` in order, in groups of at most ``chars`` characters (a longer text alone)
+    and ``most`` texts."""
+    group: list[str] = []
+    size = 0
+    for text in texts:
+        if group and (len(group) == most or size + len(text) > chars):
+            yield group
+            group, size = [], 0
+        group.append(text)
+        size += len(text)
+    if group:
+        yield group
 
 
 def _tokens(text: str, encoding: tokenizers.Encoding) -> list[Token]:
