@@ -267,6 +267,7 @@ def test_a_long_texts_tokens_count_for_their_attention() -> None:
     # Past the whole share by itself: it goes in alone, once the 110 held drained.
     assert "let in only when nothing else is queued" in refused.value.message
     assert refused.value.retry_after == 1.0
+    gate._kept_until = 0.0  # the queue kept for it meanwhile: its own test, below
     gate.check_in_time(2_000, 0, squares=2_000**2)  # one: 6,000 + 110, in
     # Queued, a long text holds its work's room: 6,110 of 8,250, so a bound of 2,200 tokens
     # does not fit, where 2,100 of 1,000,000 plain tokens would have.
@@ -334,6 +335,64 @@ def test_no_admission_makes_a_request_admitted_before_late() -> None:
     waiting[untimed] = 1
     gate.track(untimed, Future())  # type: ignore[arg-type]
     assert gate.room() == 55_000
+
+
+def test_the_queue_is_kept_for_a_request_that_goes_in_only_alone() -> None:
+    """A request past the deadline's whole share by itself goes in only when nothing else is
+    queued: under steady small traffic it never did (QA: 35-36 refusals in 40 s, each
+    Retry-After 1 s, beside hundreds of small requests answered). Refused, the queue is kept
+    for it: until its Retry-After and a grace, any other request is refused, even to an
+    empty queue, told to come back when it is no longer kept; the request it was kept for
+    goes in to the empty queue and frees it; one that does not come back is not waited for."""
+    import time
+
+    drain = DrainMeter(clock=Clock())
+    drain.record(1000, 1.0)
+    state = {"queued": 3_000, "squares": 0}
+    gate = AdmissionGate(10**6, lambda: state["queued"], drain, deadline_s=60.0,
+                         queued_squares=lambda: state["squares"], attention=lambda: 2048.0)
+    big = {"tokens": 16_384, "squares": 2 * 8192**2}  # 81,920 of the share's 45,000
+    with pytest.raises(Overloaded, match="kept for it until then") as alone:
+        gate.check_in_time(big["tokens"], 0, squares=big["squares"])
+    assert alone.value.retry_after == 3.0  # the 3,000 held drained
+    with pytest.raises(Overloaded, match="kept for a request too large to share it") as kept:
+        gate.check_in_time(100, 0, squares=0)
+    assert kept.value.retry_after == 5.0  # when no longer kept: its 3 s and the grace
+    state["queued"] = 0  # drained: still kept, for it
+    with pytest.raises(Overloaded, match="kept for a request too large"):
+        gate.check_in_time(100, 0, squares=0)
+    gate.check_in_time(big["tokens"], 0, squares=big["squares"])  # back: alone, in
+    state.update(queued=big["tokens"], squares=big["squares"])
+    with pytest.raises(Overloaded, match="more than the"):  # its work bounds the next
+        gate.check_in_time(100, 0, squares=0)
+    state.update(queued=3_000, squares=0)
+    with pytest.raises(Overloaded, match="kept for it until then"):
+        gate.check_in_time(big["tokens"], 0, squares=big["squares"])  # another: kept again
+    gate._kept_until = time.monotonic() - 0.001  # it did not come back: kept no longer
+    gate.check_in_time(100, 0, squares=0)
+
+
+def test_a_retry_after_is_never_past_the_deadlines_of_what_is_held() -> None:
+    """What is held leaves the queue by its requests' deadlines at the latest, whatever the
+    rate says of it: behind one request of ~30 s of work under a 3 s deadline, let in alone,
+    queries were told Retry-After 29-30 s (QA: an openai client's query took 15 s for a
+    server free again after 3 s). With no deadline known, the rate's estimate stands."""
+    from concurrent.futures import Future
+
+    drain = DrainMeter()
+    drain.record(1000, 1.0)  # 1,000 a second: the share is 2,250 of a 3 s deadline
+    gate = AdmissionGate(10**7, lambda: 30_000, drain, deadline_s=3.0)
+    with pytest.raises(Overloaded, match="more than the") as unknown:
+        gate.check_in_time(100, 0, squares=0)
+    assert unknown.value.retry_after == 28.0  # 30,100 - 2,250 at 1,000 a second, up
+    big = Tracked(2.2)  # the request holding it all: 2.2 s left to its deadline
+    gate.track(big, Future())  # type: ignore[arg-type]
+    with pytest.raises(Overloaded) as refused:
+        gate.check_in_time(100, 0, squares=0)
+    assert refused.value.retry_after == 3.0
+    with pytest.raises(Overloaded, match="let in only when nothing else is queued") as alone:
+        gate.check_in_time(5_000, 0, squares=0)  # past the whole share by itself
+    assert alone.value.retry_after == 3.0  # not the 30 s the rate drains it in
 
 
 def test_the_chunks_in_progress_hold_what_they_still_have_to_run() -> None:
