@@ -475,6 +475,11 @@ def test_token_id_errors_name_no_other_vocabulary() -> None:
         assert_error(r, 400, param="input[1]")
         message = r.json()["error"]["message"]
         assert "negative" in message and "250002" not in message
+        # Past any: named as the layout's bound, not as the served model's size (QA).
+        r = client.post("/v1/embeddings", json={"input": [5, 999_999]})
+        assert_error(r, 400, param="input[1]")
+        assert "at most 250002 ids; the served model's may have fewer" in r.json()["error"][
+            "message"]
 
 
 # ---------------------------------------------------------------- framework errors

@@ -172,8 +172,11 @@ def _token_ids(ids: list[Any], param: str) -> list[int]:
             raise InvalidInput(f"token id {number} is negative: token ids start at 0",
                                param=f"{param}[{j}]")
         if number >= VOCAB_SIZE:
-            raise InvalidInput(f"token id {number} is past bge-m3's vocabulary of {VOCAB_SIZE} "
-                               "ids", param=f"{param}[{j}]")
+            # Not "the vocabulary of 250002": the served model's may be smaller (QA: a 3,000-id
+            # model's refusal named 250,002 as its size).
+            raise InvalidInput(f"token id {number} is past any vocabulary of bge-m3's layout "
+                               f"(at most {VOCAB_SIZE} ids; the served model's may have fewer)",
+                               param=f"{param}[{j}]")
         if number is not token:  # 7.0 is an integer to JSON Schema; the service gets ints
             out = list(ids) if out is ids else out
             out[j] = number
