@@ -24,6 +24,7 @@ from bgeserve.errors import BgeServeError, InvalidInput, NotReady, Overloaded, T
 from bgeserve.holds import answering, release_all
 from bgeserve.http.context import CHARGE_BODY, HOLD_UNTIL_TAKEN
 from bgeserve.http.errors import BodyTimeout, Unauthorized, respond
+from bgeserve.http.heap import HeapTrim
 
 # nginx's client_body_timeout: a client may be slow, but not silent for longer than this.
 BODY_IDLE_TIMEOUT_S = 60.0
@@ -364,9 +365,11 @@ class InflightLimit:
     """
 
     def __init__(self, app: ASGIApp, *, allowance: BodyAllowance,
-                 uploads: Uploads | None = None):
+                 uploads: Uploads | None = None, heap: HeapTrim | None = None):
         self.app = app
         self.allowance = allowance
+        # What a large body's texts and ids freed goes back to the OS when it ends (heap.py).
+        self.heap = heap or HeapTrim()
         # A stop's deadline ends the waits for room as it ends those for body bytes (503).
         self.uploads = uploads or Uploads()
 
@@ -471,6 +474,7 @@ class InflightLimit:
             bodies.arrived(waiter)
             bodies.give_back(mine)
             self._hold_until_taken(scope, answer, kept)
+            self.heap.after(mine)
 
     def _hold_until_taken(self, scope: Scope, answer: int,
                           releases: list[Callable[[], None]]) -> None:
