@@ -78,12 +78,18 @@ def is_export(s: Settings) -> bool:
 
 
 def wanted(s: Settings) -> list[str]:
-    """fp32 and int8 always; bf16 where OpenVINO is installed and this CPU computes in bf16
-    (or bf16 is asked for); ov-int8 where NNCF is installed too and this CPU sums int8
-    products in int32 (VNNI, AMX-INT8: where OpenVINO's int8 is fast and its 8-bit weights
-    compute right), or ov-int8 is asked for. Elsewhere it would cost minutes of quantizing
-    for a graph that is slower than ONNX Runtime's int8 and under the bar (7-bit weights,
-    dense cosine 0.9973 on full-size random bge-m3, docs/benchmarks.md)."""
+    """With BGE_M3_MODEL given, fp32 (the reference the others are made from and checked
+    against) and that variant: nothing else is served (QA: `BGE_M3_MODEL=fp32` on a
+    snapshot's first start still quantized int8, bf16 and ov-int8, minutes and ~7.5 GiB of
+    peak on the full-size model; a later start that chooses adds what it lacks, keeping
+    these). Else fp32 and int8 always; bf16 where OpenVINO is installed and this CPU
+    computes in bf16 (or BGE_M3_EP=openvino asks for it); ov-int8 where NNCF is installed too
+    and this CPU sums int8 products in int32 (VNNI, AMX-INT8: where OpenVINO's int8 is fast
+    and its 8-bit weights compute right). Elsewhere it would cost minutes of quantizing for a
+    graph that is slower than ONNX Runtime's int8 and under the bar (7-bit weights, dense
+    cosine 0.9973 on full-size random bge-m3, docs/benchmarks.md)."""
+    if s.is_explicit("BGE_M3_MODEL"):
+        return list(dict.fromkeys(["fp32", s.variant]))
     wanted = ["fp32", "int8"]
     # BGE_M3_EP=openvino asks for OpenVINO's variant: bf16, unless ov-int8 is the one named.
     asked = s.variant == "bf16" or (s.execution_provider == "openvino" and s.variant != "ov-int8")
