@@ -349,6 +349,10 @@ def test_the_attention_length_is_read_off_the_long_runs():
     assert long_attention(OV_INT8, disturbed + shorter) == pytest.approx(want, rel=0.2)
     assert long_attention(OV_INT8, shorter) is None
     assert long_attention(OV_INT8, []) is None
+    # Each run was its shape's first: what a new shape costs is not read as attention.
+    fresh = replace(OV_INT8, new_shape=0.5)
+    first = [(b, s, t + fresh.new_shape) for b, s, t in runs]
+    assert long_attention(fresh, first) == pytest.approx(want, rel=1e-9)
     # No attention beyond the fit's per-token part (a GPU, say): the fit's own term stands.
     flat = [(b, s, OV_INT8.fixed + b * s * OV_INT8.per_token * 0.99) for b, s in LONG_RUNS]
     assert long_attention(OV_INT8, flat) is None

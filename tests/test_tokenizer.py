@@ -760,6 +760,12 @@ def test_tokens_past_the_bound_are_refused_before_they_are_encoded_or_made(monke
         tok.tokens([words(100)] * 3, max_tokens=150)  # 102 tokens each, untruncated
     assert counting.groups == [1, 1] and len(made) == 1
     assert [len(t) for t in tok.tokens([words(100)] * 3, max_tokens=306)] == [102] * 3
+    # Without <s> and </s>, 2 a text fewer: at the bound, answered (review: refused).
+    monkeypatch.setattr(module, "GROUP_CHARS", 1 << 18)
+    got = tok.tokens([words(10)] * 4, add_special_tokens=False, max_tokens=40)
+    assert [len(t) for t in got] == [10] * 4
+    with pytest.raises(TooLarge):
+        tok.tokens([words(10)] * 4, add_special_tokens=False, max_tokens=39)
 
 
 def test_decode_skips_special_tokens_by_default():

@@ -526,8 +526,14 @@ class Tokenizer:
         tokenizer, and two at once got the server OOM-killed under a 600 MiB cap; now +74,
         and 31 such texts, past the words' bound, +97 for +243).
         """
-        if max_tokens is not None and self.min_tokens(texts, stop_above=max_tokens) > max_tokens:
-            raise self._too_many(max_tokens)
+        if max_tokens is not None:
+            # min_tokens counts <s> and </s> (2 a text); without them, 2 a text fewer, still
+            # a lower bound: min(max_seq, 2 + words) - 2 <= words (review: requests under the
+            # bound were refused).
+            specials = 0 if add_special_tokens else 2 * len(texts)
+            stop = max_tokens + specials
+            if self.min_tokens(texts, stop_above=stop) - specials > max_tokens:
+                raise self._too_many(max_tokens)
         out: list[list[Token]] = []
         total = 0
         for group in _groups(texts, GROUP_CHARS, most=64):

@@ -244,9 +244,13 @@ class AdmissionGate:
         self.drain = drain
         self.deadline_s = deadline_s or None
         self.reserved = 0  # tokens of admitted requests not yet in the queue
-        # Until when (monotonic) the queue is kept for a request refused as let in only alone
-        # (``_keep_for_alone``; 0: for none).
+        # The queue kept for a request refused as let in only alone (``_keep_for_alone``):
+        # until when at most (monotonic; 0: for none), since when it was seen empty (None:
+        # not yet), when it was kept from (its length is how long no other keep may begin).
         self._kept_until = 0.0
+        self._kept_empty: float | None = None
+        self._kept_from = 0.0
+        self._no_keep_before = 0.0
         self._lock = threading.Lock()
         # The jobs admitted and not yet answered, and their deadlines (monotonic).
         self._deadlines: dict[Job, float] = {}
@@ -318,9 +322,10 @@ class AdmissionGate:
         if rate <= 0:
             return None
         later_tokens, later_squares, later = self._later_held()
+        running = _running_work(self.running(), rate, attention)
         held = (work(self.queued() + later_tokens, self.queued_squares() + later_squares,
                      attention)
-                + self.reserved - own_bound + _running_work(self.running(), rate, attention))
+                + self.reserved - own_bound + running)
         now = time.monotonic()  # the jobs' deadlines' clock
         with self._deadlines_lock:
             tracked = list(self._deadlines.items())
@@ -330,11 +335,16 @@ class AdmissionGate:
             (r for job, d in tracked if (r := (d - now) * rate) >= held and self.waiting(job)),
             (r for d in later if (r := (d - now) * rate) >= held)), default=math.inf)
         # Every job queued has a deadline and leaves the queue by it (the scheduler expires
-        # what is left of it), a request being tokenized within a deadline from now: what is
+        # what is left of it), a request being tokenized (not the one asking) within a
+        # deadline from now, and a chunk in progress runs to its end past its deadline (review:
+        # Retry-After 1 for the ~15 s an 8k-token chunk of a 3 s request still ran): what is
         # held is gone by the last of them, whatever the rate says of it (none known: no
         # bound).
         horizon = max([d - now for _, d in tracked] + [d - now for d in later]
-                      + ([self.deadline_s] if self.reserved else []), default=math.inf)
+                      + ([self.deadline_s] if self.reserved - own_bound > 0 else []),
+                      default=math.inf)
+        if not math.isinf(horizon):
+            horizon = max(horizon, running / rate)
         return _Share(rate * self.deadline_s * QUEUE_DEADLINE_SHARE, held, rate, attention,
                       earlier, horizon)
 
@@ -399,12 +409,13 @@ class AdmissionGate:
             # were told to retry in 29-60 s, as if room for them would come), and the queue
             # is kept for it until then.
             retry_after = self._by_horizon(self.retry_after(whole.held, share.rate), whole)
-            self._keep_for_alone(retry_after)
+            kept = (" (the queue is kept for it until then)"
+                    if self._keep_for_alone(retry_after) else "")
             return Overloaded(
                 said + "; more than the deadline's share by itself, it is let in only when "
-                "nothing else is queued (the queue is kept for it until then), and may still "
-                "miss the deadline: send fewer or shorter texts a request, or raise "
-                "BGE_M3_REQUEST_TIMEOUT_SECS", retry_after=retry_after)
+                f"nothing else is queued{kept}, and may still miss the deadline: send fewer or "
+                "shorter texts a request, or raise BGE_M3_REQUEST_TIMEOUT_SECS",
+                retry_after=retry_after)
         # Bound by an earlier request's deadline, the room stays as it is while the queue
         # drains (both fall together) until that request is answered (review: Retry-After 1,
         # refused again): when its deadline or all that is held has passed, whichever first.
@@ -435,7 +446,10 @@ class AdmissionGate:
         queued; ``release`` them then); raises ``Overloaded`` if they are not there."""
         with self._lock:
             tokens, share, room = self._rooms()
-            if (self.reserved or self.queued() or self._later_held()[0]) and bound > room:
+            # While the queue is kept, the reservations of requests it will refuse once
+            # tokenized do not make the one it is kept for wait (review).
+            reserved = 0 if self._keeping(time.monotonic()) else self.reserved
+            if (reserved or self.queued() or self._later_held()[0]) and bound > room:
                 raise self.refusal(bound, tokens, share)
             self.reserved += bound
 
@@ -470,30 +484,63 @@ class AdmissionGate:
                 raise self._late(needed, share, whole)
             if not tokens:
                 return
+            now = time.monotonic()
             if needed > whole.own:
-                self._kept_until = 0.0  # the request it was kept for: in, alone
-            elif time.monotonic() < self._kept_until:
+                if self._keeping(now):
+                    self._end_keep(now)  # the request it was kept for: in, alone
+            elif self._keeping(now):
                 raise self._kept(share)
 
-    def _keep_for_alone(self, retry_after: float) -> None:
+    def _keep_for_alone(self, retry_after: float) -> bool:
         """Keep the queue for a request refused as let in only alone, told to come back in
-        ``retry_after`` seconds: until then and ``KEPT_GRACE_S`` more, no other request is
-        admitted (``_kept``), so the queue drains and it finds it empty. Under steady
-        traffic of small requests it never did (QA: one of 6 texts of 2,500 words, which ran
-        in 3.1-3.9 s alone, refused 35-36 times in 40 s, each time Retry-After 1 s, beside
-        432-752 small requests answered). One at a time: a request that comes back to an
-        empty queue goes in and frees it; one that does not come back is not waited for
-        past the grace."""
+        ``retry_after`` seconds: no other request is admitted (``_kept``) until it is back,
+        so the queue drains and it finds it empty. Under steady traffic of small requests it
+        never did (QA: one of 6 texts of 2,500 words, which ran in 3.1-3.9 s alone, refused
+        35-36 times in 40 s, each time Retry-After 1 s, beside 432-752 small requests
+        answered). Not past ``KEPT_GRACE_S`` after the queue was first seen empty, nor past
+        its Retry-After and that grace: one that does not come back (a client that split
+        its request, as the 429 advises) is not waited for (review: everyone was refused
+        for the whole Retry-After, up to a minute, on an idle queue). One at a time, and none
+        begins before as long again as the last one lasted has passed, so other traffic has
+        its turn between requests too large to share the queue. Whether the queue is kept
+        now (for this request or one that came before it)."""
         now = time.monotonic()
-        if now >= self._kept_until:
-            self._kept_until = now + retry_after + KEPT_GRACE_S
+        if self._keeping(now):
+            return True
+        if now < self._no_keep_before:
+            return False
+        self._kept_until, self._kept_empty, self._kept_from = (
+            now + retry_after + KEPT_GRACE_S, None, now)
+        return True
+
+    def _keeping(self, now: float) -> bool:
+        """Whether the queue is kept now (``_keep_for_alone``); ends the keep whose time is
+        up, or whose queue has been empty for ``KEPT_GRACE_S``."""
+        if not self._kept_until:
+            return False
+        if self.queued() or self._later_held()[0]:
+            self._kept_empty = None
+        elif self._kept_empty is None:
+            self._kept_empty = now
+        if now >= self._kept_until or (self._kept_empty is not None
+                                       and now - self._kept_empty >= KEPT_GRACE_S):
+            self._end_keep(now)
+            return False
+        return True
+
+    def _end_keep(self, now: float) -> None:
+        self._no_keep_before = now + max(KEPT_GRACE_S, now - self._kept_from)
+        self._kept_until, self._kept_empty = 0.0, None
 
     def _kept(self, share: _Share) -> Overloaded:
         """The 429 of a request that would fit, while the queue is kept for one that goes in
         only alone: Retry-After when it is no longer kept (by then that one is in, and what
         it holds bounds the next admission as any request's does)."""
         assert self.deadline_s is not None
-        wait = max(1.0, self._kept_until - time.monotonic())
+        now = time.monotonic()
+        ends = self._kept_until if self._kept_empty is None else min(
+            self._kept_until, self._kept_empty + KEPT_GRACE_S)
+        wait = max(1.0, ends - now)
         return Overloaded(
             "the queue is full: it is kept for a request too large to share it (past "
             f"{QUEUE_DEADLINE_SHARE:g} of BGE_M3_REQUEST_TIMEOUT_SECS={self.deadline_s:g} by "

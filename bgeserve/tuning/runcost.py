@@ -184,10 +184,13 @@ def fit(timings: Sequence[tuple[int, int, float]]) -> RunCost | None:
 def long_attention(cost: RunCost, timings: Sequence[tuple[int, int, float]]) -> float | None:
     """The length at which a text's attention costs as much as the rest of its run, read off
     ``(batch, seq, seconds)`` runs at least ``LONG_SEQ`` long: what each took beyond ``cost``'s
-    fixed and per-token parts, per token per position, their median (one run disturbed by other
-    work moves it little). None where no run is that long or the median is not positive
-    (attention not seen beside the rest: the fit's own term stands)."""
-    pairs = [(seconds - cost.fixed - batch * seq * cost.per_token) / (batch * seq * seq)
+    fixed, new-shape and per-token parts (each was its shape's first run), per token per
+    position, their median (one run disturbed by other work moves it little). None where no
+    run is that long or the median is not positive (attention not seen beside the rest: the
+    fit's own term stands)."""
+    # Each was its shape's first run: what a new shape costs is not attention (review).
+    pairs = [(seconds - cost.fixed - cost.new_shape - batch * seq * cost.per_token)
+             / (batch * seq * seq)
              for batch, seq, seconds in timings if seq >= LONG_SEQ and seconds > 0]
     if not pairs:
         return None
@@ -267,7 +270,8 @@ def measure_run_cost(run: Callable[[int, int], None], shapes: Sequence[tuple[int
     if cost is None:
         log(f"probe run cost: no fit within {MAX_RESIDUAL:.0%} of the timings ({timed})")
         return None
-    cost = replace(cost, new_shape=new_shape, attention=long_attention(cost, long))
+    cost = replace(cost, new_shape=new_shape)
+    cost = replace(cost, attention=long_attention(cost, long))
     fitted = f"{cost.per_token / cost.per_pair:.0f}" if cost.per_pair > 0 else "none"
     measured = ("not measured" if cost.attention is None
                 else f"at {cost.attention:.0f} tokens on the runs of at least {LONG_SEQ}")
