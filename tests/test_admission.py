@@ -435,19 +435,26 @@ def test_a_retry_after_is_never_past_the_deadlines_of_what_is_held() -> None:
 
 def test_a_chunk_running_past_its_deadline_bounds_the_retry_after_too() -> None:
     """A chunk in progress runs to its end, its request's deadline past (review: Retry-After
-    1 for the ~15 s an 8k-token chunk of a 3 s request still ran)."""
+    1 for the ~15 s an 8k-token chunk of a 3 s request still ran): counted for what the rate
+    says is left of it, at most a deadline (the rate's estimate of a long chunk read off short
+    ones was 1,204 s for a request cut at 3 s: Retry-After 20 s, the server free in 3)."""
     from concurrent.futures import Future
 
     from bgeserve.engine.workers import Running
 
     drain = DrainMeter()
     drain.record(1000, 1.0)
-    gate = AdmissionGate(10**7, lambda: 30_000, drain, deadline_s=3.0,
-                         running=lambda: [Running(3.0, 18_000, False, 0)])
+    chunk = [Running(3.0, 18_000, False, 0)]
+    gate = AdmissionGate(10**7, lambda: 30_000, drain, deadline_s=20.0,
+                         running=lambda: chunk)
     gate.track(Tracked(-0.5), Future())  # type: ignore[arg-type]
     with pytest.raises(Overloaded) as refused:
         gate.check_in_time(100, 0, squares=0)
     assert refused.value.retry_after == 15.0  # 18,000 of work, 3 s of it run
+    chunk[0] = Running(3.0, 1_000_000, False, 0)  # the rate says ~1,000 s left: a deadline
+    with pytest.raises(Overloaded) as capped:
+        gate.check_in_time(100, 0, squares=0)
+    assert capped.value.retry_after == 20.0
 
 
 def test_the_chunks_in_progress_hold_what_they_still_have_to_run() -> None:

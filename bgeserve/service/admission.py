@@ -337,14 +337,16 @@ class AdmissionGate:
         # Every job queued has a deadline and leaves the queue by it (the scheduler expires
         # what is left of it), a request being tokenized (not the one asking) within a
         # deadline from now, and a chunk in progress runs to its end past its deadline (review:
-        # Retry-After 1 for the ~15 s an 8k-token chunk of a 3 s request still ran): what is
-        # held is gone by the last of them, whatever the rate says of it (none known: no
+        # Retry-After 1 for the ~15 s an 8k-token chunk of a 3 s request still ran), counted
+        # for at most a deadline (the rate's estimate of a long chunk read off short ones can
+        # be far off: 1,204 s of work held, on the tiny model, for a request cut at 3 s): what
+        # is held is gone by the last of them, whatever the rate says of it (none known: no
         # bound).
         horizon = max([d - now for _, d in tracked] + [d - now for d in later]
                       + ([self.deadline_s] if self.reserved - own_bound > 0 else []),
                       default=math.inf)
         if not math.isinf(horizon):
-            horizon = max(horizon, running / rate)
+            horizon = max(horizon, min(running / rate, self.deadline_s))
         return _Share(rate * self.deadline_s * QUEUE_DEADLINE_SHARE, held, rate, attention,
                       earlier, horizon)
 
