@@ -75,9 +75,9 @@ KEPT_GRACE_S = 2.0
 # A text of n tokens runs in about n x (per_token + n x per_pair) seconds (tuning.runcost):
 # its work is n x (1 + n / A) tokens' worth, A the length at which its attention costs as much
 # as the rest. The probe measures A on its runs of 1,024-8,192 tokens (RunCost.attention:
-# ~1,800-1,900 full-size on a 2-core Zen 4; the short shapes' per_token / per_pair, ~2,500 on
-# OpenVINO int8 and ~1,900 on ONNX Runtime int8 there, held within 3 % to 4,096 tokens, is
-# used where a cache predates that); where it did not measure A, this.
+# full-size ov-int8 on 2-core Zen 4 VMs 1,759-2,057 on two starts, 3,056 on a third; the short
+# shapes' per_token / per_pair, 1,801, 1,888 and 3,461 on those starts, is used where a cache
+# predates that); where it did not measure A, this.
 DEFAULT_ATTENTION_TOKENS = 2048.0
 # An A fitted on the short shapes below this is the fit's noise, not a model.
 MIN_ATTENTION_TOKENS = 128.0

@@ -145,8 +145,10 @@ NEW_SHAPE_FLOOR = 0.10
 # 83-825, its runs of 2,048-8,192 tokens read 20-200. The probe's memory shapes reach the
 # longest texts (8,192 by default), attention most of their run: ``long_attention`` reads it
 # off those at least this long, which is what the deadline's share counts long texts by
-# (service.admission). The full-size runs of 2,048-8,192 tokens read 1,759-2,057 on both
-# starts whose short fits read 1,801 and 1,888.
+# (service.admission). Full-size ov-int8 (2-core Zen 4 VMs): its runs of 1,024-8,192 tokens
+# read 1,759-2,057 on two starts whose short fits read 1,801 and 1,888, 3,056 on a third (a
+# quiet machine) against 3,461: close where the short fit was not disturbed, and a machine's
+# state moves both.
 LONG_SEQ = 1024
 # A fit that misses a timed shape by more than this is no model of the runs (a start disturbed
 # by other work): the packer then pads by min_fill alone. The full-size ov-int8 fit over 24
