@@ -399,6 +399,36 @@ def test_the_queue_is_kept_for_a_request_that_goes_in_only_alone() -> None:
     gate.check_in_time(100, 0, squares=0)
 
 
+def test_a_kept_queue_is_empty_only_with_nothing_running_and_others_reservations_aside() -> None:
+    """The keep's grace starts when nothing is queued nor running (a chunk in progress is part
+    of the Retry-After it was told: counted from the queue alone, the keep ended while a 15 s
+    chunk ran); while kept, others' reservations refuse it neither in full() nor in reserve()
+    (review); and full(), which asks for no request of a size, never begins a keep."""
+    import time
+
+    from bgeserve.engine.workers import Running
+
+    drain = DrainMeter(clock=Clock())
+    drain.record(1000, 1.0)
+    state: dict[str, Any] = {"queued": 3_000, "running": []}
+    gate = AdmissionGate(10**6, lambda: state["queued"], drain, deadline_s=60.0,
+                         attention=lambda: 2048.0, running=lambda: state["running"])
+    with pytest.raises(Overloaded, match="kept for it until then"):
+        gate.check_in_time(16_384, 0, squares=2 * 8192**2)
+    state.update(queued=0, running=[Running(1.0, 15_000, False, 0)])
+    assert gate._keeping(time.monotonic()) and gate._kept_empty is None
+    state["running"] = [Running(0.1, 20, True, 0)]  # the canary's is not work
+    assert gate._keeping(time.monotonic()) and gate._kept_empty is not None
+    for _ in range(5):
+        gate.reserve(10_000)  # requests the keep will refuse once tokenized
+    assert gate.full() is None
+    gate.reserve(50_000)  # the one it is kept for, back: its bound past the room
+    gate.release(100_000)
+    fresh = AdmissionGate(10**6, lambda: 10, DrainMeter(clock=Clock()), deadline_s=0.5)
+    fresh.drain.record(1, 1.0)  # 1 a second: a share under one token
+    assert fresh.full() is not None and not fresh._kept_until
+
+
 def test_a_retry_after_is_never_past_the_deadlines_of_what_is_held() -> None:
     """What is held leaves the queue by its requests' deadlines at the latest, whatever the
     rate says of it: behind one request of ~30 s of work under a 3 s deadline, let in alone,

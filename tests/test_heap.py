@@ -38,6 +38,23 @@ def test_a_large_requests_end_trims_the_heap_on_a_thread_at_most_once_a_period()
     assert asyncio.run(main()).trims == 2
 
 
+def test_an_end_with_no_loop_running_leaves_the_next_one_to_run() -> None:
+    """Within the period the trim is put off on the running loop; with none (a request's
+    task closed by the collector) nothing is raised and later ends still trim (review)."""
+    calls: list[int] = []
+    heap = HeapTrim(lambda: calls.append(1), every_s=60.0)
+    heap._last = heap.clock()  # one just ran
+    heap.after(TRIM_AFTER_BYTES)  # no loop: not put off, not stuck
+    heap._last = -60.0
+
+    async def main() -> None:
+        heap.after(TRIM_AFTER_BYTES)
+        await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    assert calls == [1]
+
+
 def test_a_failed_trim_leaves_the_next_one_to_run() -> None:
     calls: list[int] = []
 

@@ -80,6 +80,10 @@ def test_an_export_is_served_without_a_word_about_preparing(tmp_path, caplog) ->
     ({"BGE_M3_MODEL": "bf16"}, False, False, True, ["fp32", "bf16"]),
     ({"BGE_M3_MODEL": "fp32"}, True, True, True, ["fp32"]),
     ({"BGE_M3_MODEL": "int8"}, True, True, True, ["fp32", "int8"]),
+    # one preparing does not make (the hub's GPU graph), or cannot make here (no NNCF): not
+    # tried, so not recorded as failed, and made by a later start that can (review)
+    ({"BGE_M3_MODEL": "fp16"}, True, True, True, ["fp32"]),
+    ({"BGE_M3_MODEL": "ov-int8"}, True, True, False, ["fp32"]),
     ({"BGE_M3_EP": "openvino"}, False, False, True, ["fp32", "int8", "bf16"]),
     # ov-int8 runs on OpenVINO too, but bf16 is not what was asked for
     ({"BGE_M3_MODEL": "ov-int8", "BGE_M3_EP": "openvino"}, False, False, True,

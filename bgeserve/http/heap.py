@@ -43,10 +43,13 @@ class HeapTrim:
             return
         self._busy = True
         wait = self._last + self.every_s - self.clock()
-        if wait > 0:
-            asyncio.get_running_loop().call_later(wait, self._start)
-        else:
+        if wait <= 0:
             self._start()
+            return
+        try:
+            asyncio.get_running_loop().call_later(wait, self._start)
+        except RuntimeError:  # no loop running (a request's task closed by the collector)
+            self._busy = False
 
     def _start(self) -> None:
         self._last = self.clock()

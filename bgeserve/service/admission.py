@@ -376,14 +376,15 @@ class AdmissionGate:
             return 1.0
         return float(min(MAX_RETRY_AFTER_S, max(1, math.ceil(needed / rate))))
 
-    def refusal(self, needed: float, tokens_room: int, share: _Share | None) -> Overloaded:
+    def refusal(self, needed: float, tokens_room: int, share: _Share | None,
+                keep: bool = True) -> Overloaded:
         """The 429 for a request of at least ``needed`` tokens (under the ``share``, its
         work), more than the room under BGE_M3_MAX_QUEUE_TOKENS (``tokens_room``) or the
         deadline's ``share`` has."""
         # Not the bound itself: it stops counting once past the room (a request of 2,880
         # tokens was said to need "at least 448").
         if share is not None and share.room < tokens_room:
-            return self._late(needed, share)
+            return self._late(needed, share, keep=keep)
         return Overloaded(
             f"the queue is full: {self.max_tokens - tokens_room} of {self.max_tokens} tokens "
             "(BGE_M3_MAX_QUEUE_TOKENS) are queued or being admitted, and this request needs "
@@ -391,7 +392,8 @@ class AdmissionGate:
             retry_after=self.retry_after(needed - tokens_room) if share is None
             else self._by_horizon(self.retry_after(needed - tokens_room), share))
 
-    def _late(self, needed: float, share: _Share, whole: _Share | None = None) -> Overloaded:
+    def _late(self, needed: float, share: _Share, whole: _Share | None = None,
+              keep: bool = True) -> Overloaded:
         """The 429 for ``needed`` work past the ``share``; Retry-After from ``whole`` (default
         ``share``: a retry has its whole deadline again)."""
         assert self.deadline_s is not None
@@ -412,7 +414,7 @@ class AdmissionGate:
             # is kept for it until then.
             retry_after = self._by_horizon(self.retry_after(whole.held, share.rate), whole)
             kept = (" (the queue is kept for it until then)"
-                    if self._keep_for_alone(retry_after) else "")
+                    if keep and self._keep_for_alone(retry_after) else "")
             return Overloaded(
                 said + "; more than the deadline's share by itself, it is let in only when "
                 f"nothing else is queued{kept}, and may still miss the deadline: send fewer or "
@@ -440,8 +442,13 @@ class AdmissionGate:
         """The refusal when no request can be admitted whatever its size (O(1)), else None."""
         with self._lock:
             tokens, share, room = self._rooms()
-            busy = self.reserved or self.queued() or self._later_held()[0]
-        return self.refusal(1, tokens, share) if busy and room <= 0 else None
+            # As in reserve(): while the queue is kept, others' reservations do not stop the
+            # request it is kept for (review).
+            reserved = 0 if self._keeping(time.monotonic()) else self.reserved
+            busy = reserved or self.queued() or self._later_held()[0]
+        # Not a keep: no request of this size exists (review: with a sub-second share it
+        # began one, unlocked, for no one).
+        return self.refusal(1, tokens, share, keep=False) if busy and room <= 0 else None
 
     def reserve(self, bound: int) -> None:
         """Hold ``bound`` tokens of room (while tokenizing, until the exact tokens are
@@ -520,7 +527,11 @@ class AdmissionGate:
         up, or whose queue has been empty for ``KEPT_GRACE_S``."""
         if not self._kept_until:
             return False
-        if self.queued() or self._later_held()[0]:
+        # Empty: nothing queued nor running (a chunk in progress is part of the Retry-After it
+        # was told; counted from the queue alone, the keep ended while a 15 s chunk ran and it
+        # came back to a busy queue: review).
+        if (self.queued() or self._later_held()[0]
+                or any(not r.solo for r in self.running())):
             self._kept_empty = None
         elif self._kept_empty is None:
             self._kept_empty = now

@@ -89,7 +89,13 @@ def wanted(s: Settings) -> list[str]:
     graph that is slower than ONNX Runtime's int8 and under the bar (7-bit weights, dense
     cosine 0.9973 on full-size random bge-m3, docs/benchmarks.md)."""
     if s.is_explicit("BGE_M3_MODEL"):
-        return list(dict.fromkeys(["fp32", s.variant]))
+        # Only what preparing makes (not fp16, the hub's GPU graph), and only where it can
+        # be made here: one it cannot (ov-int8 without NNCF) is said so and not recorded as
+        # failed, so a later start makes it once it can (review).
+        makeable = s.variant in PEAK and (
+            s.variant == "int8" or (s.variant == "bf16" and openvino.available())
+            or (s.variant == "ov-int8" and nncf()))
+        return ["fp32", s.variant] if makeable else ["fp32"]
     wanted = ["fp32", "int8"]
     # BGE_M3_EP=openvino asks for OpenVINO's variant: bf16, unless ov-int8 is the one named.
     asked = s.variant == "bf16" or (s.execution_provider == "openvino" and s.variant != "ov-int8")
