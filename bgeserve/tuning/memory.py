@@ -21,6 +21,7 @@ from pathlib import Path
 from bgeserve.cgroup import parse_cgroup_v1_path, parse_cgroup_v2_path, usable_cpus, walk_up
 from bgeserve.cgroup import read_text as _read
 from bgeserve.errors import ConfigError
+from bgeserve.malloc import trim_heap  # noqa: F401 - where the tuner's callers find it
 
 logger = logging.getLogger("bgeserve.memory")
 
@@ -232,17 +233,3 @@ def limit_malloc_arenas(environ: Mapping[str, str], cpus: int | None = None) -> 
     return arenas
 
 
-def trim_heap() -> bool:
-    """Return freed heap memory to the OS (glibc ``malloc_trim``); False where unavailable.
-
-    glibc raises its mmap threshold after a large block is freed (up to 32 MiB), so later
-    blocks come from the heap and stay resident after ``free``. A probe that measures RSS above
-    a baseline would then under-read any run that reuses them; trimming first makes every run
-    fault its memory in afresh.
-    """
-    try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim this way
-        return False
-    malloc_trim(0)
-    return True
