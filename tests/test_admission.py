@@ -599,7 +599,7 @@ def test_a_request_queued_in_groups_is_judged_whole() -> None:
     assert admission.gate.room() <= 6_500 - 2_000
     admission.queue(later[0], later=True)
     state["queued"] += 1_000
-    admission.drop_later(later)
+    admission.gate.drop_later(later)
     assert admission.gate.room() == 6_500 - 1_000
     admission.close()
 

@@ -389,8 +389,7 @@ class AdmissionGate:
             f"the queue is full: {self.max_tokens - tokens_room} of {self.max_tokens} tokens "
             "(BGE_M3_MAX_QUEUE_TOKENS) are queued or being admitted, and this request needs "
             f"more than the {max(tokens_room, 0)} free; retry after the Retry-After seconds",
-            retry_after=self.retry_after(needed - tokens_room) if share is None
-            else self._by_horizon(self.retry_after(needed - tokens_room), share))
+            retry_after=self._by_horizon(self.retry_after(needed - tokens_room), share))
 
     def _late(self, needed: float, share: _Share, whole: _Share | None = None,
               keep: bool = True) -> Overloaded:
@@ -429,12 +428,12 @@ class AdmissionGate:
                                                        whole))
 
     @staticmethod
-    def _by_horizon(retry_after: float, share: _Share) -> float:
+    def _by_horizon(retry_after: float, share: _Share | None) -> float:
         """``retry_after``, no later than when what is held has left the queue by its
         deadlines (QA: behind one request of ~30 s of work under a 3 s deadline, let in
         alone, queries were told Retry-After 29-30 s, and an openai client's took 15 s for a
-        server free again after 3 s)."""
-        if math.isinf(share.horizon):
+        server free again after 3 s); as it is without a share or a known horizon."""
+        if share is None or math.isinf(share.horizon):
             return retry_after
         return float(min(retry_after, max(1, math.ceil(share.horizon))))
 
@@ -535,11 +534,17 @@ class AdmissionGate:
             self._kept_empty = None
         elif self._kept_empty is None:
             self._kept_empty = now
-        if now >= self._kept_until or (self._kept_empty is not None
-                                       and now - self._kept_empty >= KEPT_GRACE_S):
+        if now >= self._keep_ends():
             self._end_keep(now)
             return False
         return True
+
+    def _keep_ends(self) -> float:
+        """When the keep ends at the latest: its Retry-After and grace, or the grace once the
+        queue was seen empty."""
+        if self._kept_empty is None:
+            return self._kept_until
+        return min(self._kept_until, self._kept_empty + KEPT_GRACE_S)
 
     def _end_keep(self, now: float) -> None:
         self._no_keep_before = now + max(KEPT_GRACE_S, now - self._kept_from)
@@ -550,10 +555,7 @@ class AdmissionGate:
         only alone: Retry-After when it is no longer kept (by then that one is in, and what
         it holds bounds the next admission as any request's does)."""
         assert self.deadline_s is not None
-        now = time.monotonic()
-        ends = self._kept_until if self._kept_empty is None else min(
-            self._kept_until, self._kept_empty + KEPT_GRACE_S)
-        wait = max(1.0, ends - now)
+        wait = max(1.0, self._keep_ends() - time.monotonic())
         return Overloaded(
             "the queue is full: it is kept for a request too large to share it (past "
             f"{QUEUE_DEADLINE_SHARE:g} of BGE_M3_REQUEST_TIMEOUT_SECS={self.deadline_s:g} by "
@@ -727,7 +729,7 @@ class _Admitting:
         it. The jobs after the first are the caller's to queue, one after another.
         ``before(job)`` is awaited before the first is queued (room for its output). The
         later jobs are held for (``AdmissionGate.hold_later``) until queued with ``queue(job,
-        later=True)``; ``drop_later(jobs)`` when the request ends."""
+        later=True)``; ``gate.drop_later(jobs)`` when the request ends."""
         if self._aborted is not None:
             raise self._aborted
         bound = await self._reserve(chars, lower_bound)
@@ -742,11 +744,6 @@ class _Admitting:
         finally:
             self.gate.release(bound)
         return plan, jobs, first
-
-    def drop_later(self, jobs: Sequence[Job]) -> None:
-        """The request of ``submit_jobs``' ``jobs`` ended: its jobs not queued are not
-        coming (``AdmissionGate.drop_later``)."""
-        self.gate.drop_later(jobs)
 
     async def on_thread(self, work: Callable[[], Made]) -> Made:
         """``work()`` (tokenizing) on a thread once a tokenizing slot is free."""

@@ -92,10 +92,8 @@ def wanted(s: Settings) -> list[str]:
         # Only what preparing makes (not fp16, the hub's GPU graph), and only where it can
         # be made here: one it cannot (ov-int8 without NNCF) is said so and not recorded as
         # failed, so a later start makes it once it can (review).
-        makeable = s.variant in PEAK and (
-            s.variant == "int8" or (s.variant == "bf16" and openvino.available())
-            or (s.variant == "ov-int8" and nncf()))
-        return ["fp32", s.variant] if makeable else ["fp32"]
+        makeable = {"int8": True, "bf16": openvino.available(), "ov-int8": nncf()}
+        return ["fp32", s.variant] if makeable.get(s.variant, False) else ["fp32"]
     wanted = ["fp32", "int8"]
     # BGE_M3_EP=openvino asks for OpenVINO's variant: bf16, unless ov-int8 is the one named.
     asked = s.variant == "bf16" or (s.execution_provider == "openvino" and s.variant != "ov-int8")

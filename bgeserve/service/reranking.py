@@ -274,7 +274,7 @@ class Reranking:
                                    arrived, queued, jobs, time.monotonic())
                 return result
         finally:
-            admission.drop_later(made)
+            admission.gate.drop_later(made)
             if holding is not None:
                 holding.give_back()
 
