@@ -21,6 +21,7 @@ from bgeserve.tuning.runcost import (
     SHAPES,
     RunCost,
     fit,
+    fit_shorter,
     long_attention,
     measure_new_shape,
     measure_run_cost,
@@ -379,6 +380,39 @@ def test_measure_reads_the_attention_length_off_the_long_runs_it_is_given():
     clock = FakeClock(OV_INT8.seconds)
     alone = measure_run_cost(clock.run, clock=clock, log=logged.append)
     assert alone is not None and alone.attention is None and "not measured" in logged[-1]
+
+
+def test_a_runtime_whose_kernels_change_past_a_length_is_fitted_on_the_shorter_shapes():
+    # The tiny test model's int8 graph on a 2-core Zen 3: 1x128 0.9 ms, 1x384 11-12 ms (its
+    # blocked attention), which no one quadratic follows beside the shorter shapes: without
+    # a cost its long texts' attention was the admission's default, 2,048 tokens, where its
+    # long runs read ~30-70 (a request of 2,048 texts of ~2,300 tokens admitted as ~2 min of
+    # work under a 300 s deadline ran ~16 min: its 504 came after 300 s of work).
+    short = RunCost(fixed=0.0006, per_token=2.5e-6)
+    truth = replace(short, per_pair=short.per_token / 40)
+    clock = FakeClock(lambda b, s: short.seconds(b, s) * (12.0 if s > 256 else 1.0))
+    long = [(b, s, truth.seconds(b, s)) for b, s in LONG_RUNS]
+    logged: list[str] = []
+    got = measure_run_cost(clock.run, clock=clock, long=long, log=logged.append)
+    assert got is not None and got.fixed == pytest.approx(short.fixed, rel=1e-6)
+    assert got.per_token == pytest.approx(short.per_token, rel=1e-6)
+    assert got.attention == pytest.approx(40, rel=0.05)
+    assert "with the 384-token shape no fit came within 30%: fitted on the shapes to 128" in (
+        logged[-1])
+    # Disturbed below the longest shape, it fits none still.
+    clock = FakeClock(lambda b, s: short.seconds(b, s) * (3.0 if s == 64 else 1.0))
+    assert measure_run_cost(clock.run, clock=clock, long=long, log=logged.append) is None
+    assert f"no fit within {MAX_RESIDUAL:.0%} of the timings" in logged[-1]
+
+
+def test_the_shorter_shapes_are_fitted_only_where_three_are_left():
+    cost = RunCost(fixed=0.0006, per_token=2.5e-6)
+    two = [(1, 16, cost.seconds(1, 16)), (8, 16, cost.seconds(8, 16)), (1, 384, 1.0)]
+    assert fit_shorter(two) == (None, 0)
+    assert fit_shorter([(1, 16, 0.1)]) == (None, 0)
+    three = [*two, (2, 64, cost.seconds(2, 64))]
+    got, upto = fit_shorter(three)
+    assert upto == 64 and got is not None and got.per_token == pytest.approx(2.5e-6, rel=1e-6)
 
 
 def test_a_record_without_the_new_shape_cost_reads_as_none():

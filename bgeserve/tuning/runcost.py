@@ -183,6 +183,25 @@ def fit(timings: Sequence[tuple[int, int, float]]) -> RunCost | None:
     return RunCost(fixed=fixed, per_token=per_token, per_pair=per_pair)
 
 
+def fit_shorter(timings: Sequence[tuple[int, int, float]]) -> tuple[RunCost | None, int]:
+    """``fit`` of the timings no longer than the second longest length, where those of the
+    longest fit none: what the packer prices is mostly short texts, and a runtime may change
+    kernels past a length (the tiny test model's int8 graph on a 2-core Zen 3, past its
+    256-row attention blocks: 1x128 0.9 ms, 1x384 11-12 ms, every start), which no one
+    quadratic follows; a long text's attention is read off the long runs anyway
+    (``long_attention``). ``(None, 0)`` where fewer than three shapes are left or they fit
+    none either; else the cost and the longest length it was fitted on."""
+    lengths = sorted({s for _, s, _ in timings})
+    if len(lengths) < 2:
+        return None, 0
+    upto = lengths[-2]
+    kept = [x for x in timings if x[1] <= upto]
+    if len(kept) < 3:
+        return None, 0
+    cost = fit(kept)
+    return (cost, upto) if cost is not None else (None, 0)
+
+
 def long_attention(cost: RunCost, timings: Sequence[tuple[int, int, float]]) -> float | None:
     """The length at which a text's attention costs as much as the rest of its run, read off
     ``(batch, seq, seconds)`` runs at least ``LONG_SEQ`` long: what each took beyond ``cost``'s
@@ -249,9 +268,10 @@ def measure_run_cost(run: Callable[[int, int], None], shapes: Sequence[tuple[int
     drifts for all alike) and fit the cost of a run, then time what a new shape costs on
     ``fresh`` (``measure_new_shape``; shapes past ``max_seq`` left out, none: 0), and read the
     attention length off ``long`` (``(batch, seq, seconds)`` runs timed before: the probe's
-    memory shapes; ``long_attention``). None (logged)
-    when a run fails or no fit describes the timings: the packer then pads by ``min_fill``
-    alone, as it did before it could measure."""
+    memory shapes; ``long_attention``). Where the longest shape fits no cost beside the others,
+    the cost is fitted without it (``fit_shorter``). None (logged) when a run fails or no fit
+    describes the timings: the packer then pads by ``min_fill`` alone, as it did before it
+    could measure, and a long text's attention is the admission's default."""
     shapes = [(b, s) for b, s in shapes if max_seq is None or s <= max_seq]
     fresh = [(b, s) for b, s in fresh if max_seq is None or s <= max_seq]
     if len(shapes) < 3:
@@ -267,11 +287,16 @@ def measure_run_cost(run: Callable[[int, int], None], shapes: Sequence[tuple[int
     except Exception as exc:  # noqa: BLE001 - the run cost stands without it
         log(f"probe run cost: a new shape's cost not measured, {type(exc).__name__}: {exc}")
         new_shape = 0.0
-    cost = fit([(b, s, t) for (b, s), t in best.items()])
-    timed = ", ".join(f"{b}x{s} {t * 1e3:.1f} ms" for (b, s), t in best.items())
+    timings = [(b, s, t) for (b, s), t in best.items()]
+    timed = ", ".join(f"{b}x{s} {t * 1e3:.1f} ms" for b, s, t in timings)
+    cost, shorter = fit(timings), ""
     if cost is None:
-        log(f"probe run cost: no fit within {MAX_RESIDUAL:.0%} of the timings ({timed})")
-        return None
+        cost, upto = fit_shorter(timings)
+        if cost is None:
+            log(f"probe run cost: no fit within {MAX_RESIDUAL:.0%} of the timings ({timed})")
+            return None
+        shorter = (f"; with the {max(s for _, s, _ in timings)}-token shape no fit came within "
+                   f"{MAX_RESIDUAL:.0%}: fitted on the shapes to {upto} tokens")
     cost = replace(cost, new_shape=new_shape)
     cost = replace(cost, attention=long_attention(cost, long))
     fitted = f"{cost.per_token / cost.per_pair:.0f}" if cost.per_pair > 0 else "none"
@@ -279,6 +304,6 @@ def measure_run_cost(run: Callable[[int, int], None], shapes: Sequence[tuple[int
                 else f"at {cost.attention:.0f} tokens on the runs of at least {LONG_SEQ}")
     log(f"probe run cost: {cost.fixed * 1e3:.1f} ms per run, {cost.per_token * 1e3:.3f} ms per "
         f"token, {cost.per_pair * 1e6:.3f} us per token per position, {new_shape * 1e3:.1f} ms "
-        f"more for a new shape ({timed}); a text's attention costs as much as the rest of its "
-        f"run {measured} (the short shapes' fit: {fitted})")
+        f"more for a new shape ({timed}{shorter}); a text's attention costs as much as the rest "
+        f"of its run {measured} (the short shapes' fit: {fitted})")
     return cost
