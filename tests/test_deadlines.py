@@ -140,3 +140,45 @@ def test_a_request_waiting_for_a_tokenizing_slot_gets_its_504_at_the_deadline(
             f"{answers}: the deadline did not run while the request waited for a slot")
         status, seconds = answers[0]
         assert status == 504 and 0.4 < seconds < 5, answers
+    dropped = 2 if route in ("/v1/embeddings", "/embed") else 0  # /tokenize, /decode run none
+    assert cancelled_texts(client) == dropped
+
+
+def cancelled_texts(client) -> float:  # type: ignore[no-untyped-def]
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("bgeserve_cancelled_texts_total "):
+            return float(line.split()[1])
+    raise AssertionError("no bgeserve_cancelled_texts_total")
+
+
+@pytest.mark.parametrize("route", ["embed", "rerank"])
+def test_the_texts_of_a_client_gone_before_its_request_was_queued_are_counted(
+        tiny_export: Path, tmp_path: Path, route: str) -> None:
+    """A client that leaves while its request waits to be tokenized: its texts (a rerank's
+    documents) never reach the scheduler, which counted only those it dropped (QA: 5 clients
+    gone with 30 texts each while tokenized, 0 counted)."""
+    import asyncio
+    import contextlib
+
+    from bgeserve.results import EmbedOptions, RerankOptions
+    from tests.test_service import base_env, serving, wait_health
+
+    env = base_env(tiny_export, tmp_path, BGE_M3_MODEL="fp32")
+    with serving(env) as (client, service):
+        wait_health(client)
+        assert service.admission is not None
+        slots = service.admission._tokenizing = asyncio.Semaphore(0)  # every slot busy
+
+        async def leave() -> None:
+            texts = ["tokenized on a thread " * 40] * 3  # past INLINE_TOKENIZE_CHARS
+            task = asyncio.ensure_future(
+                service.embed(texts, EmbedOptions()) if route == "embed"
+                else service.rerank("a query", texts, RerankOptions()))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            slots.release()
+
+        client.portal.call(leave)  # type: ignore[union-attr]
+        assert cancelled_texts(client) == 3

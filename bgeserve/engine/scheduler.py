@@ -311,6 +311,8 @@ class Scheduler(Workers):
 
     def _expire(self, job: Job) -> None:
         self.counters["deadline_exceeded"] += 1
+        # Its texts still waiting are dropped (counted as ``cancel`` counts a gone client's).
+        self.counters["cancelled_texts"] += self._pending.waiting(job)
         self._fail(job, DeadlineExceeded(
             f"the request did not finish within {self.config.names.timeout}"))
 

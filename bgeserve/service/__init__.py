@@ -425,8 +425,14 @@ class Service:
         def late(timeout: float) -> str:
             return where_late(made, self.drain, attention_tokens(engine), timeout)
 
-        with holds.answering():
-            result = await self._within_deadline(run(), late)
+        try:
+            with holds.answering():
+                result = await self._within_deadline(run(), late)
+        except (asyncio.CancelledError, DeadlineExceeded):
+            if not made:  # its texts never reached the scheduler, which counts the others
+                self.metrics_registry.dropped_before_queued(
+                    1 if isinstance(inputs, str) else len(inputs))
+            raise
         self.metrics_registry.observe_request(result, time.perf_counter() - started)
         return result
 

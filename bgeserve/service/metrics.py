@@ -88,6 +88,10 @@ class Metrics:
                                       "Tokens of the texts answered (the requests' usage)",
                                       registry=r)
         self.rerank = RerankMetrics(r)
+        # Texts of requests dropped before their jobs were queued (the client gone or the
+        # deadline passed while they waited to be tokenized or admitted): the schedulers count
+        # those dropped after (bgeserve_cancelled_texts_total adds both).
+        self.dropped_texts = 0
         self._service: Any = None
         self._bodies: Any = None  # the HTTP layer's body allowance (guards.BodyAllowance)
         r.register(_StateCollector(self))
@@ -121,6 +125,12 @@ class Metrics:
 
     def deadline_exceeded(self) -> None:
         self.timeouts.inc()
+
+    def dropped_before_queued(self, texts: int) -> None:
+        """Count ``texts`` of a request dropped before its job was queued (client gone or
+        deadline): the scheduler never saw them (QA: 0 counted for 5 clients gone while their
+        30 texts were tokenized)."""
+        self.dropped_texts += texts
 
     def update_state(self, service: Any) -> None:
         self._service = service
@@ -224,7 +234,8 @@ class _StateCollector:
             # reranker's engine has its own scheduler (its 429s, drops, splits, restarts are
             # the server's too: these counters answer for every route).
             extra = collections.Counter(rejected=getattr(service, "rejected_at_admission", 0)
-                                        + (bodies.refused if bodies is not None else 0))
+                                        + (bodies.refused if bodies is not None else 0),
+                                        cancelled_texts=self._metrics.dropped_texts)
             reranking = getattr(getattr(service, "reranking", None), "engine", None)
             if reranking is not None:  # read key by key: its workers may add keys meanwhile
                 extra.update({key: reranking.counters.get(key, 0) for key in (
@@ -234,7 +245,8 @@ class _StateCollector:
                  ("Requests answered 429 (a full queue, embedding and rerank routes; or the "
                   "request bodies in progress at BGE_M3_MAX_INFLIGHT_MB, any route)")),
                 ("bgeserve_cancelled_texts", "cancelled_texts",
-                 "Texts dropped before running (client gone or deadline)"),
+                 ("Texts dropped before running (client gone or deadline), queued or still "
+                  "waiting to be tokenized or admitted")),
                 ("bgeserve_oom_splits", "oom_splits", "Chunks split after an allocation failure"),
                 ("bgeserve_worker_restarts", "worker_restarts",
                  ("Worker threads restarted after dying, or sessions reopened after a runtime "

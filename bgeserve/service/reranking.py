@@ -219,8 +219,14 @@ class Reranking:
             else:
                 result = await self._m3(m3, m3_admission, query, documents, options, timeout,
                                         request_id, made)
+        except asyncio.CancelledError:  # the client gone
+            if not made:  # as Service.embed: its documents never reached a scheduler
+                self.metrics.dropped_before_queued(len(documents))
+            raise
         except (TimeoutError, DeadlineExceeded):  # our timer, or the scheduler's expiry:
             self.metrics.deadline_exceeded()  # counted once either way, as Service.embed
+            if not made:
+                self.metrics.dropped_before_queued(len(documents))
             where = ""
             if timeout is not None:  # as Service.embed's: where the request was
                 if cross:
