@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import itertools
 import logging
 import threading
 import time
@@ -33,7 +34,14 @@ from bgeserve.config import Settings
 from bgeserve.errors import BgeServeError
 from bgeserve.model.artifacts import ModelArtifacts, export_variants, resolve
 from bgeserve.model.dims import fitting_max_seq, model_dims
-from bgeserve.runtime.select import THIS_MACHINE, Candidate, Machine, cpu_candidates, pick
+from bgeserve.runtime.select import (
+    PRIOR_MARGIN,
+    THIS_MACHINE,
+    Candidate,
+    Machine,
+    cpu_candidates,
+    pick,
+)
 from bgeserve.tuning import memory
 from bgeserve.tuning.budget import HEADROOM_BYTES
 from bgeserve.tuning.cache import Choice, ChoiceCache, fingerprint
@@ -311,11 +319,13 @@ def _time_all(settings: Settings, cache_dir: Path,
               stop: threading.Event | None = None,
               ) -> tuple[dict[str, float], dict[str, str], dict[str, int], bool]:
     """Tokens/s of each candidate that fits, one at a time (the rule's pick first), then each
-    once more in the other order: the mean of its two passes; the candidates left out, why;
+    once more in the other order: the mean of its two passes, or where the two passes chose
+    different variants by more than ``PRIOR_MARGIN`` (``_settled``), of the middle two of four;
+    the candidates left out, why;
     the bytes those left out for memory asked for; whether a timing process was stopped
     (``ChildStopped``) rather than failed."""
     available = memory.detect_available_memory(settings.available_memory_bytes).available_bytes
-    rates: dict[str, float] = {}  # the mean of a candidate's passes
+    rates: dict[str, float] = {}  # the mean of a candidate's passes (``_middle``)
     passes: dict[str, list[float]] = {}
     left_out: dict[str, str] = {}
     order = sorted(artifacts, key=lambda c: c.variant != settings.variant)
@@ -343,8 +353,8 @@ def _time_all(settings: Settings, cache_dir: Path,
         started = time.monotonic()
         # Seconds to minutes each: /health said the step before ("hashing the model files").
         on_step(f"choosing the variant: timing {c.variant}"
-                + (f" (pass {len(passes.get(c.variant, [])) + 1} of 2)" if len(order) > 1
-                   else ""))
+                + (f" (pass {len(passes.get(c.variant, [])) + 1} of {rounds})"
+                   if len(order) > 1 else ""))
         try:
             answer = timer(spec)
         except ChildDied as exc:
@@ -355,12 +365,13 @@ def _time_all(settings: Settings, cache_dir: Path,
             return
         rate = float(answer["tokens_per_s"])
         passes.setdefault(c.variant, []).append(rate)
-        rates[c.variant] = sum(passes[c.variant]) / len(passes[c.variant])
+        rates[c.variant] = _middle(passes[c.variant])
         log.info("variant choice: %s on %s ran %.0f tokens/s (%d rounds; loaded %d MiB in "
                  "%.1f s; %.0f s in all)", c.variant, c.provider, rate, answer.get("rounds", 0),
                  int(answer.get("model_rss_bytes", 0)) >> 20,
                  float(answer.get("load_seconds", 0.0)), time.monotonic() - started)
 
+    rounds = 2  # passes, as the steps say it (4 where two disagree)
     for c in order:
         once(c)
     # A B C, then C B A, each candidate's mean: a machine whose speed drifts steadily while
@@ -369,7 +380,35 @@ def _time_all(settings: Settings, cache_dir: Path,
     if len(rates) > 1:
         for c in reversed([c for c in order if c.variant in rates]):
             once(c)
+    if not _settled(passes):
+        # Each pass chose another variant, by more than the margin: noise (another job on a
+        # shared machine) decided, and the choice is cached for every later start (QA: one
+        # start's passes read fp32 43,924 then 94,617 tokens/s, int8 105,883 then 59,745).
+        # Two passes more, mirrored again (a steady drift still cancels), and the middle two
+        # of each candidate's four count: one disturbed pass no longer decides.
+        rounds = 4
+        log.info("variant choice: the two passes chose different variants (%s): timing each "
+                 "twice more", "; ".join(f"{v} {', '.join(f'{r:.0f}' for r in p)}"
+                                         for v, p in passes.items()))
+        timed = [c for c in order if c.variant in rates]
+        for c in [*timed, *reversed(timed)]:
+            once(c)
     return rates, left_out, needs, bool(stopped)
+
+
+def _middle(passes: list[float]) -> float:
+    """A candidate's rate from its passes: their mean (two: a steady drift cancels between
+    the two orders), of all but the slowest and the fastest from four on."""
+    kept = sorted(passes)[1:-1] if len(passes) >= 4 else passes
+    return sum(kept) / len(kept)
+
+
+def _settled(passes: Mapping[str, list[float]], margin: float = PRIOR_MARGIN) -> bool:
+    """Whether the first two passes agree: no two candidates timed in both of which each
+    ran more than ``margin`` faster than the other in one of them."""
+    twice = {v: p for v, p in passes.items() if len(p) >= 2}
+    return not any(a[0] > b[0] * (1 + margin) and b[1] > a[1] * (1 + margin)
+                   for a, b in itertools.permutations(twice.values(), 2))
 
 
 def _child_timer(stop: threading.Event | None) -> Timer:
