@@ -627,6 +627,22 @@ def test_a_page_without_spaces_is_cut_at_its_line_breaks_with_the_models_tokeniz
     assert tok._prefix(page, tok.max_seq) is not page
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("space", ["\u1680", "\u205f", "\u2005"])
+def test_words_apart_only_by_other_unicode_spaces_are_cut_there(tiny_model: Path, space: str):
+    """QA: words apart only by U+1680 (Ogham space) were refused as one word past the
+    characters bound, where the tokenizer splits there as at a space; U+200B, which its
+    normalizer drops, stays no break."""
+    from bgeserve.export.texts import random_texts
+
+    tok = Tokenizer.load(tiny_model / "tokenizer.json", 64, max_whole_chars=2_000)
+    assert space in tok._breaks and "\u200b" not in tok._breaks
+    page = space.join(" ".join(random_texts(3, 600, 5, 40)).split())
+    assert len(page) > 2_000 and " " not in page
+    assert [x.tolist() for x in tok.encode([page]).ids] == _reference(tok, [page])
+    assert tok._prefix(page, tok.max_seq) is not page
+
+
 def test_the_lower_bound_reads_no_more_of_a_text_than_encode_could(monkeypatch):
     """``min_tokens`` (admission, before tokenizing) reads a text only as far as ``encode``
     could tokenize it: the limit, or the cut at max_seq * 8 characters, whichever is longer;

@@ -47,10 +47,13 @@ _PREFIX_CHARS_PER_WORD = 8
 _PREFIX_MIN_CHARS = 2048
 _WORD_SPLITTERS = {"WhitespaceSplit", "Whitespace", "BertPreTokenizer"}
 # Whitespace besides the space where a long text may be cut, each where the tokenizer splits
-# at it as at a space (``_splits_at``): line and paragraph breaks, tabs, CJK's ideographic
-# space, no-break and thin spaces.
+# at it as at a space (``_splits_at``): every character Python calls whitespace (Unicode's
+# White_Space, the last at U+3000), bge-m3's splitting at line and paragraph breaks, tabs,
+# CJK's ideographic space, no-break, thin, Ogham and the other typographic spaces (QA: words
+# apart only by U+1680 were refused as one word past BGE_M3_MAX_TEXT_CHARS). Not U+200B,
+# which its normalizer drops: words apart only by it are one word to it.
 _BREAK_CONTEXTS = ("ab{0}cd", "混{0}合", "1.{0}.2", "x{0}{0}y", "{0}q")
-_OTHER_BREAKS = "\n\r\t\f\v\u0085\u00a0\u2002\u2003\u2009\u202f\u2028\u2029\u3000"
+_OTHER_BREAKS = "".join(c for c in map(chr, range(0x3001)) if c.isspace() and c != " ")
 EXIT_WAIT_S = 60.0  # the longest interpreter exit waits for tokenizing in progress
 
 
