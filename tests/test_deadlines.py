@@ -182,3 +182,38 @@ def test_the_texts_of_a_client_gone_before_its_request_was_queued_are_counted(
 
         client.portal.call(leave)  # type: ignore[union-attr]
         assert cancelled_texts(client) == 3
+
+
+@pytest.mark.parametrize("route", ["/embed", "/tokenize"])
+def test_a_request_past_its_deadline_while_tokenized_stops_its_tokenizing(
+        tiny_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, route: str) -> None:
+    """Its thread stops at the next group of texts (bgeserve.stopping), so the 504 comes about
+    at the deadline, not once the whole request was tokenized for no one (29 MiB of texts
+    under a 15 s deadline: a 504 after 67.7 s, a core busy all along)."""
+    from bgeserve.engine import tokenizer as module
+    from tests.test_service import base_env, serving, wait_health
+
+    monkeypatch.setattr(module, "GROUP_CHARS", 2_000)
+    env = base_env(tiny_export, tmp_path, BGE_M3_REQUEST_TIMEOUT_SECS="0.5",
+                   BGE_M3_MODEL="fp32")
+    with serving(env) as (client, service):
+        wait_health(client)
+        tok = service._engine().tokenizer
+        groups: list[int] = []
+        real = tok._tk
+
+        class Slow:  # each group of 2,000 characters takes 0.2 s: 40 groups, 8 s in all
+            def encode_batch(self, batch, **kw):  # type: ignore[no-untyped-def]
+                groups.append(len(batch))
+                time.sleep(0.2)
+                return real.encode_batch(batch, **kw)
+
+        monkeypatch.setattr(tok, "_tk", Slow())
+        texts = [f"{i} " + "word " * 380 for i in range(80)]  # ~1,900 characters each
+        started = time.monotonic()
+        r = client.post(route, json={"inputs": texts})
+        seconds = time.monotonic() - started
+        assert r.status_code == 504, r.text
+        assert seconds < 2.5, seconds  # the deadline and a group or two, not 16 s
+        time.sleep(0.5)
+        assert len(groups) < 12, groups  # it stopped: not all 80

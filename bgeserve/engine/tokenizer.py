@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
+from bgeserve import stopping
 from bgeserve.engine.names import SettingNames
 from bgeserve.errors import InvalidInput, ModelUnavailable, NotReady, TooLarge, surrogate_error
 from bgeserve.results import Token
@@ -390,6 +391,7 @@ class Tokenizer:
         tokenizer refuses (a lone surrogate) named by ``names`` (default ``input[i]``)."""
         out: list[np.ndarray] = []
         for group in _groups(texts, GROUP_CHARS):
+            stopping.check()  # a caller that gave up: not a group more (bgeserve.stopping)
             with _native():
                 try:
                     encodings = self._tk.encode_batch(group, add_special_tokens=True)
@@ -540,6 +542,7 @@ class Tokenizer:
         out: list[list[Token]] = []
         total = 0
         for group in _groups(texts, GROUP_CHARS, most=64):
+            stopping.check()
             with _native():
                 try:
                     encodings = self._tk.encode_batch(group,

@@ -418,8 +418,9 @@ class Service:
 
         # Around the admission too: a request waiting for a tokenizing slot behind big ones
         # got its 504 only once tokenized (20 requests of 23 MiB against a 2 s deadline:
-        # 3.4-24 s). One being tokenized still answers when its thread ends (its memory stays
-        # accounted until then: Admission.on_thread).
+        # 3.4-24 s). One being tokenized stops at its next group of texts and answers when its
+        # thread ends (bgeserve.stopping; its memory stays accounted until then:
+        # Admission.on_thread).
         # Its ColBERT output's room is held until the answer is sent: the HTTP layer's scope
         # (guards.InflightLimit) outlives this one; a library caller's ends here.
         def late(timeout: float) -> str:

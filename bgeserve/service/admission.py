@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
 
-from bgeserve import holds
+from bgeserve import holds, stopping
 from bgeserve.engine import normalize_inputs
 from bgeserve.engine.scheduler import SHUTTING_DOWN
 from bgeserve.errors import BgeServeError, NotReady, Overloaded
@@ -757,16 +757,20 @@ class _Admitting:
         try:
             if self._aborted is not None:
                 raise self._aborted
-            running = asyncio.ensure_future(asyncio.to_thread(work))
+            with stopping.stoppable() as stop:  # the thread's context is a copy of this one
+                running = asyncio.ensure_future(asyncio.to_thread(work))
             try:
                 return await asyncio.shield(running)
             except asyncio.CancelledError:
-                # The caller left (client gone, deadline), but the thread tokenizes on: its
-                # slot, its reservation and the body allowance the HTTP layer holds until
-                # this returns stay taken until it ends.
+                # The caller left (client gone, deadline): the thread stops at its next group
+                # of texts (bgeserve.stopping; it tokenized the whole request for no one:
+                # 29 MiB under a 15 s deadline, a 504 after 67.7 s). Its slot, its reservation
+                # and the body allowance the HTTP layer holds until this returns stay taken
+                # until it ends.
+                stop.set()
                 await asyncio.wait({running})
                 if not running.cancelled():
-                    running.exception()  # retrieved: its error has no one to go to
+                    running.exception()  # retrieved: its error (Stopped) has no one to go to
                 raise
         finally:
             self._tokenizing.release()
