@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 
 
 def trim_heap() -> bool:
@@ -19,3 +20,15 @@ def trim_heap() -> bool:
         return False
     malloc_trim(0)
     return True
+
+
+def release_heap() -> bool:
+    """Free the cyclic garbage, then ``trim_heap``: what a large request leaves for the cyclic
+    collector alone is not in the heap's free memory until it runs. A request cut at its
+    deadline while tokenized leaves its ids in cycles (its exceptions' tracebacks hold the
+    frames that hold them), and a full collection is rare in a server whose start-up objects
+    are frozen: 2,048 texts of 2,300 words left the idle server at 181 MiB, 105 once
+    collected (97 before); three in a row had it at 226, 349, 498 MiB (QA: OOM-killed under a
+    500 MiB cap). A collection here costs milliseconds: the frozen objects are not walked."""
+    gc.collect()
+    return trim_heap()

@@ -688,7 +688,11 @@ def test_a_504_says_how_far_the_request_got_and_why_it_was_late() -> None:
     from bgeserve.service.admission import where_late
 
     drain = DrainMeter(clock=Clock())
-    assert "waiting to be tokenized" in where_late([], drain, 2048.0, 10.0)
+    # Not yet queued: behind others, or its own tokenizing (QA: a lone 24 MB request was
+    # told only "behind other requests").
+    unqueued = where_late([], drain, 2048.0, 10.0)
+    assert "still being tokenized and admitted" in unqueued
+    assert "behind other requests" in unqueued and "too large to tokenize" in unqueued
 
     def job(*lengths: int, remaining: int) -> Any:
         ids = [[0] * n for n in lengths]
@@ -1136,3 +1140,53 @@ def _check_flood(results: list[tuple[int, float, str | None]],
     assert slowest < answered, (refused, answered)  # none waited for the admitted request
     assert all(ra is not None and 1 <= int(ra) <= 60 for s, _, ra in results if s == 429)
     return slowest, loop_ms, share
+
+
+def test_a_tokenizing_thread_given_up_on_twice_keeps_its_slot_until_it_stops() -> None:
+    """The deadline cancels a request being tokenized, then its client goes: the thread is
+    told to stop (bgeserve.stopping) and its slot stays taken until it has, its ``Stopped``
+    retrieved (review: the second cancel gave the slot back with the thread running, and
+    asyncio logged "exception was never retrieved")."""
+    import asyncio
+    import threading
+
+    from bgeserve import stopping
+    from bgeserve.service.admission import Admission
+
+    admission = Admission(engine_standin(), 1000, DrainMeter(), slots=1)  # type: ignore[arg-type]
+    inside, release = threading.Event(), threading.Event()
+    stopped: list[bool] = []
+
+    def work() -> str:
+        inside.set()
+        release.wait(5)
+        try:
+            stopping.check()
+        except stopping.Stopped:
+            stopped.append(True)
+            raise
+        return "tokenized"
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        unretrieved: list[dict] = []
+        loop.set_exception_handler(lambda _, context: unretrieved.append(context))
+        task = asyncio.ensure_future(admission.on_thread(work))
+        await asyncio.to_thread(inside.wait, 5)
+        task.cancel()  # the deadline
+        await asyncio.sleep(0.05)
+        task.cancel()  # the client gone
+        await asyncio.sleep(0.05)
+        assert not task.done()  # still waiting for its thread
+        assert admission._tokenizing is not None and admission._tokenizing.locked()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert stopped == [True]
+        assert not admission._tokenizing.locked()  # given back once the thread stopped
+        import gc
+        gc.collect()
+        await asyncio.sleep(0)
+        assert unretrieved == []
+
+    asyncio.run(main())

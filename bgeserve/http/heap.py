@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import Callable
 
-from bgeserve.malloc import trim_heap
+from bgeserve.malloc import release_heap
 
 TRIM_AFTER_BYTES = 1 << 20
 TRIM_EVERY_S = 1.0
@@ -26,9 +26,10 @@ TRIM_EVERY_S = 1.0
 
 class HeapTrim:
     """``after(body_bytes)``, in the event loop, when a request ends: trim the heap if its
-    body was large (``trim``: ``malloc.trim_heap``; ``clock``: monotonic seconds)."""
+    body was large (``trim``: ``malloc.release_heap``, the cyclic garbage collected first;
+    ``clock``: monotonic seconds)."""
 
-    def __init__(self, trim: Callable[[], object] = trim_heap,
+    def __init__(self, trim: Callable[[], object] = release_heap,
                  clock: Callable[[], float] = time.monotonic,
                  every_s: float = TRIM_EVERY_S) -> None:
         self.trim = trim

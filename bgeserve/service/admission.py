@@ -25,6 +25,7 @@ queue and its drain rate are its own).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import math
@@ -111,8 +112,11 @@ def where_late(jobs: Sequence[Job], drain: DrainMeter, attention: float,
     what their texts are at the measured drain rate, and so whether the request is too large
     for the deadline (send less a request) or waited behind others' work (retry later)."""
     if not jobs:
-        return ("it was still waiting to be tokenized and admitted behind other requests "
-                "(the server is busy: retry later)")
+        # Not told apart here: waiting for a tokenizing slot, or its own tokenizing (QA: a
+        # lone request of 24 MB was told "behind other requests" where there were none).
+        return ("it was still being tokenized and admitted: behind other requests (retry "
+                "later), or, if it was alone, too large to tokenize within the deadline "
+                "(send fewer or shorter texts a request)")
     todo = [(job, i) for job in jobs for i in job.pending()]
     texts = sum(len(job.ids) for job in jobs)
     done = len(todo) - sum(job.remaining for job in jobs)
@@ -766,9 +770,12 @@ class _Admitting:
                 # of texts (bgeserve.stopping; it tokenized the whole request for no one:
                 # 29 MiB under a 15 s deadline, a 504 after 67.7 s). Its slot, its reservation
                 # and the body allowance the HTTP layer holds until this returns stay taken
-                # until it ends.
+                # until it ends, through a second cancel too (review: the deadline's, then
+                # the client's going gave the slot back with the thread still running).
                 stop.set()
-                await asyncio.wait({running})
+                while not running.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait({running})
                 if not running.cancelled():
                     running.exception()  # retrieved: its error (Stopped) has no one to go to
                 raise

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import itertools
 import logging
 import threading
 import time
@@ -391,8 +390,13 @@ def _time_all(settings: Settings, cache_dir: Path,
                  "twice more", "; ".join(f"{v} {', '.join(f'{r:.0f}' for r in p)}"
                                          for v, p in passes.items()))
         timed = [c for c in order if c.variant in rates]
+        before = set(left_out)
         for c in [*timed, *reversed(timed)]:
-            once(c)
+            if c.variant not in set(left_out) - before:  # not one its third pass failed
+                once(c)
+        for variant in set(left_out) - before:  # failed or refused now: not chosen on a
+            rates.pop(variant, None)            # mean of the passes it had before
+            passes.pop(variant, None)
     return rates, left_out, needs, bool(stopped)
 
 
@@ -404,11 +408,17 @@ def _middle(passes: list[float]) -> float:
 
 
 def _settled(passes: Mapping[str, list[float]], margin: float = PRIOR_MARGIN) -> bool:
-    """Whether the first two passes agree: no two candidates timed in both of which each
-    ran more than ``margin`` faster than the other in one of them."""
+    """Whether the first two passes agree: each pass's fastest (of the candidates timed in
+    both) is the same, or ran within ``margin`` of the other's in one of them (two losers
+    trading places choose nothing: review)."""
     twice = {v: p for v, p in passes.items() if len(p) >= 2}
-    return not any(a[0] > b[0] * (1 + margin) and b[1] > a[1] * (1 + margin)
-                   for a, b in itertools.permutations(twice.values(), 2))
+    if len(twice) < 2:
+        return True
+    first = max(twice, key=lambda v: twice[v][0])
+    second = max(twice, key=lambda v: twice[v][1])
+    return first == second or not (
+        twice[first][0] > twice[second][0] * (1 + margin)
+        and twice[second][1] > twice[first][1] * (1 + margin))
 
 
 def _child_timer(stop: threading.Event | None) -> Timer:

@@ -189,17 +189,23 @@ def fit_shorter(timings: Sequence[tuple[int, int, float]]) -> tuple[RunCost | No
     kernels past a length (the tiny test model's int8 graph on a 2-core Zen 3, past its
     256-row attention blocks: 1x128 0.9 ms, 1x384 11-12 ms, every start), which no one
     quadratic follows; a long text's attention is read off the long runs anyway
-    (``long_attention``). ``(None, 0)`` where fewer than three shapes are left or they fit
-    none either; else the cost and the longest length it was fitted on."""
+    (``long_attention``). Only where the longest shapes ran slower than that fit says by more
+    than ``MAX_RESIDUAL`` (a kernel change's mark; review: a shorter shape disturbed by noise
+    left four shapes that three terms fit with absurd values, ~50x off) and at least four
+    shapes are left (three fit any three terms exactly). ``(None, 0)`` otherwise; else the cost
+    and the longest length it was fitted on."""
     lengths = sorted({s for _, s, _ in timings})
     if len(lengths) < 2:
         return None, 0
     upto = lengths[-2]
     kept = [x for x in timings if x[1] <= upto]
-    if len(kept) < 3:
+    if len(kept) < 4:
         return None, 0
     cost = fit(kept)
-    return (cost, upto) if cost is not None else (None, 0)
+    if cost is None or any(t <= cost.seconds(b, s) * (1 + MAX_RESIDUAL)
+                           for b, s, t in timings if s > upto):
+        return None, 0
+    return cost, upto
 
 
 def long_attention(cost: RunCost, timings: Sequence[tuple[int, int, float]]) -> float | None:
