@@ -102,3 +102,32 @@ def test_the_bodies_allowance_trims_after_a_request_with_its_bytes() -> None:
              "state": {}}
     asyncio.run(guard(scope, receive, send))
     assert ended == [5000]
+
+
+def test_the_heap_is_released_of_the_cyclic_garbage_first() -> None:
+    """A request cut at its deadline leaves its ids in reference cycles (its exceptions'
+    tracebacks): only a collection frees them, and a trim gives back nothing still allocated
+    (QA: idle RSS 97 -> 226 -> 349 -> 498 MiB over three such requests, OOM-killed under a
+    500 MiB cap). ``release_heap``, HeapTrim's default, collects first."""
+    import gc
+    import inspect
+    import weakref
+
+    from bgeserve.malloc import release_heap
+
+    assert inspect.signature(HeapTrim).parameters["trim"].default is release_heap
+
+    class Held:
+        pass
+
+    held = Held()
+    held.cycle = held  # type: ignore[attr-defined]
+    alive = weakref.ref(held)
+    del held
+    gc.disable()  # no collection but release_heap's own
+    try:
+        assert alive() is not None
+        release_heap()
+        assert alive() is None
+    finally:
+        gc.enable()
