@@ -265,7 +265,7 @@ class Settings:
     api_keys: tuple[str, ...] = _var("BGE_M3_API_KEY", _keys, (),
                                      "comma-separated bearer keys; empty = no auth")
     metrics_auth: bool = _var("BGE_M3_METRICS_AUTH", _bool, False,
-                              "require the API key on /metrics too")
+                              "require the API key on /metrics too (needs BGE_M3_API_KEY)")
     cors_allow_origins: tuple[str, ...] = _var(
         "BGE_M3_CORS_ALLOW_ORIGINS", _keys, ("*",),
         "comma-separated origins a browser page may call from, as TEI's --cors-allow-origin "
@@ -398,6 +398,11 @@ class Settings:
             if path is not None and self.tls_cert_file is None:
                 raise ConfigError(f"{name} needs BGE_M3_TLS_CERT_FILE (the server's certificate)",
                                   param=name)
+        if self.metrics_auth and not self.api_keys:
+            # It would serve /metrics open, as the operator meant it not to (QA: silent).
+            raise ConfigError("BGE_M3_METRICS_AUTH=1 asks /metrics for BGE_M3_API_KEY, which is "
+                              "not set: set a key, or leave BGE_M3_METRICS_AUTH unset",
+                              param="BGE_M3_METRICS_AUTH")
         both = sorted({*M3_MODEL_IDS, *self.model_aliases}
                       & set(self.rerank_model_aliases))
         if both:

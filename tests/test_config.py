@@ -162,7 +162,15 @@ PARSED = [
 
 # Variables that are only valid beside another one.
 COMPANIONS = {"BGE_M3_TLS_KEY_FILE": {"BGE_M3_TLS_CERT_FILE": "/tls/cert.pem"},
-              "BGE_M3_TLS_CLIENT_CA_FILE": {"BGE_M3_TLS_CERT_FILE": "/tls/cert.pem"}}
+              "BGE_M3_TLS_CLIENT_CA_FILE": {"BGE_M3_TLS_CERT_FILE": "/tls/cert.pem"},
+              "BGE_M3_METRICS_AUTH": {"BGE_M3_API_KEY": "k"}}
+
+
+def test_metrics_auth_without_a_key_is_refused():
+    """It would serve /metrics open, as the operator meant it not to (QA: it started
+    silently)."""
+    assert "BGE_M3_API_KEY" in refuse({"BGE_M3_METRICS_AUTH": "1"}).message
+    assert not Settings.from_env({"BGE_M3_METRICS_AUTH": "0"}).metrics_auth
 
 
 @pytest.mark.parametrize("var, raw, name, value", PARSED)
