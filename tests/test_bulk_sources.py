@@ -354,6 +354,20 @@ def test_a_file_that_is_not_csv_or_parquet_is_refused_naming_it(tmp_path: Path):
         check_columns(Source(path, "parquet"), "text", "id")
 
 
+def test_a_parquet_file_damaged_in_a_page_is_an_error_naming_it(tmp_path: Path):
+    """Its footer reads, a data page does not: pyarrow's OSError names no file, and the job
+    said "Corrupt snappy compressed data.: --output out" (QA)."""
+    path = tmp_path / "damaged.parquet"
+    pq.write_table(pa.table({"id": list(range(2000)), "text": [f"text {i} " * 20
+                                                                for i in range(2000)]}), path)
+    raw = bytearray(path.read_bytes())
+    raw[200:2200] = bytes(2000)  # zeros inside the first column chunk's pages
+    path.write_bytes(bytes(raw))
+    check_columns(Source(path, "parquet"), "text", "id")  # the footer is whole
+    with pytest.raises(InvalidInput, match="damaged.parquet: a Parquet file bgeserve cannot"):
+        rows_of(Source(path, "parquet"))
+
+
 @pytest.mark.parametrize("suffix", ["jsonl", "csv"])
 def test_a_utf8_byte_order_mark_starts_no_bad_row(tmp_path: Path, suffix: str):
     """Files saved by Windows tools begin with a BOM: the first row is still read (JSONL's

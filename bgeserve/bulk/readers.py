@@ -364,7 +364,17 @@ def _parquet(source: Source, text_column: str, id_column: str) -> Iterator[Rows]
         return
     start = 0
     with pq.ParquetFile(source.path) as f:
-        for batch in f.iter_batches(batch_size=READ_ROWS, columns=[id_column, text_column]):
+        batches = f.iter_batches(batch_size=READ_ROWS, columns=[id_column, text_column])
+        while True:
+            try:
+                batch = next(batches, None)
+            # A damaged page: pyarrow's OSError names no file, and the job's handler then
+            # blamed --output (QA: "Corrupt snappy compressed data.: --output out").
+            except (OSError, pa.ArrowException) as exc:
+                raise InvalidInput(f"{source.path}: a Parquet file bgeserve cannot read past "
+                                   f"row {start} ({exc})", param="INPUT") from None
+            if batch is None:
+                return
             table = pa.Table.from_batches([batch])
             yield _columns(table, source, start, text_column, id_column)
             start += table.num_rows
