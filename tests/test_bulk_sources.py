@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import zlib
 from pathlib import Path
 
 import pyarrow as pa
@@ -354,18 +355,126 @@ def test_a_file_that_is_not_csv_or_parquet_is_refused_naming_it(tmp_path: Path):
         check_columns(Source(path, "parquet"), "text", "id")
 
 
-def test_a_parquet_file_damaged_in_a_page_is_an_error_naming_it(tmp_path: Path):
-    """Its footer reads, a data page does not: pyarrow's OSError names no file, and the job
-    said "Corrupt snappy compressed data.: --output out" (QA)."""
+def test_a_parquet_row_group_damaged_in_a_page_is_bad_rows_and_the_next_is_read(
+        tmp_path: Path, caplog):
+    """Its footer reads, a data page of the second of three row groups does not: that group's
+    rows are bad rows saying so, and the groups around it are read. (pyarrow's bare "Corrupt
+    snappy compressed data." stopped the job at every rerun, blamed on --output: QA.)"""
     path = tmp_path / "damaged.parquet"
-    pq.write_table(pa.table({"id": list(range(2000)), "text": [f"text {i} " * 20
-                                                                for i in range(2000)]}), path)
+    texts = [f"text {i} " * 20 for i in range(3000)]
+    pq.write_table(pa.table({"id": list(range(3000)), "text": texts}), path, row_group_size=1000)
+    meta = pq.read_metadata(path).row_group(1).column(1)  # the texts of rows 1000-1999
+    start = meta.dictionary_page_offset or meta.data_page_offset
     raw = bytearray(path.read_bytes())
-    raw[200:2200] = bytes(2000)  # zeros inside the first column chunk's pages
+    raw[start + 100:start + 2100] = bytes(2000)  # zeros inside that column chunk's pages
     path.write_bytes(bytes(raw))
     check_columns(Source(path, "parquet"), "text", "id")  # the footer is whole
-    with pytest.raises(InvalidInput, match="damaged.parquet: a Parquet file bgeserve cannot"):
-        rows_of(Source(path, "parquet"))
+    with caplog.at_level(logging.WARNING, logger="bgeserve.bulk"):
+        rows, ids, got, errors = rows_of(Source(path, "parquet"))
+    assert rows == list(range(3000))  # every row accounted for, in order
+    good = [*range(1000), *range(2000, 3000)]
+    assert [got[i] for i in good] == [texts[i] for i in good]
+    assert [ids[i] for i in good] == [str(i) for i in good]
+    assert all(errors[i] is None for i in good)
+    assert all(got[i] is None and errors[i] and "damaged part of the file (row group 1" in errors[i]
+               for i in range(1000, 2000))
+    assert "rows 1000-1999 (row group 1) cannot be read" in caplog.text
+
+
+def _gzip_cut(raw: bytes, keep: float) -> tuple[bytes, int]:
+    """``raw`` gzipped, then cut to ``keep`` of its compressed bytes (a copy that stopped),
+    and how many whole lines the cut file still holds (all that zlib gets out of it)."""
+    import gzip
+    import zlib
+
+    data = gzip.compress(raw, mtime=0)
+    cut = data[:int(len(data) * keep)]
+    return cut, zlib.decompressobj(wbits=31).decompress(cut).count(b"\n")
+
+
+def _json_lines(n: int) -> bytes:
+    return b"".join(json.dumps({"id": i, "text": f"row {i} " + "word " * (i % 40)}).encode()
+                    + b"\n" for i in range(n))
+
+
+def test_a_gzipped_jsonl_cut_short_gives_its_whole_rows_then_one_bad_row(tmp_path: Path,
+                                                                         caplog):
+    """A .jsonl.gz whose copy stopped: every whole line before the cut is its row, exactly as
+    in the file; the line it ends in is one bad row saying so, with a warning naming the file
+    (gzip's EOFError stopped the job at every rerun, the rows read before it unwritten)."""
+    raw = _json_lines(3000)
+    lines = raw.splitlines()
+    path = tmp_path / "cut.jsonl.gz"
+    data, n = _gzip_cut(raw, 0.6)  # n: whole rows in it
+    path.write_bytes(data)
+    source = discover([path])[0]
+    check_columns(source, "text", "id")  # cut short is no damage: the job goes on
+    with caplog.at_level(logging.WARNING, logger="bgeserve.bulk"):
+        rows, ids, texts, errors = rows_of(source)
+    assert 1000 < n < 3000 and rows == list(range(n + 1))
+    assert texts[:n] == [json.loads(line)["text"] for line in lines[:n]]
+    assert ids[:n] == [str(i) for i in range(n)] and errors[:n] == [None] * n
+    assert texts[n] is None and ids[n] is None
+    assert errors[n].startswith("the gzip file ends here, cut short")
+    assert "cut.jsonl.gz is cut short" in caplog.text
+
+
+@pytest.mark.parametrize("indent", [None, 1])
+def test_a_gzipped_json_array_cut_short_gives_its_whole_items(tmp_path: Path, indent):
+    """A .json.gz array cut short, minified (one line) or pretty-printed: its whole items,
+    then one bad row where it ends."""
+    items = [{"id": i, "text": f"item {i} " * 5} for i in range(2000)]
+    path = tmp_path / "cut.json.gz"
+    data, _ = _gzip_cut(json.dumps(items, indent=indent).encode(), 0.5)
+    path.write_bytes(data)
+    rows, ids, texts, errors = rows_of(discover([path])[0])
+    n = len(rows) - 1
+    assert 500 < n < 2000 and rows == list(range(n + 1))
+    whole = zlib.decompressobj(wbits=31).decompress(data)
+    assert whole.count(b"},") == n  # every item the cut file holds whole is read
+    assert texts[:n] == [item["text"] for item in items[:n]] and errors[:n] == [None] * n
+    assert ids[:n] == [str(i) for i in range(n)]
+    assert errors[n] == "the file ends here, before its array does (cut short?)"
+
+
+def test_a_gzipped_csv_cut_short_gives_no_half_row(tmp_path: Path):
+    """A .csv.gz cut short: every whole line before the cut is its row (pyarrow's "Truncated
+    compressed stream" stopped the job); the line cut in its text is no row with half its
+    text but one bad row, after the malformed rows before it."""
+    body = "id,text\n" + "".join(f"{i},row {i} {'word ' * (i % 50)}\n" if i != 7 else "7\n"
+                                  for i in range(20000))
+    lines = body.splitlines()[1:]
+    path = tmp_path / "cut.csv.gz"
+    data, n = _gzip_cut(body.encode(), 0.7)
+    n -= 1  # the header's line
+    path.write_bytes(data)
+    source = discover([path])[0]
+    check_columns(source, "text", "id")
+    rows, ids, texts, errors = rows_of(source)
+    assert 5000 < n < 20000 and rows == list(range(n + 1))
+    assert errors[7] == "expected 2 cells, found 1"
+    good = [i for i in range(n) if i != 7]
+    assert [texts[i] for i in good] == [lines[i].split(",", 1)[1] for i in good]
+    assert [ids[i] for i in good] == [str(i) for i in good]
+    assert all(errors[i] is None for i in good)
+    assert errors[n].startswith("the gzip file ends here, cut short") and texts[n] is None
+
+
+@pytest.mark.parametrize("name", ["damaged.jsonl.gz", "damaged.csv.gz"])
+def test_gzip_data_damaged_inside_is_refused_before_the_model_loads(tmp_path: Path, name):
+    """Damage inside the deflate data shows only at the end (its CRC), after rows of text gone
+    wrong were read: the file is refused by the check every file gets before the model loads,
+    naming it and what to do."""
+    import gzip
+
+    body = (b"id,text\n" + b"".join(b"%d,row %d\n" % (i, i) for i in range(20000))
+            if name.endswith(".csv.gz") else _json_lines(3000))
+    data = bytearray(gzip.compress(body, mtime=0))
+    data[len(data) // 2] ^= 0x10  # one bit flipped
+    path = tmp_path / name
+    path.write_bytes(bytes(data))
+    with pytest.raises(InvalidInput, match=f"{name}: its gzip data is damaged .*copy the file"):
+        check_columns(discover([path])[0], "text", "id")
 
 
 @pytest.mark.parametrize("suffix", ["jsonl", "csv"])

@@ -2,7 +2,11 @@
 
 Bad rows (no text, a text that is not a string, no id, a line that is not JSON, a CSV line
 with too many or too few cells, a cell that is not UTF-8) come back with ``errors[i]`` saying
-why, never as an exception: one bad row never stops a job.
+why, never as an exception: one bad row never stops a job. Nor does a damaged file: a gzipped
+file cut short (an interrupted copy or download) gives its whole rows, then one bad row where
+it ends; a Parquet row group that cannot be read gives each of its rows unread as a bad row,
+and the next row group is read. (Gzip data damaged inside, which its CRC tells only at the
+end, is refused before the model loads: ``gzipped.check``.)
 
 Readers are pyarrow's (Parquet's row groups, the streaming CSV reader) and orjson per line
 for JSONL (per item for a ``.json`` file that is one array): pyarrow's JSON reader infers one
@@ -13,8 +17,8 @@ which is exactly the row this job must report and skip.
 from __future__ import annotations
 
 import contextlib
-import gzip
 import io
+import itertools
 import json
 import logging
 import re
@@ -23,6 +27,7 @@ from collections.abc import Iterator
 import numpy as np
 import orjson
 
+from bgeserve.bulk.gzipped import cut_of, open_bytes
 from bgeserve.bulk.sources import Rows, Source
 from bgeserve.errors import InvalidInput, surrogate_error
 
@@ -66,7 +71,7 @@ def starts_array(source: Source) -> bool:
     first line is an array is JSON lines, that line a bad row)."""
     if not source.path.name.lower().removesuffix(".gz").endswith(".json"):
         return False
-    with _open(source) as f:  # a bounded read: a minified array is one line, maybe huge
+    with open_bytes(source.path, source.compressed) as f:  # a bounded read: a minified array is one line, maybe huge
         while chunk := f.read(HEAD_BYTES):
             head = chunk.removeprefix(b"\xef\xbb\xbf").lstrip()
             if head:
@@ -84,9 +89,11 @@ def _loads(data: bytes) -> object:
         return json.loads(data)
 
 
-def _parse(line: bytes) -> object:
+def _parse(line: bytes | _Invalid) -> object:
     """A line's JSON value; ``_BLANK`` for a blank line; ``_Invalid`` saying why for one that
-    is not JSON."""
+    is not JSON (or the line where a file cut short ends, as ``_lines`` gives it)."""
+    if isinstance(line, _Invalid):
+        return line
     if not line.strip():
         return _BLANK
     try:
@@ -110,7 +117,7 @@ def _array(source: Source) -> Iterator[object] | None:
     checks the whole file is one array, then its items. Never read whole: a file of a few GB
     parsed whole took several times its size in memory."""
     try:
-        with _open(source) as f:
+        with open_bytes(source.path, source.compressed) as f:
             for _ in _item_bytes(f):
                 pass
     except _CutShort as exc:
@@ -127,7 +134,7 @@ def _array(source: Source) -> Iterator[object] | None:
 def _items(source: Source) -> Iterator[object]:
     """Each item of a file ``_array`` found to be one array, or one cut short, parsed (a bad
     one: why)."""
-    with _open(source) as f:
+    with open_bytes(source.path, source.compressed) as f:
         try:
             for item in _item_bytes(f):
                 yield _parse(item) if item.strip() else _Invalid("not valid JSON")
@@ -169,16 +176,16 @@ def _item_bytes(f: io.BufferedIOBase) -> Iterator[bytes]:
     its row's error, as a bad line is. Hand-written over ijson: its C parser turns an escaped
     lone surrogate into "?" (the other readers report that row) and its Python one keeps the
     whole file in memory."""
-    first = f.read(3)
-    offset = 3  # the file's bytes before the current read (for the reason a file is refused)
-    if first != b"\xef\xbb\xbf":
-        f.seek(0)
-        offset = 0
+    head = f.read(3)  # no seek back: a gzipped file's stream has none
+    bom = head == b"\xef\xbb\xbf"
+    offset = 3 if bom else 0  # the file's bytes before the current read (for the reason a
+    # file is refused)
+    reads = iter(lambda: f.read(ARRAY_READ_BYTES), b"")
     started = ended = in_string = escaped = False
     depth = 0  # inside the array's items: 0 between them
     count = 0  # items cut so far
     item = bytearray()
-    while chunk := f.read(ARRAY_READ_BYTES):
+    for chunk in reads if bom or not head else itertools.chain([head], reads):
         n, i, start = len(chunk), 0, 0  # start: where the current item's unsaved bytes begin
         while i < n:
             if in_string:
@@ -274,27 +281,15 @@ def _rows(source: Source, items: Iterator[tuple[int, object]], text_column: str,
         yield Rows(source.key, np.array(rows, dtype=np.int64), ids, texts, errors)
 
 
-def _lines(source: Source) -> Iterator[bytes]:
+def _lines(source: Source) -> Iterator[bytes | _Invalid]:
     """The lines of a JSONL file, decompressed if it is gzipped, the first one's byte-order
-    mark dropped (Windows tools write one; it is no JSON)."""
-    with _open(source) as f:
+    mark dropped (Windows tools write one; it is no JSON). A gzipped file cut short ends with
+    the line it ends in (or the one after its last whole line) as why it is a bad row."""
+    with open_bytes(source.path, source.compressed, whole_lines=True) as f:
         for n, line in enumerate(f):
             yield line.removeprefix(b"\xef\xbb\xbf") if n == 0 else line
-
-
-@contextlib.contextmanager
-def _open(source: Source) -> Iterator[io.BufferedIOBase]:
-    """``source`` opened for reading bytes, decompressed if it is gzipped."""
-    if not source.compressed:
-        with open(source.path, "rb") as f:
-            yield f
-        return
-    try:
-        with gzip.open(source.path, "rb") as f:
-            yield f
-    except (OSError, EOFError) as exc:  # not gzip, or cut short
-        raise InvalidInput(f"{source.path}: not a gzip file bgeserve can read ({exc})",
-                           param="INPUT") from None
+        if (cut := cut_of(f)) is not None:
+            yield _Invalid(cut)
 
 
 def _id(value: object, column: str) -> tuple[str | None, str | None]:
@@ -362,22 +357,39 @@ def _parquet(source: Source, text_column: str, id_column: str) -> Iterator[Rows]
 
     if source.is_empty():
         return
-    start = 0
+    start = 0  # the row group's first row
     with pq.ParquetFile(source.path) as f:
-        batches = f.iter_batches(batch_size=READ_ROWS, columns=[id_column, text_column])
-        while True:
-            try:
-                batch = next(batches, None)
-            # A damaged page: pyarrow's OSError names no file, and the job's handler then
-            # blamed --output (QA: "Corrupt snappy compressed data.: --output out").
-            except (OSError, pa.ArrowException) as exc:
-                raise InvalidInput(f"{source.path}: a Parquet file bgeserve cannot read past "
-                                   f"row {start} ({exc})", param="INPUT") from None
-            if batch is None:
-                return
-            table = pa.Table.from_batches([batch])
-            yield _columns(table, source, start, text_column, id_column)
-            start += table.num_rows
+        for group in range(f.num_row_groups):
+            size = f.metadata.row_group(group).num_rows
+            done = 0  # its rows read
+            batches = f.iter_batches(batch_size=READ_ROWS, row_groups=[group],
+                                     columns=[id_column, text_column])
+            while True:
+                try:
+                    batch = next(batches, None)
+                # A damaged page (QA: pyarrow's bare "Corrupt snappy compressed data." stopped
+                # the job at every rerun): the group's rows unread are bad rows, the next
+                # group is read (a reader cannot skip a page within a group).
+                except (OSError, pa.ArrowException) as exc:
+                    log.warning("%s: rows %d-%d (row group %d) cannot be read (%s): they are "
+                                "bad rows", source.path, start + done, start + size - 1, group,
+                                exc)
+                    yield _unread(source, start + done, start + size,
+                                  f"in a damaged part of the file (row group {group}: {exc})")
+                    break
+                if batch is None:
+                    break
+                table = pa.Table.from_batches([batch])
+                yield _columns(table, source, start + done, text_column, id_column)
+                done += table.num_rows
+            start += size
+
+
+def _unread(source: Source, first: int, end: int, why: str) -> Rows:
+    """Rows ``first`` to ``end`` (excluded) as bad rows that could not be read."""
+    n = end - first
+    return Rows(source.key, np.arange(first, end, dtype=np.int64), [None] * n, [None] * n,
+                [why] * n)
 
 
 def _csv(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
@@ -405,12 +417,19 @@ def _csv(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
         return "skip"
 
     start = 0  # the next data row's number
+    cut: str | None = None  # why the row where a gzipped file cut short ends is bad
+    stream = None
     try:
-        with pacsv.open_csv(source.path, convert_options=convert,
-                            read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES,
-                                                           use_threads=False),
-                            parse_options=pacsv.ParseOptions(newlines_in_values=True,
-                                                             invalid_row_handler=invalid)) as reader:
+        with contextlib.ExitStack() as stack:
+            # A gzipped file through gzipped.open_bytes (pyarrow raised "Truncated compressed stream"
+            # at a cut, losing its last block's rows), a plain one read natively.
+            stream = stack.enter_context(open_bytes(source.path, source.compressed, whole_lines=True)) \
+                if source.compressed else None
+            reader = stack.enter_context(pacsv.open_csv(
+                stream if stream is not None else source.path, convert_options=convert,
+                read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES, use_threads=False),
+                parse_options=pacsv.ParseOptions(newlines_in_values=True,
+                                                 invalid_row_handler=invalid)))
             for batch in reader:
                 table = pa.Table.from_batches([batch])
                 rows = np.empty(table.num_rows, dtype=np.int64)
@@ -425,12 +444,21 @@ def _csv(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
                     # wait (they may follow rows of the next piece's block).
                     yield _with_malformed(found, malformed, int(rows[-1]) + 1)
                     start = int(rows[-1]) + 1
+            cut = cut_of(stream)
     except (pa.ArrowInvalid, OSError) as exc:  # OSError: a .csv.gz that is not gzip
-        raise InvalidInput(f"{source.path}: not a CSV file bgeserve can read ({exc})",
-                           param="INPUT") from None
-    if malformed:
-        yield _with_malformed(Rows(source.key, np.empty(0, np.int64), [], [], []), malformed,
-                              None)
+        cut = cut_of(stream)
+        if cut is None:
+            raise InvalidInput(f"{source.path}: not a CSV file bgeserve can read ({exc})",
+                               param="INPUT") from None
+        # A cut inside a quoted value that holds line breaks: the quote never closes.
+        log.warning("%s: cannot be read past row %d where it is cut short (%s)", source.path,
+                    start, exc)
+    end = Rows(source.key, np.empty(0, np.int64), [], [], [])
+    if cut is not None:
+        end = Rows(source.key, np.array([max([start, *(r + 1 for r in malformed)])], np.int64),
+                   [None], [None], [cut])
+    if malformed or cut is not None:
+        yield _with_malformed(end, malformed, None)
 
 
 def _with_malformed(found: Rows, malformed: dict[int, str], before: int | None) -> Rows:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bgeserve.bulk import gzipped
 from bgeserve.errors import InvalidInput
 
 log = logging.getLogger("bgeserve.bulk")
@@ -135,8 +136,10 @@ def _folder(path: Path, item: str | Path, skip: Path | None) -> list[Path]:
 
 
 def check_columns(source: Source, text_column: str, id_column: str) -> None:
-    """Fail fast (before any model loads) when a CSV or Parquet file lacks a column; JSONL
-    rows are checked one by one."""
+    """Fail fast (before any model loads) when a CSV or Parquet file lacks a column, or a
+    gzipped file is damaged inside; JSONL rows are checked one by one."""
+    if source.compressed:
+        gzipped.check(source.path)
     if source.format == "jsonl" or source.is_empty():
         return
     names = set(_schema(source).names)
@@ -155,8 +158,9 @@ def _schema(source: Source):
         if source.format == "parquet":
             return pq.read_schema(source.path)
         # Its header is what counts here: malformed lines wait for read() to report them.
-        with pacsv.open_csv(source.path, parse_options=pacsv.ParseOptions(
-                newlines_in_values=True, invalid_row_handler=lambda row: "skip")) as reader:
+        with gzipped.open_bytes(source.path, source.compressed, whole_lines=True) as f, \
+                pacsv.open_csv(f, parse_options=pacsv.ParseOptions(
+                    newlines_in_values=True, invalid_row_handler=lambda row: "skip")) as reader:
             return reader.schema
     except (pa.ArrowInvalid, OSError) as exc:
         kind = "Parquet" if source.format == "parquet" else "CSV"

@@ -1,0 +1,111 @@
+"""Input files opened for reading bytes, gzipped ones decompressed: a file cut short (a copy
+or download that stopped) ends at its cut instead of raising, and says so (``cut_of``); one
+damaged inside is refused before any model loads (``check``)."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import logging
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from bgeserve.errors import InvalidInput
+
+log = logging.getLogger("bgeserve.bulk")
+READ_BYTES = 1 << 20
+
+
+class _Stream(io.RawIOBase):
+    """A gzip file's decompressed bytes that end where the file does when it is cut short
+    (``gzip`` raises EOFError there, and the job stopped on the file at every rerun, the rows
+    read before it unwritten). ``cut`` then says why the row there is bad. With
+    ``whole_lines``, what follows the last line break is held back until more comes, and
+    dropped at a cut: a CSV line cut in its text would be a row with half its text. Data
+    damaged inside the stream (a CRC or deflate error) still raises."""
+
+    def __init__(self, file: gzip.GzipFile, path: Path, whole_lines: bool):
+        super().__init__()
+        self._file = file
+        self._path = path
+        self._whole_lines = whole_lines
+        self._held = b""  # bytes after the last line break read (whole_lines)
+        self._out = memoryview(b"")  # bytes ready for the reader
+        self._ended = False
+        self.cut: str | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._out and not self._ended:
+            self._fill(len(buffer))
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        self._out = self._out[n:]  # a view: no copy of what is left
+        return n
+
+    def _fill(self, size: int) -> None:
+        try:
+            # read1: one decompression at a time. read(n) gathers several into n bytes, and
+            # the EOFError of a later one threw away what the earlier ones gave.
+            data = self._file.read1(max(size, 1 << 16))
+        except EOFError as exc:
+            self._ended = True
+            self.cut = (f"the gzip file ends here, cut short ({exc}): this row and any after it "
+                        "are missing from the file")
+            log.warning("%s is cut short (%s): its rows before the cut are read, the row where "
+                        "it ends is a bad row", self._path, exc)
+            return
+        if not data:
+            self._ended = True
+            self._out, self._held = memoryview(self._held), b""
+            return
+        if not self._whole_lines:
+            self._out = memoryview(data)
+            return
+        data = self._held + data
+        end = data.rfind(b"\n") + 1
+        self._out, self._held = memoryview(data)[:end], data[end:]
+
+
+@contextlib.contextmanager
+def open_bytes(path: Path, compressed: bool, whole_lines: bool = False
+               ) -> Iterator[io.BufferedIOBase]:
+    """``path`` opened for reading bytes, decompressed if ``compressed`` (a ``_Stream`` under
+    a buffer; ``whole_lines``: see there)."""
+    if not compressed:
+        with open(path, "rb") as f:
+            yield f
+        return
+    try:
+        with gzip.open(path, "rb") as gz, io.BufferedReader(_Stream(gz, path, whole_lines)) as f:
+            yield f
+    except (OSError, EOFError, zlib.error) as exc:  # not gzip, or damaged inside
+        raise InvalidInput(f"{path}: not a gzip file bgeserve can read ({exc})",
+                           param="INPUT") from None
+
+
+def cut_of(f: io.BufferedIOBase | None) -> str | None:
+    """Why the row where ``f`` (from ``open_bytes``) was cut short is bad; None where it was
+    not (or is not read to its end yet)."""
+    raw = getattr(f, "raw", None)
+    return raw.cut if isinstance(raw, _Stream) else None
+
+
+def check(path: Path) -> None:
+    """InvalidInput when gzipped ``path`` is no gzip or its data is damaged inside: its CRC
+    tells only at its end, after the damaged rows were read (as text gone wrong, some of them
+    embedded). Decompressing it once more costs seconds per GB; embedding it, hours. A file
+    cut short passes: its whole rows are read, then one bad row (``_Stream``)."""
+    try:
+        with gzip.open(path, "rb") as f:
+            while f.read(READ_BYTES):
+                pass
+    except EOFError:
+        return
+    except (OSError, zlib.error) as exc:
+        raise InvalidInput(f"{path}: its gzip data is damaged ({exc}): copy the file again, "
+                           "or leave it out of the inputs", param="INPUT") from None
