@@ -118,6 +118,37 @@ def test_colbert_vectors_match_the_engine(tiny_export: Path, tmp_path: Path, eng
         np.testing.assert_allclose(np.array(got[key], np.float32), vectors, atol=1e-5, rtol=0)
 
 
+def test_colbert_shards_of_long_texts_keep_their_vectors_within_the_limit(
+        tiny_export: Path, tmp_path: Path, engine: Engine) -> None:
+    """BGE_M3_MAX_COLBERT_MB bounds the vectors of the blocks in flight: a 64-row block of
+    long texts is cut into shards of at most a quarter of it each (all 64 rows were held, and
+    written, at once: QA), the short texts' block stays whole; every vector as embed's."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    (tmp_path / "in").mkdir()
+    texts = {f"t{i:03d}": " ".join(["word"] * (200 if i < 64 else 3)) + f" {i}"
+             for i in range(128)}
+    (tmp_path / "in" / "a.jsonl").write_text(
+        "".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in texts.items()))
+    job = BulkJob(inputs=(str(tmp_path / "in"),), output=tmp_path / "out",
+                  outputs=("colbert",))
+    settings = resolve_settings({**env(tiny_export, tmp_path / "cache"),
+                                 "BGE_M3_MAX_COLBERT_MB": "1"})
+    summary = local.run(job, settings, bar=False)
+    limit = (1 << 20) // (local.IN_FLIGHT + 1)
+    per_text = 127 * 32 * 4  # 128 tokens (max_seq), CLS excluded, 32 floats each
+    sizes = sorted(pq.read_metadata(p).num_rows for p in job.output.glob("*.parquet"))
+    assert limit // per_text == 16
+    assert sizes == [16, 16, 16, 16, 64] and summary.shards == 5
+    table = read_output(job.output)
+    want = engine.embed(list(texts.values()), dense=False, colbert=True)
+    got = dict(zip(table["id"].to_pylist(), table["colbert"].to_pylist(), strict=True))
+    for key, vectors in zip(texts, want.colbert, strict=True):
+        np.testing.assert_allclose(np.array(got[key], np.float32), vectors, atol=1e-5, rtol=0)
+
+
 def test_the_command_line_refuses_bad_arguments_with_exit_2(tmp_path: Path, capsys) -> None:
     """Usage errors print one line naming the flag, no traceback."""
     (tmp_path / "a.jsonl").write_text("")
@@ -143,6 +174,37 @@ def test_ctrl_c_ends_the_command_with_130_and_how_to_go_on(
     err = capsys.readouterr().err
     assert "interrupted" in err and "run the same command again" in err
     assert "Traceback" not in err
+
+
+def test_sigterm_ends_the_command_with_143_and_how_to_go_on(
+        tiny_export: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """SIGTERM (a container stopped) during a job: one line saying the shards are kept, exit
+    143, the queued work dropped (it ended without a word: QA); the handler is put back."""
+    import os
+    import signal
+
+    from bgeserve.bulk import local
+
+    for name, value in env(tiny_export, tmp_path / "cache").items():
+        monkeypatch.setenv(name, value)
+    real = local.finish
+
+    def finish(*args, **kwargs):
+        real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)  # after the first shard
+
+    monkeypatch.setattr(local, "finish", finish)
+    write_jsonl(tmp_path / "a.jsonl", {f"t{i}": f"text {i}" for i in range(100)})
+    before = signal.getsignal(signal.SIGTERM)
+    args = ["bulk", str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "o"), "--shard-rows",
+            "10"]
+    assert main(args) == 143
+    err = capsys.readouterr().err
+    assert "terminated (SIGTERM)" in err and "run the same command again" in err
+    assert "Traceback" not in err and signal.getsignal(signal.SIGTERM) is before
+    assert 10 <= read_output(tmp_path / "o").num_rows < 100
+    monkeypatch.setattr(local, "finish", real)
+    assert main(args) == 0 and read_output(tmp_path / "o").num_rows == 100
 
 
 def write_jsonl(path: Path, rows: dict[str, str], key: str = "text") -> Path:
@@ -336,3 +398,49 @@ def test_a_disk_error_is_one_line_naming_the_path_with_exit_2(
     (tmp_path / "file").write_text("")
     assert main(["bulk", str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "file")]) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_damaged_inputs_give_their_readable_rows_and_the_job_goes_on(
+        tiny_export: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A .jsonl.gz cut short and a Parquet file with a damaged row group beside a whole file:
+    exit 0, every readable row embedded, the rest bad rows saying why (the job stopped at
+    either file on every rerun, the rows read before unwritten: QA); a rerun has nothing left."""
+    import gzip
+    import zlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "in"
+    write_jsonl(folder / "a.jsonl", {"a": "whole file"})
+    lines = b"".join(b'{"id": "g%d", "text": "row %d of the cut file"}\n' % (i, i)
+                     for i in range(4000))
+    packed = gzip.compress(lines, mtime=0)
+    cut = packed[:len(packed) // 2]
+    (folder / "b.jsonl.gz").write_bytes(cut)
+    whole = zlib.decompressobj(wbits=31).decompress(cut).count(b"\n")
+    pq.write_table(pa.table({"id": [f"p{i}" for i in range(300)],
+                             "text": [f"parquet row {i} " * 8 for i in range(300)]}),
+                   folder / "c.parquet", row_group_size=100)
+    chunk = pq.read_metadata(folder / "c.parquet").row_group(1).column(1)
+    raw = bytearray((folder / "c.parquet").read_bytes())
+    at = chunk.dictionary_page_offset or chunk.data_page_offset
+    raw[at + 40:at + 1040] = bytes(1000)
+    (folder / "c.parquet").write_bytes(bytes(raw))
+    job = BulkJob(inputs=(str(folder),), output=tmp_path / "out")
+    settings = resolve_settings(env(tiny_export, tmp_path / "cache"))
+    caplog.set_level(logging.INFO, logger="bgeserve.bulk")
+    summary = local.run(job, settings, bar=False)
+    table = read_output(tmp_path / "out")
+    ids = table.column("id").to_pylist()
+    assert sorted(ids) == sorted(["a", *(f"g{i}" for i in range(whole)),
+                                  *(f"p{i}" for i in (*range(100), *range(200, 300)))])
+    assert (summary.rows, summary.bad) == (len(ids), 101)
+    again = local.run(job, settings, bar=False)  # nothing left: the bad rows are recorded
+    assert (again.rows, again.bad, again.skipped) == (0, 0, len(ids) + 101)
+    assert read_output(tmp_path / "out").num_rows == len(ids)
+    logged = caplog.text
+    assert "b.jsonl.gz is cut short" in logged
+    assert "rows 100-199 (row group 1) cannot be read" in logged
+    reasons = {e["reason"].split(" (")[0] for e in summary.bad_examples}
+    assert reasons == {"the gzip file ends here, cut short", "in a damaged part of the file"}

@@ -85,7 +85,8 @@ def arrays(emb: Embeddings, outputs: Sequence[str], width: int) -> dict[str, pa.
             offsets, pa.array(weights.astype(np.float32)))
     if "colbert" in outputs:
         mats = emb.colbert or []
-        flat = (np.concatenate(mats) if mats else np.zeros((0, width))).astype(np.float32)
+        flat = (np.concatenate(mats) if mats else np.zeros((0, width))).astype(np.float32,
+                                                                              copy=False)
         vectors = pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), width)
         out["colbert"] = pa.ListArray.from_arrays(_offsets([len(m) for m in mats]), vectors)
     return out

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import pyarrow as pa
 
 from bgeserve.bulk import columns
@@ -40,7 +42,7 @@ from bgeserve.bulk.sources import Rows, check_columns, discover
 from bgeserve.config import Settings
 from bgeserve.engine.jobs import Job
 from bgeserve.errors import NotReady
-from bgeserve.results import Embeddings
+from bgeserve.results import Embeddings, EmbedOptions
 
 log = logging.getLogger("bgeserve.bulk")
 IN_FLIGHT = 3  # blocks submitted to the engine at once
@@ -118,6 +120,35 @@ def finish(p: _Pending, run: _Run) -> None:
         examples.append({"source": source, "row": row, "id": row_id, "reason": why})
 
 
+def parts(model: BulkModel, block: Rows, options: EmbedOptions, limit: int | None
+          ) -> Iterator[tuple[Rows, list[int], Job | None]]:
+    """``block`` as engine jobs not yet queued, (rows, positions of the texts in the job, the
+    job), each job's ColBERT vectors within ``limit`` bytes where its texts allow (None: no
+    limit): a block of long texts is cut into consecutive parts, each its own shard (QA: a
+    shard of 64 texts of 8,192 tokens held 2 GiB of vectors, whatever BGE_M3_MAX_COLBERT_MB
+    said). Only such a block is tokenized twice."""
+    good, job = model.make_job(block.texts, block.errors, options)
+    engine = model.engine
+    if limit is None or job is None or engine.colbert_bytes(job.ids) <= limit:
+        yield block, good, job
+        return
+    size = dict(zip(good, (engine.colbert_bytes([ids]) for ids in job.ids), strict=True))
+    start, held = 0, 0
+    for i in range(len(block)):
+        if held and held + size.get(i, 0) > limit:
+            yield _part(model, block, start, i, options)
+            start, held = i, 0
+        held += size.get(i, 0)
+    yield _part(model, block, start, len(block), options)
+
+
+def _part(model: BulkModel, block: Rows, start: int, end: int, options: EmbedOptions
+          ) -> tuple[Rows, list[int], Job | None]:
+    rows = block.take(np.arange(start, end))
+    good, job = model.make_job(rows.texts, rows.errors, options)
+    return rows, good, job
+
+
 def _ready(p: _Pending) -> bool:
     return p.job is None or p.job.future.done()
 
@@ -150,13 +181,17 @@ def run(job: BulkJob, settings: Settings, bar: bool | None = None) -> Summary:
             progress.summary.skipped_bad = skipped_bad
             state = _Run(job, out, model.width, progress, Duplicates.of_shards(shards))
             pending: deque[_Pending] = deque()
+            # At most IN_FLIGHT + 1 blocks are held at once: each a share of the limit.
+            limit = model.colbert_limit // (IN_FLIGHT + 1) if options.colbert else None
             try:
                 for source in sources:
                     for block in blocks(source, job, coverage):
-                        good, engine_job = model.submit_job(block.texts, block.errors, options)
-                        pending.append(_Pending(block, good, engine_job))
-                        while len(pending) > IN_FLIGHT or (pending and _ready(pending[0])):
-                            finish(pending.popleft(), state)
+                        for rows, good, engine_job in parts(model, block, options, limit):
+                            if engine_job is not None:
+                                model.engine.submit(engine_job)
+                            pending.append(_Pending(rows, good, engine_job))
+                            while len(pending) > IN_FLIGHT or (pending and _ready(pending[0])):
+                                finish(pending.popleft(), state)
                 while pending:
                     finish(pending.popleft(), state)
             except BaseException:

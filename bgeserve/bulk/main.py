@@ -6,6 +6,7 @@ import argparse
 import errno
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -62,9 +63,28 @@ def os_error_message(exc: OSError, output: str) -> str:
     return f"{exc.strerror or exc}: {where}"
 
 
+class Terminated(BaseException):
+    """SIGTERM (a container stopped, a scheduler's time limit): the job stops as for Ctrl-C.
+    A BaseException, so that no handler of errors takes it for one."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the job; 0 when every row was embedded or reported, 2 on a usage error or a file
-    that cannot be read or written, 130 when interrupted (Ctrl-C)."""
+    that cannot be read or written, 130 when interrupted (Ctrl-C), 143 when terminated."""
+    # Python's default for SIGTERM ends the process without a word (QA): stop as for Ctrl-C,
+    # the queued work dropped and a line saying the shards are kept.
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     from bgeserve.bulk.columns import parse_outputs
     from bgeserve.bulk.job import BulkJob
     from bgeserve.bulk.model import resolve_settings
@@ -105,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
         print("bgeserve bulk: interrupted; finished shards are kept, run the same command "
               "again to go on", file=sys.stderr)
         return 130
+    except Terminated:
+        print("bgeserve bulk: terminated (SIGTERM); finished shards are kept, run the same "
+              "command again to go on", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except ImportError as exc:
         if exc.name not in ("pyarrow", "tqdm", "ray"):
             raise

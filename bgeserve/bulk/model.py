@@ -122,6 +122,9 @@ class BulkModel:
     """A loaded engine for a job; ``close()`` (or ``with``) releases it."""
 
     def __init__(self, settings: Settings):
+        # The ColBERT vectors of the blocks in flight together: BGE_M3_MAX_COLBERT_MB, else
+        # the server's default (the engine's own check is off: a job bounds its blocks).
+        self.colbert_limit = plan.colbert_bytes(settings)
         self.service = Service(job_settings(settings))
         self.service.load_blocking()  # the start-up error (model missing, no memory) raises
         assert self.service.engine is not None
@@ -146,6 +149,14 @@ class BulkModel:
         the submitted job, whose ``future`` gets the vectors; None when there is none). A
         text the tokenizer refuses (rare: the engine checks a job whole) is found by trying
         the texts one by one; its ``errors[i]`` says why and its ``texts[i]`` becomes None."""
+        good, job = self.make_job(texts, errors, options)
+        if job is not None:
+            self.engine.submit(job)
+        return good, job
+
+    def make_job(self, texts: list[str | None], errors: list[str | None],
+                 options: EmbedOptions) -> tuple[list[int], Job | None]:
+        """``submit_job`` without the queueing."""
         engine = self.engine
         good = [i for i, e in enumerate(errors) if e is None]
 
@@ -162,8 +173,6 @@ class BulkModel:
                     errors[i], texts[i] = f"refused: {exc}", None
             good = [i for i, e in enumerate(errors) if e is None]
             job = engine.make_job(strings(good), options) if good else None
-        if job is not None:
-            engine.submit(job)
         return good, job
 
     def close(self) -> None:

@@ -44,6 +44,14 @@ class Summary:
         return out
 
 
+def _duration(seconds: float) -> str:
+    """``2h 05m``, ``4m 10s``, ``12s``."""
+    s = max(0, round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 60}m {s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident memory (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -56,6 +64,7 @@ class Progress:
     def __init__(self, total: int | None, skipped: int = 0, stream: TextIO | None = None,
                  bar: bool | None = None, every_s: float = LOG_EVERY_S):
         self.summary = Summary(skipped=skipped)
+        self.total = total  # rows this run reads (bad ones included), where known
         self.every_s = every_s
         self._started = time.monotonic()
         self._logged = self._started
@@ -101,10 +110,18 @@ class Progress:
         rows = s.rows + in_flight
         rate = rows / s.seconds if s.seconds else 0.0
         tokens_rate = (s.tokens + in_flight_tokens) / s.seconds if s.seconds else 0.0
-        log.info("bulk: %d rows (%d in the shard being written), %.1f rows/s, %.0f tokens/s, "
-                 "%d bad, %d shards", rows, in_flight, rate, tokens_rate, s.bad, s.shards,
-                 extra={"rows": rows, "rows_per_s": round(rate, 2),
-                        "tokens_per_s": round(tokens_rate, 1), "bad": s.bad})
+        extra: dict[str, Any] = {"rows": rows, "rows_per_s": round(rate, 2),
+                                 "tokens_per_s": round(tokens_rate, 1), "bad": s.bad}
+        count, to_go = f"{rows} rows", ""
+        if self.total:  # how far, and how long to go at the pace so far (QA: neither shown)
+            done = rows + s.bad
+            eta = (self.total - done) * s.seconds / done if done else None
+            extra.update(total=self.total, eta_s=None if eta is None else round(eta))
+            count = f"{rows} of {self.total} rows, {100 * done / self.total:.1f}% done"
+            to_go = "" if eta is None else f", about {_duration(eta)} to go"
+        log.info("bulk: %s (%d in the shard being written), %.1f rows/s, %.0f tokens/s, %d bad, "
+                 "%d shards%s", count, in_flight, rate, tokens_rate, s.bad, s.shards, to_go,
+                 extra=extra)
 
     def close(self) -> Summary:
         """Stop the clock; the summary is logged and returned."""
