@@ -82,11 +82,14 @@ def _serve(args: argparse.Namespace) -> int:
     except BgeServeError as exc:
         print(f"bgeserve: {exc}", file=sys.stderr)
         return 2
-    if settings.model_path is not None and not settings.model_path.exists():
+    if settings.model_path is not None and not settings.model_path.is_dir():
         # Found by the loader only after the port was bound (exit 3, the reason in the log):
-        # a path that is not there cannot appear while the server waits.
-        print(f"bgeserve: model directory {settings.model_path} (BGE_M3_MODEL_PATH) does not "
-              "exist", file=sys.stderr)
+        # a path that is not there, or a file (QA: exit 3 after the port opened), cannot
+        # become a model folder while the server waits.
+        what = ("is a file, not a folder: name the folder of an export or a snapshot"
+                if settings.model_path.exists() else "does not exist")
+        print(f"bgeserve: model directory {settings.model_path} (BGE_M3_MODEL_PATH) {what}",
+              file=sys.stderr)
         return 2
     if settings.max_inflight_mb is None:
         settings = dataclasses.replace(settings, max_inflight_mb=inflight_mb(settings))
@@ -100,6 +103,8 @@ def _serve(args: argparse.Namespace) -> int:
         fields["rule_variant"] = fields.pop("variant")
     log.info("bgeserve starting", extra={"settings": fields})
     log.info("%s: intra-op threads per worker %d", usable_cpus(), settings.threads_per_worker)
+    if (crowded := plan.oversubscribed(settings, usable_cpus().count)) is not None:
+        log.warning(crowded)
     if settings.warmup_only:
         from bgeserve.service.warmup import run as warmup
 

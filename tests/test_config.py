@@ -376,6 +376,24 @@ def test_threads_per_worker(monkeypatch):
     assert Settings().threads_per_worker == 1
 
 
+def test_compute_threads_past_the_cpus_are_named_in_a_warning(monkeypatch):
+    """Workers x intra-op threads over the usable CPUs: a warning naming the variables and
+    the figures (QA: started without a word); within them, or on a GPU, none."""
+    from bgeserve import config
+    from bgeserve.cgroup import Cpus
+    from bgeserve.service.plan import oversubscribed
+
+    monkeypatch.setattr(config, "usable_cpus", lambda: Cpus(2, 2, None))
+    said = oversubscribed(parse(BGE_M3_WORKERS="4", BGE_M3_INTRA_THREADS="2"), 2)
+    assert said is not None and said.startswith(
+        "BGE_M3_WORKERS=4 x BGE_M3_INTRA_THREADS=2 runs 8 compute threads on 2 usable CPUs")
+    said = oversubscribed(parse(BGE_M3_WORKERS="3"), 2)
+    assert said is not None and "runs 3 compute threads on 2" in said
+    for fine in (parse(), parse(BGE_M3_WORKERS="2"), parse(BGE_M3_INTRA_THREADS="2"),
+                 parse(BGE_M3_WORKERS="4", BGE_M3_EP="cuda")):
+        assert oversubscribed(fine, 2) is None
+
+
 def test_redacted_hides_the_api_keys():
     """The loggable dict shows how many keys there are, never the keys themselves."""
     s = parse(BGE_M3_API_KEY="sk-secret-one,sk-secret-two", BGE_M3_MODEL_PATH="/m")

@@ -471,8 +471,8 @@ def test_bound_to_any_ipv6_address_it_answers_ipv4_too(tiny_export: Path,
 
 # -- start-up failure ------------------------------------------------------------------------
 def test_missing_model_exits_non_zero(tmp_path: Path) -> None:
-    """A model path that is not there: exit 2 before the port is bound, one line on stderr
-    naming it (it was found after the bind, exit 3, in the log only). One that is there but
+    """A model path that is not there, or a file: exit 2 before the port is bound, one line
+    on stderr naming it (it was found after the bind, exit 3, in the log only). One that is there but
     holds no model fails once loading: exit 3, the reason in the log and on stderr."""
     missing = tmp_path / "no-model-here"
     with ServerProc(server_env(missing, tmp_path / "cache")) as proc:
@@ -481,6 +481,13 @@ def test_missing_model_exits_non_zero(tmp_path: Path) -> None:
         assert proc.stderr_lines == [(f"bgeserve: model directory {missing} "
                                        "(BGE_M3_MODEL_PATH) does not exist")], proc.output()
         assert not any("Uvicorn running" in line for line in proc.stdout_lines)
+    a_file = tmp_path / "model.onnx"  # a file is no model folder either (it was exit 3: QA)
+    a_file.write_bytes(b"onnx")
+    with ServerProc(server_env(a_file, tmp_path / "cache")) as proc:
+        assert proc.wait(timeout=START_TIMEOUT) == 2, proc.output()
+        assert proc.stderr_lines == [(f"bgeserve: model directory {a_file} (BGE_M3_MODEL_PATH) "
+                                      "is a file, not a folder: name the folder of an export "
+                                      "or a snapshot")], proc.output()
     empty = tmp_path / "empty"
     empty.mkdir()
     with ServerProc(server_env(empty, tmp_path / "cache")) as proc:

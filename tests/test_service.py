@@ -397,6 +397,10 @@ def test_health_ok(client: TestClient) -> None:
     assert 1 <= limits["max_colbert_mb"] <= 512 and limits["max_batch"] == 2048
     # the allowance in force: the default (256 MiB), never below one largest body
     assert limits["max_body_bytes"] > 0 and limits["max_inflight_mb"] == 256
+    # The resident memory now, this process's (QA: no current figure in /health).
+    from bgeserve.tuning import memory
+
+    assert 0.5 < body["memory"]["rss_mb"] / (memory.rss_bytes() / 2**20) < 2
 
 
 def test_an_unpinned_start_serves_the_rules_pick(tiny_export: Path, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from bgeserve import __version__
 from bgeserve.service import plan
+from bgeserve.tuning import memory
 
 if TYPE_CHECKING:
     from bgeserve.service import Service
@@ -56,6 +57,9 @@ def report(service: Service) -> dict[str, Any]:
         # The per-request limits in force, where some are derived from the memory at start
         # (unset BGE_M3_MAX_COLBERT_MB / BGE_M3_MAX_INFLIGHT_MB): the figures a 413 / 429 names.
         limits=limits(service),
+        # What the process holds now, beside what it may use (tuning.available_bytes; QA:
+        # /health gave no current figure).
+        memory={"rss_mb": round(memory.rss_bytes() / 2**20, 1)},
     )
     rerank = service.reranking.health()
     if rerank is not None:

@@ -348,3 +348,22 @@ def probe_parts(settings: Settings, artifacts: ModelArtifacts) -> dict[str, Any]
 def runtime_version(artifacts: ModelArtifacts, provider: str = "cpu") -> str:
     """The runtime that reads the graph, with its version (health, logs, probe fingerprint)."""
     return runtime.get(runtime.kind_of(artifacts, provider)).version()
+
+
+def oversubscribed(settings: Settings, cpus: int) -> str | None:
+    """Why the compute threads asked for exceed ``cpus`` (the CPUs usable), or None: each
+    worker's session runs its intra-op threads at once, and threads past the CPUs wait on
+    each other's time slices (QA: 4 workers x 2 threads on 2 CPUs started without a word).
+    A GPU session's threads mostly wait on the device: not counted."""
+    s = settings
+    if s.execution_provider not in ("cpu", "openvino"):
+        return None
+    threads = s.workers * s.threads_per_worker
+    if threads <= cpus:
+        return None
+    asked = (f"BGE_M3_WORKERS={s.workers} x BGE_M3_INTRA_THREADS={s.intra_threads}"
+             if s.intra_threads else f"BGE_M3_WORKERS={s.workers} (one thread each at least)")
+    return (f"{asked} runs {threads} compute threads on {cpus} usable CPUs: the threads past "
+            "the CPUs wait on each other, slower rather than faster. Unset "
+            "BGE_M3_INTRA_THREADS (the CPUs are then shared among the workers), or run at most "
+            f"{cpus} threads in all")
