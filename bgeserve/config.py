@@ -494,7 +494,18 @@ def setting_notes(environ: Mapping[str, str]) -> list[str]:
     if "BGE_M3_API_KEY" in environ and not _keys("BGE_M3_API_KEY", environ["BGE_M3_API_KEY"]):
         lines.append("BGE_M3_API_KEY is set but holds no key: requests need none (unset it, "
                      "or give it the keys)")
+    origins = _keys("BGE_M3_CORS_ALLOW_ORIGINS", environ.get("BGE_M3_CORS_ALLOW_ORIGINS", ""))
+    for origin in origins:
+        # Matched exactly against the Origin header, which is scheme://host[:port] (QA:
+        # "example.com" and "https://a.com/" matched no page, without a word).
+        if origin not in ("*", "null") and not _ORIGIN.fullmatch(origin):
+            lines.append(f"BGE_M3_CORS_ALLOW_ORIGINS: {origin!r} is no origin a browser sends "
+                         "(scheme://host[:port], no path, e.g. https://app.example.com): pages "
+                         "are matched exactly, so none gets CORS headers by it")
     return lines
+
+
+_ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
@@ -512,9 +523,11 @@ def _near_misses(environ: Mapping[str, str], cutoff: float) -> list[tuple[str, s
     """Each ``BGE_M3_*`` variable that is no setting, with the closest setting at ``cutoff``
     (difflib's ratio) or None."""
     known = [f.metadata["env"] for f in _env_fields(Settings)]
-    unknown = sorted(n for n in environ if n.startswith("BGE_M3_") and n not in known
+    # Names are case-sensitive: bge_m3_api_key is no BGE_M3_API_KEY (QA: ignored silently).
+    unknown = sorted(n for n in environ if n.upper().startswith("BGE_M3_") and n not in known
                      and n not in REFERENCE_NAMES)
-    return [(name, next(iter(difflib.get_close_matches(name, known, n=1, cutoff=cutoff)), None))
+    return [(name, next(iter(difflib.get_close_matches(name.upper(), known, n=1,
+                                                       cutoff=cutoff)), None))
             for name in unknown]
 
 

@@ -311,7 +311,7 @@ def test_a_malformed_warm_up_shape_is_refused(raw):
 @pytest.mark.parametrize(("typo", "meant"), [
     ("BGE_M3_API_KEYS", "BGE_M3_API_KEY"), ("BGE_M3_APIKEY", "BGE_M3_API_KEY"),
     ("BGE_M3_METRIC_AUTH", "BGE_M3_METRICS_AUTH"),
-    ("BGE_M3_TLS_CERTFILE", "BGE_M3_TLS_CERT_FILE"),
+    ("BGE_M3_TLS_CERTFILE", "BGE_M3_TLS_CERT_FILE"), ("bge_m3_api_key", "BGE_M3_API_KEY"),
 ])
 def test_serve_refuses_a_misspelt_security_setting(
         typo: str, meant: str, monkeypatch: pytest.MonkeyPatch,
@@ -544,6 +544,23 @@ def test_unknown_bge_m3_variables_are_named_with_the_closest_setting(caplog):
         warn_unknown_variables(environ)
     assert [r.getMessage() for r in caplog.records] == unknown_variables(environ)
     assert unknown_variables({"BGE_M3_MODEL": "fp32", "HOME": "/root"}) == []
+    # Names are case-sensitive: a lower-case one is not read, and is said so (QA: silently).
+    assert unknown_variables({"bge_m3_workers": "2", "Bge_M3_Model": "int8"}) == [
+        "Bge_M3_Model is not a bgeserve setting and is ignored; did you mean BGE_M3_MODEL?",
+        "bge_m3_workers is not a bgeserve setting and is ignored; did you mean BGE_M3_WORKERS?"]
+
+
+def test_a_cors_origin_no_browser_sends_is_warned_of():
+    """Origins are matched exactly against the Origin header (scheme://host[:port]): one
+    without a scheme, or with a path or a trailing slash, matches no page (QA: silently)."""
+    from bgeserve.config import setting_notes
+
+    notes = setting_notes({"BGE_M3_CORS_ALLOW_ORIGINS": "example.com, https://a.com/,"
+                                                        "https://b.example.com:8443,*,null"})
+    assert notes == [f"BGE_M3_CORS_ALLOW_ORIGINS: {o!r} is no origin a browser sends "
+                     "(scheme://host[:port], no path, e.g. https://app.example.com): pages "
+                     "are matched exactly, so none gets CORS headers by it"
+                     for o in ("example.com", "https://a.com/")]
 
 
 def test_bind_flag_overrides_a_bad_bge_m3_bind(monkeypatch: pytest.MonkeyPatch,
