@@ -69,6 +69,23 @@ def test_jsonl_rows_are_numbered_by_line_and_bad_ones_say_why(tmp_path: Path):
                       "'id' is float, not a string or an integer"]
 
 
+def test_a_long_integer_id_is_kept_whole_and_a_line_not_utf8_says_so(tmp_path: Path):
+    """An integer id past 64 bits is its decimal digits (orjson read it as a float: "'id' is
+    float", QA); a line in Latin-1 is "not valid UTF-8", not "not valid JSON"."""
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(b'{"id": 123456789012345678901234567890, "text": "big"}\n'
+                     b'{"id": -18446744073709551617, "text": "big2"}\n'
+                     + '{"id": "l", "text": "caf\u00e9"}\n'.encode("latin-1")
+                     + b'{"id": 2e30, "text": "a float"}\n')
+    rows, ids, texts, errors = rows_of(Source(path, "jsonl"))
+    assert rows == [0, 1, 2, 3]
+    assert ids == ["123456789012345678901234567890", "-18446744073709551617", None, None]
+    assert texts == ["big", "big2", None, None]
+    assert errors[:2] == [None, None]
+    assert errors[2].startswith("not valid UTF-8 (byte 24 of the line")
+    assert errors[3] == "'id' is float, not a string or an integer"
+
+
 def test_a_json_file_holding_one_array_gives_its_items_as_rows(tmp_path: Path, caplog):
     """Most .json files are one array, not JSON lines: its items are the rows (row i the
     array's item i), bad ones saying why, whatever its layout (BOM, blank lines, pretty-printed,

@@ -82,11 +82,17 @@ def starts_array(source: Source) -> bool:
 def _loads(data: bytes) -> object:
     """``data``'s JSON value (ValueError or RecursionError if it is none). orjson first; it
     refuses an escaped lone surrogate ("\ud800"), which JSON allows: the stdlib reads it,
-    so its row keeps its id and the reason names the character."""
+    so its row keeps its id and the reason names the character. It also reads an integer
+    past 64 bits as a float (QA: a 30-digit id was a bad row, "'id' is float"): the stdlib
+    reads such an object's integers whole."""
     try:
-        return orjson.loads(data)
+        value = orjson.loads(data)
     except orjson.JSONDecodeError:
         return json.loads(data)
+    if isinstance(value, dict) and any(type(v) is float and abs(v) >= 2.0**63
+                                       for v in value.values()):
+        return json.loads(data)
+    return value
 
 
 def _parse(line: bytes | _Invalid) -> object:
@@ -99,6 +105,11 @@ def _parse(line: bytes | _Invalid) -> object:
     try:
         return _loads(line)
     except (ValueError, RecursionError):
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as exc:  # QA: a Latin-1 file's lines were "not valid JSON"
+            return _Invalid(f"not valid UTF-8 (byte {exc.start} of the line: a file in "
+                            "another encoding must be converted to UTF-8)")
         return _Invalid("not valid JSON")
 
 
