@@ -1796,6 +1796,9 @@ def test_abandoned_work_that_ends_in_an_error_is_not_logged_as_never_retrieved(
     ("/v1/sparse-embeddings", {"input": ["a b c", "", "f"], "sparse_empty": "omit"}),
     ("/embed", {"inputs": ["a b c", "d e", "f"]}),
     ("/embed_all", {"inputs": ["a b c", "d e", "f"]}),
+    ("/embed_sparse", {"inputs": ["a b c", "", "d e f g"]}),
+    ("/tokenize", {"inputs": ["héllo 混合 x", "", "a b c d"]}),
+    ("/tokenize", {"inputs": ["", "a"], "add_special_tokens": False}),
 ])
 def test_a_large_answer_is_streamed_as_the_same_bytes(monkeypatch: pytest.MonkeyPatch,
                                                        route: str, body: dict) -> None:
@@ -1810,6 +1813,7 @@ def test_a_large_answer_is_streamed_as_the_same_bytes(monkeypatch: pytest.Monkey
         orjson.loads(whole.content)  # one JSON document
         for piece in (1, 100, 1 << 30):
             monkeypatch.setattr(render, "PIECE_BYTES", piece)
+            monkeypatch.setattr(render, "TOKENS_AT_ONCE", 2)
             monkeypatch.setattr(render, "STREAM_BYTES", -1)
             streamed = client.post(route, json=body)
             assert streamed.status_code == 200

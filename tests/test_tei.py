@@ -353,6 +353,21 @@ def test_tokenize_errors(client: TestClient, body: dict, status: int, error_type
     tei_error(client.post("/tokenize", json=body), status, error_type)
 
 
+def test_tokenize_and_decode_are_429_when_the_queue_has_no_room(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """They wait for the embedding requests' tokenizing slots: with no room in the queue at
+    all they are refused from the headers, as /embed is (QA: under a flood they waited out
+    the deadline, 504s, never a 429)."""
+    fake = FakeService()
+    monkeypatch.setattr(fake, "refuse_now", lambda: Overloaded("queue full", retry_after=3))
+    with serve(fake) as client:
+        for path, body in (("/tokenize", {"inputs": "x"}), ("/decode", {"ids": [0, 7]})):
+            r = client.post(path, json=body)
+            assert r.status_code == 429 and r.json()["error_type"] == "Overloaded", r.text
+            assert r.headers["retry-after"] == "3"
+    assert fake.calls == []
+
+
 def test_decode_one_or_many_sequences(client: TestClient) -> None:
     """``ids`` as one sequence or several gives ``[str]``; ``skip_special_tokens`` (default
     true) decides whether special ids are decoded."""

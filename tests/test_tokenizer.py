@@ -729,6 +729,40 @@ def test_tokens_give_utf8_byte_offsets_and_text_slices():
     assert any(t.stop - t.start > 1 for t in tokens[1:-1] if len(t.text) == 1)  # ö, 混
 
 
+def test_tokens_are_held_as_arrays_and_rendered_as_the_token_objects_were(monkeypatch):
+    """``TextTokens`` (21 bytes a token; a Token object each took ~140: QA, an OOM kill) reads
+    as the list of Tokens it stands for: items, negative indices, slices with steps; and
+    /tokenize's pieces are byte for byte orjson's rendering of those lists, whatever the
+    slice of tokens made at a time."""
+    import orjson
+
+    from bgeserve.http import render
+    from bgeserve.results import Token
+
+    texts = ["hello wörld 混 cat", "", "the cat " * 9, "😀 x"]
+    got = make().tokens(texts)
+    enc = hf_tokenizer().encode_batch(texts)
+    for tokens, e, text in zip(got, enc, texts, strict=True):
+        starts = [len(text[:lo].encode()) for lo, _ in e.offsets]
+        stops = [len(text[:hi].encode()) for _, hi in e.offsets]
+        want = [Token(i, t, True, None, None) if special else
+                Token(i, text[lo:hi], False, a, b)
+                for i, t, special, (lo, hi), a, b in zip(e.ids, e.tokens, e.special_tokens_mask,
+                                                         e.offsets, starts, stops, strict=True)]
+        assert list(tokens) == want and len(tokens) == len(want)
+        assert tokens[-1] == want[-1] and tokens[1:-1] == want[1:-1]
+        assert tokens[::3] == want[::3] and tokens[5:2] == []
+        with pytest.raises(IndexError):
+            tokens[len(want)]
+    whole = orjson.dumps([list(t) for t in got])
+    for at_once in (1, 2, 7, 4096):
+        monkeypatch.setattr(render, "TOKENS_AT_ONCE", at_once)
+        for piece in (1, 50, 1 << 20):
+            monkeypatch.setattr(render, "PIECE_BYTES", piece)
+            assert b"".join(render.token_pieces(got)) == whole
+    assert b"".join(render.token_pieces([])) == b"[]"
+
+
 def test_tokens_without_special_tokens_and_of_an_ascii_text():
     """``add_special_tokens=False`` gives the content tokens only; ASCII offsets are the
     tokenizer's character offsets (this one's Metaspace pieces span the space before a word)."""
@@ -761,10 +795,13 @@ def test_tokens_past_the_bound_are_refused_before_they_are_encoded_or_made(monke
             self.groups.append(len(texts))
             return self.tk.encode_batch(texts, **kwargs)
 
+        def id_to_token(self, i):
+            return self.tk.id_to_token(i)
+
     made: list[str] = []
     tokens = module._tokens
-    monkeypatch.setattr(module, "_tokens", lambda text, enc: made.append(text) or
-                        tokens(text, enc))
+    monkeypatch.setattr(module, "_tokens", lambda text, enc, strings: made.append(text) or
+                        tokens(text, enc, strings))
     tok = make(max_seq=16)
     tok._tk = counting = Counting(tok._tk)  # type: ignore[assignment]
     with pytest.raises(TooLarge, match="more than 40 tokens"):

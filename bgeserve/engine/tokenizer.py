@@ -25,7 +25,7 @@ import tokenizers
 from bgeserve import stopping
 from bgeserve.engine.names import SettingNames
 from bgeserve.errors import InvalidInput, ModelUnavailable, NotReady, TooLarge, surrogate_error
-from bgeserve.results import Token
+from bgeserve.results import TextTokens
 from bgeserve.vocab import CLS_ID, EOS_ID, SPECIAL_TOKENS
 
 # Encoding memory bounds (see Tokenizer.encode): characters per encode_batch call, and the
@@ -518,10 +518,10 @@ class Tokenizer:
                         for x in ids], full > self.max_seq, full)
 
     def tokens(self, texts: Sequence[str], add_special_tokens: bool = True,
-               max_tokens: int | None = None) -> list[list[Token]]:
+               max_tokens: int | None = None) -> list[TextTokens]:
         """Every token of each text, untruncated, with UTF-8 byte offsets (TEI's ``/tokenize``).
 
-        ``max_tokens`` bounds the whole answer (~140 bytes a token as Python objects, ~65 as
+        ``max_tokens`` bounds the whole answer (~21 bytes a token as ``TextTokens``, ~65 as
         JSON): past it, ``TooLarge``, refused before encoding where the texts' words are
         already more (``min_tokens``), else once the texts encoded so far are, before their
         tokens are made. Each text is encoded whole: the caller bounds its length (the
@@ -539,7 +539,7 @@ class Tokenizer:
             stop = max_tokens + specials
             if self.min_tokens(texts, stop_above=stop) - specials > max_tokens:
                 raise self._too_many(max_tokens)
-        out: list[list[Token]] = []
+        out: list[TextTokens] = []
         total = 0
         for group in _groups(texts, GROUP_CHARS, most=64):
             stopping.check()
@@ -553,7 +553,8 @@ class Tokenizer:
             total += sum(len(enc.ids) for enc in encodings)
             if max_tokens is not None and total > max_tokens:
                 raise self._too_many(max_tokens)
-            out += [_tokens(text, enc) for text, enc in zip(group, encodings, strict=True)]
+            out += [_tokens(text, enc, self._tk.id_to_token)
+                    for text, enc in zip(group, encodings, strict=True)]
             del encodings
         return out
 
@@ -617,21 +618,17 @@ def _groups(texts: Sequence[str], chars: int, most: int | None = None) -> Iterat
         yield group
 
 
-def _tokens(text: str, encoding: tokenizers.Encoding) -> list[Token]:
+def _tokens(text: str, encoding: tokenizers.Encoding,
+            id_to_token: Callable[[int], str | None]) -> TextTokens:
     """TEI's tokens for one encoding: ``tokenizers`` gives character offsets in Python, TEI
     (Rust) byte offsets, which the slice of the text between them is the same as."""
+    ids = np.array(encoding.ids, dtype=np.int32)
+    special = np.array(encoding.special_tokens_mask, dtype=bool)
+    chars = np.array(encoding.offsets, dtype=np.int32).reshape(-1, 2)
     starts = _byte_starts(text)
-    out = []
-    for tid, token, special, (lo, hi) in zip(encoding.ids, encoding.tokens,
-                                             encoding.special_tokens_mask, encoding.offsets,
-                                             strict=True):
-        if special:
-            out.append(Token(tid, token, True, None, None))
-        elif starts is None:
-            out.append(Token(tid, text[lo:hi], False, lo, hi))
-        else:
-            out.append(Token(tid, text[lo:hi], False, int(starts[lo]), int(starts[hi])))
-    return out
+    byte_offsets = chars if starts is None else starts[chars].astype(np.int32)
+    strings = {int(t): id_to_token(int(t)) or "" for t in np.unique(ids[special])}
+    return TextTokens(text, ids, special, chars, byte_offsets, strings)
 
 
 @functools.lru_cache(maxsize=8)

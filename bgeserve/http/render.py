@@ -15,7 +15,7 @@ import numpy as np
 import orjson
 
 from bgeserve.http.schemas import EmbedRequest, Endpoint
-from bgeserve.results import Embeddings
+from bgeserve.results import Embeddings, Token
 
 TokenStrings = Callable[[Sequence[int]], list[str]]
 
@@ -158,14 +158,57 @@ def json_pieces(head: bytes, items: Iterable[bytes], tail: bytes) -> Iterator[by
     yield b"".join(piece)
 
 
+# What a sparse entry counts as toward STREAM_BYTES: its JSON is ~25 bytes, but the Python
+# objects made to render it (a dict entry of a str key and a float, or an {index, value} dict)
+# ~150 (QA: a TEI /embed_sparse answer of 2,048 texts of 800 distinct words, rendered whole,
+# OOM-killed a server under a 400 MiB cap).
+SPARSE_ENTRY_BYTES = 32
+# A /tokenize token's JSON is ~65 bytes: a third of it, as float32 bytes count.
+TOKEN_BYTES = 22
+TOKENS_AT_ONCE = 4096  # tokens made into objects and rendered at a time
+
+
 def numbers_bytes(result: Embeddings, outputs: Collection[str]) -> int:
-    """The float32 bytes of the vectors an answer carries (its JSON text is ~3x that)."""
+    """The float32 bytes of the vectors an answer carries (its JSON text is ~3x that), a
+    sparse entry counted as SPARSE_ENTRY_BYTES."""
     total = 0
     if "dense" in outputs and result.dense is not None:
         total += int(np.asarray(result.dense).nbytes)
+    if "sparse" in outputs and result.sparse is not None:
+        total += sum(len(ids) for ids, _ in result.sparse) * SPARSE_ENTRY_BYTES
     if "colbert" in outputs and result.colbert is not None:
         total += sum(int(np.asarray(m).size) * 4 for m in result.colbert)
     return total
+
+
+def gathered(pieces: Iterable[bytes]) -> Iterator[bytes]:
+    """``pieces`` joined into pieces of about ``PIECE_BYTES``."""
+    piece: list[bytes] = []
+    size = 0
+    for part in pieces:
+        piece.append(part)
+        size += len(part)
+        if size >= PIECE_BYTES:
+            yield b"".join(piece)
+            piece, size = [], 0
+    if piece:
+        yield b"".join(piece)
+
+
+def token_pieces(texts: Sequence[Sequence[Token]]) -> Iterator[bytes]:
+    """TEI's ``/tokenize`` answer, ``[[{id, text, special, start, stop}]]``, in pieces of
+    about PIECE_BYTES: each text's tokens made (``TextTokens``) and rendered TOKENS_AT_ONCE
+    at a time, byte for byte what ``orjson.dumps`` of the whole writes."""
+    def parts() -> Iterator[bytes]:
+        yield b"["
+        for k, tokens in enumerate(texts):
+            yield b"[" if k == 0 else b",["
+            for i in range(0, len(tokens), TOKENS_AT_ONCE):
+                rendered = orjson.dumps(tokens[i:i + TOKENS_AT_ONCE])[1:-1]
+                yield rendered if i == 0 else b"," + rendered
+            yield b"]"
+        yield b"]"
+    return gathered(parts())
 
 
 def render_json(content: Any) -> bytes:

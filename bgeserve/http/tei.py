@@ -9,7 +9,7 @@ read → parse → service call → render, like ``handlers.embed_endpoint``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,13 @@ from bgeserve.http.handlers import (
     streams,
     unless_disconnected,
 )
-from bgeserve.http.render import json_pieces, numbers_bytes, select_sparse
+from bgeserve.http.render import (
+    TOKEN_BYTES,
+    json_pieces,
+    numbers_bytes,
+    select_sparse,
+    token_pieces,
+)
 from bgeserve.http.rerank_schemas import RerankRequest
 from bgeserve.http.schemas import check_dimensions
 from bgeserve.http.tei_schemas import (
@@ -92,15 +98,16 @@ def _streamed(arrays: Iterable[np.ndarray]) -> Response:
     return StreamingResponse(json_pieces(b"[", items, b"]"), media_type="application/json")
 
 
-def _sparse_items(result: Embeddings, parsed: TeiEmbedRequest) -> list[list[dict[str, Any]]]:
+def _sparse_items(result: Embeddings, parsed: TeiEmbedRequest) -> Iterator[bytes]:
+    """Each text's ``[{index, value}]``, rendered when asked for: the dicts of one text at a
+    time (all of them at once took ~150 bytes an entry: QA, an OOM kill)."""
     assert result.sparse is not None
-    out = []
     for indices, values in result.sparse:
         ids, weights = select_sparse(indices, values, parsed.sparse_top_k,
                                      parsed.sparse_min_weight)
-        out.append([{"index": i, "value": w} for i, w in zip(ids.tolist(), weights,
-                                                               strict=True)])
-    return out
+        yield orjson.dumps([{"index": i, "value": w} for i, w in zip(ids.tolist(), weights,
+                                                                       strict=True)],
+                           option=_NUMPY)
 
 
 async def embed_sparse(request: Request) -> Response:
@@ -109,8 +116,11 @@ async def embed_sparse(request: Request) -> Response:
     parsed = await _parse(request, parse_embed, sparse=True)
     options = EmbedOptions(dense=False, sparse=True, truncate=parsed.truncate)
     result = await _embed(request, parsed, options)
-    items = await _maybe_offload(len(result) > OFFLOAD_ITEMS, _sparse_items, result, parsed)
-    return _json(items)
+    pieces = json_pieces(b"[", _sparse_items(result, parsed), b"]")
+    if streams(request, numbers_bytes(result, ("sparse",))):
+        return StreamingResponse(pieces, media_type="application/json")
+    body = await _maybe_offload(len(result) > OFFLOAD_ITEMS, b"".join, pieces)
+    return Response(body, media_type="application/json")
 
 
 async def embed_all(request: Request) -> Response:
@@ -164,15 +174,31 @@ async def root(request: Request) -> Response:
 
 async def tokenize(request: Request) -> Response:
     """``POST /tokenize``: ``[[{id, text, special, start, stop}]]``, UTF-8 byte offsets."""
+    _refuse_now(request)
     parsed = await _parse(request, parse_tokenize)
     tokens = await unless_disconnected(request, request.state.service.tokenize(
         parsed.inputs, parsed.add_special_tokens))
-    body = await _maybe_offload(len(parsed.inputs) > OFFLOAD_ITEMS, orjson.dumps, tokens)
+    count = sum(len(t) for t in tokens)
+    pieces = token_pieces(tokens)
+    if streams(request, count * TOKEN_BYTES):  # QA: 12 slow readers of 16 MB answers
+        return StreamingResponse(pieces, media_type="application/json")
+    body = await _maybe_offload(count > OFFLOAD_ITEMS, b"".join, pieces)
     return Response(body, media_type="application/json")
+
+
+def _refuse_now(request: Request) -> None:
+    """429 from the headers when the queue has no room at all, as the embedding routes do:
+    /tokenize and /decode wait for the same tokenizing slots, and under a flood of both they
+    waited out the deadline for a 504 (QA: 39-49 of 80, and embedding requests behind them
+    504s), never a 429."""
+    refusal = request.state.service.refuse_now()
+    if refusal is not None:
+        raise refusal
 
 
 async def decode(request: Request) -> Response:
     """``POST /decode``: ``[str]``, one text per id sequence."""
+    _refuse_now(request)
     parsed = await _parse(request, parse_decode)
     return _json(await unless_disconnected(request, request.state.service.decode(
         parsed.ids, parsed.skip_special_tokens)))

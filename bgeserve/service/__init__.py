@@ -505,7 +505,7 @@ class Service:
 
     # -- TEI's text tools: bgeserve/service/tokens.py and info.py -------------------------------
     async def tokenize(self, texts: Sequence[str],
-                       add_special_tokens: bool = True) -> list[list[Token]]:
+                       add_special_tokens: bool = True) -> Sequence[Sequence[Token]]:
         """Every token of each text with UTF-8 byte offsets (TEI's ``/tokenize``)."""
         return await self._within_deadline(tokens.tokenize(
             self._engine(), texts, add_special_tokens, self._tokenizing))

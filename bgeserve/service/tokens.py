@@ -15,10 +15,10 @@ from typing import Any
 
 from bgeserve.engine import Engine
 from bgeserve.engine.tokenizer import Encoded
-from bgeserve.results import Token
+from bgeserve.results import TextTokens
 
-# One /tokenize answer holds at most this many tokens (~100 MB of Python objects and ~15 MB
-# of JSON at the most); a request past it is 413. TEI bounds the same answer by its client
+# One /tokenize answer holds at most this many tokens (~6 MB as TextTokens and ~17 MB of
+# JSON, streamed past render.STREAM_BYTES); a request past it is 413. TEI bounds the same answer by its client
 # batch size (32) times max_input_length.
 MAX_TOKENIZE_TOKENS = 1 << 18
 
@@ -27,7 +27,7 @@ Run = Callable[[Callable[[], Any]], Awaitable[Any]]
 
 
 async def tokenize(engine: Engine, texts: Sequence[str], add_special_tokens: bool,
-                   run: Run) -> list[list[Token]]:
+                   run: Run) -> list[TextTokens]:
     """Every token of each text with UTF-8 byte offsets, untruncated (TEI's ``/tokenize``)."""
     return await run(functools.partial(engine.tokenizer.tokens, list(texts),
                                        add_special_tokens, MAX_TOKENIZE_TOKENS))
