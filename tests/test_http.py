@@ -536,6 +536,18 @@ def test_compressed_bodies_are_415_and_bad_utf8_is_named(client: TestClient, rou
         assert r.status_code == 415 and coding in r.text, (coding, r.text)
     r = client.post(route, content=body, headers={**JSON, "content-encoding": "identity"})
     assert r.status_code == 200, r.text
+    # A header sent twice is both its values (the first alone was read: QA, 200 for a gzip
+    # body declared "identity" then "gzip", and for a text/plain one after application/json).
+    for name, values in (("content-encoding", ("identity", "gzip")),
+                         ("content-type", ("application/json", "text/plain"))):
+        headers = [*([] if name == "content-type" else JSON.items()),
+                   *((name, value) for value in values)]
+        r = client.post(route, content=gzip.compress(body) if "gzip" in values else body,
+                        headers=headers)
+        assert r.status_code == 415 and values[1] in r.text, (name, r.text)
+    r = client.post(route, content=body, headers=[*JSON.items(), ("content-encoding", "identity"),
+                                                  ("content-encoding", "identity")])
+    assert r.status_code == 200, r.text
     # A transfer coding under the chunking: the parser takes off the chunks alone, and the
     # rest was read as the body (a body that only claimed gzip got 200).
     for coding in ("gzip, chunked", "deflate,chunked", "br"):

@@ -52,8 +52,10 @@ async def parse_body(request: Request, raw: bytes, parse: Callable[..., T], *arg
 
 async def read_json_body(request: Request) -> bytes:
     """The raw body, after checking it is declared as UTF-8 JSON (a missing type is allowed),
-    not compressed."""
-    declared = request.headers.get("content-type")
+    not compressed. A header sent twice counts as its values joined (QA: the first one alone
+    was read, and "identity" then "gzip" let a compressed body through)."""
+    types = request.headers.getlist("content-type")
+    declared = ", ".join(types) if types else None
     if declared is not None:
         media, *params = (part.strip().lower() for part in declared.split(";"))
         charsets = [p.partition("=")[2].strip('"') for p in params if p.startswith("charset=")]
@@ -61,13 +63,13 @@ async def read_json_body(request: Request) -> bytes:
             raise UnsupportedMediaType(
                 f"Content-Type {declared!r} is not supported; send application/json (UTF-8)"
             )
-    coding = request.headers.get("content-encoding", "identity").strip().lower()
-    if coding not in ("identity", ""):
+    coding = ", ".join(request.headers.getlist("content-encoding")).strip().lower()
+    if any(c.strip() not in ("identity", "") for c in coding.split(",")):
         # Read as it is, a compressed body was a 400 about UTF-8 (gzip) or, where the bytes
         # happened to be JSON, silently taken as if it were not compressed.
         raise UnsupportedMediaType(
             f"Content-Encoding {coding!r} is not supported; send the body uncompressed")
-    transfer = request.headers.get("transfer-encoding", "").strip().lower()
+    transfer = ", ".join(request.headers.getlist("transfer-encoding")).strip().lower()
     if [c.strip() for c in transfer.split(",") if c.strip()] not in ([], ["chunked"]):
         # The parser takes off the chunking alone: a gzip coding under it was read as the body.
         raise UnsupportedMediaType(
