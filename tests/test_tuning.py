@@ -578,6 +578,31 @@ def test_a_cached_fit_that_refuses_the_start_says_so(tiny_export: Path, tmp_path
     assert str(tmp_path / "probe-coefficients.json") in str(refused.value)
 
 
+def test_a_cached_fit_just_short_of_one_text_serves_as_the_start_that_measured_it(
+        tiny_export: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A measured fit whose longest text is within 10% of max_seq serves (with a warning;
+    texts past it get 413) as the start that measured it did once its probe finished (QA:
+    that start served under a 400 MiB cap, and every restart refused on its cached fit, exit
+    3: a crash loop); further short it still refuses, and so does the unmeasured estimate."""
+    from bgeserve.errors import ConfigError
+
+    def start(budget: int, status: str = "cache_hit") -> None:
+        tuner = Tuner(TuningConfig(max_seq=512, dims=tiny_dims(tiny_export), cache_dir=tmp_path,
+                                   available_override=1 << 30), apply=lambda cost: None)
+        tuner.state.probe_status = status
+        tuner._check_floor(CostModel(0.0, 1000.0, budget), 16 << 20)
+
+    with caplog.at_level(logging.WARNING, logger="bgeserve.tuning"):
+        start(1000 * 470 ** 2)  # fits 470 of 512 tokens: 91.8%
+        start(1000 * 470 ** 2, "complete")  # measured on the serving session first
+    assert caplog.text.count("fits texts of at most 470 tokens, below "
+                             "BGE_M3_MAX_SEQ_LENGTH=512 (within 10%): serving") == 2
+    with pytest.raises(ConfigError, match="longest that fits: 450"):
+        start(1000 * 450 ** 2)  # 87.9%
+    with pytest.raises(ConfigError, match="longest that fits: 470"):
+        start(1000 * 470 ** 2, "running")  # the conservative estimate: measured first
+
+
 def test_tuner_probe_failure_keeps_the_conservative_model(tiny_export: Path,
                                                           tmp_path: Path) -> None:
     dims = tiny_dims(tiny_export)
