@@ -588,3 +588,25 @@ def test_files_of_no_known_format_in_a_folder_are_named_in_a_warning(tmp_path: P
     assert "skipped 3 files" in caplog.text
     for name in ("a.tsv", "b.jsonl.bz2", "c.parquet.gz"):
         assert name in caplog.text
+
+
+def test_a_gzipped_line_longer_than_many_reads_comes_whole_and_a_cut_one_not_at_all(
+        tmp_path: Path):
+    """Lines are held back across reads until their line break comes (held as the reads
+    they came in: joined at each read, one 100 MB line was copied ~1,600 times); at a cut,
+    the line it ends in is dropped and said."""
+    import gzip
+
+    from bgeserve.bulk import gzipped
+
+    lines = [b"a" * 300_000 + b"\n", b"short\n", b"b" * 200_000 + b"\n", b"c" * 150_000]
+    whole = tmp_path / "whole.gz"
+    whole.write_bytes(gzip.compress(b"".join(lines), mtime=0))
+    with gzipped.open_bytes(whole, True, whole_lines=True) as f:
+        assert list(f) == lines and gzipped.cut_of(f) is None  # the last, unended, kept
+    cut = tmp_path / "cut.gz"
+    data = gzip.compress(b"".join(lines), mtime=0)
+    cut.write_bytes(data[:-20])  # inside the last line's deflate data, or its trailer
+    with gzipped.open_bytes(cut, True, whole_lines=True) as f:
+        assert list(f) == lines[:3]
+        assert (gzipped.cut_of(f) or "").startswith("the gzip file ends here, cut short")
