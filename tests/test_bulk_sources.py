@@ -395,7 +395,26 @@ def test_a_parquet_row_group_damaged_in_a_page_is_bad_rows_and_the_next_is_read(
     assert all(errors[i] is None for i in good)
     assert all(got[i] is None and errors[i] and "damaged part of the file (row group 1" in errors[i]
                for i in range(1000, 2000))
+    assert ids[1000:2000] == [str(i) for i in range(1000, 2000)]  # its ids read whole
     assert "rows 1000-1999 (row group 1) cannot be read" in caplog.text
+
+
+def test_a_parquet_page_whose_checksum_fails_is_bad_rows_not_text_gone_wrong(tmp_path: Path):
+    """Uncompressed pages decode whatever their bytes: where the writer put checksums, they
+    are verified (QA: a flipped byte was embedded as altered text, silently)."""
+    path = tmp_path / "sums.parquet"
+    texts = [f"text {i} " * 20 for i in range(1500)]
+    pq.write_table(pa.table({"id": list(range(1500)), "text": texts}), path,
+                   row_group_size=500, compression="none", write_page_checksum=True,
+                   use_dictionary=False)
+    meta = pq.read_metadata(path).row_group(2).column(1)
+    raw = bytearray(path.read_bytes())
+    raw[meta.data_page_offset + 3000] ^= 0x01  # inside a text: still a string, one letter off
+    path.write_bytes(bytes(raw))
+    rows, ids, got, errors = rows_of(Source(path, "parquet"))
+    assert rows == list(range(1500)) and got[:1000] == texts[:1000]
+    assert all(e and "row group 2" in e for e in errors[1000:]) and got[1000:] == [None] * 500
+    assert ids[1000:] == [str(i) for i in range(1000, 1500)]
 
 
 def _gzip_cut(raw: bytes, keep: float) -> tuple[bytes, int]:
@@ -475,6 +494,43 @@ def test_a_gzipped_csv_cut_short_gives_no_half_row(tmp_path: Path):
     assert [ids[i] for i in good] == [str(i) for i in good]
     assert all(errors[i] is None for i in good)
     assert errors[n].startswith("the gzip file ends here, cut short") and texts[n] is None
+
+
+def test_a_gzipped_csv_cut_inside_its_header_is_one_bad_row_and_an_empty_one_none(
+        tmp_path: Path):
+    """Cut before its header ends, a .csv.gz has no columns to check: one bad row where it
+    ends, as a .jsonl.gz cut as early (it stopped the job, exit 2: "Empty CSV file", QA); a
+    gzipped file of no bytes has no rows, as a 0-byte .csv."""
+    import gzip
+
+    cut = tmp_path / "cut.csv.gz"
+    cut.write_bytes(gzip.compress(b"id,text\n" + b"1,one\n" * 5000, mtime=0)[:15])
+    source = discover([cut])[0]
+    check_columns(source, "text", "id")
+    rows, ids, texts, errors = rows_of(source)
+    assert (rows, ids, texts) == ([0], [None], [None])
+    assert errors[0].startswith("the gzip file ends here, cut short")
+    empty = tmp_path / "empty.csv.gz"
+    empty.write_bytes(gzip.compress(b""))
+    check_columns(discover([empty])[0], "text", "id")
+    assert rows_of(discover([empty])[0]) == ([], [], [], [])
+
+
+def test_a_file_reached_twice_through_a_link_is_read_once_and_linked_folders_are_named(
+        tmp_path: Path, caplog):
+    """Named and found through a symbolic link in a folder named: one source (QA: embedded
+    twice); a linked folder, which the walk does not go into, is named in a warning."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "tree" / "sub").mkdir(parents=True)
+    target = tmp_path / "data" / "ids.jsonl"
+    target.write_text('{"id": "a", "text": "x"}\n')
+    (tmp_path / "tree" / "link.jsonl").symlink_to(target)
+    (tmp_path / "tree" / "sub" / "b.jsonl").write_text('{"id": "b", "text": "y"}\n')
+    (tmp_path / "tree" / "sublink").symlink_to(tmp_path / "tree" / "sub")
+    with caplog.at_level(logging.WARNING, logger="bgeserve.bulk"):
+        found = discover([tmp_path / "tree", target])
+    assert [s.path.name for s in found] == ["link.jsonl", "b.jsonl"]
+    assert "not read inside 1 linked folders (sublink)" in caplog.text
 
 
 @pytest.mark.parametrize("name", ["damaged.jsonl.gz", "damaged.csv.gz"])

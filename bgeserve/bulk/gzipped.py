@@ -58,8 +58,9 @@ class _Stream(io.RawIOBase):
             self._ended = True
             self.cut = (f"the gzip file ends here, cut short ({exc}): this row and any after it "
                         "are missing from the file")
-            log.warning("%s is cut short (%s): its rows before the cut are read, the row where "
-                        "it ends is a bad row", self._path, exc)
+            log.warning("%s is cut short (%s): its rows before the cut are read (unchecked: "
+                        "its CRC is at its end), the row where it ends is a bad row",
+                        self._path, exc)
             return
         if not data:
             self._ended = True
@@ -98,6 +99,15 @@ def cut_of(f: io.BufferedIOBase | None) -> str | None:
     not (or is not read to its end yet)."""
     raw = getattr(f, "raw", None)
     return raw.cut if isinstance(raw, _Stream) else None
+
+
+def is_empty(path: Path) -> bool:
+    """Whether gzipped ``path`` holds no bytes (a whole stream of none)."""
+    try:
+        with gzip.open(path, "rb") as f:
+            return f.read(1) == b""
+    except (OSError, EOFError, zlib.error):
+        return False  # cut short or damaged: said when it is checked or read
 
 
 def check(path: Path) -> None:

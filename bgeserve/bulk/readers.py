@@ -369,7 +369,9 @@ def _parquet(source: Source, text_column: str, id_column: str) -> Iterator[Rows]
     if source.is_empty():
         return
     start = 0  # the row group's first row
-    with pq.ParquetFile(source.path) as f:
+    # Checksums where the writer put them (write_page_checksum): a damaged page otherwise
+    # decodes as text gone wrong when it is not compressed (QA: embedded silently).
+    with pq.ParquetFile(source.path, page_checksum_verification=True) as f:
         for group in range(f.num_row_groups):
             size = f.metadata.row_group(group).num_rows
             done = 0  # its rows read
@@ -386,7 +388,8 @@ def _parquet(source: Source, text_column: str, id_column: str) -> Iterator[Rows]
                                 "bad rows", source.path, start + done, start + size - 1, group,
                                 exc)
                     yield _unread(source, start + done, start + size,
-                                  f"in a damaged part of the file (row group {group}: {exc})")
+                                  f"in a damaged part of the file (row group {group}: {exc})",
+                                  _ids_of(f, group, id_column, done))
                     break
                 if batch is None:
                     break
@@ -396,11 +399,28 @@ def _parquet(source: Source, text_column: str, id_column: str) -> Iterator[Rows]
             start += size
 
 
-def _unread(source: Source, first: int, end: int, why: str) -> Rows:
-    """Rows ``first`` to ``end`` (excluded) as bad rows that could not be read."""
+def _unread(source: Source, first: int, end: int, why: str,
+            ids: list[str | None] | None = None) -> Rows:
+    """Rows ``first`` to ``end`` (excluded) as bad rows that could not be read (their
+    ``ids`` where known)."""
     n = end - first
-    return Rows(source.key, np.arange(first, end, dtype=np.int64), [None] * n, [None] * n,
-                [why] * n)
+    return Rows(source.key, np.arange(first, end, dtype=np.int64), ids or [None] * n,
+                [None] * n, [why] * n)
+
+
+def _ids_of(f, group: int, id_column: str, skip: int) -> list[str | None] | None:
+    """The ids of row group ``group`` past its first ``skip`` rows, where its id column
+    reads whole (the damage is often in the texts alone); else None."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    try:
+        column = _plain(f.read_row_group(group, columns=[id_column]).column(0))
+    except (OSError, pa.ArrowException):
+        return None
+    if not (pa.types.is_integer(column.type) or pa.types.is_string(column.type)):
+        return None
+    return pc.cast(column, pa.string()).to_pylist()[skip:]
 
 
 def _csv(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:

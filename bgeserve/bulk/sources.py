@@ -45,9 +45,11 @@ class Source:
         return self.path.name.lower().endswith(".gz")
 
     def is_empty(self) -> bool:
-        """A 0-byte file: no rows (pyarrow refuses it: "Empty CSV file", "Parquet file size
-        is 0 bytes"), as an empty JSONL file has none."""
-        return self.path.stat().st_size == 0
+        """A 0-byte file, or a gzipped one of no bytes: no rows (pyarrow refuses it: "Empty
+        CSV file", "Parquet file size is 0 bytes"), as an empty JSONL file has none."""
+        if self.path.stat().st_size == 0:
+            return True
+        return self.compressed and gzipped.is_empty(self.path)
 
     def fingerprint(self) -> dict[str, int]:
         """Size and mtime: a file that changed between runs no longer matches its shards."""
@@ -99,7 +101,8 @@ def _known_names() -> str:
 def discover(inputs: Sequence[str | Path], exclude: Path | None = None) -> list[Source]:
     """Files named, and files with a known suffix under folders named (sorted, hidden files
     and anything under ``exclude`` — the output folder — left out; others named in a
-    warning), each once."""
+    warning), each file once, however it is reached (QA: a file named and reached through a
+    symbolic link in a folder named was embedded twice)."""
     found: dict[Path, Source] = {}
     skip = exclude.resolve() if exclude is not None else None
     for item in inputs:
@@ -114,7 +117,7 @@ def discover(inputs: Sequence[str | Path], exclude: Path | None = None) -> list[
         else:
             raise InvalidInput(f"{item}: no such file or folder", param="INPUT")
         for p in files:
-            found.setdefault(p, Source(p, format_of(p) or ""))
+            found.setdefault(p.resolve(), Source(p, format_of(p) or ""))
     return list(found.values())
 
 
@@ -125,6 +128,12 @@ def _folder(path: Path, item: str | Path, skip: Path | None) -> list[Path]:
                         and not (skip and p.is_relative_to(skip)))
     files = [p for p in candidates if format_of(p) is not None]
     unknown = [p for p in candidates if format_of(p) is None]
+    linked = sorted(p for p in path.rglob("*") if p.is_symlink() and p.is_dir())
+    if linked:  # rglob does not go into them (a loop would never end): said, not silent
+        log.warning("%s: not read inside %d linked folders (%s%s): name them as inputs to read "
+                    "them", item, len(linked), ", ".join(str(p.relative_to(path))
+                                                          for p in linked[:5]),
+                    ", ..." if len(linked) > 5 else "")
     if unknown:  # a file a user expects read (a.jsonl.bz2, a.tsv) must not vanish silently
         log.warning("%s: skipped %d files of no known format (%s%s); known: %s", item,
                     len(unknown), ", ".join(str(p.relative_to(path)) for p in unknown[:5]),
@@ -142,7 +151,10 @@ def check_columns(source: Source, text_column: str, id_column: str) -> None:
         gzipped.check(source.path)
     if source.format == "jsonl" or source.is_empty():
         return
-    names = set(_schema(source).names)
+    schema = _schema(source)
+    if schema is None:  # a gzipped CSV cut short inside its header: one bad row, when read
+        return
+    names = set(schema.names)
     for column, flag in ((text_column, "--text-column"), (id_column, "--id-column")):
         if column not in names:
             raise InvalidInput(f"{source.path} has no column {column!r} (columns: "
@@ -154,6 +166,7 @@ def _schema(source: Source):
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
+    f = None
     try:
         if source.format == "parquet":
             return pq.read_schema(source.path)
@@ -163,6 +176,8 @@ def _schema(source: Source):
                     newlines_in_values=True, invalid_row_handler=lambda row: "skip")) as reader:
             return reader.schema
     except (pa.ArrowInvalid, OSError) as exc:
+        if gzipped.cut_of(f) is not None:  # QA: the job stopped, exit 2 ("Empty CSV file")
+            return None
         kind = "Parquet" if source.format == "parquet" else "CSV"
         raise InvalidInput(f"{source.path}: not a {kind} file bgeserve can read ({exc})",
                            param="INPUT") from None
