@@ -207,6 +207,23 @@ def test_sigterm_ends_the_command_with_143_and_how_to_go_on(
     assert main(args) == 0 and read_output(tmp_path / "o").num_rows == 100
 
 
+def test_sigterm_under_ray_ends_the_command_as_without(tmp_path: Path, capsys,
+                                                         monkeypatch) -> None:
+    """ray.init puts its own SIGTERM handler over the command's (sys.exit(15): exit 15 and
+    no word, review): that exit is taken as the command's SIGTERM, 143 and the line."""
+    from bgeserve.ray import pipeline
+
+    def ray_terminated(*args, **kwargs):
+        raise SystemExit(15)
+
+    monkeypatch.setattr(pipeline, "run", ray_terminated)
+    monkeypatch.setattr("bgeserve.bulk.model.resolve_settings", lambda environ: None)
+    (tmp_path / "a.jsonl").write_text('{"id": "a", "text": "x"}\n')
+    args = ["bulk", str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "o"), "--ray"]
+    assert main(args) == 143
+    assert "terminated (SIGTERM)" in capsys.readouterr().err
+
+
 def write_jsonl(path: Path, rows: dict[str, str], key: str = "text") -> Path:
     import json
 

@@ -43,9 +43,9 @@ def test_a_log_line_says_how_far_and_how_long_to_go_where_the_total_is_known(
         progress.add(rows=180, tokens=9000, bad=20)  # 200 of 1000 in 100 s: 400 s to go
         progress.tick(in_flight=50)  # 250 of 1000 in 250 s: 750 s to go
     lines = [r for r in caplog.records if r.getMessage().startswith("bulk: ")]
-    assert lines[0].getMessage().startswith("bulk: 180 of 1000 rows, 20.0% done (0 in the shard")
+    assert lines[0].getMessage().startswith("bulk: 200 of 1000 rows, 20.0% done (0 in the shard")
     assert lines[0].getMessage().endswith("20 bad, 1 shards, about 6m 40s to go")
-    assert lines[1].getMessage().startswith("bulk: 230 of 1000 rows, 25.0% done (50 in the")
+    assert lines[1].getMessage().startswith("bulk: 250 of 1000 rows, 25.0% done (50 in the")
     assert lines[1].getMessage().endswith(", about 12m 30s to go")
     assert (lines[1].total, lines[1].eta_s) == (1000, 750)  # type: ignore[attr-defined]
     assert module._duration(7500) == "2h 05m" and module._duration(12) == "12s"

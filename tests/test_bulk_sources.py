@@ -533,6 +533,33 @@ def test_a_file_reached_twice_through_a_link_is_read_once_and_linked_folders_are
     assert "not read inside 1 linked folders (sublink)" in caplog.text
 
 
+@pytest.mark.parametrize("ending", ["\n", "\r\n", "\r"])
+def test_a_gzipped_csv_cut_inside_a_quoted_value_with_line_breaks_gives_no_half_row(
+        tmp_path: Path, ending: str):
+    """Quoted values holding line breaks (and doubled quotes), lines ended as Unix, Windows
+    or old Macs end them: wherever the file is cut, the rows before the record it is cut in
+    are read whole, and that record is the one bad row (review: cut after a line break
+    inside a value, the row was good with half its text, and the cut counted one row on)."""
+    import gzip
+
+    texts = [f'row {i} says ""hi""{ending}second line {i}{ending}third' for i in range(3000)]
+    body = (f"id,text{ending}"
+            + "".join(f'{i},"{t}"{ending}' for i, t in enumerate(texts))).encode()
+    data = gzip.compress(body, mtime=0)
+    path = tmp_path / "quoted.csv.gz"
+    for keep in (0.31, 0.5, 0.77, 0.9):
+        path.write_bytes(data[:int(len(data) * keep)])
+        rows, ids, got, errors = rows_of(Source(path, "csv"))
+        n = len(rows) - 1
+        assert 100 < n < 3000 and rows == list(range(n + 1)), keep
+        assert got[:n] == [t.replace('""', '"') for t in texts[:n]] and errors[:n] == [None] * n
+        assert ids[:n] == [str(i) for i in range(n)]
+        assert errors[n].startswith("the gzip file ends here, cut short") and got[n] is None
+        whole = zlib.decompressobj(wbits=31).decompress(data[:int(len(data) * keep)])
+        record = lambda i: f'{i},"{texts[i]}"{ending}'.encode()
+        assert record(n - 1) in whole and record(n) not in whole  # the first one not whole
+
+
 @pytest.mark.parametrize("name", ["damaged.jsonl.gz", "damaged.csv.gz"])
 def test_gzip_data_damaged_inside_is_refused_before_the_model_loads(tmp_path: Path, name):
     """Damage inside the deflate data shows only at the end (its CRC), after rows of text gone
@@ -631,6 +658,8 @@ def test_a_gz_file_that_is_not_gzip_is_refused_naming_it(tmp_path: Path):
     (tmp_path / "bad.jsonl.gz").write_bytes(b"plain text\n")
     with pytest.raises(InvalidInput, match="bad.jsonl.gz"):
         rows_of(discover([tmp_path / "bad.jsonl.gz"])[0])
+    with pytest.raises(InvalidInput, match="bad.jsonl.gz: not a gzip file .*name it without .gz"):
+        check_columns(discover([tmp_path / "bad.jsonl.gz"])[0], "text", "id")
 
 
 def test_files_of_no_known_format_in_a_folder_are_named_in_a_warning(tmp_path: Path, caplog):

@@ -205,6 +205,15 @@ def test_embed_sparse_is_index_value_pairs(client: TestClient) -> None:
         np.testing.assert_array_equal(np.array([i["value"] for i in items], np.float32), weights)
         assert all(set(i) == {"index", "value"} for i in items)
     assert body[1] == []
+    # Rendered a text at a time, byte for byte what one orjson.dumps of it all wrote.
+    import orjson
+
+    whole = []
+    for text in texts:
+        ids, weights = FakeService.expected_sparse(text)
+        whole.append([{"index": i, "value": w} for i, w in zip(ids.tolist(), weights,
+                                                                 strict=True)])
+    assert r.content == orjson.dumps(whole, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def test_embed_sparse_takes_bgeserves_selection_options(client: TestClient) -> None:

@@ -12,6 +12,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from bgeserve.errors import InvalidInput
 
 log = logging.getLogger("bgeserve.bulk")
@@ -23,14 +25,19 @@ class _Stream(io.RawIOBase):
     (``gzip`` raises EOFError there, and the job stopped on the file at every rerun, the rows
     read before it unwritten). ``cut`` then says why the row there is bad. With
     ``whole_lines``, what follows the last line break is held back until more comes, and
-    dropped at a cut: a CSV line cut in its text would be a row with half its text. Data
-    damaged inside the stream (a CRC or deflate error) still raises."""
+    dropped at a cut: a CSV line cut in its text would be a row with half its text. With
+    ``quoted`` (CSV), a record's end is a line break (``\n``, or ``\r`` as old Macs wrote) outside
+    double quotes: a quoted value may hold line breaks, and one cut after them was a good row
+    with half its text (review). Data damaged inside the stream (a CRC or deflate error)
+    still raises."""
 
-    def __init__(self, file: gzip.GzipFile, path: Path, whole_lines: bool):
+    def __init__(self, file: gzip.GzipFile, path: Path, whole_lines: bool, quoted: bool):
         super().__init__()
         self._file = file
         self._path = path
         self._whole_lines = whole_lines
+        self._quoted = quoted
+        self._held_quotes = 0  # '"' bytes in what is held (quoted); none is odd outside it
         # Bytes after the last line break read (whole_lines), in the reads they came in: one
         # line of 100 MB joined to what was held at every read would be copied ~1,600 times.
         self._held: list[bytes] = []
@@ -58,9 +65,11 @@ class _Stream(io.RawIOBase):
             self._ended = True
             self.cut = (f"the gzip file ends here, cut short ({exc}): this row and any after it "
                         "are missing from the file")
-            log.warning("%s is cut short (%s): its rows before the cut are read (unchecked: "
-                        "its CRC is at its end), the row where it ends is a bad row",
-                        self._path, exc)
+            if self._path not in _WARNED:  # once, however many times the file is read
+                _WARNED.add(self._path)
+                log.warning("%s is cut short (%s): its rows before the cut are read (unchecked: "
+                            "its CRC is at its end), the row where it ends is a bad row",
+                            self._path, exc)
             return
         if not data:
             self._ended = True
@@ -69,25 +78,43 @@ class _Stream(io.RawIOBase):
         if not self._whole_lines:
             self._out = memoryview(data)
             return
-        end = data.rfind(b"\n") + 1
+        end = self._record_end(data) if self._quoted else data.rfind(b"\n") + 1
         if not end:  # no line break yet: held until one comes
             self._held.append(data)
+            if self._quoted:
+                self._held_quotes += data.count(b'"')
             return
         self._out = memoryview(b"".join([*self._held, data[:end]]))
         self._held = [data[end:]]
+        if self._quoted:
+            self._held_quotes = data.count(b'"', end)
+
+    def _record_end(self, data: bytes) -> int:
+        """Where the last record ``data`` completes ends (past its line break), 0 where none
+        does: the last ``\n`` or ``\r`` with an even count of '"' before it, counting those
+        held (doubled quotes inside a value count two)."""
+        raw = np.frombuffer(data, dtype=np.uint8)
+        quotes = np.cumsum(raw == 0x22) + self._held_quotes
+        ends = np.flatnonzero((raw == 0x0A) | (raw == 0x0D))
+        outside = ends[quotes[ends] % 2 == 0]
+        return int(outside[-1]) + 1 if len(outside) else 0
+
+
+_WARNED: set[Path] = set()  # files said to be cut short
 
 
 @contextlib.contextmanager
-def open_bytes(path: Path, compressed: bool, whole_lines: bool = False
+def open_bytes(path: Path, compressed: bool, whole_lines: bool = False, quoted: bool = False
                ) -> Iterator[io.BufferedIOBase]:
     """``path`` opened for reading bytes, decompressed if ``compressed`` (a ``_Stream`` under
-    a buffer; ``whole_lines``: see there)."""
+    a buffer; ``whole_lines`` and ``quoted``: see there)."""
     if not compressed:
         with open(path, "rb") as f:
             yield f
         return
     try:
-        with gzip.open(path, "rb") as gz, io.BufferedReader(_Stream(gz, path, whole_lines)) as f:
+        with gzip.open(path, "rb") as gz, \
+                io.BufferedReader(_Stream(gz, path, whole_lines, quoted)) as f:
             yield f
     except (OSError, EOFError, zlib.error) as exc:  # not gzip, or damaged inside
         raise InvalidInput(f"{path}: not a gzip file bgeserve can read ({exc})",
@@ -121,6 +148,12 @@ def check(path: Path) -> None:
                 pass
     except EOFError:
         return
+    except gzip.BadGzipFile as exc:
+        if str(exc).startswith("Not a gzipped file"):
+            raise InvalidInput(f"{path}: not a gzip file ({exc}): name it without .gz if it is "
+                               "not compressed", param="INPUT") from None
+        raise InvalidInput(f"{path}: its gzip data is damaged ({exc}): copy the file again, "
+                           "or leave it out of the inputs", param="INPUT") from None
     except (OSError, zlib.error) as exc:
         raise InvalidInput(f"{path}: its gzip data is damaged ({exc}): copy the file again, "
                            "or leave it out of the inputs", param="INPUT") from None

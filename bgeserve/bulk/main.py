@@ -108,8 +108,14 @@ def _run(args: argparse.Namespace) -> int:
         if args.ray:
             from bgeserve.ray.pipeline import run as run_ray
 
-            run_ray(job, settings, address=args.ray_address, cpus_per_actor=args.cpus_per_actor,
-                    environ=os.environ)
+            try:
+                run_ray(job, settings, address=args.ray_address,
+                        cpus_per_actor=args.cpus_per_actor, environ=os.environ)
+            except SystemExit as exc:
+                # ray.init puts its own SIGTERM handler over ours: sys.exit(15) (review).
+                if exc.code == signal.SIGTERM:
+                    raise Terminated from None
+                raise
         else:
             from bgeserve.bulk.local import run as run_local
 

@@ -117,7 +117,7 @@ class Progress:
             done = rows + s.bad
             eta = (self.total - done) * s.seconds / done if done else None
             extra.update(total=self.total, eta_s=None if eta is None else round(eta))
-            count = f"{rows} of {self.total} rows, {100 * done / self.total:.1f}% done"
+            count = f"{done} of {self.total} rows, {100 * done / self.total:.1f}% done"
             to_go = "" if eta is None else f", about {_duration(eta)} to go"
         log.info("bulk: %s (%d in the shard being written), %.1f rows/s, %.0f tokens/s, %d bad, "
                  "%d shards%s", count, in_flight, rate, tokens_rate, s.bad, s.shards, to_go,

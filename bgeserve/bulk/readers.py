@@ -454,8 +454,9 @@ def _csv(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
         with contextlib.ExitStack() as stack:
             # A gzipped file through gzipped.open_bytes (pyarrow raised "Truncated compressed stream"
             # at a cut, losing its last block's rows), a plain one read natively.
-            stream = stack.enter_context(open_bytes(source.path, source.compressed, whole_lines=True)) \
-                if source.compressed else None
+            stream = stack.enter_context(open_bytes(
+                source.path, source.compressed, whole_lines=True, quoted=True)
+            ) if source.compressed else None
             reader = stack.enter_context(pacsv.open_csv(
                 stream if stream is not None else source.path, convert_options=convert,
                 read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES, use_threads=False),
@@ -481,7 +482,8 @@ def _csv(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
         if cut is None:
             raise InvalidInput(f"{source.path}: not a CSV file bgeserve can read ({exc})",
                                param="INPUT") from None
-        # A cut inside a quoted value that holds line breaks: the quote never closes.
+        # The stream ends at a record's end (gzipped.open_bytes' quoted): an error here is in
+        # the last whole block's rows, which are then lost with the cut (said).
         log.warning("%s: cannot be read past row %d where it is cut short (%s)", source.path,
                     start, exc)
     end = Rows(source.key, np.empty(0, np.int64), [], [], [])

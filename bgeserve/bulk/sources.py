@@ -171,7 +171,8 @@ def _schema(source: Source):
         if source.format == "parquet":
             return pq.read_schema(source.path)
         # Its header is what counts here: malformed lines wait for read() to report them.
-        with gzipped.open_bytes(source.path, source.compressed, whole_lines=True) as f, \
+        with gzipped.open_bytes(source.path, source.compressed, whole_lines=True,
+                                quoted=True) as f, \
                 pacsv.open_csv(f, parse_options=pacsv.ParseOptions(
                     newlines_in_values=True, invalid_row_handler=lambda row: "skip")) as reader:
             return reader.schema

@@ -361,9 +361,12 @@ def oversubscribed(settings: Settings, cpus: int) -> str | None:
     threads = s.workers * s.threads_per_worker
     if threads <= cpus:
         return None
-    asked = (f"BGE_M3_WORKERS={s.workers} x BGE_M3_INTRA_THREADS={s.intra_threads}"
-             if s.intra_threads else f"BGE_M3_WORKERS={s.workers} (one thread each at least)")
+    if s.intra_threads:
+        asked = f"BGE_M3_WORKERS={s.workers} x BGE_M3_INTRA_THREADS={s.intra_threads}"
+        fix = ("unset BGE_M3_INTRA_THREADS (the CPUs are then shared among the workers), or "
+               f"run at most {cpus} threads in all")
+    else:
+        asked = f"BGE_M3_WORKERS={s.workers} (one thread each at least)"
+        fix = f"run at most {cpus} workers (each then gets the CPUs' share)"
     return (f"{asked} runs {threads} compute threads on {cpus} usable CPUs: the threads past "
-            "the CPUs wait on each other, slower rather than faster. Unset "
-            "BGE_M3_INTRA_THREADS (the CPUs are then shared among the workers), or run at most "
-            f"{cpus} threads in all")
+            f"the CPUs wait on each other, slower rather than faster: {fix}")
