@@ -122,6 +122,18 @@ class TextTokens(Sequence[Token]):
         i = range(len(self))[index]  # IndexError past the end, negatives from it
         return self._made(i, i + 1)[0]
 
+    def dicts(self, lo: int, hi: int) -> list[dict[str, object]]:
+        """Tokens ``lo`` to ``hi`` as dicts of ``Token``'s fields in its order: what orjson
+        writes for the Tokens, made ~3x faster (a frozen dataclass sets each field through
+        ``object.__setattr__``)."""
+        text, strings = self._text, self._strings
+        return [{"id": t, "text": strings[t], "special": True, "start": None, "stop": None}
+                if special else
+                {"id": t, "text": text[c0:c1], "special": False, "start": b0, "stop": b1}
+                for t, special, (c0, c1), (b0, b1) in zip(
+                    self._ids[lo:hi].tolist(), self._special[lo:hi].tolist(),
+                    self._chars[lo:hi].tolist(), self._bytes[lo:hi].tolist(), strict=True)]
+
     def _made(self, lo: int, hi: int) -> list[Token]:
         text, strings = self._text, self._strings
         return [Token(t, strings[t], True, None, None) if special else

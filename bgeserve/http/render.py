@@ -15,7 +15,7 @@ import numpy as np
 import orjson
 
 from bgeserve.http.schemas import EmbedRequest, Endpoint
-from bgeserve.results import Embeddings, Token
+from bgeserve.results import Embeddings, TextTokens, Token
 
 TokenStrings = Callable[[Sequence[int]], list[str]]
 
@@ -204,7 +204,9 @@ def token_pieces(texts: Sequence[Sequence[Token]]) -> Iterator[bytes]:
         for k, tokens in enumerate(texts):
             yield b"[" if k == 0 else b",["
             for i in range(0, len(tokens), TOKENS_AT_ONCE):
-                rendered = orjson.dumps(tokens[i:i + TOKENS_AT_ONCE])[1:-1]
+                part = (tokens.dicts(i, i + TOKENS_AT_ONCE) if isinstance(tokens, TextTokens)
+                        else tokens[i:i + TOKENS_AT_ONCE])
+                rendered = orjson.dumps(part)[1:-1]
                 yield rendered if i == 0 else b"," + rendered
             yield b"]"
         yield b"]"
