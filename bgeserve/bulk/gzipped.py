@@ -26,7 +26,7 @@ class _Stream(io.RawIOBase):
     read before it unwritten). ``cut`` then says why the row there is bad. With
     ``whole_lines``, what follows the last line break is held back until more comes, and
     dropped at a cut: a CSV line cut in its text would be a row with half its text. With
-    ``quoted`` (CSV), a record's end is a line break (``\n``, or ``\r`` as old Macs wrote) outside
+    ``quoted`` (CSV), a record's end is a line break (LF, or CR as old Macs wrote) outside
     double quotes: a quoted value may hold line breaks, and one cut after them was a good row
     with half its text (review). Data damaged inside the stream (a CRC or deflate error)
     still raises."""
@@ -91,8 +91,8 @@ class _Stream(io.RawIOBase):
 
     def _record_end(self, data: bytes) -> int:
         """Where the last record ``data`` completes ends (past its line break), 0 where none
-        does: the last ``\n`` or ``\r`` with an even count of '"' before it, counting those
-        held (doubled quotes inside a value count two)."""
+        does: the last LF or CR with an even count of '"' before it, counting those held
+        (doubled quotes inside a value count two)."""
         raw = np.frombuffer(data, dtype=np.uint8)
         quotes = np.cumsum(raw == 0x22) + self._held_quotes
         ends = np.flatnonzero((raw == 0x0A) | (raw == 0x0D))
