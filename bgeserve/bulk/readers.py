@@ -71,7 +71,8 @@ def starts_array(source: Source) -> bool:
     first line is an array is JSON lines, that line a bad row)."""
     if not source.path.name.lower().removesuffix(".gz").endswith(".json"):
         return False
-    with open_bytes(source.path, source.compressed) as f:  # a bounded read: a minified array is one line, maybe huge
+    # A bounded read: a minified array is one line, maybe huge.
+    with open_bytes(source.path, source.compressed) as f:
         while chunk := f.read(HEAD_BYTES):
             head = chunk.removeprefix(b"\xef\xbb\xbf").lstrip()
             if head:
