@@ -453,8 +453,8 @@ def _csv(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
     stream = None
     try:
         with contextlib.ExitStack() as stack:
-            # A gzipped file through gzipped.open_bytes (pyarrow raised "Truncated compressed stream"
-            # at a cut, losing its last block's rows), a plain one read natively.
+            # A gzipped file through gzipped.open_bytes (pyarrow raised "Truncated compressed
+            # stream" at a cut, losing its last block's rows), a plain one read natively.
             stream = stack.enter_context(open_bytes(
                 source.path, source.compressed, whole_lines=True, quoted=True)
             ) if source.compressed else None

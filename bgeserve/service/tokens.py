@@ -18,8 +18,8 @@ from bgeserve.engine.tokenizer import Encoded
 from bgeserve.results import TextTokens
 
 # One /tokenize answer holds at most this many tokens (~6 MB as TextTokens and ~17 MB of
-# JSON, streamed past render.STREAM_BYTES); a request past it is 413. TEI bounds the same answer by its client
-# batch size (32) times max_input_length.
+# JSON, streamed past render.STREAM_BYTES); a request past it is 413. TEI bounds the same
+# answer by its client batch size (32) times max_input_length.
 MAX_TOKENIZE_TOKENS = 1 << 18
 
 
