@@ -68,7 +68,7 @@ async def burst(url: str, path: str, body: bytes, clients: int, slow: bool) -> l
                     await asyncio.sleep(20)
                 await r.read()
                 return str(r.status)
-        except aiohttp.ClientError as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             return type(exc).__name__
 
     async with aiohttp.ClientSession() as session:
@@ -98,9 +98,12 @@ def run_tree(label: str, tree: str, args: argparse.Namespace, path: str, body: b
             try:
                 if asyncio.run(_get(url + "/health")) == 200:
                     break
-            except aiohttp.ClientError:
+            except (aiohttp.ClientError, TimeoutError):
                 pass
             time.sleep(1)
+        else:
+            print(f"{label}: the server was not ready in 300 s", flush=True)
+            return
         started = time.monotonic()
         statuses = asyncio.run(burst(url, path, body, args.clients, args.slow_readers))
         seconds = time.monotonic() - started
@@ -114,8 +117,12 @@ def run_tree(label: str, tree: str, args: argparse.Namespace, path: str, body: b
         server.terminate()
         server.wait()
         log.close()
-        time.sleep(1)
-        group.rmdir()
+        for _ in range(30):  # the server's children may outlive it a moment
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(1)
 
 
 async def _get(url: str) -> int:

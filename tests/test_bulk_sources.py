@@ -560,6 +560,43 @@ def test_a_gzipped_csv_cut_inside_a_quoted_value_with_line_breaks_gives_no_half_
         assert record(n - 1) in whole and record(n) not in whole  # the first one not whole
 
 
+def test_a_quote_inside_an_unquoted_field_is_text_as_pyarrow_reads_it(tmp_path: Path,
+                                                                      monkeypatch):
+    """A '"' opens a quoted value only at a field's start (``5" screen`` is text): counted as a
+    quote, one stray inch mark held the rest of the file back and, cut, lost its rows (review).
+    Whole or cut, every row is read as pyarrow reads the plain file; a quote that never
+    closes holds back at most HOLD_BYTES before lines are taken as records."""
+    import gzip
+
+    import pyarrow.csv as pacsv
+
+    from bgeserve.bulk import gzipped
+
+    body = ("id,text\n" + "".join(
+        f'{i},"quoted ""{i}""\nover two lines"\n' if i % 7 == 0 else
+        f'{i},a {i}" screen\n' if i == 3 else f"{i},plain {i}\n"  # one stray quote: odd
+        for i in range(30000))).encode()
+    plain = tmp_path / "plain.csv"
+    plain.write_bytes(body)
+    want = pacsv.read_csv(plain).column("text").to_pylist()
+    assert want[3] == 'a 3" screen' and want[7] == 'quoted "7"\nover two lines'
+    data = gzip.compress(plain.read_bytes(), mtime=0)
+    path = tmp_path / "stray.csv.gz"
+    path.write_bytes(data)
+    assert rows_of(Source(path, "csv"))[2] == want
+    for keep in (0.25, 0.5, 0.75):
+        path.write_bytes(data[:int(len(data) * keep)])
+        rows, _, got, errors = rows_of(Source(path, "csv"))
+        n = len(rows) - 1
+        assert n > 30000 * keep * 0.9 and got[:n] == want[:n] and errors[:n] == [None] * n
+        assert errors[n].startswith("the gzip file ends here, cut short")
+    monkeypatch.setattr(gzipped, "HOLD_BYTES", 100_000)
+    path.write_bytes(gzip.compress(b'id,text\n1,"never closed\n' + b"2,x\n" * 200_000))
+    with gzipped.open_bytes(path, True, whole_lines=True, quoted=True) as f:
+        reads = list(iter(lambda: f.read1(1 << 16), b""))
+    assert sum(map(len, reads)) == 24 + 800_000 and max(map(len, reads)) < 300_000
+
+
 @pytest.mark.parametrize("name", ["damaged.jsonl.gz", "damaged.csv.gz"])
 def test_gzip_data_damaged_inside_is_refused_before_the_model_loads(tmp_path: Path, name):
     """Damage inside the deflate data shows only at the end (its CRC), after rows of text gone
@@ -574,6 +611,11 @@ def test_gzip_data_damaged_inside_is_refused_before_the_model_loads(tmp_path: Pa
     path = tmp_path / name
     path.write_bytes(bytes(data))
     with pytest.raises(InvalidInput, match=f"{name}: its gzip data is damaged .*copy the file"):
+        check_columns(discover([path])[0], "text", "id")
+    # Bytes after a whole stream (an error page appended to a download): damage too, not "not
+    # a gzip file" (which gzip says at a member's start: review).
+    path.write_bytes(gzip.compress(body, mtime=0) + b"<html>oops</html>")
+    with pytest.raises(InvalidInput, match=f"{name}: its gzip data is damaged"):
         check_columns(discover([path])[0], "text", "id")
 
 

@@ -390,6 +390,9 @@ def test_compute_threads_past_the_cpus_are_named_in_a_warning(monkeypatch):
     said = oversubscribed(parse(BGE_M3_WORKERS="3"), 2)
     assert said is not None and "runs 3 compute threads on 2" in said
     assert said.endswith("run at most 2 workers (each then gets the CPUs' share)")
+    said = oversubscribed(parse(BGE_M3_WORKERS="4", BGE_M3_INTRA_THREADS="1"), 2)
+    assert said is not None and said.endswith("run at most 2 workers and unset "
+                                              "BGE_M3_INTRA_THREADS")
     for fine in (parse(), parse(BGE_M3_WORKERS="2"), parse(BGE_M3_INTRA_THREADS="2"),
                  parse(BGE_M3_WORKERS="4", BGE_M3_EP="cuda")):
         assert oversubscribed(fine, 2) is None

@@ -8,11 +8,10 @@ import contextlib
 import gzip
 import io
 import logging
+import re
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-
-import numpy as np
 
 from bgeserve.errors import InvalidInput
 
@@ -26,18 +25,17 @@ class _Stream(io.RawIOBase):
     read before it unwritten). ``cut`` then says why the row there is bad. With
     ``whole_lines``, what follows the last line break is held back until more comes, and
     dropped at a cut: a CSV line cut in its text would be a row with half its text. With
-    ``quoted`` (CSV), a record's end is a line break (LF, or CR as old Macs wrote) outside
-    double quotes: a quoted value may hold line breaks, and one cut after them was a good row
-    with half its text (review). Data damaged inside the stream (a CRC or deflate error)
-    still raises."""
+    ``quoted`` (CSV), a record's end is a line break (LF, or CR as old Macs wrote) outside a
+    quoted value, as pyarrow reads them (``_Records``): a quoted value may hold line breaks,
+    and one cut after them was a good row with half its text (review). Data damaged inside
+    the stream (a CRC or deflate error) still raises."""
 
     def __init__(self, file: gzip.GzipFile, path: Path, whole_lines: bool, quoted: bool):
         super().__init__()
         self._file = file
         self._path = path
         self._whole_lines = whole_lines
-        self._quoted = quoted
-        self._held_quotes = 0  # '"' bytes in what is held (quoted); none is odd outside it
+        self._records = _Records() if quoted else None
         # Bytes after the last line break read (whole_lines), in the reads they came in: one
         # line of 100 MB joined to what was held at every read would be copied ~1,600 times.
         self._held: list[bytes] = []
@@ -78,26 +76,64 @@ class _Stream(io.RawIOBase):
         if not self._whole_lines:
             self._out = memoryview(data)
             return
-        end = self._record_end(data) if self._quoted else data.rfind(b"\n") + 1
+        end = self._records.end(data) if self._records else data.rfind(b"\n") + 1
+        if not end and self._records and sum(map(len, self._held)) > HOLD_BYTES:
+            # A quote that never closes (a malformed file): lines, as without quotes, so
+            # what is held stays bounded; a cut inside it may then give a half row.
+            end = data.rfind(b"\n") + 1
         if not end:  # no line break yet: held until one comes
             self._held.append(data)
-            if self._quoted:
-                self._held_quotes += data.count(b'"')
             return
         self._out = memoryview(b"".join([*self._held, data[:end]]))
         self._held = [data[end:]]
-        if self._quoted:
-            self._held_quotes = data.count(b'"', end)
 
-    def _record_end(self, data: bytes) -> int:
-        """Where the last record ``data`` completes ends (past its line break), 0 where none
-        does: the last LF or CR with an even count of '"' before it, counting those held
-        (doubled quotes inside a value count two)."""
-        raw = np.frombuffer(data, dtype=np.uint8)
-        quotes = np.cumsum(raw == 0x22) + self._held_quotes
-        ends = np.flatnonzero((raw == 0x0A) | (raw == 0x0D))
-        outside = ends[quotes[ends] % 2 == 0]
-        return int(outside[-1]) + 1 if len(outside) else 0
+
+HOLD_BYTES = 16 << 20  # what a CSV record may hold back before its lines are taken as records
+_FIELD, _UNQUOTED, _QUOTED, _QUOTE, _CLOSED = range(5)
+# What changes the state outside a quoted value: a line break, or a field that starts with a
+# quote (a comma before any other field changes nothing: skipped, one search a line).
+_TURNS = re.compile(rb'[\r\n]|,"')
+
+
+class _Records:
+    """Where CSV records end, read as pyarrow reads them, a read at a time: a '"' opens a
+    quoted value only at a field's start (``5" screen`` is text), inside one ``""`` is a
+    quote and another '"' closes it, after which the field runs to its comma or line break
+    as text. (Counting every '"' took a stray inch mark for an open quote: the rest of the
+    file was held back, and at a cut its rows lost: review.)"""
+
+    def __init__(self) -> None:
+        self._state = _FIELD
+
+    def end(self, data: bytes) -> int:
+        """Past the last line break in ``data`` that ends a record (0: none)."""
+        last, i, n, state = 0, 0, len(data), self._state
+        while i < n:
+            if state == _FIELD:
+                if data[i] == 0x22:
+                    state, i = _QUOTED, i + 1
+                else:
+                    state = _UNQUOTED
+            elif state == _QUOTED:
+                j = data.find(b'"', i)
+                if j < 0:
+                    break
+                state, i = _QUOTE, j + 1
+            elif state == _QUOTE:  # a '"' in a quoted value: doubled, or the close
+                state, i = (_QUOTED, i + 1) if data[i] == 0x22 else (_CLOSED, i)
+            else:  # _UNQUOTED, _CLOSED: text to a line break or a quoted field's start
+                found = _TURNS.search(data, i)
+                if found is None:
+                    if data[-1] == 0x2C:  # a comma last: the next read starts a field
+                        state = _FIELD
+                    break
+                j = found.start()
+                if data[j] == 0x2C:  # ',"'
+                    state, i = _QUOTED, j + 2
+                else:  # CR or LF: the record ends
+                    last, state, i = j + 1, _FIELD, j + 1
+        self._state = state
+        return last
 
 
 _WARNED: set[Path] = set()  # files said to be cut short
@@ -149,7 +185,11 @@ def check(path: Path) -> None:
     except EOFError:
         return
     except gzip.BadGzipFile as exc:
-        if str(exc).startswith("Not a gzipped file"):
+        with open(path, "rb") as f:
+            magic = f.read(2)
+        # gzip says "Not a gzipped file" at any member's start: bytes after a whole stream (an
+        # error page appended to a download) are damage, not a file that is no gzip (review).
+        if magic != b"\x1f\x8b":
             raise InvalidInput(f"{path}: not a gzip file ({exc}): name it without .gz if it is "
                                "not compressed", param="INPUT") from None
         raise InvalidInput(f"{path}: its gzip data is damaged ({exc}): copy the file again, "

@@ -55,7 +55,8 @@ async def read_json_body(request: Request) -> bytes:
     not compressed. A header sent twice counts as its values joined (QA: the first one alone
     was read, and "identity" then "gzip" let a compressed body through)."""
     types = request.headers.getlist("content-type")
-    declared = ", ".join(dict.fromkeys(types)) if types else None  # the same twice: once
+    # The same type twice is that type (case and spaces aside).
+    declared = ", ".join(dict.fromkeys(t.strip().lower() for t in types)) if types else None
     if declared is not None:
         media, *params = (part.strip().lower() for part in declared.split(";"))
         charsets = [p.partition("=")[2].strip('"') for p in params if p.startswith("charset=")]

@@ -365,6 +365,8 @@ def oversubscribed(settings: Settings, cpus: int) -> str | None:
         asked = f"BGE_M3_WORKERS={s.workers} x BGE_M3_INTRA_THREADS={s.intra_threads}"
         fix = ("unset BGE_M3_INTRA_THREADS (the CPUs are then shared among the workers), or "
                f"run at most {cpus} threads in all")
+        if s.workers > cpus:
+            fix = f"run at most {cpus} workers and unset BGE_M3_INTRA_THREADS"
     else:
         asked = f"BGE_M3_WORKERS={s.workers} (one thread each at least)"
         fix = f"run at most {cpus} workers (each then gets the CPUs' share)"
