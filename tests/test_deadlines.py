@@ -210,6 +210,9 @@ def test_a_request_past_its_deadline_while_tokenized_stops_its_tokenizing(
                 time.sleep(0.2)
                 return real.encode_batch(batch, **kw)
 
+            def __getattr__(self, name):  # type: ignore[no-untyped-def]
+                return getattr(real, name)  # the rest as the tokenizer's (id_to_token)
+
         monkeypatch.setattr(tok, "_tk", Slow())
         texts = [f"{i} " + "word " * 380 for i in range(80)]  # ~1,900 characters each
         started = time.monotonic()
