@@ -135,12 +135,7 @@ class TextTokens(Sequence[Token]):
                     self._chars[lo:hi].tolist(), self._bytes[lo:hi].tolist(), strict=True)]
 
     def _made(self, lo: int, hi: int) -> list[Token]:
-        text, strings = self._text, self._strings
-        return [Token(t, strings[t], True, None, None) if special else
-                Token(t, text[c0:c1], False, b0, b1)
-                for t, special, (c0, c1), (b0, b1) in zip(
-                    self._ids[lo:hi].tolist(), self._special[lo:hi].tolist(),
-                    self._chars[lo:hi].tolist(), self._bytes[lo:hi].tolist(), strict=True)]
+        return [Token(**fields) for fields in self.dicts(lo, hi)]  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

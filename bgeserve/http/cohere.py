@@ -26,6 +26,7 @@ from bgeserve.http.handlers import (
     _maybe_offload,
     parse_body,
     read_json_body,
+    refuse_when_full,
     unless_disconnected,
 )
 from bgeserve.http.render import encode_array
@@ -69,9 +70,7 @@ COHERE_WORDS = {"send truncate=true": 'send truncate "END" (or "START")'}
 
 async def _embed(request: Request, version: int) -> Response:
     state = request.state
-    refusal = state.service.refuse_now()  # no room at all: 429 before the body is read
-    if refusal is not None:
-        raise refusal
+    refuse_when_full(request)
     raw = await read_json_body(request)
     parsed = await parse_body(request, raw, parse_cohere_embed, state.settings, state.model_ids)
     check_dimensions(parsed.dimensions, state.service.dense_width(), "output_dimension")

@@ -132,16 +132,20 @@ def streams(request: Request, vector_bytes: int) -> bool:
     return vector_bytes > render.STREAM_BYTES and request.scope.get("http_version") == "1.1"
 
 
+def refuse_when_full(request: Request) -> None:
+    """429 from the headers when no request can be admitted now, whatever its size: before
+    the body is read (the lingering close then drops it, linger.py)."""
+    refusal = request.state.service.refuse_now()
+    if refusal is not None:
+        raise refusal
+
+
 def embed_endpoint(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
     """A handler for one embedding route (dense, sparse or both)."""
 
     async def handle(request: Request) -> Response:
         state = request.state
-        # No room in the queue at all: 429 from the headers, before the body is read (the
-        # lingering close then drops it, linger.py).
-        refusal = state.service.refuse_now()
-        if refusal is not None:
-            raise refusal
+        refuse_when_full(request)
         raw = await read_json_body(request)
         parsed = await parse_body(request, raw, parse_embed_request, endpoint, state.settings,
                                   state.model_ids)

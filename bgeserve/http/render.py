@@ -142,20 +142,12 @@ def _items(
 
 def json_pieces(head: bytes, items: Iterable[bytes], tail: bytes) -> Iterator[bytes]:
     """``head``, the items comma-separated, ``tail``: in pieces of about ``PIECE_BYTES``."""
-    piece = [head]
-    size = len(head)
-    first = True
-    for item in items:
-        if not first:
-            piece.append(b",")
-        first = False
-        piece.append(item)
-        size += len(item)
-        if size >= PIECE_BYTES:
-            yield b"".join(piece)
-            piece, size = [], 0
-    piece.append(tail)
-    yield b"".join(piece)
+    def parts() -> Iterator[bytes]:
+        yield head
+        for k, item in enumerate(items):
+            yield item if k == 0 else b"," + item
+        yield tail
+    return gathered(parts())
 
 
 # What a sparse entry counts as toward STREAM_BYTES: its JSON is ~25 bytes, but the Python

@@ -25,6 +25,7 @@ from bgeserve.http.handlers import (
     health,
     parse_body,
     read_json_body,
+    refuse_when_full,
     streams,
     unless_disconnected,
 )
@@ -173,8 +174,11 @@ async def root(request: Request) -> Response:
 
 
 async def tokenize(request: Request) -> Response:
-    """``POST /tokenize``: ``[[{id, text, special, start, stop}]]``, UTF-8 byte offsets."""
-    _refuse_now(request)
+    """``POST /tokenize``: ``[[{id, text, special, start, stop}]]``, UTF-8 byte offsets.
+    Refused from the headers when the queue is full, as the embedding routes are: it waits
+    for the same tokenizing slots, and under a flood it waited out the deadline for a 504
+    (QA: 39-49 of 80, and embedding requests behind them 504s), never a 429."""
+    refuse_when_full(request)
     parsed = await _parse(request, parse_tokenize)
     tokens = await unless_disconnected(request, request.state.service.tokenize(
         parsed.inputs, parsed.add_special_tokens))
@@ -186,19 +190,9 @@ async def tokenize(request: Request) -> Response:
     return Response(body, media_type="application/json")
 
 
-def _refuse_now(request: Request) -> None:
-    """429 from the headers when the queue has no room at all, as the embedding routes do:
-    /tokenize and /decode wait for the same tokenizing slots, and under a flood of both they
-    waited out the deadline for a 504 (QA: 39-49 of 80, and embedding requests behind them
-    504s), never a 429."""
-    refusal = request.state.service.refuse_now()
-    if refusal is not None:
-        raise refusal
-
-
 async def decode(request: Request) -> Response:
-    """``POST /decode``: ``[str]``, one text per id sequence."""
-    _refuse_now(request)
+    """``POST /decode``: ``[str]``, one text per id sequence (refused as /tokenize is)."""
+    refuse_when_full(request)
     parsed = await _parse(request, parse_decode)
     return _json(await unless_disconnected(request, request.state.service.decode(
         parsed.ids, parsed.skip_special_tokens)))
