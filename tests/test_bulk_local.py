@@ -149,6 +149,14 @@ def test_colbert_shards_of_long_texts_keep_their_vectors_within_the_limit(
         np.testing.assert_allclose(np.array(got[key], np.float32), vectors, atol=1e-5, rtol=0)
 
 
+def test_runs_cut_sizes_within_the_limit_unless_one_alone_passes_it() -> None:
+    """``bulk.model.runs``: consecutive spans, none empty, each within the limit or one item."""
+    from bgeserve.bulk.model import runs
+
+    assert list(runs([3, 3, 3, 0, 5, 9, 1], 6)) == [(0, 2), (2, 4), (4, 5), (5, 6), (6, 7)]
+    assert list(runs([1, 1], 6)) == [(0, 2)] and list(runs([], 6)) == []
+
+
 def test_the_command_line_refuses_bad_arguments_with_exit_2(tmp_path: Path, capsys) -> None:
     """Usage errors print one line naming the flag, no traceback."""
     (tmp_path / "a.jsonl").write_text("")

@@ -91,3 +91,33 @@ def test_the_driver_refuses_results_of_several_models(tmp_path: Path) -> None:
     assert run_identity(tmp_path, [{"identity": None}]) is None
     with pytest.raises(InvalidInput, match=f"{A} on one, {B} on another"):
         run_identity(tmp_path, [{"identity": B}, {"identity": A}, {"identity": None}])
+
+
+def test_a_write_takes_its_blocks_one_at_a_time(tmp_path: Path) -> None:
+    """Each shard is written once the next block's rows belong to another: the task held
+    every block of a read as one table first (review: a read's ColBERT vectors at once)."""
+    sink = ShardSink(tmp_path, ("dense",), identity=A, rows_per_shard=100)
+
+    def blocks():
+        for k in range(4):
+            assert len(shards(tmp_path)) == max(0, k - 1)
+            yield block(100 * k, 100, A)
+
+    assert sink.write(blocks(), None)["shards"] == 4
+    assert len(shards(tmp_path)) == 4
+
+
+def test_pieces_of_one_aligned_block_are_joined_within_max_bytes(tmp_path: Path) -> None:
+    """Ray may split a block of rows (its blocks are at most its target size): the pieces
+    make one shard, or, past ``max_bytes``, consecutive shards within it; every row once."""
+    pieces = [block(0, 30, A), block(30, 30, A), block(60, 40, A)]
+    for name in ("whole", "cut"):
+        (tmp_path / name).mkdir()
+    whole = ShardSink(tmp_path / "whole", ("dense",), identity=A, rows_per_shard=100)
+    assert whole.write(pieces, None)["shards"] == 1
+    cut = ShardSink(tmp_path / "cut", ("dense",), identity=A, rows_per_shard=100,
+                    max_bytes=pieces[0].nbytes + pieces[1].nbytes)
+    result = cut.write(pieces, None)
+    got = [pq.read_table(p)["id"].to_pylist() for p in result["paths"]]
+    assert [len(ids) for ids in got] == [60, 40]
+    assert [i for ids in got for i in ids] == [f"i{k}" for k in range(100)]

@@ -29,6 +29,13 @@ def embedder(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Emb
         "BGE_M3_DISABLE_AUTO_BUDGET": "1", "BGE_M3_MAX_SEQ_LENGTH": "128"})
 
 
+def one_table(tables: Iterator[pa.Table]) -> pa.Table:
+    """The Embedder's output of a batch whose vectors need no cut: one table."""
+    got = list(tables)
+    assert len(got) == 1
+    return got[0]
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_export: Path) -> Iterator[Engine]:
     with Engine(tiny_export, "fp32", config=EngineConfig(max_seq=128)) as e:
@@ -42,7 +49,7 @@ def test_batches_of_every_format_give_the_engines_vectors(embedder: Embedder, en
     pass through; the vectors are Engine.embed's."""
     data = {"id": np.array([1, 2, 3]), "text": np.array(TEXTS, dtype=object)}
     batch = {"arrow": pa.table(data), "pandas": pd.DataFrame(data), "numpy": data}[kind]
-    out = embedder(batch)
+    out = one_table(embedder(batch))
     assert out.column_names == ["id", "n_tokens", "truncated", "dense", "sparse_indices",
                                 "sparse_values"]
     assert out["id"].to_pylist() == [1, 2, 3]
@@ -58,7 +65,7 @@ def test_rows_without_a_string_text_keep_their_place_with_nulls(
     """A null or non-string text gives null outputs in its row, and a warning naming its id."""
     batch = {"id": np.array(["a", "b", "c", "d"]),
              "text": np.array([TEXTS[0], None, 7, TEXTS[1]], dtype=object)}
-    out = embedder(batch)
+    out = one_table(embedder(batch))
     assert out["n_tokens"].to_pylist()[1:3] == [None, None]
     assert out["dense"].null_count == 2
     want = engine.embed([TEXTS[0], TEXTS[1]])
@@ -119,6 +126,33 @@ def test_the_identity_column_names_the_model_files_in_every_row(
 
     assert embedder.identity == f"fp32 sha256:{export_variants(tiny_export)['fp32']['sha256']}"
     monkeypatch.setattr(embedder, "identity_column", "_model")
-    out = embedder({"id": np.array(["a", "b"]), "text": np.array([TEXTS[0], None], dtype=object)})
+    out = one_table(embedder({"id": np.array(["a", "b"]),
+                              "text": np.array([TEXTS[0], None], dtype=object)}))
     assert out["_model"].to_pylist() == [embedder.identity] * 2
     assert out.column_names[-1] == "_model" and out["n_tokens"].to_pylist()[1] is None
+
+
+def test_a_batch_of_long_texts_is_given_in_parts_within_half_the_colbert_limit(
+        tiny_export: Path, engine: Engine, tmp_path: Path) -> None:
+    """With ColBERT, a batch whose vectors pass half of BGE_M3_MAX_COLBERT_MB comes back as
+    consecutive tables within it (the whole batch's vectors were held at once, twice: review);
+    the rows in order, bad rows in their places, every vector as embed's."""
+    cut = Embedder("colbert", env={
+        "BGE_M3_MODEL_PATH": str(tiny_export), "BGE_M3_MODEL": "fp32",
+        "BGE_M3_CACHE_DIR": str(tmp_path / "cache"), "BGE_M3_DISABLE_AUTO_BUDGET": "1",
+        "BGE_M3_MAX_SEQ_LENGTH": "128", "BGE_M3_MAX_COLBERT_MB": "1"})
+    texts = [" ".join(["word"] * 200) + f" {i}" for i in range(40)]
+    texts[5] = None  # a bad row, kept in its place
+    out = list(cut({"id": np.arange(40), "text": np.array(texts, dtype=object)}))
+    per_text = 127 * 32 * 4  # 128 tokens, CLS excluded, 32 floats each
+    assert cut.limit == (1 << 20) // 2 and cut.limit // per_text == 32
+    assert [t.num_rows for t in out] == [33, 7]  # 32 texts, and the bad row's none
+    table = pa.concat_tables(out)
+    assert table["id"].to_pylist() == list(range(40)) and table["n_tokens"][5].as_py() is None
+    good = [t for t in texts if t is not None]
+    want = iter(engine.embed(good, dense=False, colbert=True).colbert)
+    for i, got in enumerate(table["colbert"].to_pylist()):
+        if i != 5:
+            np.testing.assert_allclose(np.array(got, np.float32), next(want), atol=1e-5, rtol=0)
+    short = cut({"id": np.arange(2), "text": np.array(["a", "b"], dtype=object)})
+    assert [t.num_rows for t in short] == [2]  # one table

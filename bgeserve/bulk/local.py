@@ -124,29 +124,11 @@ def parts(model: BulkModel, block: Rows, options: EmbedOptions, limit: int | Non
           ) -> Iterator[tuple[Rows, list[int], Job | None]]:
     """``block`` as engine jobs not yet queued, (rows, positions of the texts in the job, the
     job), each job's ColBERT vectors within ``limit`` bytes where its texts allow (None: no
-    limit): a block of long texts is cut into consecutive parts, each its own shard (QA: a
-    shard of 64 texts of 8,192 tokens held 2 GiB of vectors, whatever BGE_M3_MAX_COLBERT_MB
-    said). Only such a block is tokenized twice."""
-    good, job = model.make_job(block.texts, block.errors, options)
-    engine = model.engine
-    if limit is None or job is None or engine.colbert_bytes(job.ids) <= limit:
-        yield block, good, job
-        return
-    size = dict(zip(good, (engine.colbert_bytes([ids]) for ids in job.ids), strict=True))
-    start, held = 0, 0
-    for i in range(len(block)):
-        if held and held + size.get(i, 0) > limit:
-            yield _part(model, block, start, i, options)
-            start, held = i, 0
-        held += size.get(i, 0)
-    yield _part(model, block, start, len(block), options)
-
-
-def _part(model: BulkModel, block: Rows, start: int, end: int, options: EmbedOptions
-          ) -> tuple[Rows, list[int], Job | None]:
-    rows = block.take(np.arange(start, end))
-    good, job = model.make_job(rows.texts, rows.errors, options)
-    return rows, good, job
+    limit): a block of long texts is cut into consecutive parts, each its own shard
+    (``BulkModel.spans``)."""
+    for start, end, good, job in model.spans(block.texts, block.errors, options, limit):
+        rows = block if end - start == len(block) else block.take(np.arange(start, end))
+        yield rows, good, job
 
 
 def _ready(p: _Pending) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Self, cast
 
@@ -118,6 +118,19 @@ def model_identity(loaded: Settings, artifacts: ModelArtifacts) -> str:
     return f"{artifacts.variant} sha256:{'+'.join(digests.values())}"
 
 
+def runs(sizes: Sequence[int], limit: int) -> Iterator[tuple[int, int]]:
+    """``sizes`` cut into consecutive [start, end) runs, each summing to at most ``limit``
+    unless one item alone is more."""
+    start, held = 0, 0
+    for i, size in enumerate(sizes):
+        if held and held + size > limit:
+            yield start, i
+            start, held = i, 0
+        held += size
+    if start < len(sizes):
+        yield start, len(sizes)
+
+
 class BulkModel:
     """A loaded engine for a job; ``close()`` (or ``with``) releases it."""
 
@@ -174,6 +187,26 @@ class BulkModel:
             good = [i for i, e in enumerate(errors) if e is None]
             job = engine.make_job(strings(good), options) if good else None
         return good, job
+
+    def spans(self, texts: list[str | None], errors: list[str | None], options: EmbedOptions,
+              limit: int | None) -> Iterator[tuple[int, int, list[int], Job | None]]:
+        """The texts as engine jobs not yet queued, consecutive spans of them: (start, end, the
+        positions of the span's texts in its job, the job), each job's ColBERT vectors within
+        ``limit`` bytes where its texts allow (None: no limit). Only texts that must be cut are
+        tokenized twice (QA: a shard of 64 texts of 8,192 tokens held 2 GiB of vectors,
+        whatever BGE_M3_MAX_COLBERT_MB said)."""
+        good, job = self.make_job(texts, errors, options)
+        if limit is None or job is None or self.engine.colbert_bytes(job.ids) <= limit:
+            yield 0, len(texts), good, job
+            return
+        sizes = [0] * len(texts)
+        for i, ids in zip(good, job.ids, strict=True):
+            sizes[i] = self.engine.colbert_bytes([ids])
+        del job  # its tokens: each span makes its own
+        for start, end in runs(sizes, limit):
+            # The refused texts are marked in ``errors`` already: no span refuses one again.
+            part_good, part_job = self.make_job(texts[start:end], errors[start:end], options)
+            yield start, end, part_good, part_job
 
     def close(self) -> None:
         asyncio.run(self.service.stop())

@@ -34,6 +34,7 @@ from bgeserve.errors import InvalidInput
 
 MODEL_COLUMN = "_model"  # the Embedder's identity_column: which model files made the row
 INTERNAL = ("_source", "_row", "_error", MODEL_COLUMN)
+UNCUT = 1 << 62  # rows per shard when not cut: one aligned block per source
 
 
 class ShardWriteFailed(OSError):
@@ -81,26 +82,26 @@ class ShardSink(Datasink):
     and model identity. ``identity``: the one the manifest records (None on a first run)."""
 
     def __init__(self, folder: Path, outputs: tuple[str, ...], identity: str | None = None,
-                 rows_per_shard: int | None = None):
+                 rows_per_shard: int | None = None, max_bytes: int | None = None):
         self.folder = Path(folder)
         self.outputs = outputs
         self.identity = identity
         self.rows_per_shard = rows_per_shard
+        self.max_bytes = max_bytes  # a shard's rows as Arrow (its ColBERT vectors), at most
         self.results: list[dict[str, Any]] = []
 
     def write(self, blocks: Iterable[pa.Table], ctx: Any) -> dict[str, Any]:
         """One shard per aligned block of rows (``rows_per_shard`` of a source) in what this
-        write task got: Ray hands one task all the blocks of a read (a whole file), which
-        were written as one shard (QA: --shard-rows ignored, a resume redid whole files, one
-        task held a file's ColBERT vectors)."""
-        tables = [b for b in blocks if b.num_rows]
+        write task got, or per part of one within ``max_bytes``: Ray hands one task all the
+        blocks of a read (a whole file), which were written as one shard (QA: --shard-rows
+        ignored, a resume redid whole files), held whole as one table (review: a read's
+        ColBERT vectors in the task's memory, copied twice). Blocks are taken one at a time,
+        each shard written as soon as the next block's rows belong to another."""
         result: dict[str, Any] = {"rows": 0, "tokens": 0, "bad": [], "shards": 0,
                                   "paths": [], "identity": None}
-        if not tables:
-            return result
-        table = pa.concat_tables(tables, promote_options="default")
-        result["identity"] = self.check_identity(table)
-        for part in self._aligned(table):
+        for part in self._shards(blocks):
+            # Each shard's rows are checked before it is written: no shard of another model.
+            result["identity"] = self.check_identity(part)
             good, coverage, bad = shard_table(part)
             schema = columns.schema(self.outputs, _width(good.schema))
             good = good.select(schema.names).cast(schema)
@@ -115,20 +116,37 @@ class ShardSink(Datasink):
             result["paths"].append(str(path))
         return result
 
-    def _aligned(self, table: pa.Table) -> Iterator[pa.Table]:
-        """``table``'s rows by (source, aligned block), in order: the local job's cut
-        (``bulk.job.blocks``), so a resumed run and shard names agree with it."""
-        size = self.rows_per_shard
-        if not size:
-            yield table
+    def _shards(self, blocks: Iterable[pa.Table]) -> Iterator[pa.Table]:
+        """The rows of ``blocks`` by (source, aligned block), in order: the local job's cut
+        (``bulk.job.blocks``), so a resumed run and shard names agree with it; consecutive
+        pieces of one aligned block are joined while within ``max_bytes``."""
+        held: list[pa.Table] = []
+        held_key: tuple[str, int] | None = None
+        held_bytes = 0
+        for block in blocks:
+            for key, piece in self._aligned(block):
+                over = self.max_bytes is not None and held_bytes + piece.nbytes > self.max_bytes
+                if held and (key != held_key or over):
+                    yield pa.concat_tables(held, promote_options="default")
+                    held, held_bytes = [], 0
+                held.append(piece)
+                held_key, held_bytes = key, held_bytes + piece.nbytes
+        if held:
+            yield pa.concat_tables(held, promote_options="default")
+
+    def _aligned(self, table: pa.Table) -> Iterator[tuple[tuple[str, int], pa.Table]]:
+        """``table``'s runs of rows of one (source, aligned block), as slices (no copy): a
+        read's rows come in order."""
+        if not table.num_rows:
             return
-        groups: dict[tuple[str, int], list[int]] = {}
-        for i, key in enumerate(zip(table.column("_source").to_pylist(),
-                                    (r // size for r in table.column("_row").to_pylist()),
-                                    strict=True)):
-            groups.setdefault(key, []).append(i)
-        for indices in groups.values():
-            yield table.take(pa.array(indices, pa.int64()))
+        size = self.rows_per_shard or UNCUT
+        keys = list(zip(table.column("_source").to_pylist(),
+                        (r // size for r in table.column("_row").to_pylist()), strict=True))
+        start = 0
+        for i in range(1, len(keys) + 1):
+            if i == len(keys) or keys[i] != keys[start]:
+                yield keys[start], table.slice(start, i - start)
+                start = i
 
     def check_identity(self, table: pa.Table) -> str:
         """The model identity ``table``'s rows carry; InvalidInput when they carry several, or

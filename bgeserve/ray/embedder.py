@@ -11,10 +11,13 @@ environment): the default variant, the memory probe on its own node and its cach
 Its intra-op threads are the CPUs Ray gave it (unless ``BGE_M3_INTRA_THREADS`` is set), and
 when it shares a node with other actors its memory budget is its CPUs' share of the node's.
 
-The batch comes back as an Arrow table: the input columns but the text, plus ``n_tokens``,
-``truncated`` and the outputs asked for (see ``bgeserve.bulk.columns``). A row whose text is
-missing or not a string keeps its place with null outputs (``n_tokens`` null) and is named in
-a warning; filter with ``ds.filter(expr="n_tokens is not null")``.
+The batch comes back as Arrow tables, its rows in order: the input columns but the text, plus
+``n_tokens``, ``truncated`` and the outputs asked for (see ``bgeserve.bulk.columns``). It is one
+table unless its ColBERT vectors would pass half of ``BGE_M3_MAX_COLBERT_MB`` (its default as
+the server's): the batch is then embedded and given a part at a time, each within it (the call
+is a generator, as ``map_batches`` allows). A row whose text is missing or not a string keeps
+its place with null outputs (``n_tokens`` null) and is named in a warning; filter with
+``ds.filter(expr="n_tokens is not null")``.
 
 ``Embedder.identity`` names the model files the actor loaded (variant and graph sha256, as
 ``bgeserve bulk`` records them); ``identity_column`` adds it to every row (``bgeserve bulk
@@ -25,7 +28,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -129,8 +133,10 @@ class Embedder:
         memory.limit_malloc_arenas(environ, int(cpus) if cpus else None)
         self.model = BulkModel(resolve_settings(environ))
         self.identity = self.model.identity  # bgeserve.bulk.model.model_identity
+        # A part's vectors are held twice while given (the engine's arrays, then Arrow's).
+        self.limit = self.model.colbert_limit // 2 if self.options.colbert else None
 
-    def __call__(self, batch: Any) -> pa.Table:
+    def __call__(self, batch: Any) -> Iterator[pa.Table]:
         given_texts, table = split_batch(batch, self.text_column)
         n = len(given_texts)
         texts = [t if isinstance(t, str) else None for t in given_texts]
@@ -140,7 +146,21 @@ class Embedder:
         errors: list[str | None] = [
             None if t is not None else (why or f"no string {self.text_column!r}")
             for t, why in zip(texts, given, strict=True)]
-        good, future = self.model.submit(texts, errors, self.options)
+        return self._parts(table, texts, errors)
+
+    def _parts(self, table: pa.Table, texts: list[str | None], errors: list[str | None]
+               ) -> Iterator[pa.Table]:
+        # A generator of its own: the batch's errors (no text column) raise from the call.
+        for start, end, good, job in self.model.spans(texts, errors, self.options, self.limit):
+            if job is not None:
+                self.model.engine.submit(job)
+            yield self._table(table.slice(start, end - start), texts[start:end],
+                              errors[start:end], good, job.future if job is not None else None)
+
+    def _table(self, table: pa.Table, texts: list[str | None], errors: list[str | None],
+               good: list[int], future: Future | None) -> pa.Table:
+        """The output of ``table``'s rows, whose ``good`` texts ``future`` embeds."""
+        n = len(texts)
         if future is not None:
             data = columns.arrays(future.result(), self.outputs, self.model.width)
         else:

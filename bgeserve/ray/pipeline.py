@@ -39,6 +39,7 @@ from bgeserve.model.artifacts import check_model_dir
 from bgeserve.ray.datasink import MODEL_COLUMN, ShardSink, ShardWriteFailed, mixed_models
 from bgeserve.ray.datasource import BulkSource
 from bgeserve.ray.embedder import Embedder
+from bgeserve.service import plan
 
 log = logging.getLogger("bgeserve.bulk")
 IO_CPUS = 0.5  # each read and write task: two fit in the CPU an actor leaves free
@@ -112,6 +113,24 @@ def _quiet_refusals() -> Iterator[None]:
             item.removeFilter(keep)
 
 
+@contextlib.contextmanager
+def _block_bytes(limit: int | None) -> Iterator[None]:
+    """Ray's blocks within ``limit`` bytes for the datasets made here (None: Ray's own, 128
+    MiB; a dataset keeps the context it was made in): Ray joins what the Embedder gives, parts
+    of a batch within the limit, into blocks of its own size, which are what a write task
+    holds."""
+    from ray.data import DataContext
+
+    context = DataContext.get_current()
+    before = context.target_max_block_size
+    if limit is not None:
+        context.target_max_block_size = min(before or limit, limit)
+    try:
+        yield
+    finally:
+        context.target_max_block_size = before
+
+
 def arena_env(environ: Mapping[str, str], cpus: float) -> dict[str, str]:
     """The actors' malloc arena cap, set when their processes start: a cap set from the
     actor's ``__init__`` (``memory.limit_malloc_arenas``) comes after Ray's own threads have
@@ -162,20 +181,23 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
                  actors, cpus)
         progress = Progress(None, skipped, bar=False)  # Ray Data shows its own progress
         progress.summary.skipped_bad = skipped_bad
-        # One block per shard-sized block of rows: Ray would otherwise split each read's
-        # output to reach twice the cluster's CPUs, which only makes smaller shards.
-        ds = ray.data.read_datasource(BulkSource(sources, job, coverage), num_cpus=IO_CPUS,
-                                      override_num_blocks=len(sources))
-        ds = ds.map_batches(
-            Embedder, batch_format="pyarrow", batch_size=None,
-            compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=cpus,
-            runtime_env={"env_vars": arena_env(environ or {}, cpus)},
-            fn_constructor_kwargs={"outputs": job.outputs,
-                                   "env": actor_env(resume_settings(settings, recorded)),
-                                   "identity_column": MODEL_COLUMN})
-        sink = ShardSink(out.path, job.outputs, recorded, job.rows_per_shard)
+        # A shard's ColBERT vectors as the Embedder gives them (half the limit): held by
+        # the write task while its Parquet is written, a part of a read at a time.
+        limit = plan.colbert_bytes(settings) // 2 if "colbert" in job.outputs else None
+        sink = ShardSink(out.path, job.outputs, recorded, job.rows_per_shard, limit)
         try:
-            with _quiet_refusals():
+            with _quiet_refusals(), _block_bytes(limit):
+                # One block per shard-sized block of rows: Ray would otherwise split each
+                # read's output to reach twice the cluster's CPUs: only smaller shards.
+                ds = ray.data.read_datasource(BulkSource(sources, job, coverage),
+                                              num_cpus=IO_CPUS, override_num_blocks=len(sources))
+                ds = ds.map_batches(
+                    Embedder, batch_format="pyarrow", batch_size=None,
+                    compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=cpus,
+                    runtime_env={"env_vars": arena_env(environ or {}, cpus)},
+                    fn_constructor_kwargs={
+                        "outputs": job.outputs, "identity_column": MODEL_COLUMN,
+                        "env": actor_env(resume_settings(settings, recorded))})
                 ds.write_datasink(sink, ray_remote_args={"num_cpus": IO_CPUS})
         except Exception as exc:
             refusal = _refusal(exc)
