@@ -763,14 +763,16 @@ def test_the_exact_tokens_are_held_to_the_deadlines_share_after_tokenizing() -> 
     admission.close()
 
 
-def test_an_abort_answers_those_waiting_to_tokenize_at_once() -> None:
+def test_an_abort_answers_those_waiting_to_tokenize_and_tokenizing_at_once() -> None:
     """A shutdown's time is up: requests waiting for a tokenizing slot behind big ones get
-    its error now, and so does every later request, while those tokenizing finish (they were
-    left waiting until the HTTP server's grace cancelled them: plain-text 500s)."""
+    its error now, and so does every later request (they were left waiting until the HTTP
+    server's grace cancelled them: plain-text 500s), and so do those being tokenized, at
+    their next group of texts (they went on past that grace: QA, a request of 1.2M tokens)."""
     import asyncio
     import threading
     from types import SimpleNamespace
 
+    from bgeserve import stopping
     from bgeserve.errors import NotReady
     from bgeserve.results import EmbedOptions
     from bgeserve.service.admission import Admission
@@ -778,7 +780,8 @@ def test_an_abort_answers_those_waiting_to_tokenize_at_once() -> None:
     release = threading.Event()
 
     def make_job(inputs: object, options: object, request_id: str, arrived: float) -> object:
-        release.wait(10)  # a big request's tokenizing
+        while not release.wait(0.01):  # a big request's tokenizing, a group at a time
+            stopping.check()
         return SimpleNamespace(ids=[[0, 5, 2]])
 
     engine = engine_standin(
@@ -792,15 +795,15 @@ def test_an_abort_answers_those_waiting_to_tokenize_at_once() -> None:
                  for i in range(6)]
         await asyncio.sleep(0.2)  # two tokenize, four wait for a slot
         error = NotReady("shutting down")
-        assert admission.abort(error) == 4
-        waited = await asyncio.wait_for(asyncio.gather(*tasks[2:], return_exceptions=True), 1)
-        assert all(result is error for result in waited)
+        assert admission.abort(error) == 6
+        answered = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 1)
+        assert all(result is error for result in answered)
         with pytest.raises(NotReady):
             await admission.submit(["a"], EmbedOptions(), "late", 0.0)
-        release.set()
-        return [await task for task in tasks[:2]]
 
-    assert [future for _, future in asyncio.run(main())] == ["future", "future"]
+    asyncio.run(main())
+    assert admission.gate.reserved == 0
+    release.set()
     admission.close()
 
 
@@ -970,11 +973,12 @@ def test_a_big_request_after_close_is_told_the_server_is_stopping() -> None:
 def test_rerank_requests_tokenize_in_slots_and_are_answered_by_an_abort() -> None:
     """Rerank requests (either scorer) tokenize in the admission's slots like embeddings: a
     flood does not tokenize all at once on the default executor; a shutdown's abort answers
-    those waiting for a slot."""
+    those waiting for a slot and the one tokenizing."""
     import asyncio
     import threading
     from types import SimpleNamespace
 
+    from bgeserve import stopping
     from bgeserve.errors import NotReady
     from bgeserve.results import RerankOptions
     from bgeserve.service.admission import PairAdmission
@@ -983,7 +987,8 @@ def test_rerank_requests_tokenize_in_slots_and_are_answered_by_an_abort() -> Non
 
     def make_job(*args: object) -> tuple[str, object]:
         inside.append(1)
-        release.wait(10)
+        while not release.wait(0.01):
+            stopping.check()
         return "plan", SimpleNamespace(ids=[[0, 5, 2]])
 
     engine = engine_standin(
@@ -998,14 +1003,13 @@ def test_rerank_requests_tokenize_in_slots_and_are_answered_by_an_abort() -> Non
         await asyncio.sleep(0.2)
         assert len(inside) == 1  # one slot: the others wait
         error = NotReady("shutting down")
-        assert admission.abort(error) == 2
-        waited = await asyncio.wait_for(asyncio.gather(*tasks[1:], return_exceptions=True), 1)
-        assert all(result is error for result in waited)
-        release.set()
-        assert (await tasks[0])[2] == "future"
+        assert admission.abort(error) == 3  # two waiting, one tokenizing
+        answered = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 1)
+        assert all(result is error for result in answered)
 
     asyncio.run(main())
     assert admission.gate.reserved == 0 and len(inside) == 1
+    release.set()
     admission.close()
 
 

@@ -633,6 +633,7 @@ class _Admitting:
         self._slots = slots
         self._tokenizing: asyncio.Semaphore | None = None  # made on the loop that serves
         self._waiting = 0  # requests waiting for a tokenizing slot
+        self._stops: set[threading.Event] = set()  # of the requests being tokenized
 
     def refuse_now(self) -> Overloaded | None:
         """The refusal when no request can be admitted now, whatever its size (counted)."""
@@ -763,8 +764,13 @@ class _Admitting:
                 raise self._aborted
             with stopping.stoppable() as stop:  # the thread's context is a copy of this one
                 running = asyncio.ensure_future(asyncio.to_thread(work))
+            self._stops.add(stop)
             try:
                 return await asyncio.shield(running)
+            except stopping.Stopped:
+                if self._aborted is None:
+                    raise
+                raise self._aborted from None  # the stop's time is up (abort)
             except asyncio.CancelledError:
                 # The caller left (client gone, deadline): the thread stops at its next group
                 # of texts (bgeserve.stopping; it tokenized the whole request for no one:
@@ -779,20 +785,26 @@ class _Admitting:
                 if not running.cancelled():
                     running.exception()  # retrieved: its error (Stopped) has no one to go to
                 raise
+            finally:
+                self._stops.discard(stop)
         finally:
             self._tokenizing.release()
 
     def abort(self, error: BgeServeError) -> int:
-        """Answer ``error`` to every request waiting for a tokenizing slot, and to every
-        request from now on; returns how many were waiting. A shutdown's time is up: behind a
-        backlog of big requests they would wait past the HTTP server's grace, which cancels
-        them (a plain-text 500). Those tokenizing now go on; the engine refuses their jobs."""
+        """Answer ``error`` to every request waiting for a tokenizing slot or being tokenized,
+        and to every request from now on; returns how many. A shutdown's time is up: behind a
+        backlog of big requests, or tokenizing one, they would go on past the HTTP server's
+        grace, which cancels them (a plain-text 500; QA: a request of 1.2M tokens at SIGTERM
+        with BGE_M3_SHUTDOWN_TIMEOUT_SECS=2). Those tokenizing stop at their next group of
+        texts (``stopping``)."""
         self._aborted = error
         waiting = self._waiting
         if self._tokenizing is not None:
             for _ in range(waiting):  # each wakes, sees the error and gives its slot back
                 self._tokenizing.release()
-        return waiting
+        for stop in self._stops:
+            stop.set()
+        return waiting + len(self._stops)
 
     def close(self) -> None:
         self._bounds.shutdown(wait=False)
