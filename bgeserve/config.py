@@ -538,15 +538,35 @@ GUARDS = ("BGE_M3_API_KEY", "BGE_M3_METRICS_AUTH", "BGE_M3_TLS_CERT_FILE", "BGE_
           "BGE_M3_TLS_CLIENT_CA_FILE", "BGE_M3_CORS_ALLOW_ORIGINS")
 
 
+# An unknown name in one of these families means its guard, however far from its spelling
+# (QA: the prefix with TLS_CERT, API_TOKEN or CORS_ORIGINS only warned, and served plain
+# HTTP, every client, every origin). No setting but the guards is named so.
+GUARD_FAMILIES = tuple(f"BGE_M3_{family}" for family in ("API", "TLS", "CORS", "METRICS_AUTH"))
+
+
 def refuse_misspelt_guards(environ: Mapping[str, str]) -> None:
-    """ConfigError for an unknown ``BGE_M3_*`` variable very close to a guard that is not set
-    (a letter or two off: a sidecar's metrics port variable is no BGE_M3_METRICS_AUTH, and
-    a guard set beside its near miss is in force)."""
+    """ConfigError for an unknown ``BGE_M3_*`` variable meaning a guard that is not set: very
+    close to it (a letter or two off: a sidecar's metrics port variable is no
+    BGE_M3_METRICS_AUTH), or in its family (``GUARD_FAMILIES``); a guard set beside its near
+    miss is in force."""
     for name, close in _near_misses(environ, cutoff=0.9):
-        if close in GUARDS and close not in environ:
+        if close not in GUARDS:
+            close = _guard_of_family(name)
+        if close is not None and close not in environ:
             raise ConfigError(f"{name} is not a bgeserve setting; did you mean {close}? Not "
                               f"starting: the server would run without {close} (rename the "
                               "variable, or unset it)", param=name)
+
+
+def _guard_of_family(name: str) -> str | None:
+    """The guard of ``name``'s family sharing most words with it, then closest (None: it is
+    in no family): a TLS_CA_FILE means BGE_M3_TLS_CLIENT_CA_FILE."""
+    upper = name.upper()
+    words = set(upper.split("_"))
+    family = [g for f in GUARD_FAMILIES if upper.startswith(f) for g in GUARDS
+              if g.startswith(f)]
+    return max(family, default=None, key=lambda g: (
+        len(words & set(g.split("_"))), difflib.SequenceMatcher(None, upper, g).ratio()))
 
 
 def warn_unknown_variables(environ: Mapping[str, str]) -> None:

@@ -312,6 +312,10 @@ def test_a_malformed_warm_up_shape_is_refused(raw):
     ("BGE_M3_API_KEYS", "BGE_M3_API_KEY"), ("BGE_M3_APIKEY", "BGE_M3_API_KEY"),
     ("BGE_M3_METRIC_AUTH", "BGE_M3_METRICS_AUTH"),
     ("BGE_M3_TLS_CERTFILE", "BGE_M3_TLS_CERT_FILE"), ("bge_m3_api_key", "BGE_M3_API_KEY"),
+    # Farther off, in a guard's family (QA: these only warned, and served unguarded).
+    ("BGE_M3_TLS_CERT", "BGE_M3_TLS_CERT_FILE"), ("BGE_M3_API_TOKEN", "BGE_M3_API_KEY"),
+    ("BGE_M3_CORS_ORIGINS", "BGE_M3_CORS_ALLOW_ORIGINS"),
+    ("BGE_M3_TLS_CA_FILE", "BGE_M3_TLS_CLIENT_CA_FILE"),
 ])
 def test_serve_refuses_a_misspelt_security_setting(
         typo: str, meant: str, monkeypatch: pytest.MonkeyPatch,
@@ -328,7 +332,7 @@ def test_serve_refuses_a_misspelt_security_setting(
     assert f"{typo} is not a bgeserve setting; did you mean {meant}?" in err, err
     assert "Not starting" in err and "secret" not in err
     for fine in ({"BGE_M3_MAX_SEQ_LENTGH": "512"}, {"BGE_M3_TLS_CERT_PATH": "x"},
-                 {"BGE_M3_METRICS_PORT": "9090"}, {"BGE_M3_TLS_CA_FILE": "x"},
+                 {"BGE_M3_METRICS_PORT": "9090"},
                  {typo: "x", meant: "y"}):  # warned, not refused
         refuse_misspelt_guards(fine)
 
