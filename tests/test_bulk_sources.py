@@ -296,8 +296,8 @@ def _csv_oracle(data: bytes) -> tuple[list[int], list, list, list]:
     rows, ids, texts, errors = [], [], [], []
     for n, cells in enumerate(records):
         rows.append(n)
-        if len(cells) != 2:
-            ids.append(None), texts.append(None)
+        if len(cells) != 2:  # its id named all the same, as read (it was None: QA)
+            ids.append(cells[0] if cells and cells[0] else None), texts.append(None)
             errors.append(f"expected 2 cells, found {len(cells)}")
             continue
         utf8 = [not any("\udc80" <= ch <= "\udcff" for ch in c) for c in cells]
@@ -351,6 +351,24 @@ def test_csv_bytes_that_are_not_utf8_and_lines_with_other_cell_counts_are_bad_ro
     assert {e for e in got[3] if e} == {"'text' is not valid UTF-8", "'id' is not valid UTF-8",
                                         "expected 2 cells, found 3", "expected 2 cells, found 1",
                                         "no 'text'"}
+
+
+def test_a_csv_line_with_other_cell_counts_names_its_id_wherever_the_column_is(
+        tmp_path: Path) -> None:
+    """The id cell of a malformed line, counted from the side away from the text (whose
+    unquoted commas make extra cells), gzipped too: the warning said "id None" (QA); where a
+    cell is missing after the text, which one is not known."""
+    import gzip
+
+    data = b'text,note,ref\n"a, b",n,r0\nunquoted, comma,n,r1\nc,n\n"d\ne",x,n,r3\n'
+    (tmp_path / "a.csv").write_bytes(data)
+    (tmp_path / "a.csv.gz").write_bytes(gzip.compress(data))
+    for name in ("a.csv", "a.csv.gz"):
+        _, ids, texts, errors = rows_of(discover([str(tmp_path / name)])[0], "text", "ref")
+        assert ids == ["r0", "r1", None, "r3"], name
+        assert texts == ["a, b", None, None, None]
+        assert errors[1:] == ["expected 3 cells, found 4", "expected 3 cells, found 2",
+                              "expected 3 cells, found 4"]
 
 
 def test_an_empty_csv_has_no_rows_and_a_header_only_one_neither(tmp_path: Path):

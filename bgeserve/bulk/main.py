@@ -34,8 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSONL (.jsonl/.ndjson/.json), Parquet or CSV files (.jsonl.gz and "
                         ".csv.gz too), or folders of them")
     parser.add_argument("--output", required=True, metavar="DIR", help="folder of the shards")
-    parser.add_argument("--text-column", default="text", help="column (key) of the texts")
-    parser.add_argument("--id-column", default="id", help="column (key) of the row ids")
+    parser.add_argument("--text-column", default="text",
+                        help="column (key) of the texts (default: text)")
+    parser.add_argument("--id-column", default="id",
+                        help="column (key) of the row ids (default: id)")
     parser.add_argument("--outputs", default="dense,sparse",
                         help="any of dense, sparse, colbert, comma-separated (default: "
                         "dense,sparse)")

@@ -17,6 +17,7 @@ which is exactly the row this job must report and skip.
 from __future__ import annotations
 
 import contextlib
+import csv
 import io
 import itertools
 import json
@@ -439,13 +440,16 @@ def _csv(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
                                    strings_can_be_null=True, quoted_strings_can_be_null=False)
     # A line with too many or too few cells is a bad row too. Parsed on one thread, the
     # reader tells its record number (1: the header), so the rows keep their places.
-    malformed: dict[int, str] = {}
+    malformed: dict[int, tuple[str, str | None]] = {}  # row: (why, its id as read)
+    header: list[str] = []
 
     def invalid(row) -> str:
         if row.number is None or row.number < 2:
             return "error"  # no place to give it: the reader's own error names the file
-        malformed[row.number - 2] = (f"expected {row.expected_columns} cells, found "
-                                     f"{row.actual_columns}")
+        header[:] = header or _csv_header(source)
+        malformed[row.number - 2] = (
+            f"expected {row.expected_columns} cells, found {row.actual_columns}",
+            _id_cell(row.text, header, id_column, text_column))
         return "skip"
 
     start = 0  # the next data row's number
@@ -495,17 +499,51 @@ def _csv(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
         yield _with_malformed(end, malformed, None)
 
 
-def _with_malformed(found: Rows, malformed: dict[int, str], before: int | None) -> Rows:
+def _with_malformed(found: Rows, malformed: dict[int, tuple[str, str | None]],
+                    before: int | None) -> Rows:
     """``found`` with the malformed rows numbered below ``before`` (None: all) taken from
     ``malformed`` and put in their places as bad rows."""
     taken = sorted(r for r in malformed if before is None or r < before)
     if not taken:
         return found
     n = len(taken)
+    bad = [malformed.pop(r) for r in taken]
     merged = Rows(found.source, np.concatenate([found.rows, np.array(taken, np.int64)]),
-                  [*found.ids, *[None] * n], [*found.texts, *[None] * n],
-                  [*found.errors, *(malformed.pop(r) for r in taken)])
+                  [*found.ids, *(row_id for _, row_id in bad)], [*found.texts, *[None] * n],
+                  [*found.errors, *(why for why, _ in bad)])
     return merged.take(np.argsort(merged.rows, kind="stable"))
+
+
+def _csv_header(source: Source) -> list[str]:
+    """The column names of a CSV's first line (read again: pyarrow gives only the columns it
+    keeps), to name a malformed line's id (it was "id None": QA)."""
+    try:
+        with open_bytes(source.path, source.compressed) as f:
+            # A BufferedReader or a file at run time (typeshed wants a declared buffer).
+            text = io.TextIOWrapper(f, encoding="utf-8", errors="replace",  # type: ignore[type-var]
+                                    newline="")
+            return next(csv.reader(text), [])
+    except (OSError, InvalidInput, csv.Error):
+        return []
+
+
+def _id_cell(line: str | None, header: list[str], id_column: str, text_column: str
+             ) -> str | None:
+    """The id in a malformed ``line``, counted from the side away from the text, whose
+    unquoted commas make the usual extra cells (None where a missing cell leaves it
+    unknown)."""
+    if not line or id_column not in header:
+        return None
+    try:
+        cells = next(csv.reader(io.StringIO(line, newline="")), [])
+    except csv.Error:
+        return None
+    position = header.index(id_column)
+    if text_column in header and position > header.index(text_column):
+        if len(cells) < len(header):
+            return None  # which cell is missing is not known
+        position -= len(header)  # from the end
+    return cells[position] if -len(cells) <= position < len(cells) and cells[position] else None
 
 
 def _text_columns(table, rows: np.ndarray, source: Source, text_column: str,
