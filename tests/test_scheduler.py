@@ -413,6 +413,28 @@ def test_a_solo_job_does_not_wait_out_the_batch_window():
     assert [{owner(r) for r in call.rows} for call in factory.calls] == [{2}, {1}]
 
 
+@pytest.mark.parametrize(("caps", "lengths"), [
+    ({"max_chunk": 4}, [2, 3, 2, 3, 2, 3]),  # a full chunk's texts, and two more
+    ({"max_chunk": 64, "max_chunk_tokens": 8}, [5, 5]),  # a full chunk's tokens: two chunks
+])
+def test_a_full_chunk_does_not_wait_out_the_batch_window(caps: dict, lengths: list[int]):
+    """Under a 30 s window, texts that fill a chunk run at once, and the rest of their
+    request after them (the window has nothing left to gather for them: QA, 200 short texts
+    waited out a 2 s window as one text did); fewer, arriving later, still wait (until
+    flushed)."""
+    factory = Factory()
+    with scheduler(factory, batch_delay_s=30.0, **caps) as sched:
+        full = job_of(unique_texts(1, lengths))
+        sched.submit(full)
+        assert_dense_right(full)  # within TIMEOUT, far below the 30 s window
+        few = job_of(unique_texts(2, lengths[:1]))
+        sched.submit(few)
+        time.sleep(0.05)
+        assert not few.future.done()
+        sched.flush()
+        assert_dense_right(few)
+
+
 def test_running_reports_each_chunk_in_progress_with_its_tokens():
     """What /health/deep weighs a late canary against: (seconds so far, tokens) per busy
     worker, nothing once the chunk is answered."""
