@@ -403,6 +403,14 @@ class Settings:
             raise ConfigError("BGE_M3_METRICS_AUTH=1 asks /metrics for BGE_M3_API_KEY, which is "
                               "not set: set a key, or leave BGE_M3_METRICS_AUTH unset",
                               param="BGE_M3_METRICS_AUTH")
+        if self.request_timeout_secs and self.batch_delay_ms / 1000 >= self.request_timeout_secs:
+            # Every request would wait out its deadline before its first run (QA: all 504s,
+            # while /health/deep's canary, which skips the window, said ok).
+            raise ConfigError(
+                f"BGE_M3_BATCH_DELAY_MS={self.batch_delay_ms:g} is not below "
+                f"BGE_M3_REQUEST_TIMEOUT_SECS={self.request_timeout_secs:g} s: every request "
+                "would wait out its deadline for others to join it; lower it (a few ms to tens "
+                "of ms gathers concurrent requests)", param="BGE_M3_BATCH_DELAY_MS")
         both = sorted({*M3_MODEL_IDS, *self.model_aliases}
                       & set(self.rerank_model_aliases))
         if both:

@@ -337,6 +337,16 @@ def test_serve_refuses_a_misspelt_security_setting(
         refuse_misspelt_guards(fine)
 
 
+def test_a_batch_window_as_long_as_the_deadline_is_refused():
+    """Every request would be a 504 (QA); below the deadline, or with none, it is taken."""
+    refuse({"BGE_M3_BATCH_DELAY_MS": "8000", "BGE_M3_REQUEST_TIMEOUT_SECS": "3"},
+           var="BGE_M3_BATCH_DELAY_MS")
+    refuse({"BGE_M3_BATCH_DELAY_MS": "3000", "BGE_M3_REQUEST_TIMEOUT_SECS": "3"},
+           var="BGE_M3_BATCH_DELAY_MS")
+    Settings.from_env({"BGE_M3_BATCH_DELAY_MS": "2999", "BGE_M3_REQUEST_TIMEOUT_SECS": "3"})
+    Settings.from_env({"BGE_M3_BATCH_DELAY_MS": "8000", "BGE_M3_REQUEST_TIMEOUT_SECS": "0"})
+
+
 def test_cost_model_a_without_b_is_refused():
     """One cost coefficient without the other is a ConfigError naming the missing one."""
     error = refuse({"BGE_M3_COST_MODEL_A": "1000"}, var="BGE_M3_COST_MODEL_B")
