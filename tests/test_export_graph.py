@@ -4,6 +4,8 @@ activation; a model padded otherwise than bge-m3 is refused. No ONNX export here
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -43,3 +45,26 @@ def test_a_model_padded_otherwise_than_bge_m3_is_refused() -> None:
     model, config = tiny(pad_token_id=3)
     with pytest.raises(ValueError, match="pad_token_id is 3"):
         M3Graph(model, nn.Linear(32, 1), nn.Linear(32, 32), config)
+
+
+def test_export_refuses_a_tokenizer_the_server_refuses_before_writing(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """Special tokens numbered otherwise than bge-m3's: serve refuses the tokenizer, and the
+    export wrote minutes of graphs first (QA); now it refuses at once, writing nothing."""
+    import json
+    import shutil
+
+    from bgeserve.errors import ModelUnavailable
+    from bgeserve.export.main import export
+
+    model = tmp_path / "swapped"
+    shutil.copytree(tiny_model, model)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab[0], vocab[1] = vocab[1], vocab[0]  # <s> and <pad>
+    for token in spec["added_tokens"]:
+        token["id"] = {0: 1, 1: 0}.get(token["id"], token["id"])
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ModelUnavailable, match="numbers its special tokens"):
+        export(str(model), tmp_path / "out", ("fp32",))
+    assert not (tmp_path / "out").exists()

@@ -220,6 +220,11 @@ def export(model: str, out: Path, variants: tuple[str, ...] | None = None, *, op
     if not (src / "tokenizer.json").exists():
         raise ModelUnavailable(f"{src / 'tokenizer.json'} is missing: the export needs it "
                                "(the server reads it; int8 calibration uses it)")
+    from bgeserve.engine.tokenizer import Tokenizer
+
+    # Read as the server reads it, before minutes of export: one it refuses (special tokens
+    # numbered otherwise than bge-m3's) was exported and then refused by serve (QA).
+    Tokenizer.load(src / "tokenizer.json", max_seq=8)
     out.mkdir(parents=True, exist_ok=True)
     # The tokenizer first: the int8 calibration and the validation make their texts with it.
     for name in TOKENIZER_FILES:
