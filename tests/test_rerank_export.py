@@ -305,3 +305,23 @@ def test_the_export_command_asks_for_no_variant_when_none_is_given(monkeypatch,
     args.variant, args.out = ["int8", "fp32", "int8"], tmp_path / "p"
     assert export_main.run(args) == 0
     assert asked == [None, ("int8", "fp32")]
+
+
+def test_a_reranker_config_without_architectures_is_read_by_its_one_label(
+        tiny_reranker, tmp_path) -> None:
+    """``architectures`` left out (transformers' own loaders do not need it): one label says
+    a reranker (it was taken for bge-m3 and refused for missing heads: QA); a base model's
+    config (two labels by default) or named architectures keep their kind."""
+    from bgeserve.export.main import export
+    from bgeserve.model.kind import EMBEDDING, RERANKER, config_kind, directory_kind
+
+    assert config_kind({"id2label": {"0": "LABEL_0"}}) == RERANKER
+    assert config_kind({}) == EMBEDDING and config_kind({"num_labels": 2}) == EMBEDDING
+    assert config_kind({"architectures": ["XLMRobertaModel"], "num_labels": 1}) == EMBEDDING
+    src = tmp_path / "no-architectures"
+    shutil.copytree(tiny_reranker, src)
+    config = json.loads((src / "config.json").read_text())
+    del config["architectures"]
+    (src / "config.json").write_text(json.dumps(config))
+    export(str(src), tmp_path / "out", ("fp32",))
+    assert directory_kind(tmp_path / "out") == RERANKER

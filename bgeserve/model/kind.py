@@ -18,9 +18,14 @@ KINDS = (EMBEDDING, RERANKER)
 
 
 def config_kind(config: dict[str, Any]) -> str:
-    """``reranker`` for a sequence-classification config, else ``embedding``."""
+    """``reranker`` for a sequence-classification config, else ``embedding``. Without
+    ``architectures``, one label says a reranker (a base model's config has transformers'
+    two by default): it was taken for an embedding model, refused for missing bge-m3's heads
+    (QA)."""
     architectures = config.get("architectures") or []
     if any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        return RERANKER
+    if not architectures and num_labels(config) == 1:
         return RERANKER
     return EMBEDDING
 
