@@ -891,3 +891,38 @@ def test_a_tokenizer_numbering_its_special_tokens_otherwise_is_refused(tmp_path:
     Tokenizer.load(save(["<s>", "<pad>", "</s>", "<unk>", "hello"]), 16)  # bge-m3's order
     with pytest.raises(ModelUnavailable, match="'<unk>': 4"):
         Tokenizer.load(save(["<s>", "<pad>", "</s>", "<mask>", "<unk>", "hello"]), 16)
+
+
+def test_a_byte_level_bpe_cuts_long_texts_exactly():
+    """GPT-2 / RoBERTa's pre-tokenizer (ByteLevel: a space joins the word after it, runs of
+    spaces are pieces of their own): a text past the characters bound is served from its
+    leading words, with the ids of encoding it whole, whatever its spacing and punctuation
+    (it was refused "cannot be cut at a space": QA)."""
+    import random
+
+    from tokenizers import models, trainers
+
+    rnd = random.Random(3)
+    alphabet = "abcdefghij0123456789.,'!-é漢"
+
+    def text(n: int) -> str:
+        out = []
+        for _ in range(n):
+            out.append("".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 9))))
+            out.append(rnd.choice([" ", " ", " ", "  ", "   ", " \n ", "\t"]))
+        return "".join(out)
+
+    hf = HfTokenizer(models.BPE(unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator([text(200) for _ in range(50)], trainers.BpeTrainer(
+        vocab_size=600, special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", CLS_ID), ("</s>", EOS_ID)])
+    tok = Tokenizer(hf, 64, max_whole_chars=600)
+    assert tok._cut_exact
+    texts = [text(rnd.randint(150, 400)) for _ in range(40)]
+    assert all(len(t) > 600 for t in texts)
+    assert [x.tolist() for x in tok.encode(texts).ids] == _reference(tok, texts)
+    assert all(tok._prefix(t, tok.max_seq) is not t for t in texts)

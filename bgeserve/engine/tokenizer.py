@@ -132,7 +132,11 @@ def _splits_on_spaces(pre_tokenizer: dict | None) -> bool:
     kind = pre_tokenizer.get("type")
     if kind == "Sequence":
         return any(_splits_on_spaces(p) for p in pre_tokenizer.get("pretokenizers", []))
-    return kind in _WORD_SPLITTERS or (kind == "Metaspace" and pre_tokenizer.get("split", True))
+    # ByteLevel's regex (GPT-2's, RoBERTa's) takes a space into the word after it (" b"), and
+    # a run of spaces into a piece of its own: a cut before a space, as ``_leading`` makes it,
+    # ends a piece as in the whole text (QA: a ByteLevel BPE's long texts were refused).
+    return kind in _WORD_SPLITTERS or (kind == "Metaspace" and pre_tokenizer.get("split", True)) \
+        or (kind == "ByteLevel" and pre_tokenizer.get("use_regex", True))
 
 
 def _splits_at(tokenizer: tokenizers.Tokenizer, char: str) -> bool:
