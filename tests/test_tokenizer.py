@@ -926,3 +926,29 @@ def test_a_byte_level_bpe_cuts_long_texts_exactly():
     assert all(len(t) > 600 for t in texts)
     assert [x.tolist() for x in tok.encode(texts).ids] == _reference(tok, texts)
     assert all(tok._prefix(t, tok.max_seq) is not t for t in texts)
+
+
+def test_a_byte_level_cut_after_mixed_whitespace_ends_at_a_word():
+    """ByteLevel's regex makes a run of tabs and spaces before a word one piece ("\\t\\t\\t "
+    then " y"): a cut in the run's spaces that kept the tabs ended in a piece the whole text
+    lacks, which BPE merged otherwise, and truncation kept a wrong token (review). The cut
+    drops every trailing whitespace under ByteLevel."""
+    from tokenizers import models
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {t: i for i, t in enumerate(SPECIALS + alphabet)}
+    merges = [("ĉ", "Ġ"), ("ĉ", "ĉĠ"), ("ĉ", "ĉ")]  # tab+space, tab+that, tab+tab
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    hf = HfTokenizer(models.BPE(vocab, merges, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", CLS_ID), ("</s>", EOS_ID)])
+    wrong = []
+    for keep in range(6, 40):
+        tok = Tokenizer(hf, keep)
+        for n in range(1, 80):
+            text = "b" * n + "\t\t\t  " + "y" * 2000
+            if tok.encode([text]).ids[0].tolist() != _reference(tok, [text])[0]:
+                wrong.append((keep, n))
+    assert not wrong, wrong[:5]

@@ -139,6 +139,15 @@ def _splits_on_spaces(pre_tokenizer: dict | None) -> bool:
         or (kind == "ByteLevel" and pre_tokenizer.get("use_regex", True))
 
 
+def _has_pre_tokenizer(pre_tokenizer: dict | None, kind: str) -> bool:
+    """Whether a pre-tokenizer (tokenizer.json's) is ``kind`` or a Sequence holding one."""
+    if not pre_tokenizer:
+        return False
+    if pre_tokenizer.get("type") == "Sequence":
+        return any(_has_pre_tokenizer(p, kind) for p in pre_tokenizer.get("pretokenizers", []))
+    return pre_tokenizer.get("type") == kind
+
+
 def _splits_at(tokenizer: tokenizers.Tokenizer, char: str) -> bool:
     """Whether ``tokenizer`` (normalizer, then pre-tokenizer) splits words at ``char`` as at a
     space, between letters, CJK, digits, punctuation and another such character: then a cut
@@ -232,6 +241,11 @@ class Tokenizer:
             spec, normalizer.normalize_str if normalizer is not None else str)
         self._breaks = " " + "".join(c for c in _OTHER_BREAKS if self._cut_exact
                                      and _splits_at(tokenizer, c))
+        # What a cut's end drops: its breaks; under ByteLevel every whitespace (None), whose
+        # regex makes a run of mixed whitespace one piece, cut apart otherwise (review:
+        # "x\t\t\t  y" cut after the tabs ended in a piece the whole text lacks).
+        self._cut_strip: str | None = (
+            None if _has_pre_tokenizer(spec.get("pre_tokenizer"), "ByteLevel") else self._breaks)
 
     @classmethod
     def load(cls, path: Path, max_seq: int, max_whole_chars: int | None = None,
@@ -386,7 +400,7 @@ class Tokenizer:
         whitespace this tokenizer splits at) within ``limit`` characters, trailing breaks
         dropped (None: no such break, or only breaks before it)."""
         at = max(text.rfind(c, 0, limit) for c in self._breaks)
-        head = text[:at].rstrip(self._breaks) if at > 0 else ""
+        head = text[:at].rstrip(self._cut_strip) if at > 0 else ""
         return head or None
 
     def _encode_grouped(self, texts: Sequence[str],
