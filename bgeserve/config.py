@@ -567,14 +567,19 @@ def refuse_misspelt_guards(environ: Mapping[str, str]) -> None:
 
 
 def _guard_of_family(name: str) -> str | None:
-    """The guard of ``name``'s family sharing most words with it, then closest (None: it is
-    in no family): a TLS_CA_FILE means BGE_M3_TLS_CLIENT_CA_FILE."""
+    """The guard of ``name``'s family sharing most words with it, then closest, where it is
+    as close as a warning's hint (difflib's 0.8: a TLS_CA_FILE means
+    BGE_M3_TLS_CLIENT_CA_FILE; an API_URL or a CORS_MAX_AGE, a client's or another
+    setting's, is no guard: review); None otherwise."""
     upper = name.upper()
     words = set(upper.split("_"))
+
+    def ratio(guard: str) -> float:
+        return difflib.SequenceMatcher(None, upper, guard).ratio()
+
     family = [g for f in GUARD_FAMILIES if upper.startswith(f) for g in GUARDS
-              if g.startswith(f)]
-    return max(family, default=None, key=lambda g: (
-        len(words & set(g.split("_"))), difflib.SequenceMatcher(None, upper, g).ratio()))
+              if g.startswith(f) and ratio(g) >= 0.8]
+    return max(family, default=None, key=lambda g: (len(words & set(g.split("_"))), ratio(g)))
 
 
 def warn_unknown_variables(environ: Mapping[str, str]) -> None:

@@ -332,7 +332,8 @@ def test_serve_refuses_a_misspelt_security_setting(
     assert f"{typo} is not a bgeserve setting; did you mean {meant}?" in err, err
     assert "Not starting" in err and "secret" not in err
     for fine in ({"BGE_M3_MAX_SEQ_LENTGH": "512"}, {"BGE_M3_TLS_CERT_PATH": "x"},
-                 {"BGE_M3_METRICS_PORT": "9090"},
+                 {"BGE_M3_METRICS_PORT": "9090"}, {"BGE_M3_API_URL": "http://x"},
+                 {"BGE_M3_CORS_MAX_AGE": "600"}, {"BGE_M3_API_TIMEOUT": "3"},
                  {typo: "x", meant: "y"}):  # warned, not refused
         refuse_misspelt_guards(fine)
 
