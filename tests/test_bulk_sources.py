@@ -363,7 +363,8 @@ def test_a_csv_line_with_other_cell_counts_names_its_id_wherever_the_column_is(
     data = b'text,note,ref\n"a, b",n,r0\nunquoted, comma,n,r1\nc,n\n"d\ne",x,n,r3\n'
     (tmp_path / "a.csv").write_bytes(data)
     (tmp_path / "a.csv.gz").write_bytes(gzip.compress(data))
-    for name in ("a.csv", "a.csv.gz"):
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbf" + data)  # the first name's BOM dropped
+    for name in ("a.csv", "a.csv.gz", "bom.csv"):
         _, ids, texts, errors = rows_of(discover([str(tmp_path / name)])[0], "text", "ref")
         assert ids == ["r0", "r1", None, "r3"], name
         assert texts == ["a, b", None, None, None]

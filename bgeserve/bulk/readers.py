@@ -520,8 +520,9 @@ def _csv_header(source: Source) -> list[str]:
     try:
         with open_bytes(source.path, source.compressed) as f:
             # A BufferedReader or a file at run time (typeshed wants a declared buffer).
-            text = io.TextIOWrapper(f, encoding="utf-8", errors="replace",  # type: ignore[type-var]
-                                    newline="")
+            # utf-8-sig: a byte order mark is no part of the first name (pyarrow drops it).
+            text = io.TextIOWrapper(f, encoding="utf-8-sig",  # type: ignore[type-var]
+                                    errors="replace", newline="")
             return next(csv.reader(text), [])
     except (OSError, InvalidInput, csv.Error):
         return []
