@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -87,7 +87,7 @@ class ShardSink(Datasink):
         self.outputs = outputs
         self.identity = identity
         self.rows_per_shard = rows_per_shard
-        self.max_bytes = max_bytes  # a shard's rows as Arrow (its ColBERT vectors), at most
+        self.max_bytes = max_bytes  # a shard's ColBERT vectors at most (None: unbounded)
         self.results: list[dict[str, Any]] = []
 
     def write(self, blocks: Iterable[pa.Table], ctx: Any) -> dict[str, Any]:
@@ -118,21 +118,36 @@ class ShardSink(Datasink):
 
     def _shards(self, blocks: Iterable[pa.Table]) -> Iterator[pa.Table]:
         """The rows of ``blocks`` by (source, aligned block), in order: the local job's cut
-        (``bulk.job.blocks``), so a resumed run and shard names agree with it; consecutive
-        pieces of one aligned block are joined while within ``max_bytes``."""
+        (``bulk.job.blocks``), so a resumed run and shard names agree with it; an aligned
+        block's rows cut where their ColBERT vectors pass ``max_bytes`` (``bulk.model.runs``
+        over its rows from its first: the same rows are cut the same wherever Ray's blocks
+        end, so a task run again writes the same shards, not overlapping ones: review)."""
         held: list[pa.Table] = []
         held_key: tuple[str, int] | None = None
-        held_bytes = 0
+        held_rows = held_bytes = 0
         for block in blocks:
             for key, piece in self._aligned(block):
-                over = self.max_bytes is not None and held_bytes + piece.nbytes > self.max_bytes
-                if held and (key != held_key or over):
+                if held and key != held_key:
                     yield pa.concat_tables(held, promote_options="default")
-                    held, held_bytes = [], 0
-                held.append(piece)
-                held_key, held_bytes = key, held_bytes + piece.nbytes
+                    held, held_rows, held_bytes = [], 0, 0
+                held_key, start = key, 0
+                for i, size in enumerate(self._row_bytes(piece)):
+                    if held_rows + i - start and held_bytes + size > cast(int, self.max_bytes):
+                        held.append(piece.slice(start, i - start))
+                        yield pa.concat_tables(held, promote_options="default")
+                        held, held_rows, held_bytes, start = [], 0, 0, i
+                    held_bytes += size
+                held.append(piece.slice(start))
+                held_rows += piece.num_rows - start
         if held:
             yield pa.concat_tables(held, promote_options="default")
+
+    def _row_bytes(self, piece: pa.Table) -> list[int]:
+        """Each row's ColBERT vectors in bytes (none to cut by: no rows)."""
+        if self.max_bytes is None or "colbert" not in piece.column_names:
+            return []
+        vectors = pc.list_value_length(piece.column("colbert")).fill_null(0)
+        return (vectors.to_numpy() * (_width(piece.schema) * 4)).tolist()
 
     def _aligned(self, table: pa.Table) -> Iterator[tuple[tuple[str, int], pa.Table]]:
         """``table``'s runs of rows of one (source, aligned block), as slices (no copy): a
