@@ -225,8 +225,10 @@ def test_a_client_that_disconnects_has_its_texts_dropped(tiny_export: Path, tmp_
     """Its texts leave the queue when it goes, not after they were computed for nobody.
     The canary, a chunk of its own, never waits out the window: /health/deep answers 200
     (its deadline is 5 s; it was 503 past it)."""
-    # The 10 s batch window keeps the texts queued long enough to watch them go.
-    env = server_env(tiny_export, tmp_path, BGE_M3_BATCH_DELAY_MS="10000")
+    # The 10 s batch window keeps the texts queued long enough to watch them go (fewer than
+    # a chunk holds: a full chunk does not wait for the window).
+    env = server_env(tiny_export, tmp_path, BGE_M3_BATCH_DELAY_MS="10000",
+                     BGE_M3_MAX_CHUNK_TOKENS="8192")
     body = json.dumps({"input": [f"abandoned {i} " + "word " * 50 for i in range(4)]}).encode()
     with ServerProc(env) as proc:
         proc.wait_health(timeout=START_TIMEOUT)
@@ -289,10 +291,11 @@ def test_overload_answers_429_at_once(tiny_export: Path, tmp_path: Path) -> None
 def test_sigterm_drains_accepted_requests_and_exits_0(tiny_export: Path, tmp_path: Path,
                                                       engine: Engine) -> None:
     per_request, n = 4, 8
-    # Queued texts wait for the batch window: once /health counts all of them, every request
-    # has been accepted; SIGTERM then arrives with all of them still in flight.
+    # Queued texts wait for the batch window (fewer than a chunk holds: a full chunk does not
+    # wait for it): once /health counts all of them, every request has been accepted;
+    # SIGTERM then arrives with all of them still in flight.
     env = server_env(tiny_export, tmp_path, BGE_M3_BATCH_DELAY_MS="1500",
-                     BGE_M3_SHUTDOWN_TIMEOUT_SECS="15")
+                     BGE_M3_SHUTDOWN_TIMEOUT_SECS="15", BGE_M3_MAX_CHUNK_TOKENS="8192")
     texts = [[f"shutdown {i}.{j} " + "text " * (5 + 3 * j) for j in range(per_request)]
              for i in range(n)]
     with ServerProc(env) as proc:
