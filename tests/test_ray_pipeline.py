@@ -281,23 +281,28 @@ def test_a_ray_run_into_a_folder_of_another_model_is_refused_and_writes_nothing(
 def test_a_ray_colbert_job_keeps_each_shards_vectors_within_the_limit(
         cluster: str, tiny_export: Path, tmp_path: Path) -> None:
     """BGE_M3_MAX_COLBERT_MB bounds the Ray path too: a write task held a whole read's
-    vectors (review), which the actors gave a 64-row block at a time and Ray joined into
-    128 MiB blocks. Now the actors give parts of half the limit, Ray's blocks are no larger,
-    and each shard is within it (plus the text that passes it); every vector as embed's."""
+    vectors (review), which the actors gave a whole block of rows at a time and Ray joined
+    into 128 MiB blocks. Now the actors give parts of half the limit (the driver's, pinned
+    for every actor), Ray's blocks are no larger, and each shard is within the limit (plus
+    the text that passes it); every vector as embed's."""
     import numpy as np
 
-    texts = {f"t{i:03d}": " ".join(["word"] * (200 if i < 64 else 3)) + f" {i}"
-             for i in range(128)}
+    from bgeserve.ray.pipeline import actor_env
+
+    texts = {f"t{i:03d}": " ".join(["word"] * (200 if i < 128 else 3)) + f" {i}"
+             for i in range(192)}
     write_jsonl(tmp_path / "in" / "a.jsonl", texts)
-    job = BulkJob(inputs=(str(tmp_path / "in"),), output=tmp_path / "out", outputs=("colbert",))
-    summary = run_ray(job, resolve_settings({**env(tiny_export, tmp_path / "cache"),
-                                             "BGE_M3_MAX_COLBERT_MB": "1"}))
+    job = BulkJob(inputs=(str(tmp_path / "in"),), output=tmp_path / "out", outputs=("colbert",),
+                  shard_rows=128)
+    settings = resolve_settings({**env(tiny_export, tmp_path / "cache"),
+                                 "BGE_M3_MAX_COLBERT_MB": "1"})
+    assert actor_env(settings)["BGE_M3_MAX_COLBERT_MB"] == "1"
+    summary = run_ray(job, settings)
     per_text = 127 * 32 * 4  # 128 tokens (max_seq), CLS excluded, 32 floats each
-    limit = (1 << 20) // 2
     shards = [pq.read_table(p) for p in job.output.glob("*.parquet")]
-    long_rows = [sum(int(i[1:]) < 64 for i in t["id"].to_pylist()) for t in shards]
-    assert summary.rows == 128 and sum(long_rows) == 64
-    assert max(long_rows) * per_text <= limit + per_text, long_rows
+    long_rows = [sum(int(i[1:]) < 128 for i in t["id"].to_pylist()) for t in shards]
+    assert summary.rows == 192 and sum(long_rows) == 128
+    assert max(long_rows) * per_text <= (1 << 20) + per_text, long_rows  # 128 were one shard
     table = read_output(job.output)
     with Engine(tiny_export, "fp32", config=EngineConfig(max_seq=128)) as engine:
         want = engine.embed(list(texts.values()), dense=False, colbert=True)

@@ -63,11 +63,19 @@ def actor_pool(node_cpus: list[int], cpus_per_actor: float | None) -> tuple[floa
 def actor_env(settings: Settings) -> dict[str, str]:
     """The driver's settings as ``BGE_M3_*`` variables for the actors, the variant and runtime
     the driver resolved pinned: nodes left to choose by their own CPUs could mix variants in
-    one output."""
+    one output; and the ColBERT limit (``colbert_limit``): actors sizing it by their own
+    memory would cut their batches, and so Ray's blocks and the shards, each its own way."""
     env = settings_env(settings)
     env["BGE_M3_MODEL"] = settings.variant
     env["BGE_M3_EP"] = settings.execution_provider
+    env["BGE_M3_MAX_COLBERT_MB"] = str(colbert_limit(settings) >> 20)
     return env
+
+
+def colbert_limit(settings: Settings) -> int:
+    """The ColBERT vectors a shard holds at most: BGE_M3_MAX_COLBERT_MB, else the server's
+    default on the driver, in whole MiB (as the actors are told it)."""
+    return max(1, plan.colbert_bytes(settings) >> 20) << 20
 
 
 def run_identity(folder: Path, results: list[dict[str, Any]]) -> str | None:
@@ -181,12 +189,13 @@ def run(job: BulkJob, settings: Settings, address: str | None = None,
                  actors, cpus)
         progress = Progress(None, skipped, bar=False)  # Ray Data shows its own progress
         progress.summary.skipped_bad = skipped_bad
-        # A shard's ColBERT vectors as the Embedder gives them (half the limit): held by
-        # the write task while its Parquet is written, a part of a read at a time.
-        limit = plan.colbert_bytes(settings) // 2 if "colbert" in job.outputs else None
+        # The Embedder gives a batch in parts of half the limit, Ray's blocks are no larger,
+        # and a write task (one block, or a few) cuts its shards at the limit: a shard is
+        # held while its Parquet is written, a part of a read at a time.
+        limit = colbert_limit(settings) if "colbert" in job.outputs else None
         sink = ShardSink(out.path, job.outputs, recorded, job.rows_per_shard, limit)
         try:
-            with _quiet_refusals(), _block_bytes(limit):
+            with _quiet_refusals(), _block_bytes(None if limit is None else limit // 2):
                 # One block per shard-sized block of rows: Ray would otherwise split each
                 # read's output to reach twice the cluster's CPUs: only smaller shards.
                 ds = ray.data.read_datasource(BulkSource(sources, job, coverage),
