@@ -96,7 +96,7 @@ class ShardSink(Datasink):
         blocks of a read (a whole file), which were written as one shard (QA: --shard-rows
         ignored, a resume redid whole files), held whole as one table (review: a read's
         ColBERT vectors in the task's memory, copied twice). Blocks are taken one at a time,
-        each shard written as soon as the next block's rows belong to another."""
+        each shard written as soon as the next rows belong to another or pass ``max_bytes``."""
         result: dict[str, Any] = {"rows": 0, "tokens": 0, "bad": [], "shards": 0,
                                   "paths": [], "identity": None}
         for part in self._shards(blocks):
@@ -120,8 +120,9 @@ class ShardSink(Datasink):
         """The rows of ``blocks`` by (source, aligned block), in order: the local job's cut
         (``bulk.job.blocks``), so a resumed run and shard names agree with it; an aligned
         block's rows cut where their ColBERT vectors pass ``max_bytes`` (``bulk.model.runs``
-        over its rows from its first: the same rows are cut the same wherever Ray's blocks
-        end, so a task run again writes the same shards, not overlapping ones: review)."""
+        over the task's rows of it: cut the same wherever Ray's blocks end within the task, so
+        a task run again writes the same shards, not overlapping ones: review; the limit is
+        the driver's, pinned for every actor, so the blocks themselves come alike)."""
         held: list[pa.Table] = []
         held_key: tuple[str, int] | None = None
         held_rows = held_bytes = 0
