@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import io
 import itertools
 import json
@@ -441,15 +442,14 @@ def _csv(source: Source, text_column: str, id_column: str) -> Iterator[Rows]:
     # A line with too many or too few cells is a bad row too. Parsed on one thread, the
     # reader tells its record number (1: the header), so the rows keep their places.
     malformed: dict[int, tuple[str, str | None]] = {}  # row: (why, its id as read)
-    header: list[str] = []
+    header = functools.cache(functools.partial(_csv_header, source))  # read once, if needed
 
     def invalid(row) -> str:
         if row.number is None or row.number < 2:
             return "error"  # no place to give it: the reader's own error names the file
-        header[:] = header or _csv_header(source)
         malformed[row.number - 2] = (
             f"expected {row.expected_columns} cells, found {row.actual_columns}",
-            _id_cell(row.text, header, id_column, text_column))
+            _id_cell(row.text, header(), id_column, text_column))
         return "skip"
 
     start = 0  # the next data row's number

@@ -124,28 +124,27 @@ def _cut_is_exact(spec: dict, normalize: Callable[[str], str]) -> bool:
         for a in added)
 
 
+def _pre_tokenizers(pre_tokenizer: dict | None) -> Iterator[dict]:
+    """The pre-tokenizers (tokenizer.json's) of ``pre_tokenizer``, a Sequence's unfolded."""
+    if not pre_tokenizer:
+        return
+    if pre_tokenizer.get("type") == "Sequence":
+        for p in pre_tokenizer.get("pretokenizers", []):
+            yield from _pre_tokenizers(p)
+    else:
+        yield pre_tokenizer
+
+
 def _splits_on_spaces(pre_tokenizer: dict | None) -> bool:
     """Whether a pre-tokenizer (tokenizer.json's) cuts text at spaces, so no token spans two
     space-separated words (XLM-R's: Metaspace with split, or WhitespaceSplit)."""
-    if not pre_tokenizer:
-        return False
-    kind = pre_tokenizer.get("type")
-    if kind == "Sequence":
-        return any(_splits_on_spaces(p) for p in pre_tokenizer.get("pretokenizers", []))
     # ByteLevel's regex (GPT-2's, RoBERTa's) takes a space into the word after it (" b"), and
     # a run of spaces into a piece of its own: a cut before a space, as ``_leading`` makes it,
     # ends a piece as in the whole text (QA: a ByteLevel BPE's long texts were refused).
-    return kind in _WORD_SPLITTERS or (kind == "Metaspace" and pre_tokenizer.get("split", True)) \
-        or (kind == "ByteLevel" and pre_tokenizer.get("use_regex", True))
-
-
-def _has_pre_tokenizer(pre_tokenizer: dict | None, kind: str) -> bool:
-    """Whether a pre-tokenizer (tokenizer.json's) is ``kind`` or a Sequence holding one."""
-    if not pre_tokenizer:
-        return False
-    if pre_tokenizer.get("type") == "Sequence":
-        return any(_has_pre_tokenizer(p, kind) for p in pre_tokenizer.get("pretokenizers", []))
-    return pre_tokenizer.get("type") == kind
+    return any(p.get("type") in _WORD_SPLITTERS
+               or (p.get("type") == "Metaspace" and p.get("split", True))
+               or (p.get("type") == "ByteLevel" and p.get("use_regex", True))
+               for p in _pre_tokenizers(pre_tokenizer))
 
 
 def _splits_at(tokenizer: tokenizers.Tokenizer, char: str) -> bool:
@@ -245,7 +244,8 @@ class Tokenizer:
         # regex makes a run of mixed whitespace one piece, cut apart otherwise (review:
         # "x\t\t\t  y" cut after the tabs ended in a piece the whole text lacks).
         self._cut_strip: str | None = (
-            None if _has_pre_tokenizer(spec.get("pre_tokenizer"), "ByteLevel") else self._breaks)
+            None if any(p.get("type") == "ByteLevel"
+                        for p in _pre_tokenizers(spec.get("pre_tokenizer"))) else self._breaks)
 
     @classmethod
     def load(cls, path: Path, max_seq: int, max_whole_chars: int | None = None,

@@ -18,9 +18,10 @@ its vectors into the output.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -126,6 +127,7 @@ class ShardSink(Datasink):
         held: list[pa.Table] = []
         held_key: tuple[str, int] | None = None
         held_rows = held_bytes = 0
+        limit = math.inf if self.max_bytes is None else self.max_bytes
         for block in blocks:
             for key, piece in self._aligned(block):
                 if held and key != held_key:
@@ -133,7 +135,7 @@ class ShardSink(Datasink):
                     held, held_rows, held_bytes = [], 0, 0
                 held_key, start = key, 0
                 for i, size in enumerate(self._row_bytes(piece)):
-                    if held_rows + i - start and held_bytes + size > cast(int, self.max_bytes):
+                    if held_rows + i - start and held_bytes + size > limit:
                         held.append(piece.slice(start, i - start))
                         yield pa.concat_tables(held, promote_options="default")
                         held, held_rows, held_bytes, start = [], 0, 0, i
