@@ -288,17 +288,23 @@ def test_second_start_is_a_cache_hit(exact_probe: dict[str, object], tiny_export
         assert service.engine.cost_model.a == state.a
 
 
-def test_other_max_seq_misses_the_cache(exact_probe: dict[str, object], tiny_export: Path,
-                                        tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """max_seq is part of the fingerprint: another value must not reuse the fit."""
+def test_a_shorter_max_seq_reads_the_fit_of_a_longer_one(
+        exact_probe: dict[str, object], tiny_export: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_seq is part of the fingerprint, but the probe measured every shape up to it: a
+    start with a shorter one serves the fit made for the longer one (QA: refused at 8,192
+    with "longest that fits: 2,278", a start at 2,278 probed again in what was left and said
+    "1,119"), and a probe it runs is saved under its own key (``ProbeCache.covering``)."""
     caplog.set_level(logging.INFO, logger="bgeserve")
     monkeypatch.setattr(probe_module, "PeakMeter", ExactMeter)
     cache = copy_cache(exact_probe, tmp_path / "cache")
     env = in_process_env(tiny_export, cache)
     env["BGE_M3_MAX_SEQ_LENGTH"] = "7168"  # still no room for a second copy
-    with loaded(env):
-        assert ready_status(caplog) == "complete"  # measured again, not a cache hit
+    with loaded(env) as service:
+        assert ready_status(caplog) == "cache_hit"
+        state = service.tuner.state  # type: ignore[union-attr]
+        assert (state.a, state.b) == (exact_probe["a"], exact_probe["b"])
+    assert "using the fit measured for max_seq 8192, which covers 7168" in caplog.text
 
 
 def test_disable_probe_cache_forces_a_probe(exact_probe: dict[str, object], tiny_export: Path,
@@ -562,6 +568,44 @@ def test_a_fit_probed_short_of_memory_is_measured_again_once_memory_is_there(
     assert probed(4 << 30, whole).state.probe_status == "cache_hit"
 
 
+def test_the_probe_cache_reads_a_fit_made_for_a_longer_max_seq(tmp_path: Path) -> None:
+    """``covering``: a key's own fit first; else the fit of the shortest longer max_seq with
+    every other part alike; never a failure's, another model's or variant's, nor a record
+    whose parts are not what its key was made of."""
+    from bgeserve.tuning.cache import fingerprint
+    from bgeserve.tuning.costmodel import Fit
+
+    store = ProbeCache.at(tmp_path)
+    fit = Fit(a=1e4, b=1.0, max_rel_residual=0.01, held_out_rel_error=None)
+
+    def parts(max_seq: int, variant: str = "fp32") -> dict[str, object]:
+        return {"model": "m:1:2", "variant": variant, "threads": 2, "max_seq": max_seq}
+
+    def key(max_seq: int, variant: str = "fp32") -> str:
+        return fingerprint(parts(max_seq, variant))
+
+    assert store.covering(key(2048), parts(2048)) == key(2048)  # nothing cached
+    store.save(key(8192), fit, parts(8192), [])
+    store.save(key(4096), fit, parts(4096), [])
+    store.save_failure(key(3072), "killed", parts(3072), [])
+    store.save(key(1024, "int8"), fit, parts(1024, "int8"), [])
+    assert store.covering(key(2048), parts(2048)) == key(4096)  # the shortest that covers
+    assert store.covering(key(6000), parts(6000)) == key(8192)
+    assert store.covering(key(9000), parts(9000)) == key(9000)  # none measured that long
+    assert store.covering(key(3000), parts(3000)) == key(4096)  # not the failure of 3,072
+    assert store.covering(key(512, "int8"), parts(512, "int8")) == key(1024, "int8")
+    assert store.covering(key(512, "bf16"), parts(512, "bf16")) == key(512, "bf16")
+    assert store.covering(key(8192), parts(8192)) == key(8192)  # its own
+    store.save(key(2048), fit, parts(2048), [])
+    assert store.covering(key(2048), parts(2048)) == key(2048)
+    # A record whose parts are not those its key was made of is no one's.
+    forged = tmp_path / "forged"
+    ProbeCache.at(forged).save(key(8192), fit, parts(8192, "int8"), [])
+    assert ProbeCache.at(forged).covering(key(100), parts(100)) == key(100)
+    assert ProbeCache.at(forged).covering(key(100, "int8"), parts(100, "int8")) == key(
+        100, "int8")
+
+
 def test_a_cached_fit_that_refuses_the_start_says_so(tiny_export: Path, tmp_path: Path) -> None:
     """The refusal of a start whose cached fit does not fit one text names the cache and how to
     measure again (the operator raising the limit as it advised got the same refusal)."""
@@ -597,9 +641,9 @@ def test_a_cached_fit_just_short_of_one_text_serves_as_the_start_that_measured_i
         start(1000 * 470 ** 2, "complete")  # measured on the serving session first
     assert caplog.text.count("fits texts of at most 470 tokens, below "
                              "BGE_M3_MAX_SEQ_LENGTH=512 (within 10%): serving") == 2
-    with pytest.raises(ConfigError, match="longest that fits: 450"):
+    with pytest.raises(ConfigError, match="longest that fits: 384"):  # 2% under 450, by 64s
         start(1000 * 450 ** 2)  # 87.9%
-    with pytest.raises(ConfigError, match="longest that fits: 470"):
+    with pytest.raises(ConfigError, match="longest that fits: 448"):
         start(1000 * 470 ** 2, "running")  # the conservative estimate: measured first
 
 

@@ -226,7 +226,7 @@ class Service:
                     "provider": s.execution_provider, "threads": s.threads_per_worker,
                     "max_seq": s.max_seq_length}
             try:
-                cost = tuner.initial(model_cost, fingerprint)
+                cost = tuner.initial(model_cost, fingerprint, parts)
                 first = tuner.state.probe_mode == "in_process"
             except UnmeasuredFloor as exc:
                 # The conservative estimate is far above what shapes really cost (2.5x for
@@ -240,7 +240,7 @@ class Service:
                                    "the serving session, before serving)")
                 tuner.measure_first(probe_source(engine, spec, in_process=True), model_cost,
                                     fingerprint, parts)
-                cost = tuner.initial(model_cost, fingerprint)  # refuses if still too short
+                cost = tuner.initial(model_cost, fingerprint, parts)  # refuses if still too short
             self.audit = WorkspaceAudit(self._predict, on_breach=self._on_breach)
             engine.set_audit(self.audit)
             self._reprobe = lambda: tuner.reprobe(probe_source(engine, spec, in_process=False),

@@ -148,7 +148,7 @@ class Reranking:
         self.tuner.share(available, source)
         try:
             try:
-                cost = self.tuner.initial(self.model_cost, fingerprint)
+                cost = self.tuner.initial(self.model_cost, fingerprint, parts)
             except UnmeasuredFloor as exc:
                 # On the serving sessions, as bge-m3's is when a second copy does not fit: a
                 # probe child loading its own copy beside both models ran out of the room it
@@ -157,7 +157,7 @@ class Reranking:
                             exc.message.split(". ")[0])
                 self.tuner.measure_first(probe_source(self.engine, spec, in_process=True),
                                          self.model_cost, fingerprint, parts)
-                cost = self.tuner.initial(self.model_cost, fingerprint)
+                cost = self.tuner.initial(self.model_cost, fingerprint, parts)
         except DoesNotFit as exc:
             # The reranker's own refusal: no reason to serve bge-m3 in another variant (the
             # service does that for a DoesNotFit of bge-m3's).

@@ -158,6 +158,54 @@ class ProbeCache:
         logger.warning("probe cache %s %s; ignoring it and probing again", self.path, reason)
         return None
 
+    def covering(self, key: str, parts: Mapping[str, object]) -> str:
+        """The key to read the probe's outcome for ``key`` (made of ``parts``) under: its own
+        where it has a fit; else that of a fit made for a longer ``max_seq``, all its other
+        parts alike (the shortest such); else its own.
+
+        The probe measures shapes up to max_seq, so a fit made for a longer one has measured
+        every shape a shorter one runs. Keyed on max_seq alone, a start refused at 8,192
+        tokens with "longest that fits: 2,278" (the cached fit) probed again at 2,278, in what
+        memory was left, and said "1,119" (QA): the advice moved as it was followed."""
+        wanted = parts.get("max_seq")
+        if type(wanted) is not int:
+            return key
+        others = json.loads(json.dumps({k: v for k, v in parts.items() if k != "max_seq"}))
+        best: tuple[int, str] | None = None
+        for text in self._texts():
+            try:
+                record = json.loads(text)
+            except (ValueError, RecursionError):
+                continue
+            theirs = record.get("parts") if isinstance(record, dict) else None
+            found = record.get("fingerprint") if isinstance(record, dict) else None
+            if not isinstance(theirs, dict) or not isinstance(found, str):
+                continue
+            if not isinstance(_parse_record(text, found), Fit):
+                continue
+            if found == key:
+                return key
+            seq = theirs.get("max_seq")
+            if (type(seq) is int and seq > wanted and (best is None or seq < best[0])
+                    and {k: v for k, v in theirs.items() if k != "max_seq"} == others
+                    and fingerprint(theirs) == found):
+                best = (seq, found)
+        if best is None:
+            return key
+        logger.info("probe cache: using the fit measured for max_seq %d, which covers %d",
+                    best[0], wanted)
+        return best[1]
+
+    def _texts(self) -> list[str]:
+        """The texts of the newest record and of those kept beside it."""
+        folder = self.path.with_name(f"{self.path.stem}.d")
+        try:
+            kept = sorted(folder.glob("*.json"))
+        except OSError:
+            kept = []
+        texts = (_read_text(path) for path in (self.path, *kept))
+        return [text for text in texts if text is not None]
+
     def save_failure(self, fingerprint: str, error: str, parts: Mapping[str, object],
                      samples: Sequence[Sample], *, held_out: Sample | None = None,
                      process_died: bool = False) -> Failure:

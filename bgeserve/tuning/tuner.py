@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,6 +109,19 @@ class TuningState:
 
 
 MIN_USEFUL_SEQ = 64  # a budget fitting no text this long is no budget to serve with
+# The refusal's "longest that fits" is what a restart is set to, and the budget it is read off
+# moves a little between starts (the model's memory as measured: 4,102-4,110 tokens for the
+# same settings, tiny fp32 under a 340 MB cap): at the figure itself a restart fitted 4,094
+# of 4,104 and served with the texts past that refused. So it is said this much under, and
+# rounded down to a multiple of ADVICE_STEP.
+ADVICE_MARGIN = 0.98
+ADVICE_STEP = 64
+
+
+def advised(longest: int) -> int:
+    """The max_seq to advise where ``longest`` tokens fit (``ADVICE_MARGIN``)."""
+    n = int(longest * ADVICE_MARGIN)
+    return n - n % ADVICE_STEP if n >= ADVICE_STEP else n
 # A measured fit whose longest text is at least this share of max_seq serves rather than
 # refuses the start (the texts past it get 413), as a start whose probe finishes after it is
 # serving does.
@@ -204,10 +217,14 @@ class Tuner:
         (``budget.split_available``)."""
         self.state.available_bytes, self.state.memory_source = available, source
 
-    def initial(self, model_cost: int, fingerprint: str | None) -> CostModel:
+    def initial(self, model_cost: int, fingerprint: str | None,
+                parts: Mapping[str, object] | None = None) -> CostModel:
         """The cost model to serve with from the start; sets ``probe_status`` and, when it is
         ``running``, ``probe_mode``: ``child`` (``start_probe`` it once the server is ready) or
-        ``in_process`` (``measure_first`` it, on the serving session, before).
+        ``in_process`` (``measure_first`` it, on the serving session, before). With the
+        ``parts`` of ``fingerprint``, a cached fit made for a longer max_seq serves where this
+        one has none (``ProbeCache.covering``); what is measured is saved under
+        ``fingerprint`` still.
 
         Raises:
             UnmeasuredFloor: by the conservative estimate one ``max_seq`` text cannot fit and
@@ -240,14 +257,15 @@ class Tuner:
         elif self._gave_up is not None:  # measured before serving, and it failed
             s.probe_status, s.probe_error = "failed", self._gave_up
         else:
-            cached = self._cached(fingerprint)
-            if isinstance(cached, Fit) and self._measured_short(fingerprint, model_cost):
+            key = self._covering(fingerprint, parts)
+            cached = self._cached(key)
+            if isinstance(cached, Fit) and self._measured_short(key, model_cost):
                 cached = None
             if isinstance(cached, Fit):
                 a, b, c_fixed, s.probe_status = cached.a, cached.b, cached.c, "cache_hit"
                 store = cache.ProbeCache(self.cache_path)
-                self._choose_chunks(store.chunk_rates(fingerprint or ""))
-                self._use_run_cost(store.run_cost(fingerprint or ""))
+                self._choose_chunks(store.chunk_rates(key or ""))
+                self._use_run_cost(store.run_cost(key or ""))
             elif isinstance(cached, cache.Failure) and cached.attempts >= MAX_ATTEMPTS:
                 s.probe_status, s.probe_error = "failed", (
                     f"{cached.error} (cached: the probe failed {cached.attempts} times for "
@@ -289,6 +307,15 @@ class Tuner:
         log.info("probe cache: its probe skipped shapes for a budget of %d MiB per worker; "
                  "a probe would have %d MiB now: probing again", then >> 20, now >> 20)
         return True
+
+    def _covering(self, fingerprint: str | None,
+                  parts: Mapping[str, object] | None) -> str | None:
+        """The key the cached fit for ``fingerprint`` is read under (``ProbeCache.covering``):
+        its own without ``parts`` or a cache."""
+        c = self.config
+        if not fingerprint or parts is None or c.cache_dir is None or c.disable_probe_cache:
+            return fingerprint
+        return cache.ProbeCache(self.cache_path).covering(fingerprint, parts)
 
     def _cached(self, fingerprint: str | None) -> Fit | cache.Failure | None:
         c = self.config
@@ -343,7 +370,7 @@ class Tuner:
             f"{cost.max_workspace_bytes / 2**20:.0f} MiB ({why}). "
             # "longest that fits: 0": no length to lower to (the runtime's fixed term alone,
             # OpenVINO's ~390 MiB pool, was more than the budget).
-            + (f"Lower {c.length_variable} (longest that fits: {cost.max_seq()})"
+            + (f"Lower {c.length_variable} (longest that fits: {advised(cost.max_seq())})"
                if cost.max_seq() >= MIN_USEFUL_SEQ or not host else
                f"Not even a {MIN_USEFUL_SEQ}-token text fits: lowering {c.length_variable} "
                "does not help; serve a variant that needs less memory (BGE_M3_MODEL)")
