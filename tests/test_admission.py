@@ -286,6 +286,95 @@ def test_a_long_texts_tokens_count_for_their_attention() -> None:
     assert gate.room() < 0 and gate.limit() == 8_000
 
 
+def test_retry_soon_where_the_rate_was_measured_on_shorter_texts_than_queued() -> None:
+    """Before chunks of the long texts queued have run, their work's rate is a guess off short
+    runs (mostly a run's fixed cost): the share's 429 says so, and Retry-After no later than
+    UNMEASURED_CHUNKS of their chunks at the probe's speed, at least UNMEASURED_RETRY_S
+    (queries behind one ingestion request were told 40 s where it ran in 15-19 s). Once the
+    rate was measured on texts as long (within LONGEST_MEMORY_S), or without a probe's speed,
+    the Retry-After is the drain's."""
+    from bgeserve.service.admission import LONGEST_MEMORY_S, UNMEASURED_RETRY_S
+
+    def refused(lengths: list[int], idle_s: float = 0.0, queries: int = 0,
+                needed: int = 10, chunk_s: float | None = 0.1) -> Overloaded:
+        clock = Clock()
+        drain = DrainMeter(clock=clock)
+        for n in lengths:
+            clock.t += 0.1
+            drain.record(n, n * 1e-4, squares=n * n)  # 10,000 tokens' worth a second
+        clock.t += idle_s
+        for _ in range(queries):  # after the window, only queries: the same rate
+            clock.t += 0.1
+            drain.record(40, 40 * 1e-4, squares=40 * 40)
+        asked: list[float] = []
+
+        def chunk_seconds(length: float) -> float | None:
+            asked.append(length)
+            return chunk_s
+
+        gate = AdmissionGate(10_000_000, lambda: 400_000, drain, deadline_s=10.0,
+                             queued_squares=lambda: 200 * 2_000**2, attention=lambda: 1e9,
+                             chunk_seconds=chunk_seconds)
+        with pytest.raises(Overloaded) as caught:
+            gate.reserve(needed)
+        assert asked in ([], [2_000.0])  # the mean length of what is held
+        return caught.value
+
+    guess = refused([40] * 20)
+    assert guess.retry_after == UNMEASURED_RETRY_S
+    assert "a guess: that rate was measured on shorter texts than those queued, whose " \
+        "chunks take ~0.1s each at the speed the start-up probe measured" in guess.message
+    assert refused([40] * 20, chunk_s=6.2).retry_after == 13.0  # two chunks of them
+    assert refused([40] * 20, chunk_s=100.0).retry_after == 33.0  # the drain's, if sooner
+    unknown = refused([40] * 20, chunk_s=None)  # no probe's speed: the drain's
+    assert unknown.retry_after == 33.0 and "a guess" not in unknown.message
+    measured = refused([40] * 20 + [2_000])
+    assert measured.retry_after == 32.0  # ~40 s of work held, 7.5 s of it the share
+    assert "a guess" not in measured.message
+    # One chunk as long after many short ones: the rate is still mostly theirs (its texts'
+    # length weighted by run time, 217 here, where 2,000 is queued).
+    assert refused([40] * 20 + [501]).retry_after == 2.0
+    assert refused([40] * 20 + [1_000] * 2).retry_after == 2.0  # 726
+    assert refused([40] * 20 + [1_500] * 2).retry_after > 20  # 1,193 of 2,000: measured
+    # A chunk of them 30 s ago, queries since: measured (a long chunk outlasts the window);
+    # and one as long 20 s after it counts for 60 s from its own time (QA).
+    assert refused([2_000], idle_s=30.0, queries=20).retry_after > 30
+    assert refused([2_000], idle_s=LONGEST_MEMORY_S + 1, queries=20).retry_after == 2.0
+    clock = Clock()
+    drain = DrainMeter(clock=clock)
+    drain.record(2_000, 0.2, squares=2_000**2)
+    clock.t += 20
+    drain.record(1_900, 0.19, squares=1_900**2)
+    for _ in range(45):  # queries, one a second
+        clock.t += 1
+        drain.record(40, 4e-3, squares=40 * 40)
+    assert drain.longest() == 1_900.0  # measured 45 s ago
+    clock.t += 30  # the windows that held it are over 60 s old
+    drain.record(40, 4e-3, squares=40 * 40)
+    assert drain.longest() == pytest.approx(40.0)
+    # One let in only alone keeps the queue by its Retry-After: not a guess's (a keep of 2 s
+    # ended before the queue drained; review).
+    alone = refused([40] * 20, needed=100_000)
+    assert "let in only when nothing else is queued" in alone.message
+    assert "a guess" not in alone.message and alone.retry_after > 30
+
+
+def test_a_chunk_of_long_texts_takes_what_the_probe_measured() -> None:
+    """``chunk_seconds``: one chunk of texts of a length at the probe's run cost, as many a
+    chunk as the budget holds (one where a text is longer); None before the probe."""
+    from types import SimpleNamespace
+
+    from bgeserve.service.admission import chunk_seconds
+    from bgeserve.tuning.runcost import RunCost
+
+    cost = RunCost(0.0131, per_token=0.845e-3, per_pair=0.34e-6, attention=2000.0)
+    engine = SimpleNamespace(run_cost=cost, max_chunk_tokens=4096)
+    # Two texts of 2,000 tokens: 0.0131 + 0.845e-3 x 2 x 2,000 x (1 + 2,000 / 2,000).
+    assert chunk_seconds(engine, 2_000.0) == pytest.approx(0.0131 + 0.845e-3 * 8_000)
+    assert chunk_seconds(engine, 8_000.0) == pytest.approx(0.0131 + 0.845e-3 * 40_000)
+    assert chunk_seconds(SimpleNamespace(run_cost=None, max_chunk_tokens=4096), 2_000.0) is None
+
+
 class Tracked:
     """A job as the gate tracks it: its deadline (monotonic), hashed by identity."""
 

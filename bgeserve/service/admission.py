@@ -80,6 +80,16 @@ KEPT_GRACE_S = 2.0
 # shapes' per_token / per_pair, 1,801, 1,888 and 3,461 on those starts, is used where a cache
 # predates that); where it did not measure A, this.
 DEFAULT_ATTENTION_TOKENS = 2048.0
+# Where the texts queued are on average this many times longer than those the drain rate was
+# lately measured on (``DrainMeter.longest``, kept LONGEST_MEMORY_S), the rate of their work is
+# a guess read off shorter runs (mostly a run's fixed cost, which the rate counts as work), and
+# the share's 429 says Retry-After no later than when UNMEASURED_CHUNKS chunks of them have run
+# at the speed the start-up probe measured (``chunk_seconds``), at least UNMEASURED_RETRY_S:
+# by then their chunks have measured the rate.
+UNMEASURED_SPREAD = 2.0
+UNMEASURED_CHUNKS = 2  # the one running may run first
+UNMEASURED_RETRY_S = 2.0
+LONGEST_MEMORY_S = 60.0
 # An A fitted on the short shapes below this is the fit's noise, not a model.
 MIN_ATTENTION_TOKENS = 128.0
 # One read off long runs is measured where it matters (the tiny test model, hidden 32: 20-200
@@ -104,6 +114,19 @@ def attention_tokens(engine: Engine) -> float:
         return max(MIN_LONG_ATTENTION_TOKENS, cost.attention)
     measured = None if cost is None else cost.attention_tokens
     return DEFAULT_ATTENTION_TOKENS if measured is None else max(MIN_ATTENTION_TOKENS, measured)
+
+
+def chunk_seconds(engine: Engine, length: float) -> float | None:
+    """Seconds one chunk of texts of ``length`` tokens takes at the speed the start-up probe
+    measured (its run cost; a text longer than the chunk budget runs alone); None before the
+    probe measured it."""
+    cost = engine.run_cost
+    if cost is None or length <= 0:
+        return None
+    budget = engine.max_chunk_tokens or length
+    texts = max(1, int(budget // length))
+    return cost.fixed + cost.per_token * texts * work(
+        round(length), round(length * length), attention_tokens(engine))
 
 
 def where_late(jobs: Sequence[Job], drain: DrainMeter, attention: float,
@@ -158,6 +181,13 @@ class DrainMeter:
         self._last: tuple[int, int, float] = (0, 0, 0.0)
         self._stale = False  # the events changed since _last was read off them
         self._measured_work = False  # a chunk not solo was recorded
+        # The window's mean text lengths (``longest``) of the last LONGEST_MEMORY_S and when
+        # each was read, each shorter than the one before (a sliding maximum: the first is
+        # the largest; QA: one kept until 60 s after it was set forgot a chunk as long
+        # measured since).
+        self._lengths: deque[tuple[float, float]] = deque()
+        # The window's run seconds and run seconds x mean text length, summed (as it changes).
+        self._timed = [0.0, 0.0]
         self._lock = threading.Lock()
 
     def record(self, tokens: int, seconds: float, squares: int = 0, solo: bool = False) -> None:
@@ -171,14 +201,35 @@ class DrainMeter:
                 return
             self._measured_work = self._measured_work or not solo
             now = self.clock()
-            self._events.append((now, now - max(0.0, seconds), tokens, squares))
+            if len(self._events) == self._events.maxlen:
+                self._forget(self._events.popleft())
+            event = (now, now - max(0.0, seconds), tokens, squares)
+            self._events.append(event)
+            self._timed[0] += event[0] - event[1]
+            self._timed[1] += (event[0] - event[1]) * (squares / tokens if tokens else 0.0)
             self._stale = True
             self._expire(now)
+            # The window's mean text length, each chunk weighted by its run time: the rate
+            # is mostly that of the chunks that took the time (``longest``).
+            length = self._timed[1] / self._timed[0] if self._timed[0] > 0 else 0.0
+            while self._lengths and self._lengths[-1][0] <= length:
+                self._lengths.pop()
+            self._lengths.append((length, now))
+            while self._lengths[0][1] < now - LONGEST_MEMORY_S:
+                self._lengths.popleft()
 
     def _expire(self, now: float) -> None:
         while self._events and self._events[0][0] < now - self.window:
-            self._events.popleft()
+            self._forget(self._events.popleft())
             self._stale = True
+        if not self._events:
+            self._timed = [0.0, 0.0]  # no rounding left over
+
+    def _forget(self, event: tuple[float, float, int, int]) -> None:
+        """Take a chunk leaving the window out of ``_timed``."""
+        finish, start, tokens, squares = event
+        self._timed[0] -= finish - start
+        self._timed[1] -= (finish - start) * (squares / tokens if tokens else 0.0)
 
     def recent(self) -> bool:
         """Whether a chunk finished within the window (the queue is draining)."""
@@ -194,6 +245,16 @@ class DrainMeter:
                               max(MIN_BUSY_S, _busy(self._events)))
                 self._stale = False
             return self._last
+
+    def longest(self) -> float:
+        """The text length the rate was lately measured on: the window's mean text length,
+        each chunk's weighted by its run time (the rate is mostly that of the chunks that took
+        the time: one chunk of long texts after 200 queries is not yet), the largest over the
+        ``LONGEST_MEMORY_S`` up to the last chunk (0.0: nothing measured yet). Longer than the
+        10 s window: a chunk of long texts on a CPU runs 15-40 s, and queries between two of
+        them are no sign its texts were never measured."""
+        with self._lock:
+            return self._lengths[0][0] if self._lengths else 0.0
 
     def rate(self) -> float:
         """Tokens per second of running; the last measured rate when nothing finished lately
@@ -238,8 +299,10 @@ class AdmissionGate:
                  queued_squares: Callable[[], int] = lambda: 0,
                  attention: Callable[[], float] = lambda: DEFAULT_ATTENTION_TOKENS,
                  running: Callable[[], list[Running]] = list,
-                 waiting: Callable[[Job], int] = lambda job: 1) -> None:
+                 waiting: Callable[[Job], int] = lambda job: 1,
+                 chunk_seconds: Callable[[float], float | None] = lambda length: None) -> None:
         self.max_tokens = max_tokens
+        self.chunk_seconds = chunk_seconds
         self.queued = queued
         self.running = running
         self.waiting = waiting
@@ -326,10 +389,15 @@ class AdmissionGate:
         if rate <= 0:
             return None
         later_tokens, later_squares, later = self._later_held()
-        running = _running_work(self.running(), rate, attention)
-        held = (work(self.queued() + later_tokens, self.queued_squares() + later_squares,
-                     attention)
-                + self.reserved - own_bound + running)
+        chunks = [r for r in self.running() if not r.solo]
+        running = _running_work(chunks, rate, attention)
+        tokens, squares = self.queued() + later_tokens, self.queued_squares() + later_squares
+        held = work(tokens, squares, attention) + self.reserved - own_bound + running
+        # The texts held, running ones included: their mean length against the rate's.
+        tokens += sum(r.tokens for r in chunks)
+        squares += sum(r.squares for r in chunks)
+        length = squares / tokens if tokens else 0.0
+        unmeasured = length if length > UNMEASURED_SPREAD * self.drain.longest() else 0.0
         now = time.monotonic()  # the jobs' deadlines' clock
         with self._deadlines_lock:
             tracked = list(self._deadlines.items())
@@ -352,7 +420,7 @@ class AdmissionGate:
         if not math.isinf(horizon):
             horizon = max(horizon, min(running / rate, self.deadline_s))
         return _Share(rate * self.deadline_s * QUEUE_DEADLINE_SHARE, held, rate, attention,
-                      earlier, horizon)
+                      earlier, horizon, unmeasured)
 
     def _rooms(self) -> tuple[int, _Share | None, int]:
         """The room under BGE_M3_MAX_QUEUE_TOKENS, the deadline's share, and ``room``."""
@@ -405,9 +473,18 @@ class AdmissionGate:
                "make it late, as requests take turns" if share.tight else
                f"{QUEUE_DEADLINE_SHARE:g} of BGE_M3_REQUEST_TIMEOUT_SECS={self.deadline_s:g} "
                "or of what this request's deadline has left: more would finish late together")
+        # Where the rate is a guess (``_Share.unmeasured``), not for one let in only alone: the
+        # queue is kept for it by its Retry-After (review: a keep of 2 s ended before the
+        # queue drained).
+        chunk = (self.chunk_seconds(whole.unmeasured)
+                 if whole.unmeasured and needed <= whole.own else None)
+        guess = ("" if chunk is None else
+                 "; a guess: that rate was measured on shorter texts than those queued, whose "
+                 f"chunks take ~{chunk:.1f}s each at the speed the start-up probe measured and "
+                 "will measure it")
         said = (f"the queue is full: ~{share.held / share.rate:.1f}s of work are queued, "
                 "running or being admitted (at the measured drain rate, a long text's tokens "
-                "counting more for attention), and the queue takes at most "
+                f"counting more for attention{guess}), and the queue takes at most "
                 f"{share.budget / share.rate:.1f}s of it ({why}), and this request needs "
                 f"~{needed / share.rate:.1f}s, more than the "
                 f"~{max(share.room, 0) / share.rate:.1f}s free")
@@ -427,9 +504,12 @@ class AdmissionGate:
         # drains (both fall together) until that request is answered (review: Retry-After 1,
         # refused again): when its deadline or all that is held has passed, whichever first.
         wait = min(whole.earlier, whole.held) if whole.tight else needed - whole.room
+        retry_after = self._by_horizon(self.retry_after(wait, share.rate), whole)
+        if chunk is not None:
+            retry_after = min(retry_after, max(UNMEASURED_RETRY_S,
+                                               math.ceil(UNMEASURED_CHUNKS * chunk)))
         return Overloaded(said + "; retry after the Retry-After seconds",
-                          retry_after=self._by_horizon(self.retry_after(wait, share.rate),
-                                                       whole))
+                          retry_after=retry_after)
 
     @staticmethod
     def _by_horizon(retry_after: float, share: _Share | None) -> float:
@@ -590,6 +670,9 @@ class _Share:
     attention: float
     earlier: float = math.inf
     horizon: float = math.inf  # seconds until what is held has left the queue at the latest
+    # The texts held, where far longer than those the rate was measured on
+    # (UNMEASURED_SPREAD): their mean length (0.0: the rate is theirs).
+    unmeasured: float = 0.0
 
     @property
     def budget(self) -> float:
@@ -625,7 +708,7 @@ class _Admitting:
         self.gate = AdmissionGate(max_queue_tokens, engine.queued_tokens, drain, deadline_s,
                                   engine.queued_squares,
                                   functools.partial(attention_tokens, engine), engine.running,
-                                  engine.waiting)
+                                  engine.waiting, functools.partial(chunk_seconds, engine))
         self.refused = 0
         self._lock = threading.Lock()
         self._bounds = ThreadPoolExecutor(1, thread_name_prefix="bgeserve-admission")
