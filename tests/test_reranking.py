@@ -148,10 +148,10 @@ def test_a_refusing_estimate_is_measured_on_the_rerankers_serving_sessions(
     initial, measure_first = Tuner.initial, Tuner.measure_first
     sources: list[object] = []
 
-    def refusing(self, model_cost, fingerprint):  # the reranker's first estimate refuses
+    def refusing(self, model_cost, fingerprint, parts=None):  # the reranker's first refuses
         if self.config.cache_dir.name == "reranker" and self._measured is None:
             raise UnmeasuredFloor("one 512-token text needs more than the estimate allows")
-        return initial(self, model_cost, fingerprint)
+        return initial(self, model_cost, fingerprint, parts)
 
     def recording(self, source, *args, **kwargs):
         sources.append(source)
