@@ -52,7 +52,7 @@ def _read_kept(path: Path, key: str) -> str | None:
     return _read_text(kept) if kept is not None else None
 
 
-def fingerprint(parts: Mapping[str, str | int | float]) -> str:
+def fingerprint(parts: Mapping[str, object]) -> str:
     """A stable hex digest of ``parts`` and the probe schema: changes when any part changes."""
     payload = json.dumps(
         {"probe_schema": PROBE_SCHEMA, "parts": dict(parts)}, sort_keys=True, separators=(",", ":")
@@ -168,7 +168,7 @@ class ProbeCache:
         tokens with "longest that fits: 2,278" (the cached fit) probed again at 2,278, in what
         memory was left, and said "1,119" (QA): the advice moved as it was followed."""
         wanted = parts.get("max_seq")
-        if type(wanted) is not int:
+        if type(wanted) is not int or fingerprint(parts) != key:
             return key
         others = json.loads(json.dumps({k: v for k, v in parts.items() if k != "max_seq"}))
         best: tuple[int, str] | None = None

@@ -113,15 +113,21 @@ MIN_USEFUL_SEQ = 64  # a budget fitting no text this long is no budget to serve 
 # moves a little between starts (the model's memory as measured: 4,102-4,110 tokens for the
 # same settings, tiny fp32 under a 340 MB cap): at the figure itself a restart fitted 4,094
 # of 4,104 and served with the texts past that refused. So it is said this much under, and
-# rounded down to a multiple of ADVICE_STEP.
+# long ones rounded down to a multiple of ADVICE_STEP.
 ADVICE_MARGIN = 0.98
 ADVICE_STEP = 64
 
 
 def advised(longest: int) -> int:
-    """The max_seq to advise where ``longest`` tokens fit (``ADVICE_MARGIN``)."""
+    """The max_seq to advise where ``longest`` tokens fit (``ADVICE_MARGIN``; rounded down to
+    ``ADVICE_STEP`` only where that costs under a tenth, and never below MIN_USEFUL_SEQ where
+    that fits: review)."""
     n = int(longest * ADVICE_MARGIN)
-    return n - n % ADVICE_STEP if n >= ADVICE_STEP else n
+    if n >= 10 * ADVICE_STEP:
+        n -= n % ADVICE_STEP
+    return max(n, min(longest, MIN_USEFUL_SEQ))
+
+
 # A measured fit whose longest text is at least this share of max_seq serves rather than
 # refuses the start (the texts past it get 413), as a start whose probe finishes after it is
 # serving does.
@@ -260,7 +266,10 @@ class Tuner:
             key = self._covering(fingerprint, parts)
             cached = self._cached(key)
             if isinstance(cached, Fit) and self._measured_short(key, model_cost):
-                cached = None
+                # Measured again: as this start's own record has it (its failures counted,
+                # a probe process that died; review), not as the longer one's.
+                cached = None if key == fingerprint else self._cached(fingerprint)
+                key = fingerprint
             if isinstance(cached, Fit):
                 a, b, c_fixed, s.probe_status = cached.a, cached.b, cached.c, "cache_hit"
                 store = cache.ProbeCache(self.cache_path)
